@@ -1,0 +1,1 @@
+"""dxpool.broker."""

@@ -1,0 +1,116 @@
+"""Resource names and ids (Google AIP-122 style).
+
+Names: ``boxes/{box}``, ``boxes/{box}/gpus/{slot}``, ``hosts/{host}``, ``nodes/{node}``.
+Ids are 1-63 characters of lowercase letters, digits and ``-``, starting with a letter
+and not ending with ``-`` (a DNS label), so they are safe in etcd keys, file names and
+URLs. Every parser raises :class:`~dxpool.errors.InvalidArgument` with a message that
+shows the expected form and echoes what it got.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+from dxpool.errors import InvalidArgument
+
+ID_PATTERN = re.compile(r"^[a-z]([a-z0-9-]{0,61}[a-z0-9])?$")
+REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+MAX_SLOT = 4095
+_SHOWN = 80  # characters of a bad value echoed back in an error message
+
+
+def _echo(value: str) -> str:
+    shown = value if len(value) <= _SHOWN else value[:_SHOWN] + "..."
+    return repr(shown)
+
+
+def check_id(value: str, kind: str) -> str:
+    """Return ``value`` if it is a valid id of a ``kind`` (box, host, node)."""
+    if not ID_PATTERN.match(value):
+        raise InvalidArgument(
+            f"invalid {kind} id {_echo(value)}: use 1-63 characters of a-z, 0-9 and '-', "
+            "starting with a letter and not ending with '-'",
+            reason="INVALID_NAME",
+        )
+    return value
+
+
+def check_request_id(value: str) -> str:
+    """Return ``value`` if it is empty or a valid request id."""
+    if value and not REQUEST_ID_PATTERN.match(value):
+        raise InvalidArgument(
+            f"invalid request_id {_echo(value)}: use 1-128 characters of A-Z, a-z, 0-9, "
+            "'.', '_', ':' and '-'",
+            reason="INVALID_REQUEST_ID",
+        )
+    return value
+
+
+def _parse_simple(name: str, collection: str, kind: str) -> str:
+    prefix = collection + "/"
+    if not name.startswith(prefix):
+        raise InvalidArgument(
+            f"invalid {kind} name {_echo(name)}: expected '{prefix}{{{kind}}}'",
+            reason="INVALID_NAME",
+        )
+    return check_id(name[len(prefix) :], kind)
+
+
+def box_name(box_id: str) -> str:
+    return f"boxes/{box_id}"
+
+
+def host_name(host_id: str) -> str:
+    return f"hosts/{host_id}"
+
+
+def node_name(node_id: str) -> str:
+    return f"nodes/{node_id}"
+
+
+def gpu_name(box_id: str, slot: int) -> str:
+    return f"boxes/{box_id}/gpus/{slot}"
+
+
+def parse_box(name: str) -> str:
+    """``boxes/{box}`` -> box id."""
+    return _parse_simple(name, "boxes", "box")
+
+
+def parse_host(name: str) -> str:
+    """``hosts/{host}`` -> host id."""
+    return _parse_simple(name, "hosts", "host")
+
+
+def parse_node(name: str) -> str:
+    """``nodes/{node}`` -> node id."""
+    return _parse_simple(name, "nodes", "node")
+
+
+class GpuRef(NamedTuple):
+    """A GPU's place: its box id and slot."""
+
+    box: str
+    slot: int
+
+    @property
+    def name(self) -> str:
+        return gpu_name(self.box, self.slot)
+
+
+def parse_gpu(name: str) -> GpuRef:
+    """``boxes/{box}/gpus/{slot}`` -> :class:`GpuRef`."""
+    parts = name.split("/")
+    if len(parts) != 4 or parts[0] != "boxes" or parts[2] != "gpus":
+        raise InvalidArgument(
+            f"invalid gpu name {_echo(name)}: expected 'boxes/{{box}}/gpus/{{slot}}'",
+            reason="INVALID_NAME",
+        )
+    box = check_id(parts[1], "box")
+    if not parts[3].isdigit() or int(parts[3]) > MAX_SLOT:
+        raise InvalidArgument(
+            f"invalid gpu slot in {_echo(name)}: expected an integer 0-{MAX_SLOT}",
+            reason="INVALID_NAME",
+        )
+    return GpuRef(box, int(parts[3]))

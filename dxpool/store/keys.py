@@ -1,0 +1,91 @@
+"""The etcd key schema. Every key dxpool writes is built here and nowhere else.
+
+All keys sit under one prefix (default ``/dxpool/v1/``) so several pools, or several
+test runs, can share an etcd cluster. Values are serialized protobuf messages of
+``dxpool.api.v1.resources_pb2`` (the type is fixed per collection, see ``COLLECTIONS``).
+
+=====================================  ====================  ===========  ===============
+key (below the prefix)                 value                 written by   lifetime
+=====================================  ====================  ===========  ===============
+``boxes/{box}``                        Box                   broker       until deleted
+``gpus/{box}/{slot}``                  Gpu (spec + state)    broker       with its box
+``hosts/{host}``                       Host (registration)   agent        persistent
+``hostleases/{host}``                  empty                 agent        etcd lease: the host
+                                                                          is alive while it exists
+``hostalloc/{host}``                   HostAllocation        broker       spec: desired GPUs
+``hoststatus/{host}``                  HostStatus            agent        status: observed GPUs
+``nodes/{node}``                       VirtualNode           broker       until deleted
+``requests/{request_id}``              node name (utf-8)     broker       with its node
+=====================================  ====================  ===========  ===============
+
+Spec and status are apart: only the broker writes ``hostalloc``, only the host's agent
+writes ``hoststatus``, so neither overwrites the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_PREFIX = "/dxpool/v1/"
+
+BOXES = "boxes"
+GPUS = "gpus"
+HOSTS = "hosts"
+HOST_LEASES = "hostleases"
+HOST_ALLOCATIONS = "hostalloc"
+HOST_STATUSES = "hoststatus"
+NODES = "nodes"
+REQUESTS = "requests"
+
+COLLECTIONS = (BOXES, GPUS, HOSTS, HOST_LEASES, HOST_ALLOCATIONS, HOST_STATUSES, NODES, REQUESTS)
+
+
+@dataclass(frozen=True)
+class KeySchema:
+    """Builds and parses keys under one prefix. ``prefix`` must end with ``/``."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        if not self.prefix.startswith("/") or not self.prefix.endswith("/"):
+            raise ValueError(f"etcd key prefix {self.prefix!r} must start and end with '/'")
+
+    def collection(self, name: str) -> str:
+        """The prefix of one collection, e.g. ``/dxpool/v1/gpus/``."""
+        return f"{self.prefix}{name}/"
+
+    def box(self, box_id: str) -> str:
+        return f"{self.prefix}{BOXES}/{box_id}"
+
+    def gpu(self, box_id: str, slot: int) -> str:
+        return f"{self.prefix}{GPUS}/{box_id}/{slot}"
+
+    def box_gpus(self, box_id: str) -> str:
+        return f"{self.prefix}{GPUS}/{box_id}/"
+
+    def host(self, host_id: str) -> str:
+        return f"{self.prefix}{HOSTS}/{host_id}"
+
+    def host_lease(self, host_id: str) -> str:
+        return f"{self.prefix}{HOST_LEASES}/{host_id}"
+
+    def host_allocation(self, host_id: str) -> str:
+        return f"{self.prefix}{HOST_ALLOCATIONS}/{host_id}"
+
+    def host_status(self, host_id: str) -> str:
+        return f"{self.prefix}{HOST_STATUSES}/{host_id}"
+
+    def node(self, node_id: str) -> str:
+        return f"{self.prefix}{NODES}/{node_id}"
+
+    def request(self, request_id: str) -> str:
+        return f"{self.prefix}{REQUESTS}/{request_id}"
+
+    def split(self, key: str) -> tuple[str, str]:
+        """``/dxpool/v1/gpus/b1/3`` -> ``("gpus", "b1/3")``. ValueError if foreign."""
+        if not key.startswith(self.prefix):
+            raise ValueError(f"key {key!r} is not under prefix {self.prefix!r}")
+        collection, _, rest = key[len(self.prefix) :].partition("/")
+        if collection not in COLLECTIONS or not rest:
+            raise ValueError(f"key {key!r} is not in a known collection")
+        return collection, rest
