@@ -25,4 +25,11 @@ def _packages() -> list[str]:
     return found
 
 
-setup(packages=_packages(), package_data={"dxpool": ["py.typed"], "dxpool.api": ["py.typed", "v1/*.pyi"]})
+setup(
+    packages=_packages(),
+    package_data={
+        "dxpool": ["py.typed"],
+        "dxpool.api": ["py.typed", "v1/*.pyi"],
+        "dxpool.fabric": ["examples/*.yaml"],
+    },
+)

@@ -1,0 +1,158 @@
+"""Fabric latency models: how long a PCIe transaction takes between a host and a box.
+
+A transaction leaves the host through its host-side proxy card, crosses the switches on
+the tree path between the host's rack and the box's rack, and enters the box through its
+box-side proxy card; the answer comes back the same way. So::
+
+    round trip = 2 x (host proxy + box proxy + every switch crossed)
+
+and the switches crossed are, by how far apart the two racks are:
+
+=================  =======================================================
+same rack          rack
+same pod           rack(host), pod, rack(box)
+same site          rack(host), pod(host), site, pod(box), rack(box)
+other site         rack, pod, site (host side), inter-site, site, pod, rack (box side)
+=================  =======================================================
+
+An endpoint whose place is unknown (an empty or incomplete location, or one an explicit
+topology does not contain) is assumed to be in another site behind the slowest switches of
+the topology: the estimate is an upper bound, and its path says ``unplaced:{name}``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from dxpool.fabric.topology import Location, SwitchLatencies, Topology
+
+if TYPE_CHECKING:
+    from dxpool.api.v1 import resources_pb2
+
+DEFAULT_CACHE_SIZE = 1 << 16
+INTER_SITE_HOP = "inter-site"
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where an endpoint sits. ``name`` is its resource name (``hosts/h1``, ``boxes/b1``);
+    empty site, pod or rack mean "unknown"."""
+
+    name: str
+    site: str = ""
+    pod: str = ""
+    rack: str = ""
+
+    @classmethod
+    def of(cls, record: resources_pb2.Host | resources_pb2.Box) -> Place:
+        """The place of a stored Host or Box record, from its name and Location."""
+        location = record.location
+        return cls(record.name, location.site, location.pod, location.rack)
+
+
+@dataclass(frozen=True)
+class LatencyEstimate:
+    """A host-to-box round trip and the hops it crosses, nearest the host first, e.g.
+    ``("proxy:hosts/h1", "rack:dc1/p1/r1", "proxy:boxes/b1")``."""
+
+    round_trip_ns: int
+    path: tuple[str, ...]
+
+    @property
+    def one_way_ns(self) -> int:
+        return self.round_trip_ns // 2
+
+
+@runtime_checkable
+class LatencyModel(Protocol):
+    """Estimates host-to-box latency. Implementations must be pure (the same places give
+    the same estimate) and cheap: placement calls them for every (host, box) pair."""
+
+    def round_trip(self, host: Place, box: Place) -> LatencyEstimate: ...
+
+
+@dataclass(frozen=True)
+class _Side:
+    """One endpoint resolved against the topology; ``switches`` None when unplaced."""
+
+    location: Location
+    switches: SwitchLatencies | None
+
+
+class TopologyLatencyModel:
+    """The tree model of the module docstring, driven by a :class:`Topology`.
+
+    A host or box named in the topology's ``places`` sits there whatever its Place says.
+    Estimates are cached per (host place, box place); the model is immutable, so the cache
+    never goes stale. Build a new model when the topology changes.
+    """
+
+    def __init__(self, topology: Topology, *, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+        self._topology = topology
+        self._proxy_ns = topology.proxy_ns
+        self._inter_site_ns = topology.links.inter_site_ns
+        self._worst = topology.worst_case()
+        self._cached = functools.lru_cache(maxsize=cache_size)(self._estimate)
+
+    @property
+    def topology(self) -> Topology:
+        return self._topology
+
+    def round_trip(self, host: Place, box: Place) -> LatencyEstimate:
+        """The round trip of one PCIe transaction between ``host`` and ``box``."""
+        return self._cached(host, box)
+
+    def _estimate(self, host: Place, box: Place) -> LatencyEstimate:
+        host_side = self._resolve(host, "hosts/", self._topology.host_place)
+        box_side = self._resolve(box, "boxes/", self._topology.box_place)
+        hops, switch_ns = self._switch_path(host, host_side, box, box_side)
+        one_way = 2 * self._proxy_ns + switch_ns
+        path = (f"proxy:{host.name}", *hops, f"proxy:{box.name}")
+        return LatencyEstimate(round_trip_ns=2 * one_way, path=path)
+
+    def _resolve(self, place: Place, prefix: str, explicit: _PlaceLookup) -> _Side:
+        resource_id = place.name.removeprefix(prefix)
+        location = explicit(resource_id) or Location(place.site, place.pod, place.rack)
+        return _Side(location, self._topology.switches(location))
+
+    def _switch_path(
+        self, host: Place, host_side: _Side, box: Place, box_side: _Side
+    ) -> tuple[list[str], int]:
+        h, b = host_side.location, box_side.location
+        hs, bs = host_side.switches, box_side.switches
+        if hs is not None and bs is not None and h.site == b.site:
+            if h.pod == b.pod:
+                if h.rack == b.rack:
+                    return [_rack_hop(h)], hs.rack_ns
+                hops = [_rack_hop(h), _pod_hop(h), _rack_hop(b)]
+                return hops, hs.rack_ns + hs.pod_ns + bs.rack_ns
+            hops = [_rack_hop(h), _pod_hop(h), f"site:{h.site}", _pod_hop(b), _rack_hop(b)]
+            return hops, hs.rack_ns + hs.pod_ns + hs.site_ns + bs.pod_ns + bs.rack_ns
+        host_hops, host_ns = self._up_to_site(host, host_side)
+        box_hops, box_ns = self._up_to_site(box, box_side)
+        hops = [*host_hops, INTER_SITE_HOP, *reversed(box_hops)]
+        return hops, host_ns + self._inter_site_ns + box_ns
+
+    def _up_to_site(self, place: Place, side: _Side) -> tuple[list[str], int]:
+        """Hops from a rack up to its site switch, nearest the rack first."""
+        switches = side.switches
+        if switches is None:
+            worst = self._worst
+            return [f"unplaced:{place.name}"], worst.rack_ns + worst.pod_ns + worst.site_ns
+        loc = side.location
+        hops = [_rack_hop(loc), _pod_hop(loc), f"site:{loc.site}"]
+        return hops, switches.rack_ns + switches.pod_ns + switches.site_ns
+
+
+class _PlaceLookup(Protocol):
+    def __call__(self, resource_id: str, /) -> Location | None: ...
+
+
+def _rack_hop(location: Location) -> str:
+    return f"rack:{location.site}/{location.pod}/{location.rack}"
+
+
+def _pod_hop(location: Location) -> str:
+    return f"pod:{location.site}/{location.pod}"

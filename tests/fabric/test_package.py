@@ -1,0 +1,40 @@
+"""The public surface of dxpool.fabric is deliberate: adding or removing a name is a choice."""
+
+from __future__ import annotations
+
+import dxpool.fabric
+from dxpool.fabric import sim
+
+
+def test_exported_names_are_pinned() -> None:
+    assert sorted(dxpool.fabric.__all__) == [
+        "InjectedFault",
+        "LatencyEstimate",
+        "LatencyModel",
+        "LinkLatencies",
+        "Location",
+        "MappingConflict",
+        "Place",
+        "PodSpec",
+        "RackSpec",
+        "SimDelays",
+        "SimDevice",
+        "SimFabric",
+        "SimFabricError",
+        "SimGpuSpec",
+        "SimIdentity",
+        "SiteSpec",
+        "SwitchLatencies",
+        "Topology",
+        "TopologyError",
+        "TopologyLatencyModel",
+        "UnknownTarget",
+    ]
+    for name in dxpool.fabric.__all__:
+        assert getattr(dxpool.fabric, name) is not None
+
+
+def test_sim_errors_form_one_tree() -> None:
+    for error in (sim.MappingConflict, sim.UnknownTarget, sim.InjectedFault):
+        assert issubclass(error, sim.SimFabricError)
+    assert sorted(sim.FAULT_OPS) == ["bind", "identity", "map", "rescan", "unmap"]
