@@ -6,6 +6,7 @@
   ``MultiEndpointEtcd3Client`` whose endpoints are retried after ``retry_after`` seconds.
 * Without a client timeout a write that lacks quorum blocks for ~7 s; we always set one.
 * ``transaction()`` needs an explicit ``failure=[]`` (callers pass it).
+* A watch that ends kills its thread with a NameError; see ``_etcd3_compat``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import etcd3
 
 from dxpool.errors import InvalidArgument
+from dxpool.store import _etcd3_compat  # noqa: F401 - patches a watch defect on import
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_RETRY_AFTER_S = 0.5

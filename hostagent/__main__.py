@@ -1,0 +1,236 @@
+"""``python -m dxpool.hostagent``: run one host agent in the foreground.
+
+Every option has an environment variable ``DXPOOL_AGENT_<NAME>`` (for example
+``DXPOOL_AGENT_HOST``); a flag wins over the environment. SIGTERM and SIGINT stop the
+agent cleanly: it revokes its lease, so the host shows as gone at once. Exit status: 0
+after a clean stop, 1 when the agent cannot start (etcd or the fabric is not there), 2 for
+bad options. The click command is :data:`agent_command`, mounted as ``dxpool agent``.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import click
+
+from dxpool.errors import DxpoolError, InvalidArgument
+from dxpool.hostagent.agent import Agent
+from dxpool.hostagent.config import DEFAULT_ETCD_ENDPOINTS, AgentConfig
+from dxpool.hostagent.drivers import DRIVERS, build_driver
+from dxpool.hostagent.logs import configure_logging
+from dxpool.store.client import connect
+from dxpool.store.keys import DEFAULT_PREFIX
+
+log = logging.getLogger("dxpool.hostagent")
+
+ENV_PREFIX = "DXPOOL_AGENT_"
+EXIT_START_FAILED = 1
+
+
+def _option(*names: str, env: str, **kwargs: Any) -> Callable[[Any], Any]:
+    return click.option(*names, envvar=ENV_PREFIX + env, show_envvar=True, **kwargs)
+
+
+def _parse_labels(labels: tuple[str, ...]) -> dict[str, str]:
+    parsed: dict[str, str] = {}
+    for item in labels:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(
+                f"{item!r} is not KEY=VALUE, e.g. --label gpu-class=training", param_hint="--label"
+            )
+        parsed[key] = value
+    return parsed
+
+
+def run_agent(config: AgentConfig) -> int:
+    """Run one agent until SIGTERM or SIGINT; return the process exit status."""
+    try:
+        driver = build_driver(config)
+    except DxpoolError as error:
+        log.error("fabric driver unavailable", extra={"error": error.message})
+        return EXIT_START_FAILED
+    client = connect(config.etcd_endpoints)
+    agent = Agent(config, driver, client)
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("stop requested", extra={"signal": signal.Signals(signum).name})
+        agent.request_stop()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+    try:
+        agent.start()
+        while not agent.wait(0.5):
+            pass
+        return 0
+    except DxpoolError as error:
+        log.error("agent could not start", extra={"error": error.message})
+        return EXIT_START_FAILED
+    finally:
+        agent.stop()
+        client.close()
+
+
+@click.command(name="agent", context_settings={"show_default": True})
+@_option("--host", "host_id", env="HOST", required=True, help="Host id (DNS label).")
+@_option(
+    "--etcd-endpoints",
+    "--etcd",
+    env="ETCD_ENDPOINTS",
+    default=DEFAULT_ETCD_ENDPOINTS,
+    help="etcd endpoints, host:port[,host:port...].",
+)
+@_option(
+    "--key-prefix", "--prefix", env="KEY_PREFIX", default=DEFAULT_PREFIX, help="etcd key prefix."
+)
+@_option("--site", env="SITE", default="", help="Site of the host.")
+@_option("--pod", env="POD", default="", help="Pod of the host.")
+@_option("--rack", env="RACK", default="", help="Rack of the host.")
+@_option(
+    "--slot-capacity",
+    "--slots",
+    env="SLOT_CAPACITY",
+    type=int,
+    default=8,
+    help="Proxy slots on the host: the most GPUs attached at once.",
+)
+@_option(
+    "--label",
+    "labels",
+    env="LABELS",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Host label; repeat for several (environment: space-separated).",
+)
+@_option(
+    "--driver",
+    env="DRIVER",
+    type=click.Choice(sorted(DRIVERS)),
+    default="sim",
+    help="Fabric driver.",
+)
+@_option(
+    "--sim-state-dir",
+    "--sim-state",
+    env="SIM_STATE_DIR",
+    type=click.Path(path_type=Path),
+    help="State directory of the simulated fabric (driver sim).",
+)
+@_option(
+    "--sim-map-delay",
+    "--map-delay",
+    "sim_map_delay_s",
+    env="SIM_MAP_DELAY",
+    type=float,
+    default=0.0,
+    help="Simulated proxy mapping delay, seconds.",
+)
+@_option(
+    "--sim-hotplug-delay",
+    "--hotplug-delay",
+    "sim_hotplug_delay_s",
+    env="SIM_HOTPLUG_DELAY",
+    type=float,
+    default=0.0,
+    help="Simulated hotplug delay, seconds.",
+)
+@_option(
+    "--sim-bind-delay",
+    "--bind-delay",
+    "sim_bind_delay_s",
+    env="SIM_BIND_DELAY",
+    type=float,
+    default=0.0,
+    help="Simulated driver bind delay, seconds.",
+)
+@_option(
+    "--lease-ttl",
+    "lease_ttl_s",
+    env="LEASE_TTL",
+    type=float,
+    default=10.0,
+    help="Liveness lease TTL, seconds (etcd rounds it up to whole seconds).",
+)
+@_option(
+    "--resync-interval",
+    "resync_interval_s",
+    env="RESYNC_INTERVAL",
+    type=float,
+    default=30.0,
+    help="Full resync period, seconds.",
+)
+@_option(
+    "--attach-attempts",
+    env="ATTACH_ATTEMPTS",
+    type=int,
+    default=3,
+    help="Attach tries per GPU generation before FAILED.",
+)
+@_option(
+    "--backoff-base",
+    "backoff_base_s",
+    env="BACKOFF_BASE",
+    type=float,
+    default=0.2,
+    help="First retry delay, seconds (doubles per failure).",
+)
+@_option(
+    "--backoff-max",
+    "backoff_max_s",
+    env="BACKOFF_MAX",
+    type=float,
+    default=10.0,
+    help="Longest retry delay, seconds.",
+)
+@_option(
+    "--device-timeout",
+    "device_timeout_s",
+    env="DEVICE_TIMEOUT",
+    type=float,
+    default=30.0,
+    help="Wait for a PCI device after a rescan, seconds.",
+)
+@_option("--workers", env="WORKERS", type=int, default=4, help="Reconcile worker threads.")
+@_option(
+    "--startup-timeout",
+    "startup_timeout_s",
+    env="STARTUP_TIMEOUT",
+    type=float,
+    default=60.0,
+    help="Wait for etcd at startup, seconds.",
+)
+@_option(
+    "--agent-endpoint", env="ENDPOINT", default="", help="Address of this agent (informational)."
+)
+@_option(
+    "--log-level",
+    env="LOG_LEVEL",
+    default="INFO",
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+    help="Log level (logs go to stderr).",
+)
+def agent_command(labels: tuple[str, ...], log_level: str, **fields: Any) -> None:
+    """Run a dxpool host agent: register the host, attach and detach its GPUs."""
+    configure_logging(log_level)
+    try:
+        config = AgentConfig(labels=_parse_labels(labels), **fields)
+    except InvalidArgument as error:
+        raise click.UsageError(error.message) from error
+    sys.exit(run_agent(config))
+
+
+def main() -> None:
+    agent_command(prog_name="python -m dxpool.hostagent")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""The host agent: registration, the spec watch, and reconcile workers.
+
+Threads:
+
+* the etcd watch callback adopts every change of ``hostalloc/{host}`` and queues the GPUs
+  it touched;
+* ``workers`` reconcile threads take GPUs from the work queue (one GPU never in two
+  workers at once) and re-queue failures with per-GPU exponential backoff;
+* the resync thread re-lists the spec and restarts the watch every ``resync_interval_s``
+  (at once when the watch reports an error), then queues desired | observed | reported
+  GPUs, catching any drift;
+* the registration thread keeps the host's liveness lease alive.
+
+Nothing the agent decides depends on its memory of earlier runs: restart it at any moment
+and it converges again from etcd and ``driver.observe()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import etcd3.events
+import tenacity
+
+from dxpool.api.v1 import resources_pb2
+from dxpool.errors import Unavailable
+from dxpool.hostagent.config import AgentConfig
+from dxpool.hostagent.desired import DesiredState
+from dxpool.hostagent.driver import FabricDriver
+from dxpool.hostagent.errors import DriverError
+from dxpool.hostagent.reconcile import Outcome, Reconciler
+from dxpool.hostagent.registration import ETCD_ERRORS, HostRegistration
+from dxpool.hostagent.status import StatusStore
+from dxpool.hostagent.workqueue import ExponentialBackoff, WorkQueue
+from dxpool.names import GpuRef
+
+log = logging.getLogger(__name__)
+
+RELIST_RETRY_S = 1.0
+
+
+class Agent:
+    """One host's agent. ``client`` is an etcd client the caller owns (and closes).
+
+    Lifecycle: :meth:`start` (registers, reads status and spec, starts threads), then
+    :meth:`stop` from any thread. :meth:`request_stop` only signals, for signal handlers.
+    """
+
+    def __init__(self, config: AgentConfig, driver: FabricDriver, client: Any) -> None:
+        self._config = config
+        self._driver = driver
+        self._client = client
+        self._spec_key = config.keys.host_allocation(config.host_id)
+        self._desired = DesiredState(config.host_id)
+        self._status = StatusStore(client, config.keys, config.host_id)
+        self._queue: WorkQueue[GpuRef] = WorkQueue(
+            ExponentialBackoff(config.backoff_base_s, config.backoff_max_s)
+        )
+        self._reconciler = Reconciler(
+            driver=driver,
+            desired=self._desired,
+            status=self._status,
+            attach_attempts=config.attach_attempts,
+        )
+        self._registration = HostRegistration(client, config)
+        self._stopping = threading.Event()
+        self._wake_resync = threading.Event()
+        self._watch_lock = threading.Lock()
+        self._watch_id: Any = None
+        self._threads: list[threading.Thread] = []
+        self._stopped = False
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Register, load status and spec (retrying etcd for ``startup_timeout_s``), then
+        start the workers. Raises :class:`~dxpool.errors.Unavailable` if etcd stays
+        unreachable."""
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type(ETCD_ERRORS),
+            wait=tenacity.wait_exponential(multiplier=0.2, max=5.0),
+            stop=(
+                tenacity.stop_after_delay(self._config.startup_timeout_s)
+                | tenacity.stop_when_event_set(self._stopping)
+            ),
+            sleep=self._sleep_unless_stopping,
+            before_sleep=self._log_startup_retry,
+            reraise=True,
+        )
+        try:
+            for attempt in retrying:
+                with attempt:
+                    self._registration.register()
+                    self._status.load()
+                    self._sync_spec()
+        except ETCD_ERRORS as error:
+            if self._stopping.is_set():
+                log.info("stop requested while waiting for etcd")
+                return
+            raise Unavailable(
+                f"etcd at {self._config.etcd_endpoints} did not answer within "
+                f"{self._config.startup_timeout_s:g}s ({error!r}); check --etcd-endpoints",
+                reason="ETCD_UNAVAILABLE",
+            ) from error
+        self._registration.start_keepalive()
+        self.enqueue_all()
+        for index in range(self._config.workers):
+            self._spawn(self._work, f"dxpool-reconcile-{index}")
+        self._spawn(self._resync_loop, "dxpool-resync")
+        log.info(
+            "agent started",
+            extra={"host": self._config.host_id, "workers": self._config.workers},
+        )
+
+    def _sleep_unless_stopping(self, seconds: float) -> None:
+        self._stopping.wait(seconds)
+
+    @staticmethod
+    def _log_startup_retry(state: tenacity.RetryCallState) -> None:
+        error = state.outcome.exception() if state.outcome is not None else None
+        log.warning(
+            "etcd not reachable; retrying",
+            extra={"attempt": state.attempt_number, "error": repr(error)},
+        )
+
+    def _spawn(self, target: Callable[[], None], name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def request_stop(self) -> None:
+        """Ask the agent to stop; safe from a signal handler. :meth:`wait` then returns."""
+        self._stopping.set()
+        self._wake_resync.set()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until a stop is requested; True if it was."""
+        return self._stopping.wait(timeout_s)
+
+    def stop(self, *, revoke_lease: bool = True) -> None:
+        """Stop: revoke the lease (the host shows as gone at once), stop the watch, let each
+        worker finish the GPU in hand, and join every thread. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.request_stop()
+        self._queue.shutdown()
+        self._registration.stop(revoke=revoke_lease)
+        self._cancel_watch()
+        for thread in self._threads:
+            thread.join()
+        log.info("agent stopped", extra={"host": self._config.host_id})
+
+    # -- spec: list, then watch -----------------------------------------------------------
+
+    def _sync_spec(self) -> None:
+        """List the spec, adopt it, and watch it from the next revision."""
+        self._cancel_watch()
+        response = self._client.get_response(self._spec_key)
+        revision = int(response.header.revision)
+        allocation = None
+        if response.count:
+            allocation = resources_pb2.HostAllocation.FromString(response.kvs[0].value)
+        self._adopt(allocation, revision)
+        watch_id = self._client.add_watch_callback(
+            self._spec_key, self._on_watch_response, start_revision=revision + 1
+        )
+        with self._watch_lock:
+            self._watch_id = watch_id
+
+    def _cancel_watch(self) -> None:
+        with self._watch_lock:
+            watch_id, self._watch_id = self._watch_id, None
+        if watch_id is not None:
+            try:
+                self._client.cancel_watch(watch_id)
+            except ETCD_ERRORS as error:
+                log.warning("watch cancel failed", extra={"error": repr(error)})
+
+    def _on_watch_response(self, response: Any) -> None:
+        """Runs on the etcd client's watch thread: adopt the newest event of a response."""
+        if isinstance(response, Exception):
+            log.warning("spec watch broke; re-listing", extra={"error": repr(response)})
+            self._wake_resync.set()
+            return
+        if not response.events:
+            return
+        event = response.events[-1]
+        try:
+            if isinstance(event, etcd3.events.DeleteEvent):
+                allocation = None
+            else:
+                allocation = resources_pb2.HostAllocation.FromString(event.value)
+        except Exception:
+            log.exception("spec record unreadable; keeping the previous spec")
+            return
+        self._adopt(allocation, int(event.mod_revision))
+
+    def _adopt(self, allocation: resources_pb2.HostAllocation | None, revision: int) -> None:
+        changed = self._desired.replace(allocation, revision)
+        for gpu in changed:
+            self._queue.add(gpu)
+        if changed:
+            log.info(
+                "spec changed",
+                extra={"revision": revision, "gpus": ",".join(sorted(g.name for g in changed))},
+            )
+
+    # -- resync and workers ---------------------------------------------------------------
+
+    def enqueue_all(self) -> None:
+        """Queue every GPU that is desired, on the hardware, or in the status record.
+
+        If the hardware cannot be read now, the desired and reported GPUs are still queued
+        (their reconciles read the hardware again) and the error is logged.
+        """
+        gpus = self._desired.gpus() | self._status.gpus()
+        try:
+            gpus |= set(self._driver.observe())
+        except DriverError as error:
+            log.warning("hardware not readable during resync", extra={"error": error.message})
+        for gpu in gpus:
+            self._queue.add(gpu)
+
+    def _resync_loop(self) -> None:
+        delay = self._config.resync_interval_s
+        while True:
+            self._wake_resync.wait(delay)
+            self._wake_resync.clear()
+            if self._stopping.is_set():
+                return
+            try:
+                self._sync_spec()
+                self.enqueue_all()
+                delay = self._config.resync_interval_s
+            except ETCD_ERRORS as error:
+                log.warning("resync failed; retrying soon", extra={"error": repr(error)})
+                delay = min(RELIST_RETRY_S, self._config.resync_interval_s)
+            except Exception:
+                log.exception("resync failed; retrying soon")
+                delay = min(RELIST_RETRY_S, self._config.resync_interval_s)
+
+    def _work(self) -> None:
+        while True:
+            gpu = self._queue.get()
+            if gpu is None:
+                return
+            try:
+                outcome = self._reconciler.reconcile(gpu)
+            except ETCD_ERRORS as error:
+                log.warning("status write failed", extra={"gpu": gpu.name, "error": repr(error)})
+                outcome = Outcome.RETRY
+            except Exception:
+                log.exception("reconcile failed", extra={"gpu": gpu.name})
+                outcome = Outcome.RETRY
+            try:
+                if outcome is Outcome.RETRY:
+                    self._queue.add_rate_limited(gpu)
+                else:
+                    self._queue.forget(gpu)
+            finally:
+                self._queue.done(gpu)
+
+
+__all__ = ["Agent"]

@@ -1,0 +1,96 @@
+"""Configuration of one host agent."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+from dxpool.errors import InvalidArgument
+from dxpool.names import check_id
+from dxpool.store.client import parse_endpoints
+from dxpool.store.keys import DEFAULT_PREFIX, KeySchema
+
+DEFAULT_ETCD_ENDPOINTS = "127.0.0.1:2379"
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Everything one agent needs; validated on construction.
+
+    Raises :class:`~dxpool.errors.InvalidArgument` naming the field to fix.
+
+    ``labels`` is copied into a read-only mapping. The ``sim_*`` fields configure the
+    simulated fabric (``driver="sim"``): its state directory and per-operation delays.
+    ``startup_timeout_s`` bounds how long the agent waits for etcd when it starts.
+    ``lease_ttl_s`` is rounded up to whole seconds, the unit of etcd leases.
+    """
+
+    host_id: str
+    etcd_endpoints: str = DEFAULT_ETCD_ENDPOINTS
+    key_prefix: str = DEFAULT_PREFIX
+    site: str = ""
+    pod: str = ""
+    rack: str = ""
+    slot_capacity: int = 8
+    labels: Mapping[str, str] = field(default_factory=dict)
+    driver: str = "sim"
+    sim_state_dir: Path | None = None
+    sim_map_delay_s: float = 0.0
+    sim_hotplug_delay_s: float = 0.0
+    sim_bind_delay_s: float = 0.0
+    lease_ttl_s: float = 10.0
+    resync_interval_s: float = 30.0
+    attach_attempts: int = 3
+    backoff_base_s: float = 0.2
+    backoff_max_s: float = 10.0
+    device_timeout_s: float = 30.0
+    workers: int = 4
+    startup_timeout_s: float = 60.0
+    agent_endpoint: str = ""
+
+    def __post_init__(self) -> None:
+        check_id(self.host_id, "host")
+        parse_endpoints(self.etcd_endpoints)
+        try:
+            KeySchema(self.key_prefix)
+        except ValueError as error:
+            raise InvalidArgument(f"invalid key_prefix: {error}") from error
+        object.__setattr__(self, "labels", MappingProxyType(dict(self.labels)))
+        for key in self.labels:
+            if not key or "=" in key:
+                raise InvalidArgument(
+                    f"invalid label key {key!r}: use a non-empty key without '=' (key=value)"
+                )
+        _at_least("slot_capacity", self.slot_capacity, 1)
+        _at_least("lease_ttl_s", self.lease_ttl_s, 2)
+        _at_least("attach_attempts", self.attach_attempts, 1)
+        _at_least("workers", self.workers, 1)
+        for name in ("resync_interval_s", "backoff_base_s", "device_timeout_s"):
+            _positive(name, getattr(self, name))
+        _positive("startup_timeout_s", self.startup_timeout_s)
+        for name in ("sim_map_delay_s", "sim_hotplug_delay_s", "sim_bind_delay_s"):
+            _at_least(name, getattr(self, name), 0)
+        if self.backoff_max_s < self.backoff_base_s:
+            raise InvalidArgument(
+                f"backoff_max_s ({self.backoff_max_s:g}) must be >= backoff_base_s "
+                f"({self.backoff_base_s:g})"
+            )
+
+    @property
+    def keys(self) -> KeySchema:
+        return KeySchema(self.key_prefix)
+
+
+def _at_least(name: str, value: float, minimum: float) -> None:
+    if value < minimum:
+        raise InvalidArgument(f"{name} must be >= {minimum:g}, got {value:g}")
+
+
+def _positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise InvalidArgument(f"{name} must be > 0, got {value:g}")
+
+
+__all__ = ["DEFAULT_ETCD_ENDPOINTS", "AgentConfig"]

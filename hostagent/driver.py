@@ -1,0 +1,367 @@
+"""The fabric driver interface and the step-by-step driver built from three seams.
+
+A :class:`FabricDriver` makes one host's hardware hold the GPUs asked of it. The
+:class:`StepDriver` implements it the way every real fabric does, from three seams:
+
+* :class:`ProxyMapper` - the host-side proxy's mapping table (host slot -> box GPU);
+* :class:`PciBus` - the host's PCIe bus (rescan, wait for a device, remove, bind a driver);
+* :class:`~dxpool.hostagent.nvml.GpuInspector` - identity and health from NVML.
+
+Attach is map -> rescan -> wait for the device -> identify -> verify -> bind ``vfio-pci`` if
+asked. Identification comes before the ``vfio-pci`` bind because NVML cannot see a device
+bound to ``vfio-pci``. Detach is unbind -> remove the device -> unmap.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Protocol
+
+from dxpool.api.v1 import resources_pb2
+from dxpool.hostagent.errors import AttachConflictError, DriverError, IdentityMismatchError
+from dxpool.hostagent.nvml import NO_HEALTH_SIGNAL, GpuIdentity, GpuInspector
+from dxpool.names import GpuRef
+
+log = logging.getLogger(__name__)
+
+NATIVE_DRIVER = "nvidia"
+VFIO_DRIVER = "vfio-pci"
+DEFAULT_DEVICE_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class DriverCapabilities:
+    """What a fabric driver supports, so callers never test its type.
+
+    ``hotplug``: GPUs can be added and removed while the host runs.
+    ``surprise_removal``: the host survives a GPU vanishing without a prior remove.
+    ``vfio``: devices can be bound to ``vfio-pci`` for a VM.
+    ``p2p``: peer-to-peer transfers between GPUs of one host work across the fabric.
+    ``identity``: the driver verifies GPU identity (UUID, model) on attach.
+    """
+
+    hotplug: bool
+    surprise_removal: bool
+    vfio: bool
+    p2p: bool
+    identity: bool
+
+
+@dataclass(frozen=True)
+class AttachRequest:
+    """One GPU wanted at one host slot.
+
+    ``expected_uuid`` and ``model`` are verified against NVML when not empty; ``vfio``
+    asks for the device bound to ``vfio-pci`` instead of the native driver.
+    """
+
+    gpu: GpuRef
+    host_slot: int
+    vfio: bool = False
+    expected_uuid: str = ""
+    model: str = ""
+
+    def __post_init__(self) -> None:
+        if self.host_slot < 0:
+            raise ValueError(f"host_slot must be >= 0, got {self.host_slot}")
+
+    @property
+    def kernel_driver(self) -> str:
+        """The kernel driver the device must end up bound to."""
+        return VFIO_DRIVER if self.vfio else NATIVE_DRIVER
+
+
+@dataclass(frozen=True)
+class PciDevice:
+    """A PCI device on the host bus, at the address its host slot gives it."""
+
+    bdf: str
+    host_slot: int
+    driver: str | None  # "nvidia", "vfio-pci", or None when unbound
+
+
+@dataclass(frozen=True)
+class AttachedGpu:
+    """A GPU mapped to this host, as the hardware shows it.
+
+    ``bdf`` is empty while the mapping exists but the device has not appeared on the bus
+    (a partial attach). ``identity`` is None when NVML cannot read the device and no
+    earlier reading of it is known (bound to ``vfio-pci`` or unbound).
+    """
+
+    gpu: GpuRef
+    host_slot: int
+    bdf: str = ""
+    driver: str | None = None
+    identity: GpuIdentity | None = None
+    health: resources_pb2.GpuHealth.ValueType = NO_HEALTH_SIGNAL
+
+    @property
+    def present(self) -> bool:
+        """True once the device is on the host's PCI bus."""
+        return bool(self.bdf)
+
+    def satisfies(self, request: AttachRequest) -> bool:
+        """True when this is the attachment ``request`` asks for: the same host slot, the
+        device present and bound to the asked driver, and no known identity contradicting
+        the request."""
+        return (
+            request.gpu == self.gpu
+            and request.host_slot == self.host_slot
+            and self.present
+            and self.driver == request.kernel_driver
+            and (self.identity is None or identity_problem(request, self.identity) is None)
+        )
+
+
+def model_matches(wanted: str, reported: str) -> bool:
+    """True when NVML's device name ``reported`` is the model ``wanted``.
+
+    NVML names read like ``"NVIDIA H100 80GB HBM3"`` where requests say ``"H100"``: the
+    model matches when equal to the name or to one of its words, ignoring case.
+    """
+    wanted_folded = wanted.strip().casefold()
+    reported_folded = reported.strip().casefold()
+    return wanted_folded == reported_folded or wanted_folded in reported_folded.split()
+
+
+def identity_problem(request: AttachRequest, identity: GpuIdentity) -> str | None:
+    """Why ``identity`` is not the GPU ``request`` asks for, or None when it is."""
+    if request.expected_uuid and identity.uuid != request.expected_uuid:
+        return (
+            f"{request.gpu.name} reports UUID {identity.uuid}, expected {request.expected_uuid}; "
+            "the box slot holds a different GPU than the inventory says"
+        )
+    if request.model and not model_matches(request.model, identity.model):
+        return (
+            f"{request.gpu.name} reports model {identity.model!r}, expected {request.model!r}; "
+            "correct the box's GPU model in the inventory"
+        )
+    return None
+
+
+class FabricDriver(Protocol):
+    """Makes this host's hardware hold GPUs. Implementations are safe to call from several
+    threads for different GPUs; callers never act on one GPU from two threads at once."""
+
+    @property
+    def capabilities(self) -> DriverCapabilities:
+        """What this driver supports."""
+        ...
+
+    def attach(self, request: AttachRequest) -> AttachedGpu:
+        """Attach ``request.gpu`` at ``request.host_slot`` and return it as attached.
+
+        Idempotent: a GPU already attached as asked is returned without touching hardware,
+        and a partial attach left by a crash is completed. Raises :class:`AttachConflictError`
+        when the GPU is mapped at another host slot (detach it first) and
+        :class:`IdentityMismatchError` when the device is not the GPU asked for; in that case
+        the GPU is detached again before the error is raised.
+        """
+        ...
+
+    def detach(self, gpu: GpuRef) -> None:
+        """Remove ``gpu`` from this host: unbind, hot-remove the device, unmap.
+
+        Idempotent: detaching a GPU that is not attached is a no-op, and a partial detach
+        left by a crash is completed.
+        """
+        ...
+
+    def observe(self) -> dict[GpuRef, AttachedGpu]:
+        """Every GPU mapped to this host, read from the hardware (not from memory of past
+        calls), including partial attachments whose device is not present."""
+        ...
+
+
+class ProxyMapper(Protocol):
+    """The host-side proxy's mapping table for one host. Raises :class:`DriverError`."""
+
+    def map(self, gpu: GpuRef, host_slot: int) -> None:
+        """Map ``gpu`` to ``host_slot``. Idempotent for the identical mapping;
+        :class:`AttachConflictError` when the GPU is mapped elsewhere or the slot is taken."""
+        ...
+
+    def unmap(self, gpu: GpuRef) -> None:
+        """Drop ``gpu``'s mapping on this host; a no-op if it is not mapped here."""
+        ...
+
+    def mappings(self) -> dict[int, GpuRef]:
+        """Host slot -> GPU, for every mapping on this host."""
+        ...
+
+
+class PciBus(Protocol):
+    """The host's PCIe bus. Raises :class:`DriverError`."""
+
+    def rescan(self) -> None:
+        """Rescan the bus so mapped GPUs appear as devices. Idempotent."""
+        ...
+
+    def devices(self) -> list[PciDevice]:
+        """Every fabric-attached device now on the bus."""
+        ...
+
+    def wait_for_device(self, host_slot: int, timeout_s: float) -> PciDevice:
+        """The device at ``host_slot`` once present; :class:`DeviceTimeoutError` after
+        ``timeout_s``."""
+        ...
+
+    def remove(self, bdf: str) -> None:
+        """Hot-remove the device at ``bdf``; a no-op if it is absent."""
+        ...
+
+    def bind(self, bdf: str, driver: str | None) -> None:
+        """Bind the device at ``bdf`` to ``driver`` ("nvidia", "vfio-pci"), or unbind it
+        with None. Binding the driver it already has is a no-op."""
+        ...
+
+
+class StepDriver:
+    """:class:`FabricDriver` from a proxy mapper, a PCI bus and a GPU inspector.
+
+    Identities read before a ``vfio-pci`` bind are remembered per GPU and device address,
+    so :meth:`observe` can still name a GPU that NVML can no longer see; every other field
+    of an observation is read from the hardware.
+    """
+
+    def __init__(
+        self,
+        *,
+        proxy: ProxyMapper,
+        bus: PciBus,
+        inspector: GpuInspector,
+        capabilities: DriverCapabilities,
+        device_timeout_s: float = DEFAULT_DEVICE_TIMEOUT_S,
+    ) -> None:
+        if device_timeout_s <= 0:
+            raise ValueError(f"device_timeout_s must be > 0, got {device_timeout_s}")
+        self._proxy = proxy
+        self._bus = bus
+        self._inspector = inspector
+        self._capabilities = capabilities
+        self._device_timeout_s = device_timeout_s
+        self._identities: dict[GpuRef, tuple[str, GpuIdentity]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def capabilities(self) -> DriverCapabilities:
+        return self._capabilities
+
+    def attach(self, request: AttachRequest) -> AttachedGpu:
+        if request.vfio and not self._capabilities.vfio:
+            raise DriverError(
+                f"{request.gpu.name} asks for vfio-pci, which this fabric driver does not support",
+                retryable=False,
+            )
+        current = self.observe().get(request.gpu)
+        if current is not None and current.satisfies(request):
+            return current
+        if current is not None and current.host_slot != request.host_slot:
+            raise AttachConflictError(
+                f"{request.gpu.name} is mapped at host slot {current.host_slot}, not "
+                f"{request.host_slot}; detach it first"
+            )
+        self._proxy.map(request.gpu, request.host_slot)
+        self._bus.rescan()
+        device = self._bus.wait_for_device(request.host_slot, self._device_timeout_s)
+        if device.driver != NATIVE_DRIVER:
+            self._bus.bind(device.bdf, NATIVE_DRIVER)
+        identity = self._inspector.identify(device.bdf)
+        problem = identity_problem(request, identity)
+        if problem is not None:
+            self._roll_back(request.gpu)
+            raise IdentityMismatchError(problem)
+        self._remember(request.gpu, device.bdf, identity)
+        health = self._inspector.health(device.bdf)
+        if request.vfio:
+            self._bus.bind(device.bdf, VFIO_DRIVER)
+        return AttachedGpu(
+            gpu=request.gpu,
+            host_slot=request.host_slot,
+            bdf=device.bdf,
+            driver=request.kernel_driver,
+            identity=identity,
+            health=health,
+        )
+
+    def _roll_back(self, gpu: GpuRef) -> None:
+        try:
+            self.detach(gpu)
+        except DriverError:
+            log.exception("rollback of a mismatched gpu failed", extra={"gpu": gpu.name})
+
+    def detach(self, gpu: GpuRef) -> None:
+        host_slot = next((slot for slot, ref in self._proxy.mappings().items() if ref == gpu), None)
+        if host_slot is not None:
+            device = next((d for d in self._bus.devices() if d.host_slot == host_slot), None)
+            if device is not None:
+                if device.driver is not None:
+                    self._bus.bind(device.bdf, None)
+                self._bus.remove(device.bdf)
+            self._proxy.unmap(gpu)
+        self._forget(gpu)
+
+    def observe(self) -> dict[GpuRef, AttachedGpu]:
+        mappings = self._proxy.mappings()
+        devices = {device.host_slot: device for device in self._bus.devices()}
+        return {
+            gpu: self._describe(gpu, host_slot, devices.get(host_slot))
+            for host_slot, gpu in mappings.items()
+        }
+
+    def _describe(self, gpu: GpuRef, host_slot: int, device: PciDevice | None) -> AttachedGpu:
+        if device is None:
+            return AttachedGpu(gpu=gpu, host_slot=host_slot)
+        identity = self._remembered(gpu, device.bdf)
+        health = NO_HEALTH_SIGNAL
+        if device.driver == NATIVE_DRIVER:
+            try:
+                identity = self._inspector.identify(device.bdf)
+                health = self._inspector.health(device.bdf)
+            except DriverError as error:
+                log.warning(
+                    "gpu not readable by nvml",
+                    extra={"gpu": gpu.name, "bdf": device.bdf, "error": str(error)},
+                )
+            else:
+                self._remember(gpu, device.bdf, identity)
+        return AttachedGpu(
+            gpu=gpu,
+            host_slot=host_slot,
+            bdf=device.bdf,
+            driver=device.driver,
+            identity=identity,
+            health=health,
+        )
+
+    def _remember(self, gpu: GpuRef, bdf: str, identity: GpuIdentity) -> None:
+        with self._lock:
+            self._identities[gpu] = (bdf, identity)
+
+    def _remembered(self, gpu: GpuRef, bdf: str) -> GpuIdentity | None:
+        with self._lock:
+            known = self._identities.get(gpu)
+        return known[1] if known is not None and known[0] == bdf else None
+
+    def _forget(self, gpu: GpuRef) -> None:
+        with self._lock:
+            self._identities.pop(gpu, None)
+
+
+__all__ = [
+    "NATIVE_DRIVER",
+    "VFIO_DRIVER",
+    "AttachRequest",
+    "AttachedGpu",
+    "DriverCapabilities",
+    "FabricDriver",
+    "PciBus",
+    "PciDevice",
+    "ProxyMapper",
+    "StepDriver",
+    "identity_problem",
+    "model_matches",
+]

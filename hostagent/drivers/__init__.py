@@ -1,0 +1,77 @@
+"""Fabric driver registry: the one place drivers are listed.
+
+``build_driver(config)`` returns the :class:`~dxpool.hostagent.driver.FabricDriver` that
+``config.driver`` names. ``"sim"`` runs on the simulated fabric in ``config.sim_state_dir``;
+the Linux sysfs/vfio driver will register as ``"linux"``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from dxpool.errors import FailedPrecondition, InvalidArgument
+from dxpool.hostagent.config import AgentConfig
+from dxpool.hostagent.driver import FabricDriver
+
+log = logging.getLogger(__name__)
+
+
+def _build_sim(config: AgentConfig) -> FabricDriver:
+    from dxpool.fabric.sim import SimDelays, SimFabric, SimFabricError, UnknownTarget
+    from dxpool.hostagent.drivers.sim import make_sim_driver
+
+    if config.sim_state_dir is None:
+        raise InvalidArgument(
+            "the sim driver needs sim_state_dir (--sim-state-dir): the directory of a "
+            "simulated fabric"
+        )
+    delays = SimDelays(
+        map_s=config.sim_map_delay_s,
+        hotplug_s=config.sim_hotplug_delay_s,
+        bind_s=config.sim_bind_delay_s,
+    )
+    try:
+        fabric = SimFabric(config.sim_state_dir, delays)
+        hosts = fabric.hosts()
+        if config.host_id not in hosts:
+            # A simulated host's proxy card is "installed" when its agent first starts.
+            fabric.add_host(config.host_id, config.slot_capacity)
+            log.info(
+                "host added to simulated fabric",
+                extra={"host": config.host_id, "slots": config.slot_capacity},
+            )
+        elif hosts[config.host_id] != config.slot_capacity:
+            raise InvalidArgument(
+                f"slot_capacity {config.slot_capacity} does not match the "
+                f"{hosts[config.host_id]} proxy slots host {config.host_id!r} has in the "
+                f"simulated fabric at {config.sim_state_dir}; pass --slot-capacity "
+                f"{hosts[config.host_id]}"
+            )
+    except UnknownTarget as error:
+        raise FailedPrecondition(
+            f"no simulated fabric at {config.sim_state_dir} ({error}); create one first"
+        ) from error
+    except SimFabricError as error:
+        raise FailedPrecondition(f"simulated fabric at {config.sim_state_dir}: {error}") from error
+    return make_sim_driver(fabric, config.host_id, device_timeout_s=config.device_timeout_s)
+
+
+DRIVERS: dict[str, Callable[[AgentConfig], FabricDriver]] = {"sim": _build_sim}
+
+
+def build_driver(config: AgentConfig) -> FabricDriver:
+    """The driver ``config.driver`` names, ready to use.
+
+    Raises InvalidArgument for an unknown driver name or a configuration the driver
+    cannot use, FailedPrecondition when its hardware (or simulated fabric) is not there.
+    """
+    builder = DRIVERS.get(config.driver)
+    if builder is None:
+        raise InvalidArgument(
+            f"unknown fabric driver {config.driver!r}: choose one of {', '.join(sorted(DRIVERS))}"
+        )
+    return builder(config)
+
+
+__all__ = ["DRIVERS", "build_driver"]

@@ -1,0 +1,275 @@
+"""Level-based reconcile of one GPU: make the hardware match the spec, report in status.
+
+Every decision comes from the desired state (etcd), the driver's view of the hardware and
+the agent's own status record, so reconciling is safe to repeat, and safe after a crash at
+any point. For one GPU:
+
+========================  ============================  ========================================
+desired                   hardware                      action
+========================  ============================  ========================================
+yes                       attached as asked             status ATTACHED (no hardware operation)
+yes                       not attached, or partially    status ATTACHING, attach; ATTACHED or
+                                                        retry; FAILED after ``attach_attempts``
+yes                       other host slot or binding    status ATTACHING, detach, then attach
+yes, FAILED this          anything                      nothing: FAILED is terminal for a
+generation                                              generation; a new generation retries
+no                        attached (even partially)     status DETACHING, detach, remove entry;
+                                                        detach errors retry indefinitely
+no                        not attached                  remove any status entry
+========================  ============================  ========================================
+
+Status is written before hardware is touched (ATTACHING, DETACHING), and an entry is
+removed only after the detach succeeded: the broker reads "no entry" as "detached".
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+
+from dxpool.api.v1 import resources_pb2
+from dxpool.hostagent.desired import DesiredState
+from dxpool.hostagent.driver import AttachedGpu, AttachRequest, FabricDriver
+from dxpool.hostagent.errors import DriverError
+from dxpool.hostagent.status import StatusStore
+from dxpool.names import GpuRef
+
+log = logging.getLogger(__name__)
+
+ATTACHING = resources_pb2.ATTACHMENT_PHASE_ATTACHING
+ATTACHED = resources_pb2.ATTACHMENT_PHASE_ATTACHED
+DETACHING = resources_pb2.ATTACHMENT_PHASE_DETACHING
+FAILED = resources_pb2.ATTACHMENT_PHASE_FAILED
+
+
+class Outcome(enum.Enum):
+    """What the worker does with the GPU next."""
+
+    DONE = "done"  # converged (or terminal); forget its backoff
+    RETRY = "retry"  # not converged; queue again with backoff
+
+
+def attach_request(gpu: GpuRef, want: resources_pb2.DesiredAttachment) -> AttachRequest:
+    return AttachRequest(
+        gpu=gpu,
+        host_slot=want.host_slot,
+        vfio=want.vfio,
+        expected_uuid=want.expected_uuid,
+        model=want.model,
+    )
+
+
+class Reconciler:
+    """Reconciles one GPU at a time; the caller never runs two calls for one GPU at once.
+
+    ``attach_attempts`` bounds the attach tries per GPU and generation before FAILED;
+    errors the driver marks not retryable fail at once.
+    """
+
+    def __init__(
+        self,
+        *,
+        driver: FabricDriver,
+        desired: DesiredState,
+        status: StatusStore,
+        attach_attempts: int,
+    ) -> None:
+        if attach_attempts < 1:
+            raise ValueError(f"attach_attempts must be >= 1, got {attach_attempts}")
+        self._driver = driver
+        self._desired = desired
+        self._status = status
+        self._attach_attempts = attach_attempts
+        self._failed_attempts: dict[GpuRef, tuple[int, int]] = {}  # gpu -> (generation, count)
+        self._lock = threading.Lock()
+
+    def reconcile(self, gpu: GpuRef) -> Outcome:
+        """Bring ``gpu`` one step closer to its desired state and report it in status.
+
+        Driver errors are handled here; other errors (etcd unreachable, a bug) propagate
+        and the caller retries with backoff.
+        """
+        want = self._desired.get(gpu)
+        actual = self._driver.observe()
+        if want is None:
+            return self._ensure_detached(gpu, actual.get(gpu))
+        return self._ensure_attached(gpu, want, actual)
+
+    # -- desired: attach ------------------------------------------------------------------
+
+    def _ensure_attached(
+        self,
+        gpu: GpuRef,
+        want: resources_pb2.DesiredAttachment,
+        actual: dict[GpuRef, AttachedGpu],
+    ) -> Outcome:
+        request = attach_request(gpu, want)
+        previous = self._status.get(gpu)
+        if (
+            previous is not None
+            and previous.phase == FAILED
+            and previous.generation == want.generation
+        ):
+            return Outcome.DONE  # terminal for this generation
+        have = actual.get(gpu)
+        if have is not None and have.satisfies(request):
+            self._clear_failures(gpu)
+            self._status.put(self._attached_entry(want, have, previous))
+            return Outcome.DONE
+        occupant = next(
+            (
+                other
+                for other, seen in actual.items()
+                if other != gpu and seen.host_slot == request.host_slot
+            ),
+            None,
+        )
+        if occupant is not None:
+            return self._wait_for_slot(gpu, want, occupant)
+
+        self._status.put(self._entry(gpu, want, ATTACHING, message="attaching"))
+        try:
+            if have is not None and self._needs_detach(have, request):
+                log.info(
+                    "re-attaching gpu",
+                    extra={"gpu": gpu.name, "from_slot": have.host_slot, "driver": have.driver},
+                )
+                self._driver.detach(gpu)
+            attached = self._driver.attach(request)
+        except DriverError as error:
+            return self._attach_failed(gpu, want, error)
+        self._clear_failures(gpu)
+        self._status.put(self._attached_entry(want, attached, previous))
+        log.info(
+            "gpu attached",
+            extra={"gpu": gpu.name, "host_slot": attached.host_slot, "bdf": attached.bdf},
+        )
+        return Outcome.DONE
+
+    @staticmethod
+    def _needs_detach(have: AttachedGpu, request: AttachRequest) -> bool:
+        """Attached at another host slot, or bound to the driver of another binding."""
+        if have.host_slot != request.host_slot:
+            return True
+        return have.present and have.driver is not None and have.driver != request.kernel_driver
+
+    def _wait_for_slot(
+        self, gpu: GpuRef, want: resources_pb2.DesiredAttachment, occupant: GpuRef
+    ) -> Outcome:
+        """The host slot still holds another GPU: wait for its detach, or fail when the spec
+        itself gives the slot to both."""
+        other = self._desired.get(occupant)
+        if other is not None and other.host_slot == want.host_slot:
+            message = (
+                f"host slot {want.host_slot} is assigned to both {gpu.name} and {occupant.name}"
+            )
+            self._status.put(self._entry(gpu, want, FAILED, message=message))
+            log.warning("host slot assigned twice", extra={"gpu": gpu.name, "other": occupant.name})
+            return Outcome.DONE
+        message = f"waiting for host slot {want.host_slot} to be freed by {occupant.name}"
+        self._status.put(self._entry(gpu, want, ATTACHING, message=message))
+        return Outcome.RETRY
+
+    def _attach_failed(
+        self, gpu: GpuRef, want: resources_pb2.DesiredAttachment, error: DriverError
+    ) -> Outcome:
+        with self._lock:
+            generation, count = self._failed_attempts.get(gpu, (want.generation, 0))
+            count = count + 1 if generation == want.generation else 1
+            self._failed_attempts[gpu] = (want.generation, count)
+        if not error.retryable or count >= self._attach_attempts:
+            self._clear_failures(gpu)
+            message = f"attach failed after {count} attempt(s): {error}"
+            self._status.put(self._entry(gpu, want, FAILED, message=message))
+            log.warning(
+                "gpu attach failed",
+                extra={"gpu": gpu.name, "generation": want.generation, "error": str(error)},
+            )
+            return Outcome.DONE
+        message = f"attempt {count}/{self._attach_attempts} failed: {error}; retrying"
+        self._status.put(self._entry(gpu, want, ATTACHING, message=message))
+        log.info("gpu attach retry", extra={"gpu": gpu.name, "attempt": count, "error": str(error)})
+        return Outcome.RETRY
+
+    def _clear_failures(self, gpu: GpuRef) -> None:
+        with self._lock:
+            self._failed_attempts.pop(gpu, None)
+
+    # -- not desired: detach --------------------------------------------------------------
+
+    def _ensure_detached(self, gpu: GpuRef, have: AttachedGpu | None) -> Outcome:
+        self._clear_failures(gpu)
+        if have is None:
+            self._status.remove(gpu)
+            return Outcome.DONE
+        previous = self._status.get(gpu)
+        entry = resources_pb2.ObservedAttachment(
+            gpu=gpu.name,
+            generation=previous.generation if previous is not None else 0,
+            phase=DETACHING,
+            host_slot=have.host_slot,
+            bdf=have.bdf,
+            uuid=previous.uuid if previous is not None else "",
+            serial=previous.serial if previous is not None else "",
+            health=previous.health if previous is not None else have.health,
+            message="detaching",
+        )
+        self._status.put(entry)
+        try:
+            self._driver.detach(gpu)
+        except DriverError as error:
+            entry.message = f"detach failed: {error}; retrying"
+            self._status.put(entry)
+            log.warning("gpu detach failed", extra={"gpu": gpu.name, "error": str(error)})
+            return Outcome.RETRY
+        self._status.remove(gpu)
+        log.info("gpu detached", extra={"gpu": gpu.name})
+        return Outcome.DONE
+
+    # -- status entries -------------------------------------------------------------------
+
+    @staticmethod
+    def _entry(
+        gpu: GpuRef,
+        want: resources_pb2.DesiredAttachment,
+        phase: resources_pb2.AttachmentPhase.ValueType,
+        *,
+        message: str,
+    ) -> resources_pb2.ObservedAttachment:
+        return resources_pb2.ObservedAttachment(
+            gpu=gpu.name,
+            generation=want.generation,
+            phase=phase,
+            host_slot=want.host_slot,
+            message=message,
+        )
+
+    @staticmethod
+    def _attached_entry(
+        want: resources_pb2.DesiredAttachment,
+        have: AttachedGpu,
+        previous: resources_pb2.ObservedAttachment | None,
+    ) -> resources_pb2.ObservedAttachment:
+        """ATTACHED from the hardware; identity and health the hardware cannot show now
+        (a device bound to vfio-pci) are kept from the previous report of the device."""
+        known = previous if previous is not None and previous.bdf == have.bdf else None
+        uuid = have.identity.uuid if have.identity else (known.uuid if known else "")
+        serial = have.identity.serial if have.identity else (known.serial if known else "")
+        health = have.health
+        if health == resources_pb2.GPU_HEALTH_UNSPECIFIED and known is not None:
+            health = known.health
+        return resources_pb2.ObservedAttachment(
+            gpu=have.gpu.name,
+            generation=want.generation,
+            phase=ATTACHED,
+            host_slot=have.host_slot,
+            bdf=have.bdf,
+            uuid=uuid,
+            serial=serial,
+            health=health,
+            message="",
+        )
+
+
+__all__ = ["Outcome", "Reconciler", "attach_request"]

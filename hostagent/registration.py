@@ -1,0 +1,131 @@
+"""Host registration and liveness.
+
+``hosts/{host}`` holds the Host record; it is persistent (no lease) so the inventory
+remembers a host while its agent is down. ``hostleases/{host}`` is an empty key attached
+to an etcd lease the agent keeps alive: the host is alive exactly while that key exists.
+
+* A keep-alive thread refreshes the lease every ``ttl / 3`` seconds. When it finds the
+  lease expired (etcd unreachable for longer than the TTL), it grants a new lease and puts
+  the key again.
+* :meth:`HostRegistration.stop` revokes the lease, so the host shows as gone at once; a
+  crashed agent's key disappears when the lease expires, within the TTL.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from typing import Any
+
+import etcd3.exceptions
+import grpc
+
+from dxpool.api.v1 import resources_pb2
+from dxpool.hostagent.config import AgentConfig
+from dxpool.hostagent.status import now_timestamp
+from dxpool.names import host_name
+
+log = logging.getLogger(__name__)
+
+ETCD_ERRORS: tuple[type[BaseException], ...] = (etcd3.exceptions.Etcd3Exception, grpc.RpcError)
+
+
+def host_record(config: AgentConfig) -> resources_pb2.Host:
+    """The Host record an agent registers (output-only fields left unset)."""
+    return resources_pb2.Host(
+        name=host_name(config.host_id),
+        location=resources_pb2.Location(site=config.site, pod=config.pod, rack=config.rack),
+        agent_endpoint=config.agent_endpoint,
+        slot_capacity=config.slot_capacity,
+        labels=dict(config.labels),
+        driver=config.driver,
+        register_time=now_timestamp(),
+    )
+
+
+class HostRegistration:
+    """Registers one host and keeps its liveness lease alive from a daemon thread."""
+
+    def __init__(self, client: Any, config: AgentConfig) -> None:
+        self._client = client
+        self._config = config
+        self._keys = config.keys
+        self._lease: Any = None
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def lease_id(self) -> int | None:
+        with self._lock:
+            return int(self._lease.id) if self._lease is not None else None
+
+    def register(self) -> None:
+        """Put the Host record and the liveness key. Raises etcd client errors.
+
+        Safe to repeat (a retried startup): a lease already held is refreshed, or replaced
+        if it expired, rather than granted again.
+        """
+        record = host_record(self._config)
+        self._client.put(self._keys.host(self._config.host_id), record.SerializeToString())
+        self.keep_alive_once()
+        log.info(
+            "host registered",
+            extra={"host": self._config.host_id, "lease_ttl_s": self._config.lease_ttl_s},
+        )
+
+    def _renew_lease(self) -> None:
+        lease = self._client.lease(math.ceil(self._config.lease_ttl_s))
+        self._client.put(self._keys.host_lease(self._config.host_id), b"", lease=lease)
+        with self._lock:
+            self._lease = lease
+
+    def start_keepalive(self) -> None:
+        """Start the keep-alive thread (once)."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(
+            target=self._keepalive_loop, name="dxpool-lease-keepalive", daemon=True
+        )
+        self._thread.start()
+
+    def _keepalive_loop(self) -> None:
+        interval = self._config.lease_ttl_s / 3
+        while not self._stopping.wait(interval):
+            try:
+                self.keep_alive_once()
+            except ETCD_ERRORS as error:
+                log.warning("lease keep-alive failed", extra={"error": repr(error)})
+
+    def keep_alive_once(self) -> bool:
+        """Refresh the lease; when there is none or it expired, grant a new one and put the
+        liveness key again. True if the lease was alive."""
+        with self._lock:
+            lease = self._lease
+        if lease is None:
+            self._renew_lease()
+            return False
+        responses = lease.refresh()
+        if responses and responses[0].TTL > 0:
+            return True
+        log.warning("host lease expired; granting a new one", extra={"host": self._config.host_id})
+        self._renew_lease()
+        return False
+
+    def stop(self, *, revoke: bool = True) -> None:
+        """Stop the keep-alive thread and (by default) revoke the lease so the host shows
+        as gone at once. Idempotent; etcd errors on revoke are logged, not raised."""
+        self._stopping.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        with self._lock:
+            lease, self._lease = self._lease, None
+        if revoke and lease is not None:
+            try:
+                lease.revoke()
+            except ETCD_ERRORS as error:
+                log.warning("lease revoke failed", extra={"error": repr(error)})
+
+
+__all__ = ["ETCD_ERRORS", "HostRegistration", "host_record"]

@@ -1,0 +1,125 @@
+"""Fixtures for the host agent tests: a simulated fabric, its driver, agent processes.
+
+etcd comes from the suite-wide ``etcd_server`` fixture (one real server per session, a
+fresh key prefix per test).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from dxpool.fabric.sim import SimFabric, SimGpuSpec
+from dxpool.hostagent.driver import StepDriver
+from dxpool.hostagent.drivers.sim import make_sim_driver
+from dxpool.store.embedded import EmbeddedEtcd
+
+HOST = "h1"
+HOST_SLOTS = 4
+
+
+@pytest.fixture
+def sim_fabric(tmp_path: Path) -> SimFabric:
+    """Box b1: four H100; box b2: two A100; host h1 with four proxy slots."""
+    return SimFabric.create(
+        tmp_path / "simfabric",
+        boxes={
+            "b1": [SimGpuSpec("H100", 81920) for _ in range(4)],
+            "b2": [SimGpuSpec("A100", 40960, pci_id="10de:20b0") for _ in range(2)],
+        },
+        hosts={HOST: HOST_SLOTS},
+    )
+
+
+@pytest.fixture
+def sim_driver(sim_fabric: SimFabric) -> StepDriver:
+    return make_sim_driver(sim_fabric, HOST, device_timeout_s=2.0)
+
+
+def wait_for(predicate: Callable[[], object], *, timeout_s: float = 10.0, what: str) -> object:
+    """Poll ``predicate`` until it returns something truthy; fail the test on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.05)
+
+
+@dataclass
+class AgentProcess:
+    """``python -m dxpool.hostagent`` running in its own process."""
+
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(10)
+
+    def terminate(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(10)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@pytest.fixture
+def start_agent(
+    tmp_path: Path, sim_fabric: SimFabric, etcd_server: EmbeddedEtcd, key_prefix: str
+) -> Iterator[Callable[..., AgentProcess]]:
+    """Start agents for host h1 on ``sim_fabric``; every one is killed at teardown.
+
+    Keyword arguments become ``--option value`` flags (``map_delay=1.5`` ->
+    ``--sim-map-delay 1.5``).
+    """
+    started: list[AgentProcess] = []
+
+    def start(*, map_delay: float = 0.0, lease_ttl: float = 2.0, **options: object) -> AgentProcess:
+        flags = {
+            "host": HOST,
+            "etcd-endpoints": etcd_server.endpoint,
+            "key-prefix": key_prefix,
+            "driver": "sim",
+            "sim-state-dir": str(sim_fabric.state_dir),
+            "slot-capacity": HOST_SLOTS,
+            "sim-map-delay": map_delay,
+            "lease-ttl": lease_ttl,
+            "resync-interval": 1.0,
+            "backoff-base": 0.05,
+            "backoff-max": 0.5,
+            "device-timeout": 5.0,
+            "log-level": "DEBUG",
+        }
+        flags.update({key.replace("_", "-"): value for key, value in options.items()})
+        args = [sys.executable, "-m", "dxpool.hostagent"]
+        for key, value in flags.items():
+            args += [f"--{key}", str(value)]
+        log_path = tmp_path / f"agent-{len(started)}.log"
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(
+                args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        agent = AgentProcess(process, log_path)
+        started.append(agent)
+        return agent
+
+    yield start
+    for agent in started:
+        agent.kill()

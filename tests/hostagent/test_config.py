@@ -1,0 +1,124 @@
+"""AgentConfig validation and the ``python -m dxpool.hostagent`` command line."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from dxpool.errors import InvalidArgument
+from dxpool.hostagent.__main__ import agent_command
+from dxpool.hostagent.config import AgentConfig
+
+
+@pytest.fixture(autouse=True)
+def keep_root_logging() -> Iterator[None]:
+    """The command configures the root logger; put it back after each test."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_defaults() -> None:
+    config = AgentConfig(host_id="h1")
+
+    assert config.lease_ttl_s == 10
+    assert config.resync_interval_s == 30
+    assert config.attach_attempts == 3
+    assert (config.backoff_base_s, config.backoff_max_s) == (0.2, 10)
+    assert config.driver == "sim"
+    assert config.keys.host_status("h1") == "/dxpool/v1/hoststatus/h1"
+
+
+def test_labels_are_read_only_copies() -> None:
+    labels = {"zone": "a"}
+    config = AgentConfig(host_id="h1", labels=labels)
+    labels["zone"] = "b"
+
+    assert config.labels == {"zone": "a"}
+    with pytest.raises(TypeError):
+        config.labels["zone"] = "c"  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"host_id": "Host_1"}, "invalid host id 'Host_1'"),
+        ({"etcd_endpoints": "localhost"}, "invalid etcd endpoint 'localhost'"),
+        ({"key_prefix": "dxpool"}, "invalid key_prefix"),
+        ({"slot_capacity": 0}, "slot_capacity must be >= 1"),
+        ({"lease_ttl_s": 1}, "lease_ttl_s must be >= 2"),
+        ({"attach_attempts": 0}, "attach_attempts must be >= 1"),
+        ({"backoff_base_s": 0}, "backoff_base_s must be > 0"),
+        ({"backoff_base_s": 2, "backoff_max_s": 1}, "backoff_max_s (1) must be >= backoff_base_s"),
+        ({"sim_map_delay_s": -1}, "sim_map_delay_s must be >= 0"),
+        ({"labels": {"": "x"}}, "invalid label key"),
+    ],
+)
+def test_bad_values_name_what_to_fix(fields: dict[str, object], message: str) -> None:
+    values: dict[str, object] = {"host_id": "h1", **fields}
+    with pytest.raises(InvalidArgument) as caught:
+        AgentConfig(**values)  # type: ignore[arg-type]
+    assert message in caught.value.message
+
+
+def test_cli_rejects_a_bad_host_with_usage_exit_status() -> None:
+    result = CliRunner().invoke(agent_command, ["--host", "Bad_Host"])
+
+    assert result.exit_code == 2
+    assert "invalid host id 'Bad_Host'" in result.output
+
+
+def test_cli_reads_options_from_the_environment() -> None:
+    result = CliRunner().invoke(
+        agent_command, [], env={"DXPOOL_AGENT_HOST": "h1", "DXPOOL_AGENT_ATTACH_ATTEMPTS": "0"}
+    )
+
+    assert result.exit_code == 2
+    assert "attach_attempts must be >= 1" in result.output
+
+
+def test_cli_rejects_a_label_without_a_value() -> None:
+    result = CliRunner().invoke(agent_command, ["--host", "h1", "--label", "zone"])
+
+    assert result.exit_code == 2
+    assert "'zone' is not KEY=VALUE" in result.output
+
+
+def test_cli_exits_1_when_the_simulated_fabric_is_missing(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        agent_command, ["--host", "h1", "--sim-state-dir", str(tmp_path / "nowhere")]
+    )
+
+    assert result.exit_code == 1
+
+
+def test_cli_help_lists_every_option_with_its_environment_variable() -> None:
+    result = CliRunner().invoke(agent_command, ["--help"])
+
+    assert result.exit_code == 0
+    for option, env in [
+        ("--host", "DXPOOL_AGENT_HOST"),
+        ("--etcd-endpoints", "DXPOOL_AGENT_ETCD_ENDPOINTS"),
+        ("--sim-state-dir", "DXPOOL_AGENT_SIM_STATE_DIR"),
+        ("--lease-ttl", "DXPOOL_AGENT_LEASE_TTL"),
+        ("--resync-interval", "DXPOOL_AGENT_RESYNC_INTERVAL"),
+    ]:
+        assert option in result.output
+        assert env in result.output
+
+
+def test_cli_accepts_the_short_aliases_other_launchers_use() -> None:
+    args = ["--host", "h1", "--etcd", "127.0.0.1:2379", "--prefix", "/p/", "--sim-state", "/x"]
+    args += ["--slots", "4", "--map-delay", "0", "--hotplug-delay", "0.5", "--bind-delay", "0"]
+    args += ["--lease-ttl", "3.0", "--attach-attempts", "0"]  # the last one is invalid
+
+    result = CliRunner().invoke(agent_command, args)
+
+    assert result.exit_code == 2
+    assert "attach_attempts must be >= 1" in result.output  # every alias parsed

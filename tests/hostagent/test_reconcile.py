@@ -1,0 +1,310 @@
+"""Reconciler over the simulated fabric, with status written to a real etcd."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from dxpool.api.v1 import resources_pb2
+from dxpool.fabric.sim import InjectedFault, SimFabric
+from dxpool.hostagent.desired import DesiredState
+from dxpool.hostagent.driver import StepDriver
+from dxpool.hostagent.drivers.sim import make_sim_driver
+from dxpool.hostagent.reconcile import Outcome, Reconciler
+from dxpool.hostagent.status import StatusStore
+from dxpool.names import GpuRef
+from dxpool.store.client import connect
+from dxpool.store.embedded import EmbeddedEtcd
+from dxpool.store.keys import KeySchema
+
+from .conftest import HOST
+
+GPU = GpuRef("b1", 0)
+OTHER_GPU = GpuRef("b1", 1)
+Phase = resources_pb2.AttachmentPhase
+
+
+def want(
+    gpu: GpuRef, host_slot: int, generation: int = 1, **fields: Any
+) -> resources_pb2.DesiredAttachment:
+    return resources_pb2.DesiredAttachment(
+        gpu=gpu.name, host_slot=host_slot, node="nodes/n1", generation=generation, **fields
+    )
+
+
+@dataclass
+class Harness:
+    fabric: SimFabric
+    driver: StepDriver
+    desired: DesiredState
+    status: StatusStore
+    reconciler: Reconciler
+    client: Any
+    keys: KeySchema
+    revisions: Iterator[int]
+
+    def set_desired(self, *attachments: resources_pb2.DesiredAttachment) -> None:
+        allocation = resources_pb2.HostAllocation(host=f"hosts/{HOST}", attachments=attachments)
+        self.desired.replace(allocation, next(self.revisions))
+
+    def stored(self) -> dict[str, resources_pb2.ObservedAttachment]:
+        """The status record as etcd holds it, by GPU name."""
+        value, _ = self.client.get(self.keys.host_status(HOST))
+        if value is None:
+            return {}
+        record = resources_pb2.HostStatus.FromString(value)
+        assert record.host == f"hosts/{HOST}"
+        return {entry.gpu: entry for entry in record.attachments}
+
+    def restart(self) -> Harness:
+        """A new agent's view: fresh driver, desired state and status loaded from etcd."""
+        status = StatusStore(self.client, self.keys, HOST)
+        status.load()
+        driver = make_sim_driver(self.fabric, HOST, device_timeout_s=2.0)
+        desired = DesiredState(HOST)
+        reconciler = Reconciler(driver=driver, desired=desired, status=status, attach_attempts=3)
+        return Harness(
+            self.fabric, driver, desired, status, reconciler, self.client, self.keys, self.revisions
+        )
+
+
+@pytest.fixture
+def harness(
+    sim_fabric: SimFabric, sim_driver: StepDriver, etcd_server: EmbeddedEtcd, key_prefix: str
+) -> Iterator[Harness]:
+    client = connect(etcd_server.endpoint)
+    keys = KeySchema(key_prefix)
+    desired = DesiredState(HOST)
+    status = StatusStore(client, keys, HOST)
+    reconciler = Reconciler(driver=sim_driver, desired=desired, status=status, attach_attempts=3)
+    yield Harness(
+        sim_fabric, sim_driver, desired, status, reconciler, client, keys, itertools.count(1)
+    )
+    client.close()
+
+
+def test_desired_gpu_is_attached_and_reported(harness: Harness) -> None:
+    harness.set_desired(want(GPU, host_slot=1, generation=7, model="H100"))
+
+    assert harness.reconciler.reconcile(GPU) is Outcome.DONE
+
+    entry = harness.stored()[GPU.name]
+    assert entry.phase == Phase.ATTACHMENT_PHASE_ATTACHED
+    assert entry.generation == 7
+    assert entry.host_slot == 1
+    assert entry.bdf == "0000:42:00.0"
+    assert entry.uuid == harness.fabric.identity(HOST, entry.bdf).uuid
+    assert entry.serial
+    assert entry.health == resources_pb2.GPU_HEALTH_HEALTHY
+    assert entry.HasField("update_time")
+    assert harness.fabric.mappings(HOST) == {1: ("b1", 0)}
+
+
+def test_attached_as_asked_updates_status_without_touching_hardware(harness: Harness) -> None:
+    harness.set_desired(want(GPU, host_slot=1, generation=1))
+    harness.reconciler.reconcile(GPU)
+    harness.fabric.inject_fault("map", box="b1", slot=0)
+
+    harness.set_desired(want(GPU, host_slot=1, generation=2))
+    assert harness.reconciler.reconcile(GPU) is Outcome.DONE
+
+    entry = harness.stored()[GPU.name]
+    assert (entry.phase, entry.generation) == (Phase.ATTACHMENT_PHASE_ATTACHED, 2)
+    with pytest.raises(InjectedFault):  # still pending: reconcile did not map again
+        harness.fabric.map("b1", 0, HOST, 1)
+
+
+def test_an_unchanged_status_is_not_rewritten(harness: Harness) -> None:
+    harness.set_desired(want(GPU, host_slot=0))
+    harness.reconciler.reconcile(GPU)
+    _, before = harness.client.get(harness.keys.host_status(HOST))
+
+    harness.reconciler.reconcile(GPU)
+
+    _, after = harness.client.get(harness.keys.host_status(HOST))
+    assert after.mod_revision == before.mod_revision
+
+
+def test_gpu_no_longer_desired_is_detached_then_its_entry_removed(harness: Harness) -> None:
+    harness.set_desired(want(GPU, host_slot=0), want(OTHER_GPU, host_slot=1))
+    harness.reconciler.reconcile(GPU)
+    harness.reconciler.reconcile(OTHER_GPU)
+
+    harness.set_desired(want(OTHER_GPU, host_slot=1))
+    assert harness.reconciler.reconcile(GPU) is Outcome.DONE
+
+    assert set(harness.stored()) == {OTHER_GPU.name}
+    assert harness.fabric.mappings(HOST) == {1: ("b1", 1)}
+
+
+def test_a_failed_detach_keeps_the_entry_and_retries(harness: Harness) -> None:
+    harness.set_desired(want(GPU, host_slot=0, generation=3))
+    harness.reconciler.reconcile(GPU)
+    harness.fabric.inject_fault("unmap", box="b1", slot=0, message="proxy unreachable")
+    harness.set_desired()
+
+    assert harness.reconciler.reconcile(GPU) is Outcome.RETRY
+    entry = harness.stored()[GPU.name]
+    assert entry.phase == Phase.ATTACHMENT_PHASE_DETACHING
+    assert entry.generation == 3
+    assert "proxy unreachable" in entry.message
+
+    assert harness.reconciler.reconcile(GPU) is Outcome.DONE
+    assert harness.stored() == {}
+    assert harness.fabric.mapping("b1", 0) is None
+
+
+def test_attach_errors_retry_then_fail_for_the_generation(harness: Harness) -> None:
+    harness.fabric.inject_fault("map", box="b1", slot=0, count=10, message="mapping table full")
+    harness.set_desired(want(GPU, host_slot=0, generation=4))
+
+    assert harness.reconciler.reconcile(GPU) is Outcome.RETRY
+    entry = harness.stored()[GPU.name]
+    assert entry.phase == Phase.ATTACHMENT_PHASE_ATTACHING
+    assert "attempt 1/3" in entry.message
+    assert harness.reconciler.reconcile(GPU) is Outcome.RETRY
+    assert harness.reconciler.reconcile(GPU) is Outcome.DONE
+
+    entry = harness.stored()[GPU.name]
+    assert (entry.phase, entry.generation) == (Phase.ATTACHMENT_PHASE_FAILED, 4)
+    assert "after 3 attempt(s)" in entry.message
+    assert "mapping table full" in entry.message
+
+    # FAILED is terminal for generation 4, even once the fault is gone ...
+    harness.fabric.clear_faults()
+    assert harness.reconciler.reconcile(GPU) is Outcome.DONE
+    assert harness.stored()[GPU.name].phase == Phase.ATTACHMENT_PHASE_FAILED
+    assert harness.fabric.mappings(HOST) == {}
+
+    # ... and a new generation tries again.
+    harness.set_desired(want(GPU, host_slot=0, generation=5))
+    assert harness.reconciler.reconcile(GPU) is Outcome.DONE
+    entry = harness.stored()[GPU.name]
+    assert (entry.phase, entry.generation) == (Phase.ATTACHMENT_PHASE_ATTACHED, 5)
+
+
+def test_failed_generation_stays_failed_across_a_restart(harness: Harness) -> None:
+    harness.set_desired(want(GPU, host_slot=0, generation=2, expected_uuid="GPU-other"))
+    harness.reconciler.reconcile(GPU)
+
+    restarted = harness.restart()
+    restarted.set_desired(want(GPU, host_slot=0, generation=2, expected_uuid="GPU-other"))
+
+    assert restarted.reconciler.reconcile(GPU) is Outcome.DONE
+    assert restarted.stored()[GPU.name].phase == Phase.ATTACHMENT_PHASE_FAILED
+    assert restarted.fabric.mappings(HOST) == {}
+
+
+def test_identity_mismatch_fails_at_once_and_leaves_nothing_mapped(harness: Harness) -> None:
+    harness.set_desired(want(GPU, host_slot=0, model="A100"))
+
+    assert harness.reconciler.reconcile(GPU) is Outcome.DONE
+
+    entry = harness.stored()[GPU.name]
+    assert entry.phase == Phase.ATTACHMENT_PHASE_FAILED
+    assert "after 1 attempt(s)" in entry.message
+    assert "expected 'A100'" in entry.message
+    assert harness.fabric.mappings(HOST) == {}
+
+
+def test_slot_still_held_by_an_undesired_gpu_waits_for_its_detach(harness: Harness) -> None:
+    harness.set_desired(want(GPU, host_slot=2))
+    harness.reconciler.reconcile(GPU)
+    harness.set_desired(want(OTHER_GPU, host_slot=2))  # slot 2 goes to another GPU
+
+    assert harness.reconciler.reconcile(OTHER_GPU) is Outcome.RETRY
+    entry = harness.stored()[OTHER_GPU.name]
+    assert entry.phase == Phase.ATTACHMENT_PHASE_ATTACHING
+    assert "freed by boxes/b1/gpus/0" in entry.message
+
+    assert harness.reconciler.reconcile(GPU) is Outcome.DONE  # detaches the old one
+    assert harness.reconciler.reconcile(OTHER_GPU) is Outcome.DONE
+    assert harness.fabric.mappings(HOST) == {2: ("b1", 1)}
+    assert set(harness.stored()) == {OTHER_GPU.name}
+
+
+def test_a_slot_given_to_two_gpus_fails_the_second(harness: Harness) -> None:
+    harness.set_desired(want(GPU, host_slot=0), want(OTHER_GPU, host_slot=0))
+    harness.reconciler.reconcile(GPU)
+
+    assert harness.reconciler.reconcile(OTHER_GPU) is Outcome.DONE
+
+    entry = harness.stored()[OTHER_GPU.name]
+    assert entry.phase == Phase.ATTACHMENT_PHASE_FAILED
+    assert "assigned to both" in entry.message
+
+
+def test_gpu_at_another_slot_is_detached_and_attached_again(harness: Harness) -> None:
+    harness.set_desired(want(GPU, host_slot=0))
+    harness.reconciler.reconcile(GPU)
+
+    harness.set_desired(want(GPU, host_slot=3, generation=2))
+    assert harness.reconciler.reconcile(GPU) is Outcome.DONE
+
+    assert harness.fabric.mappings(HOST) == {3: ("b1", 0)}
+    entry = harness.stored()[GPU.name]
+    assert (entry.host_slot, entry.bdf) == (3, "0000:44:00.0")
+
+
+def test_binding_change_to_vfio_reattaches_and_keeps_identity(harness: Harness) -> None:
+    harness.set_desired(want(GPU, host_slot=0))
+    harness.reconciler.reconcile(GPU)
+    uuid = harness.stored()[GPU.name].uuid
+
+    harness.set_desired(want(GPU, host_slot=0, generation=2, vfio=True))
+    assert harness.reconciler.reconcile(GPU) is Outcome.DONE
+
+    assert [d.driver for d in harness.fabric.devices(HOST)] == ["vfio-pci"]
+    entry = harness.stored()[GPU.name]
+    assert (entry.phase, entry.uuid) == (Phase.ATTACHMENT_PHASE_ATTACHED, uuid)
+
+
+def test_vfio_gpu_after_a_restart_keeps_its_reported_identity(harness: Harness) -> None:
+    harness.set_desired(want(GPU, host_slot=0, vfio=True))
+    harness.reconciler.reconcile(GPU)
+    before = harness.stored()[GPU.name]
+
+    restarted = harness.restart()
+    restarted.set_desired(want(GPU, host_slot=0, generation=2, vfio=True))
+    assert restarted.reconciler.reconcile(GPU) is Outcome.DONE
+
+    after = restarted.stored()[GPU.name]
+    assert after.generation == 2
+    assert (after.uuid, after.serial, after.bdf) == (before.uuid, before.serial, before.bdf)
+    assert [d.driver for d in restarted.fabric.devices(HOST)] == ["vfio-pci"]
+
+
+def test_partial_attach_left_by_a_crash_is_completed(harness: Harness) -> None:
+    harness.fabric.map("b1", 0, HOST, 1)  # a crash between map and rescan
+    harness.set_desired(want(GPU, host_slot=1))
+
+    assert harness.reconciler.reconcile(GPU) is Outcome.DONE
+
+    assert harness.stored()[GPU.name].phase == Phase.ATTACHMENT_PHASE_ATTACHED
+    assert harness.fabric.mappings(HOST) == {1: ("b1", 0)}
+
+
+def test_stale_entry_of_a_gpu_neither_desired_nor_attached_is_removed(harness: Harness) -> None:
+    harness.status.put(
+        resources_pb2.ObservedAttachment(
+            gpu=GPU.name, generation=1, phase=Phase.ATTACHMENT_PHASE_ATTACHING
+        )
+    )
+
+    assert harness.reconciler.reconcile(GPU) is Outcome.DONE
+
+    assert harness.stored() == {}
+
+
+def test_health_changes_reach_the_status(harness: Harness) -> None:
+    harness.set_desired(want(GPU, host_slot=0))
+    harness.reconciler.reconcile(GPU)
+    harness.fabric.set_health("b1", 0, healthy=False)
+
+    harness.reconciler.reconcile(GPU)
+
+    assert harness.stored()[GPU.name].health == resources_pb2.GPU_HEALTH_UNHEALTHY

@@ -1,0 +1,93 @@
+"""Host registration and the liveness lease, against a real etcd."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from dxpool.api.v1 import resources_pb2
+from dxpool.hostagent.config import AgentConfig
+from dxpool.hostagent.registration import HostRegistration
+from dxpool.store.client import connect
+from dxpool.store.embedded import EmbeddedEtcd
+from dxpool.store.keys import KeySchema
+
+
+@pytest.fixture
+def client(etcd_server: EmbeddedEtcd) -> Iterator[Any]:
+    etcd = connect(etcd_server.endpoint)
+    yield etcd
+    etcd.close()
+
+
+@pytest.fixture
+def config(etcd_server: EmbeddedEtcd, key_prefix: str) -> AgentConfig:
+    return AgentConfig(
+        host_id="h7",
+        etcd_endpoints=etcd_server.endpoint,
+        key_prefix=key_prefix,
+        site="s1",
+        pod="p2",
+        rack="r3",
+        slot_capacity=6,
+        labels={"gpu-class": "training"},
+        agent_endpoint="10.0.0.7:7070",
+        lease_ttl_s=3,
+    )
+
+
+def test_register_writes_the_host_record_and_a_leased_liveness_key(
+    client: Any, config: AgentConfig
+) -> None:
+    keys = KeySchema(config.key_prefix)
+    registration = HostRegistration(client, config)
+
+    registration.register()
+
+    value, _ = client.get(keys.host("h7"))
+    host = resources_pb2.Host.FromString(value)
+    assert host.name == "hosts/h7"
+    assert (host.location.site, host.location.pod, host.location.rack) == ("s1", "p2", "r3")
+    assert host.slot_capacity == 6
+    assert dict(host.labels) == {"gpu-class": "training"}
+    assert host.driver == "sim"
+    assert host.agent_endpoint == "10.0.0.7:7070"
+    assert host.HasField("register_time")
+    value, meta = client.get(keys.host_lease("h7"))
+    assert value == b""
+    assert meta.lease_id == registration.lease_id
+    registration.stop()
+
+
+def test_stop_revokes_the_lease_at_once_and_keeps_the_host_record(
+    client: Any, config: AgentConfig
+) -> None:
+    keys = KeySchema(config.key_prefix)
+    registration = HostRegistration(client, config)
+    registration.register()
+    registration.start_keepalive()
+
+    registration.stop()
+    registration.stop()  # idempotent
+
+    assert client.get(keys.host_lease("h7")) == (None, None)
+    assert client.get(keys.host("h7"))[0] is not None
+
+
+def test_keep_alive_renews_a_lease_found_expired(client: Any, config: AgentConfig) -> None:
+    keys = KeySchema(config.key_prefix)
+    registration = HostRegistration(client, config)
+    registration.register()
+    assert registration.keep_alive_once() is True
+    old_lease = registration.lease_id
+
+    client.revoke_lease(old_lease)  # as if etcd had been unreachable past the TTL
+    assert client.get(keys.host_lease("h7")) == (None, None)
+
+    assert registration.keep_alive_once() is False
+    _, meta = client.get(keys.host_lease("h7"))
+    assert meta is not None
+    assert meta.lease_id == registration.lease_id != old_lease
+    registration.stop()

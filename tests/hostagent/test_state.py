@@ -1,0 +1,126 @@
+"""DesiredState (the spec as read) and StatusStore (the status as written)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from dxpool.api.v1 import resources_pb2
+from dxpool.hostagent.desired import DesiredState
+from dxpool.hostagent.status import StatusStore
+from dxpool.names import GpuRef
+from dxpool.store.client import connect
+from dxpool.store.embedded import EmbeddedEtcd
+from dxpool.store.keys import KeySchema
+
+GPU = GpuRef("b1", 0)
+OTHER_GPU = GpuRef("b2", 3)
+
+
+def allocation(*attachments: tuple[str, int, int]) -> resources_pb2.HostAllocation:
+    return resources_pb2.HostAllocation(
+        host="hosts/h1",
+        attachments=[
+            resources_pb2.DesiredAttachment(gpu=gpu, host_slot=slot, generation=generation)
+            for gpu, slot, generation in attachments
+        ],
+    )
+
+
+def test_replace_reports_the_gpus_whose_attachment_changed() -> None:
+    desired = DesiredState("h1")
+
+    assert desired.replace(allocation((GPU.name, 0, 1), (OTHER_GPU.name, 1, 1)), 5) == {
+        GPU,
+        OTHER_GPU,
+    }
+    assert desired.replace(allocation((GPU.name, 0, 1), (OTHER_GPU.name, 2, 1)), 6) == {OTHER_GPU}
+    assert desired.replace(None, 7) == {GPU, OTHER_GPU}
+    assert desired.gpus() == set()
+    assert desired.revision == 7
+
+
+def test_an_older_revision_never_replaces_a_newer_one() -> None:
+    desired = DesiredState("h1")
+    desired.replace(allocation((GPU.name, 0, 2)), 10)
+
+    assert desired.replace(allocation((GPU.name, 0, 1)), 9) == set()
+
+    attachment = desired.get(GPU)
+    assert attachment is not None
+    assert attachment.generation == 2
+
+
+def test_malformed_entries_are_skipped_and_the_rest_kept() -> None:
+    desired = DesiredState("h1")
+
+    desired.replace(allocation(("gpus/b1/0", 0, 1), (GPU.name, 1, 1)), 1)
+
+    assert desired.gpus() == {GPU}
+
+
+def test_get_returns_a_copy() -> None:
+    desired = DesiredState("h1")
+    desired.replace(allocation((GPU.name, 0, 1)), 1)
+
+    attachment = desired.get(GPU)
+    assert attachment is not None
+    attachment.host_slot = 9
+
+    again = desired.get(GPU)
+    assert again is not None
+    assert again.host_slot == 0
+
+
+@pytest.fixture
+def client(etcd_server: EmbeddedEtcd) -> Iterator[Any]:
+    etcd = connect(etcd_server.endpoint)
+    yield etcd
+    etcd.close()
+
+
+def entry(
+    gpu: GpuRef, phase: resources_pb2.AttachmentPhase.ValueType, message: str = ""
+) -> resources_pb2.ObservedAttachment:
+    return resources_pb2.ObservedAttachment(
+        gpu=gpu.name, generation=1, phase=phase, message=message
+    )
+
+
+def test_status_store_writes_the_whole_record_and_loads_it_back(
+    client: Any, key_prefix: str
+) -> None:
+    keys = KeySchema(key_prefix)
+    status = StatusStore(client, keys, "h1")
+    status.put(entry(GPU, resources_pb2.ATTACHMENT_PHASE_ATTACHED))
+    status.put(entry(OTHER_GPU, resources_pb2.ATTACHMENT_PHASE_ATTACHING))
+    status.remove(GPU)
+
+    record = resources_pb2.HostStatus.FromString(client.get(keys.host_status("h1"))[0])
+    assert record.host == "hosts/h1"
+    assert [e.gpu for e in record.attachments] == [OTHER_GPU.name]
+
+    reloaded = StatusStore(client, keys, "h1")
+    reloaded.load()
+    assert reloaded.gpus() == {OTHER_GPU}
+    loaded = reloaded.get(OTHER_GPU)
+    assert loaded is not None
+    assert loaded.phase == resources_pb2.ATTACHMENT_PHASE_ATTACHING
+
+
+def test_status_store_skips_writes_that_change_nothing(client: Any, key_prefix: str) -> None:
+    keys = KeySchema(key_prefix)
+    status = StatusStore(client, keys, "h1")
+    status.put(entry(GPU, resources_pb2.ATTACHMENT_PHASE_ATTACHED))
+    _, first = client.get(keys.host_status("h1"))
+
+    status.put(entry(GPU, resources_pb2.ATTACHMENT_PHASE_ATTACHED))
+    status.remove(OTHER_GPU)
+    _, unchanged = client.get(keys.host_status("h1"))
+    status.put(entry(GPU, resources_pb2.ATTACHMENT_PHASE_ATTACHED, message="x"))
+    _, changed = client.get(keys.host_status("h1"))
+
+    assert unchanged.mod_revision == first.mod_revision
+    assert changed.mod_revision > first.mod_revision
