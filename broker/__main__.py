@@ -1,0 +1,78 @@
+"""``python -m dxpool.broker``: run one broker in the foreground (also ``dxpool broker``)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+
+import click
+
+from dxpool.broker.server import DEFAULT_LISTEN, BrokerConfig, BrokerServer
+from dxpool.store.keys import DEFAULT_PREFIX
+
+
+@click.command("broker", context_settings={"auto_envvar_prefix": "DXPOOL_BROKER"})
+@click.option("--etcd", "etcd", required=True, help="etcd endpoints, host:port[,host:port...]")
+@click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, help="etcd key prefix")
+@click.option("--listen", default=DEFAULT_LISTEN, show_default=True, help="gRPC listen address")
+@click.option(
+    "--topology",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="fabric topology YAML (default: built-in tier latencies)",
+)
+@click.option(
+    "--attach-timeout",
+    type=float,
+    default=120.0,
+    show_default=True,
+    help="seconds a node may take to become READY before it fails",
+)
+@click.option(
+    "--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)"
+)
+@click.option("--log-level", default="INFO", show_default=True)
+def broker_command(
+    etcd: str,
+    prefix: str,
+    listen: str,
+    topology: Path | None,
+    attach_timeout: float,
+    metrics_port: int,
+    log_level: str,
+) -> None:
+    """Run a dxpool broker: the gRPC API over the etcd inventory."""
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    if metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port, addr="127.0.0.1")
+    server = BrokerServer(
+        BrokerConfig(
+            etcd_endpoints=etcd,
+            key_prefix=prefix,
+            listen=listen,
+            topology_path=topology,
+            attach_timeout_s=attach_timeout,
+        )
+    )
+    server.start()
+    click.echo(f"broker serving on {server.endpoint}", err=True)
+    stopped = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stopped.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    stopped.wait()
+    server.stop()
+
+
+if __name__ == "__main__":
+    broker_command()

@@ -1,0 +1,251 @@
+"""An informer: the broker's in-memory copy of every dxpool record in etcd.
+
+It lists the whole key prefix once, then watches from the next revision, so reads
+(placement, Get, List) never go to etcd. Writes the broker commits itself are applied
+at once with their commit revision (:meth:`Cache.apply_commit`), so a broker reads its
+own writes without waiting for the watch. An event is applied only if it is newer
+than what the cache holds, and deletions leave a tombstone until the watch has passed
+them, so a late event can never resurrect a record.
+
+Subscribers are called, in the applying thread, with ``(collection, id, record or
+None)`` after every change. They must be quick and must not call back into the cache
+while holding their own locks in the opposite order.
+
+If the watch breaks (etcd restarted, history compacted), the cache lists again and
+re-watches; subscribers see the differences as ordinary changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import etcd3
+
+from dxpool.broker.store import Versioned, decode, encode
+from dxpool.store.keys import COLLECTIONS, KeySchema
+
+log = logging.getLogger(__name__)
+
+Listener = Callable[[str, str, "Versioned[Any] | None"], None]
+
+
+class Cache:
+    """In-memory records by collection and id, fed by list-then-watch."""
+
+    def __init__(self, client: etcd3.MultiEndpointEtcd3Client, schema: KeySchema) -> None:
+        self._client = client
+        self._keys = schema
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._records: dict[str, dict[str, Versioned[Any]]] = {c: {} for c in COLLECTIONS}
+        self._tombstones: dict[tuple[str, str], int] = {}
+        self._listeners: list[Listener] = []
+        self._watch_id: Any = None
+        self._revision = 0
+        self._stopped = threading.Event()
+        self._resync_lock = threading.Lock()
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> None:
+        """List everything and start watching. Raises if etcd cannot be reached."""
+        self._list_and_watch()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._watch_id is not None:
+            try:
+                self._client.cancel_watch(self._watch_id)
+            except Exception:  # the client may already be closed
+                log.debug("cancel_watch failed", exc_info=True)
+            self._watch_id = None
+
+    def _list_and_watch(self) -> None:
+        response = self._client.get_prefix_response(self._keys.prefix)
+        revision = int(response.header.revision)
+        seen: set[tuple[str, str]] = set()
+        for kv in response.kvs:
+            parsed = self._parse_key(kv.key.decode())
+            if parsed is None:
+                continue
+            seen.add(parsed)
+            record = Versioned(decode(parsed[0], kv.value), kv.mod_revision, kv.create_revision)
+            self._apply(parsed[0], parsed[1], record, revision=kv.mod_revision)
+        with self._lock:
+            gone = [
+                (collection, name)
+                for collection, records in self._records.items()
+                for name in records
+                if (collection, name) not in seen
+            ]
+        for collection, name in gone:
+            self._apply(collection, name, None, revision=revision)
+        self._advance(revision)
+        self._watch_id = self._client.add_watch_prefix_callback(
+            self._keys.prefix, self._on_watch, start_revision=revision + 1
+        )
+
+    def _on_watch(self, response: Any) -> None:
+        if isinstance(response, Exception):
+            if not self._stopped.is_set():
+                log.warning("etcd watch broke; listing again", extra={"error": str(response)})
+                threading.Thread(target=self._resync, name="cache-resync", daemon=True).start()
+            return
+        for event in response.events:
+            parsed = self._parse_key(event.key.decode())
+            if parsed is None:
+                continue
+            if isinstance(event, etcd3.events.DeleteEvent):
+                self._apply(parsed[0], parsed[1], None, revision=event.mod_revision)
+            else:
+                record = Versioned(
+                    decode(parsed[0], event.value), event.mod_revision, event.create_revision
+                )
+                self._apply(parsed[0], parsed[1], record, revision=event.mod_revision)
+        self._advance(int(response.header.revision))
+
+    def _resync(self) -> None:
+        with self._resync_lock:
+            while not self._stopped.is_set():
+                try:
+                    if self._watch_id is not None:
+                        try:
+                            self._client.cancel_watch(self._watch_id)
+                        except Exception:
+                            log.debug("cancel_watch failed", exc_info=True)
+                    self._list_and_watch()
+                    return
+                except Exception:
+                    log.warning("cache resync failed; retrying", exc_info=True)
+                    time.sleep(0.5)
+
+    # -- applying changes ------------------------------------------------------------
+
+    def _parse_key(self, key: str) -> tuple[str, str] | None:
+        try:
+            return self._keys.split(key)
+        except ValueError:
+            return None
+
+    def _apply(
+        self, collection: str, name: str, record: Versioned[Any] | None, *, revision: int
+    ) -> None:
+        with self._lock:
+            records = self._records[collection]
+            current = records.get(name)
+            tomb = self._tombstones.get((collection, name), 0)
+            if record is None:
+                if current is not None and current.mod_revision >= revision:
+                    return
+                if current is None and tomb >= revision:
+                    return
+                records.pop(name, None)
+                self._tombstones[(collection, name)] = revision
+                if current is None:
+                    return
+            else:
+                if current is not None and current.mod_revision >= record.mod_revision:
+                    return
+                if tomb >= record.mod_revision:
+                    return
+                records[name] = record
+            self._changed.notify_all()
+            listeners = list(self._listeners)
+        for listener in listeners:
+            try:
+                listener(collection, name, record)
+            except Exception:
+                log.exception("cache listener failed", extra={"collection": collection})
+
+    def _advance(self, revision: int) -> None:
+        with self._lock:
+            if revision > self._revision:
+                self._revision = revision
+                self._tombstones = {
+                    key: rev for key, rev in self._tombstones.items() if rev > revision
+                }
+                self._changed.notify_all()
+
+    def apply_commit(
+        self, revision: int, writes: list[tuple[str, Any]], created: set[str] | None = None
+    ) -> None:
+        """Apply a transaction this process committed at ``revision``.
+
+        ``writes`` are the ``(key, value or None)`` pairs of the transaction; ``created``
+        names the keys the transaction created (their create_revision is ``revision``).
+        """
+        for key, value in writes:
+            parsed = self._parse_key(key)
+            if parsed is None:
+                continue
+            collection, name = parsed
+            if value is None:
+                self._apply(collection, name, None, revision=revision)
+                continue
+            stored = decode(collection, encode(value))
+            with self._lock:
+                current = self._records[collection].get(name)
+            create = (
+                revision
+                if (created and key in created) or current is None
+                else (current.create_revision)
+            )
+            self._apply(collection, name, Versioned(stored, revision, create), revision=revision)
+
+    def apply_read(self, key: str, record: Versioned[Any] | None, revision: int) -> None:
+        """Apply a record read straight from etcd (e.g. after a failed compare)."""
+        parsed = self._parse_key(key)
+        if parsed is None:
+            return
+        if record is None:
+            self._apply(parsed[0], parsed[1], None, revision=revision)
+        else:
+            self._apply(parsed[0], parsed[1], record, revision=record.mod_revision)
+
+    # -- reading ---------------------------------------------------------------------
+
+    @property
+    def revision(self) -> int:
+        """The etcd revision the watch has caught up to."""
+        with self._lock:
+            return self._revision
+
+    def get(self, collection: str, name: str) -> Versioned[Any] | None:
+        with self._lock:
+            return self._records[collection].get(name)
+
+    def items(self, collection: str) -> list[tuple[str, Versioned[Any]]]:
+        """Every record of a collection, sorted by id."""
+        with self._lock:
+            return sorted(self._records[collection].items())
+
+    def count(self, collection: str) -> int:
+        with self._lock:
+            return len(self._records[collection])
+
+    def subscribe(self, listener: Listener) -> Callable[[], None]:
+        """Call ``listener`` after every change; returns a function that unsubscribes."""
+        with self._lock:
+            self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if listener in self._listeners:
+                    self._listeners.remove(listener)
+
+        return unsubscribe
+
+    def wait_for_revision(self, revision: int, timeout_s: float) -> bool:
+        """Block until the watch has reached ``revision``; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._revision < revision:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(left)
+            return True

@@ -1,0 +1,392 @@
+"""ComposeNode, PlanNode and ReleaseNode: placement plus one etcd transaction each.
+
+Compose reads the inventory from the cache, asks the placement pipeline for a host and
+GPUs, then commits, in ONE transaction that compares the revision of every record it
+relied on: each chosen GPU (must still be FREE), the host's allocation (the proxy slots),
+the host's lease (the agent is alive), the node name and the request id (both unused).
+A failed compare returns the current values in the same round trip; the cache takes
+them and placement runs again, a bounded number of times. So two composes, in one
+broker or in several, can never take the same GPU or the same host slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from dxpool.api.v1 import nodes_pb2
+from dxpool.api.v1 import resources_pb2 as pb
+from dxpool.broker import metrics
+from dxpool.broker.cache import Cache
+from dxpool.broker.locks import KeyedLocks
+from dxpool.broker.placement import PlacementRequest, PlacementResult, place
+from dxpool.broker.placement_index import PlacementIndex
+from dxpool.broker.records import copy, timestamp, without_node
+from dxpool.broker.store import Store, Txn, Versioned
+from dxpool.broker.validation import check_node_spec
+from dxpool.errors import (
+    Aborted,
+    AlreadyExists,
+    FailedPrecondition,
+    NotFound,
+    ResourceExhausted,
+)
+from dxpool.fabric.latency import LatencyModel
+from dxpool.names import check_id, check_request_id, node_name, parse_gpu, parse_host, parse_node
+from dxpool.request import format_duration_ns
+from dxpool.store import keys as k
+
+log = logging.getLogger(__name__)
+
+MAX_COMMIT_ATTEMPTS = 16
+
+
+@dataclass(frozen=True)
+class ComposeSettings:
+    attach_timeout_s: float = 120.0
+    max_attempts: int = MAX_COMMIT_ATTEMPTS
+
+
+class Composer:
+    """Places, commits and releases virtual nodes. Thread-safe; no state of its own."""
+
+    def __init__(
+        self,
+        store: Store,
+        cache: Cache,
+        index: PlacementIndex,
+        latency: LatencyModel,
+        settings: ComposeSettings = ComposeSettings(),
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._store = store
+        self._cache = cache
+        self._index = index
+        self._latency = latency
+        self._settings = settings
+        self._clock = clock
+        self._host_locks = KeyedLocks()
+
+    # -- compose ---------------------------------------------------------------------
+
+    def compose(self, request: nodes_pb2.ComposeNodeRequest) -> pb.VirtualNode:
+        """Place and commit a node; see the module docstring and NodeService.ComposeNode."""
+        placement_request = self._check(request)
+        request_id = request.request_id
+        if request_id:
+            existing = self._node_for_request(request_id, request.spec)
+            if existing is not None:
+                return existing
+        node_id = request.node_id or _generate_node_id()
+        if request.node_id and self._cache.get(k.NODES, node_id) is not None:
+            raise AlreadyExists(
+                f"node nodes/{node_id} already exists; pick another node_id or omit it",
+                reason="NODE_EXISTS",
+            )
+        for attempt in range(self._settings.max_attempts):
+            version = self._index.version
+            result = place(placement_request, self._index.snapshot(), self._latency)
+            if result.placement is None:
+                metrics.COMPOSE_TOTAL.labels(result="unschedulable").inc()
+                raise ResourceExhausted(
+                    _unschedulable_message(request.spec, result), reason="NO_CAPACITY"
+                )
+            host = result.placement.host
+            # Composes in this broker that chose the same host commit one at a time, so
+            # they never fail each other's compares; only other brokers can.
+            with self._host_locks.lock(host):
+                if self._index.version != version:
+                    pinned = replace(placement_request, host=host)
+                    result = place(pinned, self._index.snapshot(), self._latency)
+                    if result.placement is None:
+                        continue  # the host filled up while we waited; place anew
+                outcome = self._try_commit(request, node_id, result)
+            if isinstance(outcome, pb.VirtualNode):
+                metrics.COMPOSE_TOTAL.labels(result="ok").inc()
+                return outcome
+            metrics.COMPOSE_CONFLICTS.inc()
+            log.debug("compose conflict; placing again", extra={"attempt": attempt})
+            time.sleep(random.uniform(0, min(0.05, 0.001 * 2**attempt)))
+        metrics.COMPOSE_TOTAL.labels(result="aborted").inc()
+        raise Aborted(
+            f"placement kept conflicting with concurrent requests after "
+            f"{self._settings.max_attempts} attempts; retry the call (with the same "
+            "request_id)",
+            reason="COMMIT_CONFLICT",
+        )
+
+    def plan(self, request: nodes_pb2.ComposeNodeRequest) -> nodes_pb2.NodePlan:
+        """Where ``compose`` would put the node now, and why; commits nothing."""
+        placement_request = self._check(request)
+        result = place(placement_request, self._index.snapshot(), self._latency)
+        plan = nodes_pb2.NodePlan(unsatisfied=list(result.unsatisfied))
+        if result.placement is not None:
+            plan.host = f"hosts/{result.placement.host}"
+            plan.gpus.extend(_bindings(result))
+        plan.hosts.extend(
+            nodes_pb2.PlanCandidate(
+                name=f"hosts/{c.host}", feasible=c.feasible, reasons=list(c.reasons), score=c.score
+            )
+            for c in result.candidates
+        )
+        return plan
+
+    def _check(self, request: nodes_pb2.ComposeNodeRequest) -> PlacementRequest:
+        check_node_spec(request.spec)
+        check_request_id(request.request_id)
+        if request.node_id:
+            check_id(request.node_id, "node")
+        host = parse_host(request.spec.host) if request.spec.host else None
+        if host is not None and self._cache.get(k.HOSTS, host) is None:
+            raise NotFound(
+                f"host {request.spec.host} is not registered; list hosts with "
+                "`dxpool host list` or leave the host out to let placement choose",
+                reason="HOST_NOT_FOUND",
+            )
+        return PlacementRequest(
+            model=request.spec.gpus.model,
+            count=request.spec.gpus.count,
+            min_memory_mib=request.spec.gpus.min_memory_mib,
+            host=host,
+            max_latency_ns=request.spec.max_latency_ns,
+        )
+
+    def _node_for_request(self, request_id: str, spec: pb.NodeSpec) -> pb.VirtualNode | None:
+        record = self._cache.get(k.REQUESTS, request_id) or self._store.get(
+            self._store.keys.request(request_id)
+        )
+        if record is None:
+            return None
+        name = bytes(record.value).decode()
+        node = self._cache.get(k.NODES, parse_node(name)) or self._store.get(
+            self._store.keys.node(parse_node(name))
+        )
+        if node is None:
+            raise FailedPrecondition(
+                f"request_id {request_id!r} was used for {name}, which no longer exists; "
+                "use a new request_id",
+                reason="REQUEST_ID_REUSED",
+            )
+        found: pb.VirtualNode = node.value
+        if found.spec != spec:
+            raise AlreadyExists(
+                f"request_id {request_id!r} was already used for a different request "
+                f"({name}); use a new request_id for a new node",
+                reason="REQUEST_ID_REUSED",
+            )
+        return found
+
+    def _try_commit(
+        self, request: nodes_pb2.ComposeNodeRequest, node_id: str, result: PlacementResult
+    ) -> pb.VirtualNode | None:
+        """Commit ``result``; return the node, or None when a compare failed."""
+        assert result.placement is not None
+        keys = self._store.keys
+        host_id = result.placement.host
+        host_name = f"hosts/{host_id}"
+        name = node_name(node_id)
+        txn = Txn()
+        now = self._clock()
+        node = pb.VirtualNode(
+            name=name,
+            spec=request.spec,
+            host=host_name,
+            state=pb.NODE_STATE_PENDING,
+            message="waiting for the host agent to attach the GPUs",
+            request_id=request.request_id,
+            create_time=timestamp(now),
+            update_time=timestamp(now),
+            attach_deadline=timestamp(now + self._settings.attach_timeout_s),
+        )
+        allocation_record = self._cache.get(k.HOST_ALLOCATIONS, host_id)
+        allocation = (
+            copy(allocation_record.value)
+            if allocation_record
+            else pb.HostAllocation(host=host_name)
+        )
+        used = {a.host_slot for a in allocation.attachments}
+        for binding in result.placement.bindings:
+            gpu_record = self._cache.get(k.GPUS, f"{binding.box}/{binding.slot}")
+            if gpu_record is None or not _is_free(gpu_record.value) or binding.host_slot in used:
+                return None  # the snapshot was older than the cache; place again
+            used.add(binding.host_slot)
+            gpu = copy(gpu_record.value)
+            gpu.state = pb.GPU_STATE_ATTACHING
+            gpu.node = name
+            gpu.host = host_name
+            gpu.host_slot = binding.host_slot
+            gpu.generation += 1
+            gpu.message = ""
+            gpu_key = keys.gpu(binding.box, binding.slot)
+            txn.expect_revision(gpu_key, gpu_record.mod_revision).put(gpu_key, gpu)
+            txn.read_on_failure(gpu_key)
+            allocation.attachments.append(
+                pb.DesiredAttachment(
+                    gpu=gpu.name,
+                    host_slot=binding.host_slot,
+                    node=name,
+                    generation=gpu.generation,
+                    vfio=request.spec.vfio,
+                    expected_uuid=gpu.uuid,
+                    model=gpu.model,
+                )
+            )
+            node.gpus.append(
+                pb.GpuBinding(
+                    gpu=gpu.name,
+                    model=gpu.model,
+                    host_slot=binding.host_slot,
+                    latency_ns=binding.latency_ns,
+                    uuid=gpu.uuid,
+                    phase=pb.ATTACHMENT_PHASE_ATTACHING,
+                )
+            )
+        allocation_key = keys.host_allocation(host_id)
+        txn.expect_revision(
+            allocation_key, allocation_record.mod_revision if allocation_record else 0
+        ).put(allocation_key, allocation).read_on_failure(allocation_key)
+        lease_key = keys.host_lease(host_id)
+        txn.expect_present(lease_key).read_on_failure(lease_key)
+        node_key = keys.node(node_id)
+        txn.expect_absent(node_key).put(node_key, node).read_on_failure(node_key)
+        request_key = keys.request(request.request_id) if request.request_id else None
+        if request_key:
+            txn.expect_absent(request_key).put(request_key, name).read_on_failure(request_key)
+        committed = self._store.commit(txn)
+        if committed.succeeded:
+            created = {node_key} | ({request_key} if request_key else set())
+            self._cache.apply_commit(committed.revision, txn.writes, created=created)
+            return node
+        self._refresh(committed.current)
+        if request_key and committed.current.get(request_key) is not None:
+            existing = self._node_for_request(request.request_id, request.spec)
+            if existing is not None:
+                return existing
+        if committed.current.get(node_key) is not None and request.node_id:
+            raise AlreadyExists(
+                f"node {name} already exists; pick another node_id or omit it",
+                reason="NODE_EXISTS",
+            )
+        return None
+
+    def _refresh(self, current: dict[str, Versioned[Any] | None]) -> None:
+        revision = self._cache.revision
+        for key, record in current.items():
+            self._cache.apply_read(key, record, revision)
+
+    # -- release ---------------------------------------------------------------------
+
+    def release(self, name: str) -> pb.VirtualNode:
+        """Start releasing a node. Idempotent for RELEASING and RELEASED nodes."""
+        node_id = parse_node(name)
+        for _ in range(self._settings.max_attempts):
+            record = self._cache.get(k.NODES, node_id)
+            if record is None:
+                raise NotFound(
+                    f"node {name} does not exist; list nodes with `dxpool node list`",
+                    reason="NODE_NOT_FOUND",
+                )
+            node: pb.VirtualNode = record.value
+            if node.state in (pb.NODE_STATE_RELEASING, pb.NODE_STATE_RELEASED):
+                return node
+            txn = detach_txn(
+                self._store,
+                self._cache,
+                record,
+                pb.NODE_STATE_RELEASING,
+                "release requested; detaching GPUs",
+                self._clock(),
+            )
+            committed = self._store.commit(txn)
+            if committed.succeeded:
+                self._cache.apply_commit(committed.revision, txn.writes)
+                metrics.RELEASE_TOTAL.inc()
+                released: pb.VirtualNode = self._cache.get(k.NODES, node_id).value  # type: ignore[union-attr]
+                return released
+            self._refresh(committed.current)
+        raise Aborted(f"releasing {name} kept conflicting; retry", reason="COMMIT_CONFLICT")
+
+
+def detach_txn(
+    store: Store,
+    cache: Cache,
+    node_record: Versioned[pb.VirtualNode],
+    state: pb.NodeState.ValueType,
+    message: str,
+    now: float,
+) -> Txn:
+    """A transaction that moves a node to ``state`` and starts detaching its GPUs.
+
+    Its GPUs go DETACHING (they return to FREE once their agent confirms the detach)
+    and its attachments leave the host's allocation. Compares every record it read.
+    """
+    keys = store.keys
+    node = copy(node_record.value)
+    node.state = state
+    node.message = message
+    node.update_time.CopyFrom(timestamp(now))
+    for binding in node.gpus:
+        if binding.phase != pb.ATTACHMENT_PHASE_FAILED:
+            binding.phase = pb.ATTACHMENT_PHASE_DETACHING
+    node_key = keys.node(parse_node(node.name))
+    txn = Txn().expect_revision(node_key, node_record.mod_revision).put(node_key, node)
+    txn.read_on_failure(node_key)
+    for binding in node.gpus:
+        ref = parse_gpu(binding.gpu)
+        gpu_record = cache.get(k.GPUS, f"{ref.box}/{ref.slot}")
+        if gpu_record is None or gpu_record.value.node != node.name:
+            continue
+        gpu = copy(gpu_record.value)
+        gpu.state = pb.GPU_STATE_DETACHING
+        gpu_key = keys.gpu(ref.box, ref.slot)
+        txn.expect_revision(gpu_key, gpu_record.mod_revision).put(gpu_key, gpu)
+        txn.read_on_failure(gpu_key)
+    host_id = parse_host(node.host)
+    allocation_record = cache.get(k.HOST_ALLOCATIONS, host_id)
+    allocation_key = keys.host_allocation(host_id)
+    if allocation_record is not None and any(
+        a.node == node.name for a in allocation_record.value.attachments
+    ):
+        txn.expect_revision(allocation_key, allocation_record.mod_revision)
+        txn.put(allocation_key, without_node(allocation_record.value, node.host, node.name))
+        txn.read_on_failure(allocation_key)
+    return txn
+
+
+def _is_free(gpu: pb.Gpu) -> bool:
+    return gpu.state == pb.GPU_STATE_FREE and not gpu.node and gpu.health != pb.GPU_HEALTH_UNHEALTHY
+
+
+def _bindings(result: PlacementResult) -> list[pb.GpuBinding]:
+    assert result.placement is not None
+    return [
+        pb.GpuBinding(gpu=b.gpu, model=b.model, host_slot=b.host_slot, latency_ns=b.latency_ns)
+        for b in result.placement.bindings
+    ]
+
+
+def _unschedulable_message(spec: pb.NodeSpec, result: PlacementResult) -> str:
+    wanted = f"{spec.gpus.model or 'any'}:{spec.gpus.count}"
+    extra = []
+    if spec.host:
+        extra.append(f"on {spec.host}")
+    if spec.max_latency_ns:
+        extra.append(f"within {format_duration_ns(spec.max_latency_ns)}")
+    head = f"no placement for {wanted} GPUs" + (" " + " ".join(extra) if extra else "")
+    reasons = "; ".join(result.unsatisfied) or "no host can take the node"
+    return (
+        f"{head}: {reasons}. Relax the request (fewer GPUs, another model, a larger "
+        "max_latency, no host pin) or release nodes; `dxpool node plan` shows every candidate"
+    )
+
+
+def _generate_node_id() -> str:
+    return f"node-{secrets.token_hex(4)}"
+
+
+__all__ = ["ComposeSettings", "Composer", "detach_txn"]

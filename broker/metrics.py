@@ -1,0 +1,21 @@
+"""Prometheus metrics of the broker (``dxpool_`` prefix, base units, ``_total`` counters)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+COMPOSE_TOTAL = Counter("dxpool_compose_total", "ComposeNode calls by outcome", ["result"])
+COMPOSE_CONFLICTS = Counter(
+    "dxpool_compose_conflicts_total", "ComposeNode commits that lost a compare and were retried"
+)
+RELEASE_TOTAL = Counter("dxpool_release_total", "ReleaseNode calls that started a release")
+NODE_TRANSITIONS = Counter(
+    "dxpool_node_transitions_total", "Node state changes made by the controller", ["state"]
+)
+GPU_FREED = Counter("dxpool_gpus_freed_total", "GPUs returned to the pool after a confirmed detach")
+RPC_SECONDS = Histogram(
+    "dxpool_rpc_duration_seconds",
+    "Broker RPC latency",
+    ["method"],
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+)

@@ -1,0 +1,238 @@
+"""The plugin phases of the placement pipeline, one small Protocol per phase.
+
+Phases, in the order the pipeline runs them:
+
+1. **PreFilter** (:class:`PreFilterPlugin`) looks at the request and the whole snapshot
+   once and rejects a request that cannot fit whatever the inventory's state
+   (``UNRESOLVABLE``).
+2. **Filter**, at four granularities. :class:`BoxFilterPlugin` and
+   :class:`GpuFilterPlugin` do not depend on the host, so they run once per box, then
+   once per GPU of the boxes kept, and leave the *supply*: per usable box, the GPUs the
+   request may take. :class:`HostFilterPlugin` runs once per host, and
+   :class:`LinkFilterPlugin` once per (host, box) pair with the fabric's latency estimate
+   for that pair. Work is at box granularity: the cost is O(hosts x boxes), not
+   O(hosts x GPUs).
+3. **Select** (not a plugin): per host, a few greedy rules propose which boxes to take
+   GPUs from (:mod:`dxpool.broker.placement.selection`).
+4. **Score** (:class:`ScorePlugin`) rates every proposal, then normalizes its raw scores
+   across all proposals to 0-100; the pipeline sums the normalized scores with the
+   registry's weights and takes the best proposal, ties broken by host id.
+
+A plugin implements only the phases it needs. ``applies(request)`` lets a filter step
+aside for requests it has nothing to say about (a latency bound of 0, no memory
+minimum), so it costs nothing then. Filters return a :class:`Status`, never raise; every
+filter can also explain, after the fact, what it dropped and what was closest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from dxpool.broker.placement.model import (
+    BoxInfo,
+    GpuInfo,
+    HostInfo,
+    LatencyEstimate,
+    PlacementRequest,
+    Snapshot,
+)
+from dxpool.broker.placement.status import Status
+from dxpool.request import format_duration_ns
+
+MAX_SCORE = 100.0
+
+
+@dataclass(frozen=True, slots=True)
+class BoxSupply:
+    """A schedulable box and the GPUs of it that passed every GPU filter, lowest slot first."""
+
+    box: BoxInfo
+    gpus: tuple[GpuInfo, ...]
+    available: int = field(init=False)  # len(gpus), kept as a field: read in hot loops
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "available", len(self.gpus))
+
+
+@dataclass(frozen=True, slots=True)
+class Take:
+    """Take the first ``count`` GPUs of ``supply``, ``latency_ns`` away from the host."""
+
+    supply: BoxSupply
+    count: int
+    latency_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """One way to serve the request from one host: which boxes, how many GPUs from each.
+
+    ``rule`` names the greedy rule that proposed it; ``free_slots`` is the host's free
+    proxy slot count before the placement.
+    """
+
+    host: HostInfo
+    free_slots: int
+    takes: tuple[Take, ...]
+    rule: str
+    # Derived from ``takes`` once, since every score plugin reads them:
+    gpu_count: int = field(init=False)
+    box_count: int = field(init=False)
+    mean_latency_ns: float = field(init=False)
+    available_in_boxes: int = field(init=False)  # usable GPUs in the boxes it touches
+
+    def __post_init__(self) -> None:
+        gpus = sum(take.count for take in self.takes)
+        latency = sum(take.count * take.latency_ns for take in self.takes)
+        object.__setattr__(self, "gpu_count", gpus)
+        object.__setattr__(self, "box_count", len(self.takes))
+        object.__setattr__(self, "mean_latency_ns", latency / max(gpus, 1))
+        object.__setattr__(
+            self, "available_in_boxes", sum(take.supply.available for take in self.takes)
+        )
+
+    def describe(self) -> str:
+        """``"boxes/b1 x4 @1.2us, boxes/b2 x2 @2us"``."""
+        return ", ".join(
+            f"boxes/{take.supply.box.box} x{take.count} @{format_duration_ns(take.latency_ns)}"
+            for take in self.takes
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class DroppedLink:
+    """A (host, box) pair a link filter rejected, with the estimate it judged."""
+
+    host: HostInfo
+    box: BoxInfo
+    estimate: LatencyEstimate
+    gpus: int  # GPUs of the box's supply the host lost
+
+
+class Plugin(Protocol):
+    """What every plugin has: a unique name, used in reasons and in the registry."""
+
+    name: str
+
+
+class FilterPlugin(Protocol):
+    """What every filter has besides its phase method."""
+
+    name: str
+
+    def applies(self, request: PlacementRequest) -> bool:
+        """False when the filter would keep everything for this request."""
+        ...
+
+
+class PreFilterPlugin(Protocol):
+    """Rejects a request that cannot fit whatever the inventory's state."""
+
+    name: str
+
+    def pre_filter(self, request: PlacementRequest, snapshot: Snapshot) -> Status:
+        """SUCCESS, or UNRESOLVABLE with a reason naming the constraint and what exists."""
+        ...
+
+
+class GpuFilterPlugin(Protocol):
+    """Keeps or drops one GPU, whatever the host."""
+
+    name: str
+
+    def applies(self, request: PlacementRequest) -> bool:
+        """False when the filter would keep every GPU for this request."""
+        ...
+
+    def filter_gpu(self, request: PlacementRequest, gpu: GpuInfo) -> Status: ...
+
+    def label(self, request: PlacementRequest) -> str:
+        """What the GPUs that pass are, for counts: ``"free"``, ``"with >= 80GiB"``."""
+        ...
+
+    def closest(self, request: PlacementRequest, dropped: Sequence[GpuInfo]) -> str | None:
+        """The nearest thing to what was asked among ``dropped`` (None if nothing useful)."""
+        ...
+
+
+class BoxFilterPlugin(Protocol):
+    """Keeps or drops a whole box, whatever the host."""
+
+    name: str
+
+    def applies(self, request: PlacementRequest) -> bool: ...
+
+    def filter_box(self, request: PlacementRequest, box: BoxInfo) -> Status: ...
+
+    def label(self, request: PlacementRequest) -> str:
+        """What the GPUs of the boxes that pass are: ``"in schedulable boxes"``."""
+        ...
+
+
+class HostFilterPlugin(Protocol):
+    """Keeps or drops one host."""
+
+    name: str
+
+    def applies(self, request: PlacementRequest) -> bool: ...
+
+    def filter_host(self, request: PlacementRequest, host: HostInfo) -> Status: ...
+
+    def explain(
+        self, request: PlacementRequest, failed: Sequence[HostInfo], reached: int
+    ) -> str | None:
+        """One line on the constraint, given the ``failed`` hosts among ``reached`` checked.
+
+        Returns None when there is nothing to add (the failures are explained elsewhere).
+        """
+        ...
+
+
+class LinkFilterPlugin(Protocol):
+    """Keeps or drops one box for one host, given the fabric's latency estimate."""
+
+    name: str
+
+    def applies(self, request: PlacementRequest) -> bool: ...
+
+    def filter_link(
+        self,
+        request: PlacementRequest,
+        host: HostInfo,
+        box: BoxInfo,
+        estimate: LatencyEstimate,
+    ) -> Status: ...
+
+    def explain(self, request: PlacementRequest, nearest: Sequence[DroppedLink]) -> str | None:
+        """One line on the constraint, given the nearest dropped link of each host."""
+        ...
+
+
+class ScorePlugin(Protocol):
+    """Rates proposals. Higher normalized scores are better."""
+
+    name: str
+
+    def score(self, request: PlacementRequest, proposal: Proposal) -> float:
+        """A raw score; its meaning (and direction) is the plugin's own."""
+        ...
+
+    def normalize(self, scores: Sequence[float]) -> list[float]:
+        """Map the raw scores of all proposals to 0-100, higher better, same order."""
+        ...
+
+
+def scale_to_best(scores: Sequence[float]) -> list[float]:
+    """Higher-is-better raw scores (>= 0): the best becomes 100, the rest in proportion."""
+    best = max(scores, default=0.0)
+    if best <= 0:
+        return [0.0 for _ in scores]
+    return [MAX_SCORE * max(score, 0.0) / best for score in scores]
+
+
+def invert_to_best(costs: Sequence[float]) -> list[float]:
+    """Lower-is-better raw costs (>= 0): the lowest becomes 100, others ``100 * best/cost``."""
+    best = min(costs, default=0.0)
+    return [MAX_SCORE if cost <= best else MAX_SCORE * best / cost for cost in costs]

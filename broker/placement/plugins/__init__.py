@@ -1,0 +1,1 @@
+"""The placement plugins, one small class per job. The registry lists which run."""

@@ -1,0 +1,129 @@
+"""GPU filters: which GPUs a request may take, whatever the host.
+
+Each keeps or drops one GPU. The pipeline runs them in registry order and counts the
+GPUs that pass each one, so a failed placement can say where the supply ran out
+("512 in the pool, 12 H100, 3 free; 4 H100 requested").
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from dxpool.broker.placement.model import GpuInfo, PlacementRequest
+from dxpool.broker.placement.status import SUCCESS, Status
+from dxpool.broker.placement.text import format_memory
+
+
+class GpuModel:
+    """Keeps GPUs of the requested model (case-insensitive); any model when it is ""."""
+
+    name = "gpu_model"
+
+    def applies(self, request: PlacementRequest) -> bool:
+        return bool(request.model)
+
+    def filter_gpu(self, request: PlacementRequest, gpu: GpuInfo) -> Status:
+        if gpu.model.casefold() == request.model.casefold():
+            return SUCCESS
+        return Status.unschedulable(f"model {gpu.model}, not {request.model}", plugin=self.name)
+
+    def label(self, request: PlacementRequest) -> str:
+        return request.model
+
+    def closest(self, request: PlacementRequest, dropped: Sequence[GpuInfo]) -> str | None:
+        """The other models that have free healthy GPUs, most first."""
+        free = Counter(gpu.model for gpu in dropped if gpu.free and gpu.healthy)
+        if not free:
+            return None
+        ranked = sorted(free.items(), key=lambda item: (-item[1], item[0]))
+        return "free GPUs of other models: " + ", ".join(f"{m} {n}" for m, n in ranked)
+
+
+class GpuMemory:
+    """Keeps GPUs with at least ``min_memory_mib``."""
+
+    name = "gpu_memory"
+
+    def applies(self, request: PlacementRequest) -> bool:
+        return request.min_memory_mib > 0
+
+    def filter_gpu(self, request: PlacementRequest, gpu: GpuInfo) -> Status:
+        if gpu.memory_mib >= request.min_memory_mib:
+            return SUCCESS
+        return Status.unschedulable(
+            f"{format_memory(gpu.memory_mib)} of memory, "
+            f"{format_memory(request.min_memory_mib)} needed",
+            plugin=self.name,
+        )
+
+    def label(self, request: PlacementRequest) -> str:
+        return f"with >= {format_memory(request.min_memory_mib)}"
+
+    def closest(self, request: PlacementRequest, dropped: Sequence[GpuInfo]) -> str | None:
+        """The most memory a free healthy GPU that this filter dropped has."""
+        free = [gpu for gpu in dropped if gpu.free and gpu.healthy]
+        if not free:
+            return None
+        largest = min(free, key=lambda gpu: (-gpu.memory_mib, gpu.name))
+        return (
+            f"the largest free GPU below {format_memory(request.min_memory_mib)} has "
+            f"{format_memory(largest.memory_mib)} ({largest.name})"
+        )
+
+
+class GpuFree:
+    """Keeps GPUs that are FREE and have no owner."""
+
+    name = "gpu_free"
+    _NOT_FREE = Status.unschedulable("in use", plugin=name)
+
+    def applies(self, request: PlacementRequest) -> bool:
+        return True
+
+    def filter_gpu(self, request: PlacementRequest, gpu: GpuInfo) -> Status:
+        return SUCCESS if gpu.free else self._NOT_FREE
+
+    def label(self, request: PlacementRequest) -> str:
+        return "free"
+
+    def closest(self, request: PlacementRequest, dropped: Sequence[GpuInfo]) -> str | None:
+        return None
+
+
+class GpuHealthy:
+    """Keeps GPUs not reported unhealthy."""
+
+    name = "gpu_healthy"
+    _UNHEALTHY = Status.unschedulable("unhealthy", plugin=name)
+
+    def applies(self, request: PlacementRequest) -> bool:
+        return True
+
+    def filter_gpu(self, request: PlacementRequest, gpu: GpuInfo) -> Status:
+        return SUCCESS if gpu.healthy else self._UNHEALTHY
+
+    def label(self, request: PlacementRequest) -> str:
+        return "healthy"
+
+    def closest(self, request: PlacementRequest, dropped: Sequence[GpuInfo]) -> str | None:
+        return None
+
+
+class GpuNotExcluded:
+    """Drops the GPUs the request names in ``exclude_gpus``."""
+
+    name = "gpu_not_excluded"
+    _EXCLUDED = Status.unschedulable("excluded by the request", plugin=name)
+
+    def applies(self, request: PlacementRequest) -> bool:
+        return bool(request.exclude_gpus)
+
+    def filter_gpu(self, request: PlacementRequest, gpu: GpuInfo) -> Status:
+        return self._EXCLUDED if gpu.name in request.exclude_gpus else SUCCESS
+
+    def label(self, request: PlacementRequest) -> str:
+        return "not excluded"
+
+    def closest(self, request: PlacementRequest, dropped: Sequence[GpuInfo]) -> str | None:
+        return None

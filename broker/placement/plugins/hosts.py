@@ -1,0 +1,90 @@
+"""Host filters: which hosts can take the node."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dxpool.broker.placement.model import HostInfo, PlacementRequest
+from dxpool.broker.placement.status import SUCCESS, Status
+from dxpool.broker.placement.text import plural, sample_names
+
+
+class PinnedHost:
+    """When the request pins a host, keeps that host only."""
+
+    name = "pinned_host"
+
+    def applies(self, request: PlacementRequest) -> bool:
+        return request.host is not None
+
+    def filter_host(self, request: PlacementRequest, host: HostInfo) -> Status:
+        if host.host == request.host:
+            return SUCCESS
+        return Status.unschedulable(f"not the pinned host hosts/{request.host}", plugin=self.name)
+
+    def explain(
+        self, request: PlacementRequest, failed: Sequence[HostInfo], reached: int
+    ) -> str | None:
+        return None  # skipping the other hosts is the point of a pin, not a failure
+
+
+class HostAlive:
+    """Keeps hosts whose agent holds its etcd lease."""
+
+    name = "host_alive"
+    _DEAD = Status.unschedulable("not alive: its agent's lease expired", plugin=name)
+
+    def applies(self, request: PlacementRequest) -> bool:
+        return True
+
+    def filter_host(self, request: PlacementRequest, host: HostInfo) -> Status:
+        return SUCCESS if host.alive else self._DEAD
+
+    def explain(
+        self, request: PlacementRequest, failed: Sequence[HostInfo], reached: int
+    ) -> str | None:
+        if not failed:
+            return None
+        if reached == 1:
+            return f"hosts: hosts/{failed[0].host} is not alive (its agent's lease expired)"
+        if len(failed) == reached:
+            return f"hosts: none of the {reached} hosts is alive"
+        names = sample_names([f"hosts/{host.host}" for host in failed])
+        return f"hosts: {len(failed)} of {reached} not alive ({names})"
+
+
+class HostSlots:
+    """Keeps hosts with at least ``count`` free proxy slots."""
+
+    name = "host_slots"
+
+    def applies(self, request: PlacementRequest) -> bool:
+        return True
+
+    def filter_host(self, request: PlacementRequest, host: HostInfo) -> Status:
+        free = host.free_slot_count()
+        if free >= request.count:
+            return SUCCESS
+        return Status.unschedulable(
+            f"{plural(free, 'free proxy slot')}, {request.count} needed", plugin=self.name
+        )
+
+    def explain(
+        self, request: PlacementRequest, failed: Sequence[HostInfo], reached: int
+    ) -> str | None:
+        if not failed:
+            return None
+        roomiest = min(failed, key=lambda host: (-host.free_slot_count(), host.host))
+        most = roomiest.free_slot_count()
+        if reached == 1:
+            return (
+                f"host capacity: hosts/{roomiest.host} has {plural(most, 'free proxy slot')}, "
+                f"{request.count} needed"
+            )
+        kind = "alive host" if all(host.alive for host in failed) else "host"
+        if most == 0 and len(failed) == reached:
+            return f"hosts: no {kind} has a free slot"
+        return (
+            f"host capacity: {len(failed)} of {reached} hosts have fewer than "
+            f"{request.count} free proxy slots; the most is {most} on hosts/{roomiest.host}"
+        )

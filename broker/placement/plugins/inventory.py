@@ -1,0 +1,67 @@
+"""PreFilters: requests the pool cannot serve whatever state its GPUs and hosts are in."""
+
+from __future__ import annotations
+
+from dxpool.broker.placement.model import PlacementRequest, Snapshot
+from dxpool.broker.placement.status import SUCCESS, Status
+from dxpool.broker.placement.text import format_memory, plural
+
+
+class PoolInventory:
+    """UNRESOLVABLE when the pool holds fewer than ``count`` GPUs of the model and memory
+    asked for, counting every GPU whatever its state: only new boxes can help."""
+
+    name = "pool_inventory"
+
+    def pre_filter(self, request: PlacementRequest, snapshot: Snapshot) -> Status:
+        model = request.model.casefold()
+        memory = request.min_memory_mib
+        held = 0
+        models: dict[str, int] = {}
+        for gpus in snapshot.gpus_by_box.values():
+            for gpu in gpus:
+                if model and gpu.model.casefold() != model:
+                    models[gpu.model] = models.get(gpu.model, 0) + 1
+                elif gpu.memory_mib >= memory:
+                    held += 1
+        if held >= request.count:
+            return SUCCESS
+        what = f"model {request.model}" if request.model else "gpus"
+        if memory:
+            what += f" with >= {format_memory(memory)}"
+        reason = f"{what}: the pool holds {held} in all, {request.count} requested"
+        if models and held == 0:
+            ranked = sorted(models.items(), key=lambda item: (-item[1], item[0]))
+            reason += "; models in the pool: " + ", ".join(f"{m} {n}" for m, n in ranked)
+        return Status.unresolvable(reason, plugin=self.name)
+
+
+class HostCapacity:
+    """UNRESOLVABLE when no host that may be used has ``count`` proxy slots in all;
+    UNSCHEDULABLE when no host is registered yet."""
+
+    name = "host_capacity"
+
+    def pre_filter(self, request: PlacementRequest, snapshot: Snapshot) -> Status:
+        if request.host is not None:
+            pinned = snapshot.hosts.get(request.host)
+            if pinned is None:
+                return Status.unresolvable(
+                    f"host: hosts/{request.host} is not registered", plugin=self.name
+                )
+            hosts = [pinned]
+        else:
+            hosts = list(snapshot.hosts.values())
+        if not hosts:
+            return Status.unschedulable("hosts: no host is registered", plugin=self.name)
+        largest = min(hosts, key=lambda host: (-host.slot_capacity, host.host))
+        if largest.slot_capacity >= request.count:
+            return SUCCESS
+        slots = plural(largest.slot_capacity, "proxy slot")
+        if request.host is not None:
+            where = f"hosts/{largest.host} has {slots} in all"
+        else:
+            where = f"the largest host, hosts/{largest.host}, has {slots}"
+        return Status.unresolvable(
+            f"host capacity: {where}, {request.count} needed", plugin=self.name
+        )

@@ -1,0 +1,134 @@
+"""The placement view of the inventory, kept current from cache events.
+
+Placement needs, per box, its GPUs with their free/healthy flags, and per host, its
+proxy slots in use and whether its agent is alive. Rebuilding that from every record on
+each ComposeNode would cost O(GPUs); this index updates incrementally as the cache
+changes and hands out immutable snapshots in O(boxes + hosts).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from dxpool.api.v1 import resources_pb2 as pb
+from dxpool.broker.cache import Cache
+from dxpool.broker.placement.model import BoxInfo, GpuInfo, HostInfo, Snapshot
+from dxpool.broker.store import Versioned
+from dxpool.fabric.latency import Place
+from dxpool.store import keys as k
+
+
+def box_place(box: pb.Box) -> Place:
+    return Place(box.name, box.location.site, box.location.pod, box.location.rack)
+
+
+def host_place(host: pb.Host) -> Place:
+    return Place(host.name, host.location.site, host.location.pod, host.location.rack)
+
+
+def gpu_info(gpu: pb.Gpu) -> GpuInfo:
+    return GpuInfo(
+        name=gpu.name,
+        box=gpu.box.removeprefix("boxes/"),
+        slot=gpu.slot,
+        model=gpu.model,
+        memory_mib=gpu.memory_mib,
+        free=gpu.state == pb.GPU_STATE_FREE and not gpu.node,
+        healthy=gpu.health != pb.GPU_HEALTH_UNHEALTHY,
+    )
+
+
+class PlacementIndex:
+    """Subscribes to a :class:`Cache`; ``snapshot()`` is safe from any thread."""
+
+    def __init__(self, cache: Cache) -> None:
+        self._lock = threading.Lock()
+        self._boxes: dict[str, BoxInfo] = {}
+        self._gpus: dict[str, dict[int, GpuInfo]] = {}
+        self._gpu_tuples: dict[str, tuple[GpuInfo, ...]] = {}
+        self._host_records: dict[str, pb.Host] = {}
+        self._used_slots: dict[str, frozenset[int]] = {}
+        self._alive: set[str] = set()
+        self._hosts: dict[str, HostInfo] = {}
+        self._version = 0
+        self._cache = cache
+        self._unsubscribe = cache.subscribe(self._on_change)
+        for collection in (k.BOXES, k.GPUS, k.HOSTS, k.HOST_LEASES, k.HOST_ALLOCATIONS):
+            for name, record in cache.items(collection):
+                self._on_change(collection, name, record)
+
+    def close(self) -> None:
+        self._unsubscribe()
+
+    def _on_change(self, collection: str, name: str, record: Versioned[Any] | None) -> None:
+        with self._lock:
+            self._version += 1
+            if collection == k.BOXES:
+                if record is None:
+                    self._boxes.pop(name, None)
+                else:
+                    box: pb.Box = record.value
+                    self._boxes[name] = BoxInfo(
+                        box=name,
+                        place=box_place(box),
+                        schedulable=box.state == pb.BOX_STATE_ACTIVE,
+                    )
+            elif collection == k.GPUS:
+                box_id, _, slot = name.partition("/")
+                slots = self._gpus.setdefault(box_id, {})
+                if record is None:
+                    slots.pop(int(slot), None)
+                    if not slots:
+                        self._gpus.pop(box_id, None)
+                else:
+                    slots[int(slot)] = gpu_info(record.value)
+                self._gpu_tuples.pop(box_id, None)
+            elif collection in (k.HOSTS, k.HOST_LEASES, k.HOST_ALLOCATIONS):
+                self._on_host_change(collection, name, record)
+
+    def _on_host_change(self, collection: str, name: str, record: Versioned[Any] | None) -> None:
+        if collection == k.HOSTS:
+            if record is None:
+                self._host_records.pop(name, None)
+            else:
+                self._host_records[name] = record.value
+        elif collection == k.HOST_LEASES:
+            if record is None:
+                self._alive.discard(name)
+            else:
+                self._alive.add(name)
+        else:
+            allocation: pb.HostAllocation | None = record.value if record else None
+            self._used_slots[name] = frozenset(
+                a.host_slot for a in (allocation.attachments if allocation else ())
+            )
+        host = self._host_records.get(name)
+        if host is None:
+            self._hosts.pop(name, None)
+            return
+        self._hosts[name] = HostInfo(
+            host=name,
+            place=host_place(host),
+            slot_capacity=host.slot_capacity,
+            used_slots=self._used_slots.get(name, frozenset()),
+            alive=name in self._alive,
+        )
+
+    @property
+    def version(self) -> int:
+        """Changes whenever the view changes; equal versions mean equal snapshots."""
+        with self._lock:
+            return self._version
+
+    def snapshot(self) -> Snapshot:
+        """An immutable view of the inventory as of now."""
+        with self._lock:
+            for box_id, slots in self._gpus.items():
+                if box_id not in self._gpu_tuples:
+                    self._gpu_tuples[box_id] = tuple(slots[s] for s in sorted(slots))
+            return Snapshot(
+                boxes=dict(self._boxes),
+                hosts=dict(self._hosts),
+                gpus_by_box=dict(self._gpu_tuples),
+            )

@@ -1,0 +1,205 @@
+"""Typed access to the records dxpool keeps in etcd, and transactions over them.
+
+A record is a protobuf message stored under a key built by :class:`KeySchema`. Reads
+return :class:`Versioned` values that carry the etcd revisions, and every change is a
+:class:`Txn`: compares on the revisions the caller read plus the writes, committed in one
+etcd transaction, so a GPU can never be given to two nodes even with several brokers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import etcd3
+import grpc
+from etcd3 import transactions
+from google.protobuf.message import Message
+
+from dxpool.api.v1 import resources_pb2 as pb
+from dxpool.errors import InvalidArgument, Unavailable
+from dxpool.store import keys as k
+from dxpool.store.keys import KeySchema
+
+# etcd's default --max-txn-ops; compares, successes and failures are each bounded by it.
+MAX_TXN_OPS = 128
+
+MESSAGE_TYPES: dict[str, type[Message] | None] = {
+    k.BOXES: pb.Box,
+    k.GPUS: pb.Gpu,
+    k.HOSTS: pb.Host,
+    k.HOST_LEASES: None,
+    k.HOST_ALLOCATIONS: pb.HostAllocation,
+    k.HOST_STATUSES: pb.HostStatus,
+    k.NODES: pb.VirtualNode,
+    k.REQUESTS: None,
+}
+
+M = TypeVar("M")
+
+
+@dataclass(frozen=True)
+class Versioned(Generic[M]):
+    """A record as read at ``mod_revision``. Never mutate ``value``: copy it first."""
+
+    value: M
+    mod_revision: int
+    create_revision: int
+
+
+def decode(collection: str, raw: bytes) -> Any:
+    """Bytes from etcd -> the collection's message (or the raw bytes for untyped ones)."""
+    message_type = MESSAGE_TYPES[collection]
+    if message_type is None:
+        return raw
+    message = message_type()
+    message.ParseFromString(raw)
+    return message
+
+
+def encode(value: Message | bytes | str) -> bytes:
+    if isinstance(value, Message):
+        return value.SerializeToString(deterministic=True)
+    if isinstance(value, str):
+        return value.encode()
+    return value
+
+
+@dataclass
+class Txn:
+    """One etcd transaction: compares on what was read, then writes.
+
+    ``expect_*`` add compares; ``put``/``delete`` add writes; ``read_on_failure`` asks etcd
+    to return the current values of keys when a compare fails (one round trip to refresh).
+    Raises :class:`InvalidArgument` when the transaction would exceed etcd's op limit.
+    """
+
+    compares: list[Any] = field(default_factory=list)
+    success: list[Any] = field(default_factory=list)
+    failure: list[Any] = field(default_factory=list)
+    failure_keys: list[str] = field(default_factory=list)
+    writes: list[tuple[str, Message | bytes | str | None]] = field(default_factory=list)
+
+    def expect_revision(self, key: str, mod_revision: int) -> Txn:
+        """The key is unchanged since it was read at ``mod_revision`` (0: it is absent)."""
+        if mod_revision == 0:
+            self.compares.append(transactions.Create(key) == 0)
+        else:
+            self.compares.append(transactions.Mod(key) == mod_revision)
+        return self
+
+    def expect_absent(self, key: str) -> Txn:
+        self.compares.append(transactions.Create(key) == 0)
+        return self
+
+    def expect_present(self, key: str) -> Txn:
+        self.compares.append(transactions.Version(key) > 0)
+        return self
+
+    def put(self, key: str, value: Message | bytes | str) -> Txn:
+        self.success.append(transactions.Put(key, encode(value)))
+        self.writes.append((key, value))
+        return self
+
+    def delete(self, key: str) -> Txn:
+        self.success.append(transactions.Delete(key))
+        self.writes.append((key, None))
+        return self
+
+    def read_on_failure(self, key: str) -> Txn:
+        self.failure.append(transactions.Get(key))
+        self.failure_keys.append(key)
+        return self
+
+    def check_size(self) -> None:
+        largest = max(len(self.compares), len(self.success), len(self.failure))
+        if largest > MAX_TXN_OPS:
+            raise InvalidArgument(
+                f"request needs {largest} operations in one etcd transaction, more than "
+                f"etcd's limit of {MAX_TXN_OPS}; ask for fewer GPUs",
+                reason="TXN_TOO_LARGE",
+            )
+
+
+@dataclass(frozen=True)
+class TxnResult:
+    """Outcome of :meth:`Store.commit`.
+
+    ``revision`` is the store revision after the commit (or at the failed compare);
+    ``current`` maps each ``read_on_failure`` key to its record (None if absent).
+    """
+
+    succeeded: bool
+    revision: int
+    current: dict[str, Versioned[Any] | None]
+
+
+class Store:
+    """etcd client plus key schema; the only place that talks to etcd for the broker."""
+
+    def __init__(self, client: etcd3.MultiEndpointEtcd3Client, schema: KeySchema) -> None:
+        self.client = client
+        self.keys = schema
+
+    def commit(self, txn: Txn) -> TxnResult:
+        """Commit ``txn``; raises :class:`Unavailable` when etcd cannot be reached."""
+        txn.check_size()
+        succeeded, responses = _call_etcd(
+            lambda: self.client.transaction(
+                compare=txn.compares, success=txn.success, failure=txn.failure
+            )
+        )
+        revision = _txn_revision(responses)
+        current: dict[str, Versioned[Any] | None] = {}
+        if not succeeded:
+            for key, response in zip(txn.failure_keys, responses, strict=True):
+                current[key] = self._versioned_from_range(key, response)
+        return TxnResult(bool(succeeded), revision, current)
+
+    def _versioned_from_range(self, key: str, response: Any) -> Versioned[Any] | None:
+        kvs = list(response)
+        if not kvs:
+            return None
+        value, meta = kvs[0]
+        collection, _ = self.keys.split(key)
+        return Versioned(decode(collection, value), meta.mod_revision, meta.create_revision)
+
+    def get(self, key: str) -> Versioned[Any] | None:
+        """Read one record straight from etcd (linearizable)."""
+        value, meta = _call_etcd(lambda: self.client.get(key))
+        if value is None:
+            return None
+        collection, _ = self.keys.split(key)
+        return Versioned(decode(collection, value), meta.mod_revision, meta.create_revision)
+
+
+def _txn_revision(responses: Any) -> int:
+    # python3-etcd3 drops the TxnResponse header; the per-op responses carry one.
+    for response in responses or []:
+        which = getattr(response, "WhichOneof", None)
+        if which is None:
+            continue
+        kind = which("response")
+        if kind and getattr(response, kind).header.revision:
+            return int(getattr(response, kind).header.revision)
+    return 0
+
+
+T = TypeVar("T")
+
+
+def _call_etcd(call: Callable[[], T]) -> T:
+    """Run an etcd call, turning transport failures into :class:`Unavailable`."""
+    try:
+        return call()
+    except (etcd3.exceptions.ConnectionFailedError, etcd3.exceptions.ConnectionTimeoutError) as exc:
+        raise Unavailable(
+            f"etcd is unreachable ({type(exc).__name__}); check the etcd endpoints and retry",
+            reason="ETCD_UNAVAILABLE",
+        ) from exc
+    except grpc.RpcError as exc:
+        raise Unavailable(
+            f"etcd call failed: {exc.code().name}: {exc.details()}; retry",
+            reason="ETCD_UNAVAILABLE",
+        ) from exc

@@ -1,0 +1,74 @@
+"""Host filters and their one-line accounts of what they dropped."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from dxpool.broker.placement.model import HostInfo, Place, PlacementRequest
+from dxpool.broker.placement.plugins.hosts import HostAlive, HostSlots, PinnedHost
+from dxpool.broker.placement.status import Code
+
+
+def host(name: str, slots: int = 8, used: Iterable[int] = (), alive: bool = True) -> HostInfo:
+    return HostInfo(name, Place(f"hosts/{name}"), slots, frozenset(used), alive)
+
+
+def test_pinned_host_keeps_only_the_pin() -> None:
+    plugin = PinnedHost()
+    request = PlacementRequest("", 1, host="h1")
+    assert plugin.applies(request)
+    assert plugin.filter_host(request, host("h1")).ok
+    assert plugin.filter_host(request, host("h2")).reasons == ("not the pinned host hosts/h1",)
+    assert not plugin.applies(PlacementRequest("", 1))
+    assert plugin.explain(request, [host("h2")], 2) is None
+
+
+def test_alive() -> None:
+    plugin = HostAlive()
+    request = PlacementRequest("", 1)
+    assert plugin.filter_host(request, host("h1")).ok
+    status = plugin.filter_host(request, host("h1", alive=False))
+    assert status.code is Code.UNSCHEDULABLE
+    assert status.reasons == ("not alive: its agent's lease expired",)
+
+
+def test_alive_explains_one_some_or_all() -> None:
+    plugin = HostAlive()
+    request = PlacementRequest("", 1)
+    dead = [host(f"h{i}", alive=False) for i in range(5)]
+    assert plugin.explain(request, dead[:1], 1) == (
+        "hosts: hosts/h0 is not alive (its agent's lease expired)"
+    )
+    assert plugin.explain(request, dead[:2], 2) == "hosts: none of the 2 hosts is alive"
+    assert plugin.explain(request, dead, 9) == (
+        "hosts: 5 of 9 not alive (hosts/h0, hosts/h1, hosts/h2 and 2 more)"
+    )
+    assert plugin.explain(request, [], 3) is None
+
+
+def test_slots_count_only_free_slots_within_capacity() -> None:
+    plugin = HostSlots()
+    request = PlacementRequest("", 3)
+    assert plugin.filter_host(request, host("h1", 4, used=[0, 7])).ok  # 7 is out of range
+    assert plugin.filter_host(request, host("h1", 4, used=[0, 1])).reasons == (
+        "2 free proxy slots, 3 needed",
+    )
+    assert plugin.filter_host(request, host("h1", 4, used=[0, 1, 2])).reasons == (
+        "1 free proxy slot, 3 needed",
+    )
+
+
+def test_slots_explain_names_the_roomiest_host() -> None:
+    plugin = HostSlots()
+    request = PlacementRequest("", 4)
+    one = [host("h1", 8, used=range(6))]
+    assert plugin.explain(request, one, 1) == (
+        "host capacity: hosts/h1 has 2 free proxy slots, 4 needed"
+    )
+    some = [host("h1", 8, used=range(6)), host("h2", 8, used=range(5)), host("h3", 2)]
+    assert plugin.explain(request, some, 5) == (
+        "host capacity: 3 of 5 hosts have fewer than 4 free proxy slots; the most is 3 on hosts/h2"
+    )
+    full = [host("h1", 2, used=[0, 1]), host("h2", 1, used=[0])]
+    assert plugin.explain(request, full, 2) == "hosts: no alive host has a free slot"
+    assert plugin.explain(request, [], 2) is None
