@@ -1,0 +1,1 @@
+"""The ``dxpool`` subcommands, one module per noun."""

@@ -1,0 +1,37 @@
+"""``dxpool gpu list|get``: the GPUs of every box."""
+
+from __future__ import annotations
+
+import click
+
+from dxpool.cli.context import CliContext, pass_cli
+from dxpool.cli.output import OutputFormat, output_option, print_many, print_one
+from dxpool.cli.params import BOX, GPU, GPU_STATE
+from dxpool.cli.views import GPU_VIEW
+
+
+@click.group()
+def gpu() -> None:
+    """List GPUs and their state."""
+
+
+@gpu.command("list")
+@click.option("--box", "parent", type=BOX, default=None, help="Only the GPUs of this box.")
+@click.option("--state", type=GPU_STATE, default=None, help="Only GPUs in this state (free...).")
+@click.option("--model", default="", help="Only GPUs of this model.")
+@output_option()
+@pass_cli
+def list_(
+    cli: CliContext, parent: str | None, state: int | None, model: str, output: OutputFormat
+) -> None:
+    """List GPUs, e.g. the free ones: `dxpool gpu list --state free`."""
+    print_many(cli.client().list_gpus(parent=parent, state=state, model=model), GPU_VIEW, output)
+
+
+@gpu.command("get")
+@click.argument("name", metavar="GPU", type=GPU)
+@output_option()
+@pass_cli
+def get(cli: CliContext, name: str, output: OutputFormat) -> None:
+    """Show one GPU: BOX/SLOT (e.g. box1/3)."""
+    print_one(cli.client().get_gpu(name), GPU_VIEW, output)

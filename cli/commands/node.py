@@ -1,0 +1,253 @@
+"""``dxpool node create|plan|list|get|delete|watch``: virtual nodes (a host plus GPUs)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+from dxpool.api.v1 import nodes_pb2, resources_pb2
+from dxpool.cli.context import CliContext, pass_cli
+from dxpool.cli.output import (
+    DOCUMENT_FORMATS,
+    OutputFormat,
+    StreamPrinter,
+    dump,
+    format_table,
+    info,
+    output_option,
+    print_many,
+    print_one,
+    to_dict,
+)
+from dxpool.cli.params import GPUS, HOST, LABEL, LATENCY, MEMORY, NODE, SECONDS, labels_dict
+from dxpool.cli.views import (
+    BINDING_VIEW,
+    CANDIDATE_VIEW,
+    NODE_STREAM_WIDTHS,
+    NODE_VIEW,
+    short,
+)
+from dxpool.client import node_state_name
+from dxpool.request import GpuSpec
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+NodeState = resources_pb2.NodeState
+DEFAULT_WAIT = "120s"
+
+
+def _request_options(command: _F) -> _F:
+    """The options that describe a node, shared by ``create`` and ``plan``."""
+    options = [
+        click.option(
+            "--gpus",
+            type=GPUS,
+            required=True,
+            help="MODEL:COUNT (e.g. H100:4), MODEL (one GPU), or COUNT (any model).",
+        ),
+        click.option("--host", "host_name", type=HOST, default=None, help="Pin to this host."),
+        click.option(
+            "--max-latency",
+            type=LATENCY,
+            default=None,
+            help="Most host-to-box round trip for every GPU, e.g. 4us.",
+        ),
+        click.option("--min-memory", type=MEMORY, default=None, help="Least memory per GPU."),
+        click.option("--vfio", is_flag=True, help="Bind the GPUs to vfio-pci for a VM."),
+        click.option("--tenant", default="", help="Tenant the node belongs to."),
+        click.option("--label", "labels", type=LABEL, multiple=True, help="KEY=VALUE; repeatable."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _request_kwargs(
+    *,
+    host_name: str | None,
+    max_latency: int | None,
+    min_memory: int | None,
+    vfio: bool,
+    tenant: str,
+    labels: tuple[tuple[str, str], ...],
+) -> dict[str, Any]:
+    return {
+        "host": host_name,
+        "max_latency": max_latency,
+        "min_memory": min_memory,
+        "vfio": vfio,
+        "tenant": tenant,
+        "labels": labels_dict(labels),
+    }
+
+
+@click.group()
+def node() -> None:
+    """Compose, inspect and release virtual nodes."""
+
+
+@node.command("create")
+@_request_options
+@click.option("--name", "node_id", default=None, help="Node id; generated when not given.")
+@click.option("--request-id", default=None, help="Idempotency key; a retry returns the node.")
+@click.option("--wait", is_flag=True, help="Wait until the node is READY.")
+@click.option(
+    "--timeout",
+    type=SECONDS,
+    default=DEFAULT_WAIT,
+    show_default=True,
+    help="How long --wait waits.",
+)
+@output_option()
+@pass_cli
+def create(
+    cli: CliContext,
+    *,
+    gpus: GpuSpec,
+    host_name: str | None,
+    max_latency: int | None,
+    min_memory: int | None,
+    vfio: bool,
+    tenant: str,
+    labels: tuple[tuple[str, str], ...],
+    node_id: str | None,
+    request_id: str | None,
+    wait: bool,
+    timeout: float,
+    output: OutputFormat,
+) -> None:
+    """Compose a node, e.g. `dxpool node create --gpus H100:4 --max-latency 4us --wait`."""
+    client = cli.client()
+    created = client.compose_node(
+        gpus,
+        node_id=node_id,
+        request_id=request_id,
+        **_request_kwargs(
+            host_name=host_name,
+            max_latency=max_latency,
+            min_memory=min_memory,
+            vfio=vfio,
+            tenant=tenant,
+            labels=labels,
+        ),
+    )
+    info(f"{created.name} created on {created.host or 'a host to be chosen'}")
+    if wait:
+        info(f"waiting up to {timeout:g}s for {created.name} to become READY")
+        created = client.wait_for_node(created.name, timeout_s=timeout)
+    print_one(created, NODE_VIEW, output)
+
+
+@node.command("plan")
+@_request_options
+@output_option(DOCUMENT_FORMATS)
+@pass_cli
+def plan(
+    cli: CliContext,
+    *,
+    gpus: GpuSpec,
+    host_name: str | None,
+    max_latency: int | None,
+    min_memory: int | None,
+    vfio: bool,
+    tenant: str,
+    labels: tuple[tuple[str, str], ...],
+    output: OutputFormat,
+) -> None:
+    """Show where `node create` with these flags would go, and why; commits nothing."""
+    result = cli.client().plan_node(
+        gpus,
+        **_request_kwargs(
+            host_name=host_name,
+            max_latency=max_latency,
+            min_memory=min_memory,
+            vfio=vfio,
+            tenant=tenant,
+            labels=labels,
+        ),
+    )
+    if output in (OutputFormat.JSON, OutputFormat.YAML):
+        click.echo(dump(to_dict(result), output).rstrip("\n"))
+        return
+    _print_plan(result, wide=output is OutputFormat.WIDE)
+
+
+def _print_plan(result: nodes_pb2.NodePlan, *, wide: bool) -> None:
+    sections: list[str] = []
+    if result.host:
+        bindings = format_table(
+            BINDING_VIEW.headers(wide), (BINDING_VIEW.row(g, wide) for g in result.gpus)
+        )
+        sections.append(f"placement: {short(result.host)}\n{bindings}")
+    else:
+        missing = "\n".join(f"  - {line}" for line in result.unsatisfied) or "  - (no reason given)"
+        sections.append(f"placement: nothing fits now\n{missing}")
+    if result.hosts:
+        sections.append(
+            format_table(
+                CANDIDATE_VIEW.headers(wide), (CANDIDATE_VIEW.row(c, wide) for c in result.hosts)
+            )
+        )
+    click.echo("\n\n".join(sections))
+
+
+@node.command("list")
+@click.option("--host", "host_name", type=HOST, default=None, help="Only nodes on this host.")
+@click.option("-a", "--all", "show_released", is_flag=True, help="Include RELEASED nodes.")
+@output_option()
+@pass_cli
+def list_(
+    cli: CliContext, host_name: str | None, show_released: bool, output: OutputFormat
+) -> None:
+    """List nodes (RELEASED ones only with --all)."""
+    found = cli.client().list_nodes(host=host_name, show_released=show_released)
+    print_many(found, NODE_VIEW, output)
+
+
+@node.command("get")
+@click.argument("names", metavar="NODE...", type=NODE, nargs=-1, required=True)
+@output_option()
+@pass_cli
+def get(cli: CliContext, names: tuple[str, ...], output: OutputFormat) -> None:
+    """Show one or more nodes."""
+    found = [cli.client().get_node(name) for name in names]
+    if len(found) == 1:
+        print_one(found[0], NODE_VIEW, output)
+    else:
+        print_many(found, NODE_VIEW, output)
+
+
+@node.command("delete")
+@click.argument("names", metavar="NODE...", type=NODE, nargs=-1, required=True)
+@click.option("--wait", is_flag=True, help="Wait until the nodes are RELEASED.")
+@click.option(
+    "--timeout",
+    type=SECONDS,
+    default=DEFAULT_WAIT,
+    show_default=True,
+    help="How long --wait waits for each node.",
+)
+@pass_cli
+def delete(cli: CliContext, names: tuple[str, ...], wait: bool, timeout: float) -> None:
+    """Release nodes: detach their GPUs and return them to the pool. Idempotent."""
+    client = cli.client()
+    for name in names:
+        released = client.release_node(name)
+        if wait and released.state != NodeState.NODE_STATE_RELEASED:
+            info(f"waiting up to {timeout:g}s for {name} to be RELEASED")
+            released = client.wait_for_node(
+                name, until=(NodeState.NODE_STATE_RELEASED,), timeout_s=timeout
+            )
+        click.echo(f"{name} {node_state_name(released.state).lower()}")
+
+
+@node.command("watch")
+@click.argument("name", metavar="[NODE]", type=NODE, required=False)
+@output_option()
+@pass_cli
+def watch(cli: CliContext, name: str | None, output: OutputFormat) -> None:
+    """Stream node changes until Ctrl-C: rows, or one JSON object (an event) per line."""
+    printer = StreamPrinter(NODE_VIEW, output, NODE_STREAM_WIDTHS)
+    for event in cli.client().watch_nodes(name):
+        printer.emit(event.node, event)

@@ -1,0 +1,137 @@
+"""``dxpool up``: a whole pool on this machine, in the foreground, until Ctrl-C."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
+
+import click
+
+from dxpool.cli.config import DEFAULT_ENDPOINT
+from dxpool.cli.localpool import LocalPool, LocalPoolSpec
+from dxpool.cli.output import info
+from dxpool.cli.params import MEMORY, SECONDS
+from dxpool.errors import InvalidArgument
+from dxpool.request import validate_gpu_request
+
+log = logging.getLogger(__name__)
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextmanager
+def _stop_on_signal() -> Iterator[None]:
+    """The first SIGINT, SIGTERM or SIGHUP raises KeyboardInterrupt; later ones are
+    ignored, so a second Ctrl-C cannot cut the shutdown short and leave processes behind."""
+    fired = False
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        nonlocal fired
+        if not fired:
+            fired = True
+            raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _hint(endpoint: str, model: str) -> str:
+    prefix = "dxpool" if endpoint == DEFAULT_ENDPOINT else f"dxpool --endpoint {endpoint}"
+    return f"try: {prefix} node create --gpus {model}:2 --wait\n     {prefix} node list"
+
+
+@click.command("up")
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path(".dxpool"),
+    show_default=True,
+    help="Where etcd, the simulated fabric and the logs live; reused on restart.",
+)
+@click.option("--listen", default=DEFAULT_ENDPOINT, show_default=True, help="Broker address.")
+@click.option("--boxes", type=click.IntRange(1, 999), default=4, show_default=True)
+@click.option("--gpus-per-box", type=click.IntRange(1, 64), default=8, show_default=True)
+@click.option("--gpu-model", default="H100", show_default=True)
+@click.option("--gpu-memory", type=MEMORY, default="80GiB", show_default=True)
+@click.option("--hosts", type=click.IntRange(1, 999), default=4, show_default=True)
+@click.option("--slots", type=click.IntRange(1, 64), default=8, show_default=True)
+@click.option(
+    "--attach-delay",
+    type=SECONDS,
+    default="0s",
+    show_default=True,
+    help="Simulated PCIe hotplug time per GPU, e.g. 500ms.",
+)
+def up(
+    *,
+    data_dir: Path,
+    listen: str,
+    boxes: int,
+    gpus_per_box: int,
+    gpu_model: str,
+    gpu_memory: int,
+    hosts: int,
+    slots: int,
+    attach_delay: float,
+) -> None:
+    """Run a local pool: etcd, a broker, simulated GPU boxes and host agents.
+
+    Stops everything cleanly on Ctrl-C or SIGTERM. Running it again on the same
+    --data-dir picks up where the last run left off.
+    """
+    try:
+        validate_gpu_request(gpu_model, 1)
+        spec = LocalPoolSpec(
+            data_dir=data_dir,
+            listen=listen,
+            boxes=boxes,
+            gpus_per_box=gpus_per_box,
+            gpu_model=gpu_model,
+            gpu_memory_mib=gpu_memory,
+            hosts=hosts,
+            slots=slots,
+            attach_delay_s=attach_delay,
+        )
+    except InvalidArgument as error:
+        raise click.UsageError(error.message) from None
+    pool = LocalPool(spec)
+    failure: Exception | None = None
+    with _stop_on_signal():
+        try:
+            info(f"starting a local pool in {data_dir} ...")
+            pool.start()
+            click.echo(
+                f"dxpool is up at {pool.endpoint}: {hosts} hosts, {boxes} boxes of "
+                f"{gpus_per_box} {gpu_model} (data in {data_dir}, logs in {pool.logs_dir})"
+            )
+            click.echo(_hint(pool.endpoint, gpu_model))
+            info("press Ctrl-C to stop")
+            while True:
+                pool.check(info)
+                time.sleep(1.0)
+        except KeyboardInterrupt:
+            info("stopping ...")
+        except Exception as error:  # reported below, after everything has stopped
+            log.debug("dxpool up failed", exc_info=True)
+            failure = error
+        finally:
+            pool.stop()
+    if failure is not None:
+        click.echo(f"error: dxpool up failed: {failure}", err=True)
+        if "bind" in str(failure).lower():
+            click.echo(
+                f"hint: is another broker (or `dxpool up`) listening on {listen}? "
+                "choose another address with --listen",
+                err=True,
+            )
+        raise click.exceptions.Exit(1)
+    info("stopped")

@@ -1,0 +1,140 @@
+"""Where the broker is: the one place that resolves the endpoint.
+
+Precedence, highest first:
+
+1. an explicit value (the ``--endpoint`` flag, or ``Client(endpoint=...)``);
+2. the environment variable ``DXPOOL_ENDPOINT``;
+3. the key ``endpoint`` in the config file: ``$DXPOOL_CONFIG`` if set, otherwise
+   ``~/.config/dxpool/config.yaml`` (a missing default file is fine; a missing file that
+   ``DXPOOL_CONFIG`` names is an error);
+4. ``127.0.0.1:8470``, which is also where ``dxpool up`` listens, so a local pool needs no
+   configuration at all.
+
+Every bad value raises :class:`~dxpool.errors.InvalidArgument` naming where it came from.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import yaml
+
+from dxpool.errors import InvalidArgument
+
+DEFAULT_ENDPOINT = "127.0.0.1:8470"
+ENDPOINT_ENV = "DXPOOL_ENDPOINT"
+CONFIG_ENV = "DXPOOL_CONFIG"
+DEFAULT_CONFIG_PATH = Path("~/.config/dxpool/config.yaml")
+CONFIG_KEYS = frozenset({"endpoint"})
+
+
+class Setting(NamedTuple):
+    """A resolved value and where it came from (for messages and ``--verbose`` logs)."""
+
+    value: str
+    source: str
+
+
+def config_path(env: Mapping[str, str] | None = None) -> Path:
+    """The config file to read: ``$DXPOOL_CONFIG`` or the default path, user-expanded."""
+    env = os.environ if env is None else env
+    return Path(env.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH).expanduser()
+
+
+def load_config(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Read the config file as a mapping; ``{}`` when the default file does not exist."""
+    env = os.environ if env is None else env
+    path = config_path(env)
+    explicit = bool(env.get(CONFIG_ENV))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        if explicit:
+            raise InvalidArgument(
+                f"config file {path} (from ${CONFIG_ENV}) does not exist: create it or unset "
+                f"{CONFIG_ENV}",
+                reason="INVALID_CONFIG",
+            ) from None
+        return {}
+    except OSError as error:
+        raise InvalidArgument(
+            f"cannot read config file {path}: {error.strerror}", reason="INVALID_CONFIG"
+        ) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise InvalidArgument(
+            f"config file {path} is not valid YAML: {error}", reason="INVALID_CONFIG"
+        ) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise InvalidArgument(
+            f"config file {path} must hold a mapping such as 'endpoint: 127.0.0.1:8470', "
+            f"got a {type(data).__name__}",
+            reason="INVALID_CONFIG",
+        )
+    unknown = sorted(str(key) for key in set(data) - CONFIG_KEYS)
+    if unknown:
+        raise InvalidArgument(
+            f"config file {path} has unknown key(s) {unknown}: known keys are "
+            f"{sorted(CONFIG_KEYS)}",
+            reason="INVALID_CONFIG",
+        )
+    return data
+
+
+def check_endpoint(value: str, source: str) -> str:
+    """Return ``value`` if it looks like a gRPC target (``host:port``, ``dns:///host:port``)."""
+    if not value or value != value.strip() or " " in value or ":" not in value:
+        raise InvalidArgument(
+            f"invalid broker endpoint {value!r} from {source}: expected host:port, "
+            f"e.g. {DEFAULT_ENDPOINT}",
+            reason="INVALID_ENDPOINT",
+        )
+    return value
+
+
+def resolve_endpoint_setting(
+    explicit: str | None = None, *, env: Mapping[str, str] | None = None
+) -> Setting:
+    """Resolve the broker endpoint by the precedence above, with its source."""
+    env = os.environ if env is None else env
+    if explicit:
+        return Setting(check_endpoint(explicit, "--endpoint"), "--endpoint")
+    if env.get(ENDPOINT_ENV):
+        source = f"${ENDPOINT_ENV}"
+        return Setting(check_endpoint(env[ENDPOINT_ENV], source), source)
+    config = load_config(env)
+    if "endpoint" in config:
+        source = f"config file {config_path(env)}"
+        value = config["endpoint"]
+        if not isinstance(value, str):
+            raise InvalidArgument(
+                f"'endpoint' in {source} must be a string such as {DEFAULT_ENDPOINT!r}, "
+                f"got {value!r}",
+                reason="INVALID_CONFIG",
+            )
+        return Setting(check_endpoint(value, source), source)
+    return Setting(DEFAULT_ENDPOINT, "default")
+
+
+def resolve_endpoint(explicit: str | None = None, *, env: Mapping[str, str] | None = None) -> str:
+    """The broker endpoint to use; see the module docstring for the precedence."""
+    return resolve_endpoint_setting(explicit, env=env).value
+
+
+__all__ = [
+    "CONFIG_ENV",
+    "DEFAULT_CONFIG_PATH",
+    "DEFAULT_ENDPOINT",
+    "ENDPOINT_ENV",
+    "Setting",
+    "config_path",
+    "load_config",
+    "resolve_endpoint",
+    "resolve_endpoint_setting",
+]

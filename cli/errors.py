@@ -1,0 +1,45 @@
+"""How API errors reach the operator: ``error: CODE: message`` and, where useful, a hint.
+
+The hint says what to do next (start a broker, look at the plan, retry), the way a
+colleague would; it never repeats the message.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from dxpool.errors import DxpoolError
+
+EXIT_OK = 0
+EXIT_API_ERROR = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+def hint_for(error: DxpoolError, endpoint: str) -> str | None:
+    """A next step for ``error``, or None when the message says it all."""
+    code = error.code
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return (
+            f"is the broker running at {endpoint}? start one with `dxpool up`, or point "
+            "--endpoint (or DXPOOL_ENDPOINT) at a running broker"
+        )
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "node plan" not in error.message:
+        return "see why each host was dropped with `dxpool node plan` and the same flags"
+    if code == grpc.StatusCode.ABORTED:
+        return "a concurrent change won; run the command again"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "the broker did not answer in time; raise --request-timeout or check its log"
+    return None
+
+
+def format_error(error: DxpoolError, endpoint: str, *, verbose: bool = False) -> str:
+    """The stderr text for an API error: ``error: NOT_FOUND: ...`` plus an optional hint."""
+    lines = [f"error: {error.code.name}: {error.message}"]
+    if verbose and error.reason:
+        details = ", ".join(f"{k}={v}" for k, v in sorted(error.metadata.items()))
+        lines.append(f"reason: {error.reason}" + (f" ({details})" if details else ""))
+    hint = hint_for(error, endpoint)
+    if hint:
+        lines.append(f"hint: {hint}")
+    return "\n".join(lines)

@@ -1,0 +1,81 @@
+"""click parameter types for the request grammar of :mod:`dxpool.request` and resource names.
+
+A value that does not parse becomes a :class:`click.BadParameter` (exit status 2) whose
+message shows the grammar and echoes the value, e.g.
+``Invalid value for '--gpus': cannot parse GPU request 'H100:x': expected MODEL:COUNT ...``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import click
+
+from dxpool import client
+from dxpool.errors import InvalidArgument
+from dxpool.request import GPU_GRAMMAR, GpuSpec, parse_duration_ns, parse_gpus, parse_memory_mib
+
+_T = TypeVar("_T")
+
+
+class _GrammarType(click.ParamType[_T, Any]):
+    """Parses with a :mod:`dxpool` parser; its InvalidArgument becomes a usage error."""
+
+    def __init__(self, name: str, parse: Callable[[str], _T], grammar: str = "") -> None:
+        self.name = name
+        self._parse = parse
+        self._grammar = grammar
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> _T:
+        if not isinstance(value, str):
+            return cast(_T, value)  # already converted (a default given as a parsed value)
+        try:
+            return self._parse(value)
+        except InvalidArgument as error:
+            message = error.message
+            if self._grammar and self._grammar not in message:
+                message = f"{message}; expected {self._grammar}"
+            self.fail(message, param, ctx)
+
+
+def _seconds(value: str) -> float:
+    return parse_duration_ns(value) / 1e9
+
+
+def _gpus(value: str) -> GpuSpec:
+    return parse_gpus(value)
+
+
+def _label(value: str) -> tuple[str, str]:
+    key, sep, text = value.partition("=")
+    if not sep or not key.strip():
+        raise InvalidArgument(f"cannot parse label {value!r}: expected KEY=VALUE, e.g. team=ml")
+    return key.strip(), text
+
+
+GPUS = _GrammarType("MODEL:COUNT", _gpus, GPU_GRAMMAR)
+"""``H100:4``, ``A100``, ``8`` or ``*:2`` -> :class:`~dxpool.request.GpuSpec`."""
+LATENCY = _GrammarType("DURATION", parse_duration_ns)
+"""``4us`` -> 4000 (nanoseconds)."""
+SECONDS = _GrammarType("DURATION", _seconds)
+"""``120s`` or ``500ms`` -> seconds as a float."""
+MEMORY = _GrammarType("SIZE", parse_memory_mib)
+"""``80GiB`` -> 81920 (MiB)."""
+LABEL = _GrammarType("KEY=VALUE", _label)
+"""``team=ml`` -> ``("team", "ml")``."""
+BOX = _GrammarType("BOX", client.box_name)
+"""``box1`` or ``boxes/box1`` -> ``boxes/box1``."""
+HOST = _GrammarType("HOST", client.host_name)
+"""``h1`` or ``hosts/h1`` -> ``hosts/h1``."""
+NODE = _GrammarType("NODE", client.node_name)
+"""``n1`` or ``nodes/n1`` -> ``nodes/n1``."""
+GPU = _GrammarType("GPU", client.gpu_name)
+"""``box1/3`` or ``boxes/box1/gpus/3`` -> ``boxes/box1/gpus/3``."""
+GPU_STATE = _GrammarType("STATE", client.gpu_state)
+"""``free`` -> ``GpuState.GPU_STATE_FREE``."""
+
+
+def labels_dict(pairs: tuple[tuple[str, str], ...]) -> dict[str, str]:
+    """The ``--label`` pairs of a command as a mapping (a later key wins)."""
+    return dict(pairs)

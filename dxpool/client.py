@@ -1,0 +1,665 @@
+"""The Python client of the dxpool broker, for VM orchestrators and scripts.
+
+Example::
+
+    from dxpool.client import Client
+
+    with Client() as pool:  # endpoint: $DXPOOL_ENDPOINT, the config file, or 127.0.0.1:8470
+        node = pool.compose_node("H100:4", max_latency="4us")
+        node = pool.wait_for_node(node.name)  # READY, or FailedPrecondition if it FAILED
+        ...
+        pool.release_node(node.name)
+
+Contracts:
+
+* Methods return the API's protobuf messages (``dxpool.api.v1``); ``list_*`` methods walk
+  every page and return one list.
+* Resources may be named by short id or full name: ``"h1"`` or ``"hosts/h1"``, ``"box1/3"``
+  or ``"boxes/box1/gpus/3"``. A malformed name raises
+  :class:`~dxpool.errors.InvalidArgument` before anything is sent.
+* A failed call raises the :mod:`dxpool.errors` class of its gRPC code, carrying the
+  broker's message and, when the broker sent a ``google.rpc.Status`` with an ``ErrorInfo``,
+  its ``reason`` and ``metadata``. Codes without a class raise
+  :class:`~dxpool.errors.DxpoolError` whose ``code`` is the gRPC code.
+* UNAVAILABLE is retried a bounded number of times with exponential backoff. Retries never
+  duplicate work: creating calls carry a ``request_id`` (a fresh uuid4 unless given) that
+  the broker deduplicates, cordon/uncordon/release are idempotent, and ``delete_box``
+  treats NOT_FOUND on a retry as "an earlier attempt went through".
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from types import TracebackType
+from typing import Final, TypeVar
+
+import grpc
+from google.protobuf.descriptor import EnumDescriptor
+from google.protobuf.message import Message
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from dxpool import names
+from dxpool.api.v1 import (
+    fabric_pb2,
+    fabric_pb2_grpc,
+    inventory_pb2,
+    inventory_pb2_grpc,
+    nodes_pb2,
+    nodes_pb2_grpc,
+    resources_pb2,
+)
+from dxpool.cli.config import resolve_endpoint
+from dxpool.errors import (
+    DxpoolError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+    from_code,
+)
+from dxpool.request import GpuSpec, parse_duration_ns, parse_gpus, parse_memory_mib
+
+__all__ = [
+    "Client",
+    "LocationLike",
+    "NodeStateLike",
+    "box_name",
+    "gpu_name",
+    "gpu_state",
+    "host_name",
+    "node_name",
+    "node_state",
+    "node_state_name",
+]
+
+_log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S: Final = 10.0
+DEFAULT_MAX_ATTEMPTS: Final = 5
+DEFAULT_WAIT_TIMEOUT_S: Final = 120.0
+_PAGE_SIZE: Final = 500
+_CHANNEL_OPTIONS: Final = [
+    # Reconnect quickly after a refused connection, so a retry can reach a broker that
+    # has just come back instead of failing fast on the channel's backoff.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+Location = resources_pb2.Location
+NodeState = resources_pb2.NodeState
+GpuState = resources_pb2.GpuState
+LocationLike = Location | tuple[str, str, str]
+"""A location as a message or as ``(site, pod, rack)``."""
+NodeStateLike = int | str
+"""A node state as its enum value or its name: ``NodeState.NODE_STATE_READY``, ``"READY"``
+or ``"ready"``."""
+
+_Req = TypeVar("_Req", bound=Message)
+_Resp = TypeVar("_Resp", bound=Message)
+_Item = TypeVar("_Item")
+_T = TypeVar("_T")
+
+# From each node state, the states a node can still reach (see resources.proto).
+_REACHABLE: Final[dict[int, frozenset[int]]] = {
+    NodeState.NODE_STATE_PENDING: frozenset(
+        {
+            NodeState.NODE_STATE_ATTACHING,
+            NodeState.NODE_STATE_READY,
+            NodeState.NODE_STATE_FAILED,
+            NodeState.NODE_STATE_RELEASING,
+            NodeState.NODE_STATE_RELEASED,
+        }
+    ),
+    NodeState.NODE_STATE_ATTACHING: frozenset(
+        {
+            NodeState.NODE_STATE_READY,
+            NodeState.NODE_STATE_FAILED,
+            NodeState.NODE_STATE_RELEASING,
+            NodeState.NODE_STATE_RELEASED,
+        }
+    ),
+    NodeState.NODE_STATE_READY: frozenset(
+        {NodeState.NODE_STATE_FAILED, NodeState.NODE_STATE_RELEASING, NodeState.NODE_STATE_RELEASED}
+    ),
+    NodeState.NODE_STATE_FAILED: frozenset(
+        {NodeState.NODE_STATE_RELEASING, NodeState.NODE_STATE_RELEASED}
+    ),
+    NodeState.NODE_STATE_RELEASING: frozenset({NodeState.NODE_STATE_RELEASED}),
+    NodeState.NODE_STATE_RELEASED: frozenset(),
+}
+
+
+def _enum_value(value: int | str, enum: EnumDescriptor, kind: str) -> int:
+    """An enum value given as its number, its full name or its name without the prefix."""
+    if not isinstance(value, str):
+        return value
+    prefix = enum.values[0].name.removesuffix("UNSPECIFIED")
+    text = value.strip().upper().replace("-", "_").removeprefix(prefix)
+    choices = [v.name.removeprefix(prefix) for v in enum.values if v.number != 0]
+    if text not in choices:
+        raise InvalidArgument(
+            f"unknown {kind} {value!r}: expected one of {', '.join(c.lower() for c in choices)}",
+            reason=f"INVALID_{kind.upper().replace(' ', '_')}",
+        )
+    return enum.values_by_name[prefix + text].number
+
+
+def node_state_name(value: int) -> str:
+    """``NodeState.NODE_STATE_READY`` -> ``"READY"`` (the number itself if unknown)."""
+    found = NodeState.DESCRIPTOR.values_by_number.get(value)
+    return found.name.removeprefix("NODE_STATE_") if found is not None else str(value)
+
+
+def node_state(value: NodeStateLike) -> int:
+    """``"ready"``, ``"READY"`` or ``"NODE_STATE_READY"`` -> ``NodeState.NODE_STATE_READY``."""
+    return _enum_value(value, NodeState.DESCRIPTOR, "node state")
+
+
+def gpu_state(value: int | str) -> int:
+    """``"free"``, ``"FREE"`` or ``"GPU_STATE_FREE"`` -> ``GpuState.GPU_STATE_FREE``."""
+    return _enum_value(value, GpuState.DESCRIPTOR, "GPU state")
+
+
+def _simple_name(value: str, collection: str, kind: str) -> str:
+    """``"h1"`` or ``"hosts/h1"`` -> ``"hosts/h1"``, validated."""
+    if value.startswith(collection + "/"):
+        names.check_id(value[len(collection) + 1 :], kind)
+        return value
+    return f"{collection}/{names.check_id(value, kind)}"
+
+
+def box_name(value: str) -> str:
+    """``"box1"`` or ``"boxes/box1"`` -> ``"boxes/box1"``; InvalidArgument if malformed."""
+    return _simple_name(value, "boxes", "box")
+
+
+def host_name(value: str) -> str:
+    """``"h1"`` or ``"hosts/h1"`` -> ``"hosts/h1"``; InvalidArgument if malformed."""
+    return _simple_name(value, "hosts", "host")
+
+
+def node_name(value: str) -> str:
+    """``"n1"`` or ``"nodes/n1"`` -> ``"nodes/n1"``; InvalidArgument if malformed."""
+    return _simple_name(value, "nodes", "node")
+
+
+def gpu_name(value: str) -> str:
+    """``"box1/3"`` or ``"boxes/box1/gpus/3"`` -> ``"boxes/box1/gpus/3"``, validated."""
+    if value.startswith("boxes/"):
+        return names.parse_gpu(value).name
+    box, sep, slot = value.partition("/")
+    if not sep:
+        raise InvalidArgument(
+            f"invalid gpu name {value!r}: expected 'BOX/SLOT' (e.g. box1/3) or "
+            "'boxes/{box}/gpus/{slot}'",
+            reason="INVALID_NAME",
+        )
+    return names.parse_gpu(f"boxes/{box}/gpus/{slot}").name
+
+
+def _location(value: LocationLike | None) -> Location | None:
+    if value is None or isinstance(value, Location):
+        return value
+    if len(value) != 3 or not all(isinstance(part, str) for part in value):
+        raise InvalidArgument(
+            f"invalid location {value!r}: expected (site, pod, rack) strings",
+            reason="INVALID_LOCATION",
+        )
+    site, pod, rack = value
+    return Location(site=site, pod=pod, rack=rack)
+
+
+def _latency_ns(value: str | int | None) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, str):
+        return parse_duration_ns(value)
+    if isinstance(value, bool) or value < 0:
+        raise InvalidArgument(
+            f"invalid max_latency {value!r}: give nanoseconds (0 or more) or a duration "
+            "such as '4us'",
+            reason="INVALID_DURATION",
+        )
+    return value
+
+
+def _memory_mib(value: str | int | None, default: int) -> int:
+    if value is None:
+        return default
+    if isinstance(value, str):
+        return parse_memory_mib(value)
+    if isinstance(value, bool) or value < 0:
+        raise InvalidArgument(
+            f"invalid min_memory {value!r}: give MiB (0 or more) or a size such as '80GiB'",
+            reason="INVALID_MEMORY",
+        )
+    return value
+
+
+def _error_from_rpc(error: grpc.RpcError) -> DxpoolError:
+    """The :mod:`dxpool.errors` exception for a failed call, with its ErrorInfo if any."""
+    call: grpc.Call = error  # type: ignore[assignment]  # every RpcError grpc raises is a Call
+    code = call.code()
+    message = call.details() or code.name
+    reason: str | None = None
+    metadata: dict[str, str] = {}
+    try:
+        status = rpc_status.from_call(call)
+    except ValueError:  # the rich status disagrees with the call's own code or message
+        status = None
+    if status is not None:
+        for detail in status.details:
+            info = error_details_pb2.ErrorInfo()
+            if detail.Is(info.DESCRIPTOR):
+                detail.Unpack(info)
+                reason = info.reason or None
+                metadata = dict(info.metadata)
+                break
+    domain_error = from_code(code, message, reason)
+    domain_error.metadata = metadata
+    return domain_error
+
+
+class Client:
+    """A connection to one broker. Thread-safe; use as a context manager or call ``close``.
+
+    ``endpoint`` None resolves it from ``$DXPOOL_ENDPOINT``, the config file or the default
+    (see :mod:`dxpool.cli.config`). ``timeout_s`` bounds every unary call; a call that
+    finds the broker unreachable is tried up to ``max_attempts`` times in all.
+    """
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+    ) -> None:
+        if timeout_s <= 0:
+            raise InvalidArgument(f"timeout_s must be positive, got {timeout_s}")
+        if max_attempts < 1:
+            raise InvalidArgument(f"max_attempts must be 1 or more, got {max_attempts}")
+        self.endpoint = resolve_endpoint(endpoint)
+        self.timeout_s = timeout_s
+        self.max_attempts = max_attempts
+        self._channel = grpc.insecure_channel(self.endpoint, options=_CHANNEL_OPTIONS)
+        self._inventory = inventory_pb2_grpc.InventoryServiceStub(self._channel)
+        self._nodes = nodes_pb2_grpc.NodeServiceStub(self._channel)
+        self._fabric = fabric_pb2_grpc.FabricServiceStub(self._channel)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the channel; calls in flight are cancelled. Closing twice is a no-op."""
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Client(endpoint={self.endpoint!r})"
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _retry(self, attempt: Callable[[], _T]) -> _T:
+        retrying = Retrying(
+            retry=retry_if_exception_type(Unavailable),
+            stop=stop_after_attempt(self.max_attempts),
+            wait=wait_exponential(multiplier=0.1, max=2.0),
+            reraise=True,
+            before_sleep=lambda state: _log.debug(
+                "broker unavailable, retrying",
+                extra={"endpoint": self.endpoint, "attempt": state.attempt_number},
+            ),
+        )
+        return retrying(attempt)
+
+    def _once(self, rpc: grpc.UnaryUnaryMultiCallable[_Req, _Resp], request: _Req) -> _Resp:
+        try:
+            return rpc(request, timeout=self.timeout_s)
+        except grpc.RpcError as error:
+            raise _error_from_rpc(error) from None
+
+    def _unary(self, rpc: grpc.UnaryUnaryMultiCallable[_Req, _Resp], request: _Req) -> _Resp:
+        return self._retry(lambda: self._once(rpc, request))
+
+    def _collect(
+        self,
+        rpc: grpc.UnaryUnaryMultiCallable[_Req, _Resp],
+        make_request: Callable[[str], _Req],
+        page: Callable[[_Resp], tuple[Iterable[_Item], str]],
+    ) -> list[_Item]:
+        items: list[_Item] = []
+        token = ""
+        while True:
+            found, token = page(self._unary(rpc, make_request(token)))
+            items.extend(found)
+            if not token:
+                return items
+
+    # -- inventory -----------------------------------------------------------------------
+
+    def create_box(
+        self,
+        box_id: str,
+        *,
+        gpus: int,
+        model: str,
+        memory_mib: int,
+        location: LocationLike | None = None,
+        labels: Mapping[str, str] | None = None,
+        fabric_endpoint: str = "",
+        request_id: str | None = None,
+    ) -> resources_pb2.Box:
+        """Register box ``box_id`` with ``gpus`` GPUs of ``model`` and ``memory_mib`` each.
+
+        Raises AlreadyExists if the box exists, unless this is a retry of the same
+        ``request_id``, which returns the box.
+        """
+        box_id = box_id.removeprefix("boxes/")
+        names.check_id(box_id, "box")
+        if gpus < 1:
+            raise InvalidArgument(f"a box needs at least one GPU, got gpus={gpus}")
+        if not model:
+            raise InvalidArgument("a box needs a GPU model, e.g. model='H100'")
+        if memory_mib < 1:
+            raise InvalidArgument(f"GPU memory must be positive, got memory_mib={memory_mib}")
+        box = resources_pb2.Box(
+            gpu_count=gpus, labels=dict(labels or {}), fabric_endpoint=fabric_endpoint
+        )
+        where = _location(location)
+        if where is not None:
+            box.location.CopyFrom(where)
+        request = inventory_pb2.CreateBoxRequest(
+            box_id=box_id,
+            box=box,
+            gpu_model=model,
+            gpu_memory_mib=memory_mib,
+            request_id=names.check_request_id(request_id or str(uuid.uuid4())),
+        )
+        return self._unary(self._inventory.CreateBox, request)
+
+    def get_box(self, name: str) -> resources_pb2.Box:
+        return self._unary(self._inventory.GetBox, inventory_pb2.GetBoxRequest(name=box_name(name)))
+
+    def list_boxes(self) -> list[resources_pb2.Box]:
+        return self._collect(
+            self._inventory.ListBoxes,
+            lambda token: inventory_pb2.ListBoxesRequest(page_size=_PAGE_SIZE, page_token=token),
+            lambda response: (response.boxes, response.next_page_token),
+        )
+
+    def cordon_box(self, name: str, reason: str = "") -> resources_pb2.Box:
+        """Make a box unschedulable for new nodes. Idempotent; attached GPUs stay."""
+        request = inventory_pb2.CordonBoxRequest(name=box_name(name), reason=reason)
+        return self._unary(self._inventory.CordonBox, request)
+
+    def uncordon_box(self, name: str) -> resources_pb2.Box:
+        """Make a box schedulable again. Idempotent."""
+        request = inventory_pb2.UncordonBoxRequest(name=box_name(name))
+        return self._unary(self._inventory.UncordonBox, request)
+
+    def delete_box(self, name: str) -> None:
+        """Remove a box and its GPUs. FailedPrecondition while any of its GPUs is owned.
+
+        NOT_FOUND on the first attempt raises NotFound; on a retry it means an earlier
+        attempt that looked unavailable did delete the box, and returns normally.
+        """
+        request = inventory_pb2.DeleteBoxRequest(name=box_name(name))
+        attempts = 0
+
+        def attempt() -> None:
+            nonlocal attempts
+            attempts += 1
+            try:
+                self._once(self._inventory.DeleteBox, request)
+            except NotFound:
+                if attempts == 1:
+                    raise
+
+        self._retry(attempt)
+
+    def get_gpu(self, name: str) -> resources_pb2.Gpu:
+        return self._unary(self._inventory.GetGpu, inventory_pb2.GetGpuRequest(name=gpu_name(name)))
+
+    def list_gpus(
+        self, *, parent: str | None = None, state: int | str | None = None, model: str = ""
+    ) -> list[resources_pb2.Gpu]:
+        """GPUs of one box (``parent``) or all, optionally only one state and model."""
+        parent_name = box_name(parent) if parent else ""
+        state_value = gpu_state(state) if state is not None else 0
+        return self._collect(
+            self._inventory.ListGpus,
+            lambda token: inventory_pb2.ListGpusRequest(
+                parent=parent_name,
+                state=GpuState.ValueType(state_value),
+                model=model,
+                page_size=_PAGE_SIZE,
+                page_token=token,
+            ),
+            lambda response: (response.gpus, response.next_page_token),
+        )
+
+    def get_host(self, name: str) -> resources_pb2.Host:
+        request = inventory_pb2.GetHostRequest(name=host_name(name))
+        return self._unary(self._inventory.GetHost, request)
+
+    def list_hosts(self) -> list[resources_pb2.Host]:
+        return self._collect(
+            self._inventory.ListHosts,
+            lambda token: inventory_pb2.ListHostsRequest(page_size=_PAGE_SIZE, page_token=token),
+            lambda response: (response.hosts, response.next_page_token),
+        )
+
+    # -- nodes ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _compose_request(
+        gpus: str | Mapping[str, object] | GpuSpec,
+        *,
+        host: str | None,
+        max_latency: str | int | None,
+        min_memory: str | int | None,
+        vfio: bool,
+        node_id: str | None,
+        tenant: str,
+        labels: Mapping[str, str] | None,
+        request_id: str | None,
+    ) -> nodes_pb2.ComposeNodeRequest:
+        spec = parse_gpus(gpus)
+        request = nodes_pb2.ComposeNodeRequest(
+            spec=resources_pb2.NodeSpec(
+                gpus=resources_pb2.GpuRequest(
+                    model=spec.model,
+                    count=spec.count,
+                    min_memory_mib=_memory_mib(min_memory, spec.min_memory_mib),
+                ),
+                host=host_name(host) if host else "",
+                max_latency_ns=_latency_ns(max_latency),
+                vfio=vfio,
+                tenant=tenant,
+                labels=dict(labels or {}),
+            ),
+            node_id=names.check_id(node_id.removeprefix("nodes/"), "node") if node_id else "",
+            request_id=names.check_request_id(request_id or str(uuid.uuid4())),
+        )
+        return request
+
+    def compose_node(
+        self,
+        gpus: str | Mapping[str, object] | GpuSpec,
+        *,
+        host: str | None = None,
+        max_latency: str | int | None = None,
+        min_memory: str | int | None = None,
+        vfio: bool = False,
+        node_id: str | None = None,
+        tenant: str = "",
+        labels: Mapping[str, str] | None = None,
+        request_id: str | None = None,
+    ) -> resources_pb2.VirtualNode:
+        """Place and commit a node; it comes back PENDING (see :meth:`wait_for_node`).
+
+        ``gpus`` follows :mod:`dxpool.request` ("H100:4", a mapping, or a GpuSpec);
+        ``max_latency`` is a duration ("4us") or nanoseconds; ``min_memory`` a size
+        ("80GiB") or MiB. Retrying with the same ``request_id`` returns the same node.
+        Raises ResourceExhausted when nothing fits, NotFound for an unknown host.
+        """
+        request = self._compose_request(
+            gpus,
+            host=host,
+            max_latency=max_latency,
+            min_memory=min_memory,
+            vfio=vfio,
+            node_id=node_id,
+            tenant=tenant,
+            labels=labels,
+            request_id=request_id,
+        )
+        return self._unary(self._nodes.ComposeNode, request)
+
+    def plan_node(
+        self,
+        gpus: str | Mapping[str, object] | GpuSpec,
+        *,
+        host: str | None = None,
+        max_latency: str | int | None = None,
+        min_memory: str | int | None = None,
+        vfio: bool = False,
+        node_id: str | None = None,
+        tenant: str = "",
+        labels: Mapping[str, str] | None = None,
+        request_id: str | None = None,
+    ) -> nodes_pb2.NodePlan:
+        """Explain where :meth:`compose_node` with these arguments would go; commits nothing."""
+        request = self._compose_request(
+            gpus,
+            host=host,
+            max_latency=max_latency,
+            min_memory=min_memory,
+            vfio=vfio,
+            node_id=node_id,
+            tenant=tenant,
+            labels=labels,
+            request_id=request_id,
+        )
+        return self._unary(self._nodes.PlanNode, request)
+
+    def get_node(self, name: str) -> resources_pb2.VirtualNode:
+        return self._unary(self._nodes.GetNode, nodes_pb2.GetNodeRequest(name=node_name(name)))
+
+    def list_nodes(
+        self, *, host: str | None = None, show_released: bool = False
+    ) -> list[resources_pb2.VirtualNode]:
+        """Nodes, optionally only those on ``host``; RELEASED ones only if asked."""
+        host_filter = host_name(host) if host else ""
+        return self._collect(
+            self._nodes.ListNodes,
+            lambda token: nodes_pb2.ListNodesRequest(
+                host=host_filter,
+                show_released=show_released,
+                page_size=_PAGE_SIZE,
+                page_token=token,
+            ),
+            lambda response: (response.nodes, response.next_page_token),
+        )
+
+    def release_node(self, name: str) -> resources_pb2.VirtualNode:
+        """Start detaching a node's GPUs. Idempotent: a RELEASING or RELEASED node is
+        returned unchanged."""
+        request = nodes_pb2.ReleaseNodeRequest(name=node_name(name))
+        return self._unary(self._nodes.ReleaseNode, request)
+
+    def watch_nodes(
+        self, name: str | None = None, *, timeout_s: float | None = None
+    ) -> Iterator[nodes_pb2.NodeEvent]:
+        """Stream the current state of one node (or all), then every change.
+
+        The stream is not retried: a lost broker raises Unavailable from the iterator;
+        start a new watch, which begins with the current state, so nothing is missed.
+        ``timeout_s`` bounds the whole stream (DxpoolError DEADLINE_EXCEEDED). Closing the
+        iterator cancels the call.
+        """
+        request = nodes_pb2.WatchNodesRequest(name=node_name(name) if name else "")
+        return self._stream(self._nodes.WatchNodes, request, timeout_s)
+
+    @staticmethod
+    def _stream(
+        rpc: grpc.UnaryStreamMultiCallable[_Req, _Resp], request: _Req, timeout_s: float | None
+    ) -> Iterator[_Resp]:
+        call = rpc(request, timeout=timeout_s)
+        try:
+            yield from call
+        except grpc.RpcError as error:
+            raise _error_from_rpc(error) from None
+        finally:
+            call.cancel()  # type: ignore[no-untyped-call]  # the iterator is also a grpc.Call
+
+    def wait_for_node(
+        self,
+        name: str,
+        *,
+        until: Iterable[NodeStateLike] = (NodeState.NODE_STATE_READY,),
+        timeout_s: float = DEFAULT_WAIT_TIMEOUT_S,
+    ) -> resources_pb2.VirtualNode:
+        """Block until the node is in one of the ``until`` states and return it.
+
+        Raises FailedPrecondition as soon as the node is in a state from which none of
+        ``until`` can be reached (e.g. FAILED when READY was wanted; the message carries
+        the node's own message), NotFound if the node does not exist or is deleted, and
+        TimeoutError when ``timeout_s`` passes first. A lost broker is re-watched until the
+        deadline.
+        """
+        full_name = node_name(name)
+        wanted = frozenset(node_state(state) for state in until)
+        if not wanted:
+            raise InvalidArgument("wait_for_node needs at least one state in 'until'")
+        deadline = time.monotonic() + timeout_s
+        last: resources_pb2.VirtualNode | None = None
+        backoff = 0.1
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                for event in self.watch_nodes(full_name, timeout_s=remaining):
+                    if event.type == nodes_pb2.NodeEvent.TYPE_DELETED:
+                        raise NotFound(f"node {full_name} was deleted", reason="NODE_DELETED")
+                    last = event.node
+                    if last.state in wanted:
+                        return last
+                    if not wanted & _REACHABLE.get(last.state, wanted):
+                        state = node_state_name(last.state)
+                        goals = " or ".join(sorted(node_state_name(w) for w in wanted))
+                        detail = f": {last.message}" if last.message else ""
+                        raise FailedPrecondition(
+                            f"node {full_name} is {state} and can no longer become {goals}"
+                            + detail,
+                            reason=f"NODE_{state}",
+                        )
+            except Unavailable:
+                time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
+                backoff = min(backoff * 2, 2.0)
+            except DxpoolError as error:
+                if error.code != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise
+        seen = node_state_name(last.state) if last is not None else "not seen yet"
+        raise TimeoutError(f"node {full_name} still {seen} after {timeout_s:g}s")
+
+    # -- fabric --------------------------------------------------------------------------
+
+    def get_latency(self, host: str, box: str) -> fabric_pb2.Latency:
+        """Round-trip latency between a host and a box in the fabric model."""
+        request = fabric_pb2.GetLatencyRequest(host=host_name(host), box=box_name(box))
+        return self._unary(self._fabric.GetLatency, request)

@@ -1,0 +1,182 @@
+"""The ``dxpool`` commands against a real broker, real etcd and host agents as processes."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import pytest
+import yaml
+from click.testing import CliRunner, Result
+
+from dxpool.cli.main import cli
+from dxpool.client import Client
+from tests.conftest import SimPool, Stubs, register_sim_box, wait_until
+
+if TYPE_CHECKING:
+    from dxpool.broker.server import BrokerServer
+
+Run = Callable[..., Result]
+
+
+@pytest.fixture
+def run(broker: BrokerServer, monkeypatch: pytest.MonkeyPatch) -> Run:
+    """Runs ``dxpool --endpoint <broker> ARGS...`` in-process."""
+    monkeypatch.delenv("DXPOOL_ENDPOINT", raising=False)
+    runner = CliRunner()
+
+    def invoke(*args: str) -> Result:
+        return runner.invoke(cli, ["--endpoint", broker.endpoint, *args])
+
+    return invoke
+
+
+@pytest.fixture
+def pool(broker: BrokerServer, stubs: Stubs, sim_pool: SimPool) -> SimPool:
+    """Boxes box1 (rack r1) and box2 (rack r2) of four H100s; host h1 alive on rack r1."""
+    register_sim_box(sim_pool, stubs, "box1", gpus=4, rack="r1")
+    register_sim_box(sim_pool, stubs, "box2", gpus=4, rack="r2")
+    sim_pool.start_agent("h1", rack="r1")
+    with Client(broker.endpoint) as client:
+        wait_until(lambda: any(h.alive for h in client.list_hosts()), message="h1 alive")
+    return sim_pool
+
+
+def ok(result: Result) -> str:
+    assert result.exit_code == 0, f"exit {result.exit_code}: {result.output}"
+    return result.stdout
+
+
+def test_box_add_list_cordon_delete(run: Run) -> None:
+    args = shlex.split("box add box1 --gpus H100:8 --memory 80GiB --site dc1 --pod p1 --rack r1")
+    added = ok(run(*args))
+    assert added.splitlines()[1].split()[:4] == ["box1", "Active", "8", "dc1/p1/r1"]
+    ok(run(*shlex.split("box add box2 --gpus 4 --model A100 --memory 40GiB --label row=2 -o name")))
+
+    listed = json.loads(ok(run("box", "list", "-o", "json")))
+    assert [b["name"] for b in listed] == ["boxes/box1", "boxes/box2"]
+    assert listed[1]["labels"] == {"row": "2"}
+
+    assert ok(run("box", "cordon", "box1", "--reason", "fan")) == "boxes/box1 cordoned\n"
+    got = yaml.safe_load(ok(run("box", "get", "box1", "-o", "yaml")))
+    assert got["state"] == "BOX_STATE_CORDONED" and got["cordonReason"] == "fan"
+    assert ok(run("box", "uncordon", "boxes/box1")) == "boxes/box1 uncordoned\n"
+
+    free = ok(run("gpu", "list", "--box", "box2", "--state", "free", "-o", "name")).split()
+    assert free == [f"boxes/box2/gpus/{i}" for i in range(4)]
+    assert ok(run("box", "delete", "box1", "box2")) == "boxes/box1 deleted\nboxes/box2 deleted\n"
+    empty = run("box", "list")
+    assert ok(empty) == "" and "no boxes found" in empty.stderr
+
+
+def test_box_add_twice_is_already_exists(run: Run) -> None:
+    args = shlex.split("box add box1 --gpus H100:2 --memory 80GiB")
+    ok(run(*args))
+    again = run(*args)
+    assert again.exit_code == 1
+    assert again.stderr.startswith("error: ALREADY_EXISTS: ")
+
+
+def test_node_create_wait_ready_then_delete_wait_released(run: Run, pool: SimPool) -> None:
+    created = run(
+        *shlex.split("node create --gpus H100:2 --max-latency 50us --name n1 --wait -o json")
+    )
+    node = json.loads(ok(created))
+    assert node["name"] == "nodes/n1"
+    assert node["state"] == "NODE_STATE_READY"
+    assert node["host"] == "hosts/h1"
+    assert len(node["gpus"]) == 2
+    assert "waiting up to 120s for nodes/n1 to become READY" in created.stderr
+
+    table = ok(run("node", "list")).splitlines()
+    assert table[0].split() == ["NAME", "STATE", "HOST", "GPUS", "LATENCY", "AGE"]
+    assert table[1].split()[:4] == ["n1", "Ready", "h1", "H100:2"]
+    hosts = ok(run("host", "list")).splitlines()
+    assert hosts[1].split()[:3] == ["h1", "yes", "2/8"]
+    attached = ok(run("gpu", "list", "--state", "attached", "-o", "wide")).splitlines()
+    assert len(attached) == 3 and all("n1" in line for line in attached[1:])
+
+    assert ok(run("node", "delete", "n1", "--wait")) == "nodes/n1 released\n"
+    assert ok(run("node", "list", "-o", "name")) == ""
+    assert ok(run("node", "list", "--all", "-o", "name")) == "nodes/n1\n"
+    assert ok(run("node", "delete", "n1")) == "nodes/n1 released\n"  # idempotent
+
+
+def test_node_create_on_unknown_host_is_not_found(run: Run, pool: SimPool) -> None:
+    result = run("node", "create", "--gpus", "H100:1", "--host", "nope")
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: NOT_FOUND: ")
+    assert result.stdout == ""
+
+
+def test_node_create_that_cannot_fit_points_at_plan(run: Run, pool: SimPool) -> None:
+    result = run("node", "create", "--gpus", "H100:16")
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: RESOURCE_EXHAUSTED: ")
+    assert "`dxpool node plan`" in result.stderr  # in the broker's message or in our hint
+
+
+def test_node_plan_shows_placement_and_candidates(run: Run, pool: SimPool) -> None:
+    text = ok(run("node", "plan", "--gpus", "H100:2"))
+    assert text.startswith("placement: h1\n")
+    assert "GPU" in text and "FEASIBLE" in text
+    plan = json.loads(ok(run("node", "plan", "--gpus", "H100:2", "-o", "json")))
+    assert plan["host"] == "hosts/h1" and len(plan["gpus"]) == 2
+    assert ok(run("node", "list", "-o", "name")) == ""  # nothing committed
+
+
+def test_node_get_unknown_is_not_found(run: Run) -> None:
+    result = run("node", "get", "ghost")
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: NOT_FOUND: ")
+
+
+def test_fabric_latency_near_and_far(run: Run, pool: SimPool) -> None:
+    near = json.loads(ok(run("fabric", "latency", "--host", "h1", "--box", "box1", "-o", "json")))
+    far = json.loads(ok(run("fabric", "latency", "--host", "h1", "--box", "box2", "-o", "json")))
+    assert int(near["roundTripNs"]) < int(far["roundTripNs"])
+    table = ok(run("fabric", "latency", "--host", "h1", "--box", "box1")).splitlines()
+    assert table[0].split() == ["HOST", "BOX", "ROUND-TRIP", "PATH"]
+
+
+def test_host_get_and_gpu_get(run: Run, pool: SimPool) -> None:
+    host = yaml.safe_load(ok(run("host", "get", "h1", "-o", "yaml")))
+    assert host["name"] == "hosts/h1" and host["alive"] is True and host["slotCapacity"] == 8
+    gpu = json.loads(ok(run("gpu", "get", "box2/3", "-o", "json")))
+    assert gpu["name"] == "boxes/box2/gpus/3" and gpu["state"] == "GPU_STATE_FREE"
+
+
+def test_node_watch_streams_json_lines_until_ctrl_c(
+    run: Run, pool: SimPool, broker: BrokerServer
+) -> None:
+    ok(run("node", "create", "--gpus", "H100:1", "--name", "w1", "--wait"))
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "dxpool.cli", "--endpoint", broker.endpoint, "node", "watch",
+         "w1", "-o", "json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert watch.stdout is not None
+        first = json.loads(watch.stdout.readline())
+        assert first["type"] == "TYPE_EXISTING"
+        assert first["node"]["state"] == "NODE_STATE_READY"
+        ok(run("node", "delete", "w1"))
+        states = []
+        while "NODE_STATE_RELEASED" not in states:
+            event = json.loads(watch.stdout.readline())
+            assert event["type"] == "TYPE_CHANGED"
+            states.append(event["node"]["state"])
+        assert states[0] == "NODE_STATE_RELEASING"
+        watch.send_signal(signal.SIGINT)
+        assert watch.wait(timeout=10) == 130
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait()

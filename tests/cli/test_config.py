@@ -1,0 +1,104 @@
+"""Endpoint resolution: flag > $DXPOOL_ENDPOINT > config file > default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dxpool.cli.config import (
+    DEFAULT_ENDPOINT,
+    config_path,
+    load_config,
+    resolve_endpoint,
+    resolve_endpoint_setting,
+)
+from dxpool.errors import InvalidArgument
+
+
+@pytest.fixture
+def config_file(tmp_path: Path) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text("endpoint: file-host:7000\n")
+    return path
+
+
+@pytest.fixture(autouse=True)
+def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("DXPOOL_ENDPOINT", raising=False)
+    monkeypatch.delenv("DXPOOL_CONFIG", raising=False)
+
+
+def test_flag_beats_environment_and_file(config_file: Path) -> None:
+    env = {"DXPOOL_ENDPOINT": "env-host:6000", "DXPOOL_CONFIG": str(config_file)}
+    assert resolve_endpoint_setting("flag-host:5000", env=env) == ("flag-host:5000", "--endpoint")
+
+
+def test_environment_beats_file(config_file: Path) -> None:
+    env = {"DXPOOL_ENDPOINT": "env-host:6000", "DXPOOL_CONFIG": str(config_file)}
+    assert resolve_endpoint_setting(None, env=env) == ("env-host:6000", "$DXPOOL_ENDPOINT")
+
+
+def test_file_beats_default(config_file: Path) -> None:
+    setting = resolve_endpoint_setting(None, env={"DXPOOL_CONFIG": str(config_file)})
+    assert setting.value == "file-host:7000"
+    assert str(config_file) in setting.source
+
+
+def test_default_file_under_home_is_read(tmp_path: Path) -> None:
+    default = tmp_path / "home" / ".config" / "dxpool" / "config.yaml"
+    default.parent.mkdir(parents=True)
+    default.write_text("endpoint: home-host:9000\n")
+    assert config_path({}) == default
+    assert resolve_endpoint(env={}) == "home-host:9000"
+
+
+def test_default_when_nothing_is_configured() -> None:
+    assert resolve_endpoint(env={}) == DEFAULT_ENDPOINT == "127.0.0.1:8470"
+
+
+def test_empty_values_fall_through(config_file: Path) -> None:
+    env = {"DXPOOL_ENDPOINT": "", "DXPOOL_CONFIG": str(config_file)}
+    assert resolve_endpoint("", env=env) == "file-host:7000"
+
+
+def test_process_environment_is_the_default_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DXPOOL_ENDPOINT", "env-host:6000")
+    assert resolve_endpoint() == "env-host:6000"
+
+
+def test_empty_config_file_means_no_settings(tmp_path: Path) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+    assert load_config({"DXPOOL_CONFIG": str(path)}) == {}
+    assert resolve_endpoint(env={"DXPOOL_CONFIG": str(path)}) == DEFAULT_ENDPOINT
+
+
+def test_missing_explicit_config_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgument, match=r"does not exist.*DXPOOL_CONFIG"):
+        resolve_endpoint(env={"DXPOOL_CONFIG": str(tmp_path / "nope.yaml")})
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("endpoint: [unclosed", "not valid YAML"),
+        ("- a\n- b\n", "must hold a mapping"),
+        ("endpont: h:1\n", r"unknown key\(s\) \['endpont'\]"),
+        ("endpoint: 8470\n", "must be a string"),
+        ("endpoint: nohostport\n", "expected host:port"),
+    ],
+)
+def test_bad_config_file_names_the_file(tmp_path: Path, text: str, expected: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(InvalidArgument, match=expected) as error:
+        resolve_endpoint(env={"DXPOOL_CONFIG": str(path)})
+    assert str(path) in error.value.message
+
+
+@pytest.mark.parametrize("value", ["localhost", "a b:1", " host:1"])
+def test_bad_endpoint_names_its_source(value: str) -> None:
+    with pytest.raises(InvalidArgument, match=r"\$DXPOOL_ENDPOINT: expected host:port"):
+        resolve_endpoint(env={"DXPOOL_ENDPOINT": value})

@@ -1,0 +1,146 @@
+"""Argument parsing and exit statuses of the ``dxpool`` command (no broker needed)."""
+
+from __future__ import annotations
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from dxpool.cli import main as cli_main
+from dxpool.cli.errors import format_error
+from dxpool.cli.main import DxpoolGroup, cli
+from dxpool.errors import NotFound, ResourceExhausted
+from dxpool.store.embedded import free_port
+
+
+@pytest.fixture
+def runner(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> CliRunner:
+    monkeypatch.delenv("DXPOOL_ENDPOINT", raising=False)
+    monkeypatch.setenv("DXPOOL_CONFIG", "")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    return CliRunner()
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["node", "create", "--gpus", "H100:0"], "invalid GPU count 0"),
+        (["node", "create", "--gpus", "H100:x"], "cannot parse GPU request 'H100:x'"),
+        (["node", "create", "--gpus", "H100:2", "--max-latency", "fast"], "e.g. 4us"),
+        (["node", "create", "--gpus", "H100:2", "--min-memory", "lots"], "e.g. 80GiB"),
+        (["node", "create", "--gpus", "2", "--label", "novalue"], "expected KEY=VALUE"),
+        (["node", "create", "--gpus", "2", "--host", "Bad_Host"], "invalid host id"),
+        (["node", "create", "--gpus", "2", "--timeout", "soon"], "cannot parse duration"),
+        (["node", "plan", "--gpus", "H100:99"], "1 to 64 GPUs"),
+        (["node", "get", "nodes/"], "invalid node id"),
+        (["node", "list", "-o", "xml"], "'xml' is not one of"),
+        (["gpu", "list", "--state", "busy"], "unknown GPU state 'busy'"),
+        (["gpu", "get", "box1"], "expected 'BOX/SLOT'"),
+        (["box", "add", "box1", "--gpus", "8", "--memory", "80GiB"], "GPU model is missing"),
+        (
+            ["box", "add", "box1", "--gpus", "A100:8", "--model", "H100", "--memory", "80GiB"],
+            "give the model once",
+        ),
+        (["fabric", "latency", "--host", "h1"], "Missing option '--box'"),
+        (["--endpoint", "nohostport", "box", "list"], "expected host:port"),
+        (["--request-timeout", "0s", "box", "list"], "must be positive"),
+        (["frobnicate"], "No such command 'frobnicate'"),
+    ],
+)
+def test_usage_errors_exit_2(runner: CliRunner, args: list[str], expected: str) -> None:
+    result = runner.invoke(cli, args)
+    assert result.exit_code == 2, result.output
+    assert expected in result.stderr
+    assert result.stdout == ""
+
+
+def test_gpu_grammar_is_shown_on_a_bad_count(runner: CliRunner) -> None:
+    result = runner.invoke(cli, ["node", "create", "--gpus", "H100:0"])
+    assert "expected MODEL:COUNT (e.g. H100:4)" in result.stderr
+
+
+def test_broker_down_is_an_api_error_with_a_hint(runner: CliRunner) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    result = runner.invoke(cli, ["--endpoint", endpoint, "box", "list"])
+    assert result.exit_code == 1
+    first, hint = result.stderr.splitlines()[:2]
+    assert first.startswith("error: UNAVAILABLE: ")
+    assert hint == (
+        f"hint: is the broker running at {endpoint}? start one with `dxpool up`, or point "
+        "--endpoint (or DXPOOL_ENDPOINT) at a running broker"
+    )
+    assert result.stdout == ""
+
+
+def test_environment_endpoint_is_used(runner: CliRunner) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    result = runner.invoke(cli, ["host", "list"], env={"DXPOOL_ENDPOINT": endpoint})
+    assert result.exit_code == 1
+    assert f"broker running at {endpoint}?" in result.stderr
+
+
+def _group_with(callback: click.Command) -> click.Group:
+    group = DxpoolGroup(name="dxpool")
+    group.add_command(callback)
+    return group
+
+
+def test_api_error_exits_1_with_code_name(runner: CliRunner) -> None:
+    @click.command("get")
+    def get() -> None:
+        raise NotFound("host hosts/nope not found")
+
+    result = runner.invoke(_group_with(get), ["get"])
+    assert result.exit_code == 1
+    assert result.stderr == "error: NOT_FOUND: host hosts/nope not found\n"
+
+
+def test_timeout_exits_1(runner: CliRunner) -> None:
+    @click.command("wait")
+    def wait() -> None:
+        raise TimeoutError("node nodes/n1 still ATTACHING after 1s")
+
+    result = runner.invoke(_group_with(wait), ["wait"])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: DEADLINE_EXCEEDED: node nodes/n1 still ATTACHING")
+
+
+def test_ctrl_c_exits_130(runner: CliRunner) -> None:
+    @click.command("watch")
+    def watch() -> None:
+        raise KeyboardInterrupt
+
+    result = runner.invoke(_group_with(watch), ["watch"])
+    assert result.exit_code == 130
+
+
+def test_missing_lazy_command_is_not_mounted(
+    runner: CliRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(cli_main.LAZY_COMMANDS, "ghost", ("dxpool.no_such_module", "command"))
+    listed = runner.invoke(cli, ["--help"])
+    assert listed.exit_code == 0
+    assert "ghost" not in listed.stdout
+    assert runner.invoke(cli, ["ghost"]).exit_code == 2
+
+
+def test_installed_lazy_commands_are_mounted(runner: CliRunner) -> None:
+    for name, (module, _) in cli_main.LAZY_COMMANDS.items():
+        if not cli_main._module_exists(module):
+            continue
+        result = runner.invoke(cli, [name, "--help"])
+        assert result.exit_code == 0, result.output
+        assert "Usage: dxpool " + name in result.stdout
+
+
+def test_hints_say_what_to_do_next_without_repeating_the_message() -> None:
+    bare = ResourceExhausted("no H100 free")
+    assert format_error(bare, "h:1") == (
+        "error: RESOURCE_EXHAUSTED: no H100 free\n"
+        "hint: see why each host was dropped with `dxpool node plan` and the same flags"
+    )
+    explained = ResourceExhausted("no H100 free; `dxpool node plan` shows every candidate")
+    assert "hint:" not in format_error(explained, "h:1")
+    assert format_error(NotFound("x"), "h:1") == "error: NOT_FOUND: x"
+    verbose = format_error(NotFound("x", reason="NODE_NOT_FOUND"), "h:1", verbose=True)
+    assert verbose.splitlines()[1] == "reason: NODE_NOT_FOUND"
