@@ -17,6 +17,7 @@ from dxpool.errors import InvalidArgument
 ID_PATTERN = re.compile(r"^[a-z]([a-z0-9-]{0,61}[a-z0-9])?$")
 REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 MAX_SLOT = 4095
+ID_RULE = "1-63 characters of a-z, 0-9 and '-', starting with a letter and not ending with '-'"
 _SHOWN = 80  # characters of a bad value echoed back in an error message
 
 
@@ -29,8 +30,7 @@ def check_id(value: str, kind: str) -> str:
     """Return ``value`` if it is a valid id of a ``kind`` (box, host, node)."""
     if not ID_PATTERN.match(value):
         raise InvalidArgument(
-            f"invalid {kind} id {_echo(value)}: use 1-63 characters of a-z, 0-9 and '-', "
-            "starting with a letter and not ending with '-'",
+            f"invalid {kind} id {_echo(value)}: use {ID_RULE}",
             reason="INVALID_NAME",
         )
     return value
@@ -54,7 +54,14 @@ def _parse_simple(name: str, collection: str, kind: str) -> str:
             f"invalid {kind} name {_echo(name)}: expected '{prefix}{{{kind}}}'",
             reason="INVALID_NAME",
         )
-    return check_id(name[len(prefix) :], kind)
+    try:
+        return check_id(name[len(prefix) :], kind)
+    except InvalidArgument as error:
+        raise InvalidArgument(
+            f"invalid {kind} name {_echo(name)}: expected '{prefix}{{{kind}}}' where "
+            f"{{{kind}}} is {ID_RULE}",
+            reason="INVALID_NAME",
+        ) from error
 
 
 def box_name(box_id: str) -> str:

@@ -27,6 +27,9 @@ MAX_GPUS_PER_NODE = 64
 MAX_MODEL_LENGTH = 64
 GPU_GRAMMAR = "MODEL:COUNT (e.g. H100:4), MODEL (one GPU), or COUNT (any model)"
 _MODEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_GPU_STRING = re.compile(
+    r"^\s*(?:(?P<model>\*|[A-Za-z0-9][A-Za-z0-9._-]*):(?P<count>-?\d+)|(?P<bare>[A-Za-z0-9][A-Za-z0-9._-]*))\s*$"
+)
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ns|us|µs|ms|s)\s*$")
 _MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(MiB|GiB|TiB|M|G|T)\s*$", re.IGNORECASE)
 _NS_PER_UNIT = {"ns": 1, "us": 1_000, "µs": 1_000, "ms": 1_000_000, "s": 1_000_000_000}
@@ -77,26 +80,24 @@ def parse_gpus(value: str | Mapping[str, Any] | GpuSpec) -> GpuSpec:
         unknown = set(value) - {"model", "count", "min_memory_mib"}
         if unknown:
             raise InvalidArgument(
-                f"unknown GPU request field(s) {sorted(unknown)}: use model, count, "
-                "min_memory_mib"
+                f"unknown GPU request field(s) {sorted(unknown)}: use model, count, min_memory_mib"
             )
         return GpuSpec(
             str(value.get("model", "") or ""),
             _as_int(value.get("count", 1), "count"),
             _as_int(value.get("min_memory_mib", 0), "min_memory_mib"),
         )
-    text = value.strip()
-    model, sep, count_text = text.rpartition(":")
-    if not sep:
-        model, count_text = (("", text) if text.lstrip("-").isdigit() else (text, "1"))
-    if model == "*":
-        model = ""
-    if not count_text.lstrip("-").isdigit() or (sep and not model and not text.startswith("*")):
+    match = _GPU_STRING.match(value)
+    if not match:
         raise InvalidArgument(
             f"cannot parse GPU request {value!r}: expected {GPU_GRAMMAR}",
             reason="INVALID_GPU_REQUEST",
         )
-    return GpuSpec(model, int(count_text))
+    model, count = match.group("model"), match.group("count")
+    if model is None:  # a bare COUNT, or a bare MODEL
+        bare = match.group("bare")
+        model, count = ("", bare) if bare.isdigit() else (bare, "1")
+    return GpuSpec("" if model == "*" else model, int(count))
 
 
 def _as_int(value: object, field: str) -> int:

@@ -1,0 +1,284 @@
+"""Compose latency against its floor, measured in one run against one etcd.
+
+Starts a private etcd (fsync on), a broker process, and a host agent process on the
+simulated fabric, then measures from this process:
+
+1. a bare etcd transaction of the same shape as a one-GPU compose (5 compares,
+   4 writes of records of similar size), through the same etcd client library;
+2. a no-op gRPC call to the broker (health Check) over the same channel kind;
+3. ComposeNode and ReleaseNode end to end (p50/p99), and compose+release pairs per
+   second with 1 and with 8 client threads.
+
+Prints the figures and the ratio  compose p50 / (etcd txn p50 + no-op RPC p50).
+The target is at most 1.3. Ratios, not absolute times, are what to compare across runs:
+these machines are shared and noisy.
+
+Usage: python bench/compose_latency.py [--samples 2000] [--seconds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+from etcd3 import transactions
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from dxpool.api.v1 import inventory_pb2, inventory_pb2_grpc, nodes_pb2, nodes_pb2_grpc
+from dxpool.api.v1 import resources_pb2 as pb
+from dxpool.fabric.sim import SimFabric, SimGpuSpec
+from dxpool.store.client import connect
+from dxpool.store.embedded import EmbeddedEtcd, free_port
+
+BOXES = 16
+GPUS_PER_BOX = 8
+HOSTS = 4
+SLOTS = 64
+
+
+def percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def timed(call: Callable[[], object], samples: int) -> list[float]:
+    for _ in range(min(100, samples)):
+        call()
+    out = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        call()
+        out.append((time.perf_counter() - start) * 1000)
+    return out
+
+
+def report(name: str, samples: list[float]) -> float:
+    p50 = statistics.median(samples)
+    print(
+        f"{name:<34} p50 {p50:7.3f} ms   p99 {percentile(samples, 0.99):7.3f} ms   n={len(samples)}"
+    )
+    return p50
+
+
+def bare_txn(etcd_endpoint: str, samples: int) -> list[float]:
+    """A transaction shaped like a one-GPU compose: 5 compares, 4 puts."""
+    client = connect(etcd_endpoint)
+    prefix = f"/bench-{uuid.uuid4().hex[:8]}/"
+    gpu = pb.Gpu(
+        name="boxes/b/gpus/0",
+        box="boxes/b",
+        model="H100",
+        memory_mib=81920,
+        state=pb.GPU_STATE_ATTACHING,
+        node="nodes/node-12345678",
+        host="hosts/h1",
+    )
+    node = pb.VirtualNode(
+        name="nodes/node-12345678",
+        host="hosts/h1",
+        spec=pb.NodeSpec(gpus=pb.GpuRequest(model="H100", count=1)),
+    )
+    node.gpus.add(gpu="boxes/b/gpus/0", model="H100", host_slot=3, latency_ns=3000)
+    alloc = pb.HostAllocation(host="hosts/h1")
+    alloc.attachments.add(gpu="boxes/b/gpus/0", host_slot=3, node=node.name, generation=1)
+    values = [gpu.SerializeToString(), alloc.SerializeToString(), node.SerializeToString(), b"x"]
+    client.put(prefix + "lease", b"")
+    counter = [0]
+
+    def one() -> None:
+        counter[0] += 1
+        keys = [f"{prefix}{kind}/{counter[0]}" for kind in ("gpu", "alloc", "node", "req")]
+        client.transaction(
+            compare=[transactions.Create(key) == 0 for key in keys]
+            + [transactions.Version(prefix + "lease") > 0],
+            success=[transactions.Put(key, value) for key, value in zip(keys, values, strict=True)],
+            failure=[],
+        )
+
+    result = timed(one, samples)
+    client.delete_prefix(prefix)
+    client.close()
+    return result
+
+
+def start_stack(work: Path) -> tuple[EmbeddedEtcd, list[subprocess.Popen[bytes]], str]:
+    etcd = EmbeddedEtcd(work / "etcd").start()
+    port = free_port()
+    endpoint = f"127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    log = open(work / "processes.log", "ab")  # noqa: SIM115 - shared by the children
+    fabric_dir = work / "fabric"
+    SimFabric.create(
+        fabric_dir,
+        boxes={f"box{i}": [SimGpuSpec("H100", 81920)] * GPUS_PER_BOX for i in range(BOXES)},
+        hosts={f"h{i}": SLOTS for i in range(HOSTS)},
+    )
+    processes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dxpool.broker",
+                "--etcd",
+                etcd.endpoint,
+                "--listen",
+                endpoint,
+                "--log-level",
+                "WARNING",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    ]
+    for index in range(HOSTS):
+        processes.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "dxpool.hostagent",
+                    "--host",
+                    f"h{index}",
+                    "--etcd",
+                    etcd.endpoint,
+                    "--driver",
+                    "sim",
+                    "--sim-state",
+                    str(fabric_dir),
+                    "--slots",
+                    str(SLOTS),
+                    "--site",
+                    "s1",
+                    "--pod",
+                    "p1",
+                    "--rack",
+                    f"r{index % 2}",
+                    "--log-level",
+                    "WARNING",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+        )
+    channel = grpc.insecure_channel(endpoint)
+    grpc.channel_ready_future(channel).result(timeout=30)
+    inventory = inventory_pb2_grpc.InventoryServiceStub(channel)
+    for index in range(BOXES):
+        inventory.CreateBox(
+            inventory_pb2.CreateBoxRequest(
+                box_id=f"box{index}",
+                gpu_model="H100",
+                gpu_memory_mib=81920,
+                box=pb.Box(
+                    gpu_count=GPUS_PER_BOX,
+                    location=pb.Location(site="s1", pod="p1", rack=f"r{index % 2}"),
+                ),
+            )
+        )
+    deadline = time.monotonic() + 30
+    while sum(h.alive for h in inventory.ListHosts(inventory_pb2.ListHostsRequest()).hosts) < HOSTS:
+        if time.monotonic() > deadline:
+            raise RuntimeError("host agents did not register; see processes.log")
+        time.sleep(0.1)
+    channel.close()
+    return etcd, processes, endpoint
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=2000)
+    parser.add_argument("--seconds", type=float, default=5.0, help="per throughput run")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="dxpool-bench-") as raw:
+        etcd, processes, endpoint = start_stack(Path(raw))
+        try:
+            run(etcd, endpoint, args.samples, args.seconds)
+        finally:
+            for process in processes:
+                process.terminate()
+            for process in processes:
+                process.wait(10)
+            etcd.stop()
+
+
+def run(etcd: EmbeddedEtcd, endpoint: str, samples: int, seconds: float) -> None:
+    channel = grpc.insecure_channel(endpoint)
+    health = health_pb2_grpc.HealthStub(channel)
+    nodes = nodes_pb2_grpc.NodeServiceStub(channel)
+    request = nodes_pb2.ComposeNodeRequest(
+        spec=pb.NodeSpec(gpus=pb.GpuRequest(model="H100", count=1))
+    )
+    print(
+        f"pool: {BOXES} boxes x {GPUS_PER_BOX} GPUs, {HOSTS} hosts; "
+        f"{samples} samples per latency figure"
+    )
+    txn_p50 = report("etcd txn (5 compares, 4 puts)", bare_txn(etcd.endpoint, samples))
+    rpc_p50 = report(
+        "no-op gRPC (health Check)",
+        timed(lambda: health.Check(health_pb2.HealthCheckRequest()), samples),
+    )
+
+    compose_ms: list[float] = []
+    release_ms: list[float] = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        node = nodes.ComposeNode(request)
+        middle = time.perf_counter()
+        nodes.ReleaseNode(nodes_pb2.ReleaseNodeRequest(name=node.name))
+        compose_ms.append((middle - start) * 1000)
+        release_ms.append((time.perf_counter() - middle) * 1000)
+    compose_p50 = report("ComposeNode (1 GPU)", compose_ms)
+    report("ReleaseNode", release_ms)
+    for clients in (1, 8):
+        pairs = throughput(endpoint, request, clients, seconds)
+        print(f"compose+release pairs/s, {clients} client(s): {pairs:8.1f}")
+    ratio = compose_p50 / (txn_p50 + rpc_p50)
+    print(f"ratio compose p50 / (etcd txn p50 + no-op RPC p50) = {ratio:.2f} (target <= 1.3)")
+    channel.close()
+
+
+def throughput(
+    endpoint: str, request: nodes_pb2.ComposeNodeRequest, clients: int, seconds: float
+) -> float:
+    done = [0] * clients
+    errors: list[str] = []
+    stop = time.monotonic() + seconds
+
+    def worker(index: int) -> None:
+        channel = grpc.insecure_channel(endpoint)
+        nodes = nodes_pb2_grpc.NodeServiceStub(channel)
+        while time.monotonic() < stop:
+            try:
+                node = nodes.ComposeNode(request)
+                nodes.ReleaseNode(nodes_pb2.ReleaseNodeRequest(name=node.name))
+                done[index] += 1
+            except grpc.RpcError as error:
+                errors.append(error.code().name)
+                time.sleep(0.01)
+        channel.close()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        print(f"  ({len(errors)} calls failed: {sorted(set(errors))})")
+    return sum(done) / (time.monotonic() - started)
+
+
+if __name__ == "__main__":
+    main()

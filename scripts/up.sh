@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Set up a virtual environment (.venv) and run the embedded default in the foreground:
+# a private etcd, a broker on 127.0.0.1:8470, a simulated fabric with GPU boxes, and host
+# agents. Ctrl-C stops everything. Extra arguments go to `dxpool up` (see --help).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --upgrade pip
+.venv/bin/python -m pip install --quiet -e .
+exec .venv/bin/dxpool up "$@"

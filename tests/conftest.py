@@ -1,0 +1,251 @@
+"""Fixtures shared by the whole suite: a real etcd, a real broker, real host agents.
+
+One etcd server runs per test session; every test gets its own key prefix in it, so tests
+are isolated without paying for an etcd start each. Brokers listen on free loopback
+ports; host agents run as separate processes (``python -m dxpool.hostagent``) over a
+simulated fabric whose state lives in the test's temporary directory.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import grpc
+import pytest
+
+from dxpool.api.v1 import inventory_pb2, inventory_pb2_grpc, nodes_pb2_grpc, resources_pb2
+from dxpool.store.client import connect
+from dxpool.store.embedded import EmbeddedEtcd
+
+if TYPE_CHECKING:  # imported lazily so one broken component does not hide every test
+    from dxpool.broker.server import BrokerServer
+    from dxpool.fabric.sim import SimFabric
+
+
+@pytest.fixture(scope="session")
+def etcd_server() -> Iterator[EmbeddedEtcd]:
+    with EmbeddedEtcd(unsafe_no_fsync=True) as server:
+        yield server
+
+
+@pytest.fixture
+def key_prefix() -> str:
+    return f"/dxpool-test-{uuid.uuid4().hex[:12]}/"
+
+
+@pytest.fixture
+def etcd_client(etcd_server: EmbeddedEtcd):  # type: ignore[no-untyped-def]
+    client = connect(etcd_server.endpoint)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def broker_factory(
+    etcd_server: EmbeddedEtcd, key_prefix: str
+) -> Iterator[Callable[..., BrokerServer]]:
+    from dxpool.broker.server import BrokerConfig, BrokerServer
+
+    started: list[BrokerServer] = []
+
+    def start(**overrides: object) -> BrokerServer:
+        config = BrokerConfig(
+            etcd_endpoints=etcd_server.endpoint,
+            key_prefix=key_prefix,
+            listen="127.0.0.1:0",
+            controller_sweep_s=0.2,
+        )
+        config = BrokerConfig(**{**config.__dict__, **overrides})  # type: ignore[arg-type]
+        server = BrokerServer(config).start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop(grace_s=0)
+
+
+@pytest.fixture
+def broker(broker_factory: Callable[..., BrokerServer]) -> BrokerServer:
+    return broker_factory()
+
+
+@dataclass
+class Stubs:
+    """Raw gRPC stubs on one channel to a broker."""
+
+    channel: grpc.Channel
+    inventory: inventory_pb2_grpc.InventoryServiceStub = field(init=False)
+    nodes: nodes_pb2_grpc.NodeServiceStub = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.inventory = inventory_pb2_grpc.InventoryServiceStub(self.channel)
+        self.nodes = nodes_pb2_grpc.NodeServiceStub(self.channel)
+
+
+@pytest.fixture
+def stubs(broker: BrokerServer) -> Iterator[Stubs]:
+    channel = grpc.insecure_channel(broker.endpoint)
+    yield Stubs(channel)
+    channel.close()
+
+
+def add_box(
+    stubs: Stubs, box_id: str, *, gpus: int = 8, model: str = "H100", rack: str = "r1"
+) -> resources_pb2.Box:
+    """Register a uniform box through the API."""
+    return stubs.inventory.CreateBox(
+        inventory_pb2.CreateBoxRequest(
+            box_id=box_id,
+            box=resources_pb2.Box(
+                gpu_count=gpus, location=resources_pb2.Location(site="s1", pod="p1", rack=rack)
+            ),
+            gpu_model=model,
+            gpu_memory_mib=81920,
+        )
+    )
+
+
+@dataclass
+class AgentProcess:
+    host: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+    def terminate(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(10)
+
+
+@dataclass
+class SimPool:
+    """A simulated fabric plus a launcher for host agents over it."""
+
+    state_dir: Path
+    fabric: SimFabric
+    etcd_endpoint: str
+    key_prefix: str
+    agents: list[AgentProcess] = field(default_factory=list)
+
+    def start_agent(
+        self,
+        host: str,
+        *,
+        slots: int = 8,
+        rack: str = "r1",
+        map_delay_s: float = 0.0,
+        lease_ttl_s: float = 3.0,
+        extra: tuple[str, ...] = (),
+    ) -> AgentProcess:
+        self.fabric.add_host(host, slots)
+        log_path = self.state_dir / f"agent-{host}-{len(self.agents)}.log"
+        args = [
+            sys.executable,
+            "-m",
+            "dxpool.hostagent",
+            "--host",
+            host,
+            "--etcd",
+            self.etcd_endpoint,
+            "--prefix",
+            self.key_prefix,
+            "--driver",
+            "sim",
+            "--sim-state",
+            str(self.state_dir / "fabric"),
+            "--slots",
+            str(slots),
+            "--site",
+            "s1",
+            "--pod",
+            "p1",
+            "--rack",
+            rack,
+            "--lease-ttl",
+            str(lease_ttl_s),
+            "--map-delay",
+            str(map_delay_s),
+            "--resync-interval",
+            "2",
+            *extra,
+        ]
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(
+                args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        agent = AgentProcess(host, process, log_path)
+        self.agents.append(agent)
+        return agent
+
+
+@pytest.fixture
+def sim_pool(tmp_path: Path, etcd_server: EmbeddedEtcd, key_prefix: str) -> Iterator[SimPool]:
+    from dxpool.fabric.sim import SimFabric
+
+    fabric = SimFabric.create(tmp_path / "fabric", boxes={}, hosts={})
+    pool = SimPool(tmp_path, fabric, etcd_server.endpoint, key_prefix)
+    yield pool
+    for agent in pool.agents:
+        agent.kill()
+
+
+def register_sim_box(
+    pool: SimPool,
+    stubs: Stubs,
+    box_id: str,
+    *,
+    gpus: int = 8,
+    model: str = "H100",
+    rack: str = "r1",
+) -> None:
+    """A box in the simulated fabric and in the broker's inventory."""
+    from dxpool.fabric.sim import SimGpuSpec
+
+    pool.fabric.add_box(box_id, [SimGpuSpec(model, 81920) for _ in range(gpus)])
+    add_box(stubs, box_id, gpus=gpus, model=model, rack=rack)
+
+
+def wait_until(
+    predicate: Callable[[], object],
+    timeout_s: float = 15.0,
+    interval_s: float = 0.05,
+    message: str = "condition",
+) -> object:
+    """Poll ``predicate`` until it returns a truthy value; fail the test on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    pytest.fail(f"timed out after {timeout_s}s waiting for {message}")
+
+
+def wait_hosts_alive(stubs: Stubs, count: int = 1, timeout_s: float = 20.0) -> None:
+    """Wait until ``count`` hosts are registered and alive in the broker's view."""
+    wait_until(
+        lambda: (
+            sum(h.alive for h in stubs.inventory.ListHosts(inventory_pb2.ListHostsRequest()).hosts)
+            >= count
+        ),
+        timeout_s,
+        message=f"{count} alive host(s)",
+    )

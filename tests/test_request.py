@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+import pytest
+
+from dxpool.errors import InvalidArgument
+from dxpool.request import (
+    GpuSpec,
+    format_duration_ns,
+    parse_duration_ns,
+    parse_gpus,
+    parse_memory_mib,
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("H100:4", GpuSpec("H100", 4)),
+        ("A100", GpuSpec("A100", 1)),
+        ("8", GpuSpec("", 8)),
+        ("*:2", GpuSpec("", 2)),
+        ("A100-80GB:64", GpuSpec("A100-80GB", 64)),
+    ],
+)
+def test_gpu_grammar(text: str, expected: GpuSpec) -> None:
+    assert parse_gpus(text) == expected
+
+
+def test_string_mapping_and_typed_forms_agree() -> None:
+    assert parse_gpus("H100:4") == parse_gpus({"model": "H100", "count": 4}) == GpuSpec("H100", 4)
+
+
+@pytest.mark.parametrize("text", [":4", "H100:", "H100:x", "H100:1:2", "", "H 100:2"])
+def test_gpu_grammar_errors_show_the_grammar(text: str) -> None:
+    with pytest.raises(InvalidArgument) as error:
+        parse_gpus(text)
+    assert "MODEL:COUNT" in str(error.value) or "invalid GPU model" in str(error.value)
+
+
+@pytest.mark.parametrize("text", ["H100:0", "H100:-1", "H100:65"])
+def test_gpu_counts_out_of_range(text: str) -> None:
+    with pytest.raises(InvalidArgument, match="1 to 64"):
+        parse_gpus(text)
+
+
+def test_unknown_mapping_field() -> None:
+    with pytest.raises(InvalidArgument, match="unknown GPU request field"):
+        parse_gpus({"modle": "H100"})
+
+
+def test_spec_is_immutable() -> None:
+    spec = GpuSpec("H100", 2)
+    with pytest.raises(AttributeError):
+        spec.count = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("text", "ns"), [("4us", 4000), ("1.5ms", 1_500_000), ("800ns", 800), ("2s", 2 * 10**9)]
+)
+def test_durations(text: str, ns: int) -> None:
+    assert parse_duration_ns(text) == ns
+
+
+@pytest.mark.parametrize("text", ["4", "4 parsecs", "-1us", "us"])
+def test_bad_durations(text: str) -> None:
+    with pytest.raises(InvalidArgument, match="unit"):
+        parse_duration_ns(text)
+
+
+def test_format_duration() -> None:
+    assert format_duration_ns(4000) == "4us"
+    assert format_duration_ns(1500) == "1.5us"
+    assert format_duration_ns(999) == "999ns"
+
+
+def test_memory() -> None:
+    assert parse_memory_mib("80GiB") == 81920
+    assert parse_memory_mib("512MiB") == 512
+    with pytest.raises(InvalidArgument, match="GiB"):
+        parse_memory_mib("lots")
