@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import etcd3
+from google.protobuf.message import Message
 
 from dxpool.broker.store import Versioned, decode, encode
 from dxpool.store.keys import COLLECTIONS, KeySchema
@@ -97,8 +98,8 @@ class Cache:
             return
         for event in response.events:
             parsed = self._parse_key(event.key.decode())
-            if parsed is None:
-                continue
+            if parsed is None or self._holds(parsed[0], parsed[1], event.mod_revision):
+                continue  # foreign key, or our own commit already applied: skip decoding
             if isinstance(event, etcd3.events.DeleteEvent):
                 self._apply(parsed[0], parsed[1], None, revision=event.mod_revision)
             else:
@@ -130,6 +131,14 @@ class Cache:
             return self._keys.split(key)
         except ValueError:
             return None
+
+    def _holds(self, collection: str, name: str, revision: int) -> bool:
+        """True if the cache already reflects this key at ``revision`` or later."""
+        with self._lock:
+            current = self._records[collection].get(name)
+            if current is not None:
+                return current.mod_revision >= revision
+            return self._tombstones.get((collection, name), 0) >= revision
 
     def _apply(
         self, collection: str, name: str, record: Versioned[Any] | None, *, revision: int
@@ -186,7 +195,9 @@ class Cache:
             if value is None:
                 self._apply(collection, name, None, revision=revision)
                 continue
-            stored = decode(collection, encode(value))
+            # Messages this process committed are never mutated afterwards (records from
+            # the cache are copied before any change), so they are stored as they are.
+            stored = value if isinstance(value, Message) else decode(collection, encode(value))
             with self._lock:
                 current = self._records[collection].get(name)
             create = (

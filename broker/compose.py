@@ -90,7 +90,8 @@ class Composer:
             )
         for attempt in range(self._settings.max_attempts):
             version = self._index.version
-            result = place(placement_request, self._index.snapshot(), self._latency)
+            with metrics.COMPOSE_STAGE_SECONDS.labels(stage="placement").time():
+                result = place(placement_request, self._index.snapshot(), self._latency)
             if result.placement is None:
                 metrics.COMPOSE_TOTAL.labels(result="unschedulable").inc()
                 raise ResourceExhausted(
@@ -257,7 +258,8 @@ class Composer:
         request_key = keys.request(request.request_id) if request.request_id else None
         if request_key:
             txn.expect_absent(request_key).put(request_key, name).read_on_failure(request_key)
-        committed = self._store.commit(txn)
+        with metrics.COMPOSE_STAGE_SECONDS.labels(stage="commit").time():
+            committed = self._store.commit(txn)
         if committed.succeeded:
             created = {node_key} | ({request_key} if request_key else set())
             self._cache.apply_commit(committed.revision, txn.writes, created=created)

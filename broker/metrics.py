@@ -19,3 +19,9 @@ RPC_SECONDS = Histogram(
     ["method"],
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
 )
+COMPOSE_STAGE_SECONDS = Histogram(
+    "dxpool_compose_stage_duration_seconds",
+    "Time ComposeNode spends in each stage: placement, commit (the etcd transaction)",
+    ["stage"],
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1),
+)

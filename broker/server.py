@@ -67,9 +67,12 @@ class BrokerServer:
         self._port = 0
         self._server: grpc.Server | None = None
         self._etcd = connect(config.etcd_endpoints)
+        # The cache's watch gets a channel of its own, so watch events never queue
+        # behind (or ahead of) the transactions on the compose path.
+        self._etcd_watch = connect(config.etcd_endpoints)
         schema = KeySchema(config.key_prefix)
         self.store = Store(self._etcd, schema)
-        self.cache = Cache(self._etcd, schema)
+        self.cache = Cache(self._etcd_watch, schema)
         topology = (
             Topology.load(config.topology_path) if config.topology_path else Topology.default()
         )
@@ -137,6 +140,7 @@ class BrokerServer:
             self.index.close()
         self.cache.stop()
         self._etcd.close()
+        self._etcd_watch.close()
 
     def wait(self) -> None:
         if self._server is not None:
