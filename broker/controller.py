@@ -14,7 +14,8 @@ it simply looks again). Transitions:
   entry only after the detach succeeded);
 * RELEASING -> RELEASED once the node owns no GPU.
 
-It wakes on cache changes to nodes, GPUs and host statuses, and sweeps everything every
+It wakes on cache changes to nodes, GPUs and host statuses (waiting ``coalesce_s`` so a
+burst of changes is handled in one pass), and sweeps everything every
 ``sweep_interval_s`` to catch deadlines.
 """
 
@@ -49,23 +50,32 @@ class NodeController:
         cache: Cache,
         *,
         sweep_interval_s: float = 1.0,
+        coalesce_s: float = 0.005,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._store = store
         self._cache = cache
         self._sweep_interval_s = sweep_interval_s
+        self._coalesce_s = coalesce_s
         self._clock = clock
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._dirty_nodes: set[str] = set()
         self._dirty_gpus: set[str] = set()
         self._dirty_hosts: set[str] = set()
+        # host id -> GPUs (cache ids "box/slot") assigned to it, so a host status change
+        # touches that host's GPUs only.
+        self._gpus_by_host: dict[str, set[str]] = {}
+        self._host_of_gpu: dict[str, str] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._unsubscribe: Callable[[], None] | None = None
 
     def start(self) -> None:
         self._unsubscribe = self._cache.subscribe(self._on_change)
+        with self._lock:
+            for name, record in self._cache.items(k.GPUS):
+                self._index_gpu(name, record.value.host)
         self._thread = threading.Thread(target=self._run, name="node-controller", daemon=True)
         self._thread.start()
 
@@ -83,16 +93,35 @@ class NodeController:
                 self._dirty_nodes.add(name)
             elif collection == k.GPUS:
                 self._dirty_gpus.add(name)
+                self._index_gpu(name, record.value.host if record is not None else "")
             elif collection == k.HOST_STATUSES:
                 self._dirty_hosts.add(name)
             else:
                 return
         self._wake.set()
 
+    def _index_gpu(self, name: str, host: str) -> None:
+        """Keep ``_gpus_by_host`` current; called with ``_lock`` held."""
+        host_id = host.removeprefix("hosts/")
+        previous = self._host_of_gpu.get(name, "")
+        if previous == host_id:
+            return
+        if previous:
+            self._gpus_by_host[previous].discard(name)
+            if not self._gpus_by_host[previous]:
+                del self._gpus_by_host[previous]
+            del self._host_of_gpu[name]
+        if host_id:
+            self._gpus_by_host.setdefault(host_id, set()).add(name)
+            self._host_of_gpu[name] = host_id
+
     def _run(self) -> None:
         next_sweep = 0.0
         while not self._stop.is_set():
-            self._wake.wait(timeout=self._sweep_interval_s)
+            if self._wake.wait(timeout=self._sweep_interval_s) and self._coalesce_s:
+                # Let a burst of changes land before acting: one pass handles them all,
+                # and the pass stays off the path of the RPC that caused the change.
+                self._stop.wait(self._coalesce_s)
             self._wake.clear()
             try:
                 if time.monotonic() >= next_sweep:
@@ -124,13 +153,8 @@ class NodeController:
             nodes, self._dirty_nodes = self._dirty_nodes, set()
             gpus, self._dirty_gpus = self._dirty_gpus, set()
             hosts, self._dirty_hosts = self._dirty_hosts, set()
-        if hosts:
-            for name, record in self._cache.items(k.GPUS):
-                gpu: pb.Gpu = record.value
-                if gpu.host and parse_host(gpu.host) in hosts:
-                    gpus.add(name)
-                    if gpu.node:
-                        nodes.add(parse_node(gpu.node))
+            for host in hosts:
+                gpus |= self._gpus_by_host.get(host, set())
         for name in sorted(gpus):
             current = self._cache.get(k.GPUS, name)
             if current is not None and current.value.state == pb.GPU_STATE_DETACHING:
