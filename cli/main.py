@@ -108,11 +108,15 @@ def cli(ctx: click.Context, endpoint: str | None, request_timeout: float, verbos
     """
     if request_timeout <= 0:
         raise click.BadParameter("must be positive", param_hint="--request-timeout")
-    level = {0: logging.WARNING, 1: logging.INFO}.get(verbose, logging.DEBUG)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("dxpool").setLevel(level)
+    if ctx.invoked_subcommand not in DAEMONS:  # daemons set up logging from --log-level
+        level = {0: logging.WARNING, 1: logging.INFO}.get(verbose, logging.DEBUG)
+        logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.getLogger("dxpool").setLevel(level)
     ctx.obj = CliContext(endpoint_flag=endpoint, request_timeout_s=request_timeout)
 
+
+# Long-running commands that own their logging configuration (their --log-level).
+DAEMONS = frozenset({"broker", "agent"})
 
 for _command in (box.box, gpu.gpu, host.host, node.node, fabric.fabric, up.up):
     cli.add_command(_command)

@@ -29,9 +29,23 @@ def etcd_binary() -> Path:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (the usual bind-to-0 trick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct TCP ports that were free a moment ago.
+
+    All sockets are held open together while the ports are chosen, so the ports differ
+    from each other (separate bind-to-0 calls may hand out the same port twice).
+    """
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 class EmbeddedEtcd:
@@ -53,8 +67,9 @@ class EmbeddedEtcd:
         self._own_dir = data_dir is None
         self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="dxpool-etcd-"))
         self.host = host
-        self.client_port = client_port or free_port(host)
-        self.peer_port = free_port(host)
+        ports = free_ports(2, host)
+        self.client_port = client_port or ports[0]
+        self.peer_port = ports[1] if ports[1] != self.client_port else ports[0]
         self.log_path = log_path or self.data_dir / "etcd.log"
         self.unsafe_no_fsync = unsafe_no_fsync
         self._process: subprocess.Popen[bytes] | None = None
@@ -146,4 +161,4 @@ class EmbeddedEtcd:
         self.stop()
 
 
-__all__ = ["EmbeddedEtcd", "etcd_binary", "free_port"]
+__all__ = ["EmbeddedEtcd", "etcd_binary", "free_port", "free_ports"]
