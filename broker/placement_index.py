@@ -4,6 +4,12 @@ Placement needs, per box, its GPUs with their free/healthy flags, and per host, 
 proxy slots in use and whether its agent is alive. Rebuilding that from every record on
 each ComposeNode would cost O(GPUs); this index updates incrementally as the cache
 changes and hands out immutable snapshots in O(boxes + hosts).
+
+What placement remembers between calls rests on object identity, so the index keeps
+every object it can: a snapshot holds the very same :class:`BoxInfo`, GPU tuple and
+:class:`Place` objects as the one before for every box and host whose records did not
+change (placement then judges only the boxes that did), and while nothing changes at all
+``snapshot()`` hands out the same snapshot (and what placement derived from it).
 """
 
 from __future__ import annotations
@@ -48,10 +54,12 @@ class PlacementIndex:
         self._gpus: dict[str, dict[int, GpuInfo]] = {}
         self._gpu_tuples: dict[str, tuple[GpuInfo, ...]] = {}
         self._host_records: dict[str, pb.Host] = {}
+        self._host_places: dict[str, Place] = {}
         self._used_slots: dict[str, frozenset[int]] = {}
         self._alive: set[str] = set()
         self._hosts: dict[str, HostInfo] = {}
         self._version = 0
+        self._snapshot: Snapshot | None = None  # the last one handed out, while current
         self._cache = cache
         self._unsubscribe = cache.subscribe(self._on_change)
         for collection in (k.BOXES, k.GPUS, k.HOSTS, k.HOST_LEASES, k.HOST_ALLOCATIONS):
@@ -63,36 +71,60 @@ class PlacementIndex:
 
     def _on_change(self, collection: str, name: str, record: Versioned[Any] | None) -> None:
         with self._lock:
-            self._version += 1
             if collection == k.BOXES:
-                if record is None:
-                    self._boxes.pop(name, None)
-                else:
-                    box: pb.Box = record.value
-                    self._boxes[name] = BoxInfo(
-                        box=name,
-                        place=box_place(box),
-                        schedulable=box.state == pb.BOX_STATE_ACTIVE,
-                    )
+                changed = self._on_box_change(name, record)
             elif collection == k.GPUS:
-                box_id, _, slot = name.partition("/")
-                slots = self._gpus.setdefault(box_id, {})
-                if record is None:
-                    slots.pop(int(slot), None)
-                    if not slots:
-                        self._gpus.pop(box_id, None)
-                else:
-                    slots[int(slot)] = gpu_info(record.value)
-                self._gpu_tuples.pop(box_id, None)
+                changed = self._on_gpu_change(name, record)
             elif collection in (k.HOSTS, k.HOST_LEASES, k.HOST_ALLOCATIONS):
-                self._on_host_change(collection, name, record)
+                changed = self._on_host_change(collection, name, record)
+            else:
+                changed = False
+            if changed:
+                self._version += 1
+                self._snapshot = None
 
-    def _on_host_change(self, collection: str, name: str, record: Versioned[Any] | None) -> None:
+    def _on_box_change(self, name: str, record: Versioned[Any] | None) -> bool:
+        known = self._boxes.get(name)
+        if record is None:
+            return self._boxes.pop(name, None) is not None
+        box: pb.Box = record.value
+        place = box_place(box)
+        if known is not None and known.place == place:
+            place = known.place
+        info = BoxInfo(box=name, place=place, schedulable=box.state == pb.BOX_STATE_ACTIVE)
+        if info == known:
+            return False  # keep the object placement already knows
+        self._boxes[name] = info
+        return True
+
+    def _on_gpu_change(self, name: str, record: Versioned[Any] | None) -> bool:
+        box_id, _, slot_text = name.partition("/")
+        slot = int(slot_text)
+        slots = self._gpus.setdefault(box_id, {})
+        if record is None:
+            gone = slots.pop(slot, None) is not None
+            if not slots:
+                self._gpus.pop(box_id, None)
+            if gone:
+                self._gpu_tuples.pop(box_id, None)
+            return gone
+        info = gpu_info(record.value)
+        if slots.get(slot) == info:
+            return False  # e.g. attaching -> attached: placement sees no difference
+        slots[slot] = info
+        self._gpu_tuples.pop(box_id, None)
+        return True
+
+    def _on_host_change(self, collection: str, name: str, record: Versioned[Any] | None) -> bool:
         if collection == k.HOSTS:
             if record is None:
                 self._host_records.pop(name, None)
+                self._host_places.pop(name, None)
             else:
                 self._host_records[name] = record.value
+                place = host_place(record.value)
+                if self._host_places.get(name) != place:
+                    self._host_places[name] = place
         elif collection == k.HOST_LEASES:
             if record is None:
                 self._alive.discard(name)
@@ -105,30 +137,38 @@ class PlacementIndex:
             )
         host = self._host_records.get(name)
         if host is None:
-            self._hosts.pop(name, None)
-            return
-        self._hosts[name] = HostInfo(
+            return self._hosts.pop(name, None) is not None
+        info = HostInfo(
             host=name,
-            place=host_place(host),
+            place=self._host_places[name],
             slot_capacity=host.slot_capacity,
             used_slots=self._used_slots.get(name, frozenset()),
             alive=name in self._alive,
         )
+        if info == self._hosts.get(name):
+            return False
+        self._hosts[name] = info
+        return True
 
     @property
     def version(self) -> int:
-        """Changes whenever the view changes; equal versions mean equal snapshots."""
+        """Changes whenever the view changes (and only then); equal versions mean equal
+        snapshots."""
         with self._lock:
             return self._version
 
     def snapshot(self) -> Snapshot:
-        """An immutable view of the inventory as of now."""
+        """An immutable view of the inventory as of now: the same object as last time
+        while nothing changed in between."""
         with self._lock:
+            if self._snapshot is not None:
+                return self._snapshot
             for box_id, slots in self._gpus.items():
                 if box_id not in self._gpu_tuples:
                     self._gpu_tuples[box_id] = tuple(slots[s] for s in sorted(slots))
-            return Snapshot(
+            self._snapshot = Snapshot(
                 boxes=dict(self._boxes),
                 hosts=dict(self._hosts),
                 gpus_by_box=dict(self._gpu_tuples),
             )
+            return self._snapshot

@@ -18,12 +18,17 @@ other site         rack, pod, site (host side), inter-site, site, pod, rack (box
 An endpoint whose place is unknown (an empty or incomplete location, or one an explicit
 topology does not contain) is assumed to be in another site behind the slowest switches of
 the topology: the estimate is an upper bound, and its path says ``unplaced:{name}``.
+
+The round trip depends only on the racks the two endpoints resolve to, so the model is
+also a :class:`TieredLatencyModel`: placement asks it once per rack of hosts for every
+rack of boxes, ranked nearest first, instead of once per (host, box) pair.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from dxpool.fabric.topology import Location, SwitchLatencies, Topology
@@ -38,12 +43,27 @@ INTER_SITE_HOP = "inter-site"
 @dataclass(frozen=True)
 class Place:
     """Where an endpoint sits. ``name`` is its resource name (``hosts/h1``, ``boxes/b1``);
-    empty site, pod or rack mean "unknown"."""
+    empty site, pod or rack mean "unknown".
+
+    Places key the latency caches on every placement, so the hash is computed once, at
+    construction.
+    """
 
     name: str
     site: str = ""
     pod: str = ""
     rack: str = ""
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.name, self.site, self.pod, self.rack)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple[type[Place], tuple[str, str, str, str]]:
+        # string hashes differ between processes: a copy hashes its fields anew
+        return Place, (self.name, self.site, self.pod, self.rack)
 
     @classmethod
     def of(cls, record: resources_pb2.Host | resources_pb2.Box) -> Place:
@@ -73,6 +93,40 @@ class LatencyModel(Protocol):
     def round_trip(self, host: Place, box: Place) -> LatencyEstimate: ...
 
 
+Tiers = tuple[tuple[int, tuple[int, ...]], ...]
+"""Box classes grouped by their round trip from one host class, nearest tier first:
+``((round_trip_ns, (box class, ...)), ...)``, classes ascending inside a tier."""
+
+
+@runtime_checkable
+class TieredLatencyModel(LatencyModel, Protocol):
+    """A latency model that can rank every box for a host at once (optional capability).
+
+    Its round trips depend only on a coarse *class* of each endpoint (for the tree model,
+    the rack the endpoint resolves to), so placement ranks the boxes once per class of
+    host instead of asking for every (host, box) pair. The contract, for any two places:
+    ``box_class(box)`` is in exactly one tier of ``ranking(host_class(host))``, and that
+    tier's round trip equals ``round_trip(host, box).round_trip_ns``. Class numbers are
+    the model's own and mean nothing to another model. None of the three methods raises.
+    """
+
+    def host_class(self, host: Place) -> int:
+        """The class of a host's place."""
+        ...
+
+    def box_class(self, box: Place) -> int:
+        """The class of a box's place."""
+        ...
+
+    def ranking(self, host_class: int) -> Tiers:
+        """Every class numbered so far, grouped by round trip from ``host_class``.
+
+        A class returned by :meth:`host_class` or :meth:`box_class` before this call is
+        in the answer; classes of places the model has not seen yet may be missing.
+        """
+        ...
+
+
 @dataclass(frozen=True)
 class _Side:
     """One endpoint resolved against the topology; ``switches`` None when unplaced."""
@@ -81,12 +135,20 @@ class _Side:
     switches: SwitchLatencies | None
 
 
+_NOWHERE = Place("")  # stands in for an endpoint whose name does not matter
+_UNPLACED = _Side(Location(), None)
+
+
 class TopologyLatencyModel:
     """The tree model of the module docstring, driven by a :class:`Topology`.
 
     A host or box named in the topology's ``places`` sits there whatever its Place says.
     Estimates are cached per (host place, box place); the model is immutable, so the cache
     never goes stale. Build a new model when the topology changes.
+
+    It is also a :class:`TieredLatencyModel`: an endpoint's class is the rack it resolves
+    to (every unplaced endpoint shares one class), and rankings are cached per host class.
+    Safe to share between threads.
     """
 
     def __init__(self, topology: Topology, *, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
@@ -95,6 +157,13 @@ class TopologyLatencyModel:
         self._inter_site_ns = topology.links.inter_site_ns
         self._worst = topology.worst_case()
         self._cached = functools.lru_cache(maxsize=cache_size)(self._estimate)
+        self._host_classes = functools.lru_cache(maxsize=cache_size)(self._classify_host)
+        self._box_classes = functools.lru_cache(maxsize=cache_size)(self._classify_box)
+        self._class_lock = threading.Lock()
+        self._class_numbers: dict[Location | None, int] = {}
+        self._class_sides: list[_Side] = []
+        # host class -> (how many classes there were, the ranking of all of them)
+        self._rankings: dict[int, tuple[int, Tiers]] = {}
 
     @property
     def topology(self) -> Topology:
@@ -104,6 +173,28 @@ class TopologyLatencyModel:
         """The round trip of one PCIe transaction between ``host`` and ``box``."""
         return self._cached(host, box)
 
+    def host_class(self, host: Place) -> int:
+        """The class of the rack ``host`` resolves to (one class for every unplaced one)."""
+        return self._host_classes(host)
+
+    def box_class(self, box: Place) -> int:
+        """The class of the rack ``box`` resolves to (one class for every unplaced one)."""
+        return self._box_classes(box)
+
+    def ranking(self, host_class: int) -> Tiers:
+        """Every class numbered so far, grouped by round trip from ``host_class``."""
+        known = len(self._class_sides)
+        cached = self._rankings.get(host_class)
+        if cached is not None and cached[0] == known:
+            return cached[1]
+        host_side = self._class_sides[host_class]
+        by_ns: dict[int, list[int]] = {}
+        for box_class, box_side in enumerate(self._class_sides[:known]):
+            by_ns.setdefault(self._sides_ns(host_side, box_side), []).append(box_class)
+        tiers = tuple((ns, tuple(by_ns[ns])) for ns in sorted(by_ns))
+        self._rankings[host_class] = (known, tiers)
+        return tiers
+
     def _estimate(self, host: Place, box: Place) -> LatencyEstimate:
         host_side = self._resolve(host, "hosts/", self._topology.host_place)
         box_side = self._resolve(box, "boxes/", self._topology.box_place)
@@ -111,6 +202,31 @@ class TopologyLatencyModel:
         one_way = 2 * self._proxy_ns + switch_ns
         path = (f"proxy:{host.name}", *hops, f"proxy:{box.name}")
         return LatencyEstimate(round_trip_ns=2 * one_way, path=path)
+
+    def _sides_ns(self, host_side: _Side, box_side: _Side) -> int:
+        """The round trip between two resolved endpoints (what :meth:`_estimate` gives)."""
+        _, switch_ns = self._switch_path(_NOWHERE, host_side, _NOWHERE, box_side)
+        return 2 * (2 * self._proxy_ns + switch_ns)
+
+    def _classify_host(self, host: Place) -> int:
+        return self._number(self._resolve(host, "hosts/", self._topology.host_place))
+
+    def _classify_box(self, box: Place) -> int:
+        return self._number(self._resolve(box, "boxes/", self._topology.box_place))
+
+    def _number(self, side: _Side) -> int:
+        """The class of a resolved endpoint, numbered on first sight."""
+        key = side.location if side.switches is not None else None
+        number = self._class_numbers.get(key)
+        if number is not None:
+            return number
+        with self._class_lock:
+            number = self._class_numbers.get(key)
+            if number is None:
+                number = len(self._class_sides)
+                self._class_sides.append(side if key is not None else _UNPLACED)
+                self._class_numbers[key] = number
+            return number
 
     def _resolve(self, place: Place, prefix: str, explicit: _PlaceLookup) -> _Side:
         resource_id = place.name.removeprefix(prefix)

@@ -11,7 +11,8 @@ Phases, in the order the pipeline runs them:
    request may take. :class:`HostFilterPlugin` runs once per host, and
    :class:`LinkFilterPlugin` once per (host, box) pair with the fabric's latency estimate
    for that pair. Work is at box granularity: the cost is O(hosts x boxes), not
-   O(hosts x GPUs).
+   O(hosts x GPUs); with a latency model that ranks boxes per class of host and no link
+   filter, it is O(host classes x tiers walked), and no pair is asked for.
 3. **Select** (not a plugin): per host, a few greedy rules propose which boxes to take
    GPUs from (:mod:`dxpool.broker.placement.selection`).
 4. **Score** (:class:`ScorePlugin`) rates every proposal, then normalizes its raw scores
@@ -21,11 +22,14 @@ Phases, in the order the pipeline runs them:
 A plugin implements only the phases it needs. ``applies(request)`` lets a filter step
 aside for requests it has nothing to say about (a latency bound of 0, no memory
 minimum), so it costs nothing then. Filters return a :class:`Status`, never raise; every
-filter can also explain, after the fact, what it dropped and what was closest.
+filter can also explain, after the fact, what it dropped and what was closest. Every
+phase is a pure function of its arguments: the pipeline remembers verdicts and reuses
+them (see :mod:`~dxpool.broker.placement.pipeline`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -42,6 +46,19 @@ from dxpool.broker.placement.status import Status
 from dxpool.request import format_duration_ns
 
 MAX_SCORE = 100.0
+
+
+@functools.cache
+def defined_with(plugin_type: type, method: str, reference: str) -> bool:
+    """Whether ``plugin_type`` defines ``method`` no higher in its class tree than
+    ``reference``: a faster form of ``reference`` is trusted only then, so a subclass that
+    changes ``reference`` alone is still obeyed."""
+
+    def depth(name: str) -> int | None:
+        return next((i for i, cls in enumerate(plugin_type.__mro__) if name in vars(cls)), None)
+
+    fast, slow = depth(method), depth(reference)
+    return fast is not None and (slow is None or fast <= slow)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,14 +101,17 @@ class Proposal:
     available_in_boxes: int = field(init=False)  # usable GPUs in the boxes it touches
 
     def __post_init__(self) -> None:
-        gpus = sum(take.count for take in self.takes)
-        latency = sum(take.count * take.latency_ns for take in self.takes)
-        object.__setattr__(self, "gpu_count", gpus)
-        object.__setattr__(self, "box_count", len(self.takes))
-        object.__setattr__(self, "mean_latency_ns", latency / max(gpus, 1))
-        object.__setattr__(
-            self, "available_in_boxes", sum(take.supply.available for take in self.takes)
-        )
+        gpus = latency = available = 0
+        for take in self.takes:
+            count = take.count
+            gpus += count
+            latency += count * take.latency_ns
+            available += take.supply.available
+        init = object.__setattr__
+        init(self, "gpu_count", gpus)
+        init(self, "box_count", len(self.takes))
+        init(self, "mean_latency_ns", latency / max(gpus, 1))
+        init(self, "available_in_boxes", available)
 
     def describe(self) -> str:
         """``"boxes/b1 x4 @1.2us, boxes/b2 x2 @2us"``."""
@@ -138,7 +158,13 @@ class PreFilterPlugin(Protocol):
 
 
 class GpuFilterPlugin(Protocol):
-    """Keeps or drops one GPU, whatever the host."""
+    """Keeps or drops one GPU, whatever the host.
+
+    A GPU filter may also be a :class:`GpuListFilterPlugin`, judging a whole list at once
+    without a :class:`Status` per GPU. The pipeline uses ``filter_gpus`` when the class
+    defines it no higher in the class tree than ``filter_gpu`` (so a subclass that only
+    changes ``filter_gpu`` is still obeyed).
+    """
 
     name: str
 
@@ -154,6 +180,14 @@ class GpuFilterPlugin(Protocol):
 
     def closest(self, request: PlacementRequest, dropped: Sequence[GpuInfo]) -> str | None:
         """The nearest thing to what was asked among ``dropped`` (None if nothing useful)."""
+        ...
+
+
+class GpuListFilterPlugin(GpuFilterPlugin, Protocol):
+    """A GPU filter that can also judge a whole list of GPUs at once."""
+
+    def filter_gpus(self, request: PlacementRequest, gpus: Sequence[GpuInfo]) -> list[GpuInfo]:
+        """The GPUs of ``gpus`` that :meth:`filter_gpu` keeps, in order."""
         ...
 
 
@@ -207,6 +241,20 @@ class LinkFilterPlugin(Protocol):
 
     def explain(self, request: PlacementRequest, nearest: Sequence[DroppedLink]) -> str | None:
         """One line on the constraint, given the nearest dropped link of each host."""
+        ...
+
+
+class BoundLinkFilterPlugin(LinkFilterPlugin, Protocol):
+    """A link filter that keeps exactly the links within a round-trip bound.
+
+    The pipeline then judges whole tiers of boxes at once instead of calling
+    :meth:`filter_link` for each pair (when the class defines ``round_trip_bound`` no
+    higher in its class tree than ``filter_link``). The results must be the same.
+    """
+
+    def round_trip_bound(self, request: PlacementRequest) -> int:
+        """:meth:`filter_link` keeps a link exactly when its round trip is at most this,
+        and drops the others as UNSCHEDULABLE (never ERROR)."""
         ...
 
 

@@ -7,13 +7,19 @@ anything else, so a placement is a pure function of (request, snapshot, latency 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar, cast
 
 from dxpool.errors import InvalidArgument
 from dxpool.fabric.latency import LatencyEstimate, LatencyModel, Place
 from dxpool.names import check_id, parse_gpu
 from dxpool.request import validate_gpu_request
+
+T = TypeVar("T")
+
+MAX_DERIVED = 64
+"""How many derived values one :class:`Snapshot` keeps (see :meth:`Snapshot.derived`)."""
 
 __all__ = [
     "Binding",
@@ -66,6 +72,12 @@ class HostInfo:
     used_slots: frozenset[int]
     alive: bool
 
+    _free_count: int = field(init=False, repr=False, compare=False)  # read on every placement
+
+    def __post_init__(self) -> None:
+        in_range = sum(1 for slot in self.used_slots if 0 <= slot < self.slot_capacity)
+        object.__setattr__(self, "_free_count", max(self.slot_capacity, 0) - in_range)
+
     def free_slots(self) -> list[int]:
         """The slots in ``range(slot_capacity)`` not in use, lowest first."""
         used = self.used_slots
@@ -73,20 +85,55 @@ class HostInfo:
 
     def free_slot_count(self) -> int:
         """How many slots in ``range(slot_capacity)`` are not in use."""
-        in_range = sum(1 for slot in self.used_slots if 0 <= slot < self.slot_capacity)
-        return max(self.slot_capacity, 0) - in_range
+        return self._free_count
 
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """A consistent view of the inventory.
 
-    ``gpus_by_box`` holds every GPU of every box, free or not, keyed by box id.
+    ``gpus_by_box`` holds every GPU of every box, free or not, keyed by box id. A snapshot
+    is never changed once made (its mappings must not be mutated), so what placement
+    derives from it alone, such as the host ids in order, is computed once per snapshot.
     """
 
     boxes: Mapping[str, BoxInfo]
     hosts: Mapping[str, HostInfo]
     gpus_by_box: Mapping[str, Sequence[GpuInfo]]
+    _derived: dict[Hashable, object] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def __reduce__(self) -> tuple[type[Snapshot], tuple[object, ...]]:
+        # what was derived stays behind: it may hold plugins and latency models
+        return Snapshot, (self.boxes, self.hosts, self.gpus_by_box)
+
+    def host_ids(self) -> tuple[str, ...]:
+        """Every host id, sorted; computed once per snapshot."""
+        return self.derived("host ids", lambda: tuple(sorted(self.hosts)))
+
+    def box_ids(self) -> tuple[str, ...]:
+        """Every box id of ``gpus_by_box``, sorted; computed once per snapshot."""
+        return self.derived("box ids", lambda: tuple(sorted(self.gpus_by_box)))
+
+    def derived(self, key: Hashable, make: Callable[[], T]) -> T:
+        """What ``make()`` returns, made once per snapshot and ``key``.
+
+        For values derived from this snapshot alone (and from immutable things named in
+        ``key``): the snapshot never changes, so neither do they. Keeps at most
+        ``MAX_DERIVED`` keys; beyond that it forgets the others and starts again. Safe
+        from several threads (a value may then be made twice).
+        """
+        derived = self._derived
+        try:
+            return cast(T, derived[key])
+        except KeyError:
+            pass
+        value = make()
+        if len(derived) >= MAX_DERIVED:
+            derived.clear()
+        derived[key] = value
+        return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,14 +202,77 @@ class CandidateReport:
     score: float
 
 
-@dataclass(frozen=True, slots=True)
+Candidates = tuple[CandidateReport, ...]
+
+
 class PlacementResult:
     """The answer: a placement, or None and a per-constraint account in ``unsatisfied``.
 
     ``candidates`` explains every host in the snapshot: feasible hosts first (best score
-    first), then dropped hosts, each group by host id.
+    first), then dropped hosts, each group by host id. It may be given as a function that
+    makes it: it is then made on first read (a compose never reads it; a plan does), and
+    the result reads and compares the same either way. Immutable.
     """
 
+    __slots__ = ("_candidates", "_explain", "placement", "unsatisfied")
+
     placement: Placement | None
-    candidates: tuple[CandidateReport, ...]
     unsatisfied: tuple[str, ...]
+    _candidates: Candidates | None
+    _explain: Callable[[], Candidates]
+
+    def __init__(
+        self,
+        placement: Placement | None,
+        candidates: Candidates | Callable[[], Candidates],
+        unsatisfied: tuple[str, ...],
+    ) -> None:
+        init = object.__setattr__
+        init(self, "placement", placement)
+        init(self, "unsatisfied", unsatisfied)
+        if isinstance(candidates, tuple):
+            init(self, "_candidates", candidates)
+            init(self, "_explain", _no_explanation)
+        else:
+            init(self, "_candidates", None)
+            init(self, "_explain", candidates)
+
+    @property
+    def candidates(self) -> Candidates:
+        """Why each host was kept or dropped (made on first read when given lazily)."""
+        made = self._candidates
+        if made is None:
+            made = self._explain()
+            object.__setattr__(self, "_candidates", made)
+        return made
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"PlacementResult is immutable: cannot set {name}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"PlacementResult is immutable: cannot delete {name}")
+
+    def __reduce__(self) -> tuple[type[PlacementResult], tuple[object, ...]]:
+        return PlacementResult, (self.placement, self.candidates, self.unsatisfied)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PlacementResult):
+            return NotImplemented
+        return (self.placement, self.candidates, self.unsatisfied) == (
+            other.placement,
+            other.candidates,
+            other.unsatisfied,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.placement, self.candidates, self.unsatisfied))
+
+    def __repr__(self) -> str:
+        return (
+            f"PlacementResult(placement={self.placement!r}, candidates={self.candidates!r}, "
+            f"unsatisfied={self.unsatisfied!r})"
+        )
+
+
+def _no_explanation() -> Candidates:
+    return ()

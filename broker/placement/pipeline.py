@@ -4,17 +4,36 @@ over one snapshot and explains the outcome.
 A run is a pure function of (request, snapshot, latency model, plugins): it reads the
 snapshot, never mutates it, and breaks every tie by name, so the same inputs always give
 the same placement and the same explanation.
+
+Placement sits on the compose path, so a run does no work it can avoid, none of which
+changes what it answers:
+
+- what it works out before looking at hosts (the filters that apply, the pre-filters'
+  verdict, the supply) is remembered by the snapshot, for the next run on it;
+- box and GPU filter verdicts are remembered by the pipeline per request and box, and
+  reused for a new snapshot that holds the same box objects (see
+  :class:`~dxpool.broker.placement.supply.BoxVerdicts`);
+- with a :class:`~dxpool.fabric.latency.TieredLatencyModel` and no link filter, boxes
+  are chosen once per class of host by walking the model's ranking nearest tier first
+  (:mod:`~dxpool.broker.placement.tiered`), instead of asking for every (host, box)
+  pair;
+- a result explains each candidate only when its ``candidates`` are read (a plan reads
+  them, a compose does not); what a failed placement answers in ``unsatisfied`` is made
+  at once.
+
+Plugins must therefore be pure: the same request and candidate give the same verdict.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from dxpool.broker.placement import selection
 from dxpool.broker.placement.explain import (
-    FunnelStage,
     link_error_line,
     reach_line,
     supply_line,
@@ -22,10 +41,10 @@ from dxpool.broker.placement.explain import (
 )
 from dxpool.broker.placement.framework import (
     MAX_SCORE,
+    BoundLinkFilterPlugin,
     BoxFilterPlugin,
     BoxSupply,
     DroppedLink,
-    FilterPlugin,
     GpuFilterPlugin,
     HostFilterPlugin,
     LinkFilterPlugin,
@@ -33,12 +52,12 @@ from dxpool.broker.placement.framework import (
     PreFilterPlugin,
     Proposal,
     ScorePlugin,
+    defined_with,
 )
+from dxpool.broker.placement.guard import PluginError, applying, failure, guarded, guarded_text
 from dxpool.broker.placement.model import (
     Binding,
-    BoxInfo,
     CandidateReport,
-    GpuInfo,
     HostInfo,
     LatencyEstimate,
     LatencyModel,
@@ -48,7 +67,10 @@ from dxpool.broker.placement.model import (
     PlacementResult,
     Snapshot,
 )
-from dxpool.broker.placement.status import Code, Status
+from dxpool.broker.placement.status import SUCCESS, Code, Status
+from dxpool.broker.placement.supply import BoxVerdicts, Supply, build_supply
+from dxpool.broker.placement.tiered import TieredChooser
+from dxpool.fabric.latency import TieredLatencyModel
 
 _SCORE_DIGITS = 6  # totals are compared rounded, so float noise never beats a name
 
@@ -66,7 +88,8 @@ class Pipeline:
     """The plugins of each phase, in the order they run, and the score weights.
 
     Construction raises ``ValueError`` for two plugins of one name or a weight that is
-    not a positive finite number.
+    not a positive finite number. A pipeline remembers its filters' verdicts per request
+    (see the module docstring); it is safe to share between threads.
     """
 
     pre_filters: tuple[PreFilterPlugin, ...] = ()
@@ -75,6 +98,9 @@ class Pipeline:
     host_filters: tuple[HostFilterPlugin, ...] = ()
     link_filters: tuple[LinkFilterPlugin, ...] = ()
     scores: tuple[WeightedScore, ...] = ()
+    _verdicts: BoxVerdicts = field(
+        default_factory=BoxVerdicts, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         plugins: tuple[Plugin, ...] = (
@@ -104,27 +130,81 @@ class Pipeline:
         failure becomes an ERROR status and is reported in the result."""
         try:
             return _Run(self, request, snapshot, latency).result()
-        except _PluginError as failure:
-            reason = f"internal: placement plugin {failure.plugin} failed: {failure.error}"
+        except PluginError as failed:
+            reason = f"internal: placement plugin {failed.plugin} failed: {failed.error}"
             return _rejected(snapshot, (reason,))
 
 
-class _PluginError(Exception):
-    """A plugin raised in a phase that concerns every host; the run cannot go on."""
-
-    def __init__(self, plugin: str, error: BaseException) -> None:
-        super().__init__(plugin, error)
-        self.plugin = plugin
-        self.error = f"{type(error).__name__}: {error}"
-
-
-@dataclass
+@dataclass(slots=True)
 class _HostOutcome:
     """What happened to one host in this run."""
 
     host: HostInfo
-    status: Status = field(default_factory=Status)
-    proposals: list[Proposal] = field(default_factory=list)
+    status: Status
+    proposals: list[Proposal]
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """What a run works out before it looks at any host. It depends only on (pipeline,
+    request, snapshot, latency model), so the snapshot remembers it for later runs."""
+
+    owners: tuple[Pipeline, LatencyModel]  # held, so the ids in the memo key stay theirs
+    gpu_filters: tuple[GpuFilterPlugin, ...]
+    box_filters: tuple[BoxFilterPlugin, ...]
+    host_filters: tuple[HostFilterPlugin, ...]
+    link_filters: tuple[LinkFilterPlugin, ...]
+    rejected: tuple[str, ...]  # the pre-filters' reasons; the rest is empty when set
+    supply: Supply
+    supply_places: tuple[tuple[BoxSupply, Place], ...]
+    chooser: TieredChooser | None
+
+
+def _prepare(
+    pipeline: Pipeline, request: PlacementRequest, snapshot: Snapshot, latency: LatencyModel
+) -> _Prepared:
+    """Runs the pre-filters, picks the filters that apply and builds the supply (and a
+    chooser per host class when the model ranks boxes in bulk and no link filter must
+    see each pair). Raises :class:`PluginError` when a plugin fails for every host."""
+    gpu_filters = applying(pipeline.gpu_filters, request)
+    box_filters = applying(pipeline.box_filters, request)
+    host_filters = applying(pipeline.host_filters, request)
+    link_filters = applying(pipeline.link_filters, request)
+    reasons: list[str] = []
+    for plugin in pipeline.pre_filters:
+        status = guarded(plugin.name, plugin.pre_filter, request, snapshot)
+        if status.code is not Code.SUCCESS:
+            reasons.extend(status.reasons or (f"rejected by {plugin.name}",))
+    owners = (pipeline, latency)
+    filters = (gpu_filters, box_filters, host_filters, link_filters)
+    if reasons:
+        return _Prepared(owners, *filters, tuple(reasons), Supply((), 0, ()), (), None)
+    supply = build_supply(request, snapshot, box_filters, gpu_filters, pipeline._verdicts)
+    places = tuple((box, box.box.place) for box in supply.boxes)
+    chooser = None
+    if supply.usable >= request.count and _is_tiered(type(latency)):
+        try:
+            tiered, bound = _tiers_suffice(link_filters, request)
+            if tiered:
+                model = cast(TieredLatencyModel, latency)
+                chooser = TieredChooser(model, supply.boxes, request.count, bound)
+        except Exception:
+            chooser = None  # the pair-by-pair path finds and reports what failed
+    return _Prepared(owners, *filters, (), supply, places, chooser)
+
+
+def _tiers_suffice(
+    link_filters: tuple[LinkFilterPlugin, ...], request: PlacementRequest
+) -> tuple[bool, int | None]:
+    """Whether the link filters can be applied tier by tier, and the round-trip bound
+    they apply (None: no bound). They cannot when there are several, or one cannot say
+    which bound it applies: each pair must then be shown to them."""
+    if not link_filters:
+        return True, None
+    (only, *others) = link_filters
+    if others or not defined_with(type(only), "round_trip_bound", "filter_link"):
+        return False, None
+    return True, cast(BoundLinkFilterPlugin, only).round_trip_bound(request)
 
 
 class _Run:
@@ -141,16 +221,15 @@ class _Run:
         self.request = request
         self.snapshot = snapshot
         self.latency = latency
-        self.gpu_filters = [f for f in pipeline.gpu_filters if _applies(f, request)]
-        self.box_filters = [f for f in pipeline.box_filters if _applies(f, request)]
-        self.host_filters = [f for f in pipeline.host_filters if _applies(f, request)]
-        self.link_filters = [f for f in pipeline.link_filters if _applies(f, request)]
-        self.funnel: list[FunnelStage] = []
-        self.supplies: list[BoxSupply] = []
-        self.supply_places: list[tuple[BoxSupply, Place]] = []
-        self.usable = 0  # GPUs in the supply
+        key = ("placement", id(pipeline), id(latency), request)
+        prepared = snapshot.derived(key, lambda: _prepare(pipeline, request, snapshot, latency))
+        self.prepared = prepared
+        self.host_filters = prepared.host_filters
+        self.link_filters = prepared.link_filters
+        self.supply = prepared.supply
+        self.chooser = prepared.chooser
         self.host_failures: dict[str, list[HostInfo]] = {f.name: [] for f in self.host_filters}
-        self.host_reached: dict[str, int] = {f.name: 0 for f in self.host_filters}
+        self.host_stops = [0] * len(self.host_filters)  # hosts each host filter dropped
         self.nearest_dropped: dict[str, list[DroppedLink]] = {f.name: [] for f in self.link_filters}
         self.link_errors: list[str] = []
         self.best_reach: tuple[int, str] | None = None  # (GPUs within reach, host id)
@@ -158,13 +237,10 @@ class _Run:
     # -- phases ------------------------------------------------------------------------
 
     def result(self) -> PlacementResult:
-        rejected = self.pre_filter()
-        if rejected:
-            return _rejected(self.snapshot, rejected)
-        self.build_supply()
-        outcomes = [
-            self.filter_and_select(self.snapshot.hosts[h]) for h in sorted(self.snapshot.hosts)
-        ]
+        if self.prepared.rejected:
+            return _rejected(self.snapshot, self.prepared.rejected)
+        hosts = self.snapshot.hosts
+        outcomes = [self.filter_and_select(hosts[host]) for host in self.snapshot.host_ids()]
         proposals = [p for outcome in outcomes for p in outcome.proposals]
         totals, by_plugin = self.score(proposals)
         best: dict[str, tuple[float, int]] = {}
@@ -177,126 +253,85 @@ class _Run:
         if winner is not None:
             total, index = winner[1]
             placement = self.bind(proposals[index], total)
-        candidates = self.report(outcomes, best, proposals, by_plugin)
         unsatisfied = () if placement is not None else tuple(self.unsatisfied(outcomes))
-        return PlacementResult(placement, candidates, unsatisfied)
-
-    def pre_filter(self) -> tuple[str, ...]:
-        reasons: list[str] = []
-        for plugin in self.pipeline.pre_filters:
-            status = _guarded(plugin.name, plugin.pre_filter, self.request, self.snapshot)
-            if status.code is not Code.SUCCESS:
-                reasons.extend(status.reasons or (f"rejected by {plugin.name}",))
-        return tuple(reasons)
-
-    def build_supply(self) -> None:
-        """Runs the box filters, then the GPU filters on the GPUs of the boxes kept, and
-        counts what each stage leaves. The supply is ordered by (usable GPUs, box id)."""
-        request = self.request
-        snapshot = self.snapshot
-        boxes: list[BoxInfo] = []
-        pool = 0
-        for box_id in sorted(snapshot.gpus_by_box):
-            pool += len(snapshot.gpus_by_box[box_id])
-            box = snapshot.boxes.get(box_id)
-            if box is not None and all(self.box_passes(plugin, box) for plugin in self.box_filters):
-                boxes.append(box)
-        gpus = [gpu for box in boxes for gpu in snapshot.gpus_by_box[box.box]]
-        labels = [plugin.label(request) for plugin in self.box_filters]
-        self.funnel.append(FunnelStage("in the pool", pool, None))
-        self.funnel.append(
-            FunnelStage(" and ".join(labels) or "in registered boxes", len(gpus), None)
+        return PlacementResult(
+            placement, lambda: self.report(outcomes, best, proposals, by_plugin), unsatisfied
         )
-        inputs: list[list[GpuInfo]] = []
-        for plugin in self.gpu_filters:
-            inputs.append(gpus)
-            gpus = self.gpu_stage(plugin, gpus)
-        if len(gpus) < request.count:
-            self.add_hints(inputs)
-        by_box: dict[str, list[GpuInfo]] = {}
-        for gpu in gpus:
-            by_box.setdefault(gpu.box, []).append(gpu)
-        supplies = [
-            BoxSupply(box, tuple(sorted(by_box[box.box], key=_slot)))
-            for box in boxes
-            if box.box in by_box
-        ]
-        supplies.sort(key=lambda supply: (supply.available, supply.box.box))
-        self.supplies = supplies
-        self.supply_places = [(supply, supply.box.place) for supply in supplies]
-        self.usable = len(gpus)
-
-    def gpu_stage(self, plugin: GpuFilterPlugin, gpus: list[GpuInfo]) -> list[GpuInfo]:
-        """The GPUs ``plugin`` keeps of ``gpus``; records the stage."""
-        request = self.request
-        keep = plugin.filter_gpu
-        success = Code.SUCCESS
-        try:
-            kept = [gpu for gpu in gpus if keep(request, gpu).code is success]
-            label = plugin.label(request)
-        except Exception as error:
-            raise _PluginError(plugin.name, error) from error
-        self.funnel.append(FunnelStage(label, len(kept), None))
-        return kept
-
-    def add_hints(self, inputs: Sequence[list[GpuInfo]]) -> None:
-        """When the supply is short, asks each GPU filter for the closest thing among the
-        GPUs it dropped (``inputs[i]`` is what the i-th filter was given)."""
-        request = self.request
-        offset = len(self.funnel) - len(inputs)
-        for index, (plugin, gpus) in enumerate(zip(self.gpu_filters, inputs, strict=True)):
-            try:
-                dropped = [
-                    g for g in gpus if plugin.filter_gpu(request, g).code is not Code.SUCCESS
-                ]
-                closest = plugin.closest(request, dropped) if dropped else None
-            except Exception as error:
-                raise _PluginError(plugin.name, error) from error
-            stage = self.funnel[offset + index]
-            self.funnel[offset + index] = FunnelStage(stage.label, stage.count, closest)
-
-    def box_passes(self, plugin: BoxFilterPlugin, box: BoxInfo) -> bool:
-        status = _guarded(plugin.name, plugin.filter_box, self.request, box)
-        if status.code is Code.ERROR:
-            raise _PluginError(plugin.name, RuntimeError(status.message()))
-        return status.code is Code.SUCCESS
 
     def filter_and_select(self, host: HostInfo) -> _HostOutcome:
-        outcome = _HostOutcome(host)
-        for plugin in self.host_filters:
-            self.host_reached[plugin.name] += 1
-            status = _guarded(plugin.name, plugin.filter_host, self.request, host)
+        request = self.request
+        for index, plugin in enumerate(self.host_filters):
+            try:
+                status = plugin.filter_host(request, host)
+            except Exception as error:
+                status = failure(plugin.name, error)
             if status.code is not Code.SUCCESS:
+                self.host_stops[index] += 1
                 if status.code is not Code.ERROR:  # errors are reported per host
                     self.host_failures[plugin.name].append(host)
-                outcome.status = status
-                return outcome
+                return _HostOutcome(host, status, [])
+        if self.chooser is not None:
+            tiered = self.choose_tiered(host, self.chooser)
+            if tiered is not None:
+                return tiered
         links, nearest, errors = self.links(host)
-        if len(links) == len(self.supplies):
-            reach = self.usable
+        if len(links) == len(self.supply.boxes):
+            reach = self.supply.usable
         else:
             reach = sum(supply.available for _, supply in links)
         if self.best_reach is None or reach > self.best_reach[0]:
             self.best_reach = (reach, host.host)  # hosts come by id: the first best stays
-        if reach >= self.request.count:
-            outcome.proposals = selection.propose(
-                host, host.free_slot_count(), self.request.count, links
-            )
-        if not outcome.proposals:
-            outcome.status = Status.unschedulable(
-                unreached_host_reason(self.request, reach, nearest, errors), plugin="selection"
-            )
-        return outcome
+        proposals = []
+        if reach >= request.count:
+            proposals = selection.propose(host, host.free_slot_count(), request.count, links)
+        if proposals:
+            return _HostOutcome(host, SUCCESS, proposals)
+        status = Status.unschedulable(
+            unreached_host_reason(request, reach, nearest, errors), plugin="selection"
+        )
+        return _HostOutcome(host, status, proposals)
+
+    def choose_tiered(self, host: HostInfo, chooser: TieredChooser) -> _HostOutcome | None:
+        """What the chooser gives ``host``, as the pair-by-pair path would record and
+        explain it; None when the model failed for the host (the caller then goes pair by
+        pair, which reports the failure)."""
+        try:
+            choice = chooser.choose(host.place)
+            dropped = None
+            if choice.dropped is not None:
+                supply = choice.dropped[1]
+                estimate = self.latency.round_trip(host.place, supply.box.place)
+                dropped = DroppedLink(host, supply.box, estimate, supply.available)
+        except Exception:
+            return None
+        reach = choice.reach
+        if not choice.options and reach >= self.request.count:
+            return None  # cannot happen with a model that keeps its contract
+        if dropped is not None:
+            self.nearest_dropped[self.link_filters[0].name].append(dropped)
+        if self.best_reach is None or reach > self.best_reach[0]:
+            self.best_reach = (reach, host.host)  # hosts come by id: the first best stays
+        if choice.options:
+            free = host.free_slot_count()
+            proposals = [Proposal(host, free, takes, rule) for rule, takes in choice.options]
+            return _HostOutcome(host, SUCCESS, proposals)
+        reason = unreached_host_reason(self.request, reach, dropped, [])
+        return _HostOutcome(host, Status.unschedulable(reason, plugin="selection"), [])
+
+    def host_reached(self, index: int) -> int:
+        """How many hosts the ``index``-th host filter was asked about."""
+        return len(self.snapshot.hosts) - sum(self.host_stops[:index])
 
     def links(self, host: HostInfo) -> tuple[list[selection.Link], DroppedLink | None, list[str]]:
         """The host's view of the supply: (latency, supply) for every box it may use."""
         round_trip = self.latency.round_trip
         place = host.place
         link_filters = self.link_filters
-        if not link_filters:  # the common case, kept lean: no pair is filtered
+        if not link_filters:  # no pair is filtered
             fast: list[selection.Link] | None
             try:
-                fast = [(round_trip(place, p).round_trip_ns, s) for s, p in self.supply_places]
+                places = self.prepared.supply_places
+                fast = [(round_trip(place, p).round_trip_ns, s) for s, p in places]
             except Exception:
                 fast = None  # the loop below finds and records the pair that failed
             if fast is not None:
@@ -304,7 +339,7 @@ class _Run:
         links: list[selection.Link] = []
         nearest: dict[str, DroppedLink] = {}
         errors: list[str] = []
-        for supply in self.supplies:
+        for supply in self.supply.boxes:
             box = supply.box
             try:
                 estimate = round_trip(place, box.place)
@@ -333,9 +368,10 @@ class _Run:
         """Runs the link filters on one (host, box) pair; records the nearest drop per
         filter in ``nearest`` and plugin failures in ``errors``."""
         for plugin in self.link_filters:
-            status = _guarded(
-                plugin.name, plugin.filter_link, self.request, host, supply.box, estimate
-            )
+            try:
+                status = plugin.filter_link(self.request, host, supply.box, estimate)
+            except Exception as error:
+                status = failure(plugin.name, error)
             if status.code is Code.SUCCESS:
                 continue
             if status.code is Code.ERROR:
@@ -356,21 +392,26 @@ class _Run:
         by_plugin: list[list[float]] = []
         if not proposals:
             return totals, by_plugin
+        request = self.request
         for weighted in scores:
             plugin = weighted.plugin
             try:
-                raw = [plugin.score(self.request, proposal) for proposal in proposals]
+                rate = plugin.score
+                raw = [rate(request, proposal) for proposal in proposals]
                 normalized = plugin.normalize(raw)
             except Exception as error:
-                raise _PluginError(plugin.name, error) from error
+                raise PluginError(plugin.name, error) from error
             if len(normalized) != len(raw):
-                raise _PluginError(
+                raise PluginError(
                     plugin.name,
                     ValueError(f"normalize returned {len(normalized)} scores for {len(raw)}"),
                 )
-            bounded = [min(max(value, 0.0), MAX_SCORE) for value in normalized]
-            for index, value in enumerate(bounded):
-                totals[index] += weighted.weight * value
+            bounded = [
+                value if 0.0 <= value <= MAX_SCORE else min(max(value, 0.0), MAX_SCORE)
+                for value in normalized
+            ]
+            weight = weighted.weight
+            totals = [total + weight * value for total, value in zip(totals, bounded, strict=True)]
             by_plugin.append(bounded)
         return [round(total / weight_sum, _SCORE_DIGITS) for total in totals], by_plugin
 
@@ -406,6 +447,7 @@ class _Run:
         proposals: Sequence[Proposal],
         by_plugin: Sequence[Sequence[float]],
     ) -> tuple[CandidateReport, ...]:
+        """Why each host was kept or dropped; made only when someone reads it."""
         kept: list[CandidateReport] = []
         dropped: list[CandidateReport] = []
         for outcome in outcomes:
@@ -427,18 +469,15 @@ class _Run:
     def unsatisfied(self, outcomes: Sequence[_HostOutcome]) -> list[str]:
         """One line per constraint that stood in the way, each with the closest thing."""
         lines: list[str] = []
-        usable = self.funnel[-1].count if self.funnel else 0
+        funnel = self.supply.funnel
+        usable = funnel[-1].count if funnel else 0
         if usable < self.request.count:
-            lines.append(supply_line(self.request, self.funnel))
-        for plugin in self.host_filters:
+            lines.append(supply_line(self.request, funnel))
+        for index, plugin in enumerate(self.host_filters):
             failed = self.host_failures[plugin.name]
             if failed:
-                line = _guarded_text(
-                    plugin.name,
-                    plugin.explain,
-                    self.request,
-                    failed,
-                    self.host_reached[plugin.name],
+                line = guarded_text(
+                    plugin.name, plugin.explain, self.request, failed, self.host_reached(index)
                 )
                 if line:
                     lines.append(line)
@@ -446,9 +485,8 @@ class _Run:
             for link_filter in self.link_filters:
                 nearest = self.nearest_dropped[link_filter.name]
                 if nearest:
-                    line = _guarded_text(
-                        link_filter.name, link_filter.explain, self.request, nearest
-                    )
+                    explain = link_filter.explain
+                    line = guarded_text(link_filter.name, explain, self.request, nearest)
                     if line:
                         lines.append(line)
             if self.link_errors:
@@ -461,37 +499,16 @@ class _Run:
         return lines or [f"no host can take {self.request.count} GPUs"]
 
 
-def _applies(plugin: FilterPlugin, request: PlacementRequest) -> bool:
-    try:
-        return plugin.applies(request)
-    except Exception as error:
-        raise _PluginError(plugin.name, error) from error
-
-
-def _guarded(plugin: str, call: Callable[..., Status], *args: object) -> Status:
-    """Calls a plugin phase; an exception becomes an ERROR status naming the plugin."""
-    try:
-        return call(*args)
-    except Exception as error:
-        return Status.error(
-            f"placement plugin {plugin} failed: {type(error).__name__}: {error}", plugin=plugin
-        )
-
-
-def _guarded_text(plugin: str, call: Callable[..., str | None], *args: object) -> str | None:
-    try:
-        return call(*args)
-    except Exception as error:
-        return f"placement plugin {plugin} could not explain: {type(error).__name__}: {error}"
+@functools.cache
+def _is_tiered(model_type: type) -> bool:
+    """Whether a latency model's class ranks boxes in bulk (checked once per class)."""
+    return all(
+        callable(getattr(model_type, method, None))
+        for method in ("host_class", "box_class", "ranking")
+    )
 
 
 def _rejected(snapshot: Snapshot, reasons: tuple[str, ...]) -> PlacementResult:
     """A result with no placement: every host dropped for the request-wide ``reasons``."""
-    candidates = tuple(
-        CandidateReport(host, False, reasons, 0.0) for host in sorted(snapshot.hosts)
-    )
+    candidates = tuple(CandidateReport(host, False, reasons, 0.0) for host in snapshot.host_ids())
     return PlacementResult(None, candidates, reasons)
-
-
-def _slot(gpu: GpuInfo) -> int:
-    return gpu.slot

@@ -42,6 +42,10 @@ NEAREST_SINGLE_BOX = "nearest-single-box"
 TIGHTEST_SINGLE_BOX = "tightest-single-box"
 
 
+Option = tuple[str, tuple[Take, ...]]
+"""One proposal before it is given a host: (rule, takes)."""
+
+
 def propose(host: HostInfo, free_slots: int, count: int, links: list[Link]) -> list[Proposal]:
     """The distinct proposals for ``count`` GPUs on ``host``; empty if the links hold fewer.
 
@@ -51,15 +55,31 @@ def propose(host: HostInfo, free_slots: int, count: int, links: list[Link]) -> l
     nearest_single = nearest_single_box(count, links) if tightest is not None else None
     links.sort(key=_latency)
     nearest = nearest_first(count, links)
+    return [
+        Proposal(host, free_slots, takes, rule)
+        for rule, takes in options(count, nearest, nearest_single, tightest)
+    ]
+
+
+def options(
+    count: int,
+    nearest: tuple[Take, ...] | None,
+    nearest_single: Link | None,
+    tightest: Link | None,
+) -> list[Option]:
+    """What the three rules chose, identical choices merged, nearest-first first.
+
+    Empty when the nearest-first rule found nothing (the host cannot reach enough).
+    """
     if nearest is None:
         return []
-    proposals = [Proposal(host, free_slots, nearest, NEAREST_FIRST)]
+    found: list[Option] = [(NEAREST_FIRST, nearest)]
     chosen = [nearest[0].supply.box.box] if len(nearest) == 1 else []
     for rule, link in ((NEAREST_SINGLE_BOX, nearest_single), (TIGHTEST_SINGLE_BOX, tightest)):
         if link is not None and link[1].box.box not in chosen:
             chosen.append(link[1].box.box)
-            proposals.append(Proposal(host, free_slots, (Take(link[1], count, link[0]),), rule))
-    return proposals
+            found.append((rule, (Take(link[1], count, link[0]),)))
+    return found
 
 
 def nearest_first(count: int, links: Sequence[Link]) -> tuple[Take, ...] | None:
@@ -72,13 +92,14 @@ def nearest_first(count: int, links: Sequence[Link]) -> tuple[Take, ...] | None:
         end = start
         while end < len(links) and links[end][0] == latency:
             end += 1
-        remaining = _fill_tier(remaining, latency, [link[1] for link in links[start:end]], takes)
+        remaining = fill_tier(remaining, latency, [link[1] for link in links[start:end]], takes)
         start = end
     return tuple(takes) if remaining == 0 else None
 
 
-def _fill_tier(remaining: int, latency: int, tier: list[BoxSupply], takes: list[Take]) -> int:
-    """Best fit inside one tier (ordered by usable, box id); returns what is still needed."""
+def fill_tier(remaining: int, latency: int, tier: list[BoxSupply], takes: list[Take]) -> int:
+    """Best fit inside one tier (ordered by usable, box id), ``latency`` away: appends to
+    ``takes`` and returns how many GPUs are still needed. Consumes ``tier``."""
     usable = [supply.available for supply in tier]
     while remaining > 0 and tier:
         fits = bisect_left(usable, remaining)

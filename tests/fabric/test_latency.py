@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
+import random
 import time
 
 import pytest
 
 from dxpool.api.v1 import resources_pb2
-from dxpool.fabric.latency import LatencyEstimate, LatencyModel, Place, TopologyLatencyModel
+from dxpool.fabric.latency import (
+    LatencyEstimate,
+    LatencyModel,
+    Place,
+    TieredLatencyModel,
+    TopologyLatencyModel,
+)
 from dxpool.fabric.topology import Topology
 
 TOPOLOGY = """
@@ -179,3 +188,76 @@ def test_many_pairs_are_cheap() -> None:
     elapsed = time.perf_counter() - started
     assert total > 0
     assert elapsed < 2.0, f"40,000 estimates took {elapsed:.2f} s"
+
+
+# -- places hash once; the model ranks boxes by class --------------------------------
+
+
+def test_a_place_hashes_by_its_fields_and_a_changed_copy_hashes_anew() -> None:
+    place = Place("hosts/h1", "dc1", "p1", "r1")
+    assert hash(place) == hash(Place("hosts/h1", "dc1", "p1", "r1"))
+    moved = dataclasses.replace(place, rack="r2")
+    assert moved == Place("hosts/h1", "dc1", "p1", "r2")
+    assert hash(moved) == hash(Place("hosts/h1", "dc1", "p1", "r2"))
+    assert {place: 1}[Place("hosts/h1", "dc1", "p1", "r1")] == 1
+    assert "hash" not in repr(place)
+
+
+def random_place(rng: random.Random, name: str) -> Place:
+    if rng.random() < 0.1:
+        return Place(name)
+    site = rng.choice(("dc1", "dc2", "dc3"))
+    return Place(name, site, rng.choice(("p1", "p2", "q1")), rng.choice(("r1", "r2", "r7", "s1")))
+
+
+def test_the_model_is_tiered(model: TopologyLatencyModel) -> None:
+    assert isinstance(model, TieredLatencyModel)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_rankings_agree_with_round_trips(model: TopologyLatencyModel, seed: int) -> None:
+    rng = random.Random(seed)
+    names = ["pinned", "h1", "h2", "h3", "h4", "h5"]
+    hosts = [random_place(rng, f"hosts/{name}") for name in names]
+    boxes = [random_place(rng, f"boxes/{name}") for name in ("moved", "b1", "b2", "b3", "b4")]
+    box_classes = [model.box_class(box) for box in boxes]
+    for host in hosts:
+        tiers = model.ranking(model.host_class(host))
+        ranked = [number for _, numbers in tiers for number in numbers]
+        assert len(ranked) == len(set(ranked))  # each class in one tier
+        assert [ns for ns, _ in tiers] == sorted({ns for ns, _ in tiers})
+        assert all(list(numbers) == sorted(numbers) for _, numbers in tiers)
+        tier_of = {number: ns for ns, numbers in tiers for number in numbers}
+        for box, number in zip(boxes, box_classes, strict=True):
+            assert tier_of[number] == model.round_trip(host, box).round_trip_ns
+
+
+def test_classes_are_racks_and_every_unplaced_endpoint_shares_one(
+    model: TopologyLatencyModel,
+) -> None:
+    same = model.box_class(box("dc1", "p1", "r1", name="boxes/x"))
+    assert model.box_class(box("dc1", "p1", "r1", name="boxes/y")) == same
+    assert model.host_class(host("dc1", "p1", "r1")) == same
+    assert model.box_class(box("dc1", "p1", "r2")) != same
+    # the topology places boxes/moved in dc2/q1/s1 whatever its own location says
+    assert model.box_class(box(name="boxes/moved")) == model.box_class(box("dc2", "q1", "s1"))
+    unplaced = model.host_class(host())
+    assert model.box_class(box("dc9", "p1", "r1")) == unplaced
+    assert model.host_class(host("dc1", "p1", "r7")) == unplaced
+
+
+def test_a_ranking_grows_with_classes_seen_after_it(model: TopologyLatencyModel) -> None:
+    origin = model.host_class(host("dc1", "p1", "r1"))
+    before = model.ranking(origin)
+    later = model.box_class(box("dc1", "p2", "late"))
+    after = model.ranking(origin)
+    assert later not in {n for _, numbers in before for n in numbers}
+    assert later in {n for _, numbers in after for n in numbers}
+    assert model.ranking(origin) is after  # unchanged until another class appears
+
+
+def test_a_copied_place_hashes_its_fields_anew() -> None:
+    place = Place("hosts/h1", "dc1", "p1", "r1")
+    assert b"_hash" not in pickle.dumps(place)
+    copied = pickle.loads(pickle.dumps(place))
+    assert copied == place and hash(copied) == hash(place)

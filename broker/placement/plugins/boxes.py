@@ -27,12 +27,19 @@ class BoxSchedulable:
 
 
 class LatencyBound:
-    """Keeps, for each host, the boxes within the request's ``max_latency_ns`` round trip."""
+    """Keeps, for each host, the boxes within the request's ``max_latency_ns`` round trip.
+
+    It says which bound it applies (``round_trip_bound``), so with a latency model that
+    ranks boxes in tiers the pipeline cuts whole tiers instead of asking it per pair.
+    """
 
     name = "latency_bound"
 
     def applies(self, request: PlacementRequest) -> bool:
         return request.max_latency_ns > 0
+
+    def round_trip_bound(self, request: PlacementRequest) -> int:
+        return request.max_latency_ns
 
     def filter_link(
         self,

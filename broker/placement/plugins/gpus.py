@@ -2,7 +2,9 @@
 
 Each keeps or drops one GPU. The pipeline runs them in registry order and counts the
 GPUs that pass each one, so a failed placement can say where the supply ran out
-("512 in the pool, 12 H100, 3 free; 4 H100 requested").
+("512 in the pool, 12 H100, 3 free; 4 H100 requested"). Each also filters a whole list
+at once (``filter_gpus``), keeping exactly the GPUs ``filter_gpu`` keeps: the pipeline
+runs them on every GPU of the pool, so this is the hot loop of placement.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ class GpuModel:
             return SUCCESS
         return Status.unschedulable(f"model {gpu.model}, not {request.model}", plugin=self.name)
 
+    def filter_gpus(self, request: PlacementRequest, gpus: Sequence[GpuInfo]) -> list[GpuInfo]:
+        wanted = request.model
+        folded = wanted.casefold()
+        return [gpu for gpu in gpus if gpu.model == wanted or gpu.model.casefold() == folded]
+
     def label(self, request: PlacementRequest) -> str:
         return request.model
 
@@ -47,6 +54,10 @@ class GpuMemory:
 
     def applies(self, request: PlacementRequest) -> bool:
         return request.min_memory_mib > 0
+
+    def filter_gpus(self, request: PlacementRequest, gpus: Sequence[GpuInfo]) -> list[GpuInfo]:
+        least = request.min_memory_mib
+        return [gpu for gpu in gpus if gpu.memory_mib >= least]
 
     def filter_gpu(self, request: PlacementRequest, gpu: GpuInfo) -> Status:
         if gpu.memory_mib >= request.min_memory_mib:
@@ -84,6 +95,9 @@ class GpuFree:
     def filter_gpu(self, request: PlacementRequest, gpu: GpuInfo) -> Status:
         return SUCCESS if gpu.free else self._NOT_FREE
 
+    def filter_gpus(self, request: PlacementRequest, gpus: Sequence[GpuInfo]) -> list[GpuInfo]:
+        return [gpu for gpu in gpus if gpu.free]
+
     def label(self, request: PlacementRequest) -> str:
         return "free"
 
@@ -103,6 +117,9 @@ class GpuHealthy:
     def filter_gpu(self, request: PlacementRequest, gpu: GpuInfo) -> Status:
         return SUCCESS if gpu.healthy else self._UNHEALTHY
 
+    def filter_gpus(self, request: PlacementRequest, gpus: Sequence[GpuInfo]) -> list[GpuInfo]:
+        return [gpu for gpu in gpus if gpu.healthy]
+
     def label(self, request: PlacementRequest) -> str:
         return "healthy"
 
@@ -121,6 +138,10 @@ class GpuNotExcluded:
 
     def filter_gpu(self, request: PlacementRequest, gpu: GpuInfo) -> Status:
         return self._EXCLUDED if gpu.name in request.exclude_gpus else SUCCESS
+
+    def filter_gpus(self, request: PlacementRequest, gpus: Sequence[GpuInfo]) -> list[GpuInfo]:
+        excluded = request.exclude_gpus
+        return [gpu for gpu in gpus if gpu.name not in excluded]
 
     def label(self, request: PlacementRequest) -> str:
         return "not excluded"

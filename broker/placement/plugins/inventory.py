@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dxpool.broker.placement.model import PlacementRequest, Snapshot
+from collections.abc import Collection
+
+from dxpool.broker.placement.model import HostInfo, PlacementRequest, Snapshot
 from dxpool.broker.placement.status import SUCCESS, Status
 from dxpool.broker.placement.text import format_memory, plural
 
@@ -14,6 +16,8 @@ class PoolInventory:
     name = "pool_inventory"
 
     def pre_filter(self, request: PlacementRequest, snapshot: Snapshot) -> Status:
+        if self._holds(request, snapshot):
+            return SUCCESS
         model = request.model.casefold()
         memory = request.min_memory_mib
         held = 0
@@ -24,8 +28,6 @@ class PoolInventory:
                     models[gpu.model] = models.get(gpu.model, 0) + 1
                 elif gpu.memory_mib >= memory:
                     held += 1
-        if held >= request.count:
-            return SUCCESS
         what = f"model {request.model}" if request.model else "gpus"
         if memory:
             what += f" with >= {format_memory(memory)}"
@@ -34,6 +36,23 @@ class PoolInventory:
             ranked = sorted(models.items(), key=lambda item: (-item[1], item[0]))
             reason += "; models in the pool: " + ", ".join(f"{m} {n}" for m, n in ranked)
         return Status.unresolvable(reason, plugin=self.name)
+
+    @staticmethod
+    def _holds(request: PlacementRequest, snapshot: Snapshot) -> bool:
+        """Whether the pool holds ``count`` such GPUs; stops counting once it does."""
+        wanted = request.model
+        model = wanted.casefold()
+        memory = request.min_memory_mib
+        needed = request.count
+        for gpus in snapshot.gpus_by_box.values():
+            for gpu in gpus:
+                if model and gpu.model != wanted and gpu.model.casefold() != model:
+                    continue
+                if gpu.memory_mib >= memory:
+                    needed -= 1
+                    if needed <= 0:
+                        return True
+        return False
 
 
 class HostCapacity:
@@ -49,14 +68,15 @@ class HostCapacity:
                 return Status.unresolvable(
                     f"host: hosts/{request.host} is not registered", plugin=self.name
                 )
-            hosts = [pinned]
+            hosts: Collection[HostInfo] = [pinned]
         else:
-            hosts = list(snapshot.hosts.values())
+            hosts = snapshot.hosts.values()
         if not hosts:
             return Status.unschedulable("hosts: no host is registered", plugin=self.name)
-        largest = min(hosts, key=lambda host: (-host.slot_capacity, host.host))
-        if largest.slot_capacity >= request.count:
+        count = request.count
+        if any(host.slot_capacity >= count for host in hosts):
             return SUCCESS
+        largest = min(hosts, key=lambda host: (-host.slot_capacity, host.host))
         slots = plural(largest.slot_capacity, "proxy slot")
         if request.host is not None:
             where = f"hosts/{largest.host} has {slots} in all"

@@ -1,0 +1,228 @@
+"""Choosing per host class on a tiered latency model gives exactly the pair-by-pair answer.
+
+The tree latency model ranks boxes for a whole class of hosts at once; placement then
+walks those rankings instead of asking for every (host, box) pair. Everything it answers
+(placement, every candidate's explanation, every unsatisfied line) must be what the
+pair-by-pair path answers with the same model seen only through ``round_trip``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from dxpool.broker.placement import (
+    BoxInfo,
+    GpuInfo,
+    HostInfo,
+    PlacementRequest,
+    Snapshot,
+    place,
+)
+from dxpool.broker.placement.framework import BoxSupply, Take
+from dxpool.broker.placement.selection import options, propose
+from dxpool.broker.placement.tiered import TieredChooser
+from dxpool.fabric.latency import LatencyEstimate, Place, TopologyLatencyModel
+from dxpool.fabric.topology import Topology
+
+CASES = 120
+
+# Uneven switch latencies, so racks of one pod (and pods of one site) are not all alike,
+# plus placed names and locations the topology does not know (unplaced endpoints).
+TOPOLOGY = """
+proxy_ns: 600
+links: {rack_ns: 250, pod_ns: 500, site_ns: 1000, inter_site_ns: 40000}
+sites:
+  - name: s0
+    site_ns: 1200
+    pods:
+      - name: p0
+        racks: [{name: r0, rack_ns: 300}, {name: r1}, {name: r2, rack_ns: 200}]
+      - name: p1
+        pod_ns: 450
+      - name: p2
+  - name: s1
+    rack_ns: 275
+places:
+  hosts: {h3: {site: s1, pod: p0, rack: r0}}
+  boxes: {b2: {site: s0, pod: p0, rack: r2}}
+"""
+
+SITES = ("s0", "s1", "s9")
+PODS = ("p0", "p1", "p2")
+RACKS = ("r0", "r1", "r2", "r3")
+
+
+class PairByPair:
+    """The same model seen only through ``round_trip``: placement goes pair by pair."""
+
+    def __init__(self, model: TopologyLatencyModel) -> None:
+        self._model = model
+
+    def round_trip(self, host: Place, box: Place) -> LatencyEstimate:
+        return self._model.round_trip(host, box)
+
+
+class CountingModel(TopologyLatencyModel):
+    """The tree model, counting how often placement asks for a pair or a ranking."""
+
+    pairs = 0
+    rankings = 0
+
+    def round_trip(self, host: Place, box: Place) -> LatencyEstimate:
+        self.pairs += 1
+        return super().round_trip(host, box)
+
+    def ranking(self, host_class: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        self.rankings += 1
+        return super().ranking(host_class)
+
+
+def where(rng: random.Random) -> tuple[str, str, str]:
+    if rng.random() < 0.08:
+        return "", "", ""  # unplaced
+    return rng.choice(SITES), rng.choice(PODS), rng.choice(RACKS)
+
+
+def random_case(rng: random.Random) -> tuple[Snapshot, PlacementRequest]:
+    boxes: dict[str, BoxInfo] = {}
+    gpus: dict[str, tuple[GpuInfo, ...]] = {}
+    for index in range(rng.randint(1, 24)):
+        box = f"b{index}"
+        boxes[box] = BoxInfo(box, Place(f"boxes/{box}", *where(rng)), rng.random() > 0.1)
+        model = rng.choice(("H100", "H100", "A100"))
+        gpus[box] = tuple(
+            GpuInfo(f"boxes/{box}/gpus/{slot}", box, slot, model, 81920, rng.random() > 0.4, True)
+            for slot in range(rng.randint(0, 8))
+        )
+    hosts: dict[str, HostInfo] = {}
+    for index in range(rng.randint(1, 12)):
+        host = f"h{index}"
+        used = frozenset(slot for slot in range(8) if rng.random() < 0.3)
+        place = Place(f"hosts/{host}", *where(rng))
+        hosts[host] = HostInfo(host, place, rng.choice((4, 8)), used, rng.random() > 0.1)
+    request = PlacementRequest(
+        rng.choice(("H100", "", "a100")),
+        rng.choice((1, 1, 2, 3, 4, 6, 8, 12)),
+        host=rng.choice((None, None, None, *hosts)),
+        max_latency_ns=rng.choice((0, 0, 0, 3_500, 5_000, 9_000, 90_000)),
+    )
+    return Snapshot(boxes, hosts, gpus), request
+
+
+@pytest.fixture(scope="module")
+def topology() -> Topology:
+    return Topology.from_yaml(TOPOLOGY)
+
+
+@pytest.mark.parametrize("seed", range(CASES))
+def test_the_tiered_path_answers_exactly_as_the_pair_by_pair_path(
+    seed: int, topology: Topology
+) -> None:
+    snapshot, request = random_case(random.Random(seed))
+    model = CountingModel(topology)
+    tiered = place(request, snapshot, model)
+    pairwise = place(request, snapshot, PairByPair(TopologyLatencyModel(topology)))
+    assert tiered.placement == pairwise.placement
+    assert tiered.unsatisfied == pairwise.unsatisfied
+    assert tiered.candidates == pairwise.candidates
+    if tiered.placement is not None:
+        # never asked pair by pair: at most once per host, for its nearest box out of reach
+        assert model.pairs <= (len(snapshot.hosts) if request.max_latency_ns else 0)
+
+
+def test_the_random_cases_exercise_both_outcomes(topology: Topology) -> None:
+    placed = 0
+    for seed in range(CASES):
+        snapshot, request = random_case(random.Random(seed))
+        placed += place(request, snapshot, TopologyLatencyModel(topology)).placement is not None
+    assert CASES // 4 < placed < CASES - CASES // 10
+
+
+def test_hosts_of_one_rack_are_chosen_for_once() -> None:
+    rack = ("s", "p", "r")
+    boxes = {f"b{i}": BoxInfo(f"b{i}", Place(f"boxes/b{i}", *rack), True) for i in range(3)}
+    gpus = {
+        box: tuple(
+            GpuInfo(f"boxes/{box}/gpus/{s}", box, s, "H100", 1, True, True) for s in range(4)
+        )
+        for box in boxes
+    }
+    hosts = {
+        f"h{i}": HostInfo(f"h{i}", Place(f"hosts/h{i}", *rack), 8, frozenset(), True)
+        for i in range(10)
+    }
+    model = CountingModel(Topology.default())
+    result = place(PlacementRequest("H100", 2), Snapshot(boxes, hosts, gpus), model)
+    assert result.placement is not None
+    assert (model.rankings, model.pairs) == (1, 0)
+
+
+def test_a_model_that_fails_to_classify_a_host_is_asked_pair_by_pair(
+    topology: Topology,
+) -> None:
+    class Unclassifiable(TopologyLatencyModel):
+        def host_class(self, host: Place) -> int:
+            if host.name == "hosts/h1":
+                raise LookupError("no class")
+            return super().host_class(host)
+
+    for seed in range(20):
+        snapshot, request = random_case(random.Random(seed))
+        expected = place(request, snapshot, PairByPair(TopologyLatencyModel(topology)))
+        assert place(request, snapshot, Unclassifiable(topology)) == expected
+
+
+@dataclass(frozen=True)
+class Supplies:
+    """Random supplies (ordered by usable GPUs, box id) spread over racks."""
+
+    boxes: tuple[BoxSupply, ...]
+
+    @classmethod
+    def make(cls, rng: random.Random) -> Supplies:
+        made = []
+        for index in range(rng.randint(1, 16)):
+            box = BoxInfo(f"b{index:02d}", Place(f"boxes/b{index:02d}", *where(rng)), True)
+            usable = tuple(
+                GpuInfo(f"boxes/{box.box}/gpus/{s}", box.box, s, "H100", 1, True, True)
+                for s in range(rng.randint(1, 8))
+            )
+            made.append(BoxSupply(box, usable))
+        made.sort(key=lambda supply: (supply.available, supply.box.box))
+        return cls(tuple(made))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_chooser_makes_the_choices_propose_makes_from_every_link(
+    seed: int, topology: Topology
+) -> None:
+    rng = random.Random(seed)
+    supplies = Supplies.make(rng).boxes
+    model = TopologyLatencyModel(topology)
+    count = rng.randint(1, min(12, sum(supply.available for supply in supplies)))
+    bound = rng.choice((None, 3_000, 5_000, 9_000, 50_000))
+    chooser = TieredChooser(model, supplies, count, bound)
+    for index in range(6):
+        host = HostInfo(f"h{index}", Place(f"hosts/h{index}", *where(rng)), 16, frozenset(), True)
+        every = [(model.round_trip(host.place, s.box.place).round_trip_ns, s) for s in supplies]
+        links = [link for link in every if bound is None or link[0] <= bound]
+        beyond = [link for link in every if bound is not None and link[0] > bound]
+        reach = sum(supply.available for _, supply in links)
+        expected = [(p.rule, p.takes) for p in propose(host, 16, count, links)]
+        choice = chooser.choose(host.place)
+        assert choice.options == (expected if reach >= count else [])
+        assert choice.reach == reach
+        assert choice.dropped == min(beyond, key=lambda link: link[0], default=None)
+
+
+def test_options_merge_identical_choices_and_need_a_nearest_first_choice() -> None:
+    supply = BoxSupply(
+        BoxInfo("b1", Place("boxes/b1"), True),
+        (GpuInfo("boxes/b1/gpus/0", "b1", 0, "H100", 1, True, True),),
+    )
+    nearest = (Take(supply, 1, 1_000),)
+    assert options(1, nearest, (1_000, supply), (1_000, supply)) == [("nearest-first", nearest)]
+    assert options(1, None, (1_000, supply), None) == []

@@ -1,0 +1,135 @@
+"""The placement index keeps the objects placement remembers things by.
+
+A real cache (fed the way the broker feeds it after reading etcd) drives the index; the
+tests check which objects survive from one snapshot to the next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from dxpool.api.v1 import resources_pb2 as pb
+from dxpool.broker.cache import Cache
+from dxpool.broker.placement import PlacementRequest, place
+from dxpool.broker.placement_index import PlacementIndex
+from dxpool.broker.store import Versioned
+from dxpool.fabric.latency import TopologyLatencyModel
+from dxpool.fabric.topology import Topology
+from dxpool.store.keys import KeySchema
+
+RACK = pb.Location(site="dc1", pod="p1", rack="r1")
+
+
+class Feed:
+    """Writes records into a cache with rising revisions, as reads from etcd would."""
+
+    def __init__(self, cache: Cache, schema: KeySchema) -> None:
+        self.cache = cache
+        self.schema = schema
+        self.revision = 0
+
+    def put(self, key: str, value: object) -> None:
+        self.revision += 1
+        self.cache.apply_read(key, Versioned(value, self.revision, 1), self.revision)
+
+    def box(self, box_id: str, state: int = pb.BOX_STATE_ACTIVE) -> None:
+        self.put(
+            self.schema.box(box_id), pb.Box(name=f"boxes/{box_id}", location=RACK, state=state)
+        )
+
+    def gpu(self, box_id: str, slot: int, state: int = pb.GPU_STATE_FREE, node: str = "") -> None:
+        gpu = pb.Gpu(
+            name=f"boxes/{box_id}/gpus/{slot}",
+            box=f"boxes/{box_id}",
+            slot=slot,
+            model="H100",
+            memory_mib=81920,
+            state=state,
+            node=node,
+        )
+        self.put(self.schema.gpu(box_id, slot), gpu)
+
+    def host(self, host_id: str, slots: tuple[int, ...] = ()) -> None:
+        self.put(
+            self.schema.host(host_id),
+            pb.Host(name=f"hosts/{host_id}", location=RACK, slot_capacity=8),
+        )
+        self.put(self.schema.host_lease(host_id), b"")
+        self.allocate(host_id, slots)
+
+    def allocate(self, host_id: str, slots: tuple[int, ...]) -> None:
+        attachments = [pb.DesiredAttachment(host_slot=slot) for slot in slots]
+        allocation = pb.HostAllocation(host=f"hosts/{host_id}", attachments=attachments)
+        self.put(self.schema.host_allocation(host_id), allocation)
+
+
+@pytest.fixture
+def feed(etcd_client, key_prefix: str) -> Iterator[Feed]:  # type: ignore[no-untyped-def]
+    schema = KeySchema(key_prefix)
+    feed = Feed(Cache(etcd_client, schema), schema)
+    for box_id in ("b1", "b2"):
+        feed.box(box_id)
+        for slot in range(4):
+            feed.gpu(box_id, slot)
+    feed.host("h1")
+    feed.host("h2", (0,))
+    yield feed
+
+
+@pytest.fixture
+def index(feed: Feed) -> Iterator[PlacementIndex]:
+    index = PlacementIndex(feed.cache)
+    yield index
+    index.close()
+
+
+def test_the_same_snapshot_while_nothing_changes(feed: Feed, index: PlacementIndex) -> None:
+    first = index.snapshot()
+    assert index.snapshot() is first
+    feed.gpu("b1", 0, state=pb.GPU_STATE_ATTACHING, node="nodes/n1")
+    second = index.snapshot()
+    assert second is not first
+    assert not second.gpus_by_box["b1"][0].free
+
+
+def test_changes_placement_cannot_see_keep_the_snapshot_and_version(
+    feed: Feed, index: PlacementIndex
+) -> None:
+    feed.gpu("b1", 0, state=pb.GPU_STATE_ATTACHING, node="nodes/n1")
+    snapshot, version = index.snapshot(), index.version
+    feed.gpu("b1", 0, state=pb.GPU_STATE_ATTACHED, node="nodes/n1")  # still not free
+    feed.box("b2")  # rewritten as it was
+    feed.allocate("h2", (0,))  # the same slots
+    assert index.version == version
+    assert index.snapshot() is snapshot
+
+
+def test_unchanged_records_keep_their_objects(feed: Feed, index: PlacementIndex) -> None:
+    first = index.snapshot()
+    feed.gpu("b1", 2, state=pb.GPU_STATE_ATTACHING, node="nodes/n1")
+    feed.allocate("h1", (0,))
+    feed.box("b2", state=pb.BOX_STATE_CORDONED)
+    second = index.snapshot()
+    assert second.gpus_by_box["b2"] is first.gpus_by_box["b2"]
+    assert second.gpus_by_box["b1"] is not first.gpus_by_box["b1"]
+    assert second.boxes["b1"] is first.boxes["b1"]
+    assert not second.boxes["b2"].schedulable
+    assert second.boxes["b2"].place is first.boxes["b2"].place
+    assert second.hosts["h2"] is first.hosts["h2"]
+    assert second.hosts["h1"].used_slots == frozenset({0})
+    assert second.hosts["h1"].place is first.hosts["h1"].place
+
+
+def test_placement_on_the_index_follows_the_inventory(feed: Feed, index: PlacementIndex) -> None:
+    model = TopologyLatencyModel(Topology.default())
+    request = PlacementRequest("H100", 4)
+    first = place(request, index.snapshot(), model)
+    assert first.placement is not None and first.placement.host == "h2"
+    for slot in range(4):
+        feed.gpu("b1", slot, state=pb.GPU_STATE_ATTACHING, node="nodes/n1")
+    feed.allocate("h2", (0, 1, 2, 3, 4))
+    second = place(request, index.snapshot(), model)
+    assert second.placement is not None and second.placement.host == "h1"
+    assert {binding.box for binding in second.placement.bindings} == {"b2"}
