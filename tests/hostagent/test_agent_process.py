@@ -165,4 +165,5 @@ def test_resync_repairs_hardware_drift(
 
     wait_for(lambda: sim_fabric.mappings(HOST) == {1: ("b1", 2)}, what="re-attach by resync")
     wait_for(lambda: len(sim_fabric.devices(HOST)) == 1, what="device back on the bus")
-    assert etcd.phase(GPU) == Phase.ATTACHMENT_PHASE_ATTACHED
+    # The device is back before the agent has verified it and reported ATTACHED again.
+    wait_for(lambda: etcd.phase(GPU) == Phase.ATTACHMENT_PHASE_ATTACHED, what="ATTACHED again")
