@@ -79,7 +79,9 @@ class Composer:
         placement_request = self._check(request)
         request_id = request.request_id
         if request_id:
-            existing = self._node_for_request(request_id, request.spec)
+            existing = self._node_for_request(
+                request_id, request.spec, self._cache.get(k.REQUESTS, request_id)
+            )
             if existing is not None:
                 return existing
         node_id = request.node_id or _generate_node_id()
@@ -157,10 +159,15 @@ class Composer:
             max_latency_ns=request.spec.max_latency_ns,
         )
 
-    def _node_for_request(self, request_id: str, spec: pb.NodeSpec) -> pb.VirtualNode | None:
-        record = self._cache.get(k.REQUESTS, request_id) or self._store.get(
-            self._store.keys.request(request_id)
-        )
+    def _node_for_request(
+        self, request_id: str, spec: pb.NodeSpec, record: Versioned[Any] | None
+    ) -> pb.VirtualNode | None:
+        """The node an earlier call with ``request_id`` made, given its request record.
+
+        The caller passes the record it has (the cache's, or the one a failed compare
+        returned); a request id missing from the cache needs no etcd read, because the
+        compose transaction itself fails if the request key exists.
+        """
         if record is None:
             return None
         name = bytes(record.value).decode()
@@ -265,8 +272,10 @@ class Composer:
             self._cache.apply_commit(committed.revision, txn.writes, created=created)
             return node
         self._refresh(committed.current)
-        if request_key and committed.current.get(request_key) is not None:
-            existing = self._node_for_request(request.request_id, request.spec)
+        if request_key:
+            existing = self._node_for_request(
+                request.request_id, request.spec, committed.current.get(request_key)
+            )
             if existing is not None:
                 return existing
         if committed.current.get(node_key) is not None and request.node_id:

@@ -6,10 +6,9 @@ import grpc
 
 from dxpool.api.v1 import fabric_pb2, fabric_pb2_grpc
 from dxpool.broker.cache import Cache
-from dxpool.broker.placement_index import box_place, host_place
 from dxpool.broker.rpc import handler
 from dxpool.errors import NotFound
-from dxpool.fabric.latency import LatencyModel
+from dxpool.fabric.latency import LatencyModel, Place
 from dxpool.names import parse_box, parse_host
 from dxpool.store import keys as k
 
@@ -35,7 +34,7 @@ class FabricService(fabric_pb2_grpc.FabricServiceServicer):
                 f"box {request.box} does not exist; see `dxpool box list`",
                 reason="BOX_NOT_FOUND",
             )
-        estimate = self._latency.round_trip(host_place(host.value), box_place(box.value))
+        estimate = self._latency.round_trip(Place.of(host.value), Place.of(box.value))
         return fabric_pb2.Latency(
             host=request.host,
             box=request.box,

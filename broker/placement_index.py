@@ -25,14 +25,6 @@ from dxpool.fabric.latency import Place
 from dxpool.store import keys as k
 
 
-def box_place(box: pb.Box) -> Place:
-    return Place(box.name, box.location.site, box.location.pod, box.location.rack)
-
-
-def host_place(host: pb.Host) -> Place:
-    return Place(host.name, host.location.site, host.location.pod, host.location.rack)
-
-
 def gpu_info(gpu: pb.Gpu) -> GpuInfo:
     return GpuInfo(
         name=gpu.name,
@@ -88,7 +80,7 @@ class PlacementIndex:
         if record is None:
             return self._boxes.pop(name, None) is not None
         box: pb.Box = record.value
-        place = box_place(box)
+        place = Place.of(box)
         if known is not None and known.place == place:
             place = known.place
         info = BoxInfo(box=name, place=place, schedulable=box.state == pb.BOX_STATE_ACTIVE)
@@ -122,7 +114,7 @@ class PlacementIndex:
                 self._host_places.pop(name, None)
             else:
                 self._host_records[name] = record.value
-                place = host_place(record.value)
+                place = Place.of(record.value)
                 if self._host_places.get(name) != place:
                     self._host_places[name] = place
         elif collection == k.HOST_LEASES:

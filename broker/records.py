@@ -12,13 +12,6 @@ from dxpool.api.v1 import resources_pb2 as pb
 
 M = TypeVar("M", bound=Message)
 
-ACTIVE_NODE_STATES = frozenset(
-    {pb.NODE_STATE_PENDING, pb.NODE_STATE_ATTACHING, pb.NODE_STATE_READY}
-)
-OWNING_GPU_STATES = frozenset(
-    {pb.GPU_STATE_ATTACHING, pb.GPU_STATE_ATTACHED, pb.GPU_STATE_DETACHING}
-)
-
 
 def copy(message: M) -> M:
     """A deep copy: records from the cache are shared and must never be mutated."""

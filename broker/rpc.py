@@ -40,6 +40,15 @@ def to_status(error: DxpoolError) -> grpc.Status:
     return rpc_status.to_status(status)
 
 
+def _abort(context: grpc.ServicerContext, method: str, error: Exception) -> None:
+    """End the call with the error's status; unexpected errors become INTERNAL, logged."""
+    if isinstance(error, DxpoolError):
+        context.abort_with_status(to_status(error))
+    else:
+        log.exception("unexpected error in RPC", extra={"method": method})
+        context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see broker logs")
+
+
 def handler(method: str) -> Callable[[F], F]:
     """Decorate a unary servicer method ``(self, request, context)``."""
 
@@ -49,13 +58,8 @@ def handler(method: str) -> Callable[[F], F]:
             started = time.perf_counter()
             try:
                 return func(self, request, context)
-            except DxpoolError as error:
-                context.abort_with_status(to_status(error))
-            except Exception:
-                log.exception("unexpected error in RPC", extra={"method": method})
-                context.abort(
-                    grpc.StatusCode.INTERNAL, f"internal error in {method}; see broker logs"
-                )
+            except Exception as error:
+                _abort(context, method, error)
             finally:
                 metrics.RPC_SECONDS.labels(method=method).observe(time.perf_counter() - started)
 
@@ -72,13 +76,8 @@ def stream_handler(method: str) -> Callable[[F], F]:
         def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
             try:
                 yield from func(self, request, context)
-            except DxpoolError as error:
-                context.abort_with_status(to_status(error))
-            except Exception:
-                log.exception("unexpected error in RPC", extra={"method": method})
-                context.abort(
-                    grpc.StatusCode.INTERNAL, f"internal error in {method}; see broker logs"
-                )
+            except Exception as error:
+                _abort(context, method, error)
 
         return wrapper  # type: ignore[return-value]
 

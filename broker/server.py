@@ -33,6 +33,7 @@ from dxpool.broker.inventory_service import InventoryService
 from dxpool.broker.node_service import MAX_WATCHERS, NodeService
 from dxpool.broker.placement_index import PlacementIndex
 from dxpool.broker.store import Store
+from dxpool.defaults import DEFAULT_ENDPOINT
 from dxpool.fabric.latency import TopologyLatencyModel
 from dxpool.fabric.topology import Topology
 from dxpool.store.client import connect
@@ -40,7 +41,7 @@ from dxpool.store.keys import DEFAULT_PREFIX, KeySchema
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LISTEN = "127.0.0.1:8470"
+DEFAULT_LISTEN = DEFAULT_ENDPOINT
 SERVICE_NAMES = (
     inventory_pb2.DESCRIPTOR.services_by_name["InventoryService"].full_name,
     nodes_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name,

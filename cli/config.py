@@ -22,9 +22,9 @@ from typing import Any, NamedTuple
 
 import yaml
 
+from dxpool.defaults import DEFAULT_ENDPOINT
 from dxpool.errors import InvalidArgument
 
-DEFAULT_ENDPOINT = "127.0.0.1:8470"
 ENDPOINT_ENV = "DXPOOL_ENDPOINT"
 CONFIG_ENV = "DXPOOL_CONFIG"
 DEFAULT_CONFIG_PATH = Path("~/.config/dxpool/config.yaml")

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from dxpool.api.v1 import resources_pb2
 from dxpool.client import Client
+from dxpool.defaults import DEFAULT_ENDPOINT
 from dxpool.errors import AlreadyExists, InvalidArgument, Unavailable
 from dxpool.store.embedded import EmbeddedEtcd
 from dxpool.store.keys import DEFAULT_PREFIX
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LISTEN = "127.0.0.1:8470"
+DEFAULT_LISTEN = DEFAULT_ENDPOINT
 SITE = "dc1"
 RACKS_PER_POD = 2
 AGENT_STOP_GRACE_S = 10.0

@@ -117,19 +117,24 @@ def add_box(
 
 @dataclass
 class AgentProcess:
-    host: str
+    """``python -m dxpool.hostagent`` running in its own process."""
+
     process: subprocess.Popen[bytes]
     log_path: Path
+    host: str = ""
 
     def kill(self) -> None:
         if self.process.poll() is None:
             self.process.kill()
-            self.process.wait(10)
+        self.process.wait(10)
 
-    def terminate(self) -> None:
+    def terminate(self) -> int:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-            self.process.wait(10)
+        return self.process.wait(10)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
 
 
 @dataclass
@@ -191,7 +196,7 @@ class SimPool:
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
-        agent = AgentProcess(host, process, log_path)
+        agent = AgentProcess(process, log_path, host)
         self.agents.append(agent)
         return agent
 

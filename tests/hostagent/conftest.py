@@ -7,12 +7,10 @@ fresh key prefix per test).
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ from dxpool.fabric.sim import SimFabric, SimGpuSpec
 from dxpool.hostagent.driver import StepDriver
 from dxpool.hostagent.drivers.sim import make_sim_driver
 from dxpool.store.embedded import EmbeddedEtcd
+from tests.conftest import AgentProcess
 
 HOST = "h1"
 HOST_SLOTS = 4
@@ -54,27 +53,6 @@ def wait_for(predicate: Callable[[], object], *, timeout_s: float = 10.0, what: 
         if time.monotonic() >= deadline:
             pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(0.05)
-
-
-@dataclass
-class AgentProcess:
-    """``python -m dxpool.hostagent`` running in its own process."""
-
-    process: subprocess.Popen[bytes]
-    log_path: Path
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(10)
-
-    def terminate(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(10)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
 
 @pytest.fixture
