@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from dxpool.api.v1 import resources_pb2 as dxpool_dot_v1_dot_resources__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64xpool/v1/nodes.proto\x12\tdxpool.v1\x1a\x19\x64xpool/v1/resources.proto\"\\\n\x12\x43omposeNodeRequest\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.dxpool.v1.NodeSpec\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"O\n\rPlanCandidate\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x66\x65\x61sible\x18\x02 \x01(\x08\x12\x0f\n\x07reasons\x18\x03 \x03(\t\x12\r\n\x05score\x18\x04 \x01(\x01\"{\n\x08NodePlan\x12\x0c\n\x04host\x18\x01 \x01(\t\x12#\n\x04gpus\x18\x02 \x03(\x0b\x32\x15.dxpool.v1.GpuBinding\x12\'\n\x05hosts\x18\x03 \x03(\x0b\x32\x18.dxpool.v1.PlanCandidate\x12\x13\n\x0bunsatisfied\x18\x04 \x03(\t\"\x1e\n\x0eGetNodeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"^\n\x10ListNodesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x15\n\rshow_released\x18\x04 \x01(\x08\"S\n\x11ListNodesResponse\x12%\n\x05nodes\x18\x01 \x03(\x0b\x32\x16.dxpool.v1.VirtualNode\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\"\n\x12ReleaseNodeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"!\n\x11WatchNodesRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xaf\x01\n\tNodeEvent\x12\'\n\x04type\x18\x01 \x01(\x0e\x32\x19.dxpool.v1.NodeEvent.Type\x12$\n\x04node\x18\x02 \x01(\x0b\x32\x16.dxpool.v1.VirtualNode\"S\n\x04Type\x12\x14\n\x10TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rTYPE_EXISTING\x10\x01\x12\x10\n\x0cTYPE_CHANGED\x10\x02\x12\x10\n\x0cTYPE_DELETED\x10\x03\x32\xa3\x03\n\x0bNodeService\x12\x44\n\x0b\x43omposeNode\x12\x1d.dxpool.v1.ComposeNodeRequest\x1a\x16.dxpool.v1.VirtualNode\x12>\n\x08PlanNode\x12\x1d.dxpool.v1.ComposeNodeRequest\x1a\x13.dxpool.v1.NodePlan\x12<\n\x07GetNode\x12\x19.dxpool.v1.GetNodeRequest\x1a\x16.dxpool.v1.VirtualNode\x12\x46\n\tListNodes\x12\x1b.dxpool.v1.ListNodesRequest\x1a\x1c.dxpool.v1.ListNodesResponse\x12\x44\n\x0bReleaseNode\x12\x1d.dxpool.v1.ReleaseNodeRequest\x1a\x16.dxpool.v1.VirtualNode\x12\x42\n\nWatchNodes\x12\x1c.dxpool.v1.WatchNodesRequest\x1a\x14.dxpool.v1.NodeEvent0\x01\x42*Z(github.com/dxpool/dxpool/api/v1;dxpoolv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64xpool/v1/nodes.proto\x12\tdxpool.v1\x1a\x19\x64xpool/v1/resources.proto\"\\\n\x12\x43omposeNodeRequest\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.dxpool.v1.NodeSpec\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"O\n\rPlanCandidate\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x66\x65\x61sible\x18\x02 \x01(\x08\x12\x0f\n\x07reasons\x18\x03 \x03(\t\x12\r\n\x05score\x18\x04 \x01(\x01\"{\n\x08NodePlan\x12\x0c\n\x04host\x18\x01 \x01(\t\x12#\n\x04gpus\x18\x02 \x03(\x0b\x32\x15.dxpool.v1.GpuBinding\x12\'\n\x05hosts\x18\x03 \x03(\x0b\x32\x18.dxpool.v1.PlanCandidate\x12\x13\n\x0bunsatisfied\x18\x04 \x03(\t\"\x1e\n\x0eGetNodeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"^\n\x10ListNodesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x15\n\rshow_released\x18\x04 \x01(\x08\"S\n\x11ListNodesResponse\x12%\n\x05nodes\x18\x01 \x03(\x0b\x32\x16.dxpool.v1.VirtualNode\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"1\n\x12ReleaseNodeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\"!\n\x11WatchNodesRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xaf\x01\n\tNodeEvent\x12\'\n\x04type\x18\x01 \x01(\x0e\x32\x19.dxpool.v1.NodeEvent.Type\x12$\n\x04node\x18\x02 \x01(\x0b\x32\x16.dxpool.v1.VirtualNode\"S\n\x04Type\x12\x14\n\x10TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rTYPE_EXISTING\x10\x01\x12\x10\n\x0cTYPE_CHANGED\x10\x02\x12\x10\n\x0cTYPE_DELETED\x10\x03\x32\xa3\x03\n\x0bNodeService\x12\x44\n\x0b\x43omposeNode\x12\x1d.dxpool.v1.ComposeNodeRequest\x1a\x16.dxpool.v1.VirtualNode\x12>\n\x08PlanNode\x12\x1d.dxpool.v1.ComposeNodeRequest\x1a\x13.dxpool.v1.NodePlan\x12<\n\x07GetNode\x12\x19.dxpool.v1.GetNodeRequest\x1a\x16.dxpool.v1.VirtualNode\x12\x46\n\tListNodes\x12\x1b.dxpool.v1.ListNodesRequest\x1a\x1c.dxpool.v1.ListNodesResponse\x12\x44\n\x0bReleaseNode\x12\x1d.dxpool.v1.ReleaseNodeRequest\x1a\x16.dxpool.v1.VirtualNode\x12\x42\n\nWatchNodes\x12\x1c.dxpool.v1.WatchNodesRequest\x1a\x14.dxpool.v1.NodeEvent0\x01\x42*Z(github.com/dxpool/dxpool/api/v1;dxpoolv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,13 +47,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTNODESRESPONSE']._serialized_start=491
   _globals['_LISTNODESRESPONSE']._serialized_end=574
   _globals['_RELEASENODEREQUEST']._serialized_start=576
-  _globals['_RELEASENODEREQUEST']._serialized_end=610
-  _globals['_WATCHNODESREQUEST']._serialized_start=612
-  _globals['_WATCHNODESREQUEST']._serialized_end=645
-  _globals['_NODEEVENT']._serialized_start=648
-  _globals['_NODEEVENT']._serialized_end=823
-  _globals['_NODEEVENT_TYPE']._serialized_start=740
-  _globals['_NODEEVENT_TYPE']._serialized_end=823
-  _globals['_NODESERVICE']._serialized_start=826
-  _globals['_NODESERVICE']._serialized_end=1245
+  _globals['_RELEASENODEREQUEST']._serialized_end=625
+  _globals['_WATCHNODESREQUEST']._serialized_start=627
+  _globals['_WATCHNODESREQUEST']._serialized_end=660
+  _globals['_NODEEVENT']._serialized_start=663
+  _globals['_NODEEVENT']._serialized_end=838
+  _globals['_NODEEVENT_TYPE']._serialized_start=755
+  _globals['_NODEEVENT_TYPE']._serialized_end=838
+  _globals['_NODESERVICE']._serialized_start=841
+  _globals['_NODESERVICE']._serialized_end=1260
 # @@protoc_insertion_point(module_scope)

@@ -66,6 +66,14 @@ class _GpuStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_GpuState.Val
     """
     GPU_STATE_FAULTED: _GpuState.ValueType  # 5
     """Taken out of service by a health check or an operator."""
+    GPU_STATE_FENCING: _GpuState.ValueType  # 6
+    """Its host was lost (or its node force-released): the broker is revoking the
+    box-side mapping (fencing) and scrubbing the GPU before it can return to FREE.
+    """
+    GPU_STATE_QUARANTINED: _GpuState.ValueType  # 7
+    """Detach or scrub kept failing: out of service, never handed out, until an operator
+    clears it (which fences it first).
+    """
 
 class GpuState(_GpuState, metaclass=_GpuStateEnumTypeWrapper):
     """Scheduling state of one GPU."""
@@ -83,6 +91,14 @@ The GPU returns to FREE only after the detach is confirmed.
 """
 GPU_STATE_FAULTED: GpuState.ValueType  # 5
 """Taken out of service by a health check or an operator."""
+GPU_STATE_FENCING: GpuState.ValueType  # 6
+"""Its host was lost (or its node force-released): the broker is revoking the
+box-side mapping (fencing) and scrubbing the GPU before it can return to FREE.
+"""
+GPU_STATE_QUARANTINED: GpuState.ValueType  # 7
+"""Detach or scrub kept failing: out of service, never handed out, until an operator
+clears it (which fences it first).
+"""
 Global___GpuState: _TypeAlias = GpuState  # noqa: Y015
 
 class _GpuHealth:
@@ -144,13 +160,19 @@ class _NodeStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_NodeState.V
     """Every GPU was detached and returned to the pool. Terminal."""
     NODE_STATE_FAILED: _NodeState.ValueType  # 6
     """Attaching failed or timed out; see `message`. Its GPUs are detached and freed."""
+    NODE_STATE_LOST: _NodeState.ValueType  # 7
+    """Its host was lost (agent lease expired) or it was force-released: its GPUs are
+    fenced at the box side, scrubbed and returned to the pool. Release it to remove it.
+    """
 
 class NodeState(_NodeState, metaclass=_NodeStateEnumTypeWrapper):
     """Lifecycle of a virtual node.
 
       PENDING -> ATTACHING -> READY -> RELEASING -> RELEASED
-         |           |                    ^
+         |           |          |         ^
          +-----------+--> FAILED ---------+ (its GPUs are detached and freed)
+         |           |          |         |
+         +-----------+----------+--> LOST +  (its host's lease expired: GPUs fenced, freed)
     """
 
 NODE_STATE_UNSPECIFIED: NodeState.ValueType  # 0
@@ -166,6 +188,10 @@ NODE_STATE_RELEASED: NodeState.ValueType  # 5
 """Every GPU was detached and returned to the pool. Terminal."""
 NODE_STATE_FAILED: NodeState.ValueType  # 6
 """Attaching failed or timed out; see `message`. Its GPUs are detached and freed."""
+NODE_STATE_LOST: NodeState.ValueType  # 7
+"""Its host was lost (agent lease expired) or it was force-released: its GPUs are
+fenced at the box side, scrubbed and returned to the pool. Release it to remove it.
+"""
 Global___NodeState: _TypeAlias = NodeState  # noqa: Y015
 
 @_typing.final
@@ -515,7 +541,9 @@ class ObservedAttachment(_message.Message):
     serial: _builtins.str
     health: Global___GpuHealth.ValueType
     message: _builtins.str
-    """error text for FAILED, progress otherwise"""
+    """Error text for FAILED, progress otherwise. FAILED on a GPU the host no longer
+    wants means its detach keeps failing (the broker quarantines it).
+    """
     @_builtins.property
     def update_time(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
