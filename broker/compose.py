@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from dxpool import lifecycle
 from dxpool.api.v1 import nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker import metrics
@@ -26,8 +27,10 @@ from dxpool.broker.cache import Cache
 from dxpool.broker.locks import KeyedLocks
 from dxpool.broker.placement import PlacementRequest, PlacementResult, place
 from dxpool.broker.placement_index import PlacementIndex
-from dxpool.broker.records import copy, timestamp, without_node
+from dxpool.broker.records import copy, timestamp
+from dxpool.broker.stm import TxnView, transact
 from dxpool.broker.store import Store, Txn, Versioned
+from dxpool.broker.transitions import gpu_id, let_go
 from dxpool.broker.validation import check_node_spec
 from dxpool.errors import (
     Aborted,
@@ -37,7 +40,7 @@ from dxpool.errors import (
     ResourceExhausted,
 )
 from dxpool.fabric.latency import LatencyModel
-from dxpool.names import check_id, check_request_id, node_name, parse_gpu, parse_host, parse_node
+from dxpool.names import check_id, check_request_id, node_name, parse_host, parse_node
 from dxpool.request import format_duration_ns
 from dxpool.store import keys as k
 
@@ -220,16 +223,16 @@ class Composer:
         used = {a.host_slot for a in allocation.attachments}
         for binding in result.placement.bindings:
             gpu_record = self._cache.get(k.GPUS, f"{binding.box}/{binding.slot}")
-            if gpu_record is None or not _is_free(gpu_record.value) or binding.host_slot in used:
+            if (
+                gpu_record is None
+                or not lifecycle.is_free(gpu_record.value)
+                or binding.host_slot in used
+            ):
                 return None  # the snapshot was older than the cache; place again
             used.add(binding.host_slot)
-            gpu = copy(gpu_record.value)
-            gpu.state = pb.GPU_STATE_ATTACHING
-            gpu.node = name
-            gpu.host = host_name
-            gpu.host_slot = binding.host_slot
-            gpu.generation += 1
-            gpu.message = ""
+            gpu = lifecycle.assign(
+                gpu_record.value, node=name, host=host_name, host_slot=binding.host_slot
+            )
             gpu_key = keys.gpu(binding.box, binding.slot)
             txn.expect_revision(gpu_key, gpu_record.mod_revision).put(gpu_key, gpu)
             txn.read_on_failure(gpu_key)
@@ -292,11 +295,18 @@ class Composer:
 
     # -- release ---------------------------------------------------------------------
 
-    def release(self, name: str) -> pb.VirtualNode:
-        """Start releasing a node. Idempotent for RELEASING and RELEASED nodes."""
+    def release(self, name: str, *, force: bool = False) -> pb.VirtualNode:
+        """Start releasing a node. Idempotent for RELEASING and RELEASED nodes.
+
+        Without ``force`` the host's agent detaches the GPUs and they are freed once it
+        confirms. With ``force`` the broker does not wait for the agent: the GPUs go
+        FENCING, the leader revokes them at the box side, scrubs and frees them. A LOST
+        node's GPUs are already fencing, so its release never waits for its agent.
+        """
         node_id = parse_node(name)
-        for _ in range(self._settings.max_attempts):
-            record = self._cache.get(k.NODES, node_id)
+
+        def body(view: TxnView) -> pb.VirtualNode:
+            record = view.get(k.NODES, node_id)
             if record is None:
                 raise NotFound(
                     f"node {name} does not exist; list nodes with `dxpool node list`",
@@ -304,73 +314,36 @@ class Composer:
                 )
             node: pb.VirtualNode = record.value
             if node.state in (pb.NODE_STATE_RELEASING, pb.NODE_STATE_RELEASED):
+                if force and node.state == pb.NODE_STATE_RELEASING:
+                    self._fence_owned(view, node)
                 return node
-            txn = detach_txn(
-                self._store,
-                self._cache,
-                record,
-                pb.NODE_STATE_RELEASING,
-                "release requested; detaching GPUs",
-                self._clock(),
+            message = (
+                "force release requested; fencing GPUs at the box side"
+                if force
+                else "release requested; detaching GPUs"
             )
-            committed = self._store.commit(txn)
-            if committed.succeeded:
-                self._cache.apply_commit(committed.revision, txn.writes)
-                metrics.RELEASE_TOTAL.inc()
-                released: pb.VirtualNode = self._cache.get(k.NODES, node_id).value  # type: ignore[union-attr]
-                return released
-            self._refresh(committed.current)
-        raise Aborted(f"releasing {name} kept conflicting; retry", reason="COMMIT_CONFLICT")
+            return let_go(view, node, pb.NODE_STATE_RELEASING, message, self._clock(), fence=force)
 
+        released = transact(self._store, self._cache, body, what=f"releasing {name}")
+        metrics.RELEASE_TOTAL.inc()
+        return released
 
-def detach_txn(
-    store: Store,
-    cache: Cache,
-    node_record: Versioned[pb.VirtualNode],
-    state: pb.NodeState.ValueType,
-    message: str,
-    now: float,
-) -> Txn:
-    """A transaction that moves a node to ``state`` and starts detaching its GPUs.
-
-    Its GPUs go DETACHING (they return to FREE once their agent confirms the detach)
-    and its attachments leave the host's allocation. Compares every record it read.
-    """
-    keys = store.keys
-    node = copy(node_record.value)
-    node.state = state
-    node.message = message
-    node.update_time.CopyFrom(timestamp(now))
-    for binding in node.gpus:
-        if binding.phase != pb.ATTACHMENT_PHASE_FAILED:
-            binding.phase = pb.ATTACHMENT_PHASE_DETACHING
-    node_key = keys.node(parse_node(node.name))
-    txn = Txn().expect_revision(node_key, node_record.mod_revision).put(node_key, node)
-    txn.read_on_failure(node_key)
-    for binding in node.gpus:
-        ref = parse_gpu(binding.gpu)
-        gpu_record = cache.get(k.GPUS, f"{ref.box}/{ref.slot}")
-        if gpu_record is None or gpu_record.value.node != node.name:
-            continue
-        gpu = copy(gpu_record.value)
-        gpu.state = pb.GPU_STATE_DETACHING
-        gpu_key = keys.gpu(ref.box, ref.slot)
-        txn.expect_revision(gpu_key, gpu_record.mod_revision).put(gpu_key, gpu)
-        txn.read_on_failure(gpu_key)
-    host_id = parse_host(node.host)
-    allocation_record = cache.get(k.HOST_ALLOCATIONS, host_id)
-    allocation_key = keys.host_allocation(host_id)
-    if allocation_record is not None and any(
-        a.node == node.name for a in allocation_record.value.attachments
-    ):
-        txn.expect_revision(allocation_key, allocation_record.mod_revision)
-        txn.put(allocation_key, without_node(allocation_record.value, node.host, node.name))
-        txn.read_on_failure(allocation_key)
-    return txn
-
-
-def _is_free(gpu: pb.Gpu) -> bool:
-    return gpu.state == pb.GPU_STATE_FREE and not gpu.node and gpu.health != pb.GPU_HEALTH_UNHEALTHY
+    @staticmethod
+    def _fence_owned(view: TxnView, node: pb.VirtualNode) -> None:
+        """Turn a releasing node's DETACHING GPUs into FENCING (a forced retry)."""
+        for binding in node.gpus:
+            gpu_key = gpu_id(binding.gpu)
+            record = view.get(k.GPUS, gpu_key)
+            if (
+                record is not None
+                and record.value.node == node.name
+                and (record.value.state == pb.GPU_STATE_DETACHING)
+            ):
+                view.put(
+                    k.GPUS,
+                    gpu_key,
+                    lifecycle.begin_fence(record.value, "fencing: force release requested"),
+                )
 
 
 def _bindings(result: PlacementResult) -> list[pb.GpuBinding]:
@@ -400,4 +373,4 @@ def _generate_node_id() -> str:
     return f"node-{secrets.token_hex(4)}"
 
 
-__all__ = ["ComposeSettings", "Composer", "detach_txn"]
+__all__ = ["ComposeSettings", "Composer"]

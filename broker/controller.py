@@ -9,10 +9,17 @@ it simply looks again). Transitions:
 * PENDING/ATTACHING -> READY when every GPU is ATTACHED for the node's generation
   (GPUs go ATTACHED and learn their UUID and serial);
 * PENDING/ATTACHING -> FAILED when the agent reports an attach FAILED, or the attach
-  deadline passes; the node's GPUs go DETACHING and leave the host's allocation;
+  deadline passes (checked by the leader only); the node's GPUs go DETACHING and leave
+  the host's allocation;
 * GPU DETACHING -> FREE once its host's status no longer lists it (the agent removes an
-  entry only after the detach succeeded);
+  entry only after the detach succeeded, and writes an entry only while the spec it
+  acted on is current, so the compare on the status record closes every race);
+* GPU DETACHING -> QUARANTINED when the agent reports the detach FAILED (it keeps
+  failing); the GPU lets go of its node and is never handed out again;
 * RELEASING -> RELEASED once the node owns no GPU.
+
+Every transition is a :func:`~dxpool.broker.stm.transact` body built from
+:mod:`dxpool.lifecycle`.
 
 It wakes on cache changes to nodes, GPUs and host statuses (waiting ``coalesce_s`` so a
 burst of changes is handled in one pass), and sweeps everything every
@@ -27,18 +34,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from dxpool import lifecycle
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker import metrics
 from dxpool.broker.cache import Cache
-from dxpool.broker.compose import detach_txn
-from dxpool.broker.records import copy, seconds, timestamp
-from dxpool.broker.store import Store, Txn, Versioned
-from dxpool.names import parse_gpu, parse_host, parse_node
+from dxpool.broker.records import seconds
+from dxpool.broker.stm import TxnView, transact
+from dxpool.broker.store import Store, Versioned
+from dxpool.broker.transitions import gpu_id, let_go, owned_gpus
+from dxpool.errors import Aborted
+from dxpool.names import parse_host, parse_node
 from dxpool.store import keys as k
 
 log = logging.getLogger(__name__)
-
-PENDING_STATES = (pb.NODE_STATE_PENDING, pb.NODE_STATE_ATTACHING)
 
 
 class NodeController:
@@ -52,12 +60,15 @@ class NodeController:
         sweep_interval_s: float = 1.0,
         coalesce_s: float = 0.005,
         clock: Callable[[], float] = time.time,
+        is_leader: Callable[[], bool] = lambda: True,
     ) -> None:
         self._store = store
         self._cache = cache
         self._sweep_interval_s = sweep_interval_s
         self._coalesce_s = coalesce_s
         self._clock = clock
+        self._is_leader = is_leader
+        self._failures: dict[str, str] = {}  # node -> why it failed, logged once committed
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._dirty_nodes: set[str] = set()
@@ -76,7 +87,7 @@ class NodeController:
         with self._lock:
             for name, record in self._cache.items(k.GPUS):
                 self._index_gpu(name, record.value.host)
-        self._thread = threading.Thread(target=self._run, name="node-controller", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="node-controller", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -115,7 +126,7 @@ class NodeController:
             self._gpus_by_host.setdefault(host_id, set()).add(name)
             self._host_of_gpu[name] = host_id
 
-    def _run(self) -> None:
+    def _loop(self) -> None:
         next_sweep = 0.0
         while not self._stop.is_set():
             if self._wake.wait(timeout=self._sweep_interval_s) and self._coalesce_s:
@@ -145,7 +156,9 @@ class NodeController:
             if record.value.state == pb.GPU_STATE_DETACHING:
                 self._reconcile_gpu(name)
         for name, record in self._cache.items(k.NODES):
-            if record.value.state != pb.NODE_STATE_RELEASED:
+            if record.value.state in lifecycle.ATTACHING_NODE_STATES or (
+                record.value.state == pb.NODE_STATE_RELEASING
+            ):
                 self._reconcile_node(name)
 
     def _process_dirty(self) -> None:
@@ -170,33 +183,41 @@ class NodeController:
         record = self._cache.get(k.NODES, node_id)
         if record is None:
             return
+        state = record.value.state
+        if state in lifecycle.ATTACHING_NODE_STATES:
+            self._run(lambda view: self._advance_attach(view, node_id), node_id)
+        elif state == pb.NODE_STATE_RELEASING:
+            self._run(lambda view: self._finish_release(view, node_id), node_id)
+
+    def _finish_release(self, view: TxnView, node_id: str) -> str | None:
+        record = view.get(k.NODES, node_id)
+        if record is None or record.value.state != pb.NODE_STATE_RELEASING:
+            return None
+        if owned_gpus(view, record.value):
+            return None
+        view.put(
+            k.NODES,
+            node_id,
+            lifecycle.node_to(
+                record.value, pb.NODE_STATE_RELEASED, "all GPUs let go", self._clock()
+            ),
+        )
+        return "RELEASED"
+
+    def _advance_attach(self, view: TxnView, node_id: str) -> str | None:
+        """One step of an attaching node; returns the state it moved to, if any."""
+        record = view.get(k.NODES, node_id)
+        if record is None or record.value.state not in lifecycle.ATTACHING_NODE_STATES:
+            return None
         node: pb.VirtualNode = record.value
-        if node.state in PENDING_STATES:
-            self._advance_attach(record)
-        elif node.state == pb.NODE_STATE_RELEASING and not self._owned_gpus(node):
-            self._set_node_state(record, pb.NODE_STATE_RELEASED, "all GPUs detached")
-
-    def _owned_gpus(self, node: pb.VirtualNode) -> list[str]:
-        owned = []
-        for binding in node.gpus:
-            ref = parse_gpu(binding.gpu)
-            gpu = self._cache.get(k.GPUS, f"{ref.box}/{ref.slot}")
-            if gpu is not None and gpu.value.node == node.name:
-                owned.append(binding.gpu)
-        return owned
-
-    def _advance_attach(self, record: Versioned[pb.VirtualNode]) -> None:
-        node = record.value
         host_id = parse_host(node.host)
-        status_record = self._cache.get(k.HOST_STATUSES, host_id)
+        status_record = view.get(k.HOST_STATUSES, host_id)
         observed = {a.gpu: a for a in (status_record.value.attachments if status_record else ())}
         gpus: dict[str, Versioned[pb.Gpu]] = {}
         for binding in node.gpus:
-            ref = parse_gpu(binding.gpu)
-            gpu = self._cache.get(k.GPUS, f"{ref.box}/{ref.slot}")
+            gpu = view.get(k.GPUS, gpu_id(binding.gpu))
             if gpu is None or gpu.value.node != node.name:
-                self._fail(record, f"{binding.gpu} was taken away from the node")
-                return
+                return self._fail(view, node, f"{binding.gpu} was taken away from the node")
             gpus[binding.gpu] = gpu
         current = {
             name: observed[name]
@@ -206,128 +227,80 @@ class NodeController:
         failed = [a for a in current.values() if a.phase == pb.ATTACHMENT_PHASE_FAILED]
         if failed:
             detail = "; ".join(f"{a.gpu}: {a.message}" for a in failed)
-            self._fail(record, f"attach failed on {node.host}: {detail}")
-            return
+            return self._fail(view, node, f"attach failed on {node.host}: {detail}")
+        now = self._clock()
         if len(current) == len(gpus) and all(
             a.phase == pb.ATTACHMENT_PHASE_ATTACHED for a in current.values()
         ):
-            self._mark_ready(record, gpus, current)
-            return
-        if self._clock() > seconds(node.attach_deadline):
-            alive = self._cache.get(k.HOST_LEASES, host_id) is not None
+            for name, gpu in gpus.items():
+                view.put(k.GPUS, gpu_id(name), lifecycle.attach_confirmed(gpu.value, current[name]))
+            view.put(k.NODES, node_id, lifecycle.node_ready(node, current, now))
+            return "READY"
+        if now > seconds(node.attach_deadline) and self._is_leader():
+            alive = view.exists(k.HOST_LEASES, host_id)
             hint = "" if alive else f"; the agent of {node.host} is not running"
-            self._fail(
-                record,
+            return self._fail(
+                view,
+                node,
                 f"attach did not finish before the deadline ({len(current)} of "
                 f"{len(gpus)} GPUs reported){hint}",
             )
-            return
         if node.state == pb.NODE_STATE_PENDING and any(
             a.phase == pb.ATTACHMENT_PHASE_ATTACHING for a in current.values()
         ):
-            updated = copy(node)
-            for binding in updated.gpus:
-                seen = current.get(binding.gpu)
-                if seen is not None:
-                    binding.phase = seen.phase
-            self._set_node_state(
-                record, pb.NODE_STATE_ATTACHING, "the host agent is attaching GPUs", updated
-            )
+            view.put(k.NODES, node_id, lifecycle.node_attaching(node, current, now))
+            return "ATTACHING"
+        return None
 
-    def _mark_ready(
-        self,
-        record: Versioned[pb.VirtualNode],
-        gpus: dict[str, Versioned[pb.Gpu]],
-        observed: dict[str, pb.ObservedAttachment],
-    ) -> None:
-        node = copy(record.value)
-        now = self._clock()
-        node.state = pb.NODE_STATE_READY
-        node.message = "all GPUs attached and verified"
-        node.update_time.CopyFrom(timestamp(now))
-        node.ready_time.CopyFrom(timestamp(now))
-        keys = self._store.keys
-        txn = Txn()
-        for binding in node.gpus:
-            seen = observed[binding.gpu]
-            binding.phase = pb.ATTACHMENT_PHASE_ATTACHED
-            binding.bdf = seen.bdf
-            binding.uuid = seen.uuid
-            gpu_record = gpus[binding.gpu]
-            gpu = copy(gpu_record.value)
-            gpu.state = pb.GPU_STATE_ATTACHED
-            gpu.uuid = seen.uuid or gpu.uuid
-            gpu.serial = seen.serial or gpu.serial
-            if seen.health != pb.GPU_HEALTH_UNSPECIFIED:
-                gpu.health = seen.health
-            ref = parse_gpu(gpu.name)
-            gpu_key = keys.gpu(ref.box, ref.slot)
-            txn.expect_revision(gpu_key, gpu_record.mod_revision).put(gpu_key, gpu)
-        node_key = keys.node(parse_node(node.name))
-        txn.expect_revision(node_key, record.mod_revision).put(node_key, node)
-        self._commit(txn, "ready", node.name)
-
-    def _fail(self, record: Versioned[pb.VirtualNode], message: str) -> None:
-        log.warning("node failed", extra={"node": record.value.name, "reason": message})
-        txn = detach_txn(
-            self._store, self._cache, record, pb.NODE_STATE_FAILED, message, self._clock()
-        )
-        self._commit(txn, "failed", record.value.name)
-
-    def _set_node_state(
-        self,
-        record: Versioned[pb.VirtualNode],
-        state: pb.NodeState.ValueType,
-        message: str,
-        updated: pb.VirtualNode | None = None,
-    ) -> None:
-        node = updated if updated is not None else copy(record.value)
-        node.state = state
-        node.message = message
-        node.update_time.CopyFrom(timestamp(self._clock()))
-        key = self._store.keys.node(parse_node(node.name))
-        txn = Txn().expect_revision(key, record.mod_revision).put(key, node)
-        self._commit(txn, pb.NodeState.Name(state), node.name)
+    def _fail(self, view: TxnView, node: pb.VirtualNode, message: str) -> str:
+        let_go(view, node, pb.NODE_STATE_FAILED, message, self._clock())
+        self._failures[node.name] = message
+        return "FAILED"
 
     # -- one GPU ---------------------------------------------------------------------
 
     def _reconcile_gpu(self, name: str) -> None:
-        """Free a DETACHING GPU once its host's status no longer lists it."""
-        record = self._cache.get(k.GPUS, name)
+        """Free a DETACHING GPU once its host's status no longer lists it; quarantine it
+        when its agent reports that the detach keeps failing."""
+        if self._run(lambda view: self._settle_detach(view, name), name) == "FREE":
+            metrics.GPU_FREED.inc()
+
+    def _settle_detach(self, view: TxnView, name: str) -> str | None:
+        record = view.get(k.GPUS, name)
         if record is None or record.value.state != pb.GPU_STATE_DETACHING:
-            return
+            return None
         gpu: pb.Gpu = record.value
         host_id = parse_host(gpu.host) if gpu.host else ""
-        status_record = self._cache.get(k.HOST_STATUSES, host_id) if host_id else None
-        if status_record is not None and any(
-            a.gpu == gpu.name for a in status_record.value.attachments
-        ):
-            return
-        freed = copy(gpu)
-        owner = freed.node
-        freed.state = pb.GPU_STATE_FREE
-        freed.node = ""
-        freed.host = ""
-        freed.host_slot = 0
-        freed.message = ""
-        ref = parse_gpu(gpu.name)
-        keys = self._store.keys
-        gpu_key = keys.gpu(ref.box, ref.slot)
-        status_key = keys.host_status(host_id) if host_id else None
-        txn = Txn().expect_revision(gpu_key, record.mod_revision).put(gpu_key, freed)
-        if status_key:
-            txn.expect_revision(status_key, status_record.mod_revision if status_record else 0)
-        if self._commit(txn, None, gpu.name):
-            metrics.GPU_FREED.inc()
-            if owner:
-                self._reconcile_node(parse_node(owner))
+        # Read through the view even when absent: the commit then requires the status
+        # to be unchanged, so an agent that writes a claim meanwhile makes it fail.
+        status = view.get(k.HOST_STATUSES, host_id) if host_id else None
+        entry = next(
+            (a for a in (status.value.attachments if status else ()) if a.gpu == gpu.name), None
+        )
+        if entry is None:
+            view.put(k.GPUS, name, lifecycle.free(gpu))
+            return "FREE"
+        if entry.phase == pb.ATTACHMENT_PHASE_FAILED:
+            view.put(
+                k.GPUS,
+                name,
+                lifecycle.quarantine(gpu, f"detach keeps failing on {gpu.host}: {entry.message}"),
+            )
+            log.warning("gpu quarantined", extra={"gpu": gpu.name, "reason": entry.message})
+            return "QUARANTINED"
+        return None
 
-    def _commit(self, txn: Txn, state: str | None, subject: str) -> bool:
-        result = self._store.commit(txn)
-        if not result.succeeded:
-            log.debug("controller transition lost a compare", extra={"subject": subject})
-            return False
-        self._cache.apply_commit(result.revision, txn.writes)
+    def _run(self, body: Callable[[TxnView], str | None], subject: str) -> str | None:
+        """Commit one transition; a transition that keeps losing compares is left to the
+        next pass (the records it read changed: it will be woken again)."""
+        try:
+            state = transact(self._store, self._cache, body, attempts=3, what=subject)
+        except Aborted:
+            log.debug("controller transition kept losing compares", extra={"subject": subject})
+            return None
         if state is not None:
             metrics.NODE_TRANSITIONS.labels(state=state).inc()
-        return True
+            failure = self._failures.pop(f"nodes/{subject}", None)
+            if failure is not None:
+                log.warning("node failed", extra={"node": subject, "reason": failure})
+        return state

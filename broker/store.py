@@ -66,6 +66,14 @@ def encode(value: Message | bytes | str) -> bytes:
     return value
 
 
+class LeaseIs(transactions.BaseCompare):  # type: ignore[misc]
+    """Compare on the lease a key is attached to (python3-etcd3 has no such target)."""
+
+    def build_compare(self, compare: Any) -> None:
+        compare.target = compare.LEASE
+        compare.lease = int(self.value)
+
+
 @dataclass
 class Txn:
     """One etcd transaction: compares on what was read, then writes.
@@ -95,6 +103,11 @@ class Txn:
 
     def expect_present(self, key: str) -> Txn:
         self.compares.append(transactions.Version(key) > 0)
+        return self
+
+    def expect_lease(self, key: str, lease_id: int) -> Txn:
+        """The key exists and is attached to etcd lease ``lease_id``."""
+        self.compares.append(LeaseIs(key) == lease_id)
         return self
 
     def put(self, key: str, value: Message | bytes | str) -> Txn:

@@ -59,6 +59,12 @@ class FabricState:
     devices: dict[str, dict[int, DeviceRecord]] = field(default_factory=dict)
     unhealthy: set[GpuKey] = field(default_factory=set)
     faults: list[FaultRecord] = field(default_factory=list)
+    # Fencing tokens: the generation each mapping was made for, and per GPU the highest
+    # generation fenced (maps for it or an older one are refused).
+    mapped_generation: dict[GpuKey, int] = field(default_factory=dict)
+    fenced: dict[GpuKey, int] = field(default_factory=dict)
+    # Scrubs done, per GPU: the generation of the last one (for tests and audits).
+    scrubbed: dict[GpuKey, int] = field(default_factory=dict)
 
     def gpu_in(self, host: str, host_slot: int) -> GpuKey | None:
         """The GPU mapped to ``host_slot`` of ``host``, if any."""
@@ -70,6 +76,7 @@ class FabricState:
     def drop_mapping(self, gpu: GpuKey) -> None:
         """Remove the GPU's mapping and, if present, its device on the host."""
         target = self.mappings.pop(gpu, None)
+        self.mapped_generation.pop(gpu, None)
         if target is not None:
             host, host_slot = target
             self.devices.get(host, {}).pop(host_slot, None)
@@ -101,8 +108,22 @@ class FabricState:
             },
             "hosts": dict(self.hosts),
             "mappings": [
-                {"box": box, "slot": slot, "host": host, "host_slot": host_slot}
+                {
+                    "box": box,
+                    "slot": slot,
+                    "host": host,
+                    "host_slot": host_slot,
+                    "generation": self.mapped_generation.get((box, slot), 0),
+                }
                 for (box, slot), (host, host_slot) in sorted(self.mappings.items())
+            ],
+            "fenced": [
+                {"box": box, "slot": slot, "generation": generation}
+                for (box, slot), generation in sorted(self.fenced.items())
+            ],
+            "scrubbed": [
+                {"box": box, "slot": slot, "generation": generation}
+                for (box, slot), generation in sorted(self.scrubbed.items())
             ],
             "devices": [
                 {
@@ -169,6 +190,12 @@ class FabricState:
                 for f in doc["faults"]
             ],
         )
+        for m in doc["mappings"]:
+            state.mapped_generation[(str(m["box"]), int(m["slot"]))] = int(m.get("generation", 0))
+        for f in doc.get("fenced", []):
+            state.fenced[(str(f["box"]), int(f["slot"]))] = int(f["generation"])
+        for f in doc.get("scrubbed", []):
+            state.scrubbed[(str(f["box"]), int(f["slot"]))] = int(f["generation"])
         for d in doc["devices"]:
             record = DeviceRecord(str(d["box"]), int(d["slot"]), _optional_str(d["driver"]))
             state.devices.setdefault(str(d["host"]), {})[int(d["host_slot"])] = record

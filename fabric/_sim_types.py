@@ -32,6 +32,10 @@ class MappingConflict(SimFabricError):  # noqa: N818 (names fixed by the fabric 
     holds another GPU."""
 
 
+class Fenced(SimFabricError):  # noqa: N818 (names fixed by the fabric contract)
+    """The box side refuses a mapping for a generation that has been fenced."""
+
+
 class UnknownTarget(SimFabricError):  # noqa: N818 (names fixed by the fabric contract)
     """An unknown box, slot, host, host slot, PCI device, or no fabric in the directory."""
 

@@ -32,6 +32,7 @@ from dxpool.fabric._sim_types import (
     DRIVERS,
     MAX_HOST_SLOTS,
     NO_DELAYS,
+    Fenced,
     InjectedFault,
     MappingConflict,
     SimDelays,
@@ -49,6 +50,7 @@ from dxpool.names import check_id
 
 __all__ = [
     "FAULT_OPS",
+    "Fenced",
     "InjectedFault",
     "MappingConflict",
     "SimDelays",
@@ -62,7 +64,7 @@ __all__ = [
 
 STATE_FILE = "fabric.json"
 LOCK_FILE = "fabric.lock"
-FAULT_OPS = frozenset({"map", "unmap", "rescan", "bind", "identity"})
+FAULT_OPS = frozenset({"map", "unmap", "rescan", "bind", "identity", "fence", "scrub"})
 
 
 class SimFabric:
@@ -148,9 +150,11 @@ class SimFabric:
 
     # proxy mapping tables -----------------------------------------------------------------
 
-    def map(self, box: str, slot: int, host: str, host_slot: int) -> None:
+    def map(self, box: str, slot: int, host: str, host_slot: int, *, generation: int = 0) -> None:
         """Map the GPU in ``slot`` of ``box`` to ``host_slot`` of ``host``.
 
+        ``generation`` is the fencing token of the assignment the mapping is for: the box
+        side refuses it (:class:`Fenced`) when that generation has been fenced.
         Idempotent for the identical mapping. Raises :class:`MappingConflict` if the GPU
         is mapped elsewhere or the host slot holds another GPU, :class:`UnknownTarget` for
         an unknown box, slot, host or host slot. The GPU is not visible on the host until
@@ -161,6 +165,12 @@ class SimFabric:
             _require_gpu(state, box, slot)
             _require_host_slot(state, host, host_slot)
             fault = state.take_fault("map", box=box, slot=slot, host=host)
+            fenced = state.fenced.get((box, slot), -1)
+            if fault is None and generation <= fenced:
+                raise Fenced(
+                    f"GPU {box}/{slot} was fenced at generation {fenced}; a mapping for "
+                    f"generation {generation} is refused (the assignment is stale)"
+                )
             if fault is None:
                 current = state.mappings.get((box, slot))
                 if current is not None and current != (host, host_slot):
@@ -175,6 +185,7 @@ class SimFabric:
                         f"{occupant[0]}/{occupant[1]}; pick a free slot or unmap it first"
                     )
                 state.mappings[(box, slot)] = (host, host_slot)
+                state.mapped_generation[(box, slot)] = generation
         _raise_injected(fault)
 
     def unmap(self, box: str, slot: int, host: str) -> None:
@@ -201,6 +212,54 @@ class SimFabric:
         with self._transaction() as state:
             _require_gpu(state, box, slot)
             state.drop_mapping((box, slot))
+
+    def fence(self, box: str, slot: int, generation: int) -> bool:
+        """Box-side fencing with a token: drop the GPU's mapping if it was made for
+        ``generation`` or an older one (and its device on that host), and refuse maps for
+        those generations from now on. A mapping made for a newer generation belongs to a
+        newer assignment and is left alone. Idempotent. True if a mapping was dropped."""
+        self._sleep(self.delays.map_s)
+        with self._transaction() as state:
+            _require_gpu(state, box, slot)
+            fault = state.take_fault("fence", box=box, slot=slot)
+            dropped = False
+            if fault is None:
+                key = (box, slot)
+                state.fenced[key] = max(state.fenced.get(key, -1), generation)
+                if key in state.mappings and state.mapped_generation.get(key, 0) <= generation:
+                    state.drop_mapping(key)
+                    dropped = True
+        _raise_injected(fault)
+        return dropped
+
+    def scrub(self, box: str, slot: int, generation: int) -> None:
+        """Reset the GPU from the box side (its memory is cleared), for the assignment of
+        ``generation``. Refused while the GPU is mapped: a mapped GPU may be in use."""
+        self._sleep(self.delays.bind_s)
+        with self._transaction() as state:
+            _require_gpu(state, box, slot)
+            fault = state.take_fault("scrub", box=box, slot=slot)
+            if fault is None:
+                current = state.mappings.get((box, slot))
+                if current is not None:
+                    raise MappingConflict(
+                        f"GPU {box}/{slot} is mapped to host {current[0]!r}; fence it before "
+                        "scrubbing"
+                    )
+                state.scrubbed[(box, slot)] = generation
+        _raise_injected(fault)
+
+    def fenced_generation(self, box: str, slot: int) -> int:
+        """The highest generation fenced for the GPU (-1: never fenced)."""
+        state = self._snapshot()
+        _require_gpu(state, box, slot)
+        return state.fenced.get((box, slot), -1)
+
+    def scrubbed_generation(self, box: str, slot: int) -> int:
+        """The generation of the GPU's last scrub (-1: never scrubbed)."""
+        state = self._snapshot()
+        _require_gpu(state, box, slot)
+        return state.scrubbed.get((box, slot), -1)
 
     def mapping(self, box: str, slot: int) -> tuple[str, int] | None:
         """``(host, host_slot)`` the GPU is mapped to, or None."""

@@ -26,14 +26,14 @@ import etcd3.events
 import tenacity
 
 from dxpool.api.v1 import resources_pb2
-from dxpool.errors import Unavailable
+from dxpool.errors import FailedPrecondition, Unavailable
 from dxpool.hostagent.config import AgentConfig
 from dxpool.hostagent.desired import DesiredState
 from dxpool.hostagent.driver import FabricDriver
 from dxpool.hostagent.errors import DriverError
 from dxpool.hostagent.reconcile import Outcome, Reconciler
-from dxpool.hostagent.registration import ETCD_ERRORS, HostRegistration
-from dxpool.hostagent.status import StatusStore
+from dxpool.hostagent.registration import ETCD_ERRORS, HostHeldError, HostRegistration
+from dxpool.hostagent.status import StatusStore, StatusWriteRefusedError
 from dxpool.hostagent.workqueue import ExponentialBackoff, WorkQueue
 from dxpool.names import GpuRef
 
@@ -55,7 +55,10 @@ class Agent:
         self._client = client
         self._spec_key = config.keys.host_allocation(config.host_id)
         self._desired = DesiredState(config.host_id)
-        self._status = StatusStore(client, config.keys, config.host_id)
+        self._registration = HostRegistration(client, config)
+        self._status = StatusStore(
+            client, config.keys, config.host_id, lambda: self._registration.lease_id
+        )
         self._queue: WorkQueue[GpuRef] = WorkQueue(
             ExponentialBackoff(config.backoff_base_s, config.backoff_max_s)
         )
@@ -64,8 +67,8 @@ class Agent:
             desired=self._desired,
             status=self._status,
             attach_attempts=config.attach_attempts,
+            detach_attempts=config.detach_attempts,
         )
-        self._registration = HostRegistration(client, config)
         self._stopping = threading.Event()
         self._wake_resync = threading.Event()
         self._watch_lock = threading.Lock()
@@ -80,7 +83,7 @@ class Agent:
         start the workers. Raises :class:`~dxpool.errors.Unavailable` if etcd stays
         unreachable."""
         retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_exception_type(ETCD_ERRORS),
+            retry=tenacity.retry_if_exception_type((*ETCD_ERRORS, HostHeldError)),
             wait=tenacity.wait_exponential(multiplier=0.2, max=5.0),
             stop=(
                 tenacity.stop_after_delay(self._config.startup_timeout_s)
@@ -96,6 +99,8 @@ class Agent:
                     self._registration.register()
                     self._status.load()
                     self._sync_spec()
+        except HostHeldError as error:
+            raise FailedPrecondition(str(error), reason="HOST_HELD") from error
         except ETCD_ERRORS as error:
             if self._stopping.is_set():
                 log.info("stop requested while waiting for etcd")
@@ -162,9 +167,11 @@ class Agent:
         response = self._client.get_response(self._spec_key)
         revision = int(response.header.revision)
         allocation = None
+        spec_revision = 0
         if response.count:
             allocation = resources_pb2.HostAllocation.FromString(response.kvs[0].value)
-        self._adopt(allocation, revision)
+            spec_revision = int(response.kvs[0].mod_revision)
+        self._adopt(allocation, revision, spec_revision)
         watch_id = self._client.add_watch_callback(
             self._spec_key, self._on_watch_response, start_revision=revision + 1
         )
@@ -197,10 +204,12 @@ class Agent:
         except Exception:
             log.exception("spec record unreadable; keeping the previous spec")
             return
-        self._adopt(allocation, int(event.mod_revision))
+        self._adopt(allocation, int(event.mod_revision), int(event.mod_revision))
 
-    def _adopt(self, allocation: resources_pb2.HostAllocation | None, revision: int) -> None:
-        changed = self._desired.replace(allocation, revision)
+    def _adopt(
+        self, allocation: resources_pb2.HostAllocation | None, revision: int, spec_revision: int
+    ) -> None:
+        changed = self._desired.replace(allocation, revision, spec_revision)
         for gpu in changed:
             self._queue.add(gpu)
         if changed:
@@ -253,11 +262,16 @@ class Agent:
             except ETCD_ERRORS as error:
                 log.warning("status write failed", extra={"gpu": gpu.name, "error": repr(error)})
                 outcome = Outcome.RETRY
+            except StatusWriteRefusedError as error:
+                log.warning("status write refused", extra={"gpu": gpu.name, "error": str(error)})
+                outcome = Outcome.RETRY
             except Exception:
                 log.exception("reconcile failed", extra={"gpu": gpu.name})
                 outcome = Outcome.RETRY
             try:
-                if outcome is Outcome.RETRY:
+                if outcome is Outcome.STALE:
+                    self._queue.add(gpu)  # the watch has, or soon has, the newer spec
+                elif outcome is Outcome.RETRY:
                     self._queue.add_rate_limited(gpu)
                 else:
                     self._queue.forget(gpu)

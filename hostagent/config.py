@@ -43,6 +43,7 @@ class AgentConfig:
     lease_ttl_s: float = 10.0
     resync_interval_s: float = 30.0
     attach_attempts: int = 3
+    detach_attempts: int = 5
     backoff_base_s: float = 0.2
     backoff_max_s: float = 10.0
     device_timeout_s: float = 30.0

@@ -24,7 +24,9 @@ class DesiredState:
         self._host = host_name(host_id)
         self._by_gpu: dict[GpuRef, resources_pb2.DesiredAttachment] = {}
         self._revision = 0
+        self._spec_revision = 0
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
 
     @property
     def revision(self) -> int:
@@ -32,10 +34,20 @@ class DesiredState:
         with self._lock:
             return self._revision
 
+    @property
+    def spec_revision(self) -> int:
+        """The ``mod_revision`` of the spec record as adopted (0: no record)."""
+        with self._lock:
+            return self._spec_revision
+
     def replace(
-        self, allocation: resources_pb2.HostAllocation | None, revision: int
+        self,
+        allocation: resources_pb2.HostAllocation | None,
+        revision: int,
+        spec_revision: int | None = None,
     ) -> set[GpuRef]:
-        """Adopt ``allocation`` (None: the record is gone) read at ``revision``.
+        """Adopt ``allocation`` (None: the record is gone) read at ``revision``, the
+        record's own ``mod_revision`` being ``spec_revision`` (default: ``revision``).
 
         Returns the GPUs whose desired attachment changed. A revision older than the one
         already adopted is ignored (returns an empty set), so a late watch event cannot
@@ -46,6 +58,11 @@ class DesiredState:
             if revision < self._revision:
                 return set()
             previous, self._by_gpu, self._revision = self._by_gpu, wanted, revision
+            if allocation is None:
+                self._spec_revision = 0
+            else:
+                self._spec_revision = revision if spec_revision is None else spec_revision
+            self._changed.notify_all()
         return {gpu for gpu in set(previous) | set(wanted) if previous.get(gpu) != wanted.get(gpu)}
 
     def _parse(
@@ -74,13 +91,28 @@ class DesiredState:
 
     def get(self, gpu: GpuRef) -> resources_pb2.DesiredAttachment | None:
         """A copy of the attachment wanted for ``gpu``, or None when it is not wanted here."""
+        return self.read(gpu)[0]
+
+    def read(self, gpu: GpuRef) -> tuple[resources_pb2.DesiredAttachment | None, int]:
+        """``gpu``'s wanted attachment (a copy, or None) and the ``mod_revision`` of the
+        spec record it was read from, taken together: a status write that claims the
+        GPU compares that revision, so it fails if the spec changed since."""
         with self._lock:
             attachment = self._by_gpu.get(gpu)
-            if attachment is None:
-                return None
-            copy = resources_pb2.DesiredAttachment()
-            copy.CopyFrom(attachment)
-            return copy
+            spec_revision = self._spec_revision
+        if attachment is None:
+            return None, spec_revision
+        copy = resources_pb2.DesiredAttachment()
+        copy.CopyFrom(attachment)
+        return copy, spec_revision
+
+    def wait_for_change(self, spec_revision: int, timeout_s: float) -> bool:
+        """Block until the adopted spec is no longer the one at ``spec_revision``; False
+        on timeout."""
+        with self._changed:
+            return self._changed.wait_for(
+                lambda: self._spec_revision != spec_revision, timeout=timeout_s
+            )
 
     def gpus(self) -> set[GpuRef]:
         with self._lock:

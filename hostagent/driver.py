@@ -62,6 +62,7 @@ class AttachRequest:
     vfio: bool = False
     expected_uuid: str = ""
     model: str = ""
+    generation: int = 0  # the assignment's fencing token, carried by the mapping
 
     def __post_init__(self) -> None:
         if self.host_slot < 0:
@@ -179,9 +180,12 @@ class FabricDriver(Protocol):
 class ProxyMapper(Protocol):
     """The host-side proxy's mapping table for one host. Raises :class:`DriverError`."""
 
-    def map(self, gpu: GpuRef, host_slot: int) -> None:
-        """Map ``gpu`` to ``host_slot``. Idempotent for the identical mapping;
-        :class:`AttachConflictError` when the GPU is mapped elsewhere or the slot is taken."""
+    def map(self, gpu: GpuRef, host_slot: int, generation: int) -> None:
+        """Map ``gpu`` to ``host_slot`` for the assignment of ``generation``. Idempotent
+        for the identical mapping; :class:`AttachConflictError` when the GPU is mapped
+        elsewhere or the slot is taken. ``generation`` is a fencing token: the box side
+        refuses (a non-retryable :class:`DriverError`) a mapping for a generation the
+        broker has fenced, so a stale agent can never map a GPU that was reclaimed."""
         ...
 
     def unmap(self, gpu: GpuRef) -> None:
@@ -264,7 +268,7 @@ class StepDriver:
                 f"{request.gpu.name} is mapped at host slot {current.host_slot}, not "
                 f"{request.host_slot}; detach it first"
             )
-        self._proxy.map(request.gpu, request.host_slot)
+        self._proxy.map(request.gpu, request.host_slot, request.generation)
         self._bus.rescan()
         device = self._bus.wait_for_device(request.host_slot, self._device_timeout_s)
         if device.driver != NATIVE_DRIVER:

@@ -20,6 +20,13 @@ no                        not attached                  remove any status entry
 
 Status is written before hardware is touched (ATTACHING, DETACHING), and an entry is
 removed only after the detach succeeded: the broker reads "no entry" as "detached".
+Every entry that claims a GPU for the spec is written conditionally on the spec revision
+it was decided from (:class:`~dxpool.hostagent.status.StatusStore`): when the spec changed
+in between, the write fails, no hardware is touched, and the GPU is reconciled again
+from the new spec (:attr:`Outcome.STALE`).
+
+A detach that keeps failing (``detach_attempts`` in a row) is reported FAILED, so the
+broker quarantines the GPU; the agent keeps retrying the detach with backoff.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from dxpool.api.v1 import resources_pb2
 from dxpool.hostagent.desired import DesiredState
 from dxpool.hostagent.driver import AttachedGpu, AttachRequest, FabricDriver
 from dxpool.hostagent.errors import DriverError
-from dxpool.hostagent.status import StatusStore
+from dxpool.hostagent.status import StaleSpecError, StatusStore
 from dxpool.names import GpuRef
 
 log = logging.getLogger(__name__)
@@ -41,6 +48,7 @@ ATTACHING = resources_pb2.ATTACHMENT_PHASE_ATTACHING
 ATTACHED = resources_pb2.ATTACHMENT_PHASE_ATTACHED
 DETACHING = resources_pb2.ATTACHMENT_PHASE_DETACHING
 FAILED = resources_pb2.ATTACHMENT_PHASE_FAILED
+STALE_WAIT_S = 1.0
 
 
 class Outcome(enum.Enum):
@@ -48,6 +56,7 @@ class Outcome(enum.Enum):
 
     DONE = "done"  # converged (or terminal); forget its backoff
     RETRY = "retry"  # not converged; queue again with backoff
+    STALE = "stale"  # the spec changed under the decision; reconcile again at once
 
 
 def attach_request(gpu: GpuRef, want: resources_pb2.DesiredAttachment) -> AttachRequest:
@@ -57,6 +66,7 @@ def attach_request(gpu: GpuRef, want: resources_pb2.DesiredAttachment) -> Attach
         vfio=want.vfio,
         expected_uuid=want.expected_uuid,
         model=want.model,
+        generation=want.generation,
     )
 
 
@@ -74,9 +84,14 @@ class Reconciler:
         desired: DesiredState,
         status: StatusStore,
         attach_attempts: int,
+        detach_attempts: int = 5,
     ) -> None:
         if attach_attempts < 1:
             raise ValueError(f"attach_attempts must be >= 1, got {attach_attempts}")
+        if detach_attempts < 1:
+            raise ValueError(f"detach_attempts must be >= 1, got {detach_attempts}")
+        self._detach_attempts = detach_attempts
+        self._failed_detaches: dict[GpuRef, int] = {}
         self._driver = driver
         self._desired = desired
         self._status = status
@@ -90,11 +105,17 @@ class Reconciler:
         Driver errors are handled here; other errors (etcd unreachable, a bug) propagate
         and the caller retries with backoff.
         """
-        want = self._desired.get(gpu)
+        want, spec_revision = self._desired.read(gpu)
         actual = self._driver.observe()
-        if want is None:
-            return self._ensure_detached(gpu, actual.get(gpu))
-        return self._ensure_attached(gpu, want, actual)
+        try:
+            if want is None:
+                return self._ensure_detached(gpu, actual.get(gpu))
+            return self._ensure_attached(gpu, want, actual, spec_revision)
+        except StaleSpecError:
+            log.info("spec changed under a decision; reconciling again", extra={"gpu": gpu.name})
+            # The watch delivers the newer spec shortly; decide again from it.
+            self._desired.wait_for_change(spec_revision, STALE_WAIT_S)
+            return Outcome.STALE
 
     # -- desired: attach ------------------------------------------------------------------
 
@@ -103,6 +124,7 @@ class Reconciler:
         gpu: GpuRef,
         want: resources_pb2.DesiredAttachment,
         actual: dict[GpuRef, AttachedGpu],
+        spec_revision: int,
     ) -> Outcome:
         request = attach_request(gpu, want)
         previous = self._status.get(gpu)
@@ -115,7 +137,9 @@ class Reconciler:
         have = actual.get(gpu)
         if have is not None and have.satisfies(request):
             self._clear_failures(gpu)
-            self._status.put(self._attached_entry(want, have, previous))
+            self._status.put(
+                self._attached_entry(want, have, previous), spec_revision=spec_revision
+            )
             return Outcome.DONE
         occupant = next(
             (
@@ -126,9 +150,11 @@ class Reconciler:
             None,
         )
         if occupant is not None:
-            return self._wait_for_slot(gpu, want, occupant)
+            return self._wait_for_slot(gpu, want, occupant, spec_revision)
 
-        self._status.put(self._entry(gpu, want, ATTACHING, message="attaching"))
+        self._status.put(
+            self._entry(gpu, want, ATTACHING, message="attaching"), spec_revision=spec_revision
+        )
         try:
             if have is not None and self._needs_detach(have, request):
                 log.info(
@@ -138,9 +164,11 @@ class Reconciler:
                 self._driver.detach(gpu)
             attached = self._driver.attach(request)
         except DriverError as error:
-            return self._attach_failed(gpu, want, error)
+            return self._attach_failed(gpu, want, error, spec_revision)
         self._clear_failures(gpu)
-        self._status.put(self._attached_entry(want, attached, previous))
+        self._status.put(
+            self._attached_entry(want, attached, previous), spec_revision=spec_revision
+        )
         log.info(
             "gpu attached",
             extra={"gpu": gpu.name, "host_slot": attached.host_slot, "bdf": attached.bdf},
@@ -155,7 +183,11 @@ class Reconciler:
         return have.present and have.driver is not None and have.driver != request.kernel_driver
 
     def _wait_for_slot(
-        self, gpu: GpuRef, want: resources_pb2.DesiredAttachment, occupant: GpuRef
+        self,
+        gpu: GpuRef,
+        want: resources_pb2.DesiredAttachment,
+        occupant: GpuRef,
+        spec_revision: int,
     ) -> Outcome:
         """The host slot still holds another GPU: wait for its detach, or fail when the spec
         itself gives the slot to both."""
@@ -164,15 +196,23 @@ class Reconciler:
             message = (
                 f"host slot {want.host_slot} is assigned to both {gpu.name} and {occupant.name}"
             )
-            self._status.put(self._entry(gpu, want, FAILED, message=message))
+            self._status.put(
+                self._entry(gpu, want, FAILED, message=message), spec_revision=spec_revision
+            )
             log.warning("host slot assigned twice", extra={"gpu": gpu.name, "other": occupant.name})
             return Outcome.DONE
         message = f"waiting for host slot {want.host_slot} to be freed by {occupant.name}"
-        self._status.put(self._entry(gpu, want, ATTACHING, message=message))
+        self._status.put(
+            self._entry(gpu, want, ATTACHING, message=message), spec_revision=spec_revision
+        )
         return Outcome.RETRY
 
     def _attach_failed(
-        self, gpu: GpuRef, want: resources_pb2.DesiredAttachment, error: DriverError
+        self,
+        gpu: GpuRef,
+        want: resources_pb2.DesiredAttachment,
+        error: DriverError,
+        spec_revision: int,
     ) -> Outcome:
         with self._lock:
             generation, count = self._failed_attempts.get(gpu, (want.generation, 0))
@@ -181,14 +221,18 @@ class Reconciler:
         if not error.retryable or count >= self._attach_attempts:
             self._clear_failures(gpu)
             message = f"attach failed after {count} attempt(s): {error}"
-            self._status.put(self._entry(gpu, want, FAILED, message=message))
+            self._status.put(
+                self._entry(gpu, want, FAILED, message=message), spec_revision=spec_revision
+            )
             log.warning(
                 "gpu attach failed",
                 extra={"gpu": gpu.name, "generation": want.generation, "error": str(error)},
             )
             return Outcome.DONE
         message = f"attempt {count}/{self._attach_attempts} failed: {error}; retrying"
-        self._status.put(self._entry(gpu, want, ATTACHING, message=message))
+        self._status.put(
+            self._entry(gpu, want, ATTACHING, message=message), spec_revision=spec_revision
+        )
         log.info("gpu attach retry", extra={"gpu": gpu.name, "attempt": count, "error": str(error)})
         return Outcome.RETRY
 
@@ -202,6 +246,8 @@ class Reconciler:
         self._clear_failures(gpu)
         if have is None:
             self._status.remove(gpu)
+            with self._lock:
+                self._failed_detaches.pop(gpu, None)
             return Outcome.DONE
         previous = self._status.get(gpu)
         entry = resources_pb2.ObservedAttachment(
@@ -215,14 +261,32 @@ class Reconciler:
             health=previous.health if previous is not None else have.health,
             message="detaching",
         )
+        if (
+            previous is not None
+            and previous.phase == FAILED
+            and previous.generation == (entry.generation)
+        ):
+            entry.phase = FAILED  # keep telling the broker; quarantine stands
+            entry.message = previous.message
         self._status.put(entry)
         try:
             self._driver.detach(gpu)
         except DriverError as error:
-            entry.message = f"detach failed: {error}; retrying"
+            with self._lock:
+                count = self._failed_detaches.get(gpu, 0) + 1
+                self._failed_detaches[gpu] = count
+            if count >= self._detach_attempts:
+                entry.phase = FAILED
+                entry.message = f"detach failed {count} times in a row: {error}"
+            else:
+                entry.message = f"detach failed: {error}; retrying"
             self._status.put(entry)
-            log.warning("gpu detach failed", extra={"gpu": gpu.name, "error": str(error)})
+            log.warning(
+                "gpu detach failed", extra={"gpu": gpu.name, "attempt": count, "error": str(error)}
+            )
             return Outcome.RETRY
+        with self._lock:
+            self._failed_detaches.pop(gpu, None)
         self._status.remove(gpu)
         log.info("gpu detached", extra={"gpu": gpu.name})
         return Outcome.DONE

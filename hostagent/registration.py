@@ -9,6 +9,10 @@ to an etcd lease the agent keeps alive: the host is alive exactly while that key
   the key again.
 * :meth:`HostRegistration.stop` revokes the lease, so the host shows as gone at once; a
   crashed agent's key disappears when the lease expires, within the TTL.
+* The liveness key is created only if absent (one transaction), so exactly one agent
+  holds a host: a second agent for the same host - or a restarted one while its crashed
+  predecessor's lease lives - gets :class:`HostHeldError` until that lease is gone. The
+  agent's status writes compare this lease, so only the holder can write status.
 """
 
 from __future__ import annotations
@@ -20,15 +24,25 @@ from typing import Any
 
 import etcd3.exceptions
 import grpc
+from etcd3 import transactions
 
 from dxpool.api.v1 import resources_pb2
+from dxpool.errors import Unavailable
 from dxpool.hostagent.config import AgentConfig
 from dxpool.hostagent.status import now_timestamp
 from dxpool.names import host_name
 
 log = logging.getLogger(__name__)
 
-ETCD_ERRORS: tuple[type[BaseException], ...] = (etcd3.exceptions.Etcd3Exception, grpc.RpcError)
+ETCD_ERRORS: tuple[type[BaseException], ...] = (
+    etcd3.exceptions.Etcd3Exception,
+    grpc.RpcError,
+    Unavailable,
+)
+
+
+class HostHeldError(Exception):
+    """Another live lease holds the host's liveness key."""
 
 
 def host_record(config: AgentConfig) -> resources_pb2.Host:
@@ -76,8 +90,24 @@ class HostRegistration:
         )
 
     def _renew_lease(self) -> None:
-        lease = self._client.lease(math.ceil(self._config.lease_ttl_s))
-        self._client.put(self._keys.host_lease(self._config.host_id), b"", lease=lease)
+        """Grant a lease and create the liveness key on it, only if no one holds it.
+
+        Raises :class:`HostHeldError` (after revoking the new lease) when it is held."""
+        ttl = math.ceil(self._config.lease_ttl_s)
+        lease = self._client.lease(ttl)
+        key = self._keys.host_lease(self._config.host_id)
+        created, responses = self._client.transaction(
+            compare=[transactions.Create(key) == 0],
+            success=[transactions.Put(key, b"", lease=lease)],
+            failure=[transactions.Get(key)],
+        )
+        if not created:
+            lease.revoke()
+            holder = _lease_of(responses)
+            raise HostHeldError(
+                f"host {self._config.host_id} is held by another live agent (lease "
+                f"{holder:x}); stop that agent, or wait up to {ttl}s for its lease to expire"
+            )
         with self._lock:
             self._lease = lease
 
@@ -97,6 +127,8 @@ class HostRegistration:
                 self.keep_alive_once()
             except ETCD_ERRORS as error:
                 log.warning("lease keep-alive failed", extra={"error": repr(error)})
+            except HostHeldError as error:
+                log.error("host taken over by another agent", extra={"error": str(error)})
 
     def keep_alive_once(self) -> bool:
         """Refresh the lease; when there is none or it expired, grant a new one and put the
@@ -128,4 +160,14 @@ class HostRegistration:
                 log.warning("lease revoke failed", extra={"error": repr(error)})
 
 
-__all__ = ["ETCD_ERRORS", "HostRegistration", "host_record"]
+def _lease_of(responses: Any) -> int:
+    """The lease id of the key a failed transaction's single Get returned (0 if none)."""
+    try:
+        for _value, meta in responses[0]:
+            return int(meta.lease_id)
+    except (IndexError, TypeError, AttributeError):
+        pass
+    return 0
+
+
+__all__ = ["ETCD_ERRORS", "HostHeldError", "HostRegistration", "host_record"]

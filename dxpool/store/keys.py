@@ -16,6 +16,8 @@ key (below the prefix)                 value                 written by   lifeti
 ``hoststatus/{host}``                  HostStatus            agent        status: observed GPUs
 ``nodes/{node}``                       VirtualNode           broker       until deleted
 ``requests/{request_id}``              node name (utf-8)     broker       with its node
+``elections/{duty}``                   broker id (utf-8)     broker       etcd lease: the leader
+                                                                          of a singleton duty
 =====================================  ====================  ===========  ===============
 
 Spec and status are apart: only the broker writes ``hostalloc``, only the host's agent
@@ -36,6 +38,7 @@ HOST_ALLOCATIONS = "hostalloc"
 HOST_STATUSES = "hoststatus"
 NODES = "nodes"
 REQUESTS = "requests"
+ELECTIONS = "elections"
 
 COLLECTIONS = (BOXES, GPUS, HOSTS, HOST_LEASES, HOST_ALLOCATIONS, HOST_STATUSES, NODES, REQUESTS)
 
@@ -53,6 +56,10 @@ class KeySchema:
     def collection(self, name: str) -> str:
         """The prefix of one collection, e.g. ``/dxpool/v1/gpus/``."""
         return f"{self.prefix}{name}/"
+
+    def key(self, collection: str, name: str) -> str:
+        """The key of record ``name`` in ``collection`` (the inverse of :meth:`split`)."""
+        return f"{self.prefix}{collection}/{name}"
 
     def box(self, box_id: str) -> str:
         return f"{self.prefix}{BOXES}/{box_id}"
@@ -80,6 +87,11 @@ class KeySchema:
 
     def request(self, request_id: str) -> str:
         return f"{self.prefix}{REQUESTS}/{request_id}"
+
+    def election(self, duty: str) -> str:
+        """The key a broker holds (on its lease) while it performs a singleton ``duty``.
+        Outside the collections: the cache does not mirror it."""
+        return f"{self.prefix}{ELECTIONS}/{duty}"
 
     def split(self, key: str) -> tuple[str, str]:
         """``/dxpool/v1/gpus/b1/3`` -> ``("gpus", "b1/3")``. ValueError if foreign."""

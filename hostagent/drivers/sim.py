@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from dxpool.api.v1 import resources_pb2
-from dxpool.fabric.sim import MappingConflict, SimFabric, SimFabricError, UnknownTarget
+from dxpool.fabric.sim import Fenced, MappingConflict, SimFabric, SimFabricError, UnknownTarget
 from dxpool.hostagent.driver import (
     DEFAULT_DEVICE_TIMEOUT_S,
     DriverCapabilities,
@@ -37,6 +37,8 @@ def fabric_errors() -> Iterator[None]:
         yield
     except MappingConflict as error:
         raise AttachConflictError(str(error)) from error
+    except Fenced as error:
+        raise DriverError(str(error), retryable=False) from error
     except UnknownTarget as error:
         raise DriverError(str(error), retryable=False) from error
     except SimFabricError as error:
@@ -50,9 +52,9 @@ class SimProxyMapper:
         self._fabric = fabric
         self._host = host
 
-    def map(self, gpu: GpuRef, host_slot: int) -> None:
+    def map(self, gpu: GpuRef, host_slot: int, generation: int) -> None:
         with fabric_errors():
-            self._fabric.map(gpu.box, gpu.slot, self._host, host_slot)
+            self._fabric.map(gpu.box, gpu.slot, self._host, host_slot, generation=generation)
 
     def unmap(self, gpu: GpuRef) -> None:
         with fabric_errors():

@@ -35,6 +35,6 @@ def test_exported_names_are_pinned() -> None:
 
 
 def test_sim_errors_form_one_tree() -> None:
-    for error in (sim.MappingConflict, sim.UnknownTarget, sim.InjectedFault):
+    for error in (sim.MappingConflict, sim.UnknownTarget, sim.InjectedFault, sim.Fenced):
         assert issubclass(error, sim.SimFabricError)
-    assert sorted(sim.FAULT_OPS) == ["bind", "identity", "map", "rescan", "unmap"]
+    assert sorted(sim.FAULT_OPS) == ["bind", "fence", "identity", "map", "rescan", "scrub", "unmap"]

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from dxpool.fabric.sim import (
+    Fenced,
     InjectedFault,
     MappingConflict,
     SimDelays,
@@ -442,10 +443,56 @@ def test_delays_belong_to_the_process_and_do_not_hold_the_lock(fabric: SimFabric
 def test_the_state_is_one_json_document_and_corruption_is_reported(fabric: SimFabric) -> None:
     attach(fabric, "b1", 0, "h1", 0)
     document = json.loads((fabric.state_dir / "fabric.json").read_text())
-    assert document["mappings"] == [{"box": "b1", "slot": 0, "host": "h1", "host_slot": 0}]
+    assert document["mappings"] == [
+        {"box": "b1", "slot": 0, "host": "h1", "host_slot": 0, "generation": 0}
+    ]
     (fabric.state_dir / "fabric.json").write_text("{not json")
     with pytest.raises(SimFabricError, match="is corrupt"):
         fabric.devices("h1")
     (fabric.state_dir / "fabric.json").write_text('{"format": "something-else"}')
     with pytest.raises(SimFabricError, match="is corrupt"):
         fabric.map("b1", 0, "h1", 0)
+
+
+def test_fence_drops_mappings_of_its_generation_and_refuses_them_later(fabric: SimFabric) -> None:
+    fabric.map("b1", 0, "h1", 0, generation=4)
+    fabric.rescan("h1")
+
+    assert fabric.fence("b1", 0, 4) is True
+    assert fabric.mapping("b1", 0) is None
+    assert fabric.devices("h1") == []  # the host lost the device with the mapping
+    with pytest.raises(Fenced):
+        fabric.map("b1", 0, "h1", 0, generation=4)  # a stale agent's late map
+    assert fabric.fence("b1", 0, 4) is False  # idempotent
+    fabric.map("b1", 0, "h2", 1, generation=5)  # the next assignment maps fine
+    assert fabric.mapping("b1", 0) == ("h2", 1)
+
+
+def test_a_stale_fence_leaves_a_newer_assignment_alone(fabric: SimFabric) -> None:
+    fabric.map("b1", 0, "h2", 1, generation=6)
+
+    assert fabric.fence("b1", 0, 5) is False  # e.g. from a deposed leader
+    assert fabric.mapping("b1", 0) == ("h2", 1)
+    assert fabric.fenced_generation("b1", 0) == 5
+
+
+def test_scrub_is_refused_while_mapped_and_recorded_once_fenced(fabric: SimFabric) -> None:
+    fabric.map("b1", 0, "h1", 0, generation=2)
+    with pytest.raises(MappingConflict):
+        fabric.scrub("b1", 0, 2)
+    assert fabric.scrubbed_generation("b1", 0) == -1
+
+    fabric.fence("b1", 0, 2)
+    fabric.scrub("b1", 0, 2)
+    assert fabric.scrubbed_generation("b1", 0) == 2
+
+
+def test_fence_and_scrub_faults_can_be_injected(fabric: SimFabric) -> None:
+    fabric.inject_fault("fence", box="b1", slot=0)
+    fabric.inject_fault("scrub", box="b1", slot=0)
+    with pytest.raises(InjectedFault):
+        fabric.fence("b1", 0, 1)
+    assert fabric.fenced_generation("b1", 0) == -1
+    fabric.fence("b1", 0, 1)
+    with pytest.raises(InjectedFault):
+        fabric.scrub("b1", 0, 1)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -45,11 +44,16 @@ class Harness:
     reconciler: Reconciler
     client: Any
     keys: KeySchema
-    revisions: Iterator[int]
+    lease: Any
 
-    def set_desired(self, *attachments: resources_pb2.DesiredAttachment) -> None:
+    def set_desired(self, *attachments: resources_pb2.DesiredAttachment) -> int:
+        """Write the spec to etcd as the broker would, and adopt it as the watch would;
+        returns its revision."""
         allocation = resources_pb2.HostAllocation(host=f"hosts/{HOST}", attachments=attachments)
-        self.desired.replace(allocation, next(self.revisions))
+        response = self.client.put(self.keys.host_allocation(HOST), allocation.SerializeToString())
+        revision = int(response.header.revision)
+        self.desired.replace(allocation, revision, revision)
+        return revision
 
     def stored(self) -> dict[str, resources_pb2.ObservedAttachment]:
         """The status record as etcd holds it, by GPU name."""
@@ -62,13 +66,13 @@ class Harness:
 
     def restart(self) -> Harness:
         """A new agent's view: fresh driver, desired state and status loaded from etcd."""
-        status = StatusStore(self.client, self.keys, HOST)
+        status = StatusStore(self.client, self.keys, HOST, lambda: int(self.lease.id))
         status.load()
         driver = make_sim_driver(self.fabric, HOST, device_timeout_s=2.0)
         desired = DesiredState(HOST)
         reconciler = Reconciler(driver=driver, desired=desired, status=status, attach_attempts=3)
         return Harness(
-            self.fabric, driver, desired, status, reconciler, self.client, self.keys, self.revisions
+            self.fabric, driver, desired, status, reconciler, self.client, self.keys, self.lease
         )
 
 
@@ -79,11 +83,12 @@ def harness(
     client = connect(etcd_server.endpoint)
     keys = KeySchema(key_prefix)
     desired = DesiredState(HOST)
-    status = StatusStore(client, keys, HOST)
+    lease = client.lease(60)
+    client.put(keys.host_lease(HOST), b"", lease=lease)
+    status = StatusStore(client, keys, HOST, lambda: int(lease.id))
     reconciler = Reconciler(driver=sim_driver, desired=desired, status=status, attach_attempts=3)
-    yield Harness(
-        sim_fabric, sim_driver, desired, status, reconciler, client, keys, itertools.count(1)
-    )
+    yield Harness(sim_fabric, sim_driver, desired, status, reconciler, client, keys, lease)
+    lease.revoke()
     client.close()
 
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 from dxpool.api.v1 import resources_pb2
 from dxpool.hostagent.desired import DesiredState
-from dxpool.hostagent.status import StatusStore
+from dxpool.hostagent.status import NotRegisteredError, StaleSpecError, StatusStore
 from dxpool.names import GpuRef
 from dxpool.store.client import connect
 from dxpool.store.embedded import EmbeddedEtcd
@@ -89,11 +89,24 @@ def entry(
     )
 
 
+@pytest.fixture
+def lease(client: Any, key_prefix: str) -> Iterator[Any]:
+    """h1's liveness key, held on a lease as its agent would hold it."""
+    granted = client.lease(60)
+    client.put(KeySchema(key_prefix).host_lease("h1"), b"", lease=granted)
+    yield granted
+    granted.revoke()
+
+
+def holder(lease: Any) -> Callable[[], int]:
+    return lambda: int(lease.id)
+
+
 def test_status_store_writes_the_whole_record_and_loads_it_back(
-    client: Any, key_prefix: str
+    client: Any, key_prefix: str, lease: Any
 ) -> None:
     keys = KeySchema(key_prefix)
-    status = StatusStore(client, keys, "h1")
+    status = StatusStore(client, keys, "h1", holder(lease))
     status.put(entry(GPU, resources_pb2.ATTACHMENT_PHASE_ATTACHED))
     status.put(entry(OTHER_GPU, resources_pb2.ATTACHMENT_PHASE_ATTACHING))
     status.remove(GPU)
@@ -102,7 +115,7 @@ def test_status_store_writes_the_whole_record_and_loads_it_back(
     assert record.host == "hosts/h1"
     assert [e.gpu for e in record.attachments] == [OTHER_GPU.name]
 
-    reloaded = StatusStore(client, keys, "h1")
+    reloaded = StatusStore(client, keys, "h1", holder(lease))
     reloaded.load()
     assert reloaded.gpus() == {OTHER_GPU}
     loaded = reloaded.get(OTHER_GPU)
@@ -110,9 +123,11 @@ def test_status_store_writes_the_whole_record_and_loads_it_back(
     assert loaded.phase == resources_pb2.ATTACHMENT_PHASE_ATTACHING
 
 
-def test_status_store_skips_writes_that_change_nothing(client: Any, key_prefix: str) -> None:
+def test_status_store_skips_writes_that_change_nothing(
+    client: Any, key_prefix: str, lease: Any
+) -> None:
     keys = KeySchema(key_prefix)
-    status = StatusStore(client, keys, "h1")
+    status = StatusStore(client, keys, "h1", holder(lease))
     status.put(entry(GPU, resources_pb2.ATTACHMENT_PHASE_ATTACHED))
     _, first = client.get(keys.host_status("h1"))
 
@@ -124,3 +139,41 @@ def test_status_store_skips_writes_that_change_nothing(client: Any, key_prefix: 
 
     assert unchanged.mod_revision == first.mod_revision
     assert changed.mod_revision > first.mod_revision
+
+
+def test_a_claim_on_a_stale_spec_writes_nothing(client: Any, key_prefix: str, lease: Any) -> None:
+    keys = KeySchema(key_prefix)
+    read = client.put(keys.host_allocation("h1"), b"")
+    spec_revision = int(read.header.revision)
+    status = StatusStore(client, keys, "h1", holder(lease))
+    status.put(entry(OTHER_GPU, resources_pb2.ATTACHMENT_PHASE_ATTACHED))
+    _, before = client.get(keys.host_status("h1"))
+
+    changed = resources_pb2.HostAllocation(host="hosts/h1")
+    client.put(keys.host_allocation("h1"), changed.SerializeToString())  # broker changed it
+    with pytest.raises(StaleSpecError):
+        status.put(
+            entry(GPU, resources_pb2.ATTACHMENT_PHASE_ATTACHING), spec_revision=spec_revision
+        )
+
+    _, after = client.get(keys.host_status("h1"))
+    assert after.mod_revision == before.mod_revision
+    assert status.get(GPU) is None  # nothing kept in memory to leak into a later write
+    status.remove(OTHER_GPU)
+    record = resources_pb2.HostStatus.FromString(client.get(keys.host_status("h1"))[0])
+    assert list(record.attachments) == []
+
+
+def test_only_the_lease_holder_writes_status(client: Any, key_prefix: str, lease: Any) -> None:
+    keys = KeySchema(key_prefix)
+    other = client.lease(60)
+    try:
+        intruder = StatusStore(client, keys, "h1", holder(other))
+        with pytest.raises(NotRegisteredError):
+            intruder.put(entry(GPU, resources_pb2.ATTACHMENT_PHASE_ATTACHED))
+        assert client.get(keys.host_status("h1"))[0] is None
+        unregistered = StatusStore(client, keys, "h1", lambda: None)
+        with pytest.raises(NotRegisteredError):
+            unregistered.remove(GPU)
+    finally:
+        other.revoke()

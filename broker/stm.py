@@ -1,0 +1,124 @@
+"""Read-modify-commit over the cache, in the spirit of etcd's STM.
+
+A change is a function of what it read. :func:`transact` runs such a function against a
+:class:`TxnView` - reads come from the cache and are recorded with their revisions, writes
+are buffered - then commits ONE etcd transaction that compares every recorded revision and
+applies every write. If anything read changed meanwhile (another broker, an agent), the
+compare fails, the current values come back in the same round trip, the cache takes them
+and the function runs again on the fresh state, a bounded number of times. So a change
+can never be based on a stale read, and no caller writes a retry loop of its own.
+
+The function must be free of side effects other than the view's writes: it may run
+several times.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from google.protobuf.message import Message
+
+from dxpool.broker.cache import Cache
+from dxpool.broker.store import Store, Txn, Versioned
+from dxpool.errors import Aborted
+
+T = TypeVar("T")
+
+DEFAULT_ATTEMPTS = 8
+
+
+class TxnView:
+    """Reads through the cache (recording revisions) and buffers writes for one commit."""
+
+    def __init__(self, store: Store, cache: Cache) -> None:
+        self._store = store
+        self._cache = cache
+        self._reads: dict[str, int] = {}  # key -> mod_revision read (0: absent)
+        self._present: set[str] = set()  # keys that must merely exist
+        self._writes: dict[str, Message | bytes | str | None] = {}
+
+    def key(self, collection: str, name: str) -> str:
+        return self._store.keys.key(collection, name)
+
+    def get(self, collection: str, name: str) -> Versioned[Any] | None:
+        """The record as the cache holds it; the commit requires it to be unchanged."""
+        record = self._cache.get(collection, name)
+        self._reads.setdefault(self.key(collection, name), record.mod_revision if record else 0)
+        return record
+
+    def exists(self, collection: str, name: str) -> bool:
+        """Whether the record exists; the commit requires the same answer, whatever
+        else changes in the record (e.g. a lease key refreshed in place)."""
+        key = self.key(collection, name)
+        if self._cache.get(collection, name) is None:
+            self._reads.setdefault(key, 0)
+            return False
+        self._present.add(key)
+        return True
+
+    def put(self, collection: str, name: str, value: Message | bytes | str) -> None:
+        self._writes[self.key(collection, name)] = value
+
+    def delete(self, collection: str, name: str) -> None:
+        self._writes[self.key(collection, name)] = None
+
+    @property
+    def has_writes(self) -> bool:
+        return bool(self._writes)
+
+    def build(self) -> tuple[Txn, set[str]]:
+        """The transaction, and the keys it creates."""
+        txn = Txn()
+        for key, revision in self._reads.items():
+            txn.expect_revision(key, revision).read_on_failure(key)
+        for key in self._present - set(self._reads):
+            txn.expect_present(key).read_on_failure(key)
+        for key, value in self._writes.items():
+            if value is None:
+                txn.delete(key)
+            else:
+                txn.put(key, value)
+        created = {key for key, value in self._writes.items() if value is not None}
+        created &= {key for key, revision in self._reads.items() if revision == 0}
+        return txn, created
+
+
+def transact(
+    store: Store,
+    cache: Cache,
+    body: Callable[[TxnView], T],
+    *,
+    attempts: int = DEFAULT_ATTEMPTS,
+    what: str = "change",
+) -> T:
+    """Run ``body`` and commit its writes atomically against what it read.
+
+    Returns ``body``'s result from the attempt that committed (or that wrote nothing).
+    Raises :class:`~dxpool.errors.Aborted` after ``attempts`` lost compares, and
+    :class:`~dxpool.errors.Unavailable` when etcd cannot be reached.
+    """
+    for attempt in range(attempts):
+        view = TxnView(store, cache)
+        result = body(view)
+        if not view.has_writes:
+            return result
+        txn, created = view.build()
+        committed = store.commit(txn)
+        if committed.succeeded:
+            cache.apply_commit(committed.revision, txn.writes, created=created)
+            return result
+        revision = cache.revision
+        for key, record in committed.current.items():
+            cache.apply_read(key, record, revision)
+        if attempt:
+            time.sleep(random.uniform(0, min(0.05, 0.001 * 2**attempt)))
+    raise Aborted(
+        f"{what} kept conflicting with concurrent changes after {attempts} attempts; retry",
+        reason="COMMIT_CONFLICT",
+    )
+
+
+__all__ = ["TxnView", "transact"]

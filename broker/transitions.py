@@ -1,0 +1,70 @@
+"""Multi-record transitions, written against a :class:`~dxpool.broker.stm.TxnView`.
+
+Each function reads what it needs through the view and writes the records that must
+change together (a node, its GPUs, its host's allocation), using the record-level rules
+of :mod:`dxpool.lifecycle`. The caller commits with :func:`~dxpool.broker.stm.transact`,
+so each one is a single compare-and-swap over everything it read.
+"""
+
+from __future__ import annotations
+
+from dxpool import lifecycle
+from dxpool.api.v1 import resources_pb2 as pb
+from dxpool.broker.records import without_node
+from dxpool.broker.stm import TxnView
+from dxpool.names import parse_gpu, parse_host
+from dxpool.store import keys as k
+
+
+def gpu_id(name: str) -> str:
+    """``boxes/b1/gpus/3`` -> the cache id ``b1/3``."""
+    ref = parse_gpu(name)
+    return f"{ref.box}/{ref.slot}"
+
+
+def let_go(
+    view: TxnView,
+    node: pb.VirtualNode,
+    state: pb.NodeState.ValueType,
+    message: str,
+    now: float,
+    *,
+    fence: bool = False,
+) -> pb.VirtualNode:
+    """Move ``node`` to ``state`` (FAILED, RELEASING or LOST) and let go of its GPUs.
+
+    The GPUs it still owns go DETACHING (the host's agent detaches them, then they are
+    freed) or, with ``fence``, FENCING (the broker revokes them at the box side without
+    waiting for the agent); its attachments leave the host's allocation, so the agent
+    stops wanting them. ``node`` must be the record the view read. Returns the new node.
+    """
+    updated = lifecycle.node_letting_go(node, state, message, now)
+    view.put(k.NODES, node.name.removeprefix("nodes/"), updated)
+    for binding in node.gpus:
+        gpu_key = gpu_id(binding.gpu)
+        record = view.get(k.GPUS, gpu_key)
+        if record is None or record.value.node != node.name:
+            continue
+        gpu: pb.Gpu = record.value
+        if fence:
+            view.put(k.GPUS, gpu_key, lifecycle.begin_fence(gpu, f"fencing: {message}"))
+        elif gpu.state in (pb.GPU_STATE_ATTACHING, pb.GPU_STATE_ATTACHED):
+            view.put(k.GPUS, gpu_key, lifecycle.begin_detach(gpu))
+    host_id = parse_host(node.host)
+    allocation = view.get(k.HOST_ALLOCATIONS, host_id)
+    if allocation is not None and any(a.node == node.name for a in allocation.value.attachments):
+        view.put(k.HOST_ALLOCATIONS, host_id, without_node(allocation.value, node.host, node.name))
+    return updated
+
+
+def owned_gpus(view: TxnView, node: pb.VirtualNode) -> list[str]:
+    """The GPUs (resource names) that still name ``node`` as their owner."""
+    owned = []
+    for binding in node.gpus:
+        record = view.get(k.GPUS, gpu_id(binding.gpu))
+        if record is not None and record.value.node == node.name:
+            owned.append(binding.gpu)
+    return owned
+
+
+__all__ = ["gpu_id", "let_go", "owned_gpus"]
