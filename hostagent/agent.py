@@ -141,6 +141,10 @@ class Agent:
         self._stopping.set()
         self._wake_resync.set()
 
+    def idle(self) -> bool:
+        """True when no GPU is queued, backing off or being reconciled."""
+        return not self._queue.busy()
+
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until a stop is requested; True if it was."""
         return self._stopping.wait(timeout_s)

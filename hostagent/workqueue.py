@@ -145,6 +145,11 @@ class WorkQueue(Generic[K]):
             self._shut_down = True
             self._cond.notify_all()
 
+    def busy(self) -> bool:
+        """True while any key is queued, waiting out a backoff, or being processed."""
+        with self._cond:
+            return bool(self._ready or self._waiting or self._processing)
+
     def __len__(self) -> int:
         """Keys ready to be handed out now."""
         with self._cond:

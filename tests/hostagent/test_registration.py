@@ -9,7 +9,7 @@ import pytest
 
 from dxpool.api.v1 import resources_pb2
 from dxpool.hostagent.config import AgentConfig
-from dxpool.hostagent.registration import HostRegistration
+from dxpool.hostagent.registration import HostHeldError, HostRegistration
 from dxpool.store.client import connect
 from dxpool.store.embedded import EmbeddedEtcd
 from dxpool.store.keys import KeySchema
@@ -91,3 +91,20 @@ def test_keep_alive_renews_a_lease_found_expired(client: Any, config: AgentConfi
     assert meta is not None
     assert meta.lease_id == registration.lease_id != old_lease
     registration.stop()
+
+
+def test_a_second_agent_cannot_take_a_held_host(client: Any, config: AgentConfig) -> None:
+    first = HostRegistration(client, config)
+    first.register()
+    second = HostRegistration(client, config)
+
+    with pytest.raises(HostHeldError, match="held by another live agent"):
+        second.register()
+
+    _, meta = client.get(KeySchema(config.key_prefix).host_lease("h7"))
+    assert meta.lease_id == first.lease_id  # the holder kept its key
+    assert second.lease_id is None
+    first.stop()
+    second.register()  # once released, the host can be taken
+    assert second.lease_id is not None
+    second.stop()

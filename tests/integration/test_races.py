@@ -1,0 +1,145 @@
+"""Interleavings forced on purpose: an agent held between reading its spec and acting.
+
+The agent here runs in the test process over the simulated fabric, with a driver that
+blocks in ``observe()`` on demand, so the test decides exactly what the broker does while
+the agent is between its read of the desired state and its first write.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from dxpool.api.v1 import nodes_pb2
+from dxpool.api.v1 import resources_pb2 as pb
+from dxpool.hostagent.agent import Agent
+from dxpool.hostagent.config import AgentConfig
+from dxpool.hostagent.driver import AttachedGpu, AttachRequest, FabricDriver
+from dxpool.hostagent.drivers.sim import make_sim_driver
+from dxpool.names import GpuRef
+from dxpool.store.client import connect
+from tests.conftest import SimPool, Stubs, register_sim_box, wait_hosts_alive, wait_until
+from tests.integration.test_node_lifecycle import compose, wait_state
+
+GPU = GpuRef("box1", 0)
+
+
+@dataclass
+class HeldDriver:
+    """A fabric driver whose ``observe`` blocks while ``armed``, and that records attaches."""
+
+    inner: FabricDriver
+    armed: bool = False
+    arrived: threading.Event = field(default_factory=threading.Event)
+    go: threading.Event = field(default_factory=threading.Event)
+    attaches: list[AttachRequest] = field(default_factory=list)
+
+    @property
+    def capabilities(self) -> Any:
+        return self.inner.capabilities
+
+    def observe(self) -> dict[GpuRef, AttachedGpu]:
+        if self.armed:
+            self.arrived.set()
+            assert self.go.wait(30), "the test never let the agent go"
+        return self.inner.observe()
+
+    def attach(self, request: AttachRequest) -> AttachedGpu:
+        self.attaches.append(request)
+        return self.inner.attach(request)
+
+    def detach(self, gpu: GpuRef) -> None:
+        self.inner.detach(gpu)
+
+
+@pytest.fixture
+def held_agent(sim_pool: SimPool) -> Iterator[tuple[Agent, HeldDriver]]:
+    sim_pool.fabric.add_host("h1", 8)
+    config = AgentConfig(
+        host_id="h1",
+        etcd_endpoints=sim_pool.etcd_endpoint,
+        key_prefix=sim_pool.key_prefix,
+        site="s1",
+        pod="p1",
+        rack="r1",
+        sim_state_dir=sim_pool.state_dir / "fabric",
+        lease_ttl_s=5,
+        workers=1,
+    )
+    driver = HeldDriver(make_sim_driver(sim_pool.fabric, "h1", device_timeout_s=5))
+    client = connect(sim_pool.etcd_endpoint)
+    agent = Agent(config, driver, client)  # type: ignore[arg-type]
+    agent.start()
+    yield agent, driver
+    driver.go.set()
+    agent.stop()
+    client.close()
+
+
+def gpu_record(stubs: Stubs, gpu: GpuRef) -> pb.Gpu:
+    from dxpool.api.v1 import inventory_pb2
+
+    return stubs.inventory.GetGpu(inventory_pb2.GetGpuRequest(name=gpu.name))
+
+
+def test_a_gpu_released_while_its_agent_is_held_is_never_mapped(
+    stubs: Stubs, sim_pool: SimPool, held_agent: tuple[Agent, HeldDriver]
+) -> None:
+    """Defect: the agent read its spec, stalled in observe(), the node was released and
+    the GPU freed; the agent then wrote ATTACHING from its stale view and mapped a FREE
+    GPU. Now the claim compares the spec revision, fails, and nothing is mapped."""
+    _agent, driver = held_agent
+    register_sim_box(sim_pool, stubs, "box1", gpus=1)
+    wait_hosts_alive(stubs)
+    driver.armed = True
+
+    node = compose(stubs, "H100:1")
+    assert driver.arrived.wait(10), "the agent never picked up the GPU"
+    stubs.nodes.ReleaseNode(nodes_pb2.ReleaseNodeRequest(name=node.name))
+    wait_until(
+        lambda: gpu_record(stubs, GPU).state == pb.GPU_STATE_FREE,
+        message="the released GPU to be FREE while the agent is held",
+    )
+
+    driver.armed = False
+    driver.go.set()
+    wait_state(stubs, node.name, pb.NODE_STATE_RELEASED)
+    # Give the held worker time to act on its stale decision, if it were going to.
+    wait_until(held_agent[0].idle, message="the agent to go idle")
+
+    assert driver.attaches == []
+    assert sim_pool.fabric.mapping("box1", 0) is None
+    assert gpu_record(stubs, GPU).state == pb.GPU_STATE_FREE
+
+
+def test_a_gpu_reassigned_while_its_old_agent_is_held_stays_with_the_new_host(
+    stubs: Stubs, sim_pool: SimPool, held_agent: tuple[Agent, HeldDriver]
+) -> None:
+    """The same race, but the freed GPU goes to another host before the held agent
+    resumes: the held agent must neither map it nor claim it."""
+    _agent, driver = held_agent
+    register_sim_box(sim_pool, stubs, "box1", gpus=1)
+    sim_pool.start_agent("h2")
+    wait_hosts_alive(stubs, 2)
+    driver.armed = True
+
+    first = compose(stubs, "H100:1", host="hosts/h1")
+    assert driver.arrived.wait(10)
+    stubs.nodes.ReleaseNode(nodes_pb2.ReleaseNodeRequest(name=first.name))
+    wait_until(lambda: gpu_record(stubs, GPU).state == pb.GPU_STATE_FREE, message="GPU FREE")
+    second = compose(stubs, "H100:1", host="hosts/h2")
+    wait_state(stubs, second.name, pb.NODE_STATE_READY)
+
+    driver.armed = False
+    driver.go.set()
+    wait_state(stubs, first.name, pb.NODE_STATE_RELEASED)
+    wait_until(held_agent[0].idle, message="the agent to go idle")
+
+    assert driver.attaches == []
+    assert sim_pool.fabric.mapping("box1", 0)[0] == "h2"  # type: ignore[index]
+    gpu = gpu_record(stubs, GPU)
+    assert (gpu.state, gpu.node, gpu.host) == (pb.GPU_STATE_ATTACHED, second.name, "hosts/h2")
