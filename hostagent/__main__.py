@@ -161,6 +161,15 @@ def run_agent(config: AgentConfig) -> int:
     help="Liveness lease TTL, seconds (etcd rounds it up to whole seconds).",
 )
 @_option(
+    "--state-dir",
+    "state_dir",
+    env="STATE_DIR",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Directory for the agent's identity token: a restart with the same directory "
+    "adopts its live lease, so the host's nodes survive the restart.",
+)
+@_option(
     "--resync-interval",
     "resync_interval_s",
     env="RESYNC_INTERVAL",

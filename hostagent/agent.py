@@ -31,6 +31,7 @@ from dxpool.hostagent.config import AgentConfig
 from dxpool.hostagent.desired import DesiredState
 from dxpool.hostagent.driver import FabricDriver
 from dxpool.hostagent.errors import DriverError
+from dxpool.hostagent.identity import AgentIdentity
 from dxpool.hostagent.reconcile import Outcome, Reconciler
 from dxpool.hostagent.registration import ETCD_ERRORS, HostHeldError, HostRegistration
 from dxpool.hostagent.status import StatusStore, StatusWriteRefusedError
@@ -55,7 +56,8 @@ class Agent:
         self._client = client
         self._spec_key = config.keys.host_allocation(config.host_id)
         self._desired = DesiredState(config.host_id)
-        self._registration = HostRegistration(client, config)
+        self._identity = AgentIdentity(config.host_id, config.state_dir)
+        self._registration = HostRegistration(client, config, self._identity.token)
         self._status = StatusStore(
             client, config.keys, config.host_id, lambda: self._registration.lease_id
         )
@@ -149,9 +151,14 @@ class Agent:
         """Block until a stop is requested; True if it was."""
         return self._stopping.wait(timeout_s)
 
-    def stop(self, *, revoke_lease: bool = True) -> None:
-        """Stop: revoke the lease (the host shows as gone at once), stop the watch, let each
-        worker finish the GPU in hand, and join every thread. Idempotent."""
+    def stop(self, *, revoke_lease: bool | None = None) -> None:
+        """Stop: stop the watch, let each worker finish the GPU in hand, and join every
+        thread. Idempotent. ``revoke_lease`` (default: only when the agent has no state
+        directory to resume from) revokes the liveness lease, so the host shows as gone at
+        once and its nodes are lost; otherwise the next run adopts the lease, or it
+        expires within its TTL."""
+        if revoke_lease is None:
+            revoke_lease = self._config.state_dir is None
         if self._stopped:
             return
         self._stopped = True
@@ -161,6 +168,7 @@ class Agent:
         self._cancel_watch()
         for thread in self._threads:
             thread.join()
+        self._identity.close()
         log.info("agent stopped", extra={"host": self._config.host_id})
 
     # -- spec: list, then watch -----------------------------------------------------------

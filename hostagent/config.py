@@ -50,6 +50,7 @@ class AgentConfig:
     workers: int = 4
     startup_timeout_s: float = 60.0
     agent_endpoint: str = ""
+    state_dir: Path | None = None
 
     def __post_init__(self) -> None:
         check_id(self.host_id, "host")

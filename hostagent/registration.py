@@ -22,6 +22,7 @@ import math
 import threading
 from typing import Any
 
+import etcd3
 import etcd3.exceptions
 import grpc
 from etcd3 import transactions
@@ -61,9 +62,10 @@ def host_record(config: AgentConfig) -> resources_pb2.Host:
 class HostRegistration:
     """Registers one host and keeps its liveness lease alive from a daemon thread."""
 
-    def __init__(self, client: Any, config: AgentConfig) -> None:
+    def __init__(self, client: Any, config: AgentConfig, token: str = "") -> None:
         self._client = client
         self._config = config
+        self._token = token.encode()
         self._keys = config.keys
         self._lease: Any = None
         self._lock = threading.Lock()
@@ -98,18 +100,34 @@ class HostRegistration:
         key = self._keys.host_lease(self._config.host_id)
         created, responses = self._client.transaction(
             compare=[transactions.Create(key) == 0],
-            success=[transactions.Put(key, b"", lease=lease)],
+            success=[transactions.Put(key, self._token, lease=lease)],
             failure=[transactions.Get(key)],
         )
         if not created:
             lease.revoke()
-            holder = _lease_of(responses)
+            holder, value = _holder_of(responses)
+            if self._token and value == self._token and self._adopt(holder, ttl):
+                return
             raise HostHeldError(
                 f"host {self._config.host_id} is held by another live agent (lease "
                 f"{holder:x}); stop that agent, or wait up to {ttl}s for its lease to expire"
             )
         with self._lock:
             self._lease = lease
+
+    def _adopt(self, lease_id: int, ttl: int) -> bool:
+        """Take over our own previous incarnation's lease, if it is still alive."""
+        lease = etcd3.Lease(lease_id, ttl, etcd_client=self._client)
+        responses = lease.refresh()
+        if not responses or responses[0].TTL <= 0:
+            return False
+        with self._lock:
+            self._lease = lease
+        log.info(
+            "adopted the live lease of this agent's previous run",
+            extra={"host": self._config.host_id, "lease": f"{lease_id:x}"},
+        )
+        return True
 
     def start_keepalive(self) -> None:
         """Start the keep-alive thread (once)."""
@@ -160,14 +178,14 @@ class HostRegistration:
                 log.warning("lease revoke failed", extra={"error": repr(error)})
 
 
-def _lease_of(responses: Any) -> int:
-    """The lease id of the key a failed transaction's single Get returned (0 if none)."""
+def _holder_of(responses: Any) -> tuple[int, bytes]:
+    """The lease id and value of the key a failed transaction's single Get returned."""
     try:
-        for _value, meta in responses[0]:
-            return int(meta.lease_id)
+        for value, meta in responses[0]:
+            return int(meta.lease_id), bytes(value)
     except (IndexError, TypeError, AttributeError):
         pass
-    return 0
+    return 0, b""
 
 
 __all__ = ["ETCD_ERRORS", "HostHeldError", "HostRegistration", "host_record"]

@@ -187,6 +187,8 @@ class SimPool:
             str(map_delay_s),
             "--resync-interval",
             "2",
+            "--state-dir",
+            str(self.state_dir / f"agent-state-{host}"),
             *extra,
         ]
         with open(log_path, "ab") as log:

@@ -8,7 +8,9 @@ from typing import Any
 import pytest
 
 from dxpool.api.v1 import resources_pb2
+from dxpool.errors import FailedPrecondition
 from dxpool.hostagent.config import AgentConfig
+from dxpool.hostagent.identity import AgentIdentity
 from dxpool.hostagent.registration import HostHeldError, HostRegistration
 from dxpool.store.client import connect
 from dxpool.store.embedded import EmbeddedEtcd
@@ -108,3 +110,29 @@ def test_a_second_agent_cannot_take_a_held_host(client: Any, config: AgentConfig
     second.register()  # once released, the host can be taken
     assert second.lease_id is not None
     second.stop()
+
+
+def test_a_restarted_agent_adopts_its_own_live_lease(client: Any, config: AgentConfig) -> None:
+    first = HostRegistration(client, config, token="agent-token")
+    first.register()
+    lease_id = first.lease_id
+
+    restarted = HostRegistration(client, config, token="agent-token")  # same identity
+    restarted.register()
+
+    assert restarted.lease_id == lease_id  # no new lease: the host was never gone
+    assert client.get(KeySchema(config.key_prefix).host_lease("h7"))[0] == b"agent-token"
+    with pytest.raises(HostHeldError):
+        HostRegistration(client, config, token="someone-else").register()
+    restarted.stop()
+
+
+def test_one_state_directory_serves_one_agent_at_a_time(tmp_path: Any) -> None:
+    identity = AgentIdentity("h7", tmp_path)
+    with pytest.raises(FailedPrecondition, match="another agent for host h7"):
+        AgentIdentity("h7", tmp_path)
+    token = identity.token
+    identity.close()
+    again = AgentIdentity("h7", tmp_path)
+    assert again.token == token  # the identity survives the restart
+    again.close()
