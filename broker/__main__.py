@@ -32,6 +32,26 @@ from dxpool.store.keys import DEFAULT_PREFIX
     help="seconds a node may take to become READY before it fails",
 )
 @click.option(
+    "--fabric",
+    default=None,
+    help="box side of the fabric, for fencing the GPUs of lost hosts: sim:DIR (the "
+    "simulated fabric's state directory); without it they wait in FENCING",
+)
+@click.option(
+    "--host-loss-grace",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="seconds a host may stay without a live agent lease before it is lost",
+)
+@click.option(
+    "--retention",
+    type=click.FloatRange(min=0),
+    default=3600.0,
+    show_default=True,
+    help="seconds RELEASED nodes and their request ids are kept",
+)
+@click.option(
     "--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)"
 )
 @click.option("--log-level", default="INFO", show_default=True)
@@ -41,6 +61,9 @@ def broker_command(
     listen: str,
     topology: Path | None,
     attach_timeout: float,
+    fabric: str | None,
+    host_loss_grace: float,
+    retention: float,
     metrics_port: int,
     log_level: str,
 ) -> None:
@@ -59,6 +82,9 @@ def broker_command(
             listen=listen,
             topology_path=topology,
             attach_timeout_s=attach_timeout,
+            fabric=fabric,
+            host_loss_grace_s=host_loss_grace,
+            retention_s=retention,
         )
     )
     server.start()

@@ -78,6 +78,9 @@ class NodeController:
         # touches that host's GPUs only.
         self._gpus_by_host: dict[str, set[str]] = {}
         self._host_of_gpu: dict[str, str] = {}
+        # GPU id -> its owner node id, so a GPU that lets go of its node (freed,
+        # quarantined) wakes that node (e.g. RELEASING -> RELEASED).
+        self._owner_of_gpu: dict[str, str] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._unsubscribe: Callable[[], None] | None = None
@@ -87,6 +90,8 @@ class NodeController:
         with self._lock:
             for name, record in self._cache.items(k.GPUS):
                 self._index_gpu(name, record.value.host)
+                if record.value.node:
+                    self._owner_of_gpu[name] = parse_node(record.value.node)
         self._thread = threading.Thread(target=self._loop, name="node-controller", daemon=True)
         self._thread.start()
 
@@ -105,6 +110,12 @@ class NodeController:
             elif collection == k.GPUS:
                 self._dirty_gpus.add(name)
                 self._index_gpu(name, record.value.host if record is not None else "")
+                owner = parse_node(record.value.node) if record and record.value.node else ""
+                previous = self._owner_of_gpu.pop(name, "")
+                if previous and previous != owner:
+                    self._dirty_nodes.add(previous)
+                if owner:
+                    self._owner_of_gpu[name] = owner
             elif collection == k.HOST_STATUSES:
                 self._dirty_hosts.add(name)
             else:

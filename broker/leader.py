@@ -51,6 +51,12 @@ class LeaderElection:
         return self._leading.wait(timeout_s)
 
     def start(self) -> None:
+        """Campaign once now (so a lone broker leads as soon as it serves), then keep
+        campaigning or refreshing in a daemon thread."""
+        try:
+            self._campaign()
+        except Exception as error:  # noqa: BLE001 - the thread tries again
+            log.warning("first leader campaign failed", extra={"error": repr(error)})
         self._thread = threading.Thread(target=self._run, name="leader-election", daemon=True)
         self._thread.start()
 
@@ -70,7 +76,7 @@ class LeaderElection:
                     self._refresh()
                 else:
                     self._campaign()
-            except (Unavailable, Exception) as error:  # noqa: BLE001 - etcd of any kind
+            except (Unavailable, Exception) as error:
                 if self._leading.is_set():
                     log.warning("leadership lost", extra={"error": repr(error)})
                 self._step_down(resign=False)
@@ -108,7 +114,7 @@ class LeaderElection:
         if lease is not None and resign:
             try:
                 lease.revoke()
-            except Exception:  # noqa: BLE001 - best effort; the lease expires anyway
+            except Exception:
                 log.debug("lease revoke failed", exc_info=True)
         if was_leading:
             log.info("stepped down", extra={"key": self._key})

@@ -74,7 +74,7 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
     def ReleaseNode(
         self, request: nodes_pb2.ReleaseNodeRequest, context: grpc.ServicerContext
     ) -> pb.VirtualNode:
-        return self._composer.release(request.name)
+        return self._composer.release(request.name, force=request.force)
 
     @stream_handler("NodeService.WatchNodes")
     def WatchNodes(

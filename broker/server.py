@@ -8,6 +8,9 @@ FabricService, gRPC health checking and reflection on ``config.listen``.
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import uuid
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,11 +28,14 @@ from dxpool.api.v1 import (
     nodes_pb2,
     nodes_pb2_grpc,
 )
+from dxpool.broker.box_fabric import open_box_fabric
 from dxpool.broker.cache import Cache
 from dxpool.broker.compose import Composer, ComposeSettings
 from dxpool.broker.controller import NodeController
+from dxpool.broker.duties import DutySettings, SingletonDuties
 from dxpool.broker.fabric_service import FabricService
 from dxpool.broker.inventory_service import InventoryService
+from dxpool.broker.leader import LeaderElection
 from dxpool.broker.node_service import MAX_WATCHERS, NodeService
 from dxpool.broker.placement_index import PlacementIndex
 from dxpool.broker.store import Store
@@ -58,6 +64,13 @@ class BrokerConfig:
     attach_timeout_s: float = 120.0
     max_workers: int = 32
     controller_sweep_s: float = 1.0
+    # The box side of the fabric, for fencing (``sim:DIR``); None: GPUs of lost hosts
+    # wait in FENCING until one is configured.
+    fabric: str | None = None
+    host_loss_grace_s: float = 0.0
+    retention_s: float = 3600.0
+    leader_ttl_s: float = 5.0
+    duty_interval_s: float = 0.25
 
 
 class BrokerServer:
@@ -78,8 +91,16 @@ class BrokerServer:
             Topology.load(config.topology_path) if config.topology_path else Topology.default()
         )
         self.latency = TopologyLatencyModel(topology)
+        self.box_fabric = open_box_fabric(config.fabric)
         self.index: PlacementIndex | None = None
         self.controller: NodeController | None = None
+        self.election = LeaderElection(
+            self._etcd,
+            schema.election("duties"),
+            f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}",
+            ttl_s=config.leader_ttl_s,
+        )
+        self.duties: SingletonDuties | None = None
         self._health = health.HealthServicer()
 
     def start(self) -> BrokerServer:
@@ -94,9 +115,25 @@ class BrokerServer:
             ComposeSettings(attach_timeout_s=self.config.attach_timeout_s),
         )
         self.controller = NodeController(
-            self.store, self.cache, sweep_interval_s=self.config.controller_sweep_s
+            self.store,
+            self.cache,
+            sweep_interval_s=self.config.controller_sweep_s,
+            is_leader=self.election.is_leader,
         )
         self.controller.start()
+        self.duties = SingletonDuties(
+            self.store,
+            self.cache,
+            self.box_fabric,
+            self.election.is_leader,
+            DutySettings(
+                interval_s=self.config.duty_interval_s,
+                host_loss_grace_s=self.config.host_loss_grace_s,
+                retention_s=self.config.retention_s,
+            ),
+        )
+        self.duties.start()
+        self.election.start()
         server = grpc.server(
             futures.ThreadPoolExecutor(
                 max_workers=self.config.max_workers + MAX_WATCHERS, thread_name_prefix="rpc"
@@ -135,6 +172,9 @@ class BrokerServer:
         self._health.enter_graceful_shutdown()
         if self._server is not None:
             self._server.stop(grace_s).wait()
+        self.election.stop()
+        if self.duties is not None:
+            self.duties.stop()
         if self.controller is not None:
             self.controller.stop()
         if self.index is not None:

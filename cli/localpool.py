@@ -135,7 +135,10 @@ class LocalPool:
         fabric_dir = self._install_fabric()
         broker = BrokerServer(
             BrokerConfig(
-                etcd_endpoints=self._etcd.endpoint, key_prefix=spec.key_prefix, listen=spec.listen
+                etcd_endpoints=self._etcd.endpoint,
+                key_prefix=spec.key_prefix,
+                listen=spec.listen,
+                fabric=f"sim:{fabric_dir}",
             )
         )
         self._broker = broker

@@ -62,6 +62,7 @@ from dxpool.errors import (
     Unavailable,
     from_code,
 )
+from dxpool.lifecycle import NODE_REACHABLE
 from dxpool.request import GpuSpec, parse_duration_ns, parse_gpus, parse_memory_mib
 
 __all__ = [
@@ -105,34 +106,8 @@ _Resp = TypeVar("_Resp", bound=Message)
 _Item = TypeVar("_Item")
 _T = TypeVar("_T")
 
-# From each node state, the states a node can still reach (see resources.proto).
-_REACHABLE: Final[dict[int, frozenset[int]]] = {
-    NodeState.NODE_STATE_PENDING: frozenset(
-        {
-            NodeState.NODE_STATE_ATTACHING,
-            NodeState.NODE_STATE_READY,
-            NodeState.NODE_STATE_FAILED,
-            NodeState.NODE_STATE_RELEASING,
-            NodeState.NODE_STATE_RELEASED,
-        }
-    ),
-    NodeState.NODE_STATE_ATTACHING: frozenset(
-        {
-            NodeState.NODE_STATE_READY,
-            NodeState.NODE_STATE_FAILED,
-            NodeState.NODE_STATE_RELEASING,
-            NodeState.NODE_STATE_RELEASED,
-        }
-    ),
-    NodeState.NODE_STATE_READY: frozenset(
-        {NodeState.NODE_STATE_FAILED, NodeState.NODE_STATE_RELEASING, NodeState.NODE_STATE_RELEASED}
-    ),
-    NodeState.NODE_STATE_FAILED: frozenset(
-        {NodeState.NODE_STATE_RELEASING, NodeState.NODE_STATE_RELEASED}
-    ),
-    NodeState.NODE_STATE_RELEASING: frozenset({NodeState.NODE_STATE_RELEASED}),
-    NodeState.NODE_STATE_RELEASED: frozenset(),
-}
+# From each node state, the states a node can still reach (see dxpool.lifecycle).
+_REACHABLE: Final[Mapping[int, frozenset[int]]] = NODE_REACHABLE
 
 
 def _enum_value(value: int | str, enum: EnumDescriptor, kind: str) -> int:
@@ -578,10 +553,11 @@ class Client:
             lambda response: (response.nodes, response.next_page_token),
         )
 
-    def release_node(self, name: str) -> resources_pb2.VirtualNode:
+    def release_node(self, name: str, *, force: bool = False) -> resources_pb2.VirtualNode:
         """Start detaching a node's GPUs. Idempotent: a RELEASING or RELEASED node is
-        returned unchanged."""
-        request = nodes_pb2.ReleaseNodeRequest(name=node_name(name))
+        returned unchanged. ``force`` does not wait for the host's agent: the broker
+        fences the GPUs at the box side, scrubs and frees them (for a dead or hung host)."""
+        request = nodes_pb2.ReleaseNodeRequest(name=node_name(name), force=force)
         return self._unary(self._nodes.ReleaseNode, request)
 
     def watch_nodes(

@@ -161,6 +161,14 @@ def run_agent(config: AgentConfig) -> int:
     help="Liveness lease TTL, seconds (etcd rounds it up to whole seconds).",
 )
 @_option(
+    "--detach-attempts",
+    env="DETACH_ATTEMPTS",
+    type=int,
+    default=5,
+    help="Failed detaches in a row before the GPU is reported FAILED (the broker then "
+    "quarantines it); the agent keeps retrying.",
+)
+@_option(
     "--state-dir",
     "state_dir",
     env="STATE_DIR",

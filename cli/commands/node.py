@@ -222,6 +222,12 @@ def get(cli: CliContext, names: tuple[str, ...], output: OutputFormat) -> None:
 @click.argument("names", metavar="NODE...", type=NODE, nargs=-1, required=True)
 @click.option("--wait", is_flag=True, help="Wait until the nodes are RELEASED.")
 @click.option(
+    "--force",
+    is_flag=True,
+    help="Do not wait for the host's agent: fence the GPUs at the box side, scrub and "
+    "free them (for a node whose host is dead or hung).",
+)
+@click.option(
     "--timeout",
     type=SECONDS,
     default=DEFAULT_WAIT,
@@ -229,11 +235,13 @@ def get(cli: CliContext, names: tuple[str, ...], output: OutputFormat) -> None:
     help="How long --wait waits for each node.",
 )
 @pass_cli
-def delete(cli: CliContext, names: tuple[str, ...], wait: bool, timeout: float) -> None:
+def delete(
+    cli: CliContext, names: tuple[str, ...], wait: bool, force: bool, timeout: float
+) -> None:
     """Release nodes: detach their GPUs and return them to the pool. Idempotent."""
     client = cli.client()
     for name in names:
-        released = client.release_node(name)
+        released = client.release_node(name, force=force)
         if wait and released.state != NodeState.NODE_STATE_RELEASED:
             info(f"waiting up to {timeout:g}s for {name} to be RELEASED")
             released = client.wait_for_node(

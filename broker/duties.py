@@ -1,0 +1,326 @@
+"""Singleton duties, run by the elected leader among the brokers.
+
+* **Host loss.** A host whose liveness key is gone (its agent's lease expired, plus
+  ``host_loss_grace_s``) while GPUs are on it is lost: each of its PENDING, ATTACHING or
+  READY nodes becomes LOST, and every GPU on it goes FENCING, in transactions that also
+  require the liveness key to be still absent - a host that came back in time keeps its
+  nodes.
+* **Fencing and reclaim.** For each FENCING GPU the leader asks the box side to revoke
+  every mapping made for the GPU's generation (:mod:`dxpool.broker.box_fabric`), scrubs
+  it, and only then frees it, comparing the GPU's revision. A GPU whose fence or scrub
+  keeps failing is QUARANTINED. Without a box fabric configured, FENCING GPUs wait: no
+  GPU of a lost host is reused until the box side has revoked the dead host's access.
+* **Garbage collection.** RELEASED nodes, and the request ids that name them, are deleted
+  ``retention_s`` after their release: request ids are idempotency keys for that long.
+
+Why it is safe when the host is merely partitioned, not dead: the fence is done at the
+box side, which the partitioned host cannot reach around; its agent, once its lease is
+gone, can no longer write status (writes compare the lease) and its late maps carry a
+fenced generation and are refused by the box side. When it returns, it registers anew,
+finds nothing wanted of it, and detaches what its host side still holds.
+
+Attach deadlines are the node controller's, checked there only while this broker leads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dxpool import lifecycle
+from dxpool.api.v1 import resources_pb2 as pb
+from dxpool.broker import metrics
+from dxpool.broker.box_fabric import BoxFabric, BoxFabricError
+from dxpool.broker.cache import Cache
+from dxpool.broker.records import copy, seconds
+from dxpool.broker.stm import TxnView, transact
+from dxpool.broker.store import Store, Versioned
+from dxpool.broker.transitions import let_go
+from dxpool.errors import DxpoolError
+from dxpool.names import parse_gpu, parse_host
+from dxpool.store import keys as k
+
+log = logging.getLogger(__name__)
+
+LEASE_HOLDING_STATES = frozenset(
+    {pb.GPU_STATE_ATTACHING, pb.GPU_STATE_ATTACHED, pb.GPU_STATE_DETACHING}
+)
+NO_FABRIC_MESSAGE = (
+    "fencing: waiting for the box side to revoke the lost host's access; no box fabric is "
+    "configured (start the broker with --fabric)"
+)
+
+
+@dataclass(frozen=True)
+class DutySettings:
+    interval_s: float = 0.25
+    host_loss_grace_s: float = 0.0
+    fence_attempts: int = 5
+    retention_s: float = 3600.0
+
+
+class SingletonDuties:
+    """Runs the duties every ``interval_s`` while ``is_leader()``; ``start``/``stop``."""
+
+    def __init__(
+        self,
+        store: Store,
+        cache: Cache,
+        box_fabric: BoxFabric | None,
+        is_leader: Callable[[], bool],
+        settings: DutySettings = DutySettings(),
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._store = store
+        self._cache = cache
+        self._fabric = box_fabric
+        self._is_leader = is_leader
+        self._settings = settings
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._host_of: dict[str, str] = {}  # GPU id -> host id, while its lease matters
+        self._fencing: set[str] = set()
+        self._released: set[str] = set()
+        self._absent_since: dict[str, float] = {}
+        self._failures: dict[str, int] = {}
+        self._retry_at: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._unsubscribe: Callable[[], None] | None = None
+
+    def start(self) -> None:
+        self._unsubscribe = self._cache.subscribe(self._on_change)
+        for name, record in self._cache.items(k.GPUS):
+            self._on_change(k.GPUS, name, record)
+        for name, record in self._cache.items(k.NODES):
+            self._on_change(k.NODES, name, record)
+        self._thread = threading.Thread(target=self._loop, name="leader-duties", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _on_change(self, collection: str, name: str, record: Versioned[Any] | None) -> None:
+        with self._lock:
+            if collection == k.GPUS:
+                gpu = record.value if record is not None else None
+                if gpu is not None and gpu.state in LEASE_HOLDING_STATES and gpu.host:
+                    self._host_of[name] = parse_host(gpu.host)
+                else:
+                    self._host_of.pop(name, None)
+                if gpu is not None and gpu.state == pb.GPU_STATE_FENCING:
+                    self._fencing.add(name)
+                else:
+                    self._fencing.discard(name)
+            elif collection == k.NODES:
+                if record is not None and record.value.state == pb.NODE_STATE_RELEASED:
+                    self._released.add(name)
+                else:
+                    self._released.discard(name)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._settings.interval_s):
+            if not self._is_leader():
+                continue
+            try:
+                self.run_once()
+            except DxpoolError as error:
+                log.warning("leader duties failed; retrying", extra={"error": error.message})
+            except Exception:
+                log.exception("leader duties failed; retrying")
+
+    def run_once(self) -> None:
+        """One pass of every duty (also for tests, which drive it directly)."""
+        self.handle_host_loss()
+        self.reclaim_fencing()
+        self.collect_garbage()
+
+    # -- host loss ----------------------------------------------------------------------
+
+    def handle_host_loss(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            hosts = set(self._host_of.values())
+        for host in list(self._absent_since):
+            if host not in hosts:
+                del self._absent_since[host]
+        for host in sorted(hosts):
+            if self._cache.get(k.HOST_LEASES, host) is not None:
+                self._absent_since.pop(host, None)
+                continue
+            since = self._absent_since.setdefault(host, now)
+            if now - since >= self._settings.host_loss_grace_s:
+                self._lose_host(host)
+
+    def _lose_host(self, host: str) -> None:
+        host_name = f"hosts/{host}"
+        message = f"{host_name} was lost: its agent's lease expired"
+        lost_nodes = 0
+        for node_id, record in self._cache.items(k.NODES):
+            if record.value.host == host_name and record.value.state in (
+                lifecycle.LOSABLE_NODE_STATES
+            ):
+                lost_nodes += bool(self._apply(self._lose_node(host, node_id, message), node_id))
+        with self._lock:
+            stray = sorted(g for g, h in self._host_of.items() if h == host)
+        for gpu_id in stray:
+            self._apply(self._fence_gpu(host, gpu_id, message), gpu_id)
+        log.warning(
+            "host lost; fencing its GPUs",
+            extra={"host": host_name, "nodes": lost_nodes, "gpus": len(stray)},
+        )
+
+    def _lose_node(self, host: str, node_id: str, message: str) -> Callable[[TxnView], Any]:
+        def body(view: TxnView) -> str | None:
+            if view.exists(k.HOST_LEASES, host):
+                return None  # the host came back
+            record = view.get(k.NODES, node_id)
+            if record is None or record.value.state not in lifecycle.LOSABLE_NODE_STATES:
+                return None
+            let_go(view, record.value, pb.NODE_STATE_LOST, message, self._clock(), fence=True)
+            return "LOST"
+
+        return body
+
+    def _fence_gpu(self, host: str, gpu_id: str, message: str) -> Callable[[TxnView], Any]:
+        def body(view: TxnView) -> str | None:
+            if view.exists(k.HOST_LEASES, host):
+                return None
+            record = view.get(k.GPUS, gpu_id)
+            if record is None or record.value.state not in LEASE_HOLDING_STATES:
+                return None
+            if record.value.host != f"hosts/{host}":
+                return None
+            view.put(k.GPUS, gpu_id, lifecycle.begin_fence(record.value, f"fencing: {message}"))
+            return "FENCING"
+
+        return body
+
+    # -- fencing and reclaim ------------------------------------------------------------
+
+    def reclaim_fencing(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            fencing = sorted(self._fencing)
+        for gpu_id in fencing:
+            if self._retry_at.get(gpu_id, 0.0) > now:
+                continue
+            record = self._cache.get(k.GPUS, gpu_id)
+            if record is None or record.value.state != pb.GPU_STATE_FENCING:
+                continue
+            gpu: pb.Gpu = record.value
+            if self._fabric is None:
+                if gpu.message != NO_FABRIC_MESSAGE:
+                    self._apply(self._annotate(gpu_id, gpu.generation), gpu_id)
+                continue
+            ref = parse_gpu(gpu.name)
+            try:
+                self._fabric.fence(ref, gpu.generation)
+                self._fabric.scrub(ref, gpu.generation)
+            except BoxFabricError as error:
+                self._fence_failed(gpu_id, gpu, str(error), now)
+                continue
+            self._failures.pop(gpu_id, None)
+            self._retry_at.pop(gpu_id, None)
+            if self._apply(self._free(gpu_id, gpu.generation), gpu_id) == "FREE":
+                metrics.GPU_FREED.inc()
+                log.info("gpu fenced, scrubbed and freed", extra={"gpu": gpu.name})
+
+    def _fence_failed(self, gpu_id: str, gpu: pb.Gpu, error: str, now: float) -> None:
+        count = self._failures.get(gpu_id, 0) + 1
+        self._failures[gpu_id] = count
+        self._retry_at[gpu_id] = now + min(10.0, self._settings.interval_s * 2**count)
+        log.warning("fence or scrub failed", extra={"gpu": gpu.name, "attempt": count})
+        if count < self._settings.fence_attempts:
+            return
+        reason = f"fence or scrub failed {count} times: {error}"
+
+        def body(view: TxnView) -> str | None:
+            record = view.get(k.GPUS, gpu_id)
+            if record is None or record.value.state != pb.GPU_STATE_FENCING:
+                return None
+            view.put(k.GPUS, gpu_id, lifecycle.quarantine(record.value, reason))
+            return "QUARANTINED"
+
+        if self._apply(body, gpu_id):
+            self._failures.pop(gpu_id, None)
+            self._retry_at.pop(gpu_id, None)
+
+    def _free(self, gpu_id: str, generation: int) -> Callable[[TxnView], Any]:
+        def body(view: TxnView) -> str | None:
+            record = view.get(k.GPUS, gpu_id)
+            if record is None or record.value.state != pb.GPU_STATE_FENCING:
+                return None
+            if record.value.generation != generation:
+                return None  # not the assignment that was fenced
+            view.put(k.GPUS, gpu_id, lifecycle.free(record.value))
+            return "FREE"
+
+        return body
+
+    def _annotate(self, gpu_id: str, generation: int) -> Callable[[TxnView], Any]:
+        def body(view: TxnView) -> str | None:
+            record = view.get(k.GPUS, gpu_id)
+            if record is None or record.value.state != pb.GPU_STATE_FENCING:
+                return None
+            if record.value.generation != generation:
+                return None
+            updated = copy(record.value)
+            updated.message = NO_FABRIC_MESSAGE
+            view.put(k.GPUS, gpu_id, updated)
+            return None
+
+        return body
+
+    # -- garbage collection -------------------------------------------------------------
+
+    def collect_garbage(self) -> None:
+        cutoff = self._clock() - self._settings.retention_s
+        with self._lock:
+            released = sorted(self._released)
+        for node_id in released:
+            record = self._cache.get(k.NODES, node_id)
+            if record is None or seconds(record.value.update_time) > cutoff:
+                continue
+            self._apply(self._forget_node(node_id, cutoff), node_id)
+
+    def _forget_node(self, node_id: str, cutoff: float) -> Callable[[TxnView], Any]:
+        def body(view: TxnView) -> str | None:
+            record = view.get(k.NODES, node_id)
+            if record is None or record.value.state != pb.NODE_STATE_RELEASED:
+                return None
+            node: pb.VirtualNode = record.value
+            if seconds(node.update_time) > cutoff:
+                return None
+            view.delete(k.NODES, node_id)
+            if node.request_id:
+                request = view.get(k.REQUESTS, node.request_id)
+                if request is not None and bytes(request.value).decode() == node.name:
+                    view.delete(k.REQUESTS, node.request_id)
+            return "DELETED"
+
+        return body
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _apply(self, body: Callable[[TxnView], Any], subject: str) -> Any:
+        try:
+            result = transact(self._store, self._cache, body, attempts=3, what=subject)
+        except DxpoolError as error:
+            log.debug("duty not committed", extra={"subject": subject, "error": str(error)})
+            return None
+        if result == "LOST":
+            metrics.NODE_TRANSITIONS.labels(state=result).inc()
+        return result
+
+
+__all__ = ["DutySettings", "SingletonDuties"]
