@@ -55,7 +55,7 @@ class LeaderElection:
         campaigning or refreshing in a daemon thread."""
         try:
             self._campaign()
-        except Exception as error:  # noqa: BLE001 - the thread tries again
+        except Exception as error:
             log.warning("first leader campaign failed", extra={"error": repr(error)})
         self._thread = threading.Thread(target=self._run, name="leader-election", daemon=True)
         self._thread.start()
