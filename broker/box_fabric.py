@@ -43,20 +43,21 @@ class BoxFabric(Protocol):
 
 
 class SimBoxFabric:
-    """:class:`BoxFabric` over the simulated fabric in a state directory."""
+    """:class:`BoxFabric` over the simulated fabric in a state directory. The fabric is
+    opened per call (cheap), so the broker may start before the fabric is installed."""
 
     def __init__(self, state_dir: Path) -> None:
-        self._fabric = SimFabric(state_dir)
+        self._state_dir = state_dir
 
     def fence(self, gpu: GpuRef, generation: int) -> None:
         try:
-            self._fabric.fence(gpu.box, gpu.slot, generation)
+            SimFabric(self._state_dir).fence(gpu.box, gpu.slot, generation)
         except SimFabricError as error:
             raise BoxFabricError(str(error)) from error
 
     def scrub(self, gpu: GpuRef, generation: int) -> None:
         try:
-            self._fabric.scrub(gpu.box, gpu.slot, generation)
+            SimFabric(self._state_dir).scrub(gpu.box, gpu.slot, generation)
         except SimFabricError as error:
             raise BoxFabricError(str(error)) from error
 
@@ -67,10 +68,7 @@ def open_box_fabric(spec: str | None) -> BoxFabric | None:
         return None
     kind, _, target = spec.partition(":")
     if kind == "sim" and target:
-        try:
-            return SimBoxFabric(Path(target))
-        except SimFabricError as error:
-            raise InvalidArgument(f"--fabric {spec!r}: {error}") from error
+        return SimBoxFabric(Path(target))
     raise InvalidArgument(
         f"unknown box fabric {spec!r}: expected sim:DIR (the simulated fabric's state directory)"
     )
