@@ -90,6 +90,7 @@ def test_rpc_fuzz(name: str, fuzz_pool: FuzzPool) -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not LONG_EXAMPLES, reason=f"set {EXAMPLES_ENV}=N for the long run")
+@pytest.mark.timeout(300 + LONG_EXAMPLES)  # a second per example is far more than it takes
 @pytest.mark.parametrize("name", NAMES)
 def test_rpc_fuzz_long(name: str, fuzz_pool: FuzzPool) -> None:
     fuzz(fuzz_pool, name, max_examples=LONG_EXAMPLES)
