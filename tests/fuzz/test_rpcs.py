@@ -83,17 +83,25 @@ def test_baselines_succeed(fuzz_pool: FuzzPool) -> None:
         assert outcome.code == rpcs.C.OK, (name, outcome)
 
 
+def _no_errors_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """Bad input is the caller's problem: the broker logs no error and no traceback."""
+    noisy = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not noisy, [f"{r.name}: {r.getMessage()[:200]}" for r in noisy]
+
+
 @pytest.mark.parametrize("name", NAMES)
-def test_rpc_fuzz(name: str, fuzz_pool: FuzzPool) -> None:
+def test_rpc_fuzz(name: str, fuzz_pool: FuzzPool, caplog: pytest.LogCaptureFixture) -> None:
     fuzz(fuzz_pool, name)
+    _no_errors_logged(caplog)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not LONG_EXAMPLES, reason=f"set {EXAMPLES_ENV}=N for the long run")
 @pytest.mark.timeout(300 + LONG_EXAMPLES)  # a second per example is far more than it takes
 @pytest.mark.parametrize("name", NAMES)
-def test_rpc_fuzz_long(name: str, fuzz_pool: FuzzPool) -> None:
+def test_rpc_fuzz_long(name: str, fuzz_pool: FuzzPool, caplog: pytest.LogCaptureFixture) -> None:
     fuzz(fuzz_pool, name, max_examples=LONG_EXAMPLES)
+    _no_errors_logged(caplog)
 
 
 def _decodes(name: str, payload: bytes) -> bool:
