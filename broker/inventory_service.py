@@ -133,7 +133,9 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
                     stored: pb.Box = existing.value
                     return stored
                 raise _request_id_reused(box.request_id, owner)
-            return record.mod_revision  # the box that used it is gone: a stale key
+            # No box holds the id any more (deleted before DeleteBox removed request keys,
+            # and maybe registered again without it): a stale key, to take over.
+            return record.mod_revision
         if owner.startswith("boxes/"):
             other = self._store.get(keys.box(owner.removeprefix("boxes/")))
             if other is None or other.value.request_id != box.request_id:
