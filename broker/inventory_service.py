@@ -9,9 +9,15 @@ from dxpool.api.v1 import inventory_pb2_grpc
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.cache import Cache
 from dxpool.broker.records import copy, timestamp
-from dxpool.broker.rpc import handler, page
+from dxpool.broker.rpc import check_page_token, handler, page
 from dxpool.broker.store import Store, Txn
-from dxpool.broker.validation import check_box, check_page_size, check_text
+from dxpool.broker.validation import (
+    check_box,
+    check_enum,
+    check_page_size,
+    check_pci_id,
+    check_text,
+)
 from dxpool.errors import (
     Aborted,
     AlreadyExists,
@@ -19,15 +25,17 @@ from dxpool.errors import (
     InvalidArgument,
     NotFound,
 )
+from dxpool.limits import MAX_GPUS_PER_BOX
 from dxpool.names import (
     box_name,
+    check_id,
     check_request_id,
     gpu_name,
     parse_box,
     parse_gpu,
     parse_host,
 )
-from dxpool.request import validate_gpu_request
+from dxpool.request import check_gpu_memory_mib, check_model
 from dxpool.store import keys as k
 
 MAX_ATTEMPTS = 8
@@ -43,15 +51,9 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
     @handler("InventoryService.CreateBox")
     def CreateBox(self, request: inv.CreateBoxRequest, context: grpc.ServicerContext) -> pb.Box:
         check_request_id(request.request_id)
-        box_id = request.box_id or (parse_box(request.box.name) if request.box.name else "")
-        if not box_id:
-            raise InvalidArgument("box_id is required, e.g. box1", reason="INVALID_NAME")
+        box_id = _box_id(request)
         gpus = _gpu_records(box_id, request)
         check_box(box_id, request.box, len(gpus))
-        if request.request_id:
-            existing = self._box_for_request(request.request_id)
-            if existing is not None:
-                return existing
         box = pb.Box(
             name=box_name(box_id),
             location=request.box.location,
@@ -60,44 +62,85 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
             gpu_count=len(gpus),
             labels=request.box.labels,
             create_time=timestamp(),
+            request_id=request.request_id,
         )
+        return self._create_box(box_id, box, gpus)
+
+    def _create_box(self, box_id: str, box: pb.Box, gpus: list[pb.Gpu]) -> pb.Box:
+        """Commit ``box``, its GPUs and its request key in one transaction.
+
+        With a request_id, an earlier call that used it decides first: the same request
+        gets the box it made, another request ALREADY_EXISTS (REQUEST_ID_REUSED). A
+        request key left behind by a box that no longer holds it (written before
+        DeleteBox removed request keys) is taken over, compared on its revision.
+        """
         keys = self._store.keys
         box_key = keys.box(box_id)
-        txn = Txn().expect_absent(box_key).put(box_key, box)
-        for gpu in gpus:
-            gpu_key = keys.gpu(box_id, gpu.slot)
-            txn.expect_absent(gpu_key).put(gpu_key, gpu)
-        created = {box_key} | {keys.gpu(box_id, g.slot) for g in gpus}
-        request_key = keys.request(request.request_id) if request.request_id else None
-        if request_key:
-            txn.expect_absent(request_key).put(request_key, box.name).read_on_failure(request_key)
-            created.add(request_key)
-        result = self._store.commit(txn)
-        if result.succeeded:
-            self._cache.apply_commit(result.revision, txn.writes, created=created)
-            return box
-        if request_key and result.current.get(request_key) is not None:
-            existing = self._box_for_request(request.request_id)
-            if existing is not None:
-                return existing
-        raise AlreadyExists(
-            f"box {box.name} already exists (or has GPUs left over); pick another id, or "
-            "delete it first with `dxpool box delete`",
-            reason="BOX_EXISTS",
+        request_key = keys.request(box.request_id) if box.request_id else None
+        for _ in range(MAX_ATTEMPTS):
+            request_revision = 0
+            if request_key:
+                earlier = self._earlier_create(box_id, box, gpus)
+                if isinstance(earlier, pb.Box):
+                    return earlier
+                request_revision = earlier
+            txn = Txn().expect_absent(box_key).put(box_key, box)
+            for gpu in gpus:
+                gpu_key = keys.gpu(box_id, gpu.slot)
+                txn.expect_absent(gpu_key).put(gpu_key, gpu)
+            created = {box_key} | {keys.gpu(box_id, g.slot) for g in gpus}
+            if request_key:
+                txn.expect_revision(request_key, request_revision).put(request_key, box.name)
+                txn.read_on_failure(request_key)
+                if not request_revision:
+                    created.add(request_key)
+            result = self._store.commit(txn)
+            if result.succeeded:
+                self._cache.apply_commit(result.revision, txn.writes, created=created)
+                return box
+            now = result.current.get(request_key) if request_key else None
+            if request_key is None or (now.mod_revision if now else 0) == request_revision:
+                raise AlreadyExists(
+                    f"box {box.name} already exists (or has GPUs left over); pick another "
+                    "id, or delete it first with `dxpool box delete`",
+                    reason="BOX_EXISTS",
+                )
+            # A concurrent call took the request id first; look at what it made.
+        raise Aborted(
+            f"creating {box.name} kept conflicting with calls that use the same request_id; retry",
+            reason="COMMIT_CONFLICT",
         )
 
-    def _box_for_request(self, request_id: str) -> pb.Box | None:
-        record = self._store.get(self._store.keys.request(request_id))
+    def _earlier_create(self, box_id: str, box: pb.Box, gpus: list[pb.Gpu]) -> pb.Box | int:
+        """What an earlier call with ``box.request_id`` left: the box to return for a
+        retry, or the revision of the request key to compare on (0: absent, else a
+        stale key to take over). Raises REQUEST_ID_REUSED for another request's id.
+        """
+        keys = self._store.keys
+        request_key = keys.request(box.request_id)
+        # One snapshot: the request key, the box, and its GPUs at the same revision.
+        gpu_prefix = keys.box_gpus(box_id)
+        found = self._store.read([request_key, keys.box(box_id)], [gpu_prefix])
+        record = found.get(request_key)
         if record is None:
-            return None
-        name = bytes(record.value).decode()
-        if not name.startswith("boxes/"):
-            raise AlreadyExists(
-                f"request_id {request_id!r} was already used for {name}; use a new one",
-                reason="REQUEST_ID_REUSED",
-            )
-        box = self._store.get(self._store.keys.box(parse_box(name)))
-        return box.value if box else None
+            return 0
+        owner = bytes(record.value).decode(errors="replace")
+        if owner == box.name:
+            existing = found.get(keys.box(box_id))
+            if existing is not None and existing.value.request_id == box.request_id:
+                stored_gpus = [r.value for key, r in found.items() if key.startswith(gpu_prefix)]
+                if _same_box(existing.value, stored_gpus, box, gpus):
+                    stored: pb.Box = existing.value
+                    return stored
+                raise _request_id_reused(box.request_id, owner)
+            # No box holds the id any more (deleted before DeleteBox removed request keys,
+            # and maybe registered again without it): a stale key, to take over.
+            return record.mod_revision
+        if owner.startswith("boxes/"):
+            other = self._store.get(keys.box(owner.removeprefix("boxes/")))
+            if other is None or other.value.request_id != box.request_id:
+                return record.mod_revision
+        raise _request_id_reused(box.request_id, owner)
 
     @handler("InventoryService.GetBox")
     def GetBox(self, request: inv.GetBoxRequest, context: grpc.ServicerContext) -> pb.Box:
@@ -159,6 +202,12 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
             keys = self._store.keys
             txn = Txn().expect_revision(keys.box(box_id), record.mod_revision)
             txn.delete(keys.box(box_id)).read_on_failure(keys.box(box_id))
+            box: pb.Box = record.value
+            if box.request_id:
+                # The request key names this box: CreateBox wrote both in one transaction,
+                # and nothing else replaces a request key whose box still holds it. It goes
+                # with the box, so the same request can register the box again.
+                txn.delete(keys.request(box.request_id))
             owned = []
             for name, gpu_record in self._cache.items(k.GPUS):
                 if not name.startswith(box_id + "/"):
@@ -202,8 +251,16 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
         self, request: inv.ListGpusRequest, context: grpc.ServicerContext
     ) -> inv.ListGpusResponse:
         box_filter = parse_box(request.parent) if request.parent else None
+        if request.state:
+            check_enum(request.state, pb.GpuState.DESCRIPTOR, "state")
+        check_model(request.model)
+        page_size = check_page_size(request.page_size)
+        check_page_token(request.page_token)
         if box_filter is not None and self._cache.get(k.BOXES, box_filter) is None:
-            raise NotFound(f"box {request.parent} does not exist", reason="BOX_NOT_FOUND")
+            raise NotFound(
+                f"box {request.parent} does not exist; list boxes with `dxpool box list`",
+                reason="BOX_NOT_FOUND",
+            )
         model = request.model.lower()
         items = []
         for _name, record in self._cache.items(k.GPUS):
@@ -216,7 +273,7 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
                 continue
             items.append((f"{gpu.box}/{gpu.slot:05d}", gpu))
         items.sort(key=lambda item: item[0])
-        gpus, token = page(items, check_page_size(request.page_size), request.page_token)
+        gpus, token = page(items, page_size, request.page_token)
         return inv.ListGpusResponse(gpus=gpus, next_page_token=token)
 
     # -- hosts -----------------------------------------------------------------------
@@ -249,23 +306,46 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
         return view
 
 
+def _box_id(request: inv.CreateBoxRequest) -> str:
+    """The id of the box to create: ``box_id``, or the id in ``box.name``; not both apart."""
+    named = parse_box(request.box.name) if request.box.name else ""
+    if request.box_id and named and named != request.box_id:
+        raise InvalidArgument(
+            f"box_id {request.box_id!r} and box.name {request.box.name!r} name different "
+            "boxes; give one of them",
+            reason="INVALID_NAME",
+        )
+    box_id = request.box_id or named
+    if not box_id:
+        raise InvalidArgument(
+            "box_id is required: set box_id (e.g. box1) or box.name (boxes/box1)",
+            reason="INVALID_NAME",
+        )
+    return check_id(box_id, "box")
+
+
 def _gpu_records(box_id: str, request: inv.CreateBoxRequest) -> list[pb.Gpu]:
     """The GPUs a CreateBox request describes, validated."""
     if request.gpus:
+        if len(request.gpus) > MAX_GPUS_PER_BOX:
+            raise InvalidArgument(
+                f"gpus lists {len(request.gpus)} slots; a box holds 1 to {MAX_GPUS_PER_BOX}: "
+                f"list at most {MAX_GPUS_PER_BOX}",
+                reason="INVALID_GPU_COUNT",
+            )
         slots = [s.slot for s in request.gpus]
         if len(set(slots)) != len(slots):
-            raise InvalidArgument("gpus lists a slot twice; give each slot once")
+            raise InvalidArgument(
+                "gpus lists a slot twice; give each slot once", reason="DUPLICATE_SLOT"
+            )
         specs = list(request.gpus)
     else:
         count = request.box.gpu_count
-        if count <= 0:
+        if not 1 <= count <= MAX_GPUS_PER_BOX:
             raise InvalidArgument(
-                f"box.gpu_count must be 1 or more (got {count}), or list the slots in gpus",
+                f"a box holds 1 to {MAX_GPUS_PER_BOX} GPUs; got box.gpu_count {count} "
+                "(set box.gpu_count, or list the slots in gpus)",
                 reason="INVALID_GPU_COUNT",
-            )
-        if count > 64:
-            raise InvalidArgument(
-                f"a box holds 1 to 64 GPUs; got box.gpu_count {count}", reason="INVALID_GPU_COUNT"
             )
         specs = [
             inv.GpuSlotSpec(slot=slot, model=request.gpu_model, memory_mib=request.gpu_memory_mib)
@@ -273,17 +353,21 @@ def _gpu_records(box_id: str, request: inv.CreateBoxRequest) -> list[pb.Gpu]:
         ]
     gpus = []
     for spec in specs:
+        if not 0 <= spec.slot < MAX_GPUS_PER_BOX:
+            raise InvalidArgument(
+                f"GPU slot {spec.slot} is out of range: use 0-{MAX_GPUS_PER_BOX - 1}",
+                reason="INVALID_SLOT",
+            )
         if not spec.model:
             raise InvalidArgument(
-                f"GPU model is required for slot {spec.slot} (e.g. gpu_model: H100)",
+                f"GPU model is required for slot {spec.slot}: set gpu_model (e.g. H100), or "
+                "the model of each slot in gpus",
                 reason="INVALID_GPU_MODEL",
             )
-        validate_gpu_request(spec.model, 1)
-        if not 0 <= spec.slot < 64:
-            raise InvalidArgument(f"GPU slot {spec.slot} is out of range 0-63")
-        if spec.memory_mib < 0:
-            raise InvalidArgument(f"GPU memory for slot {spec.slot} must be 0 or more MiB")
-        check_text(spec.pci_id, "pci_id", 16)
+        check_model(spec.model)
+        field = "gpu_memory_mib" if not request.gpus else f"memory_mib of slot {spec.slot}"
+        check_gpu_memory_mib(spec.memory_mib, field)
+        check_pci_id(spec.pci_id, f"pci_id of slot {spec.slot}")
         gpus.append(
             pb.Gpu(
                 name=gpu_name(box_id, spec.slot),
@@ -297,3 +381,34 @@ def _gpu_records(box_id: str, request: inv.CreateBoxRequest) -> list[pb.Gpu]:
             )
         )
     return gpus
+
+
+def _same_box(stored: pb.Box, stored_gpus: list[pb.Gpu], box: pb.Box, gpus: list[pb.Gpu]) -> bool:
+    """True if a request for ``box`` and ``gpus`` would register what is stored.
+
+    Only what the request sets is compared: the state, cordon reason and create time of
+    the box, and the scheduling state of its GPUs, change after it is created.
+    """
+    if (
+        stored.name != box.name
+        or stored.location != box.location
+        or stored.fabric_endpoint != box.fabric_endpoint
+        or stored.gpu_count != box.gpu_count
+        or dict(stored.labels) != dict(box.labels)
+    ):
+        return False
+    by_slot = {gpu.slot: gpu for gpu in stored_gpus}
+    return len(by_slot) == len(gpus) and all(
+        (other := by_slot.get(gpu.slot)) is not None
+        and (other.model, other.memory_mib, other.pci_id) == (gpu.model, gpu.memory_mib, gpu.pci_id)
+        for gpu in gpus
+    )
+
+
+def _request_id_reused(request_id: str, owner: str) -> AlreadyExists:
+    return AlreadyExists(
+        f"request_id {request_id!r} was already used for {owner} by a different request; "
+        f"use a new request_id (repeat the original request unchanged to get {owner} back)",
+        reason="REQUEST_ID_REUSED",
+        metadata={"request_id": request_id, "resource": owner},
+    )

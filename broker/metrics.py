@@ -25,3 +25,8 @@ COMPOSE_STAGE_SECONDS = Histogram(
     ["stage"],
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1),
 )
+RPC_UNDECODABLE = Counter(
+    "dxpool_rpc_undecodable_total",
+    "Requests rejected because their payload is not the method's request message",
+    ["method"],
+)

@@ -22,6 +22,7 @@ from dxpool.broker.cache import Cache
 from dxpool.broker.placement.model import BoxInfo, GpuInfo, HostInfo, Snapshot
 from dxpool.broker.store import Versioned
 from dxpool.fabric.latency import Place
+from dxpool.limits import MAX_HOST_SLOTS
 from dxpool.store import keys as k
 
 
@@ -133,7 +134,9 @@ class PlacementIndex:
         info = HostInfo(
             host=name,
             place=self._host_places[name],
-            slot_capacity=host.slot_capacity,
+            # The agent reports its capacity; placement walks range(slot_capacity), so a
+            # misconfigured agent must not make that loop billions long.
+            slot_capacity=min(max(host.slot_capacity, 0), MAX_HOST_SLOTS),
             used_slots=self._used_slots.get(name, frozenset()),
             alive=name in self._alive,
         )

@@ -22,6 +22,7 @@ from grpc_status import rpc_status
 
 from dxpool.broker import metrics
 from dxpool.errors import ERROR_DOMAIN, DxpoolError, InvalidArgument
+from dxpool.limits import MAX_PAGE_TOKEN
 
 log = logging.getLogger(__name__)
 
@@ -104,11 +105,20 @@ def _encode_token(key: str) -> str:
     return base64.urlsafe_b64encode(("v1:" + key).encode()).decode()
 
 
+def check_page_token(token: str) -> str:
+    """Return ``token`` if it is empty or a page token this broker handed out."""
+    if token:
+        _decode_token(token)
+    return token
+
+
 def _decode_token(token: str) -> str:
-    try:
-        raw = base64.urlsafe_b64decode(token.encode()).decode()
-    except (binascii.Error, UnicodeDecodeError, ValueError):
-        raw = ""
+    raw = ""
+    if len(token) <= MAX_PAGE_TOKEN and token.isascii():
+        try:
+            raw = base64.urlsafe_b64decode(token.encode()).decode()
+        except (binascii.Error, UnicodeDecodeError, ValueError):
+            raw = ""
     if not raw.startswith("v1:"):
         raise InvalidArgument(
             "invalid page_token: pass the next_page_token of the previous response unchanged",

@@ -8,13 +8,13 @@ etcd transaction, so a GPU can never be given to two nodes even with several bro
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import etcd3
 import grpc
-from etcd3 import transactions
+from etcd3 import transactions, utils
 from google.protobuf.message import Message
 
 from dxpool.api.v1 import resources_pb2 as pb
@@ -185,6 +185,29 @@ class Store:
             return None
         collection, _ = self.keys.split(key)
         return Versioned(decode(collection, value), meta.mod_revision, meta.create_revision)
+
+    def read(self, keys: Sequence[str], prefixes: Sequence[str] = ()) -> dict[str, Versioned[Any]]:
+        """Read ``keys`` and every key under ``prefixes`` at one revision (linearizable).
+
+        One read-only etcd transaction, so the records are a consistent snapshot: no
+        commit lands between two of them. Returns the records found, by key; absent
+        keys are left out.
+        """
+        ops = [transactions.Get(key) for key in keys] + [
+            transactions.Get(prefix, utils.prefix_range_end(prefix.encode())) for prefix in prefixes
+        ]
+        _, responses = _call_etcd(
+            lambda: self.client.transaction(compare=[], success=ops, failure=[])
+        )
+        found: dict[str, Versioned[Any]] = {}
+        for response in responses:
+            for value, meta in response:
+                key = meta.key.decode()
+                collection, _ = self.keys.split(key)
+                found[key] = Versioned(
+                    decode(collection, value), meta.mod_revision, meta.create_revision
+                )
+        return found
 
 
 def _txn_revision(responses: Any) -> int:

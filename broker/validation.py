@@ -1,62 +1,126 @@
 """Checks on API requests, before anything is read or written.
 
 Every function raises :class:`~dxpool.errors.InvalidArgument` with a message that names
-the field and says what to change. Limits here protect etcd (keys, record sizes) and
-the people reading the output.
+the field and says what to change. The limits (``dxpool.limits``) protect etcd (keys,
+record sizes), placement (loop bounds) and the people reading the output.
+
+Free text (labels, reasons, tenants, locations, endpoints) must be printable: no control
+characters (C0, DEL, C1), no format characters such as bidirectional overrides, no
+unassigned or private-use code points, no line or paragraph separators, and no
+whitespace other than the ASCII space (``str.isprintable``). Such text ends up in
+terminals, logs and tables, where those characters hide or rewrite what is shown.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
+
+from google.protobuf.descriptor import EnumDescriptor
 
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.errors import InvalidArgument
+from dxpool.limits import (
+    DEFAULT_PAGE_SIZE,
+    MAX_GPU_MEMORY_MIB,
+    MAX_GPUS_PER_BOX,
+    MAX_LABEL_KEY,
+    MAX_LABEL_VALUE,
+    MAX_LABELS,
+    MAX_LATENCY_NS,
+    MAX_LOCATION_PART,
+    MAX_PAGE_SIZE,
+    MAX_PCI_ID,
+    MAX_TENANT,
+    MAX_TEXT,
+)
 from dxpool.names import check_id, parse_host
 from dxpool.request import validate_gpu_request
 
-MAX_LABELS = 32
-MAX_LABEL_KEY = 63
-MAX_LABEL_VALUE = 256
-MAX_TEXT = 256  # free text: tenant, reasons, endpoints, locations
-MAX_GPUS_PER_BOX = 64  # keeps a box's create/delete inside one etcd transaction
-MAX_MEMORY_MIB = 16 * 1024 * 1024
-MAX_LATENCY_NS = 10_000_000_000
+# Kept under their old names for callers that import them from here.
+MAX_MEMORY_MIB = MAX_GPU_MEMORY_MIB
+__all__ = [
+    "MAX_GPUS_PER_BOX",
+    "MAX_LABELS",
+    "MAX_LABEL_KEY",
+    "MAX_LABEL_VALUE",
+    "MAX_LATENCY_NS",
+    "MAX_MEMORY_MIB",
+    "MAX_TEXT",
+    "check_box",
+    "check_enum",
+    "check_labels",
+    "check_location",
+    "check_node_spec",
+    "check_page_size",
+    "check_pci_id",
+    "check_text",
+]
+
+_SHOWN = 40  # characters of a label key echoed in a field path
+_PCI_ID = re.compile(r"[0-9a-fA-F]{4}:[0-9a-fA-F]{4}")
 
 
 def check_text(value: str, field: str, limit: int = MAX_TEXT) -> str:
+    """Return ``value`` if it is at most ``limit`` printable characters (see above)."""
     if len(value) > limit:
         raise InvalidArgument(
-            f"{field} is {len(value)} characters long; the limit is {limit}",
+            f"{field} is {len(value)} characters long; the limit is {limit}: use a shorter value",
             reason="FIELD_TOO_LONG",
         )
-    if any(ord(ch) < 32 for ch in value):
-        raise InvalidArgument(f"{field} contains control characters; remove them")
+    if not value.isprintable():
+        position, char = next((i, c) for i, c in enumerate(value) if not c.isprintable())
+        raise InvalidArgument(
+            f"{field} contains the non-printable character U+{ord(char):04X} at position "
+            f"{position}; remove it (control, format and separator characters, tabs and "
+            "newlines are not allowed)",
+            reason="INVALID_TEXT",
+        )
     return value
 
 
 def check_labels(labels: Mapping[str, str], field: str = "labels") -> None:
     if len(labels) > MAX_LABELS:
-        raise InvalidArgument(f"{field} has {len(labels)} entries; the limit is {MAX_LABELS}")
-    for key, value in labels.items():
+        raise InvalidArgument(
+            f"{field} has {len(labels)} entries; the limit is {MAX_LABELS}: remove some",
+            reason="TOO_MANY_LABELS",
+        )
+    for key, value in sorted(labels.items()):
         if not key:
-            raise InvalidArgument(f"{field} has an empty key")
-        check_text(key, f"{field} key {key[:40]!r}", MAX_LABEL_KEY)
-        check_text(value, f"{field}[{key[:40]!r}]", MAX_LABEL_VALUE)
+            raise InvalidArgument(f"{field} has an empty key; give every label a key")
+        check_text(key, f"{field} key {key[:_SHOWN]!r}", MAX_LABEL_KEY)
+        check_text(value, f"{field}[{key[:_SHOWN]!r}]", MAX_LABEL_VALUE)
 
 
 def check_location(location: pb.Location, field: str) -> None:
     for part in ("site", "pod", "rack"):
-        check_text(getattr(location, part), f"{field}.{part}", 63)
+        check_text(getattr(location, part), f"{field}.{part}", MAX_LOCATION_PART)
+
+
+def check_enum(value: int, enum: EnumDescriptor, field: str) -> None:
+    """``value`` must be one of ``enum``'s values (proto3 enums accept any int32)."""
+    if value not in enum.values_by_number:
+        names = ", ".join(v.name for v in enum.values)
+        raise InvalidArgument(
+            f"{field} {value} is not a {enum.name}; use one of {names}",
+            reason="INVALID_ENUM",
+        )
+
+
+def check_pci_id(value: str, field: str) -> str:
+    """Empty, or a PCI vendor:device id such as ``10de:2330``."""
+    if value and (len(value) > MAX_PCI_ID or not _PCI_ID.fullmatch(value)):
+        raise InvalidArgument(
+            f"{field} {value[:MAX_PCI_ID]!r} is not a PCI id: use vendor:device in hex, "
+            "e.g. 10de:2330, or leave it empty",
+            reason="INVALID_PCI_ID",
+        )
+    return value
 
 
 def check_node_spec(spec: pb.NodeSpec) -> None:
     """Validate a ComposeNode spec (GPU request, host pin, latency, tenant, labels)."""
     validate_gpu_request(spec.gpus.model, spec.gpus.count, spec.gpus.min_memory_mib)
-    if spec.gpus.min_memory_mib > MAX_MEMORY_MIB:
-        raise InvalidArgument(
-            f"spec.gpus.min_memory_mib {spec.gpus.min_memory_mib} is larger than any GPU; "
-            f"use at most {MAX_MEMORY_MIB}"
-        )
     if spec.host:
         parse_host(spec.host)
     if not 0 <= spec.max_latency_ns <= MAX_LATENCY_NS:
@@ -65,7 +129,7 @@ def check_node_spec(spec: pb.NodeSpec) -> None:
             f"up to {MAX_LATENCY_NS} (10s)",
             reason="INVALID_DURATION",
         )
-    check_text(spec.tenant, "spec.tenant", 63)
+    check_text(spec.tenant, "spec.tenant", MAX_TENANT)
     check_labels(spec.labels, "spec.labels")
 
 
@@ -84,7 +148,11 @@ def check_box(box_id: str, box: pb.Box, gpu_count: int) -> None:
 
 
 def check_page_size(page_size: int) -> int:
-    """0 -> default (100); at most 1000."""
+    """0 -> the default (100); more than the limit (1000) -> the limit; negative: invalid."""
     if page_size < 0:
-        raise InvalidArgument(f"page_size must be 0 or more, got {page_size}")
-    return min(page_size or 100, 1000)
+        raise InvalidArgument(
+            f"page_size {page_size} is negative: use 0 for the default ({DEFAULT_PAGE_SIZE}) "
+            f"or up to {MAX_PAGE_SIZE}",
+            reason="INVALID_PAGE_SIZE",
+        )
+    return min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)

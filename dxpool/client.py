@@ -63,7 +63,14 @@ from dxpool.errors import (
     from_code,
 )
 from dxpool.lifecycle import NODE_REACHABLE
-from dxpool.request import GpuSpec, parse_duration_ns, parse_gpus, parse_memory_mib
+from dxpool.limits import MAX_GPU_MEMORY_MIB, MAX_GPUS_PER_BOX, MAX_LATENCY_NS
+from dxpool.request import (
+    GpuSpec,
+    check_model,
+    parse_duration_ns,
+    parse_gpus,
+    parse_memory_mib,
+)
 
 __all__ = [
     "Client",
@@ -193,28 +200,27 @@ def _location(value: LocationLike | None) -> Location | None:
 def _latency_ns(value: str | int | None) -> int:
     if value is None:
         return 0
-    if isinstance(value, str):
-        return parse_duration_ns(value)
-    if isinstance(value, bool) or value < 0:
+    ns = parse_duration_ns(value) if isinstance(value, str) else value
+    if isinstance(ns, bool) or not isinstance(ns, int) or not 0 <= ns <= MAX_LATENCY_NS:
         raise InvalidArgument(
-            f"invalid max_latency {value!r}: give nanoseconds (0 or more) or a duration "
-            "such as '4us'",
+            f"invalid max_latency {value!r}: give nanoseconds (0 up to {MAX_LATENCY_NS}) or "
+            "a duration up to 10s such as '4us'",
             reason="INVALID_DURATION",
         )
-    return value
+    return ns
 
 
 def _memory_mib(value: str | int | None, default: int) -> int:
     if value is None:
         return default
-    if isinstance(value, str):
-        return parse_memory_mib(value)
-    if isinstance(value, bool) or value < 0:
+    mib = parse_memory_mib(value) if isinstance(value, str) else value
+    if isinstance(mib, bool) or not isinstance(mib, int) or not 0 <= mib <= MAX_GPU_MEMORY_MIB:
         raise InvalidArgument(
-            f"invalid min_memory {value!r}: give MiB (0 or more) or a size such as '80GiB'",
+            f"invalid min_memory {value!r}: give MiB (0 up to {MAX_GPU_MEMORY_MIB}) or a "
+            "size such as '80GiB'",
             reason="INVALID_MEMORY",
         )
-    return value
+    return mib
 
 
 def _error_from_rpc(error: grpc.RpcError) -> DxpoolError:
@@ -347,12 +353,16 @@ class Client:
         """
         box_id = box_id.removeprefix("boxes/")
         names.check_id(box_id, "box")
-        if gpus < 1:
-            raise InvalidArgument(f"a box needs at least one GPU, got gpus={gpus}")
+        if not 1 <= gpus <= MAX_GPUS_PER_BOX:
+            raise InvalidArgument(f"a box holds 1 to {MAX_GPUS_PER_BOX} GPUs, got gpus={gpus}")
         if not model:
             raise InvalidArgument("a box needs a GPU model, e.g. model='H100'")
-        if memory_mib < 1:
-            raise InvalidArgument(f"GPU memory must be positive, got memory_mib={memory_mib}")
+        check_model(model)
+        if not 1 <= memory_mib <= MAX_GPU_MEMORY_MIB:
+            raise InvalidArgument(
+                f"GPU memory must be 1 to {MAX_GPU_MEMORY_MIB} MiB (16 TiB), "
+                f"got memory_mib={memory_mib}"
+            )
         box = resources_pb2.Box(
             gpu_count=gpus, labels=dict(labels or {}), fabric_endpoint=fabric_endpoint
         )

@@ -14,9 +14,14 @@ from typing import NamedTuple
 
 from dxpool.errors import InvalidArgument
 
-ID_PATTERN = re.compile(r"^[a-z]([a-z0-9-]{0,61}[a-z0-9])?$")
-REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# ``\A``/``\Z`` and ``fullmatch``, never ``^``/``$``: ``$`` also matches before a final
+# newline, which would let ``"box1\n"`` through and into an etcd key.
+ID_PATTERN = re.compile(r"\A[a-z](?:[a-z0-9-]{0,61}[a-z0-9])?\Z")
+REQUEST_ID_PATTERN = re.compile(r"\A[A-Za-z0-9._:-]{1,128}\Z")
 MAX_SLOT = 4095
+# ASCII digits only, at most as many as MAX_SLOT has: str.isdigit() also accepts '³' and
+# other digits int() rejects, and int() refuses strings of over 4300 digits.
+_SLOT_PATTERN = re.compile(r"\A[0-9]{1,4}\Z")
 ID_RULE = "1-63 characters of a-z, 0-9 and '-', starting with a letter and not ending with '-'"
 _SHOWN = 80  # characters of a bad value echoed back in an error message
 
@@ -28,7 +33,7 @@ def _echo(value: str) -> str:
 
 def check_id(value: str, kind: str) -> str:
     """Return ``value`` if it is a valid id of a ``kind`` (box, host, node)."""
-    if not ID_PATTERN.match(value):
+    if not ID_PATTERN.fullmatch(value):
         raise InvalidArgument(
             f"invalid {kind} id {_echo(value)}: use {ID_RULE}",
             reason="INVALID_NAME",
@@ -38,7 +43,7 @@ def check_id(value: str, kind: str) -> str:
 
 def check_request_id(value: str) -> str:
     """Return ``value`` if it is empty or a valid request id."""
-    if value and not REQUEST_ID_PATTERN.match(value):
+    if value and not REQUEST_ID_PATTERN.fullmatch(value):
         raise InvalidArgument(
             f"invalid request_id {_echo(value)}: use 1-128 characters of A-Z, a-z, 0-9, "
             "'.', '_', ':' and '-'",
@@ -115,9 +120,19 @@ def parse_gpu(name: str) -> GpuRef:
             reason="INVALID_NAME",
         )
     box = check_id(parts[1], "box")
-    if not parts[3].isdigit() or int(parts[3]) > MAX_SLOT:
+    slot = parse_slot(parts[3])
+    if slot is None:
         raise InvalidArgument(
-            f"invalid gpu slot in {_echo(name)}: expected an integer 0-{MAX_SLOT}",
+            f"invalid gpu slot in {_echo(name)}: expected an integer 0-{MAX_SLOT} "
+            "written with the digits 0-9",
             reason="INVALID_NAME",
         )
-    return GpuRef(box, int(parts[3]))
+    return GpuRef(box, slot)
+
+
+def parse_slot(text: str) -> int | None:
+    """``"7"`` -> 7; None unless ``text`` is 1-4 ASCII digits naming a slot 0-MAX_SLOT."""
+    if not _SLOT_PATTERN.fullmatch(text):
+        return None
+    slot = int(text)
+    return slot if slot <= MAX_SLOT else None

@@ -22,16 +22,28 @@ from dataclasses import dataclass
 from typing import Any
 
 from dxpool.errors import InvalidArgument
-
-MAX_GPUS_PER_NODE = 64
-MAX_MODEL_LENGTH = 64
-GPU_GRAMMAR = "MODEL:COUNT (e.g. H100:4), MODEL (one GPU), or COUNT (any model)"
-_MODEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_GPU_STRING = re.compile(
-    r"^\s*(?:(?P<model>\*|[A-Za-z0-9][A-Za-z0-9._-]*):(?P<count>-?\d+)|(?P<bare>[A-Za-z0-9][A-Za-z0-9._-]*))\s*$"
+from dxpool.limits import (
+    MAX_DURATION_NS,
+    MAX_GPU_MEMORY_MIB,
+    MAX_GPUS_PER_NODE,
+    MAX_MODEL_LENGTH,
 )
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ns|us|µs|ms|s)\s*$")
-_MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(MiB|GiB|TiB|M|G|T)\s*$", re.IGNORECASE)
+
+GPU_GRAMMAR = "MODEL:COUNT (e.g. H100:4), MODEL (one GPU), or COUNT (any model)"
+# Every pattern is ASCII-only and matched whole (fullmatch, \Z): ``\d`` would also take
+# other scripts' digits, and ``$`` would let a trailing newline through.
+_MODEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*", re.ASCII)
+_GPU_STRING = re.compile(
+    r"\s*(?:(?P<model>\*|[A-Za-z0-9][A-Za-z0-9._-]*):(?P<count>-?[0-9]+)"
+    r"|(?P<bare>[A-Za-z0-9][A-Za-z0-9._-]*))\s*",
+    re.ASCII,
+)
+# Bounded digits, so float() never overflows and int() never meets a 5,000-digit string.
+_NUMBER = r"([0-9]{1,15}(?:\.[0-9]{1,9})?)"
+_DURATION = re.compile(r"\s*" + _NUMBER + r"\s*(ns|us|µs|ms|s)\s*")
+_MEMORY = re.compile(r"\s*" + _NUMBER + r"\s*(MiB|GiB|TiB|M|G|T)\s*", re.IGNORECASE)
+_INTEGER = re.compile(r"\s*-?[0-9]{1,18}\s*", re.ASCII)
+_DIGITS = re.compile(r"[0-9]+")
 _NS_PER_UNIT = {"ns": 1, "us": 1_000, "µs": 1_000, "ms": 1_000_000, "s": 1_000_000_000}
 _MIB_PER_UNIT = {"mib": 1, "m": 1, "gib": 1024, "g": 1024, "tib": 1024 * 1024, "t": 1024 * 1024}
 
@@ -53,23 +65,42 @@ class GpuSpec:
 
 def validate_gpu_request(model: str, count: int, min_memory_mib: int = 0) -> None:
     """Raise :class:`InvalidArgument` unless the typed fields form a valid request."""
-    if model and (len(model) > MAX_MODEL_LENGTH or not _MODEL.match(model)):
+    check_model(model)
+    if not 1 <= count <= MAX_GPUS_PER_NODE:
+        raise InvalidArgument(
+            f"invalid GPU count {count}: a node takes 1 to {MAX_GPUS_PER_NODE} GPUs; ask for "
+            "that many",
+            reason="INVALID_GPU_COUNT",
+        )
+    if not 0 <= min_memory_mib <= MAX_GPU_MEMORY_MIB:
+        raise InvalidArgument(
+            f"invalid minimum GPU memory {min_memory_mib} MiB: use 0 (no minimum) up to "
+            f"{MAX_GPU_MEMORY_MIB} (16 TiB)",
+            reason="INVALID_GPU_MEMORY",
+        )
+
+
+def check_model(model: str) -> str:
+    """Return ``model`` if it is empty (any model) or a valid GPU model name."""
+    if model and (len(model) > MAX_MODEL_LENGTH or not _MODEL.fullmatch(model)):
         shown = model if len(model) <= MAX_MODEL_LENGTH else model[:MAX_MODEL_LENGTH] + "..."
         raise InvalidArgument(
             f"invalid GPU model {shown!r}: use up to {MAX_MODEL_LENGTH} characters of "
-            "letters, digits, '.', '_' and '-'",
+            "letters, digits, '.', '_' and '-', starting with a letter or digit",
             reason="INVALID_GPU_MODEL",
         )
-    if not 1 <= count <= MAX_GPUS_PER_NODE:
+    return model
+
+
+def check_gpu_memory_mib(value: int, field: str) -> int:
+    """Return ``value`` if it is a GPU memory size 0..MAX_GPU_MEMORY_MIB MiB (0: unknown)."""
+    if not 0 <= value <= MAX_GPU_MEMORY_MIB:
         raise InvalidArgument(
-            f"invalid GPU count {count}: a node takes 1 to {MAX_GPUS_PER_NODE} GPUs",
-            reason="INVALID_GPU_COUNT",
-        )
-    if min_memory_mib < 0:
-        raise InvalidArgument(
-            f"invalid minimum GPU memory {min_memory_mib} MiB: must be 0 or more",
+            f"{field} {value} MiB is out of range: use 0 (unknown) up to "
+            f"{MAX_GPU_MEMORY_MIB} (16 TiB)",
             reason="INVALID_GPU_MEMORY",
         )
+    return value
 
 
 def parse_gpus(value: str | Mapping[str, Any] | GpuSpec) -> GpuSpec:
@@ -87,7 +118,7 @@ def parse_gpus(value: str | Mapping[str, Any] | GpuSpec) -> GpuSpec:
             _as_int(value.get("count", 1), "count"),
             _as_int(value.get("min_memory_mib", 0), "min_memory_mib"),
         )
-    match = _GPU_STRING.match(value)
+    match = _GPU_STRING.fullmatch(value)
     if not match:
         raise InvalidArgument(
             f"cannot parse GPU request {value!r}: expected {GPU_GRAMMAR}",
@@ -96,31 +127,54 @@ def parse_gpus(value: str | Mapping[str, Any] | GpuSpec) -> GpuSpec:
     model, count = match.group("model"), match.group("count")
     if model is None:  # a bare COUNT, or a bare MODEL
         bare = match.group("bare")
-        model, count = ("", bare) if bare.isdigit() else (bare, "1")
-    return GpuSpec("" if model == "*" else model, int(count))
+        model, count = ("", bare) if _DIGITS.fullmatch(bare) else (bare, "1")
+    return GpuSpec("" if model == "*" else model, _count(count, value))
+
+
+def _count(text: str, value: str) -> int:
+    """The COUNT of a GPU string; a number too long to be a count is out of range."""
+    if not _INTEGER.fullmatch(text):  # more digits than any count: never call int() on it
+        raise InvalidArgument(
+            f"invalid GPU count in {_shown(value)}: a node takes 1 to {MAX_GPUS_PER_NODE} "
+            "GPUs; ask for that many",
+            reason="INVALID_GPU_COUNT",
+        )
+    return int(text)
 
 
 def _as_int(value: object, field: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise InvalidArgument(f"GPU request field {field} must be an integer, got {value!r}")
-    try:
-        return int(value)
-    except ValueError:
+    if isinstance(value, str) and not _INTEGER.fullmatch(value):
         raise InvalidArgument(
-            f"GPU request field {field} must be an integer, got {value!r}"
-        ) from None
+            f"GPU request field {field} must be an integer written with the digits 0-9, "
+            f"got {_shown(value)}"
+        )
+    return int(value)
+
+
+def _shown(value: str) -> str:
+    """``value`` for an error message: repr'd, and cut short when long."""
+    return repr(value if len(value) <= 80 else value[:80] + "...")
 
 
 def parse_duration_ns(value: str) -> int:
     """``"4us"`` -> 4000. Raises :class:`InvalidArgument` on anything else."""
-    match = _DURATION.match(value)
+    match = _DURATION.fullmatch(value)
     if not match:
         raise InvalidArgument(
-            f"cannot parse duration {value!r}: expected a number and a unit, "
+            f"cannot parse duration {_shown(value)}: expected a number and a unit, "
             "one of ns, us, ms, s (e.g. 4us)",
             reason="INVALID_DURATION",
         )
-    return round(float(match.group(1)) * _NS_PER_UNIT[match.group(2)])
+    ns = round(float(match.group(1)) * _NS_PER_UNIT[match.group(2)])
+    if ns > MAX_DURATION_NS:
+        raise InvalidArgument(
+            f"duration {_shown(value)} is too long: use at most {MAX_DURATION_NS // 10**9}s "
+            "(a year)",
+            reason="INVALID_DURATION",
+        )
+    return ns
 
 
 def format_duration_ns(ns: int) -> str:
@@ -133,11 +187,17 @@ def format_duration_ns(ns: int) -> str:
 
 def parse_memory_mib(value: str) -> int:
     """``"80GiB"`` -> 81920. Raises :class:`InvalidArgument` on anything else."""
-    match = _MEMORY.match(value)
+    match = _MEMORY.fullmatch(value)
     if not match:
         raise InvalidArgument(
-            f"cannot parse memory size {value!r}: expected a number and MiB, GiB or TiB "
-            "(e.g. 80GiB)",
+            f"cannot parse memory size {_shown(value)}: expected a number and MiB, GiB or "
+            "TiB (e.g. 80GiB)",
             reason="INVALID_MEMORY",
         )
-    return round(float(match.group(1)) * _MIB_PER_UNIT[match.group(2).lower()])
+    mib = round(float(match.group(1)) * _MIB_PER_UNIT[match.group(2).lower()])
+    if mib > MAX_GPU_MEMORY_MIB:
+        raise InvalidArgument(
+            f"memory size {_shown(value)} is larger than any GPU: use at most 16TiB",
+            reason="INVALID_MEMORY",
+        )
+    return mib

@@ -107,6 +107,10 @@ def test_default_endpoint_comes_from_the_environment(monkeypatch: pytest.MonkeyP
         ({"gpus": "H100:1", "host": "Nope!"}, "invalid host id"),
         ({"gpus": "H100:1", "node_id": "Bad Id"}, "invalid node id"),
         ({"gpus": "H100:1", "request_id": "spaces are bad"}, "invalid request_id"),
+        ({"gpus": "H100:1", "max_latency": 2**63 - 1}, "invalid max_latency"),
+        ({"gpus": "H100:1", "max_latency": "11s"}, "invalid max_latency"),
+        ({"gpus": "H100:1", "min_memory": 2**64}, "invalid min_memory"),
+        ({"gpus": "H100:1", "min_memory": "1" * 400 + "GiB"}, "cannot parse memory size"),
     ],
 )
 def test_bad_compose_arguments_fail_before_any_call(
@@ -115,6 +119,22 @@ def test_bad_compose_arguments_fail_before_any_call(
     client = Client(f"127.0.0.1:{free_port()}", max_attempts=1)
     with client, pytest.raises(InvalidArgument, match=expected):
         client.compose_node(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"memory_mib": 2**63 - 1}, "GPU memory must be 1 to"),
+        ({"memory_mib": 2**64}, "GPU memory must be 1 to"),
+        ({"gpus": 65}, "a box holds 1 to 64 GPUs"),
+        ({"model": "H100\n"}, "invalid GPU model"),
+    ],
+)
+def test_bad_box_arguments_fail_before_any_call(kwargs: dict[str, object], expected: str) -> None:
+    arguments: dict[str, object] = {"gpus": 2, "model": "H100", "memory_mib": 81920, **kwargs}
+    client = Client(f"127.0.0.1:{free_port()}", max_attempts=1)
+    with client, pytest.raises(InvalidArgument, match=expected):
+        client.create_box("box1", **arguments)  # type: ignore[arg-type]
 
 
 # -- error mapping and retries, against a scripted server --------------------------------
@@ -295,8 +315,13 @@ def test_inventory_round_trip(client: Client) -> None:
         "box7", gpus=2, model="A100", memory_mib=40960, labels={"row": "7"}, request_id="r-7"
     )
     assert created.name == "boxes/box7" and created.gpu_count == 2
-    again = client.create_box("box7", gpus=2, model="A100", memory_mib=40960, request_id="r-7")
-    assert again.name == created.name
+    again = client.create_box(
+        "box7", gpus=2, model="A100", memory_mib=40960, labels={"row": "7"}, request_id="r-7"
+    )
+    assert again == created
+    with pytest.raises(AlreadyExists) as reused:  # the same request id, another request
+        client.create_box("box7", gpus=2, model="A100", memory_mib=40960, request_id="r-7")
+    assert reused.value.reason == "REQUEST_ID_REUSED"
     with pytest.raises(AlreadyExists):
         client.create_box("box7", gpus=2, model="A100", memory_mib=40960)
     assert [b.name for b in client.list_boxes()] == ["boxes/box7"]

@@ -40,3 +40,44 @@ def test_request_ids() -> None:
     assert check_request_id("req-1:a.b_c") == "req-1:a.b_c"
     with pytest.raises(InvalidArgument):
         check_request_id("has space")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "boxes/b1/gpus/\u00b3",  # superscript three: str.isdigit() is True, int() fails
+        "boxes/b1/gpus/\u00b2",
+        "boxes/b1/gpus/\u0663",  # ARABIC-INDIC DIGIT THREE: int() reads it as 3
+        "boxes/b1/gpus/" + "9" * 5000,  # more digits than int() converts
+        "boxes/b1/gpus/4096",
+        "boxes/b1/gpus/-1",
+        "boxes/b1/gpus/+1",
+        "boxes/b1/gpus/ 1",
+        "boxes/b1/gpus/1\n",
+        "boxes/b1/gpus/",
+    ],
+)
+def test_gpu_slots_are_ascii_digits_in_range(name: str) -> None:
+    with pytest.raises(InvalidArgument, match="0-4095") as error:
+        parse_gpu(name)
+    assert len(str(error.value)) < 400
+
+
+@pytest.mark.parametrize(
+    ("parse", "name"),
+    [
+        (parse_box, "boxes/a\n"),
+        (parse_host, "hosts/a\n"),
+        (parse_node, "nodes/a\n"),
+        (parse_box, "boxes/a\r"),
+        (parse_gpu, "boxes/a\n/gpus/1"),
+    ],
+)
+def test_a_trailing_newline_is_not_part_of_an_id(parse, name: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(InvalidArgument):
+        parse(name)
+
+
+def test_request_ids_reject_a_trailing_newline() -> None:
+    with pytest.raises(InvalidArgument):
+        check_request_id("r1\n")

@@ -78,3 +78,39 @@ def test_memory() -> None:
     assert parse_memory_mib("512MiB") == 512
     with pytest.raises(InvalidArgument, match="GiB"):
         parse_memory_mib("lots")
+
+
+@pytest.mark.parametrize(
+    "text", ["H100:" + "9" * 5000, "0" * 5000, "H100:99999999999999999999", "H100:\u0663"]
+)
+def test_gpu_counts_of_any_length_are_invalid_argument(text: str) -> None:
+    with pytest.raises(InvalidArgument) as error:
+        parse_gpus(text)
+    assert len(str(error.value)) < 400
+
+
+@pytest.mark.parametrize("count", ["\u00b3", "\u0663", "9" * 5000, "1.5"])
+def test_mapping_counts_are_ascii_integers(count: str) -> None:
+    with pytest.raises(InvalidArgument, match="integer"):
+        parse_gpus({"model": "H100", "count": count})
+
+
+@pytest.mark.parametrize("text", ["1" * 400 + "s", "\u0663us", "4us\nx", "9999999999999s"])
+def test_durations_are_bounded(text: str) -> None:
+    with pytest.raises(InvalidArgument, match="duration"):
+        parse_duration_ns(text)
+
+
+def test_memory_is_bounded_to_16_tib() -> None:
+    assert parse_memory_mib("16TiB") == 16 * 1024 * 1024
+    with pytest.raises(InvalidArgument, match="16TiB"):
+        parse_memory_mib("17TiB")
+    with pytest.raises(InvalidArgument, match="memory size"):
+        parse_memory_mib("1" * 400 + "GiB")
+    with pytest.raises(InvalidArgument, match="16 TiB"):
+        GpuSpec("H100", 1, min_memory_mib=2**63 - 1)
+
+
+def test_models_must_match_whole() -> None:
+    with pytest.raises(InvalidArgument, match="invalid GPU model"):
+        GpuSpec("H100\n", 1)

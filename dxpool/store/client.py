@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import etcd3
@@ -20,6 +21,8 @@ from dxpool.store import _etcd3_compat  # noqa: F401 - patches a watch defect on
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_RETRY_AFTER_S = 0.5
+# ASCII digits only: str.isdigit() also accepts '³', which int() then rejects.
+_PORT = re.compile(r"[0-9]{1,5}")
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,7 @@ def parse_endpoints(value: str) -> list[EtcdAddress]:
     for raw in value.split(","):
         item = raw.strip().removeprefix("http://")
         host, sep, port = item.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not sep or not host or not _PORT.fullmatch(port) or not 0 < int(port) < 65536:
             raise InvalidArgument(
                 f"invalid etcd endpoint {raw.strip()!r}: expected host:port, "
                 "e.g. 127.0.0.1:2379 (separate several with commas)"

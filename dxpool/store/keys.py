@@ -15,7 +15,8 @@ key (below the prefix)                 value                 written by   lifeti
 ``hostalloc/{host}``                   HostAllocation        broker       spec: desired GPUs
 ``hoststatus/{host}``                  HostStatus            agent        status: observed GPUs
 ``nodes/{node}``                       VirtualNode           broker       until deleted
-``requests/{request_id}``              node name (utf-8)     broker       with its node
+``requests/{request_id}``              node or box name      broker       with its node
+                                       (utf-8)                            or box
 ``elections/{duty}``                   broker id (utf-8)     broker       etcd lease: the leader
                                                                           of a singleton duty
 =====================================  ====================  ===========  ===============

@@ -17,6 +17,7 @@ from dxpool.broker.placement_index import PlacementIndex
 from dxpool.broker.store import Versioned
 from dxpool.fabric.latency import TopologyLatencyModel
 from dxpool.fabric.topology import Topology
+from dxpool.limits import MAX_HOST_SLOTS
 from dxpool.store.keys import KeySchema
 
 RACK = pb.Location(site="dc1", pod="p1", rack="r1")
@@ -133,3 +134,14 @@ def test_placement_on_the_index_follows_the_inventory(feed: Feed, index: Placeme
     second = place(request, index.snapshot(), model)
     assert second.placement is not None and second.placement.host == "h1"
     assert {binding.box for binding in second.placement.bindings} == {"b2"}
+
+
+def test_host_capacity_is_bounded(feed: Feed, index: PlacementIndex) -> None:
+    """A host record claiming 2^31-1 proxy slots must not make placement loop that long."""
+    feed.put(
+        feed.schema.host("h1"),
+        pb.Host(name="hosts/h1", location=RACK, slot_capacity=2**31 - 1),
+    )
+    host = index.snapshot().hosts["h1"]
+    assert host.slot_capacity == MAX_HOST_SLOTS
+    assert len(host.free_slots()) == MAX_HOST_SLOTS

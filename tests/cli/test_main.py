@@ -36,6 +36,13 @@ def runner(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> CliRunner:
         (["node", "list", "-o", "xml"], "'xml' is not one of"),
         (["gpu", "list", "--state", "busy"], "unknown GPU state 'busy'"),
         (["gpu", "get", "box1"], "expected 'BOX/SLOT'"),
+        (["gpu", "get", "box1/\u00b3"], "expected an integer 0-4095"),
+        (["gpu", "get", "boxes/box1/gpus/\u00b2"], "expected an integer 0-4095"),
+        (["gpu", "get", "box1/" + "9" * 5000], "expected an integer 0-4095"),
+        (["node", "create", "--gpus", "H100:" + "9" * 5000], "1 to 64 GPUs"),
+        (["node", "create", "--gpus", "2", "--min-memory", "17TiB"], "at most 16TiB"),
+        (["node", "create", "--gpus", "2", "--max-latency", "1" * 400 + "s"], "e.g. 4us"),
+        (["box", "get", "box1\n"], "invalid box id"),
         (["box", "add", "box1", "--gpus", "8", "--memory", "80GiB"], "GPU model is missing"),
         (
             ["box", "add", "box1", "--gpus", "A100:8", "--model", "H100", "--memory", "80GiB"],

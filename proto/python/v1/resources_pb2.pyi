@@ -255,6 +255,7 @@ class Box(_message.Message):
     LABELS_FIELD_NUMBER: _builtins.int
     CREATE_TIME_FIELD_NUMBER: _builtins.int
     CORDON_REASON_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name: "boxes/{box}"."""
     fabric_endpoint: _builtins.str
@@ -266,6 +267,10 @@ class Box(_message.Message):
     """Number of GPU slots the box was registered with (slots are 0..gpu_count-1)."""
     cordon_reason: _builtins.str
     """Free-text reason given with the last cordon."""
+    request_id: _builtins.str
+    """Output only: the request_id of the CreateBox call that registered the box, if any.
+    Its idempotency key lives exactly as long as the box: DeleteBox removes both.
+    """
     @_builtins.property
     def location(self) -> Global___Location: ...
     @_builtins.property
@@ -287,10 +292,11 @@ class Box(_message.Message):
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         create_time: _timestamp_pb2.Timestamp | None = ...,
         cordon_reason: _builtins.str = ...,
+        request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "location", b"location"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cordon_reason", b"cordon_reason", "create_time", b"create_time", "fabric_endpoint", b"fabric_endpoint", "gpu_count", b"gpu_count", "labels", b"labels", "location", b"location", "name", b"name", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cordon_reason", b"cordon_reason", "create_time", b"create_time", "fabric_endpoint", b"fabric_endpoint", "gpu_count", b"gpu_count", "labels", b"labels", "location", b"location", "name", b"name", "request_id", b"request_id", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,42 @@
+"""The documented upper bounds on what a request may carry.
+
+Every number and text a caller sends is checked against one of these before anything is
+read or written, by the broker (``dxpool.broker.validation``) and, where the same value
+passes through them, by the Python client and the CLI. They keep records small enough for
+etcd, transactions inside etcd's operation limit, loops in placement short, and keep
+values that no real pool has (a GPU with 2^63 MiB) from being stored at all.
+
+=======================  =============  ==================================================
+limit                    value          why
+=======================  =============  ==================================================
+``MAX_GPUS_PER_NODE``    64             one compose transaction stays under 128 operations
+``MAX_GPUS_PER_BOX``     64             a box's create and delete are one transaction each
+``MAX_GPU_MEMORY_MIB``   16 TiB in MiB  far above any GPU made; anything larger is a typo
+``MAX_LATENCY_NS``       10 s           a latency bound above that bounds nothing
+``MAX_DURATION_NS``      366 days       any duration the request grammar reads
+``MAX_HOST_SLOTS``       256            proxy slots of one host (PCIe buses behind a port)
+``MAX_PAGE_SIZE``        1000           one List response stays well under 4 MiB
+``MAX_PAGE_TOKEN``       1024           next_page_token values are far shorter
+``MAX_TEXT``             256            free text: reasons, endpoints, tenants
+=======================  =============  ==================================================
+"""
+
+from __future__ import annotations
+
+MAX_GPUS_PER_NODE = 64
+MAX_GPUS_PER_BOX = 64
+MAX_GPU_MEMORY_MIB = 16 * 1024 * 1024
+MAX_LATENCY_NS = 10_000_000_000
+MAX_DURATION_NS = 366 * 24 * 3600 * 1_000_000_000
+MAX_HOST_SLOTS = 256
+MAX_PAGE_SIZE = 1000
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_TOKEN = 1024
+MAX_TEXT = 256
+MAX_LOCATION_PART = 63
+MAX_TENANT = 63
+MAX_LABELS = 32
+MAX_LABEL_KEY = 63
+MAX_LABEL_VALUE = 256
+MAX_MODEL_LENGTH = 64
+MAX_PCI_ID = 16
