@@ -32,6 +32,7 @@ from dxpool.broker.box_fabric import open_box_fabric
 from dxpool.broker.cache import Cache
 from dxpool.broker.compose import Composer, ComposeSettings
 from dxpool.broker.controller import NodeController
+from dxpool.broker.decoding import RequestDecodingGuard
 from dxpool.broker.duties import DutySettings, SingletonDuties
 from dxpool.broker.fabric_service import FabricService
 from dxpool.broker.inventory_service import InventoryService
@@ -139,6 +140,7 @@ class BrokerServer:
                 max_workers=self.config.max_workers + MAX_WATCHERS, thread_name_prefix="rpc"
             ),
             options=[("grpc.so_reuseport", 0)],
+            interceptors=[RequestDecodingGuard()],
         )
         inventory_pb2_grpc.add_InventoryServiceServicer_to_server(
             InventoryService(self.store, self.cache), server

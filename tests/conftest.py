@@ -256,3 +256,14 @@ def wait_hosts_alive(stubs: Stubs, count: int = 1, timeout_s: float = 20.0) -> N
         timeout_s,
         message=f"{count} alive host(s)",
     )
+
+
+def pool_records(etcd_client: object, prefix: str) -> dict[bytes, bytes]:
+    """Every key and value of the pool under ``prefix``, byte for byte - leaving out
+    ``elections/``, the brokers' leadership bookkeeping, which is not pool state."""
+    elections = f"{prefix}elections/".encode()
+    return {
+        meta.key: value
+        for value, meta in etcd_client.get_prefix(prefix)  # type: ignore[attr-defined]
+        if not meta.key.startswith(elections)
+    }

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, settings
 from dxpool.api.v1 import nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.store.keys import KeySchema
-from tests.conftest import Stubs, add_box
+from tests.conftest import Stubs, add_box, pool_records
 
 if TYPE_CHECKING:
     from dxpool.broker.server import BrokerServer
@@ -51,9 +51,8 @@ settings.load_profile("long" if LONG_EXAMPLES else "ci")
 Snapshot = dict[bytes, bytes]
 
 
-def snapshot(etcd_client: Any, prefix: str) -> Snapshot:
-    """Every key and value under ``prefix``, byte for byte."""
-    return {meta.key: value for value, meta in etcd_client.get_prefix(prefix)}
+def snapshot(etcd_client: Any, prefix: str) -> dict[bytes, bytes]:
+    return pool_records(etcd_client, prefix)
 
 
 @dataclass

@@ -33,12 +33,6 @@ UNDECODABLE = (
     b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff",
     b"\x0b",
 )
-NEEDS_GUARD = pytest.mark.xfail(
-    strict=True,
-    reason="broker/server.py does not pass interceptors=[RequestDecodingGuard()] to "
-    "grpc.server yet, so grpc answers INTERNAL with a traceback; remove this mark when "
-    "it does",
-)
 
 
 def check(pool: FuzzPool, name: str, payload: bytes) -> rpcs.Outcome:
@@ -119,7 +113,6 @@ def _no_tracebacks(caplog: pytest.LogCaptureFixture) -> None:
     assert len(warnings) <= 1, [r.getMessage()[:200] for r in warnings]
 
 
-@NEEDS_GUARD
 @pytest.mark.parametrize("name", NAMES)
 def test_undecodable_payload_is_invalid_argument(
     name: str, fuzz_pool: FuzzPool, caplog: pytest.LogCaptureFixture
@@ -137,7 +130,6 @@ def test_undecodable_payload_is_invalid_argument(
     _no_tracebacks(caplog)
 
 
-@NEEDS_GUARD
 @pytest.mark.parametrize("name", NAMES)
 def test_garbage_bytes_fuzz(
     name: str, fuzz_pool: FuzzPool, caplog: pytest.LogCaptureFixture

@@ -4,13 +4,14 @@ nothing in etcd."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import grpc
 import pytest
 
 from dxpool.api.v1 import fabric_pb2, fabric_pb2_grpc, inventory_pb2, nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
-from tests.conftest import Stubs, add_box
+from tests.conftest import Stubs, add_box, pool_records
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
@@ -51,8 +52,8 @@ COMPOSE_CASES = {
 }
 
 
-def dump(etcd_client, prefix: str) -> dict[bytes, bytes]:  # type: ignore[no-untyped-def]
-    return {meta.key: value for value, meta in etcd_client.get_prefix(prefix)}
+def dump(etcd_client: Any, prefix: str) -> dict[bytes, bytes]:
+    return pool_records(etcd_client, prefix)
 
 
 @pytest.mark.parametrize("case", sorted(COMPOSE_CASES))
@@ -325,11 +326,6 @@ def test_box_slots_accept_their_whole_range(stubs: Stubs) -> None:
     assert gpu.memory_mib == 16 * 1024 * 1024
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="broker/server.py does not pass interceptors=[RequestDecodingGuard()] to "
-    "grpc.server yet; remove this mark when it does",
-)
 def test_an_undecodable_payload_is_invalid_argument_without_a_traceback(
     stubs: Stubs, etcd_client, key_prefix: str, caplog: pytest.LogCaptureFixture
 ) -> None:  # type: ignore[no-untyped-def]

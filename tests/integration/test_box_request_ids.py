@@ -23,7 +23,7 @@ from dxpool.api.v1 import inventory_pb2, nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.inventory_service import InventoryService
 from dxpool.store.keys import KeySchema
-from tests.conftest import Stubs, add_box
+from tests.conftest import Stubs, add_box, pool_records
 
 ALREADY_EXISTS = grpc.StatusCode.ALREADY_EXISTS
 
@@ -39,7 +39,7 @@ def create(box_id: str = "box1", *, request_id: str = "r1", rack: str = "r1", gp
 
 
 def dump(etcd_client: Any, prefix: str) -> dict[bytes, bytes]:
-    return {meta.key: value for value, meta in etcd_client.get_prefix(prefix)}
+    return pool_records(etcd_client, prefix)
 
 
 def reason(error: grpc.RpcError) -> str:
