@@ -387,3 +387,39 @@ def test_a_box_deleted_by_hand_is_registered_again_by_the_next_up(
     assert boxes["boxes/box2"]["gpuCount"] == 4
     second.process.send_signal(signal.SIGINT)
     assert second.process.wait(timeout=30) == 0
+
+
+def test_a_killed_etcd_is_restarted_on_its_data_and_the_pool_serves_again(
+    up_factory: Callable[..., Up],
+) -> None:
+    up = up_factory()
+    up.wait_up()
+    before = up.children()
+    os.kill(before["etcd"], signal.SIGKILL)
+    wait_until(
+        lambda: up.children().get("etcd") not in (None, before["etcd"]),
+        30,
+        "etcd restarted",
+    )
+    assert "warning: etcd was killed by SIGKILL; restarting in 0.5s" in up.stderr
+    # Same data (the boxes are there) and the broker and agents found it again.
+    assert sorted(b["name"] for b in up.cli("box", "list")) == ["boxes/box1", "boxes/box2"]
+    # The broker's etcd client may fail a call or two while it reconnects; the same
+    # request id makes the retry safe.
+    create = ["--endpoint", up.endpoint, "node", "create", "--gpus", "H100:2", "--wait",
+              "--timeout", "30s", "--request-id", "after-etcd-restart", "-o", "json"]  # fmt: skip
+    results = []
+
+    def composed() -> bool:
+        results.append(CliRunner().invoke(cli, create))
+        return results[-1].exit_code == 0
+
+    wait_until(composed, 30, "a node composed after the etcd restart")
+    assert json.loads(results[-1].stdout)["state"] == "NODE_STATE_READY"
+    after = up.children()
+    assert {k: v for k, v in after.items() if k != "etcd"} == {
+        k: v for k, v in before.items() if k != "etcd"
+    }  # the agents rode it out
+    up.process.send_signal(signal.SIGINT)
+    assert up.process.wait(timeout=30) == 0
+    assert processes_mentioning(str(up.data_dir)) == []
