@@ -10,10 +10,31 @@ per pod, host ``hI`` and box ``boxI`` sharing rack ``rI``; so a host reaches one
 its rack switch, another through the pod switch and the rest through the site switch, and
 placement has latencies to choose between.
 
+It supervises like a process manager:
+
+* **One pool per data directory.** ``start`` first takes ``<data-dir>/up.lock``
+  (:class:`~dxpool.cli.statedir.StateLock`); a second pool on the directory fails at once
+  with :class:`~dxpool.cli.statedir.PoolBusyError`, naming the pid that holds it.
+* **Leftovers of a killed run** are handled before anything starts: children recorded in
+  ``<data-dir>/run/`` that still run (proven by pid, start time and command line) are
+  stopped; any other etcd or agent working in the directory (as versions without records
+  left them) fails the start at once with :class:`~dxpool.cli.statedir.LeftoverProcessesError`,
+  which lists the pids to stop.
+* **Children die with the pool**, even on SIGKILL: etcd and the agents start through
+  :mod:`dxpool.cli.lifeline` (Linux ``PR_SET_PDEATHSIG``): etcd gets SIGTERM (it shuts
+  down cleanly and fast), the agents SIGKILL (a clean agent stop needs the etcd that is
+  going away at the same moment; a killed agent's lease simply expires).
+* **Children that die are restarted** by :meth:`LocalPool.supervise` under the spec's
+  :class:`~dxpool.cli.supervisor.RestartPolicy` (exponential backoff; a child that keeps
+  dying raises :class:`~dxpool.cli.supervisor.CrashLoopError`). etcd comes back on the same
+  port and data, so the broker and the agents reconnect to it.
+
 Restarting on the same data directory is safe: etcd keeps the inventory, the fabric keeps
-its mappings, and registering a box that exists is not an error. ``stop`` is idempotent
-and leaves no process behind: agents get SIGTERM (SIGKILL after a grace period), then the
-broker and etcd stop.
+its mappings, and a box that is already registered is kept as it is. ``stop`` is
+idempotent and leaves no process behind: agents get SIGTERM (SIGKILL after a grace
+period), then the broker and etcd stop, then the lock is released. ``start``, ``supervise``
+and ``stop`` must run on one thread that lives as long as the pool (the death signal is
+tied to the thread that started a child).
 """
 
 from __future__ import annotations
@@ -31,6 +52,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dxpool.api.v1 import resources_pb2
+from dxpool.cli.lifeline import lifeline_argv
+from dxpool.cli.statedir import (
+    ChildRecords,
+    LeftoverProcessesError,
+    StateLock,
+    find_leftovers,
+    stop_leftovers,
+)
+from dxpool.cli.supervisor import RestartPolicy, Supervisor, describe_exit
 from dxpool.client import Client
 from dxpool.defaults import DEFAULT_ENDPOINT
 from dxpool.errors import AlreadyExists, InvalidArgument, Unavailable
@@ -46,6 +76,8 @@ DEFAULT_LISTEN = DEFAULT_ENDPOINT
 SITE = "dc1"
 RACKS_PER_POD = 2
 AGENT_STOP_GRACE_S = 10.0
+ETCD_DEATH_SIGNAL = signal.SIGTERM
+AGENT_DEATH_SIGNAL = signal.SIGKILL
 
 
 @dataclass(frozen=True)
@@ -63,6 +95,7 @@ class LocalPoolSpec:
     attach_delay_s: float = 0.0
     key_prefix: str = DEFAULT_PREFIX
     ready_timeout_s: float = 60.0
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
 
     def __post_init__(self) -> None:
         for name in ("boxes", "gpus_per_box", "hosts", "slots", "gpu_memory_mib"):
@@ -87,24 +120,110 @@ def rack_location(index: int) -> resources_pb2.Location:
     return resources_pb2.Location(site=SITE, pod=f"p{pod}", rack=f"r{index}")
 
 
-@dataclass
-class _Agent:
-    host: str
-    process: subprocess.Popen[bytes]
-    log_path: Path
-    reported_exit: bool = False
+class _EtcdChild:
+    """The pool's etcd as a supervised child; recorded in ``run/etcd.json`` while it runs."""
+
+    name = "etcd"
+
+    def __init__(self, etcd: EmbeddedEtcd, records: ChildRecords) -> None:
+        self.etcd = etcd
+        self._records = records
+
+    @property
+    def log_path(self) -> Path:
+        return self.etcd.log_path
+
+    def start(self) -> None:
+        try:
+            self.etcd.start()
+        finally:
+            if self.etcd.pid is not None:
+                self._records.save("etcd", self.name, self.etcd.pid)
+        log.info("etcd started", extra={"endpoint": self.etcd.endpoint, "pid": self.etcd.pid})
+
+    def poll(self) -> int | None:
+        return self.etcd.poll()
+
+    def stop(self) -> None:
+        self.etcd.stop()
+        self._records.remove("etcd")
+
+
+class _AgentChild:
+    """One host agent process, in a session of its own (a Ctrl-C at the terminal reaches
+    only ``dxpool up``, which then stops the agents in order); recorded in
+    ``run/agent-<host>.json`` while it runs."""
+
+    def __init__(
+        self, host: str, python: str, args: list[str], log_path: Path, records: ChildRecords
+    ) -> None:
+        self.host = host
+        self.python = python
+        self.name = f"host agent {host}"
+        self.log_path = log_path
+        self._args = args
+        self._records = records
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def record_key(self) -> str:
+        return f"agent-{self.host}"
+
+    def start(self) -> None:
+        argv = [*lifeline_argv(os.getpid(), AGENT_DEATH_SIGNAL, self.python), *self._args]
+        with open(self.log_path, "ab") as log_file:
+            self.process = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                start_new_session=True,
+            )
+        self._records.save(self.record_key, self.name, self.process.pid)
+        log.info("agent started", extra={"host": self.host, "pid": self.process.pid})
+
+    def poll(self) -> int | None:
+        return self.process.poll() if self.process is not None else None
+
+    def signal(self, signum: int) -> None:
+        """Signal the agent's whole session (it leads its own), if it still runs."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signum)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether it ended within ``timeout_s``; forgets its record once it has."""
+        if self.process is not None:
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                return False
+        self._records.remove(self.record_key)
+        return True
 
 
 @dataclass
 class LocalPool:
-    """Starts and stops the pool described by ``spec``; see the module docstring."""
+    """Starts, supervises and stops the pool described by ``spec``; see the module
+    docstring. ``report`` gets a line for the operator on every restart."""
 
     spec: LocalPoolSpec
     python: str = sys.executable
-    _etcd: EmbeddedEtcd | None = field(default=None, init=False)
+    report: Callable[[str], None] = field(default=lambda line: None)
+    _lock: StateLock = field(init=False)
+    _records: ChildRecords = field(init=False)
+    _supervisor: Supervisor = field(init=False)
+    _etcd: _EtcdChild | None = field(default=None, init=False)
     _broker: BrokerServer | None = field(default=None, init=False)
-    _agents: list[_Agent] = field(default_factory=list, init=False)
+    _agents: list[_AgentChild] = field(default_factory=list, init=False)
     _endpoint: str = field(default="", init=False)
+
+    def __post_init__(self) -> None:
+        self._lock = StateLock(self.spec.data_dir)
+        self._records = ChildRecords(self.spec.data_dir)
+        self._supervisor = Supervisor(self.spec.restart, report=self.report)
 
     @property
     def endpoint(self) -> str:
@@ -116,7 +235,12 @@ class LocalPool:
         return self.spec.data_dir / "logs"
 
     def start(self) -> LocalPool:
-        """Start everything; on any failure stop what was started and re-raise."""
+        """Start everything; on any failure stop what was started and re-raise.
+
+        Raises :class:`~dxpool.cli.statedir.PoolBusyError` at once if another pool runs on the
+        data directory, and :class:`~dxpool.cli.statedir.LeftoverProcessesError` if processes
+        that no record proves are its own work in it.
+        """
         try:
             self._start()
         except BaseException:
@@ -128,14 +252,23 @@ class LocalPool:
         from dxpool.broker.server import BrokerConfig, BrokerServer
 
         spec = self.spec
+        self._lock.acquire()
+        self._clear_leftovers()
+        # Children get absolute paths, so their command lines name the directory whatever
+        # their working directory (the next run matches leftovers by them).
+        data_dir = spec.data_dir.resolve()
         self.logs_dir.mkdir(parents=True, exist_ok=True)
-        self._etcd = EmbeddedEtcd(spec.data_dir / "etcd", log_path=self.logs_dir / "etcd.log")
+        etcd = EmbeddedEtcd(
+            data_dir / "etcd",
+            log_path=self.logs_dir / "etcd.log",
+            launcher=lifeline_argv(os.getpid(), ETCD_DEATH_SIGNAL, self.python),
+        )
+        self._etcd = _EtcdChild(etcd, self._records)
         self._etcd.start()
-        log.info("etcd started", extra={"endpoint": self._etcd.endpoint})
-        fabric_dir = self._install_fabric()
+        fabric_dir = self._install_fabric(data_dir)
         broker = BrokerServer(
             BrokerConfig(
-                etcd_endpoints=self._etcd.endpoint,
+                etcd_endpoints=etcd.endpoint,
                 key_prefix=spec.key_prefix,
                 listen=spec.listen,
                 fabric=f"sim:{fabric_dir}",
@@ -145,17 +278,37 @@ class LocalPool:
         broker.start()
         self._endpoint = broker.endpoint
         for index, host in enumerate(spec.host_ids, start=1):
-            self._agents.append(self._start_agent(host, index, fabric_dir))
+            agent = self._agent(host, index, fabric_dir)
+            self._agents.append(agent)
+            agent.start()
         with Client(self._endpoint) as client:
             self._register_boxes(client)
             self._wait_for_hosts(client)
+        self._supervisor.watch(self._etcd)
+        for agent in self._agents:
+            self._supervisor.watch(agent)
 
-    def _install_fabric(self) -> Path:
+    def _clear_leftovers(self) -> None:
+        """Stop what a killed run of this pool left running; refuse to start next to
+        processes that no record proves are its own."""
+        leftovers = find_leftovers(self.spec.data_dir, self._records)
+        unproven = [p for p in leftovers if not p.proven]
+        if unproven:
+            raise LeftoverProcessesError(self.spec.data_dir, unproven)
+        if leftovers:
+            self.report(
+                "stopping processes left by an earlier run: "
+                + ", ".join(f"{p.what} (pid {p.pid})" for p in leftovers)
+            )
+            stop_leftovers(leftovers)
+        self._records.clear()
+
+    def _install_fabric(self, data_dir: Path) -> Path:
         """The simulated fabric's state directory, holding every box and host of the spec."""
         from dxpool.fabric.sim import SimFabric, SimGpuSpec, UnknownTarget
 
         spec = self.spec
-        state_dir = spec.data_dir / "fabric"
+        state_dir = data_dir / "fabric"
         gpus = [SimGpuSpec(spec.gpu_model, spec.gpu_memory_mib)] * spec.gpus_per_box
         try:
             fabric = SimFabric(state_dir)
@@ -172,10 +325,9 @@ class LocalPool:
             fabric.add_host(host, spec.slots)
         return state_dir
 
-    def _start_agent(self, host: str, index: int, fabric_dir: Path) -> _Agent:
+    def _agent(self, host: str, index: int, fabric_dir: Path) -> _AgentChild:
         assert self._etcd is not None
         where = rack_location(index)
-        log_path = self.logs_dir / f"agent-{host}.log"
         args = [
             self.python,
             "-m",
@@ -183,7 +335,7 @@ class LocalPool:
             "--host",
             host,
             "--etcd",
-            self._etcd.endpoint,
+            self._etcd.etcd.endpoint,
             "--prefix",
             self.spec.key_prefix,
             "--driver",
@@ -200,46 +352,55 @@ class LocalPool:
             where.rack,
             "--hotplug-delay",
             f"{self.spec.attach_delay_s:g}",
+            # A restarted agent adopts its live lease, so its host's nodes are not lost.
+            "--state-dir",
+            str(fabric_dir.parent / "agents"),
         ]
-        with open(log_path, "ab") as log_file:
-            # A session of its own: a Ctrl-C at the terminal reaches only `dxpool up`,
-            # which then stops the agents in order.
-            process = subprocess.Popen(
-                args,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                start_new_session=True,
-            )
-        log.info("agent started", extra={"host": host, "pid": process.pid})
-        return _Agent(host, process, log_path)
+        log_path = self.logs_dir / f"agent-{host}.log"
+        return _AgentChild(host, self.python, args, log_path, self._records)
 
     def _register_boxes(self, client: Client) -> None:
+        """Register every box of the spec that is not registered yet; a box already there
+        (from an earlier run) is kept as it is.
+
+        Each create uses a fresh request id (the client's default): a fixed one would be
+        remembered by the broker across runs and tie the id to a box that may since have
+        been deleted.
+        """
         spec = self.spec
+        existing = {box.name: box for box in client.list_boxes()}
         for index, box in enumerate(spec.box_ids, start=1):
-            try:
-                client.create_box(
-                    box,
-                    gpus=spec.gpus_per_box,
-                    model=spec.gpu_model,
-                    memory_mib=spec.gpu_memory_mib,
-                    location=rack_location(index),
-                    request_id=f"dxpool-up-{box}",
+            found = existing.get(f"boxes/{box}")
+            if found is None:
+                try:
+                    client.create_box(
+                        box,
+                        gpus=spec.gpus_per_box,
+                        model=spec.gpu_model,
+                        memory_mib=spec.gpu_memory_mib,
+                        location=rack_location(index),
+                    )
+                    continue
+                except AlreadyExists:  # registered since the list, e.g. by hand
+                    found = client.get_box(box)
+            log.info("box already registered", extra={"box": box})
+            if found.gpu_count != spec.gpus_per_box:
+                self.report(
+                    f"warning: {found.name} is registered with {found.gpu_count} GPUs, not "
+                    f"{spec.gpus_per_box}; it is kept as it is (delete it with "
+                    "`dxpool box delete` to register it anew)"
                 )
-            except AlreadyExists:
-                log.info("box already registered", extra={"box": box})
 
     def _wait_for_hosts(self, client: Client) -> None:
         wanted = {f"hosts/{h}" for h in self.spec.host_ids}
         deadline = time.monotonic() + self.spec.ready_timeout_s
         while True:
-            dead = self.exited_agents()
-            if dead:
-                raise RuntimeError(
-                    f"host agent {dead[0].host} exited with {dead[0].process.returncode}; "
-                    f"see {dead[0].log_path}"
-                )
+            for agent in self._agents:
+                status = agent.poll()
+                if status is not None:
+                    raise RuntimeError(
+                        f"{agent.name} {describe_exit(status)} while starting; see {agent.log_path}"
+                    )
             try:
                 alive = {h.name for h in client.list_hosts() if h.alive}
             except Unavailable:
@@ -254,33 +415,24 @@ class LocalPool:
                 )
             time.sleep(0.1)
 
-    def exited_agents(self) -> list[_Agent]:
-        """Agents whose process has ended."""
-        return [a for a in self._agents if a.process.poll() is not None]
-
-    def check(self, warn: Callable[[str], None]) -> None:
-        """Report (once each) agents that exited while the pool runs."""
-        for agent in self.exited_agents():
-            if not agent.reported_exit:
-                agent.reported_exit = True
-                warn(
-                    f"warning: host agent {agent.host} exited with "
-                    f"{agent.process.returncode}; see {agent.log_path}"
-                )
+    def supervise(self) -> None:
+        """Restart children that died (see :class:`~dxpool.cli.supervisor.Supervisor`);
+        call it every fraction of a second from the thread that started the pool. Raises
+        :class:`~dxpool.cli.supervisor.CrashLoopError` when a child keeps dying."""
+        self._supervisor.tick()
 
     def stop(self) -> None:
-        """Stop agents, broker and etcd, in that order. Idempotent; never raises."""
+        """Stop agents, broker and etcd, in that order, then release the data directory.
+        Idempotent; never raises."""
         agents, self._agents = self._agents, []
         for agent in agents:
-            _signal_group(agent.process, signal.SIGTERM)
+            agent.signal(signal.SIGTERM)
         deadline = time.monotonic() + AGENT_STOP_GRACE_S
         for agent in agents:
-            try:
-                agent.process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            if not agent.wait(max(0.1, deadline - time.monotonic())):
                 log.warning("agent did not stop; killing it", extra={"host": agent.host})
-                _signal_group(agent.process, signal.SIGKILL)
-                agent.process.wait()
+                agent.signal(signal.SIGKILL)
+                agent.wait(AGENT_STOP_GRACE_S)
         broker, self._broker = self._broker, None
         if broker is not None:
             try:
@@ -290,11 +442,4 @@ class LocalPool:
         etcd, self._etcd = self._etcd, None
         if etcd is not None:
             etcd.stop()
-
-
-def _signal_group(process: subprocess.Popen[bytes], signum: int) -> None:
-    """Signal the process's whole session (it leads its own), if it still runs."""
-    if process.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signum)
+        self._lock.release()

@@ -1,4 +1,9 @@
-"""``dxpool up``: a whole pool on this machine, in the foreground, until Ctrl-C."""
+"""``dxpool up``: a whole pool on this machine, in the foreground, until Ctrl-C.
+
+It supervises its children (see :mod:`dxpool.cli.localpool`): one that dies is restarted
+with exponential backoff, one that keeps dying stops the pool with exit status 1, and
+none outlives ``dxpool up``, even when it is killed with SIGKILL.
+"""
 
 from __future__ import annotations
 
@@ -16,12 +21,14 @@ from dxpool.cli.config import DEFAULT_ENDPOINT
 from dxpool.cli.localpool import LocalPool, LocalPoolSpec
 from dxpool.cli.output import info
 from dxpool.cli.params import MEMORY, SECONDS
+from dxpool.cli.supervisor import RestartPolicy
 from dxpool.errors import InvalidArgument
 from dxpool.request import validate_gpu_request
 
 log = logging.getLogger(__name__)
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+SUPERVISE_INTERVAL_S = 0.25
 
 
 @contextmanager
@@ -71,6 +78,21 @@ def _hint(endpoint: str, model: str) -> str:
     show_default=True,
     help="Simulated PCIe hotplug time per GPU, e.g. 500ms.",
 )
+@click.option(
+    "--max-restarts",
+    type=click.IntRange(0),
+    default=RestartPolicy.max_restarts,
+    show_default=True,
+    help="Restarts of one child (etcd, an agent) allowed within --restart-window; "
+    "one more death stops the pool.",
+)
+@click.option(
+    "--restart-window",
+    type=SECONDS,
+    default=f"{RestartPolicy.window_s:g}s",
+    show_default=True,
+    help="Window for --max-restarts, e.g. 60s.",
+)
 def up(
     *,
     data_dir: Path,
@@ -82,10 +104,15 @@ def up(
     hosts: int,
     slots: int,
     attach_delay: float,
+    max_restarts: int,
+    restart_window: float,
 ) -> None:
     """Run a local pool: etcd, a broker, simulated GPU boxes and host agents.
 
-    Stops everything cleanly on Ctrl-C or SIGTERM. Running it again on the same
+    Stops everything cleanly on Ctrl-C or SIGTERM. A child that dies is restarted
+    (0.5s, 1s, 2s, ... up to 30s apart); one that dies more than --max-restarts times
+    within --restart-window stops the pool. Children never outlive this command. Only
+    one `dxpool up` runs on a --data-dir at a time; running it again on the same
     --data-dir picks up where the last run left off.
     """
     try:
@@ -100,10 +127,11 @@ def up(
             hosts=hosts,
             slots=slots,
             attach_delay_s=attach_delay,
+            restart=RestartPolicy(max_restarts=max_restarts, window_s=restart_window),
         )
     except InvalidArgument as error:
         raise click.UsageError(error.message) from None
-    pool = LocalPool(spec)
+    pool = LocalPool(spec, report=info)
     failure: Exception | None = None
     with _stop_on_signal():
         try:
@@ -116,8 +144,8 @@ def up(
             click.echo(_hint(pool.endpoint, gpu_model))
             info("press Ctrl-C to stop")
             while True:
-                pool.check(info)
-                time.sleep(1.0)
+                pool.supervise()
+                time.sleep(SUPERVISE_INTERVAL_S)
         except KeyboardInterrupt:
             info("stopping ...")
         except Exception as error:  # reported below, after everything has stopped

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -52,7 +53,10 @@ class EmbeddedEtcd:
     """One etcd member on loopback. Use as a context manager, or ``start``/``stop``.
 
     ``data_dir`` None means a temporary directory removed on stop. Auto-compaction keeps
-    long runs from growing the database without bound.
+    long runs from growing the database without bound. ``launcher`` is an argv prefix that
+    execs etcd (for example :mod:`dxpool.cli.lifeline`, which ties etcd's life to this
+    process); it must exec, so that :attr:`pid` is etcd's own pid. The ports are chosen
+    once, so ``start`` after a crash brings etcd back at the same address.
     """
 
     def __init__(
@@ -63,6 +67,7 @@ class EmbeddedEtcd:
         host: str = "127.0.0.1",
         log_path: Path | None = None,
         unsafe_no_fsync: bool = False,
+        launcher: Sequence[str] = (),
     ) -> None:
         self._own_dir = data_dir is None
         self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="dxpool-etcd-"))
@@ -72,6 +77,7 @@ class EmbeddedEtcd:
         self.peer_port = ports[1] if ports[1] != self.client_port else ports[0]
         self.log_path = log_path or self.data_dir / "etcd.log"
         self.unsafe_no_fsync = unsafe_no_fsync
+        self.launcher = tuple(launcher)
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -88,6 +94,7 @@ class EmbeddedEtcd:
         client_url = f"http://{self.host}:{self.client_port}"
         peer_url = f"http://{self.host}:{self.peer_port}"
         args = [
+            *self.launcher,
             str(etcd_binary()),
             "--name=dxpool",
             f"--data-dir={self.data_dir / 'member-data'}",
@@ -148,6 +155,11 @@ class EmbeddedEtcd:
     @property
     def pid(self) -> int | None:
         return self._process.pid if self._process else None
+
+    def poll(self) -> int | None:
+        """etcd's exit status once it has ended on its own (negative: killed by that
+        signal); None while it runs, and before ``start`` or after ``stop``."""
+        return self._process.poll() if self._process else None
 
     def __enter__(self) -> EmbeddedEtcd:
         return self.start()

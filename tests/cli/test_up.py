@@ -1,4 +1,6 @@
-"""``dxpool up`` as a real process: start, compose a node with the CLI, Ctrl-C, nothing left."""
+"""``dxpool up`` as a real process: start, compose a node with the CLI, Ctrl-C, nothing left;
+and supervision: children restarted, none outliving a killed ``dxpool up``, one pool per
+data directory, leftovers of a killed run handled at once."""
 
 from __future__ import annotations
 
@@ -9,12 +11,18 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import pytest
 from click.testing import CliRunner
 
 from dxpool.cli.main import cli
-from dxpool.store.embedded import free_port
+from dxpool.cli.statedir import ChildRecords
+from dxpool.store.embedded import EmbeddedEtcd, free_port
+
+SMALL_POOL = ("--boxes", "2", "--gpus-per-box", "4", "--hosts", "2", "--slots", "4")
 
 
 def processes_mentioning(text: str) -> list[str]:
@@ -84,3 +92,334 @@ def test_up_serves_a_pool_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     assert processes_mentioning(str(data_dir)) == []
     assert "stopped" in (tmp_path / "up.err").read_text()
     assert (data_dir / "logs" / "agent-h1.log").exists()
+
+
+def pid_gone(pid: int) -> bool:
+    """Whether ``pid`` has ended (a zombie nobody reaped yet counts as ended)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat[stat.rindex(")") + 2] in "ZX"
+
+
+def cmdline_of(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return []
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> float:
+    """Seconds until ``condition`` held; fails after ``timeout_s``."""
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > timeout_s:
+            raise AssertionError(f"not within {timeout_s}s: {what}")
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+class Up:
+    """One `dxpool up` process on ``data_dir``; stdout is read by the test, stderr goes to
+    ``<tmp>/up-<n>.err``."""
+
+    count = 0
+
+    def __init__(self, tmp_path: Path, data_dir: Path, endpoint: str, *extra: str) -> None:
+        Up.count += 1
+        self.data_dir = data_dir
+        self.endpoint = endpoint
+        self.err_path = tmp_path / f"up-{Up.count}.err"
+        args = [
+            sys.executable, "-m", "dxpool.cli", "up",
+            "--data-dir", str(data_dir), "--listen", endpoint, *SMALL_POOL, *extra,
+        ]  # fmt: skip
+        with open(self.err_path, "w") as stderr:
+            self.process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        self.pid = self.process.pid
+        self.seen: set[int] = set()
+
+    def wait_up(self, timeout_s: float = 60) -> float:
+        """Seconds until the banner."""
+        started = time.monotonic()
+        read_until(self.process, "dxpool is up at", timeout_s)
+        return time.monotonic() - started
+
+    @property
+    def stderr(self) -> str:
+        return self.err_path.read_text()
+
+    def children(self) -> dict[str, int]:
+        """Pids of the running children of this `dxpool up` that work in its data
+        directory, by name (etcd, host agent h1, ...); read from /proc, so it does not
+        depend on how `dxpool up` keeps track of them."""
+        found = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or pid_gone(int(entry.name)):
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            args = cmdline_of(int(entry.name))
+            parent = int(stat[stat.rindex(")") + 2 :].split()[1])
+            if parent != self.pid or not any(str(self.data_dir) in arg for arg in args):
+                continue
+            if Path(args[0]).name == "etcd":
+                name = "etcd"
+            elif "--host" in args:
+                name = f"host agent {args[args.index('--host') + 1]}"
+            else:
+                continue
+            found[name] = int(entry.name)
+        self.seen |= set(found.values())
+        return found
+
+    def cli(self, *args: str) -> Any:
+        result = CliRunner().invoke(cli, ["--endpoint", self.endpoint, *args, "-o", "json"])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    def hosts(self) -> dict[str, dict[str, Any]]:
+        return {h["name"]: h for h in self.cli("host", "list")}
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture
+def up_factory(tmp_path: Path) -> Iterator[Callable[..., Up]]:
+    started: list[Up] = []
+
+    def start(*extra: str, data_dir: Path | None = None, endpoint: str = "") -> Up:
+        up = Up(
+            tmp_path,
+            data_dir or tmp_path / "pool",
+            endpoint or f"127.0.0.1:{free_port()}",
+            *extra,
+        )
+        started.append(up)
+        return up
+
+    yield start
+    for up in started:  # a failed test must not leave a pool behind
+        up.children()
+        if up.process.poll() is None:
+            up.process.send_signal(signal.SIGTERM)
+            try:
+                up.process.wait(30)
+            except subprocess.TimeoutExpired:
+                up.kill()
+        for pid in up.seen:
+            if not pid_gone(pid) and str(up.data_dir) in " ".join(cmdline_of(pid)):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_killed_agent_is_restarted_and_its_host_registers_again(
+    up_factory: Callable[..., Up],
+) -> None:
+    up = up_factory()
+    up.wait_up()
+    before = up.children()
+    registered = up.hosts()["hosts/h1"]["registerTime"]
+
+    os.kill(before["host agent h1"], signal.SIGKILL)
+
+    def registered_again() -> bool:
+        host = up.hosts()["hosts/h1"]
+        return bool(host.get("alive")) and host["registerTime"] > registered
+
+    took = wait_until(registered_again, 20, "host h1 registered by a new agent")
+    after = up.children()
+    assert after["host agent h1"] != before["host agent h1"]
+    assert not pid_gone(after["host agent h1"])
+    assert pid_gone(before["host agent h1"])
+    assert after["etcd"] == before["etcd"]
+    assert after["host agent h2"] == before["host agent h2"]
+    assert "warning: host agent h1 was killed by SIGKILL; restarting in 0.5s" in up.stderr
+    assert "host agent h1 restarted" in up.stderr
+    assert took < 20
+
+    up.process.send_signal(signal.SIGTERM)  # SIGTERM, like Ctrl-C, stops everything
+    assert up.process.wait(timeout=30) == 0
+    assert all(pid_gone(pid) for pid in after.values())
+    assert processes_mentioning(str(up.data_dir)) == []
+
+
+def test_killing_up_leaves_no_child_and_the_next_up_starts_at_once(
+    up_factory: Callable[..., Up], tmp_path: Path
+) -> None:
+    data_dir = tmp_path / "pool"
+    first = up_factory(data_dir=data_dir)
+    first.wait_up()
+    children = first.children()
+    assert set(children) == {"etcd", "host agent h1", "host agent h2"}
+
+    first.kill()  # SIGKILL: no chance to stop anything itself
+    wait_until(
+        lambda: all(pid_gone(pid) for pid in children.values()),
+        10,
+        f"children {children} gone after `dxpool up` was killed",
+    )
+
+    second = up_factory(data_dir=data_dir, endpoint=first.endpoint)
+    took = second.wait_up(timeout_s=60)
+    assert took < 20  # the earlier etcd held the data directory for 20s and failed
+    assert "left by an earlier run" not in second.stderr  # nothing was left
+    hosts = second.hosts()
+    assert {name for name, host in hosts.items() if host.get("alive")} == {"hosts/h1", "hosts/h2"}
+    assert sorted(b["name"] for b in second.cli("box", "list")) == ["boxes/box1", "boxes/box2"]
+    second.process.send_signal(signal.SIGINT)
+    assert second.process.wait(timeout=30) == 0
+    assert processes_mentioning(str(data_dir)) == []
+
+
+def test_a_second_up_on_the_same_directory_fails_at_once_naming_the_first(
+    up_factory: Callable[..., Up], tmp_path: Path
+) -> None:
+    data_dir = tmp_path / "pool"
+    first = up_factory(data_dir=data_dir)
+    first.wait_up()
+    children = first.children()
+
+    started = time.monotonic()
+    second = up_factory(data_dir=data_dir)
+    assert second.process.wait(timeout=30) == 1
+    assert time.monotonic() - started < 10  # a Python start and a lock, nothing more
+    assert (
+        f"error: dxpool up failed: another `dxpool up` (pid {first.pid}) is already running "
+        f"on {data_dir}; stop it first (Ctrl-C in its terminal, or `kill {first.pid}`)"
+    ) in second.stderr
+
+    assert first.process.poll() is None  # the first pool is untouched
+    assert first.children() == children
+    assert all(host.get("alive") for host in first.hosts().values())
+    first.process.send_signal(signal.SIGINT)
+    assert first.process.wait(timeout=30) == 0
+
+
+def test_up_refuses_to_start_beside_an_etcd_it_cannot_prove_is_its_own(
+    up_factory: Callable[..., Up], tmp_path: Path
+) -> None:
+    data_dir = tmp_path / "pool"
+    # What an older `dxpool up` (without child records) left running when it was killed.
+    with EmbeddedEtcd(data_dir / "etcd") as orphan:
+        started = time.monotonic()
+        up = up_factory(data_dir=data_dir)
+        assert up.process.wait(timeout=30) == 1
+        assert time.monotonic() - started < 10
+        assert (
+            f"etcd (pid {orphan.pid}) still running on {data_dir}, most likely left behind "
+            f"by an older `dxpool up` that was killed; stop them with `kill {orphan.pid}` "
+            "and run `dxpool up` again"
+        ) in up.stderr
+        assert orphan.poll() is None  # not signalled: nothing proves it is ours
+        assert not (data_dir / "fabric").exists()  # nothing was started
+
+
+def test_up_stops_a_child_that_a_killed_run_recorded_and_starts(
+    up_factory: Callable[..., Up], tmp_path: Path
+) -> None:
+    data_dir = tmp_path / "pool"
+    # A child that outlived a killed run (where no death signal reached it): its record
+    # proves it is this pool's own.
+    leftover = EmbeddedEtcd(data_dir / "etcd").start()
+    try:
+        assert leftover.pid is not None
+        ChildRecords(data_dir).save("etcd", "etcd", leftover.pid)
+        up = up_factory(data_dir=data_dir)
+        up.wait_up()
+        assert f"stopping processes left by an earlier run: etcd (pid {leftover.pid})" in (
+            up.stderr
+        )
+        assert leftover.poll() is not None
+        assert up.children()["etcd"] != leftover.pid
+        up.process.send_signal(signal.SIGINT)
+        assert up.process.wait(timeout=30) == 0
+    finally:
+        leftover.stop()
+
+
+def test_an_agent_that_keeps_dying_stops_the_pool_with_a_clear_error(
+    up_factory: Callable[..., Up],
+) -> None:
+    up = up_factory("--max-restarts", "1", "--restart-window", "60s")
+    up.wait_up()
+    first = up.children()
+    os.kill(first["host agent h2"], signal.SIGKILL)
+    wait_until(
+        lambda: up.children().get("host agent h2") not in (None, first["host agent h2"]),
+        10,
+        "host agent h2 restarted",
+    )
+    restarted = up.children()
+    os.kill(restarted["host agent h2"], signal.SIGKILL)
+
+    assert up.process.wait(timeout=30) == 1
+    assert (
+        "error: dxpool up failed: host agent h2 was killed by SIGKILL after 1 restarts within "
+        f"60s; giving up (see {up.data_dir}/logs/agent-h2.log)"
+    ) in up.stderr
+    assert all(pid_gone(pid) for pid in [*first.values(), *restarted.values()])
+    assert processes_mentioning(str(up.data_dir)) == []
+
+
+def test_a_box_deleted_by_hand_is_registered_again_by_the_next_up(
+    up_factory: Callable[..., Up], tmp_path: Path
+) -> None:
+    # The broker remembers request ids; a fixed one per box would tie the id to the
+    # deleted box and make the next registration fail.
+    data_dir = tmp_path / "pool"
+    first = up_factory(data_dir=data_dir)
+    first.wait_up()
+    deleted = CliRunner().invoke(cli, ["--endpoint", first.endpoint, "box", "delete", "box2"])
+    assert deleted.exit_code == 0, deleted.output
+    first.process.send_signal(signal.SIGINT)
+    assert first.process.wait(timeout=30) == 0
+
+    second = up_factory(data_dir=data_dir, endpoint=first.endpoint)
+    second.wait_up()
+    boxes = {b["name"]: b for b in second.cli("box", "list")}
+    assert sorted(boxes) == ["boxes/box1", "boxes/box2"]
+    assert boxes["boxes/box2"]["gpuCount"] == 4
+    second.process.send_signal(signal.SIGINT)
+    assert second.process.wait(timeout=30) == 0
+
+
+def test_a_killed_etcd_is_restarted_on_its_data_and_the_pool_serves_again(
+    up_factory: Callable[..., Up],
+) -> None:
+    up = up_factory()
+    up.wait_up()
+    before = up.children()
+    os.kill(before["etcd"], signal.SIGKILL)
+    wait_until(
+        lambda: up.children().get("etcd") not in (None, before["etcd"]),
+        30,
+        "etcd restarted",
+    )
+    assert "warning: etcd was killed by SIGKILL; restarting in 0.5s" in up.stderr
+    # Same data (the boxes are there) and the broker and agents found it again.
+    assert sorted(b["name"] for b in up.cli("box", "list")) == ["boxes/box1", "boxes/box2"]
+    # The broker's etcd client may fail a call or two while it reconnects; the same
+    # request id makes the retry safe.
+    create = ["--endpoint", up.endpoint, "node", "create", "--gpus", "H100:2", "--wait",
+              "--timeout", "30s", "--request-id", "after-etcd-restart", "-o", "json"]  # fmt: skip
+    results = []
+
+    def composed() -> bool:
+        results.append(CliRunner().invoke(cli, create))
+        return results[-1].exit_code == 0
+
+    wait_until(composed, 30, "a node composed after the etcd restart")
+    assert json.loads(results[-1].stdout)["state"] == "NODE_STATE_READY"
+    after = up.children()
+    assert {k: v for k, v in after.items() if k != "etcd"} == {
+        k: v for k, v in before.items() if k != "etcd"
+    }  # the agents rode it out
+    up.process.send_signal(signal.SIGINT)
+    assert up.process.wait(timeout=30) == 0
+    assert processes_mentioning(str(up.data_dir)) == []
