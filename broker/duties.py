@@ -84,6 +84,7 @@ class SingletonDuties:
         self._clock = clock
         self._lock = threading.Lock()
         self._host_of: dict[str, str] = {}  # GPU id -> host id, while its lease matters
+        self._on_host: dict[str, set[str]] = {}  # host id -> those GPU ids
         self._fencing: set[str] = set()
         self._released: set[str] = set()
         self._absent_since: dict[str, float] = {}
@@ -113,10 +114,19 @@ class SingletonDuties:
         with self._lock:
             if collection == k.GPUS:
                 gpu = record.value if record is not None else None
-                if gpu is not None and gpu.state in LEASE_HOLDING_STATES and gpu.host:
-                    self._host_of[name] = parse_host(gpu.host)
-                else:
-                    self._host_of.pop(name, None)
+                host = (
+                    parse_host(gpu.host)
+                    if gpu is not None and gpu.state in LEASE_HOLDING_STATES and gpu.host
+                    else ""
+                )
+                previous = self._host_of.pop(name, "")
+                if previous:
+                    self._on_host[previous].discard(name)
+                    if not self._on_host[previous]:
+                        del self._on_host[previous]
+                if host:
+                    self._host_of[name] = host
+                    self._on_host.setdefault(host, set()).add(name)
                 if gpu is not None and gpu.state == pb.GPU_STATE_FENCING:
                     self._fencing.add(name)
                 else:
@@ -149,7 +159,7 @@ class SingletonDuties:
     def handle_host_loss(self) -> None:
         now = time.monotonic()
         with self._lock:
-            hosts = set(self._host_of.values())
+            hosts = set(self._on_host)
         for host in list(self._absent_since):
             if host not in hosts:
                 del self._absent_since[host]
@@ -171,7 +181,7 @@ class SingletonDuties:
             ):
                 lost_nodes += bool(self._apply(self._lose_node(host, node_id, message), node_id))
         with self._lock:
-            stray = sorted(g for g, h in self._host_of.items() if h == host)
+            stray = sorted(self._on_host.get(host, ()))
         for gpu_id in stray:
             self._apply(self._fence_gpu(host, gpu_id, message), gpu_id)
         log.warning(

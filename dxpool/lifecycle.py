@@ -41,55 +41,54 @@ from dxpool.records import copy, timestamp
 NodeStateValue: TypeAlias = pb.NodeState.ValueType
 GpuStateValue: TypeAlias = pb.GpuState.ValueType
 
-_N = pb
 NODE_TRANSITIONS: Mapping[int, frozenset[int]] = {
-    _N.NODE_STATE_PENDING: frozenset(
+    pb.NODE_STATE_PENDING: frozenset(
         {
-            _N.NODE_STATE_ATTACHING,
-            _N.NODE_STATE_READY,
-            _N.NODE_STATE_FAILED,
-            _N.NODE_STATE_RELEASING,
-            _N.NODE_STATE_LOST,
+            pb.NODE_STATE_ATTACHING,
+            pb.NODE_STATE_READY,
+            pb.NODE_STATE_FAILED,
+            pb.NODE_STATE_RELEASING,
+            pb.NODE_STATE_LOST,
         }
     ),
-    _N.NODE_STATE_ATTACHING: frozenset(
-        {_N.NODE_STATE_READY, _N.NODE_STATE_FAILED, _N.NODE_STATE_RELEASING, _N.NODE_STATE_LOST}
+    pb.NODE_STATE_ATTACHING: frozenset(
+        {pb.NODE_STATE_READY, pb.NODE_STATE_FAILED, pb.NODE_STATE_RELEASING, pb.NODE_STATE_LOST}
     ),
-    _N.NODE_STATE_READY: frozenset({_N.NODE_STATE_RELEASING, _N.NODE_STATE_LOST}),
-    _N.NODE_STATE_FAILED: frozenset({_N.NODE_STATE_RELEASING}),
-    _N.NODE_STATE_LOST: frozenset({_N.NODE_STATE_RELEASING}),
-    _N.NODE_STATE_RELEASING: frozenset({_N.NODE_STATE_RELEASED}),
-    _N.NODE_STATE_RELEASED: frozenset(),
+    pb.NODE_STATE_READY: frozenset({pb.NODE_STATE_RELEASING, pb.NODE_STATE_LOST}),
+    pb.NODE_STATE_FAILED: frozenset({pb.NODE_STATE_RELEASING}),
+    pb.NODE_STATE_LOST: frozenset({pb.NODE_STATE_RELEASING}),
+    pb.NODE_STATE_RELEASING: frozenset({pb.NODE_STATE_RELEASED}),
+    pb.NODE_STATE_RELEASED: frozenset(),
 }
 
 GPU_TRANSITIONS: Mapping[int, frozenset[int]] = {
-    _N.GPU_STATE_FREE: frozenset({_N.GPU_STATE_ATTACHING, _N.GPU_STATE_FAULTED}),
-    _N.GPU_STATE_ATTACHING: frozenset(
-        {_N.GPU_STATE_ATTACHED, _N.GPU_STATE_DETACHING, _N.GPU_STATE_FENCING}
+    pb.GPU_STATE_FREE: frozenset({pb.GPU_STATE_ATTACHING, pb.GPU_STATE_FAULTED}),
+    pb.GPU_STATE_ATTACHING: frozenset(
+        {pb.GPU_STATE_ATTACHED, pb.GPU_STATE_DETACHING, pb.GPU_STATE_FENCING}
     ),
-    _N.GPU_STATE_ATTACHED: frozenset({_N.GPU_STATE_DETACHING, _N.GPU_STATE_FENCING}),
-    _N.GPU_STATE_DETACHING: frozenset(
-        {_N.GPU_STATE_FREE, _N.GPU_STATE_FENCING, _N.GPU_STATE_QUARANTINED}
+    pb.GPU_STATE_ATTACHED: frozenset({pb.GPU_STATE_DETACHING, pb.GPU_STATE_FENCING}),
+    pb.GPU_STATE_DETACHING: frozenset(
+        {pb.GPU_STATE_FREE, pb.GPU_STATE_FENCING, pb.GPU_STATE_QUARANTINED}
     ),
-    _N.GPU_STATE_FENCING: frozenset({_N.GPU_STATE_FREE, _N.GPU_STATE_QUARANTINED}),
-    _N.GPU_STATE_QUARANTINED: frozenset({_N.GPU_STATE_FENCING}),
-    _N.GPU_STATE_FAULTED: frozenset({_N.GPU_STATE_FREE, _N.GPU_STATE_FENCING}),
+    pb.GPU_STATE_FENCING: frozenset({pb.GPU_STATE_FREE, pb.GPU_STATE_QUARANTINED}),
+    pb.GPU_STATE_QUARANTINED: frozenset({pb.GPU_STATE_FENCING}),
+    pb.GPU_STATE_FAULTED: frozenset({pb.GPU_STATE_FREE, pb.GPU_STATE_FENCING}),
 }
 
 # Node states in which the host agent may still be asked to attach the node's GPUs.
-ATTACHING_NODE_STATES = frozenset({_N.NODE_STATE_PENDING, _N.NODE_STATE_ATTACHING})
+ATTACHING_NODE_STATES = frozenset({pb.NODE_STATE_PENDING, pb.NODE_STATE_ATTACHING})
 # Node states a host loss turns into LOST (the others already let go of their GPUs).
 LOSABLE_NODE_STATES = frozenset(
-    {_N.NODE_STATE_PENDING, _N.NODE_STATE_ATTACHING, _N.NODE_STATE_READY}
+    {pb.NODE_STATE_PENDING, pb.NODE_STATE_ATTACHING, pb.NODE_STATE_READY}
 )
 # GPU states in which a host may hold a mapping of the GPU.
 ON_HOST_GPU_STATES = frozenset(
     {
-        _N.GPU_STATE_ATTACHING,
-        _N.GPU_STATE_ATTACHED,
-        _N.GPU_STATE_DETACHING,
-        _N.GPU_STATE_FENCING,
-        _N.GPU_STATE_QUARANTINED,
+        pb.GPU_STATE_ATTACHING,
+        pb.GPU_STATE_ATTACHED,
+        pb.GPU_STATE_DETACHING,
+        pb.GPU_STATE_FENCING,
+        pb.GPU_STATE_QUARANTINED,
     }
 )
 
