@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 COMPOSE_TOTAL = Counter("dxpool_compose_total", "ComposeNode calls by outcome", ["result"])
 COMPOSE_CONFLICTS = Counter(
@@ -24,4 +24,15 @@ COMPOSE_STAGE_SECONDS = Histogram(
     "Time ComposeNode spends in each stage: placement, commit (the etcd transaction)",
     ["stage"],
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1),
+)
+
+# Streams (broker/streams.py, broker/node_watch.py).
+STREAMS_OPEN = Gauge("dxpool_streams_open", "Streaming RPCs being served now", ["method"])
+STREAMS_REJECTED = Counter(
+    "dxpool_streams_rejected_total",
+    "Streaming RPCs refused because a limit was reached",
+    ["method"],
+)
+WATCH_CUTOFFS = Counter(
+    "dxpool_watch_cutoffs_total", "WatchNodes streams the broker ended early", ["reason"]
 )
