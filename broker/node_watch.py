@@ -41,7 +41,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -283,17 +283,18 @@ class NodeFeed:
         # Registered first, then read: a change from here on reaches the watcher's
         # cursor, and every change at or below `notified` is already in the cache.
         notified = self._cache.notified_revision
+        watcher.position = start_revision
         if start_revision and start_revision >= horizon:
-            first = self._events(self._replay(watcher.name, start_revision), notified)
-            if watcher.name is not None and not first:
+            changes = self._replay(watcher.name, start_revision)
+            if watcher.name is not None and not changes:
                 self._require(watcher.name)
+            yield from self._send(watcher, self._events(changes, notified))
             reset = False
         else:
-            first = self._listing(watcher.name, start_revision)
+            yield from self._send(watcher, self._listing(watcher.name, start_revision))
             reset = True
-        first.append(_Event(type=_Event.TYPE_SYNCED, revision=notified, reset=reset))
-        watcher.position = start_revision
-        yield from self._send(watcher, first)
+        synced = _Event(type=_Event.TYPE_SYNCED, revision=notified, reset=reset)
+        yield from self._send(watcher, [synced])
         while True:
             woke = watcher.wake.wait(self.settings.progress_interval_s)
             watcher.wake.clear()
@@ -301,16 +302,14 @@ class NodeFeed:
             notified = self._cache.notified_revision
             changes = self._take(watcher)
             if changes:
-                events = self._events(changes, notified)
-            elif not woke and notified > watcher.position:
-                events = [_Event(type=_Event.TYPE_SYNCED, revision=notified)]
-            else:
-                continue
-            yield from self._send(watcher, events)
+                yield from self._send(watcher, self._events(changes, notified))
+            elif not woke and notified > watcher.position:  # idle: a progress mark
+                yield from self._send(watcher, [_Event(type=_Event.TYPE_SYNCED, revision=notified)])
 
     def _send(
-        self, watcher: _Watcher, events: list[nodes_pb2.NodeEvent]
+        self, watcher: _Watcher, events: Iterable[nodes_pb2.NodeEvent]
     ) -> Iterator[nodes_pb2.NodeEvent]:
+        """Yield the events (built one at a time), marking each send for the monitor."""
         for event in events:
             self._check(watcher)
             # gRPC asks for the next event only once this one has been sent, so a
@@ -348,17 +347,16 @@ class NodeFeed:
                 reason="NODE_NOT_FOUND",
             )
 
-    def _listing(self, name: str | None, start_revision: int) -> list[nodes_pb2.NodeEvent]:
+    def _listing(self, name: str | None, start_revision: int) -> Iterator[nodes_pb2.NodeEvent]:
         if name is not None:
-            self._require(name)
             found = self._cache.get(k.NODES, name)
+            if found is None:
+                self._require(name)
             records = [found] if found is not None else []
         else:
             records = [record for _, record in self._cache.items(k.NODES)]
-        return [
-            _Event(type=_Event.TYPE_EXISTING, node=r.value, revision=start_revision)
-            for r in records
-        ]
+        for record in records:
+            yield _Event(type=_Event.TYPE_EXISTING, node=record.value, revision=start_revision)
 
     def _replay(self, name: str | None, since: int) -> list[_Change]:
         """Every node that changed after ``since`` (latest state) and every deletion."""
@@ -393,10 +391,9 @@ class NodeFeed:
             return changes
 
     @staticmethod
-    def _events(changes: list[_Change], notified: int) -> list[nodes_pb2.NodeEvent]:
+    def _events(changes: list[_Change], notified: int) -> Iterator[nodes_pb2.NodeEvent]:
         """Changes as events in revision order, each with its resume position."""
         changes.sort(key=lambda change: (change[0], change[1]))
-        events = []
         for index, (revision, name, record) in enumerate(changes):
             tied = index + 1 < len(changes) and changes[index + 1][0] == revision
             position = min(notified, revision - 1 if tied else revision)
@@ -405,8 +402,7 @@ class NodeFeed:
                 kind = _Event.TYPE_DELETED
             else:
                 node, kind = record.value, _Event.TYPE_CHANGED
-            events.append(_Event(type=kind, node=node, revision=position))
-        return events
+            yield _Event(type=kind, node=node, revision=position)
 
     # -- cutting off stalled clients -------------------------------------------------
 
