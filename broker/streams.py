@@ -122,7 +122,7 @@ class StreamLimiter(grpc.ServerInterceptor):  # type: ignore[type-arg]
         metrics.STREAMS_REJECTED.labels(method=method).inc()
         with self._lock:
             open_now, total = self._open.get(method, 0), self._total
-        log.warning(
+        log.debug(  # counted in dxpool_streams_rejected_total; a refusing client may retry often
             "stream refused: limit reached",
             extra={"method": method, "open": open_now, "total": total},
         )
