@@ -8,8 +8,12 @@ than what the cache holds, and deletions leave a tombstone until the watch has p
 them, so a late event can never resurrect a record.
 
 Subscribers are called, in the applying thread, with ``(collection, id, record or
-None)`` after every change. They must be quick and must not call back into the cache
-while holding their own locks in the opposite order.
+None)`` after every change (:meth:`Cache.subscribe`), or with the change's revision as
+well (:meth:`Cache.subscribe_changes`). The applying thread is the etcd watch thread or a
+thread that committed a write (a compose, the node controller), so a listener must never
+block: it does O(1) bookkeeping under its own short lock and wakes its own thread, and
+never waits on a client, a bounded queue, I/O or another thread. Listeners must not call
+back into the cache while holding their own locks in the opposite order.
 
 If the watch breaks (etcd restarted, history compacted), the cache lists again and
 re-watches; subscribers see the differences as ordinary changes.
@@ -21,6 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import etcd3
@@ -32,6 +37,22 @@ from dxpool.store.keys import COLLECTIONS, KeySchema
 log = logging.getLogger(__name__)
 
 Listener = Callable[[str, str, "Versioned[Any] | None"], None]
+ChangeListener = Callable[[str, str, "Versioned[Any] | None", int], None]
+"""``(collection, id, record or None, revision)``: the revision is the record's
+mod_revision, or the revision that deleted it."""
+
+
+@dataclass(frozen=True)
+class Subscription:
+    """A :meth:`Cache.subscribe_changes` registration.
+
+    ``since`` is the highest revision the cache had reached (by its watch or by any
+    change applied) when the listener was added: every change above it reaches the
+    listener; changes at or below it happened before and are not replayed.
+    """
+
+    since: int
+    close: Callable[[], None]
 
 
 class Cache:
@@ -44,7 +65,11 @@ class Cache:
         self._changed = threading.Condition(self._lock)
         self._records: dict[str, dict[str, Versioned[Any]]] = {c: {} for c in COLLECTIONS}
         self._tombstones: dict[tuple[str, str], int] = {}
-        self._listeners: list[Listener] = []
+        self._listeners: tuple[ChangeListener, ...] = ()
+        # Revisions whose listeners are running now (revision -> calls), and the highest
+        # revision ever applied: see notified_revision and subscribe_changes.
+        self._dispatching: dict[int, int] = {}
+        self._applied_high = 0
         self._watch_id: Any = None
         self._revision = 0
         self._stopped = threading.Event()
@@ -163,12 +188,43 @@ class Cache:
                     return
                 records[name] = record
             self._changed.notify_all()
-            listeners = list(self._listeners)
-        for listener in listeners:
-            try:
-                listener(collection, name, record)
-            except Exception:
-                log.exception("cache listener failed", extra={"collection": collection})
+            self._dispatch_begin(revision)
+            listeners = self._listeners
+        self._dispatch(listeners, collection, name, record, revision)
+
+    # -- listeners -------------------------------------------------------------------
+
+    def _dispatch_begin(self, revision: int) -> None:
+        """Record that the listeners of a change at ``revision`` are about to run.
+
+        Called with ``_lock`` held, in the same critical section that stored the change,
+        so :attr:`notified_revision` never passes a change whose listeners have not run.
+        """
+        self._applied_high = max(self._applied_high, revision)
+        self._dispatching[revision] = self._dispatching.get(revision, 0) + 1
+
+    def _dispatch(
+        self,
+        listeners: tuple[ChangeListener, ...],
+        collection: str,
+        name: str,
+        record: Versioned[Any] | None,
+        revision: int,
+    ) -> None:
+        """Call every listener, outside the cache lock; one failing does not stop the rest."""
+        try:
+            for listener in listeners:
+                try:
+                    listener(collection, name, record, revision)
+                except Exception:
+                    log.exception("cache listener failed", extra={"collection": collection})
+        finally:
+            with self._lock:
+                left = self._dispatching[revision] - 1
+                if left:
+                    self._dispatching[revision] = left
+                else:
+                    del self._dispatching[revision]
 
     def _advance(self, revision: int) -> None:
         with self._lock:
@@ -238,17 +294,44 @@ class Cache:
         with self._lock:
             return len(self._records[collection])
 
-    def subscribe(self, listener: Listener) -> Callable[[], None]:
-        """Call ``listener`` after every change; returns a function that unsubscribes."""
+    @property
+    def notified_revision(self) -> int:
+        """A revision at or below which every change has been applied and every listener
+        of it has returned: the watch's revision, held back below any change whose
+        listeners are still running (a commit applied ahead of the watch)."""
         with self._lock:
-            self._listeners.append(listener)
+            if not self._dispatching:
+                return self._revision
+            return min(self._revision, min(self._dispatching) - 1)
 
-        def unsubscribe() -> None:
+    def subscribe(self, listener: Listener) -> Callable[[], None]:
+        """Call ``listener(collection, id, record or None)`` after every change; returns a
+        function that unsubscribes. The listener must never block (see the module doc)."""
+
+        def with_revision(
+            collection: str, name: str, record: Versioned[Any] | None, revision: int
+        ) -> None:
+            listener(collection, name, record)
+
+        return self.subscribe_changes(with_revision).close
+
+    def subscribe_changes(self, listener: ChangeListener) -> Subscription:
+        """Call ``listener(collection, id, record or None, revision)`` after every change.
+
+        The listener must never block (see the module doc). Changes applied from several
+        threads may reach it out of revision order; compare revisions to keep the newest.
+        """
+        with self._lock:
+            self._listeners = (*self._listeners, listener)
+            # Everything up to the watch's revision is reflected in the records, but
+            # changes (deletions above all) up to it were never seen by this listener.
+            since = max(self._applied_high, self._revision)
+
+        def close() -> None:
             with self._lock:
-                if listener in self._listeners:
-                    self._listeners.remove(listener)
+                self._listeners = tuple(x for x in self._listeners if x is not listener)
 
-        return unsubscribe
+        return Subscription(since, close)
 
     def wait_for_revision(self, revision: int, timeout_s: float) -> bool:
         """Block until the watch has reached ``revision``; False on timeout."""

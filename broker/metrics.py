@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 COMPOSE_TOTAL = Counter("dxpool_compose_total", "ComposeNode calls by outcome", ["result"])
 COMPOSE_CONFLICTS = Counter(
@@ -29,4 +29,15 @@ RPC_UNDECODABLE = Counter(
     "dxpool_rpc_undecodable_total",
     "Requests rejected because their payload is not the method's request message",
     ["method"],
+)
+
+# Streams (broker/streams.py, broker/node_watch.py).
+STREAMS_OPEN = Gauge("dxpool_streams_open", "Streaming RPCs being served now", ["method"])
+STREAMS_REJECTED = Counter(
+    "dxpool_streams_rejected_total",
+    "Streaming RPCs refused because a limit was reached",
+    ["method"],
+)
+WATCH_CUTOFFS = Counter(
+    "dxpool_watch_cutoffs_total", "WatchNodes streams the broker ended early", ["reason"]
 )

@@ -1,11 +1,13 @@
-"""NodeService: compose, plan, get, list, release and watch virtual nodes."""
+"""NodeService: compose, plan, get, list, release and watch virtual nodes.
+
+WatchNodes streams come from a :class:`~dxpool.broker.node_watch.NodeFeed`: coalesced per
+node, resumable by revision, and never able to block a compose or the cache's watch.
+How many run at once is the broker's stream budget (``broker/streams.py``).
+"""
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Iterator
-from typing import Any
 
 import grpc
 
@@ -13,23 +15,25 @@ from dxpool.api.v1 import nodes_pb2, nodes_pb2_grpc
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.cache import Cache
 from dxpool.broker.compose import Composer
+from dxpool.broker.node_watch import NodeFeed, WatchSettings
 from dxpool.broker.rpc import handler, page, stream_handler
-from dxpool.broker.store import Versioned
 from dxpool.broker.validation import check_page_size
-from dxpool.errors import NotFound, ResourceExhausted
+from dxpool.errors import InvalidArgument, NotFound
 from dxpool.names import parse_host, parse_node
 from dxpool.store import keys as k
 
-MAX_WATCHERS = 64
-WATCH_QUEUE = 10_000
-_Event = nodes_pb2.NodeEvent
-
 
 class NodeService(nodes_pb2_grpc.NodeServiceServicer):
-    def __init__(self, composer: Composer, cache: Cache) -> None:
+    def __init__(
+        self, composer: Composer, cache: Cache, watch: WatchSettings | None = None
+    ) -> None:
         self._composer = composer
         self._cache = cache
-        self._watchers = threading.BoundedSemaphore(MAX_WATCHERS)
+        self.feed = NodeFeed(cache, watch)
+
+    def close(self) -> None:
+        """End every watch (UNAVAILABLE, so clients re-watch); returns at once."""
+        self.feed.close()
 
     @handler("NodeService.ComposeNode")
     def ComposeNode(
@@ -81,41 +85,10 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
         self, request: nodes_pb2.WatchNodesRequest, context: grpc.ServicerContext
     ) -> Iterator[nodes_pb2.NodeEvent]:
         only = parse_node(request.name) if request.name else None
-        if not self._watchers.acquire(blocking=False):
-            raise ResourceExhausted(
-                f"the broker serves at most {MAX_WATCHERS} watches at once; retry later",
-                reason="TOO_MANY_WATCHES",
+        if request.start_revision < 0:
+            raise InvalidArgument(
+                f"invalid start_revision {request.start_revision}: pass 0 to start with a "
+                "listing, or the revision of the last event handled on an earlier watch",
+                reason="INVALID_REVISION",
             )
-        events: queue.Queue[_Event | None] = queue.Queue(WATCH_QUEUE)
-
-        def on_change(collection: str, name: str, record: Versioned[Any] | None) -> None:
-            if collection != k.NODES or (only is not None and name != only):
-                return
-            if record is None:
-                event = _Event(type=_Event.TYPE_DELETED, node=pb.VirtualNode(name=f"nodes/{name}"))
-            else:
-                event = _Event(type=_Event.TYPE_CHANGED, node=record.value)
-            try:
-                events.put_nowait(event)
-            except queue.Full:  # a stalled client: end its watch, it can re-watch
-                events.put(None)
-
-        unsubscribe = self._cache.subscribe(on_change)
-        context.add_callback(lambda: events.put(None))
-        try:
-            if only is not None:
-                record = self._cache.get(k.NODES, only)
-                if record is None:
-                    raise NotFound(f"node {request.name} does not exist", reason="NODE_NOT_FOUND")
-                yield _Event(type=_Event.TYPE_EXISTING, node=record.value)
-            else:
-                for _name, record in self._cache.items(k.NODES):
-                    yield _Event(type=_Event.TYPE_EXISTING, node=record.value)
-            while context.is_active():
-                event = events.get()
-                if event is None:
-                    return
-                yield event
-        finally:
-            unsubscribe()
-            self._watchers.release()
+        yield from self.feed.watch(only, request.start_revision, context)

@@ -3,6 +3,11 @@
 ``BrokerServer(config).start()`` connects to etcd, lists and watches every record into
 the cache, starts the node controller, and serves InventoryService, NodeService,
 FabricService, gRPC health checking and reflection on ``config.listen``.
+
+Threads: unary calls get ``max_workers`` workers of their own; streams (WatchNodes, health
+Watch, reflection) are admitted within ``stream_limits`` and can hold at most
+``stream_limits.total`` more, so open streams, idle or stalled, never starve unary calls
+(see ``broker/streams.py``).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import os
 import socket
 import uuid
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
@@ -37,9 +42,11 @@ from dxpool.broker.duties import DutySettings, SingletonDuties
 from dxpool.broker.fabric_service import FabricService
 from dxpool.broker.inventory_service import InventoryService
 from dxpool.broker.leader import LeaderElection
-from dxpool.broker.node_service import MAX_WATCHERS, NodeService
+from dxpool.broker.node_service import NodeService
+from dxpool.broker.node_watch import WatchSettings
 from dxpool.broker.placement_index import PlacementIndex
 from dxpool.broker.store import Store
+from dxpool.broker.streams import StreamLimiter, StreamLimits
 from dxpool.defaults import DEFAULT_ENDPOINT
 from dxpool.fabric.latency import TopologyLatencyModel
 from dxpool.fabric.topology import Topology
@@ -54,6 +61,15 @@ SERVICE_NAMES = (
     nodes_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name,
     fabric_pb2.DESCRIPTOR.services_by_name["FabricService"].full_name,
 )
+# How long stop() waits, beyond the grace period, for calls and stream threads to end.
+STOP_MARGIN_S = 3.0
+# Ping idle connections so a vanished client's streams end instead of holding a thread.
+_SERVER_OPTIONS = [
+    ("grpc.so_reuseport", 0),
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.http2.max_pings_without_data", 0),
+]
 
 
 @dataclass(frozen=True)
@@ -72,6 +88,8 @@ class BrokerConfig:
     retention_s: float = 3600.0
     leader_ttl_s: float = 5.0
     duty_interval_s: float = 0.25
+    stream_limits: StreamLimits = field(default_factory=StreamLimits)
+    watch: WatchSettings = field(default_factory=WatchSettings)
 
 
 class BrokerServer:
@@ -102,6 +120,10 @@ class BrokerServer:
             ttl_s=config.leader_ttl_s,
         )
         self.duties: SingletonDuties | None = None
+        self.nodes: NodeService | None = None
+        self.streams = StreamLimiter(config.stream_limits)
+        self._executor: futures.ThreadPoolExecutor | None = None
+        self._stopped = False
         self._health = health.HealthServicer()
 
     def start(self) -> BrokerServer:
@@ -135,17 +157,20 @@ class BrokerServer:
         )
         self.duties.start()
         self.election.start()
+        self._executor = futures.ThreadPoolExecutor(
+            max_workers=self.config.max_workers + self.config.stream_limits.total,
+            thread_name_prefix="rpc",
+        )
         server = grpc.server(
-            futures.ThreadPoolExecutor(
-                max_workers=self.config.max_workers + MAX_WATCHERS, thread_name_prefix="rpc"
-            ),
-            options=[("grpc.so_reuseport", 0)],
-            interceptors=[RequestDecodingGuard()],
+            self._executor,
+            interceptors=[self.streams, RequestDecodingGuard()],
+            options=_SERVER_OPTIONS,
         )
         inventory_pb2_grpc.add_InventoryServiceServicer_to_server(
             InventoryService(self.store, self.cache), server
         )
-        nodes_pb2_grpc.add_NodeServiceServicer_to_server(NodeService(composer, self.cache), server)
+        self.nodes = NodeService(composer, self.cache, self.config.watch)
+        nodes_pb2_grpc.add_NodeServiceServicer_to_server(self.nodes, server)
         fabric_pb2_grpc.add_FabricServiceServicer_to_server(
             FabricService(self.cache, self.latency), server
         )
@@ -170,10 +195,28 @@ class BrokerServer:
         return f"{host}:{self._port}"
 
     def stop(self, grace_s: float = 2.0) -> None:
-        """Stop serving (in-flight calls get ``grace_s``), then the controller and cache."""
+        """Stop serving (in-flight calls get ``grace_s``), then the controller and cache.
+
+        Bounded, whatever clients do: watches end at once (UNAVAILABLE, so clients watch
+        again elsewhere), calls still running after ``grace_s`` are cancelled, including
+        sends stuck on clients that stopped reading, and stop waits at most
+        ``STOP_MARGIN_S`` more for them and for stream threads to finish. Stopping
+        twice is a no-op.
+        """
+        if self._stopped:
+            return
+        self._stopped = True
         self._health.enter_graceful_shutdown()
-        if self._server is not None:
-            self._server.stop(grace_s).wait()
+        if self.nodes is not None:
+            self.nodes.close()
+        if self._server is not None and not self._server.stop(grace_s).wait(
+            grace_s + STOP_MARGIN_S
+        ):
+            log.warning("gRPC server did not finish stopping; going on")
+        if not self.streams.wait_idle(STOP_MARGIN_S):
+            log.warning("streams still running after stop", extra=self.streams.open_streams())
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
         self.election.stop()
         if self.duties is not None:
             self.duties.stop()

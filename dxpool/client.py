@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Final, TypeVar
 
@@ -41,7 +41,16 @@ from google.protobuf.descriptor import EnumDescriptor
 from google.protobuf.message import Message
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+from tenacity import (
+    RetryError,
+    Retrying,
+    retry_if_exception_type,
+    retry_if_result,
+    stop_after_attempt,
+    stop_before_delay,
+    wait_exponential,
+    wait_random,
+)
 
 from dxpool import names
 from dxpool.api.v1 import (
@@ -55,10 +64,12 @@ from dxpool.api.v1 import (
 )
 from dxpool.cli.config import resolve_endpoint
 from dxpool.errors import (
+    Aborted,
     DxpoolError,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
     Unavailable,
     from_code,
 )
@@ -247,6 +258,28 @@ def _error_from_rpc(error: grpc.RpcError) -> DxpoolError:
     return domain_error
 
 
+def _reached(full_name: str, node: resources_pb2.VirtualNode, wanted: frozenset[int]) -> bool:
+    """True if ``node`` is in a wanted state; FailedPrecondition if it can never get there."""
+    if node.state in wanted:
+        return True
+    if not wanted & _REACHABLE.get(node.state, wanted):
+        state = node_state_name(node.state)
+        goals = " or ".join(sorted(node_state_name(w) for w in wanted))
+        detail = f": {node.message}" if node.message else ""
+        raise FailedPrecondition(
+            f"node {full_name} is {state} and can no longer become {goals}" + detail,
+            reason=f"NODE_{state}",
+        )
+    return False
+
+
+def _wait_timeout(
+    full_name: str, timeout_s: float, seen: list[resources_pb2.VirtualNode]
+) -> TimeoutError:
+    state = node_state_name(seen[-1].state) if seen else "not seen yet"
+    return TimeoutError(f"node {full_name} still {state} after {timeout_s:g}s")
+
+
 class Client:
     """A connection to one broker. Thread-safe; use as a context manager or call ``close``.
 
@@ -270,6 +303,7 @@ class Client:
         self.timeout_s = timeout_s
         self.max_attempts = max_attempts
         self._channel = grpc.insecure_channel(self.endpoint, options=_CHANNEL_OPTIONS)
+        self._closed = False
         self._inventory = inventory_pb2_grpc.InventoryServiceStub(self._channel)
         self._nodes = nodes_pb2_grpc.NodeServiceStub(self._channel)
         self._fabric = fabric_pb2_grpc.FabricServiceStub(self._channel)
@@ -278,6 +312,7 @@ class Client:
 
     def close(self) -> None:
         """Close the channel; calls in flight are cancelled. Closing twice is a no-op."""
+        self._closed = True
         self._channel.close()
 
     def __enter__(self) -> Client:
@@ -571,22 +606,98 @@ class Client:
         return self._unary(self._nodes.ReleaseNode, request)
 
     def watch_nodes(
-        self, name: str | None = None, *, timeout_s: float | None = None
+        self,
+        name: str | None = None,
+        *,
+        timeout_s: float | None = None,
+        start_revision: int = 0,
+        resume: bool = True,
+        include_synced: bool = False,
     ) -> Iterator[nodes_pb2.NodeEvent]:
         """Stream the current state of one node (or all), then every change.
 
-        The stream is not retried: a lost broker raises Unavailable from the iterator;
-        start a new watch, which begins with the current state, so nothing is missed.
-        ``timeout_s`` bounds the whole stream (DxpoolError DEADLINE_EXCEEDED). Closing the
+        Each event's ``revision`` is a resume position: a later watch with that
+        ``start_revision`` replays every change after it instead of listing again.
+        The iterator resumes by itself (``resume=True``) when the broker cuts the watch
+        off because the consumer stopped reading (ABORTED, WATCH_TOO_SLOW), when the
+        broker stops, or when the connection drops (UNAVAILABLE, tried up to
+        ``max_attempts`` times in a row with backoff): it watches again from the last
+        event it yielded, so nothing is missed, though events may repeat. With
+        ``resume=False`` those errors are raised instead.
+
+        TYPE_SYNCED events (end of a listing or replay, progress marks) are yielded only
+        with ``include_synced``. A consumer that keeps a view of all nodes needs them: a
+        TYPE_SYNCED with ``reset`` ends a full listing (TYPE_EXISTING events) that
+        replaces its view, which happens after a resume the broker could not replay.
+
+        Raises ResourceExhausted when the broker serves as many watches as it allows
+        (:meth:`wait_for_node` then polls instead). ``timeout_s`` bounds the whole
+        iteration, resumes included (DxpoolError DEADLINE_EXCEEDED). Closing the
         iterator cancels the call.
         """
-        request = nodes_pb2.WatchNodesRequest(name=node_name(name) if name else "")
-        return self._stream(self._nodes.WatchNodes, request, timeout_s)
+        request_name = node_name(name) if name else ""
+        if isinstance(start_revision, bool) or start_revision < 0:
+            raise InvalidArgument(
+                f"invalid start_revision {start_revision!r}: give 0 (start with a listing) "
+                "or the revision of the last event handled"
+            )
+        return self._watch(request_name, timeout_s, start_revision, resume, include_synced)
+
+    def _watch(
+        self,
+        name: str,
+        timeout_s: float | None,
+        revision: int,
+        resume: bool,
+        include_synced: bool,
+    ) -> Iterator[nodes_pb2.NodeEvent]:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        failures = 0
+        backoff = 0.1
+        while True:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise from_code(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"the watch of {name or 'all nodes'} ran past its {timeout_s:g}s timeout",
+                )
+            request = nodes_pb2.WatchNodesRequest(name=name, start_revision=revision)
+            stream = self._stream(self._nodes.WatchNodes, request, remaining)
+            try:
+                for event in stream:
+                    revision = event.revision
+                    failures, backoff = 0, 0.1
+                    if event.type != nodes_pb2.NodeEvent.TYPE_SYNCED or include_synced:
+                        yield event
+                return
+            except DxpoolError as error:
+                if not resume or not self._resumable(error):
+                    raise
+                _log.debug(
+                    "watch ended; resuming",
+                    extra={"endpoint": self.endpoint, "revision": revision, "code": error.code},
+                )
+                if isinstance(error, Unavailable):
+                    failures += 1
+                    if failures >= self.max_attempts:
+                        raise
+                    pause = backoff if remaining is None else min(backoff, remaining)
+                    time.sleep(max(0.0, pause))
+                    backoff = min(backoff * 2, 2.0)
+            finally:
+                stream.close()
+
+    def _resumable(self, error: DxpoolError) -> bool:
+        """Whether a watch that ended with ``error`` should be resumed."""
+        if isinstance(error, Aborted | Unavailable):
+            return True
+        # A cancel this client did not ask for: the broker ended the call.
+        return error.code == grpc.StatusCode.CANCELLED and not self._closed
 
     @staticmethod
     def _stream(
         rpc: grpc.UnaryStreamMultiCallable[_Req, _Resp], request: _Req, timeout_s: float | None
-    ) -> Iterator[_Resp]:
+    ) -> Generator[_Resp, None, None]:
         call = rpc(request, timeout=timeout_s)
         try:
             yield from call
@@ -607,41 +718,62 @@ class Client:
         Raises FailedPrecondition as soon as the node is in a state from which none of
         ``until`` can be reached (e.g. FAILED when READY was wanted; the message carries
         the node's own message), NotFound if the node does not exist or is deleted, and
-        TimeoutError when ``timeout_s`` passes first. A lost broker is re-watched until the
-        deadline.
+        TimeoutError when ``timeout_s`` passes first. It watches the node; a watch cut
+        off or lost is resumed, a lost broker is watched again until the deadline, and
+        when the broker refuses the watch (it serves as many as it allows) it polls
+        GetNode with backoff instead.
         """
         full_name = node_name(name)
         wanted = frozenset(node_state(state) for state in until)
         if not wanted:
             raise InvalidArgument("wait_for_node needs at least one state in 'until'")
         deadline = time.monotonic() + timeout_s
-        last: resources_pb2.VirtualNode | None = None
+        seen: list[resources_pb2.VirtualNode] = []
         backoff = 0.1
         while (remaining := deadline - time.monotonic()) > 0:
             try:
                 for event in self.watch_nodes(full_name, timeout_s=remaining):
                     if event.type == nodes_pb2.NodeEvent.TYPE_DELETED:
                         raise NotFound(f"node {full_name} was deleted", reason="NODE_DELETED")
-                    last = event.node
-                    if last.state in wanted:
-                        return last
-                    if not wanted & _REACHABLE.get(last.state, wanted):
-                        state = node_state_name(last.state)
-                        goals = " or ".join(sorted(node_state_name(w) for w in wanted))
-                        detail = f": {last.message}" if last.message else ""
-                        raise FailedPrecondition(
-                            f"node {full_name} is {state} and can no longer become {goals}"
-                            + detail,
-                            reason=f"NODE_{state}",
-                        )
+                    seen.append(event.node)
+                    if _reached(full_name, event.node, wanted):
+                        return event.node
+            except ResourceExhausted:
+                return self._poll_for_node(full_name, wanted, deadline, timeout_s, seen)
             except Unavailable:
                 time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
                 backoff = min(backoff * 2, 2.0)
             except DxpoolError as error:
                 if error.code != grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise
-        seen = node_state_name(last.state) if last is not None else "not seen yet"
-        raise TimeoutError(f"node {full_name} still {seen} after {timeout_s:g}s")
+        raise _wait_timeout(full_name, timeout_s, seen)
+
+    def _poll_for_node(
+        self,
+        full_name: str,
+        wanted: frozenset[int],
+        deadline: float,
+        timeout_s: float,
+        seen: list[resources_pb2.VirtualNode],
+    ) -> resources_pb2.VirtualNode:
+        """:meth:`wait_for_node` by GetNode with exponential backoff, until ``deadline``."""
+
+        def attempt() -> resources_pb2.VirtualNode | None:
+            node = self.get_node(full_name)
+            seen.append(node)
+            return node if _reached(full_name, node, wanted) else None
+
+        retrying = Retrying(
+            retry=retry_if_result(lambda node: node is None) | retry_if_exception_type(Unavailable),
+            wait=wait_exponential(multiplier=0.05, max=1.0) + wait_random(0, 0.05),
+            stop=stop_before_delay(max(0.0, deadline - time.monotonic())),
+        )
+        try:
+            node = retrying(attempt)
+        except RetryError:
+            raise _wait_timeout(full_name, timeout_s, seen) from None
+        assert node is not None  # a None result is retried until the stop raises
+        return node
 
     # -- fabric --------------------------------------------------------------------------
 

@@ -18,9 +18,12 @@ import pytest
 from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
+from prometheus_client import REGISTRY
 
-from dxpool.api.v1 import inventory_pb2, inventory_pb2_grpc
+from dxpool.api.v1 import inventory_pb2, inventory_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 from dxpool.api.v1 import resources_pb2 as pb
+from dxpool.broker.node_watch import WatchSettings
+from dxpool.broker.streams import WATCH_NODES, StreamLimits
 from dxpool.client import (
     Client,
     box_name,
@@ -42,6 +45,16 @@ from dxpool.errors import (
 from dxpool.request import GpuSpec
 from dxpool.store.embedded import free_port
 from tests.conftest import SimPool, Stubs, register_sim_box, wait_until
+from tests.streaming import (
+    SMALL_WINDOW,
+    View,
+    delete_nodes,
+    fill_window,
+    listed,
+    node,
+    settle,
+    write_nodes,
+)
 
 if TYPE_CHECKING:
     from dxpool.broker.server import BrokerServer
@@ -389,3 +402,125 @@ def test_latency_by_short_names(client: Client, pool_with_host: SimPool) -> None
     far = client.get_latency("hosts/h1", "boxes/box2")
     assert near.host == "hosts/h1" and near.box == "boxes/box1"
     assert 0 < near.round_trip_ns < far.round_trip_ns
+
+
+# -- watching and waiting under load ------------------------------------------------------
+
+WAITS = 30
+
+
+def _cut_offs() -> float:
+    return (
+        REGISTRY.get_sample_value("dxpool_watch_cutoffs_total", {"reason": "WATCH_TOO_SLOW"}) or 0
+    )
+
+
+def _refusals() -> float:
+    labels = {"method": WATCH_NODES}
+    return REGISTRY.get_sample_value("dxpool_streams_rejected_total", labels) or 0
+
+
+def _released_while_waiting(
+    broker: BrokerServer, client: Client, etcd_client, key_prefix: str, ready: Callable[[], bool]
+) -> list[pb.VirtualNode]:  # type: ignore[no-untyped-def]
+    """WAITS threads wait for READY nodes to be RELEASED; once ``ready()`` (every waiter
+    is in place) the nodes are released. Returns what the waits returned."""
+    names = [f"w{i}" for i in range(WAITS)]
+    settle(broker, write_nodes(etcd_client, key_prefix, [node(n) for n in names]))
+    with futures.ThreadPoolExecutor(WAITS) as pool:
+        waits = [
+            pool.submit(client.wait_for_node, n, until=["released"], timeout_s=30) for n in names
+        ]
+        wait_until(ready, 15, message="every waiter in place")
+        assert not any(w.done() for w in waits)
+        write_nodes(etcd_client, key_prefix, [node(n, pb.NODE_STATE_RELEASED) for n in names])
+        return [w.result(timeout=30) for w in waits]
+
+
+def test_waits_succeed_with_many_watches_open(  # type: ignore[no-untyped-def]
+    broker: BrokerServer, client: Client, etcd_client, key_prefix: str
+) -> None:
+    """60 open watches plus 30 concurrent waits: with a 64-watch cap, 16 of 30 failed."""
+    with grpc.insecure_channel(broker.endpoint) as channel:
+        stub = nodes_pb2_grpc.NodeServiceStub(channel)
+        watches = [stub.WatchNodes(nodes_pb2.WatchNodesRequest(), timeout=60) for _ in range(60)]
+        for watch in watches:
+            next(watch)
+        feed = broker.nodes.feed  # type: ignore[union-attr]
+        results = _released_while_waiting(
+            broker, client, etcd_client, key_prefix, lambda: len(feed.watchers()) == 60 + WAITS
+        )
+        assert [n.state for n in results] == [pb.NODE_STATE_RELEASED] * WAITS
+        for watch in watches:
+            watch.cancel()
+
+
+def test_waits_poll_when_the_broker_refuses_watches(  # type: ignore[no-untyped-def]
+    broker_factory, etcd_client, key_prefix: str
+) -> None:
+    broker = broker_factory(stream_limits=StreamLimits(per_method={WATCH_NODES: 4}))
+    with grpc.insecure_channel(broker.endpoint) as channel, Client(broker.endpoint) as client:
+        stub = nodes_pb2_grpc.NodeServiceStub(channel)
+        watches = [stub.WatchNodes(nodes_pb2.WatchNodesRequest(), timeout=60) for _ in range(4)]
+        for watch in watches:
+            next(watch)
+        before = _refusals()
+        results = _released_while_waiting(
+            broker, client, etcd_client, key_prefix, lambda: _refusals() - before >= WAITS
+        )
+        assert [n.state for n in results] == [pb.NODE_STATE_RELEASED] * WAITS
+        for watch in watches:
+            watch.cancel()
+
+
+def test_watch_resumes_by_itself_after_a_cut_off(  # type: ignore[no-untyped-def]
+    broker_factory, etcd_client, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The consumer stops reading, the broker cuts the watch off; reading on, the
+    iterator resumes from its last event and the view ends up complete."""
+    monkeypatch.setattr("dxpool.client._CHANNEL_OPTIONS", SMALL_WINDOW)
+    broker = broker_factory(watch=WatchSettings(send_timeout_s=0.5))
+    feed = broker.nodes.feed
+    settle(broker, write_nodes(etcd_client, key_prefix, [node(f"n{i}") for i in range(20)]))
+    with Client(broker.endpoint) as client:
+        events = client.watch_nodes(include_synced=True, timeout_s=60)
+        view = View()
+        view.apply_all(events, until=lambda v: v.synced == 1)
+        before = _cut_offs()
+        fill_window(
+            etcd_client,
+            key_prefix,
+            lambda r: [f"big{r}-{i}" for i in range(10)],
+            until=lambda: not feed.watchers(),
+        )
+        delete_nodes(etcd_client, key_prefix, ["n0", "n1", "n2"])
+        settle(broker, write_nodes(etcd_client, key_prefix, [node("n3", note="changed")]))
+        view.apply_all(events, until=lambda v: v.synced == 2)  # the resumed stream's
+        assert _cut_offs() - before == 1
+        assert view.resets == 1  # only the first listing
+        assert view.nodes == listed(nodes_pb2_grpc.NodeServiceStub(client._channel))
+        assert view.nodes["nodes/n3"].message == "changed" and "nodes/n0" not in view.nodes
+
+
+def test_watch_resumes_on_a_restarted_broker_with_a_reset_listing(  # type: ignore[no-untyped-def]
+    broker_factory, etcd_client, key_prefix: str
+) -> None:
+    listen = f"127.0.0.1:{free_port()}"
+    first = broker_factory(listen=listen)
+    settle(first, write_nodes(etcd_client, key_prefix, [node("a"), node("b")]))
+    with Client(listen) as client:
+        events = client.watch_nodes(include_synced=True, timeout_s=60)
+        view = View()
+        view.apply_all(events, until=lambda v: v.synced == 1)
+        first.stop(grace_s=0)
+        delete_nodes(etcd_client, key_prefix, ["a"])
+        broker_factory(listen=listen)
+        # The new broker never saw the deletion, so it cannot replay: it lists again.
+        view.apply_all(events, until=lambda v: v.synced == 2)
+        assert view.resets == 2
+        assert sorted(view.nodes) == ["nodes/b"]
+
+
+def test_watch_rejects_a_negative_start_revision() -> None:
+    with Client("127.0.0.1:1") as client, pytest.raises(InvalidArgument, match="start_revision"):
+        client.watch_nodes(start_revision=-1)

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import threading
+
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.cache import Cache
 from dxpool.broker.store import Store, Txn, Versioned
@@ -59,4 +61,85 @@ def test_stale_read_is_ignored(etcd_client, key_prefix: str) -> None:  # type: i
         record = cache.get(k.BOXES, "b")
         assert record is not None and record.value.name == "new"
     finally:
+        cache.stop()
+
+
+def test_change_listeners_get_each_change_with_its_revision(etcd_client, key_prefix: str) -> None:  # type: ignore[no-untyped-def]
+    schema = KeySchema(key_prefix)
+    etcd_client.put(schema.box("early"), pb.Box(name="boxes/early").SerializeToString())
+    cache = Cache(etcd_client, schema)
+    cache.start()
+    changes: list[tuple[str, str, Versioned[object] | None, int]] = []
+    subscription = cache.subscribe_changes(lambda *change: changes.append(change))
+    try:
+        # Nothing at or below `since` is replayed; everything above it is delivered.
+        assert subscription.since == cache.revision
+        store = Store(etcd_client, schema)
+        key = schema.box("b1")
+        put = Txn().expect_absent(key).put(key, pb.Box(name="boxes/b1"))
+        put_revision = store.commit(put).revision
+        cache.apply_commit(put_revision, put.writes, created={key})
+        delete = Txn().expect_revision(key, put_revision).delete(key)
+        delete_revision = store.commit(delete).revision
+        cache.apply_commit(delete_revision, delete.writes)
+        assert cache.wait_for_revision(delete_revision, 5)
+        seen = [(c, n, r is None, rev) for c, n, r, rev in changes]
+        assert seen == [
+            (k.BOXES, "b1", False, put_revision),
+            (k.BOXES, "b1", True, delete_revision),
+        ]
+        subscription.close()
+        etcd_client.put(schema.box("late"), pb.Box(name="boxes/late").SerializeToString())
+        wait_until(lambda: cache.get(k.BOXES, "late"), message="watched put")
+        assert len(changes) == 2
+    finally:
+        cache.stop()
+
+
+def test_notified_revision_stays_below_a_change_whose_listeners_still_run(  # type: ignore[no-untyped-def]
+    etcd_client, key_prefix: str
+) -> None:
+    """A commit applied ahead of the watch: while its listeners run, the watch passes its
+    revision (its copy of the event is skipped as already applied). The notified revision
+    must not pass the change until the listeners have returned, or a watcher could be
+    given a resume position beyond a change it was never sent.
+
+    The order is forced: the watch thread is held on an earlier key ("gate") while the
+    commit is applied, then let go while the commit's listener is held."""
+    schema = KeySchema(key_prefix)
+    cache = Cache(etcd_client, schema)
+    cache.start()
+    gate_held, open_gate = threading.Event(), threading.Event()
+    entered, release = threading.Event(), threading.Event()
+
+    def held(collection: str, name: str, record: Versioned[object] | None) -> None:
+        if name == "gate":
+            gate_held.set()
+            open_gate.wait(10)
+        elif name == "b1":
+            entered.set()
+            release.wait(10)
+
+    cache.subscribe(held)
+    try:
+        etcd_client.put(schema.box("gate"), pb.Box(name="boxes/gate").SerializeToString())
+        assert gate_held.wait(5)  # the watch thread is held
+        store = Store(etcd_client, schema)
+        key = schema.box("b1")
+        txn = Txn().expect_absent(key).put(key, pb.Box(name="boxes/b1"))
+        revision = store.commit(txn).revision
+        applying = threading.Thread(
+            target=cache.apply_commit, args=(revision, txn.writes, {key}), daemon=True
+        )
+        applying.start()
+        assert entered.wait(5)  # the commit is applied, its listener is running
+        open_gate.set()
+        assert cache.wait_for_revision(revision, 5)  # the watch has passed it
+        assert cache.notified_revision == revision - 1
+        release.set()
+        applying.join(5)
+        assert cache.notified_revision >= revision
+    finally:
+        open_gate.set()
+        release.set()
         cache.stop()

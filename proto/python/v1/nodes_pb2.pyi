@@ -221,16 +221,22 @@ class WatchNodesRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NAME_FIELD_NUMBER: _builtins.int
+    START_REVISION_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Watch one node ("nodes/{node}"); empty for all."""
+    start_revision: _builtins.int
+    """0: start with a listing of the current state. Otherwise the `revision` of the last
+    event handled on an earlier watch (of the same name): resume after it.
+    """
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
+        start_revision: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "start_revision", b"start_revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -251,6 +257,11 @@ class NodeEvent(_message.Message):
         """Part of the initial listing."""
         TYPE_CHANGED: NodeEvent._Type.ValueType  # 2
         TYPE_DELETED: NodeEvent._Type.ValueType  # 3
+        TYPE_SYNCED: NodeEvent._Type.ValueType  # 4
+        """No node: the events before it bring the watcher up to date as of `revision`.
+        Sent after the listing or the replay that starts a watch, and when the watch has
+        been idle for a while and the broker has moved on, so the resume position keeps up.
+        """
 
     class Type(_Type, metaclass=_TypeEnumTypeWrapper): ...
     TYPE_UNSPECIFIED: NodeEvent.Type.ValueType  # 0
@@ -258,21 +269,43 @@ class NodeEvent(_message.Message):
     """Part of the initial listing."""
     TYPE_CHANGED: NodeEvent.Type.ValueType  # 2
     TYPE_DELETED: NodeEvent.Type.ValueType  # 3
+    TYPE_SYNCED: NodeEvent.Type.ValueType  # 4
+    """No node: the events before it bring the watcher up to date as of `revision`.
+    Sent after the listing or the replay that starts a watch, and when the watch has
+    been idle for a while and the broker has moved on, so the resume position keeps up.
+    """
 
     TYPE_FIELD_NUMBER: _builtins.int
     NODE_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    RESET_FIELD_NUMBER: _builtins.int
     type: Global___NodeEvent.Type.ValueType
+    revision: _builtins.int
+    """Where to resume: an etcd revision such that every matching change at or below it
+    has been sent on this stream by the time this event is. It is the revision of the
+    change itself when the broker's own etcd watch has delivered it, and never more.
+    TYPE_EXISTING events carry the request's start_revision (a watch cut off during
+    its listing starts the listing over).
+    """
+    reset: _builtins.bool
+    """On TYPE_SYNCED: true when the events before it were a full listing that replaces
+    whatever the watcher held (a fresh watch, or a resume the broker could not replay).
+    """
     @_builtins.property
-    def node(self) -> _resources_pb2.VirtualNode: ...
+    def node(self) -> _resources_pb2.VirtualNode:
+        """The node (only its name for TYPE_DELETED; empty for TYPE_SYNCED)."""
+
     def __init__(
         self,
         *,
         type: Global___NodeEvent.Type.ValueType = ...,
         node: _resources_pb2.VirtualNode | None = ...,
+        revision: _builtins.int = ...,
+        reset: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["node", b"node"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["node", b"node", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node", b"node", "reset", b"reset", "revision", b"revision", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

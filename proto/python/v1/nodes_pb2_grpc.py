@@ -113,6 +113,28 @@ class NodeServiceServicer:
 
     def WatchNodes(self, request, context):
         """Streams the current state of matching nodes, then every change.
+
+        A fresh watch (start_revision 0) lists the matching nodes (TYPE_EXISTING), marks
+        the end of the listing with TYPE_SYNCED (reset = true), then sends every change
+        (TYPE_CHANGED, TYPE_DELETED). Changes are coalesced per node: a watcher that
+        falls behind gets the latest state of each node that changed, never a backlog.
+
+        Resuming: pass the `revision` of the last event handled as `start_revision` and
+        the broker replays every matching change after it (each node that changed, in its
+        latest state; each deletion), then TYPE_SYNCED (reset = false), then live changes.
+        Events may repeat across a resume, none goes missing. When the broker cannot prove
+        it still knows every change after `start_revision` (a restarted or different
+        broker, or more deletions since than it remembers) it sends a fresh listing
+        instead, which its TYPE_SYNCED event marks with reset = true: the listing replaces
+        the watcher's view, and nodes it does not list no longer exist.
+
+        NOT_FOUND when `name` names a node that does not exist (and no deletion after
+        start_revision can be replayed); INVALID_ARGUMENT for a malformed name or a
+        negative start_revision; RESOURCE_EXHAUSTED (reason TOO_MANY_STREAMS) when the
+        broker already serves as many watches as it allows: retry later, or poll GetNode;
+        ABORTED (WATCH_TOO_SLOW) when the client stopped reading for too long: re-watch
+        with start_revision; UNAVAILABLE when the broker is stopping: re-watch, possibly
+        on another broker.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

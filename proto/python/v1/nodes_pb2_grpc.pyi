@@ -51,7 +51,30 @@ class NodeServiceStub:
     Idempotent: releasing a RELEASING or RELEASED node returns it unchanged.
     """
     WatchNodes: _grpc.UnaryStreamMultiCallable[_nodes_pb2.WatchNodesRequest, _nodes_pb2.NodeEvent]
-    """Streams the current state of matching nodes, then every change."""
+    """Streams the current state of matching nodes, then every change.
+
+    A fresh watch (start_revision 0) lists the matching nodes (TYPE_EXISTING), marks
+    the end of the listing with TYPE_SYNCED (reset = true), then sends every change
+    (TYPE_CHANGED, TYPE_DELETED). Changes are coalesced per node: a watcher that
+    falls behind gets the latest state of each node that changed, never a backlog.
+
+    Resuming: pass the `revision` of the last event handled as `start_revision` and
+    the broker replays every matching change after it (each node that changed, in its
+    latest state; each deletion), then TYPE_SYNCED (reset = false), then live changes.
+    Events may repeat across a resume, none goes missing. When the broker cannot prove
+    it still knows every change after `start_revision` (a restarted or different
+    broker, or more deletions since than it remembers) it sends a fresh listing
+    instead, which its TYPE_SYNCED event marks with reset = true: the listing replaces
+    the watcher's view, and nodes it does not list no longer exist.
+
+    NOT_FOUND when `name` names a node that does not exist (and no deletion after
+    start_revision can be replayed); INVALID_ARGUMENT for a malformed name or a
+    negative start_revision; RESOURCE_EXHAUSTED (reason TOO_MANY_STREAMS) when the
+    broker already serves as many watches as it allows: retry later, or poll GetNode;
+    ABORTED (WATCH_TOO_SLOW) when the client stopped reading for too long: re-watch
+    with start_revision; UNAVAILABLE when the broker is stopping: re-watch, possibly
+    on another broker.
+    """
 
 @_typing.type_check_only
 class NodeServiceAsyncStub(NodeServiceStub):
@@ -74,7 +97,30 @@ class NodeServiceAsyncStub(NodeServiceStub):
     Idempotent: releasing a RELEASING or RELEASED node returns it unchanged.
     """
     WatchNodes: _aio.UnaryStreamMultiCallable[_nodes_pb2.WatchNodesRequest, _nodes_pb2.NodeEvent]  # type: ignore[assignment]
-    """Streams the current state of matching nodes, then every change."""
+    """Streams the current state of matching nodes, then every change.
+
+    A fresh watch (start_revision 0) lists the matching nodes (TYPE_EXISTING), marks
+    the end of the listing with TYPE_SYNCED (reset = true), then sends every change
+    (TYPE_CHANGED, TYPE_DELETED). Changes are coalesced per node: a watcher that
+    falls behind gets the latest state of each node that changed, never a backlog.
+
+    Resuming: pass the `revision` of the last event handled as `start_revision` and
+    the broker replays every matching change after it (each node that changed, in its
+    latest state; each deletion), then TYPE_SYNCED (reset = false), then live changes.
+    Events may repeat across a resume, none goes missing. When the broker cannot prove
+    it still knows every change after `start_revision` (a restarted or different
+    broker, or more deletions since than it remembers) it sends a fresh listing
+    instead, which its TYPE_SYNCED event marks with reset = true: the listing replaces
+    the watcher's view, and nodes it does not list no longer exist.
+
+    NOT_FOUND when `name` names a node that does not exist (and no deletion after
+    start_revision can be replayed); INVALID_ARGUMENT for a malformed name or a
+    negative start_revision; RESOURCE_EXHAUSTED (reason TOO_MANY_STREAMS) when the
+    broker already serves as many watches as it allows: retry later, or poll GetNode;
+    ABORTED (WATCH_TOO_SLOW) when the client stopped reading for too long: re-watch
+    with start_revision; UNAVAILABLE when the broker is stopping: re-watch, possibly
+    on another broker.
+    """
 
 class NodeServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -130,6 +176,29 @@ class NodeServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _nodes_pb2.WatchNodesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_nodes_pb2.NodeEvent], _abc.AsyncIterator[_nodes_pb2.NodeEvent]]:
-        """Streams the current state of matching nodes, then every change."""
+        """Streams the current state of matching nodes, then every change.
+
+        A fresh watch (start_revision 0) lists the matching nodes (TYPE_EXISTING), marks
+        the end of the listing with TYPE_SYNCED (reset = true), then sends every change
+        (TYPE_CHANGED, TYPE_DELETED). Changes are coalesced per node: a watcher that
+        falls behind gets the latest state of each node that changed, never a backlog.
+
+        Resuming: pass the `revision` of the last event handled as `start_revision` and
+        the broker replays every matching change after it (each node that changed, in its
+        latest state; each deletion), then TYPE_SYNCED (reset = false), then live changes.
+        Events may repeat across a resume, none goes missing. When the broker cannot prove
+        it still knows every change after `start_revision` (a restarted or different
+        broker, or more deletions since than it remembers) it sends a fresh listing
+        instead, which its TYPE_SYNCED event marks with reset = true: the listing replaces
+        the watcher's view, and nodes it does not list no longer exist.
+
+        NOT_FOUND when `name` names a node that does not exist (and no deletion after
+        start_revision can be replayed); INVALID_ARGUMENT for a malformed name or a
+        negative start_revision; RESOURCE_EXHAUSTED (reason TOO_MANY_STREAMS) when the
+        broker already serves as many watches as it allows: retry later, or poll GetNode;
+        ABORTED (WATCH_TOO_SLOW) when the client stopped reading for too long: re-watch
+        with start_revision; UNAVAILABLE when the broker is stopping: re-watch, possibly
+        on another broker.
+        """
 
 def add_NodeServiceServicer_to_server(servicer: NodeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
