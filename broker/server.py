@@ -2,7 +2,8 @@
 
 ``BrokerServer(config).start()`` connects to etcd, lists and watches every record into
 the cache, starts the node controller, and serves InventoryService, NodeService,
-FabricService, gRPC health checking and reflection on ``config.listen``.
+FabricService, gRPC health checking and reflection on ``config.listen``. Health follows
+etcd: NOT_SERVING while etcd is unreachable or the cache too stale (``serving.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from types import TracebackType
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from dxpool.api.v1 import (
@@ -32,6 +33,7 @@ from dxpool.broker.fabric_service import FabricService
 from dxpool.broker.inventory_service import InventoryService
 from dxpool.broker.node_service import MAX_WATCHERS, NodeService
 from dxpool.broker.placement_index import PlacementIndex
+from dxpool.broker.serving import DEFAULT_MAX_STALENESS_S, ServingState, StalenessGate
 from dxpool.broker.store import Store
 from dxpool.defaults import DEFAULT_ENDPOINT
 from dxpool.fabric.latency import TopologyLatencyModel
@@ -47,6 +49,9 @@ SERVICE_NAMES = (
     nodes_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name,
     fabric_pb2.DESCRIPTOR.services_by_name["FabricService"].full_name,
 )
+# The services whose answers come from the cache (all of dxpool's); health and
+# reflection stay answerable while etcd is away.
+GATED_PREFIXES = tuple(f"/{name}/" for name in SERVICE_NAMES)
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,11 @@ class BrokerConfig:
     attach_timeout_s: float = 120.0
     max_workers: int = 32
     controller_sweep_s: float = 1.0
+    # Each etcd call gives up after this long (an unanswered call is one to a dead or
+    # paused member, or one without quorum; failing it lets the next member be tried).
+    etcd_timeout_s: float = 1.0
+    # Calls are refused (UNAVAILABLE) once the cache may be this stale; see serving.py.
+    max_staleness_s: float = DEFAULT_MAX_STALENESS_S
 
 
 class BrokerServer:
@@ -67,13 +77,14 @@ class BrokerServer:
         self.config = config
         self._port = 0
         self._server: grpc.Server | None = None
-        self._etcd = connect(config.etcd_endpoints)
-        # The cache's watch gets a channel of its own, so watch events never queue
-        # behind (or ahead of) the transactions on the compose path.
-        self._etcd_watch = connect(config.etcd_endpoints)
+        self._etcd = connect(config.etcd_endpoints, timeout_s=config.etcd_timeout_s)
         schema = KeySchema(config.key_prefix)
         self.store = Store(self._etcd, schema)
-        self.cache = Cache(self._etcd_watch, schema)
+        # The cache's watch opens channels of its own, so watch events never queue
+        # behind (or ahead of) the transactions on the compose path.
+        self.cache = Cache(
+            config.etcd_endpoints, schema, on_watch_state=lambda _: self.serving.notify()
+        )
         topology = (
             Topology.load(config.topology_path) if config.topology_path else Topology.default()
         )
@@ -81,6 +92,15 @@ class BrokerServer:
         self.index: PlacementIndex | None = None
         self.controller: NodeController | None = None
         self._health = health.HealthServicer()
+        self.serving = ServingState(
+            self.store.health,
+            self.cache.lag_s,
+            self._health,
+            SERVICE_NAMES,
+            max_staleness_s=config.max_staleness_s,
+            watch_error=lambda: self.cache.watch_error,
+        )
+        self.store.health.subscribe(self.serving.notify)
 
     def start(self) -> BrokerServer:
         """Load the cache, start the controller, bind and serve. Returns once serving."""
@@ -102,6 +122,7 @@ class BrokerServer:
                 max_workers=self.config.max_workers + MAX_WATCHERS, thread_name_prefix="rpc"
             ),
             options=[("grpc.so_reuseport", 0)],
+            interceptors=[StalenessGate(self.serving, GATED_PREFIXES)],
         )
         inventory_pb2_grpc.add_InventoryServiceServicer_to_server(
             InventoryService(self.store, self.cache), server
@@ -111,9 +132,7 @@ class BrokerServer:
             FabricService(self.cache, self.latency), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        for name in SERVICE_NAMES:
-            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.serving.start()
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
@@ -132,6 +151,7 @@ class BrokerServer:
 
     def stop(self, grace_s: float = 2.0) -> None:
         """Stop serving (in-flight calls get ``grace_s``), then the controller and cache."""
+        self.serving.stop()
         self._health.enter_graceful_shutdown()
         if self._server is not None:
             self._server.stop(grace_s).wait()
@@ -140,8 +160,8 @@ class BrokerServer:
         if self.index is not None:
             self.index.close()
         self.cache.stop()
+        self.store.health.close()
         self._etcd.close()
-        self._etcd_watch.close()
 
     def wait(self) -> None:
         if self._server is not None:
