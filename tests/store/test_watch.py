@@ -28,6 +28,7 @@ class Seen:
         self.lists: list[int] = []
         self.states: list[bool] = []
         self.lag_when_lost: list[float] = []
+        self.error_when_lost: list[str] = []
         self.watch: PrefixWatch | None = None
 
     def on_list(self, kvs: Sequence[Any], revision: int) -> None:
@@ -44,6 +45,7 @@ class Seen:
         self.states.append(connected)
         if not connected and self.watch is not None:
             self.lag_when_lost.append(self.watch.lag_s())
+            self.error_when_lost.append(self.watch.last_error)
 
     def has(self, key: str) -> bool:
         with self.lock:
@@ -201,4 +203,27 @@ def test_restarted_single_member_is_watched_again(private_etcd: EmbeddedEtcd, pr
         assert len(seen.lists) == 1
     finally:
         writer.close()
+        watch.stop()
+
+
+def test_member_that_lost_its_leader_ends_the_watch(etcd_cluster: EtcdCluster, prefix: str) -> None:
+    # A member cut off from its peers still answers progress requests itself; only the
+    # require-leader metadata makes it end the watch instead of leaving it quietly stale.
+    seen = Seen()
+    watch = start_watch([m.address for m in etcd_cluster.members], prefix, seen)
+    try:
+        alone = etcd_cluster.member(str(watch.endpoint))
+        for member in etcd_cluster.members:
+            if member is not alone:
+                member.kill()
+        lost_at = time.monotonic()
+        wait_until(lambda: False in seen.states, timeout_s=10, message="watch ended")
+        assert time.monotonic() - lost_at < 6
+        assert not watch.connected
+        assert "etcdserver: no leader" in seen.error_when_lost[0]
+        for member in etcd_cluster.members:
+            if member is not alone:
+                member.start(wait=False)
+        wait_until(lambda: watch.connected, timeout_s=15, message="watch back with a quorum")
+    finally:
         watch.stop()
