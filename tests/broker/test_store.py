@@ -82,7 +82,7 @@ def test_read_is_retried_on_the_next_member_but_an_unconfirmed_write_is_not(
     started = time.monotonic()
     record = cluster_store.get(key)  # times out on the paused member, then asks another
     assert record is not None and record.value.name == "boxes/b1"
-    assert 0.5 <= time.monotonic() - started < 1.5
+    assert 0.5 <= time.monotonic() - started < 3.0
     paused.resume()
 
     paused = member_in_use(etcd_cluster, cluster_store)

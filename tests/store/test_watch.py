@@ -206,6 +206,7 @@ def test_restarted_single_member_is_watched_again(private_etcd: EmbeddedEtcd, pr
         watch.stop()
 
 
+@pytest.mark.slow
 def test_member_that_lost_its_leader_ends_the_watch(etcd_cluster: EtcdCluster, prefix: str) -> None:
     # A member cut off from its peers still answers progress requests itself; only the
     # require-leader metadata makes it end the watch instead of leaving it quietly stale.
