@@ -86,6 +86,9 @@ class EmbeddedEtcd:
         self._own_dir = data_dir is None
         self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="dxpool-etcd-"))
         self.host = host
+        # Ports picked here may be taken by someone else before etcd binds them; a first
+        # start then picks again (see ``start``).
+        self._may_repick = client_port is None and peer_port is None and initial_cluster is None
         if client_port is None or peer_port is None:
             ports = [p for p in free_ports(3, host) if p not in (client_port, peer_port)]
             client_port = client_port or ports[0]
@@ -115,9 +118,26 @@ class EmbeddedEtcd:
 
         ``wait=False`` returns once the process is started: the members of a new cluster
         cannot answer until enough of them run, so :class:`EtcdCluster` waits for all.
+        A first start on ports this object picked itself picks new ones and tries again
+        (up to three times) when etcd cannot have them.
         """
         if self.running:
             raise RuntimeError(f"etcd member {self.name} is already running")
+        attempts = 3 if wait and self._may_repick and not self._has_data() else 1
+        for attempt in range(attempts):
+            try:
+                return self._start_once(timeout_s, wait=wait)
+            except _PortTakenError:
+                if attempt == attempts - 1:
+                    raise
+                self.client_port, self.peer_port = free_ports(2, self.host)
+                self.initial_cluster = f"{self.name}={self.peer_url}"
+        raise AssertionError("unreachable")
+
+    def _has_data(self) -> bool:
+        return (self.data_dir / "member-data").exists()
+
+    def _start_once(self, timeout_s: float, *, wait: bool) -> EmbeddedEtcd:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         client_url = f"http://{self.host}:{self.client_port}"
         args = [
@@ -156,18 +176,36 @@ class EmbeddedEtcd:
         try:
             while time.monotonic() < deadline:
                 if self._process is not None and self._process.poll() is not None:
-                    raise RuntimeError(
-                        f"etcd exited with {self._process.returncode}; see {self.log_path}"
-                    )
+                    log = self.log_path.read_text(errors="replace")
+                    error = _PortTakenError if "address already in use" in log else RuntimeError
+                    self._process = None
+                    raise error(f"etcd exited; see {self.log_path}")
                 try:
                     client.get("/")
-                    return
                 except Exception:
                     time.sleep(_READY_POLL_S)
+                    continue
+                if not self._answers_itself():
+                    self.kill()
+                    raise _PortTakenError(f"another etcd answers on {self.endpoint}")
+                return
         finally:
             client.close()
         self.stop()
         raise RuntimeError(f"etcd did not answer within {timeout_s}s; see {self.log_path}")
+
+    def _answers_itself(self) -> bool:
+        """Whether the socket listening on our client port belongs to our process, not to
+        another etcd that took the port first (Linux ``/proc``; True where it is absent)."""
+        if self._process is None:
+            return False
+        try:
+            inodes = _listening_inodes(self.client_port)
+            fds = Path(f"/proc/{self._process.pid}/fd")
+            owned = {os.readlink(fd) for fd in fds.iterdir()}
+        except OSError:
+            return True
+        return any(f"socket:[{inode}]" in owned for inode in inodes)
 
     @property
     def running(self) -> bool:
@@ -249,6 +287,24 @@ class EmbeddedEtcd:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def _listening_inodes(port: int) -> set[str]:
+    """Inodes of the IPv4/IPv6 TCP sockets listening on ``port`` (from ``/proc/net``)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as rows:
+            next(rows)
+            for row in rows:
+                fields = row.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state == "0A" and int(local.rpartition(":")[2], 16) == port:
+                    inodes.add(inode)
+    return inodes
+
+
+class _PortTakenError(RuntimeError):
+    """etcd could not have the ports it was given."""
 
 
 class EtcdCluster:
