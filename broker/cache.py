@@ -15,8 +15,10 @@ block: it does O(1) bookkeeping under its own short lock and wakes its own threa
 never waits on a client, a bounded queue, I/O or another thread. Listeners must not call
 back into the cache while holding their own locks in the opposite order.
 
-If the watch breaks (etcd restarted, history compacted), the cache lists again and
-re-watches; subscribers see the differences as ordinary changes.
+If the watch breaks (a member lost, etcd restarted) it resumes on the next member from
+the revision after the last event it delivered; only when that history has been
+compacted does the cache list again, and subscribers then see the differences as
+ordinary changes.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +34,9 @@ import etcd3
 from google.protobuf.message import Message
 
 from dxpool.broker.store import Versioned, decode, encode
+from dxpool.store.client import EtcdAddress, addresses_of
 from dxpool.store.keys import COLLECTIONS, KeySchema
+from dxpool.store.watch import PrefixWatch
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +60,23 @@ class Subscription:
 
 
 class Cache:
-    """In-memory records by collection and id, fed by list-then-watch."""
+    """In-memory records by collection and id, fed by list-then-watch.
 
-    def __init__(self, client: etcd3.MultiEndpointEtcd3Client, schema: KeySchema) -> None:
-        self._client = client
+    The watch (:class:`~dxpool.store.watch.PrefixWatch`) fails over between etcd members
+    and resumes from the last revision it delivered, so losing a member costs a moment,
+    not the cache's freshness. :meth:`lag_s` says how stale the cache may be: 0 while the
+    watch runs, else the seconds since it was last known current.
+    """
+
+    def __init__(
+        self,
+        client: etcd3.MultiEndpointEtcd3Client | str | list[EtcdAddress],
+        schema: KeySchema,
+        *,
+        on_watch_state: Callable[[bool], None] | None = None,
+        progress_interval_s: float = 0.5,
+        progress_timeout_s: float = 1.5,
+    ) -> None:
         self._keys = schema
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
@@ -70,31 +87,51 @@ class Cache:
         # revision ever applied: see notified_revision and subscribe_changes.
         self._dispatching: dict[int, int] = {}
         self._applied_high = 0
-        self._watch_id: Any = None
         self._revision = 0
-        self._stopped = threading.Event()
-        self._resync_lock = threading.Lock()
+        self._watch = PrefixWatch(
+            addresses_of(client),
+            schema.prefix,
+            on_list=self._on_list,
+            on_events=self._on_watch,
+            on_state=on_watch_state,
+            name="cache-watch",
+            progress_interval_s=progress_interval_s,
+            progress_timeout_s=progress_timeout_s,
+        )
 
     # -- lifecycle -------------------------------------------------------------------
 
-    def start(self) -> None:
-        """List everything and start watching. Raises if etcd cannot be reached."""
-        self._list_and_watch()
+    def start(self, timeout_s: float = 30.0) -> None:
+        """List everything and start watching. Raises :class:`~dxpool.errors.Unavailable`
+        if no etcd member can be listed and watched."""
+        self._watch.start(timeout_s)
 
     def stop(self) -> None:
-        self._stopped.set()
-        if self._watch_id is not None:
-            try:
-                self._client.cancel_watch(self._watch_id)
-            except Exception:  # the client may already be closed
-                log.debug("cancel_watch failed", exc_info=True)
-            self._watch_id = None
+        self._watch.stop()
 
-    def _list_and_watch(self) -> None:
-        response = self._client.get_prefix_response(self._keys.prefix)
-        revision = int(response.header.revision)
+    @property
+    def watch_connected(self) -> bool:
+        """Whether the watch runs now."""
+        return self._watch.connected
+
+    @property
+    def watch_endpoint(self) -> EtcdAddress | None:
+        """The etcd member the watch uses (or last tried)."""
+        return self._watch.endpoint
+
+    @property
+    def watch_error(self) -> str:
+        """Why the watch last broke ("" if it never did)."""
+        return self._watch.last_error
+
+    def lag_s(self) -> float:
+        """0 while the watch runs; else seconds since the cache was last known current."""
+        return self._watch.lag_s()
+
+    def _on_list(self, kvs: Sequence[Any], revision: int) -> None:
+        """A full listing at ``revision``: apply it, and drop what it no longer has."""
         seen: set[tuple[str, str]] = set()
-        for kv in response.kvs:
+        for kv in kvs:
             parsed = self._parse_key(kv.key.decode())
             if parsed is None:
                 continue
@@ -111,16 +148,8 @@ class Cache:
         for collection, name in gone:
             self._apply(collection, name, None, revision=revision)
         self._advance(revision)
-        self._watch_id = self._client.add_watch_prefix_callback(
-            self._keys.prefix, self._on_watch, start_revision=revision + 1
-        )
 
     def _on_watch(self, response: Any) -> None:
-        if isinstance(response, Exception):
-            if not self._stopped.is_set():
-                log.warning("etcd watch broke; listing again", extra={"error": str(response)})
-                threading.Thread(target=self._resync, name="cache-resync", daemon=True).start()
-            return
         for event in response.events:
             parsed = self._parse_key(event.key.decode())
             if parsed is None or self._holds(parsed[0], parsed[1], event.mod_revision):
@@ -132,22 +161,10 @@ class Cache:
                     decode(parsed[0], event.value), event.mod_revision, event.create_revision
                 )
                 self._apply(parsed[0], parsed[1], record, revision=event.mod_revision)
-        self._advance(int(response.header.revision))
-
-    def _resync(self) -> None:
-        with self._resync_lock:
-            while not self._stopped.is_set():
-                try:
-                    if self._watch_id is not None:
-                        try:
-                            self._client.cancel_watch(self._watch_id)
-                        except Exception:
-                            log.debug("cancel_watch failed", exc_info=True)
-                    self._list_and_watch()
-                    return
-                except Exception:
-                    log.warning("cache resync failed; retrying", exc_info=True)
-                    time.sleep(0.5)
+        # The events' own revision, not the header's: while a watch catches up, etcd 3.5
+        # may stamp a batch with a later revision than its last event.
+        if response.events:
+            self._advance(max(int(event.mod_revision) for event in response.events))
 
     # -- applying changes ------------------------------------------------------------
 

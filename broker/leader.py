@@ -21,7 +21,7 @@ from typing import Any
 
 from etcd3 import transactions
 
-from dxpool.broker.store import _call_etcd
+from dxpool.broker.store import Store
 from dxpool.errors import Unavailable
 
 log = logging.getLogger(__name__)
@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 class LeaderElection:
     """Campaigns for ``key`` as ``identity`` in a daemon thread; ``is_leader()`` any time."""
 
-    def __init__(self, client: Any, key: str, identity: str, *, ttl_s: float = 5.0) -> None:
-        self._client = client
+    def __init__(self, store: Store, key: str, identity: str, *, ttl_s: float = 5.0) -> None:
+        self._store = store
+        self._client = store.client
         self._key = key
         self._identity = identity
         self._ttl = max(2, math.ceil(ttl_s))
@@ -83,13 +84,14 @@ class LeaderElection:
             self._stop.wait(interval)
 
     def _campaign(self) -> None:
-        lease = _call_etcd(lambda: self._client.lease(self._ttl))
-        won, _ = _call_etcd(
+        lease = self._store.call(lambda: self._client.lease(self._ttl), write=True)
+        won, _ = self._store.call(
             lambda: self._client.transaction(
                 compare=[transactions.Create(self._key) == 0],
                 success=[transactions.Put(self._key, self._identity, lease=lease)],
                 failure=[],
-            )
+            ),
+            write=True,
         )
         if won:
             self._lease = lease
@@ -97,12 +99,13 @@ class LeaderElection:
             self._leading.set()
             log.info("elected leader", extra={"key": self._key, "identity": self._identity})
         else:
-            _call_etcd(lease.revoke)
+            self._store.call(lease.revoke, write=True)
 
     def _refresh(self) -> None:
         if time.monotonic() > self._deadline:
             raise Unavailable("leader lease not refreshed in time", reason="LEASE_LOST")
-        responses = _call_etcd(self._lease.refresh)
+        # A keepalive changes nothing a second one would not: safe to resend elsewhere.
+        responses = self._store.call(self._lease.refresh, write=False)
         if not responses or responses[0].TTL <= 0:
             raise Unavailable("leader lease expired", reason="LEASE_LOST")
         self._deadline = time.monotonic() + self._ttl * 2 / 3

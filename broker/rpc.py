@@ -1,8 +1,9 @@
 """gRPC plumbing shared by the broker's services: errors, timing, pagination.
 
 ``@handler("Service.Method")`` wraps a servicer method so a :class:`DxpoolError` becomes
-its gRPC status with a ``google.rpc.ErrorInfo`` detail (reason, domain, metadata), and
-anything unexpected becomes INTERNAL with the details logged, never leaked.
+its gRPC status with a ``google.rpc.ErrorInfo`` detail (reason, domain, metadata), an
+etcd client error becomes UNAVAILABLE, and anything unexpected becomes INTERNAL with the
+details logged, never leaked.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from grpc_status import rpc_status
 from dxpool.broker import metrics
 from dxpool.errors import ERROR_DOMAIN, DxpoolError, InvalidArgument
 from dxpool.limits import MAX_PAGE_TOKEN
+from dxpool.store.errors import classify
+from dxpool.store.errors import unavailable as etcd_unavailable
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +45,20 @@ def to_status(error: DxpoolError) -> grpc.Status:
 
 
 def _abort(context: grpc.ServicerContext, method: str, error: Exception) -> None:
-    """End the call with the error's status; unexpected errors become INTERNAL, logged."""
+    """End the call with the error's status.
+
+    An etcd client error that reached here without the store's translation still becomes
+    UNAVAILABLE (etcd failing is never the caller's fault nor final), unlogged: the
+    store's health logs etcd going away once. Anything else unexpected becomes INTERNAL,
+    logged with its traceback.
+    """
     if isinstance(error, DxpoolError):
         context.abort_with_status(to_status(error))
-    else:
-        log.exception("unexpected error in RPC", extra={"method": method})
-        context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see broker logs")
+    failure = classify(error)
+    if failure is not None:
+        context.abort_with_status(to_status(etcd_unavailable(failure, write=True)))
+    log.exception("unexpected error in RPC", extra={"method": method})
+    context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see broker logs")
 
 
 def handler(method: str) -> Callable[[F], F]:

@@ -2,7 +2,8 @@
 
 ``BrokerServer(config).start()`` connects to etcd, lists and watches every record into
 the cache, starts the node controller, and serves InventoryService, NodeService,
-FabricService, gRPC health checking and reflection on ``config.listen``.
+FabricService, gRPC health checking and reflection on ``config.listen``. Health follows
+etcd: NOT_SERVING while etcd is unreachable or the cache too stale (``serving.py``).
 
 Threads: unary calls get ``max_workers`` workers of their own; streams (WatchNodes, health
 Watch, reflection) are admitted within ``stream_limits`` and can hold at most
@@ -22,7 +23,7 @@ from pathlib import Path
 from types import TracebackType
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from dxpool.api.v1 import (
@@ -45,6 +46,7 @@ from dxpool.broker.leader import LeaderElection
 from dxpool.broker.node_service import NodeService
 from dxpool.broker.node_watch import WatchSettings
 from dxpool.broker.placement_index import PlacementIndex
+from dxpool.broker.serving import DEFAULT_MAX_STALENESS_S, ServingState, StalenessGate
 from dxpool.broker.store import Store
 from dxpool.broker.streams import StreamLimiter, StreamLimits
 from dxpool.defaults import DEFAULT_ENDPOINT
@@ -70,6 +72,9 @@ _SERVER_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+# The services whose answers come from the cache (all of dxpool's); health and
+# reflection stay answerable while etcd is away.
+GATED_PREFIXES = tuple(f"/{name}/" for name in SERVICE_NAMES)
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,11 @@ class BrokerConfig:
     duty_interval_s: float = 0.25
     stream_limits: StreamLimits = field(default_factory=StreamLimits)
     watch: WatchSettings = field(default_factory=WatchSettings)
+    # Each etcd call gives up after this long (an unanswered call is one to a dead or
+    # paused member, or one without quorum; failing it lets the next member be tried).
+    etcd_timeout_s: float = 1.0
+    # Calls are refused (UNAVAILABLE) once the cache may be this stale; see serving.py.
+    max_staleness_s: float = DEFAULT_MAX_STALENESS_S
 
 
 class BrokerServer:
@@ -99,13 +109,14 @@ class BrokerServer:
         self.config = config
         self._port = 0
         self._server: grpc.Server | None = None
-        self._etcd = connect(config.etcd_endpoints)
-        # The cache's watch gets a channel of its own, so watch events never queue
-        # behind (or ahead of) the transactions on the compose path.
-        self._etcd_watch = connect(config.etcd_endpoints)
+        self._etcd = connect(config.etcd_endpoints, timeout_s=config.etcd_timeout_s)
         schema = KeySchema(config.key_prefix)
         self.store = Store(self._etcd, schema)
-        self.cache = Cache(self._etcd_watch, schema)
+        # The cache's watch opens channels of its own, so watch events never queue
+        # behind (or ahead of) the transactions on the compose path.
+        self.cache = Cache(
+            config.etcd_endpoints, schema, on_watch_state=lambda _: self.serving.notify()
+        )
         topology = (
             Topology.load(config.topology_path) if config.topology_path else Topology.default()
         )
@@ -114,7 +125,7 @@ class BrokerServer:
         self.index: PlacementIndex | None = None
         self.controller: NodeController | None = None
         self.election = LeaderElection(
-            self._etcd,
+            self.store,
             schema.election("duties"),
             f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}",
             ttl_s=config.leader_ttl_s,
@@ -125,6 +136,15 @@ class BrokerServer:
         self._executor: futures.ThreadPoolExecutor | None = None
         self._stopped = False
         self._health = health.HealthServicer()
+        self.serving = ServingState(
+            self.store.health,
+            self.cache.lag_s,
+            self._health,
+            SERVICE_NAMES,
+            max_staleness_s=config.max_staleness_s,
+            watch_error=lambda: self.cache.watch_error,
+        )
+        self.store.health.subscribe(self.serving.notify)
 
     def start(self) -> BrokerServer:
         """Load the cache, start the controller, bind and serve. Returns once serving."""
@@ -163,7 +183,11 @@ class BrokerServer:
         )
         server = grpc.server(
             self._executor,
-            interceptors=[self.streams, RequestDecodingGuard()],
+            interceptors=[
+                self.streams,
+                StalenessGate(self.serving, GATED_PREFIXES),
+                RequestDecodingGuard(),
+            ],
             options=_SERVER_OPTIONS,
         )
         inventory_pb2_grpc.add_InventoryServiceServicer_to_server(
@@ -175,9 +199,7 @@ class BrokerServer:
             FabricService(self.cache, self.latency), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        for name in SERVICE_NAMES:
-            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.serving.start()
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
@@ -206,6 +228,7 @@ class BrokerServer:
         if self._stopped:
             return
         self._stopped = True
+        self.serving.stop()
         self._health.enter_graceful_shutdown()
         if self.nodes is not None:
             self.nodes.close()
@@ -225,8 +248,8 @@ class BrokerServer:
         if self.index is not None:
             self.index.close()
         self.cache.stop()
+        self.store.health.close()
         self._etcd.close()
-        self._etcd_watch.close()
 
     def wait(self) -> None:
         if self._server is not None:

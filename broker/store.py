@@ -10,16 +10,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import etcd3
-import grpc
+import tenacity
 from etcd3 import transactions, utils
 from google.protobuf.message import Message
 
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.errors import InvalidArgument, Unavailable
 from dxpool.store import keys as k
+from dxpool.store.errors import NO_ENDPOINT, Applied, classify
+from dxpool.store.errors import unavailable as etcd_unavailable
+from dxpool.store.health import EtcdHealth
 from dxpool.store.keys import KeySchema
 
 # etcd's default --max-txn-ops; compares, successes and failures are each bounded by it.
@@ -37,6 +40,7 @@ MESSAGE_TYPES: dict[str, type[Message] | None] = {
 }
 
 M = TypeVar("M")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -149,19 +153,43 @@ class TxnResult:
 
 
 class Store:
-    """etcd client plus key schema; the only place that talks to etcd for the broker."""
+    """etcd client plus key schema; the only place that talks to etcd for the broker.
 
-    def __init__(self, client: etcd3.MultiEndpointEtcd3Client, schema: KeySchema) -> None:
+    Every failure of an etcd call becomes :class:`~dxpool.errors.Unavailable` (never a raw
+    client error) and feeds ``health``. A call that failed without effect on one member
+    (refused connection, no leader there) is tried at once on the next member, each
+    member at most once per call, so losing a follower costs no failed call. A write
+    whose outcome is unknown (the connection dropped, or it timed out, after it was
+    sent) is never retried here: the caller gets UNAVAILABLE with reason
+    ``ETCD_OUTCOME_UNKNOWN`` and retries with the same request id. While etcd is
+    unreachable a call is tried once, so requests fail fast; the health probe watches
+    for recovery.
+    """
+
+    def __init__(
+        self,
+        client: etcd3.MultiEndpointEtcd3Client,
+        schema: KeySchema,
+        *,
+        health: EtcdHealth | None = None,
+    ) -> None:
         self.client = client
         self.keys = schema
+        self.health = health or EtcdHealth(self.probe, name="broker-store")
+        self._members = max(1, len(client.endpoints))
+
+    def probe(self) -> None:
+        """One linearizable read (needs a leader and a quorum); raises what etcd raised."""
+        self.client.get(self.keys.prefix)
 
     def commit(self, txn: Txn) -> TxnResult:
         """Commit ``txn``; raises :class:`Unavailable` when etcd cannot be reached."""
         txn.check_size()
-        succeeded, responses = _call_etcd(
+        succeeded, responses = self.call(
             lambda: self.client.transaction(
                 compare=txn.compares, success=txn.success, failure=txn.failure
-            )
+            ),
+            write=True,
         )
         revision = _txn_revision(responses)
         current: dict[str, Versioned[Any] | None] = {}
@@ -180,7 +208,7 @@ class Store:
 
     def get(self, key: str) -> Versioned[Any] | None:
         """Read one record straight from etcd (linearizable)."""
-        value, meta = _call_etcd(lambda: self.client.get(key))
+        value, meta = self.call(lambda: self.client.get(key), write=False)
         if value is None:
             return None
         collection, _ = self.keys.split(key)
@@ -196,8 +224,8 @@ class Store:
         ops = [transactions.Get(key) for key in keys] + [
             transactions.Get(prefix, utils.prefix_range_end(prefix.encode())) for prefix in prefixes
         ]
-        _, responses = _call_etcd(
-            lambda: self.client.transaction(compare=[], success=ops, failure=[])
+        _, responses = self.call(
+            lambda: self.client.transaction(compare=[], success=ops, failure=[]), write=False
         )
         found: dict[str, Versioned[Any]] = {}
         for response in responses:
@@ -208,6 +236,41 @@ class Store:
                     decode(collection, value), meta.mod_revision, meta.create_revision
                 )
         return found
+
+    def call(self, call: Callable[[], T], *, write: bool) -> T:
+        """Run a raw etcd call (on :attr:`client`) under the retry policy above, with
+        every etcd failure raised as :class:`Unavailable`. ``write`` says whether the call
+        changes anything (a write whose outcome is unknown is never resent)."""
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type(_NextMember),
+            stop=tenacity.stop_after_attempt(self._members if self.health.reachable else 1),
+            reraise=True,
+        )
+        return cast(T, retrying(self._attempt, call, write))
+
+    def _attempt(self, call: Callable[[], T], write: bool) -> T:
+        token = self.health.begin()
+        try:
+            result = call()
+        except Exception as error:
+            failure = classify(error)
+            if failure is None:
+                raise
+            self.health.failed(token, failure)
+            unavailable = etcd_unavailable(failure, write=write)
+            retry = failure.code != NO_ENDPOINT and (not write or failure.applied is Applied.NO)
+            if failure.outage and retry:
+                raise _NextMember(
+                    unavailable.message, reason=unavailable.reason, metadata=unavailable.metadata
+                ) from error
+            raise unavailable from error
+        self.health.succeeded(token)
+        return result
+
+
+class _NextMember(Unavailable):
+    """An etcd failure worth trying on the next member; raised to the caller as it is
+    once every member has been tried (it is an :class:`Unavailable`)."""
 
 
 def _txn_revision(responses: Any) -> int:
@@ -220,22 +283,3 @@ def _txn_revision(responses: Any) -> int:
         if kind and getattr(response, kind).header.revision:
             return int(getattr(response, kind).header.revision)
     return 0
-
-
-T = TypeVar("T")
-
-
-def _call_etcd(call: Callable[[], T]) -> T:
-    """Run an etcd call, turning transport failures into :class:`Unavailable`."""
-    try:
-        return call()
-    except (etcd3.exceptions.ConnectionFailedError, etcd3.exceptions.ConnectionTimeoutError) as exc:
-        raise Unavailable(
-            f"etcd is unreachable ({type(exc).__name__}); check the etcd endpoints and retry",
-            reason="ETCD_UNAVAILABLE",
-        ) from exc
-    except grpc.RpcError as exc:
-        raise Unavailable(
-            f"etcd call failed: {exc.code().name}: {exc.details()}; retry",
-            reason="ETCD_UNAVAILABLE",
-        ) from exc

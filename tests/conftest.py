@@ -24,7 +24,7 @@ import pytest
 
 from dxpool.api.v1 import inventory_pb2, inventory_pb2_grpc, nodes_pb2_grpc, resources_pb2
 from dxpool.store.client import connect
-from dxpool.store.embedded import EmbeddedEtcd
+from dxpool.store.embedded import EmbeddedEtcd, EtcdCluster
 
 if TYPE_CHECKING:  # imported lazily so one broken component does not hide every test
     from dxpool.broker.server import BrokerServer
@@ -47,6 +47,44 @@ def etcd_client(etcd_server: EmbeddedEtcd):  # type: ignore[no-untyped-def]
     client = connect(etcd_server.endpoint)
     yield client
     client.close()
+
+
+# -- etcd processes a test may kill, pause and restart ---------------------------------
+
+
+@pytest.fixture
+def private_etcd(tmp_path: Path) -> Iterator[EmbeddedEtcd]:
+    """A single etcd member of the test's own: kill/pause it, then ``start`` it again on
+    the same data directory and port."""
+    server = EmbeddedEtcd(tmp_path / "etcd", unsafe_no_fsync=True).start()
+    yield server
+    server.kill()  # its data dies with tmp_path
+
+
+@pytest.fixture(scope="session")
+def _etcd_cluster() -> Iterator[EtcdCluster]:
+    with EtcdCluster(3, unsafe_no_fsync=True) as cluster:
+        yield cluster
+
+
+def _heal(cluster: EtcdCluster) -> None:
+    for member in cluster.members:
+        member.resume()
+    for member in cluster.members:
+        if not member.running:
+            member.start(wait=False)
+    for member in cluster.members:
+        member.wait_ready()
+    cluster.leader()
+
+
+@pytest.fixture
+def etcd_cluster(_etcd_cluster: EtcdCluster) -> Iterator[EtcdCluster]:
+    """Three etcd members on loopback, all running with a leader when the test starts;
+    members the test killed or paused are brought back afterwards."""
+    _heal(_etcd_cluster)
+    yield _etcd_cluster
+    _heal(_etcd_cluster)
 
 
 @pytest.fixture

@@ -4,25 +4,55 @@
 
 * ``etcd3.client()`` marks its endpoint failed for 300 s after a single error; we build a
   ``MultiEndpointEtcd3Client`` whose endpoints are retried after ``retry_after`` seconds.
-* Without a client timeout a write that lacks quorum blocks for ~7 s; we always set one.
+* Without a client timeout a write that lacks quorum blocks for ~7 s; we always set one,
+  and every call carries etcd's *require leader* metadata (what Go's
+  ``clientv3.WithRequireLeader`` sends), so a member without a leader refuses at once
+  ("etcdserver: no leader") instead of holding the call, and cancels watch streams when it
+  loses its leader instead of leaving them silently stale.
+* gRPC's default reconnect backoff grows to two minutes, so after an etcd restart a client
+  could wait many seconds before it even tries again; our channels retry the connection
+  at least every :data:`MAX_RECONNECT_BACKOFF_MS` and probe idle streams with keepalives.
 * ``transaction()`` needs an explicit ``failure=[]`` (callers pass it).
 * A watch that ends kills its thread with a NameError; see ``_etcd3_compat``.
+* Failover does not retry the failed call; callers retry (``broker/store.py``), and a
+  watch that must survive member loss uses :mod:`dxpool.store.watch`.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Final
 
 import etcd3
+import grpc
 
 from dxpool.errors import InvalidArgument
 from dxpool.store import _etcd3_compat  # noqa: F401 - patches a watch defect on import
 
 DEFAULT_TIMEOUT_S = 5.0
-DEFAULT_RETRY_AFTER_S = 0.5
+DEFAULT_RETRY_AFTER_S = 0.25
 # ASCII digits only: str.isdigit() also accepts '³', which int() then rejects.
 _PORT = re.compile(r"[0-9]{1,5}")
+
+MAX_RECONNECT_BACKOFF_MS: Final = 500
+# etcd refuses (GOAWAY "too_many_pings") clients that ping more often than its
+# --grpc-keepalive-min-time, 5 s by default; 6 s stays clear of it.
+KEEPALIVE_TIME_MS: Final = 6000
+KEEPALIVE_TIMEOUT_MS: Final = 2000
+
+CHANNEL_OPTIONS: Final[list[tuple[str, int]]] = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+]
+
+# etcd's rpctypes.MetadataRequireLeaderKey / MetadataHasLeader.
+REQUIRE_LEADER: Final[tuple[tuple[str, str], ...]] = (("hasleader", "true"),)
 
 
 @dataclass(frozen=True)
@@ -49,19 +79,49 @@ def parse_endpoints(value: str) -> list[EtcdAddress]:
     return addresses
 
 
+def addresses_of(
+    source: etcd3.MultiEndpointEtcd3Client | str | list[EtcdAddress],
+) -> list[EtcdAddress]:
+    """The endpoints of a client built by :func:`connect`, of an endpoint string, or a list."""
+    if isinstance(source, str):
+        return parse_endpoints(source)
+    if isinstance(source, list):
+        return list(source)
+    return parse_endpoints(",".join(source.endpoints))
+
+
+def channel(address: EtcdAddress) -> grpc.Channel:
+    """A plain gRPC channel to one member, with the reconnect and keepalive settings."""
+    return grpc.insecure_channel(str(address), options=CHANNEL_OPTIONS)
+
+
 def connect(
     endpoints: str | list[EtcdAddress],
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     retry_after_s: float = DEFAULT_RETRY_AFTER_S,
 ) -> etcd3.MultiEndpointEtcd3Client:
-    """Return a client over every endpoint, failing over between them."""
+    """Return a client over every endpoint, failing over between them.
+
+    Every call gives up after ``timeout_s``; a member that failed a call is skipped for
+    ``retry_after_s`` while others are tried.
+    """
     addresses = parse_endpoints(endpoints) if isinstance(endpoints, str) else endpoints
-    return etcd3.MultiEndpointEtcd3Client(
+    client = etcd3.MultiEndpointEtcd3Client(
         endpoints=[
-            etcd3.Endpoint(a.host, a.port, secure=False, time_retry=retry_after_s)
+            etcd3.Endpoint(
+                a.host,
+                a.port,
+                secure=False,
+                time_retry=retry_after_s,
+                # python3-etcd3 annotates a dict, but grpc wants (name, value) pairs.
+                opts=CHANNEL_OPTIONS,
+            )
             for a in addresses
         ],
         timeout=timeout_s,
         failover=True,
     )
+    # python3-etcd3 sends ``metadata`` with every call (it exists for auth tokens).
+    client.metadata = REQUIRE_LEADER
+    return client

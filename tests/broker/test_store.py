@@ -1,11 +1,17 @@
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+
 import pytest
 
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.store import MAX_TXN_OPS, Store, Txn
-from dxpool.errors import InvalidArgument
+from dxpool.errors import InvalidArgument, Unavailable
+from dxpool.store.client import connect
+from dxpool.store.embedded import EmbeddedEtcd, EtcdCluster
 from dxpool.store.keys import KeySchema
+from tests.conftest import wait_until
 
 
 def test_txn_over_etcd_limit_is_refused_before_sending() -> None:
@@ -32,3 +38,86 @@ def test_commit_compares_revisions(etcd_client, key_prefix: str) -> None:  # typ
     assert update.succeeded and update.revision > first.revision
     record = store.get(key)
     assert record is not None and record.value.name == "x"
+
+
+# -- etcd failures -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cluster_store(etcd_cluster: EtcdCluster, key_prefix: str) -> Iterator[Store]:
+    """A store over three members whose calls give up after 0.5 s."""
+    client = connect(etcd_cluster.endpoints, timeout_s=0.5)
+    store = Store(client, KeySchema(key_prefix))
+    store.get(store.keys.box("warm-up"))  # the client settles on one member
+    yield store
+    store.health.close()
+    client.close()
+
+
+def member_in_use(cluster: EtcdCluster, store: Store) -> EmbeddedEtcd:
+    """The member ``store`` talks to, made a follower so stopping it loses no leader."""
+    member = cluster.member(store.client.endpoint_in_use.netloc)
+    cluster.move_leader(next(m for m in cluster.members if m is not member))
+    return member
+
+
+def test_losing_the_member_in_use_costs_no_failed_call(
+    etcd_cluster: EtcdCluster, cluster_store: Store
+) -> None:
+    member_in_use(etcd_cluster, cluster_store).kill()
+    time.sleep(0.2)  # the client's connection to it has seen the reset
+    key = cluster_store.keys.box("b1")
+    result = cluster_store.commit(Txn().expect_absent(key).put(key, pb.Box(name="boxes/b1")))
+    assert result.succeeded
+    assert cluster_store.health.reachable
+
+
+def test_read_is_retried_on_the_next_member_but_an_unconfirmed_write_is_not(
+    etcd_cluster: EtcdCluster, cluster_store: Store
+) -> None:
+    key = cluster_store.keys.box("b1")
+    cluster_store.commit(Txn().put(key, pb.Box(name="boxes/b1")))
+    paused = member_in_use(etcd_cluster, cluster_store)
+    paused.pause()
+    started = time.monotonic()
+    record = cluster_store.get(key)  # times out on the paused member, then asks another
+    assert record is not None and record.value.name == "boxes/b1"
+    assert 0.5 <= time.monotonic() - started < 3.0
+    paused.resume()
+
+    paused = member_in_use(etcd_cluster, cluster_store)
+    paused.pause()
+    started = time.monotonic()
+    with pytest.raises(Unavailable) as raised:
+        cluster_store.commit(Txn().put(key, pb.Box(name="boxes/b1", gpu_count=2)))
+    # Sent, never answered: etcd may have applied it, so it is not sent again.
+    assert raised.value.reason == "ETCD_OUTCOME_UNKNOWN"
+    assert time.monotonic() - started < 0.9
+
+
+def test_every_failure_is_unavailable_and_fast_once_etcd_is_known_away(
+    private_etcd: EmbeddedEtcd, key_prefix: str
+) -> None:
+    client = connect(private_etcd.endpoint, timeout_s=1.0)
+    store = Store(client, KeySchema(key_prefix))
+    key = store.keys.box("b1")
+    try:
+        store.commit(Txn().put(key, pb.Box(name="boxes/b1")))
+        private_etcd.kill()
+        for call in (
+            lambda: store.get(key),
+            lambda: store.commit(Txn().put(key, pb.Box(name="x"))),
+            lambda: store.get(key),
+        ):
+            started = time.monotonic()
+            with pytest.raises(Unavailable) as raised:
+                call()
+            assert raised.value.reason == "ETCD_UNAVAILABLE"
+            assert time.monotonic() - started < 0.2
+        assert not store.health.reachable
+        private_etcd.start()
+        wait_until(lambda: store.health.reachable, timeout_s=3, message="probe sees etcd back")
+        assert store.get(key) is not None
+    finally:
+        store.health.close()
+        client.close()
