@@ -34,9 +34,9 @@ composes a node pinned to the host after the restart and counts until it is READ
 ``lease_lost_s``, ``fenced_s`` (no live node, no attaching/attached/detaching GPU, no
 box-side mapping left on the host) and ``reclaimed_s`` (every GPU the host held when it
 stopped is FREE or serves a node on another host), and raises ``FENCE_TIMEOUT`` when the
-host is not fenced within its lease TTL plus the fencing bound while its agent is stopped.
-Before stopping the agent it composes a node pinned to the host, so there is always
-something to fence.
+host is not fenced within the fencing bound after etcd dropped its lease, while its agent
+is stopped. Before stopping the agent it composes a node pinned to the host, so there is
+always something to fence.
 """
 
 from __future__ import annotations
@@ -102,10 +102,15 @@ class FaultRecord:
 
 @dataclass
 class FaultContext:
+    """What faults share with the run: the pool, the client log, the fencing bound, the
+    monitor's latest snapshot, and where to report violations found outside the
+    monitor's own checks."""
+
     pool: ChaosPool
     log: OpLog
     fence_bound_s: float
     latest: Callable[[], EtcdSnapshot | None]
+    report: Callable[[list[Violation]], None]
 
 
 class Fault(abc.ABC):
@@ -285,7 +290,15 @@ class AgentKill(Fault):
 
 class AgentPartition(Fault):
     """SIGSTOP an agent past its lease: the host is lost while its process (and its view
-    of the world) survives, then comes back as a possible zombie."""
+    of the world) survives, then comes back as a possible zombie.
+
+    A thread of its own polls the host's liveness key, so the fencing deadline counts
+    from the moment etcd really dropped the lease (etcd may keep a lease longer, e.g.
+    across a leader change), not from a guess. The fencing check runs once: on the first
+    monitor snapshot past the deadline, or else just before SIGCONT, the heal waiting
+    for the deadline if the lease went late. A lease etcd never dropped is noted, not
+    reported: the broker cannot know the host is gone.
+    """
 
     kind = "agent_partition"
 
@@ -293,7 +306,10 @@ class AgentPartition(Fault):
         super().__init__(ctx, rng)
         self.victim: str | None = None
         self.held: set[str] = set()
+        self.lease_lost_at: float | None = None
         self.fence_checked = False
+        self._fence_lock = threading.Lock()
+        self._resuming = threading.Event()
 
     def _pick_host(self) -> str:
         snap = self.ctx.latest()
@@ -305,6 +321,10 @@ class AgentPartition(Fault):
                     load[host] += 1
         most = max(load.values())
         return self.rng.choice(sorted(h for h, n in load.items() if n == most))
+
+    @property
+    def host(self) -> str:
+        return f"hosts/{self.agent.host}"
 
     def inject(self) -> None:
         ctx = self.ctx
@@ -318,13 +338,27 @@ class AgentPartition(Fault):
         snap = ctx.latest()
         self.record.injected_at = time.monotonic()
         self.agent.pause()
+        self._background(self._watch_lease, "lease")
         if snap is not None:
             self.held = {
                 name
                 for name, r in snap.gpus.items()
-                if r.value.host == f"hosts/{host}" and r.value.state in UNFENCED_GPU_STATES
+                if r.value.host == self.host and r.value.state in UNFENCED_GPU_STATES
             }
         self.held |= self._victim_gpus(snap)
+
+    def _watch_lease(self) -> None:
+        key = self.ctx.pool.schema.host_lease(self.agent.host)
+        with self.ctx.pool.etcd_client() as client:
+            while not self._resuming.wait(0.2):
+                try:
+                    present = client.get(key)[0] is not None
+                except Exception:
+                    continue  # etcd unreachable: unknown, ask again
+                if not present:
+                    self.lease_lost_at = time.monotonic()
+                    self.record.mark("lease_lost", self.lease_lost_at)
+                    return
 
     def _victim_gpus(self, snap: EtcdSnapshot | None) -> set[str]:
         if snap is None or self.victim is None:
@@ -332,10 +366,54 @@ class AgentPartition(Fault):
         node = snap.node(self.victim)
         return {b.gpu for b in node.gpus} if node is not None else set()
 
+    def _deadline(self) -> float | None:
+        lost = self.lease_lost_at
+        return None if lost is None else lost + self.ctx.fence_bound_s
+
     def heal(self) -> None:
+        deadline = self._deadline()
+        if deadline is None:
+            self.record.notes.append(
+                f"etcd kept the host's lease for the whole stop "
+                f"({time.monotonic() - self.record.injected_at:.1f}s); fencing not checked"
+            )
+        else:
+            time.sleep(max(0.0, deadline + 0.5 - time.monotonic()))
+            self._check_fence_now()
+        self._resuming.set()
         self.agent.resume()
         self.record.healed_at = time.monotonic()
         self._background(self._after_heal, "after-heal")
+
+    def _claim_fence_check(self) -> bool:
+        """True for the one caller that gets to run the fencing check."""
+        with self._fence_lock:
+            if self.fence_checked:
+                return False
+            self.fence_checked = True
+            return True
+
+    def _check_fence_now(self) -> None:
+        """The fencing check on a fresh read, for when no monitor snapshot came after the
+        deadline (a slow read while etcd elected a leader)."""
+        if not self._claim_fence_check():
+            return
+        assert self.ctx.pool.fabric is not None
+        try:
+            with self.ctx.pool.etcd_client() as client:
+                snap = EtcdSnapshot.read(client, self.ctx.pool.schema)
+            fabric = FabricSnapshot.read(self.ctx.pool.fabric)
+        except Exception as error:
+            self.record.notes.append(f"fencing not checked: etcd unreadable ({error!r})")
+            return
+        if fabric is None:
+            self.record.notes.append("fencing not checked: the fabric kept changing")
+            return
+        self.ctx.report(self._fence_violations(snap, fabric))
+
+    def _fence_violations(self, snap: EtcdSnapshot, fabric: FabricSnapshot) -> list[Violation]:
+        lost = self.lease_lost_at or snap.taken_at
+        return check_fenced(snap, fabric, self.host, snap.taken_at - lost)
 
     def _after_heal(self) -> None:
         if self.victim is not None:
@@ -350,16 +428,14 @@ class AgentPartition(Fault):
         self, snap: EtcdSnapshot, fabric: FabricSnapshot | None, now: float
     ) -> list[Violation]:
         record = self.record
-        host = f"hosts/{self.agent.host}"
         if not record.injected_at or snap.taken_at < record.injected_at:
             return []
         self.held |= self._victim_gpus(snap)
-        if host not in snap.leases:
-            # Fenced counts only while the host is lost: once its agent is back, its
-            # GPUs may legitimately be attached to it again.
-            record.mark("lease_lost", snap.taken_at)
-            if fabric is not None and not check_fenced(snap, fabric, host, 0.0):
-                record.mark("fenced", snap.taken_at)
+        # Fenced counts only while the host is lost: once its agent is back, its GPUs may
+        # legitimately be attached to it again.
+        lost = self.host not in snap.leases and not self._resuming.is_set()
+        if lost and fabric is not None and not check_fenced(snap, fabric, self.host, 0.0):
+            record.mark("fenced", snap.taken_at)
         if self.held and self._reclaimed(snap):
             record.mark("reclaimed", snap.taken_at)
         if "reclaimed" in record.marks and "host_back" in record.marks:
@@ -368,27 +444,25 @@ class AgentPartition(Fault):
             )
         elif not self.held and "host_back" in record.marks:
             record.recovered_at = record.injected_at + record.marks["host_back"]
-        deadline = record.injected_at + self.ctx.pool.config.lease_ttl_s + self.ctx.fence_bound_s
+        deadline = self._deadline()
         if (
-            not self.fence_checked
-            and fabric is not None
+            fabric is not None
+            and deadline is not None
             and snap.taken_at >= deadline
-            and record.healed_at is None
-            and self.agent.paused
+            and not self._resuming.is_set()
+            and self._claim_fence_check()
         ):
-            self.fence_checked = True
-            return check_fenced(snap, fabric, host, snap.taken_at - record.injected_at)
+            return self._fence_violations(snap, fabric)
         return []
 
     def _reclaimed(self, snap: EtcdSnapshot) -> bool:
-        host = f"hosts/{self.agent.host}"
         for name in self.held:
             gpu = snap.gpu(name)
             if gpu is None:
                 continue
             if gpu.state == pb.GPU_STATE_FREE:
                 continue
-            if gpu.host != host and gpu.state in UNFENCED_GPU_STATES:
+            if gpu.host != self.host and gpu.state in UNFENCED_GPU_STATES:
                 continue
             return False
         return True

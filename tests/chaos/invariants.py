@@ -80,9 +80,9 @@ Liveness, once faults have stopped and the pool has had time to settle:
 * :func:`check_drained` — after every node was released: ``NODE_NOT_RELEASED``,
   ``GPU_NOT_FREE`` (FREE, or QUARANTINED with a reason, only), ``MAPPING_LEFT``,
   ``ALLOCATION_LEFT``, ``STATUS_LEFT``.
-* :func:`check_fenced` — ``FENCE_TIMEOUT``: a host whose agent has been gone longer than
-  its lease plus the fencing bound still has live nodes, GPUs ATTACHING/ATTACHED/
-  DETACHING on it, or box-side mappings to it.
+* :func:`check_fenced` — ``FENCE_TIMEOUT``: a host whose lease etcd dropped longer ago
+  than the fencing bound, while its agent is still gone, has live nodes, GPUs
+  ATTACHING/ATTACHED/DETACHING on it, or box-side mappings to it.
 """
 
 from __future__ import annotations
@@ -910,10 +910,10 @@ def check_drained(snap: EtcdSnapshot, fabric: FabricSnapshot | None) -> list[Vio
 def check_fenced(
     snap: EtcdSnapshot, fabric: FabricSnapshot | None, host: str, lost_for_s: float
 ) -> list[Violation]:
-    """``host`` (``hosts/{id}``) lost its agent ``lost_for_s`` seconds ago, longer than
-    its lease and the fencing bound: its nodes must no longer be live, its GPUs no longer
-    attaching, attached or detaching on it, and the box side must map nothing to it
-    (QUARANTINED GPUs excepted)."""
+    """etcd dropped the lease of ``host`` (``hosts/{id}``) ``lost_for_s`` seconds ago,
+    longer than the fencing bound, and its agent is still gone: its nodes must no longer
+    be live, its GPUs no longer attaching, attached or detaching on it, and the box side
+    must map nothing to it (QUARANTINED GPUs excepted)."""
     problems: list[str] = []
     live = [
         f"{name} ({_node_state(r.value.state)})"
@@ -945,7 +945,7 @@ def check_fenced(
         Violation(
             Kind.FENCE_TIMEOUT,
             host,
-            f"agent gone for {lost_for_s:.1f}s: " + "; ".join(problems),
+            f"lease gone for {lost_for_s:.1f}s, agent still stopped: " + "; ".join(problems),
             snap.revision,
         )
     ]

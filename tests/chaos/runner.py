@@ -152,7 +152,13 @@ class ChaosRun:
         end = time.monotonic() + cfg.seconds
         assert self.monitor is not None
         monitor = self.monitor
-        context = FaultContext(self.pool, self.log, cfg.fence_bound_s, lambda: monitor.latest)
+        context = FaultContext(
+            self.pool,
+            self.log,
+            cfg.fence_bound_s,
+            lambda: monitor.latest,
+            lambda found: self.book.add(found, monitor.phase, self._now()),
+        )
         while time.monotonic() < end:
             kind = schedule.next()
             fault = FAULTS[kind](context, random.Random(self.rng.getrandbits(64)))
