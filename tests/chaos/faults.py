@@ -336,8 +336,9 @@ class AgentPartition(Fault):
         if self.victim is None:
             self.record.notes.append("could not place a READY node on the host before the stop")
         snap = ctx.latest()
-        self.record.injected_at = time.monotonic()
-        self.agent.pause()
+        with ctx.pool.fabric_quiet():
+            self.record.injected_at = time.monotonic()
+            self.agent.pause()
         self._background(self._watch_lease, "lease")
         if snap is not None:
             self.held = {

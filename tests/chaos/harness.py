@@ -17,6 +17,7 @@ Extra broker arguments can also come from ``$DXPOOL_CHAOS_BROKER_ARGS`` (shell w
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import os
 import shlex
@@ -33,7 +34,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dxpool.client import Client
-from dxpool.fabric.sim import SimFabric, SimGpuSpec
+from dxpool.fabric.sim import LOCK_FILE, SimFabric, SimGpuSpec
 from dxpool.store.client import connect
 from dxpool.store.embedded import free_ports
 from dxpool.store.keys import KeySchema
@@ -338,6 +339,22 @@ class ChaosPool:
             "WARNING",
         ]
         return Agent(f"agent-{host}", args, self.root / f"agent-{host}.log", host)
+
+    @contextlib.contextmanager
+    def fabric_quiet(self) -> Iterator[None]:
+        """Hold the simulated fabric's exclusive lock for the block.
+
+        Pause an agent inside it: a process stopped while it holds the lock would freeze
+        the whole simulated fabric (every host and the checker), which a frozen host
+        cannot do to real proxies. A process stopped while waiting for the lock does not
+        take it when it is released (it has to run to take it).
+        """
+        fd = os.open(self.fabric_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
 
     def agent(self, host: str) -> Agent:
         return next(a for a in self.agents if a.host == host)
