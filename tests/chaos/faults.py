@@ -33,7 +33,7 @@ composes a node pinned to the host after the restart and counts until it is READ
 ``stalled_watch`` also reports ``watch_after_heal_s``. ``agent_partition`` also reports
 ``lease_lost_s``, ``fenced_s`` (no live node, no attaching/attached/detaching GPU, no
 box-side mapping left on the host) and ``reclaimed_s`` (every GPU the host held when it
-stopped is FREE or serves a node on another host), and raises ``FENCE_TIMEOUT`` when the
+stopped is FREE or was given to a node again), and raises ``FENCE_TIMEOUT`` when the
 host is not fenced within the fencing bound after etcd dropped its lease, while its agent
 is stopped. Before stopping the agent it composes a node pinned to the host, so there is
 always something to fence.
@@ -305,7 +305,8 @@ class AgentPartition(Fault):
     def __init__(self, ctx: FaultContext, rng: random.Random) -> None:
         super().__init__(ctx, rng)
         self.victim: str | None = None
-        self.held: set[str] = set()
+        # GPUs on the host when it stopped -> their generation then.
+        self.held: dict[str, int] = {}
         self.lease_lost_at: float | None = None
         self.fence_checked = False
         self._fence_lock = threading.Lock()
@@ -341,12 +342,15 @@ class AgentPartition(Fault):
             self.agent.pause()
         self._background(self._watch_lease, "lease")
         if snap is not None:
-            self.held = {
-                name
-                for name, r in snap.gpus.items()
-                if r.value.host == self.host and r.value.state in UNFENCED_GPU_STATES
-            }
-        self.held |= self._victim_gpus(snap)
+            self._hold(
+                snap,
+                {
+                    name
+                    for name, r in snap.gpus.items()
+                    if r.value.host == self.host and r.value.state in UNFENCED_GPU_STATES
+                },
+            )
+            self._hold(snap, self._victim_gpus(snap))
 
     def _watch_lease(self) -> None:
         key = self.ctx.pool.schema.host_lease(self.agent.host)
@@ -360,6 +364,12 @@ class AgentPartition(Fault):
                     self.lease_lost_at = time.monotonic()
                     self.record.mark("lease_lost", self.lease_lost_at)
                     return
+
+    def _hold(self, snap: EtcdSnapshot, names: set[str]) -> None:
+        for name in names - self.held.keys():
+            gpu = snap.gpu(name)
+            if gpu is not None:
+                self.held[name] = gpu.generation
 
     def _victim_gpus(self, snap: EtcdSnapshot | None) -> set[str]:
         if snap is None or self.victim is None:
@@ -431,7 +441,7 @@ class AgentPartition(Fault):
         record = self.record
         if not record.injected_at or snap.taken_at < record.injected_at:
             return []
-        self.held |= self._victim_gpus(snap)
+        self._hold(snap, self._victim_gpus(snap))
         # Fenced counts only while the host is lost: once its agent is back, its GPUs may
         # legitimately be attached to it again.
         lost = self.host not in snap.leases and not self._resuming.is_set()
@@ -457,13 +467,11 @@ class AgentPartition(Fault):
         return []
 
     def _reclaimed(self, snap: EtcdSnapshot) -> bool:
-        for name in self.held:
+        """Every held GPU is FREE, or was given out again since (a new generation, on
+        any host: it went through FREE in between)."""
+        for name, generation in self.held.items():
             gpu = snap.gpu(name)
-            if gpu is None:
-                continue
-            if gpu.state == pb.GPU_STATE_FREE:
-                continue
-            if gpu.host != self.host and gpu.state in UNFENCED_GPU_STATES:
+            if gpu is None or gpu.state == pb.GPU_STATE_FREE or gpu.generation > generation:
                 continue
             return False
         return True
