@@ -1,0 +1,393 @@
+"""A pool of real processes for chaos runs: etcd, brokers and host agents on a sim fabric.
+
+:class:`ChaosPool` starts an etcd cluster (:mod:`tests.chaos.etcd_cluster`), creates a
+simulated fabric (``SimFabric.create``), starts ``broker_count`` brokers
+(``python -m dxpool.broker``, the process ``dxpool broker`` runs), registers the boxes
+through the broker API (``dxpool.client.Client.create_box``) and starts one host agent
+per host (``python -m dxpool.hostagent --driver sim``), all on loopback with short lease
+TTLs. Every process is a :class:`ManagedProcess`, which faults kill, pause and restart.
+
+Brokers learn nothing about the fabric from the command line today. When a broker grows
+an option to reach the fabric (for box-side fencing), the pool passes it: it looks for
+``--sim-state`` in ``python -m dxpool.broker --help`` and, if present, passes the
+fabric's state directory (with ``--fabric-driver sim`` when that option exists too).
+Extra broker arguments can also come from ``$DXPOOL_CHAOS_BROKER_ARGS`` (shell words).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from dxpool.client import Client
+from dxpool.fabric.sim import LOCK_FILE, SimFabric, SimGpuSpec
+from dxpool.store.client import connect
+from dxpool.store.embedded import free_ports
+from dxpool.store.keys import KeySchema
+from tests.chaos.etcd_cluster import EtcdCluster, die_with_parent
+
+GPU_MODEL = "H100"
+GPU_MEMORY_MIB = 81920
+LOG_TAIL_BYTES = 4000
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """Shape and timing of the pool. Defaults keep CPU use modest on two cores."""
+
+    boxes: int = 2
+    gpus_per_box: int = 8
+    hosts: int = 4
+    slots_per_host: int = 8
+    brokers: int = 2
+    etcd_members: int = 1
+    lease_ttl_s: float = 2.0
+    attach_timeout_s: float = 8.0
+    map_delay_s: float = 0.05
+    resync_interval_s: float = 2.0
+    prefix: str = "/dxpool-chaos/"
+
+    @property
+    def total_gpus(self) -> int:
+        return self.boxes * self.gpus_per_box
+
+
+class ManagedProcess:
+    """A child process that can be SIGKILLed, SIGSTOPped, resumed and started again with
+    the same command line. Output goes to ``log_path`` (appended across restarts).
+
+    The child gets SIGKILL when the thread that started it ends (see
+    :func:`~tests.chaos.etcd_cluster.die_with_parent`).
+
+    ``down`` is True from :meth:`kill` or :meth:`pause` until :meth:`start` or
+    :meth:`resume`: a process that is not running while not ``down`` has died by itself.
+    """
+
+    def __init__(self, name: str, args: list[str], log_path: Path) -> None:
+        self.name = name
+        self.args = args
+        self.log_path = log_path
+        self.process: subprocess.Popen[bytes] | None = None
+        self.down = False
+        self.paused = False
+        self.starts = 0
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log:
+            log.write(f"--- start {self.starts + 1}: {shlex.join(self.args)}\n".encode())
+            log.flush()
+            self.process = subprocess.Popen(
+                [*die_with_parent(), *self.args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                start_new_session=True,
+            )
+        self.starts += 1
+        self.down = False
+        self.paused = False
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.process.poll() if self.process is not None else None
+
+    def kill(self) -> None:
+        """SIGKILL and reap (a paused process dies too)."""
+        self.down = True
+        self.paused = False
+        if self.running:
+            assert self.process is not None
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(10)
+
+    def pause(self) -> None:
+        """SIGSTOP: the process keeps its sockets and leases but does nothing."""
+        if self.running:
+            assert self.process is not None
+            self.process.send_signal(signal.SIGSTOP)
+            self.paused = True
+            self.down = True
+
+    def resume(self) -> None:
+        if self.running and self.paused:
+            assert self.process is not None
+            self.process.send_signal(signal.SIGCONT)
+        self.paused = False
+        self.down = False
+
+    def terminate(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM (after SIGCONT), then SIGKILL."""
+        self.down = True
+        if not self.running:
+            return
+        assert self.process is not None
+        with contextlib.suppress(ProcessLookupError):
+            self.process.send_signal(signal.SIGCONT)
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def log_tail(self, size: int = LOG_TAIL_BYTES) -> str:
+        try:
+            data = self.log_path.read_bytes()
+        except FileNotFoundError:
+            return ""
+        return data[-size:].decode(errors="replace")
+
+
+class Broker(ManagedProcess):
+    """One ``python -m dxpool.broker`` on a fixed loopback port."""
+
+    def __init__(self, name: str, args: list[str], log_path: Path, port: int) -> None:
+        super().__init__(name, args, log_path)
+        self.port = port
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def wait_serving(self, timeout_s: float = 30.0) -> None:
+        """Wait until gRPC health says SERVING; RuntimeError if the process exits."""
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.endpoint) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if not self.running:
+                    raise RuntimeError(f"broker {self.name} exited:\n{self.log_tail()}")
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.1)
+        raise RuntimeError(f"broker {self.name} not serving after {timeout_s}s")
+
+
+class Agent(ManagedProcess):
+    """One ``python -m dxpool.hostagent`` for host ``host`` (an id, not ``hosts/...``)."""
+
+    def __init__(self, name: str, args: list[str], log_path: Path, host: str) -> None:
+        super().__init__(name, args, log_path)
+        self.host = host
+
+
+@functools.cache
+def _broker_help() -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", "dxpool.broker", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    return result.stdout
+
+
+def broker_fabric_args(state_dir: Path) -> list[str]:
+    """Arguments that give a broker the fabric, if its command line takes them (see the
+    module docstring), plus ``$DXPOOL_CHAOS_BROKER_ARGS``."""
+    args: list[str] = []
+    help_text = _broker_help()
+    if "--fabric-driver" in help_text:
+        args += ["--fabric-driver", "sim"]
+    if "--sim-state" in help_text:
+        args += ["--sim-state", str(state_dir)]
+    return args + shlex.split(os.environ.get("DXPOOL_CHAOS_BROKER_ARGS", ""))
+
+
+class ChaosPool:
+    """The processes and the fabric of one chaos run, under ``root``."""
+
+    def __init__(self, root: Path, config: PoolConfig) -> None:
+        self.root = root
+        self.config = config
+        self.schema = KeySchema(config.prefix)
+        self.etcd = EtcdCluster(root / "etcd", config.etcd_members)
+        self.fabric_dir = root / "fabric"
+        self.fabric: SimFabric | None = None
+        self.brokers: list[Broker] = []
+        self.agents: list[Agent] = []
+
+    @property
+    def box_ids(self) -> list[str]:
+        return [f"box{i}" for i in range(self.config.boxes)]
+
+    @property
+    def host_ids(self) -> list[str]:
+        return [f"h{i}" for i in range(self.config.hosts)]
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [broker.endpoint for broker in self.brokers]
+
+    def processes(self) -> list[ManagedProcess]:
+        return [*self.brokers, *self.agents]
+
+    def start(self) -> ChaosPool:
+        cfg = self.config
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.etcd.start()
+        spec = SimGpuSpec(GPU_MODEL, GPU_MEMORY_MIB)
+        self.fabric = SimFabric.create(
+            self.fabric_dir,
+            boxes={box: [spec] * cfg.gpus_per_box for box in self.box_ids},
+            hosts={host: cfg.slots_per_host for host in self.host_ids},
+        )
+        ports = free_ports(cfg.brokers)
+        for index, port in enumerate(ports):
+            self.brokers.append(self._broker(index, port))
+        for broker in self.brokers:
+            broker.start()
+        for broker in self.brokers:
+            broker.wait_serving()
+        with Client(self.brokers[0].endpoint, timeout_s=10) as client:
+            for index, box in enumerate(self.box_ids):
+                client.create_box(
+                    box,
+                    gpus=cfg.gpus_per_box,
+                    model=GPU_MODEL,
+                    memory_mib=GPU_MEMORY_MIB,
+                    location=("s1", "p1", f"r{index % 2}"),
+                )
+        for index, host in enumerate(self.host_ids):
+            agent = self._agent(host, rack=f"r{index % 2}")
+            self.agents.append(agent)
+            agent.start()
+        self.wait_hosts_alive(self.host_ids)
+        return self
+
+    def _broker(self, index: int, port: int) -> Broker:
+        args = [
+            sys.executable,
+            "-m",
+            "dxpool.broker",
+            "--etcd",
+            self.etcd.endpoints,
+            "--prefix",
+            self.config.prefix,
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--attach-timeout",
+            str(self.config.attach_timeout_s),
+            "--log-level",
+            "WARNING",
+            *broker_fabric_args(self.fabric_dir),
+        ]
+        return Broker(f"broker{index}", args, self.root / f"broker{index}.log", port)
+
+    def _agent(self, host: str, rack: str) -> Agent:
+        cfg = self.config
+        args = [
+            sys.executable,
+            "-m",
+            "dxpool.hostagent",
+            "--host",
+            host,
+            "--etcd",
+            self.etcd.endpoints,
+            "--prefix",
+            cfg.prefix,
+            "--driver",
+            "sim",
+            "--sim-state",
+            str(self.fabric_dir),
+            "--slots",
+            str(cfg.slots_per_host),
+            "--site",
+            "s1",
+            "--pod",
+            "p1",
+            "--rack",
+            rack,
+            "--lease-ttl",
+            str(cfg.lease_ttl_s),
+            "--map-delay",
+            str(cfg.map_delay_s),
+            "--resync-interval",
+            str(cfg.resync_interval_s),
+            "--backoff-max",
+            "2",
+            "--startup-timeout",
+            "600",
+            "--log-level",
+            "WARNING",
+        ]
+        return Agent(f"agent-{host}", args, self.root / f"agent-{host}.log", host)
+
+    @contextlib.contextmanager
+    def fabric_quiet(self) -> Iterator[None]:
+        """Hold the simulated fabric's exclusive lock for the block.
+
+        Pause an agent inside it: a process stopped while it holds the lock would freeze
+        the whole simulated fabric (every host and the checker), which a frozen host
+        cannot do to real proxies. A process stopped while waiting for the lock does not
+        take it when it is released (it has to run to take it).
+        """
+        fd = os.open(self.fabric_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def agent(self, host: str) -> Agent:
+        return next(a for a in self.agents if a.host == host)
+
+    @contextlib.contextmanager
+    def etcd_client(self) -> Iterator[Any]:
+        client = connect(self.etcd.endpoints, timeout_s=3.0, retry_after_s=0.2)
+        try:
+            yield client
+        finally:
+            client.close()
+
+    def wait_hosts_alive(self, hosts: list[str], timeout_s: float = 60.0) -> None:
+        """Wait until every host in ``hosts`` holds its liveness lease."""
+        deadline = time.monotonic() + timeout_s
+        with self.etcd_client() as client:
+            while time.monotonic() < deadline:
+                try:
+                    alive = [
+                        h for h in hosts if client.get(self.schema.host_lease(h))[0] is not None
+                    ]
+                except Exception:
+                    alive = []
+                if len(alive) == len(hosts):
+                    return
+                time.sleep(0.2)
+        raise RuntimeError(f"hosts {hosts} did not all register within {timeout_s}s")
+
+    def stop(self) -> None:
+        """Stop every process, agents first, then brokers, then etcd."""
+        for process in [*self.agents, *self.brokers]:
+            process.terminate()
+        self.etcd.stop()
+
+
+__all__ = ["Agent", "Broker", "ChaosPool", "ManagedProcess", "PoolConfig"]
