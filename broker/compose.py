@@ -28,7 +28,7 @@ from dxpool.broker.locks import KeyedLocks
 from dxpool.broker.placement import PlacementRequest, PlacementResult, place
 from dxpool.broker.placement_index import PlacementIndex
 from dxpool.broker.records import copy, timestamp
-from dxpool.broker.stm import TxnView, transact
+from dxpool.broker.stm import TxnView, read_through, transact
 from dxpool.broker.store import Store, Txn, Versioned
 from dxpool.broker.transitions import gpu_id, let_go
 from dxpool.broker.validation import check_node_spec
@@ -126,6 +126,11 @@ class Composer:
             reason="COMMIT_CONFLICT",
         )
 
+    def lookup(self, collection: str, name: str) -> Versioned[Any] | None:
+        """A record from the cache, or from etcd when the cache lacks it (see
+        :func:`~dxpool.broker.stm.read_through`): None means it does not exist."""
+        return read_through(self._store, self._cache, collection, name)
+
     def plan(self, request: nodes_pb2.ComposeNodeRequest) -> nodes_pb2.NodePlan:
         """Where ``compose`` would put the node now, and why; commits nothing."""
         placement_request = self._check(request)
@@ -174,9 +179,13 @@ class Composer:
         if record is None:
             return None
         name = bytes(record.value).decode()
-        node = self._cache.get(k.NODES, parse_node(name)) or self._store.get(
-            self._store.keys.node(parse_node(name))
-        )
+        if not name.startswith("nodes/"):
+            raise AlreadyExists(
+                f"request_id {request_id!r} was already used for {name}; "
+                "use a new request_id for a new node",
+                reason="REQUEST_ID_REUSED",
+            )
+        node = self.lookup(k.NODES, parse_node(name))
         if node is None:
             raise FailedPrecondition(
                 f"request_id {request_id!r} was used for {name}, which no longer exists; "

@@ -29,7 +29,7 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
     ) -> None:
         self._composer = composer
         self._cache = cache
-        self.feed = NodeFeed(cache, watch)
+        self.feed = NodeFeed(cache, watch, lookup=composer.lookup)
 
     def close(self) -> None:
         """End every watch (UNAVAILABLE, so clients re-watch); returns at once."""
@@ -51,7 +51,7 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
     def GetNode(
         self, request: nodes_pb2.GetNodeRequest, context: grpc.ServicerContext
     ) -> pb.VirtualNode:
-        record = self._cache.get(k.NODES, parse_node(request.name))
+        record = self._composer.lookup(k.NODES, parse_node(request.name))
         if record is None:
             raise NotFound(
                 f"node {request.name} does not exist; list nodes with `dxpool node list`",

@@ -41,7 +41,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,8 +149,17 @@ class _Watcher:
 class NodeFeed:
     """Serves WatchNodes streams from the cache; ``close`` ends them all."""
 
-    def __init__(self, cache: Cache, settings: WatchSettings | None = None) -> None:
+    def __init__(
+        self,
+        cache: Cache,
+        settings: WatchSettings | None = None,
+        *,
+        lookup: Callable[[str, str], Versioned[Any] | None] | None = None,
+    ) -> None:
+        """``lookup(collection, id)`` decides whether a watched node exists (default: the
+        cache); the broker passes one that confirms a cache miss with etcd."""
         self._cache = cache
+        self._lookup = lookup or cache.get
         self.settings = settings or WatchSettings()
         self._lock = threading.Lock()
         self._seq = 0
@@ -341,7 +350,7 @@ class NodeFeed:
             raise _CallOverError()
 
     def _require(self, name: str) -> None:
-        if self._cache.get(k.NODES, name) is None:
+        if self._lookup(k.NODES, name) is None:
             raise NotFound(
                 f"node nodes/{name} does not exist; list nodes with `dxpool node list`",
                 reason="NODE_NOT_FOUND",

@@ -10,6 +10,13 @@ can never be based on a stale read, and no caller writes a retry loop of its own
 
 The function must be free of side effects other than the view's writes: it may run
 several times.
+
+A record missing from the cache is not yet proof that it does not exist: another broker
+may have just created it and this broker's watch may lag (after an etcd outage, by
+seconds). So when the function raises :class:`~dxpool.errors.NotFound`, the records it
+found absent are read from etcd; if any exists after all, the cache takes it and the
+function runs again. :func:`read_through` does the same for plain lookups. A client that
+composed on one broker and then asks another never gets NOT_FOUND for its node.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from google.protobuf.message import Message
 
 from dxpool.broker.cache import Cache
 from dxpool.broker.store import Store, Txn, Versioned
-from dxpool.errors import Aborted
+from dxpool.errors import Aborted, NotFound
 
 T = TypeVar("T")
 
@@ -69,6 +76,11 @@ class TxnView:
     def has_writes(self) -> bool:
         return bool(self._writes)
 
+    @property
+    def absent_keys(self) -> list[str]:
+        """The keys this view read as absent."""
+        return [key for key, revision in self._reads.items() if revision == 0]
+
     def build(self) -> tuple[Txn, set[str]]:
         """The transaction, and the keys it creates."""
         txn = Txn()
@@ -102,7 +114,12 @@ def transact(
     """
     for attempt in range(attempts):
         view = TxnView(store, cache)
-        result = body(view)
+        try:
+            result = body(view)
+        except NotFound:
+            if _found_after_all(store, cache, view.absent_keys):
+                continue
+            raise
         if not view.has_writes:
             return result
         txn, created = view.build()
@@ -121,4 +138,28 @@ def transact(
     )
 
 
-__all__ = ["TxnView", "transact"]
+def read_through(store: Store, cache: Cache, collection: str, name: str) -> Versioned[Any] | None:
+    """The record from the cache or, when the cache lacks it, from etcd (a linearizable
+    read, whose result the cache takes). None only when etcd has no such record either.
+    Raises :class:`~dxpool.errors.Unavailable` when etcd cannot confirm a miss."""
+    record = cache.get(collection, name)
+    if record is not None:
+        return record
+    key = store.keys.key(collection, name)
+    _found_after_all(store, cache, [key])
+    return cache.get(collection, name)
+
+
+def _found_after_all(store: Store, cache: Cache, keys: list[str]) -> bool:
+    """Read ``keys`` (absent from the cache) from etcd; the cache takes those that exist.
+    Whether any did."""
+    if not keys:
+        return False
+    found = store.read(keys)
+    revision = cache.revision
+    for key, record in found.items():
+        cache.apply_read(key, record, revision)
+    return bool(found)
+
+
+__all__ = ["TxnView", "read_through", "transact"]

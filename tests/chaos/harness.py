@@ -7,18 +7,15 @@ through the broker API (``dxpool.client.Client.create_box``) and starts one host
 per host (``python -m dxpool.hostagent --driver sim``), all on loopback with short lease
 TTLs. Every process is a :class:`ManagedProcess`, which faults kill, pause and restart.
 
-Brokers learn nothing about the fabric from the command line today. When a broker grows
-an option to reach the fabric (for box-side fencing), the pool passes it: it looks for
-``--sim-state`` in ``python -m dxpool.broker --help`` and, if present, passes the
-fabric's state directory (with ``--fabric-driver sim`` when that option exists too).
-Extra broker arguments can also come from ``$DXPOOL_CHAOS_BROKER_ARGS`` (shell words).
+Brokers get the box side of the fabric (``--fabric sim:DIR``), which their leader uses
+to fence the GPUs of lost hosts. Extra broker arguments can come from
+``$DXPOOL_CHAOS_BROKER_ARGS`` (shell words).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
 import os
 import shlex
 import signal
@@ -197,28 +194,14 @@ class Agent(ManagedProcess):
         self.host = host
 
 
-@functools.cache
-def _broker_help() -> str:
-    result = subprocess.run(
-        [sys.executable, "-m", "dxpool.broker", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    return result.stdout
-
-
 def broker_fabric_args(state_dir: Path) -> list[str]:
-    """Arguments that give a broker the fabric, if its command line takes them (see the
-    module docstring), plus ``$DXPOOL_CHAOS_BROKER_ARGS``."""
-    args: list[str] = []
-    help_text = _broker_help()
-    if "--fabric-driver" in help_text:
-        args += ["--fabric-driver", "sim"]
-    if "--sim-state" in help_text:
-        args += ["--sim-state", str(state_dir)]
-    return args + shlex.split(os.environ.get("DXPOOL_CHAOS_BROKER_ARGS", ""))
+    """Arguments that give a broker the fabric's box side, plus
+    ``$DXPOOL_CHAOS_BROKER_ARGS``."""
+    return [
+        "--fabric",
+        f"sim:{state_dir}",
+        *shlex.split(os.environ.get("DXPOOL_CHAOS_BROKER_ARGS", "")),
+    ]
 
 
 class ChaosPool:
@@ -335,6 +318,9 @@ class ChaosPool:
             "2",
             "--startup-timeout",
             "600",
+            # A killed and restarted agent adopts its live lease, as in production.
+            "--state-dir",
+            str(self.root / f"agent-{host}-state"),
             "--log-level",
             "WARNING",
         ]

@@ -108,6 +108,24 @@ def test_a_request_id_of_a_node_is_not_taken_by_a_box(stubs: Stubs, sim_pool: An
     assert "nodes/" in error.value.details()
 
 
+def test_a_request_id_of_a_box_is_not_taken_by_a_node(
+    stubs: Stubs, etcd_client: Any, key_prefix: str
+) -> None:
+    """It used to be INVALID_ARGUMENT about a node name the caller never gave."""
+    stubs.inventory.CreateBox(create())
+    before = dump(etcd_client, key_prefix)
+    with pytest.raises(grpc.RpcError) as error:
+        stubs.nodes.ComposeNode(
+            nodes_pb2.ComposeNodeRequest(
+                spec=pb.NodeSpec(gpus=pb.GpuRequest(model="H100", count=1)), request_id="r1"
+            )
+        )
+    assert error.value.code() == ALREADY_EXISTS
+    assert reason(error.value) == "REQUEST_ID_REUSED"
+    assert "boxes/box1" in error.value.details() and "new request_id" in error.value.details()
+    assert dump(etcd_client, key_prefix) == before
+
+
 def test_delete_removes_the_request_key_in_the_same_transaction(
     stubs: Stubs, etcd_client: Any, key_prefix: str
 ) -> None:

@@ -1,0 +1,81 @@
+"""A broker whose cache has not yet seen a record never answers NOT_FOUND for it.
+
+The interleaving is forced: the broker's cache watch is stopped (as when its etcd member
+was lost and the watch has not resumed yet), then a node is written into etcd as another
+broker's compose would write it. Every lookup of that node must find it in etcd.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import grpc
+import pytest
+
+from dxpool.api.v1 import nodes_pb2, nodes_pb2_grpc
+from dxpool.api.v1 import resources_pb2 as pb
+from dxpool.broker.server import BrokerServer
+from dxpool.store import keys as k
+from tests.streaming import node, write_nodes
+
+
+@pytest.fixture
+def lagging_broker(broker_factory: Callable[..., BrokerServer]) -> BrokerServer:
+    """A broker whose cache stopped following etcd (its reads stay within the staleness
+    limit for the test)."""
+    broker = broker_factory(max_staleness_s=120.0)
+    broker.cache.stop()
+    return broker
+
+
+def test_get_node_finds_a_node_the_cache_has_not_seen(
+    lagging_broker: BrokerServer,
+    etcd_client,
+    key_prefix: str,  # type: ignore[no-untyped-def]
+) -> None:
+    write_nodes(etcd_client, key_prefix, [node("elsewhere")])
+    assert lagging_broker.cache.get(k.NODES, "elsewhere") is None
+
+    with grpc.insecure_channel(lagging_broker.endpoint) as channel:
+        stub = nodes_pb2_grpc.NodeServiceStub(channel)
+        found = stub.GetNode(nodes_pb2.GetNodeRequest(name="nodes/elsewhere"), timeout=5)
+        assert (found.name, found.state) == ("nodes/elsewhere", pb.NODE_STATE_READY)
+        # The cache took what etcd returned.
+        assert lagging_broker.cache.get(k.NODES, "elsewhere") is not None
+
+        with pytest.raises(grpc.RpcError) as missing:
+            stub.GetNode(nodes_pb2.GetNodeRequest(name="nodes/nowhere"), timeout=5)
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
+
+
+def test_release_of_a_node_the_cache_has_not_seen_goes_through(
+    lagging_broker: BrokerServer,
+    etcd_client,
+    key_prefix: str,  # type: ignore[no-untyped-def]
+) -> None:
+    write_nodes(etcd_client, key_prefix, [node("elsewhere")])
+
+    with grpc.insecure_channel(lagging_broker.endpoint) as channel:
+        stub = nodes_pb2_grpc.NodeServiceStub(channel)
+        released = stub.ReleaseNode(nodes_pb2.ReleaseNodeRequest(name="nodes/elsewhere"), timeout=5)
+        assert released.state == pb.NODE_STATE_RELEASING
+        stored = lagging_broker.store.get(lagging_broker.store.keys.node("elsewhere"))
+        assert stored is not None and stored.value.state == pb.NODE_STATE_RELEASING
+
+
+def test_a_named_watch_of_a_node_the_cache_has_not_seen_starts(
+    lagging_broker: BrokerServer,
+    etcd_client,  # type: ignore[no-untyped-def]
+    key_prefix: str,
+) -> None:
+    """The watch is not refused; it lists at the cache's revision (which does not hold
+    the node yet) and says so with TYPE_SYNCED, and the node follows as an event once
+    the cache catches up."""
+    write_nodes(etcd_client, key_prefix, [node("elsewhere")])
+
+    with grpc.insecure_channel(lagging_broker.endpoint) as channel:
+        stub = nodes_pb2_grpc.NodeServiceStub(channel)
+        stream = stub.WatchNodes(nodes_pb2.WatchNodesRequest(name="nodes/elsewhere"), timeout=5)
+        first = next(stream)
+        assert first.type == nodes_pb2.NodeEvent.TYPE_SYNCED
+        stream.cancel()
