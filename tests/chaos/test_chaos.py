@@ -1,7 +1,8 @@
 """Chaos run: real etcd, brokers and host agents on a simulated fabric, broken on purpose.
 
-The default run (``pytest -m chaos tests/chaos``) keeps faults going for 75 s against a
-single etcd member, with a fixed seed, and finishes in about two minutes on two cores.
+The default run, part of the full suite (``pytest -m chaos`` runs it alone), keeps faults
+going for 75 s against a single etcd member, with a fixed seed, and finishes in about
+90 s on two cores.
 ``DXPOOL_CHAOS_SECONDS=N`` makes it a long run of N seconds of faults against a
 3-member etcd cluster (leader kills included). Other knobs: ``DXPOOL_CHAOS_SEED``,
 ``DXPOOL_CHAOS_ETCD_MEMBERS`` (1 or 3), ``DXPOOL_CHAOS_KINDS`` (comma-separated fault
