@@ -121,3 +121,25 @@ def test_every_failure_is_unavailable_and_fast_once_etcd_is_known_away(
     finally:
         store.health.close()
         client.close()
+
+
+def test_read_returns_keys_and_prefix_ranges(etcd_client, key_prefix: str) -> None:  # type: ignore[no-untyped-def]
+    store = Store(etcd_client, KeySchema(key_prefix))
+    keys = store.keys
+    txn = Txn().put(keys.box("b1"), pb.Box(name="boxes/b1")).put(keys.request("r1"), "boxes/b1")
+    for slot in (0, 1):
+        txn.put(keys.gpu("b1", slot), pb.Gpu(name=f"boxes/b1/gpus/{slot}", slot=slot))
+    txn.put(keys.gpu("b10", 0), pb.Gpu(name="boxes/b10/gpus/0"))  # not under b1's prefix
+    committed = store.commit(txn)
+    found = store.read(
+        [keys.request("r1"), keys.box("b1"), keys.box("nope")], [keys.box_gpus("b1")]
+    )
+    assert set(found) == {
+        keys.request("r1"),
+        keys.box("b1"),
+        keys.gpu("b1", 0),
+        keys.gpu("b1", 1),
+    }
+    assert bytes(found[keys.request("r1")].value) == b"boxes/b1"
+    assert found[keys.gpu("b1", 1)].value.slot == 1
+    assert {record.mod_revision for record in found.values()} == {committed.revision}
