@@ -11,6 +11,7 @@ The default run draws a few dozen examples per RPC (profile ``ci``, see conftest
 
 from __future__ import annotations
 
+import collections
 import logging
 
 import pytest
@@ -51,15 +52,18 @@ def check(pool: FuzzPool, name: str, payload: bytes) -> rpcs.Outcome:
     return outcome
 
 
-def fuzz(pool: FuzzPool, name: str, **overrides: int) -> None:
+def fuzz(pool: FuzzPool, name: str, **overrides: int) -> collections.Counter[str]:
+    """Fuzz RPC ``name``; returns how many calls ended with each code."""
     method = rpcs.METHODS[name]
+    codes: collections.Counter[str] = collections.Counter()
 
     @settings(**overrides)  # type: ignore[arg-type]
     @given(request=requests(method.input_type, rpcs.BASELINES.get(name)))
     def one(request: Message) -> None:
-        check(pool, name, request.SerializeToString())
+        codes[check(pool, name, request.SerializeToString()).code.name] += 1
 
     one()
+    return codes
 
 
 def test_every_rpc_is_classified() -> None:
@@ -94,8 +98,9 @@ def test_rpc_fuzz(name: str, fuzz_pool: FuzzPool, caplog: pytest.LogCaptureFixtu
 @pytest.mark.timeout(300 + LONG_EXAMPLES)  # a second per example is far more than it takes
 @pytest.mark.parametrize("name", NAMES)
 def test_rpc_fuzz_long(name: str, fuzz_pool: FuzzPool, caplog: pytest.LogCaptureFixture) -> None:
-    fuzz(fuzz_pool, name, max_examples=LONG_EXAMPLES)
+    codes = fuzz(fuzz_pool, name, max_examples=LONG_EXAMPLES)
     _no_errors_logged(caplog)
+    print(f"{name}: {sum(codes.values())} calls, {dict(codes.most_common())}")  # for -s runs
 
 
 def _decodes(name: str, payload: bytes) -> bool:
