@@ -141,6 +141,7 @@ def test_garbage_bytes_fuzz(
 ) -> None:
     """Random bytes: what decodes is an ordinary request; what does not is rejected."""
     caplog.set_level(logging.DEBUG)
+    kinds: collections.Counter[str] = collections.Counter()
 
     @given(payload=st.binary(max_size=256))
     @example(payload=b"\xff" * 64)
@@ -148,6 +149,10 @@ def test_garbage_bytes_fuzz(
         outcome = check(fuzz_pool, name, payload)
         if not _decodes(name, payload):
             assert outcome.reason == "UNDECODABLE_REQUEST", outcome
+            kinds["undecodable"] += 1
+        else:
+            kinds[f"decodable {outcome.code.name}"] += 1
 
     one()
     _no_tracebacks(caplog)
+    print(f"{name}: {sum(kinds.values())} payloads, {dict(kinds.most_common())}")  # for -s runs
