@@ -4,17 +4,13 @@ Every function raises :class:`~dxpool.errors.InvalidArgument` with a message tha
 the field and says what to change. The limits (``dxpool.limits``) protect etcd (keys,
 record sizes), placement (loop bounds) and the people reading the output.
 
-Free text (labels, reasons, tenants, locations, endpoints) must be printable: no control
-characters (C0, DEL, C1), no format characters such as bidirectional overrides, no
-unassigned or private-use code points, no line or paragraph separators, and no
-whitespace other than the ASCII space (``str.isprintable``). Such text ends up in
-terminals, logs and tables, where those characters hide or rewrite what is shown.
+Free text (labels, reasons, tenants, locations, endpoints) must be printable; see
+:mod:`dxpool.text`, which host agents use too.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 
 from google.protobuf.descriptor import EnumDescriptor
 
@@ -36,6 +32,7 @@ from dxpool.limits import (
 )
 from dxpool.names import check_id, parse_host
 from dxpool.request import validate_gpu_request
+from dxpool.text import check_labels, check_text
 
 # Kept under their old names for callers that import them from here.
 MAX_MEMORY_MIB = MAX_GPU_MEMORY_MIB
@@ -57,39 +54,7 @@ __all__ = [
     "check_text",
 ]
 
-_SHOWN = 40  # characters of a label key echoed in a field path
 _PCI_ID = re.compile(r"[0-9a-fA-F]{4}:[0-9a-fA-F]{4}")
-
-
-def check_text(value: str, field: str, limit: int = MAX_TEXT) -> str:
-    """Return ``value`` if it is at most ``limit`` printable characters (see above)."""
-    if len(value) > limit:
-        raise InvalidArgument(
-            f"{field} is {len(value)} characters long; the limit is {limit}: use a shorter value",
-            reason="FIELD_TOO_LONG",
-        )
-    if not value.isprintable():
-        position, char = next((i, c) for i, c in enumerate(value) if not c.isprintable())
-        raise InvalidArgument(
-            f"{field} contains the non-printable character U+{ord(char):04X} at position "
-            f"{position}; remove it (control, format and separator characters, tabs and "
-            "newlines are not allowed)",
-            reason="INVALID_TEXT",
-        )
-    return value
-
-
-def check_labels(labels: Mapping[str, str], field: str = "labels") -> None:
-    if len(labels) > MAX_LABELS:
-        raise InvalidArgument(
-            f"{field} has {len(labels)} entries; the limit is {MAX_LABELS}: remove some",
-            reason="TOO_MANY_LABELS",
-        )
-    for key, value in sorted(labels.items()):
-        if not key:
-            raise InvalidArgument(f"{field} has an empty key; give every label a key")
-        check_text(key, f"{field} key {key[:_SHOWN]!r}", MAX_LABEL_KEY)
-        check_text(value, f"{field}[{key[:_SHOWN]!r}]", MAX_LABEL_VALUE)
 
 
 def check_location(location: pb.Location, field: str) -> None:

@@ -8,9 +8,11 @@ from pathlib import Path
 from types import MappingProxyType
 
 from dxpool.errors import InvalidArgument
+from dxpool.limits import MAX_HOST_SLOTS
 from dxpool.names import check_id
 from dxpool.store.client import parse_endpoints
 from dxpool.store.keys import DEFAULT_PREFIX, KeySchema
+from dxpool.text import check_labels
 
 DEFAULT_ETCD_ENDPOINTS = "127.0.0.1:2379"
 
@@ -65,7 +67,13 @@ class AgentConfig:
                 raise InvalidArgument(
                     f"invalid label key {key!r}: use a non-empty key without '=' (key=value)"
                 )
+        check_labels(self.labels)
         _at_least("slot_capacity", self.slot_capacity, 1)
+        if self.slot_capacity > MAX_HOST_SLOTS:
+            raise InvalidArgument(
+                f"slot_capacity {self.slot_capacity} is over the limit of {MAX_HOST_SLOTS} "
+                "proxy slots per host; give the host's real number of slots"
+            )
         _at_least("lease_ttl_s", self.lease_ttl_s, 2)
         _at_least("attach_attempts", self.attach_attempts, 1)
         _at_least("workers", self.workers, 1)

@@ -137,10 +137,6 @@ GUIDANCE = (
 )
 
 
-# Rejections whose message does not yet say what to do, by (RPC, reason). The text lives
-# in broker/node_service.py, which is changing elsewhere; the fix is to add "; list nodes
-# with `dxpool node list`" to WatchNodes' NOT_FOUND message.
-UNGUIDED = frozenset({("NodeService.WatchNodes", "NODE_NOT_FOUND")})
 # grpc's own limit on a received message: larger requests end RESOURCE_EXHAUSTED in the
 # transport, before any dxpool code runs, with grpc's message.
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -222,8 +218,7 @@ def problems(name: str, outcome: Outcome, size: int = 0) -> list[str]:
         found.append(f"{name}: message of {len(text)} characters: {text[:200]!r}")
     if not text.isprintable():
         found.append(f"{name}: message echoes non-printable characters: {text[:200]!r}")
-    unguided = (name, outcome.reason) in UNGUIDED
-    if not unguided and not any(word in text.lower() for word in GUIDANCE):
+    if not any(word in text.lower() for word in GUIDANCE):
         found.append(f"{name}: message does not say what to do: {text!r}")
     if outcome.domain != "dxpool.io" or not outcome.reason.replace("_", "").isupper():
         found.append(f"{name}: no dxpool ErrorInfo (reason {outcome.reason!r}): {text!r}")

@@ -58,6 +58,11 @@ def test_labels_are_read_only_copies() -> None:
         ({"backoff_base_s": 2, "backoff_max_s": 1}, "backoff_max_s (1) must be >= backoff_base_s"),
         ({"sim_map_delay_s": -1}, "sim_map_delay_s must be >= 0"),
         ({"labels": {"": "x"}}, "invalid label key"),
+        ({"slot_capacity": 257}, "slot_capacity 257 is over the limit of 256"),
+        ({"labels": {"zone": "a\nb"}}, "labels['zone'] contains the non-printable character"),
+        ({"labels": {"z\u202e": "a"}}, "contains the non-printable character U+202E"),
+        ({"labels": {"zone": "x" * 257}}, "the limit is 256"),
+        ({"labels": {f"k{i}": "v" for i in range(33)}}, "the limit is 32"),
     ],
 )
 def test_bad_values_name_what_to_fix(fields: dict[str, object], message: str) -> None:
