@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import grpc
 
+from dxpool import lifecycle
 from dxpool.api.v1 import inventory_pb2 as inv
 from dxpool.api.v1 import inventory_pb2_grpc
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.cache import Cache
 from dxpool.broker.records import copy, timestamp
 from dxpool.broker.rpc import check_page_token, handler, page
+from dxpool.broker.stm import TxnView, transact
 from dxpool.broker.store import Store, Txn
 from dxpool.broker.validation import (
     check_box,
@@ -245,6 +247,36 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
             )
         gpu: pb.Gpu = record.value
         return gpu
+
+    @handler("InventoryService.ReclaimGpu")
+    def ReclaimGpu(self, request: inv.ReclaimGpuRequest, context: grpc.ServicerContext) -> pb.Gpu:
+        ref = parse_gpu(request.name)
+        reason = check_text(request.reason, "reason")
+        gpu_key = f"{ref.box}/{ref.slot}"
+        message = "reclaimed by an operator" + (f": {reason}" if reason else "")
+
+        def body(view: TxnView) -> pb.Gpu:
+            record = view.get(k.GPUS, gpu_key)
+            if record is None:
+                raise NotFound(
+                    f"GPU {request.name} does not exist; list GPUs with `dxpool gpu list`",
+                    reason="GPU_NOT_FOUND",
+                )
+            gpu: pb.Gpu = record.value
+            if gpu.state == pb.GPU_STATE_FENCING:
+                return gpu
+            if gpu.state != pb.GPU_STATE_QUARANTINED:
+                state = pb.GpuState.Name(gpu.state).removeprefix("GPU_STATE_")
+                raise FailedPrecondition(
+                    f"GPU {request.name} is {state}, not QUARANTINED: only quarantined GPUs "
+                    "are reclaimed; see `dxpool gpu list --state quarantined`",
+                    reason="GPU_NOT_QUARANTINED",
+                )
+            updated = lifecycle.begin_fence(gpu, message)
+            view.put(k.GPUS, gpu_key, updated)
+            return updated
+
+        return transact(self._store, self._cache, body, what=f"reclaiming {request.name}")
 
     @handler("InventoryService.ListGpus")
     def ListGpus(

@@ -456,6 +456,13 @@ class Client:
     def get_gpu(self, name: str) -> resources_pb2.Gpu:
         return self._unary(self._inventory.GetGpu, inventory_pb2.GetGpuRequest(name=gpu_name(name)))
 
+    def reclaim_gpu(self, name: str, reason: str = "") -> resources_pb2.Gpu:
+        """Put a QUARANTINED GPU back into service: it goes FENCING, the leader broker
+        revokes and scrubs it at the box side, then it is FREE. Idempotent while FENCING;
+        FailedPrecondition for a GPU in any other state."""
+        request = inventory_pb2.ReclaimGpuRequest(name=gpu_name(name), reason=reason)
+        return self._unary(self._inventory.ReclaimGpu, request)
+
     def list_gpus(
         self, *, parent: str | None = None, state: int | str | None = None, model: str = ""
     ) -> list[resources_pb2.Gpu]:

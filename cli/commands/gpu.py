@@ -1,4 +1,4 @@
-"""``dxpool gpu list|get``: the GPUs of every box."""
+"""``dxpool gpu list|get|reclaim``: the GPUs of every box."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dxpool.cli.views import GPU_VIEW
 
 @click.group()
 def gpu() -> None:
-    """List GPUs and their state."""
+    """List GPUs and their state; reclaim quarantined ones."""
 
 
 @gpu.command("list")
@@ -35,3 +35,17 @@ def list_(
 def get(cli: CliContext, name: str, output: OutputFormat) -> None:
     """Show one GPU: BOX/SLOT (e.g. box1/3)."""
     print_one(cli.client().get_gpu(name), GPU_VIEW, output)
+
+
+@gpu.command("reclaim")
+@click.argument("name", metavar="GPU", type=GPU)
+@click.option("--reason", default="", help="Why it is safe now, for the next operator.")
+@pass_cli
+def reclaim(cli: CliContext, name: str, reason: str) -> None:
+    """Put a QUARANTINED GPU (BOX/SLOT) back into service.
+
+    It is fenced at the box side and scrubbed before it is FREE again, so a host that may
+    still map it loses access first. Watch it with `dxpool gpu get BOX/SLOT`.
+    """
+    gpu = cli.client().reclaim_gpu(name, reason)
+    click.echo(f"{gpu.name} reclaimed: fencing, then free")

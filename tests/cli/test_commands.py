@@ -151,6 +151,13 @@ def test_host_get_and_gpu_get(run: Run, pool: SimPool) -> None:
     assert gpu["name"] == "boxes/box2/gpus/3" and gpu["state"] == "GPU_STATE_FREE"
 
 
+def test_gpu_reclaim_of_a_free_gpu_fails_and_says_why(run: Run, pool: SimPool) -> None:
+    result = run("gpu", "reclaim", "box2/3", "--reason", "checked")
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: FAILED_PRECONDITION: ")
+    assert "is FREE, not QUARANTINED" in result.stderr
+
+
 def test_node_watch_streams_json_lines_until_ctrl_c(
     run: Run, pool: SimPool, broker: BrokerServer
 ) -> None:

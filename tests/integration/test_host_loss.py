@@ -153,6 +153,50 @@ def test_a_gpu_whose_detach_keeps_failing_is_quarantined(
     assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+def test_a_reclaimed_gpu_is_fenced_before_it_is_given_out_again(
+    fencing_stubs: Stubs, sim_pool: SimPool
+) -> None:
+    stubs = fencing_stubs
+    register_sim_box(sim_pool, stubs, "box1", gpus=1)
+    sim_pool.start_agent("h1", extra=("--detach-attempts", "2"))
+    wait_hosts_alive(stubs)
+    node = wait_state(stubs, compose(stubs, "H100:1").name, pb.NODE_STATE_READY)
+    sim_pool.fabric.inject_fault("unmap", box="box1", slot=0, count=1000)
+    stubs.nodes.ReleaseNode(nodes_pb2.ReleaseNodeRequest(name=node.name))
+    wait_until(
+        lambda: gpu(stubs, "boxes/box1/gpus/0").state == pb.GPU_STATE_QUARANTINED,
+        message="the GPU to be quarantined",
+    )
+    assert sim_pool.fabric.mappings("h1") != {}  # the host still maps it
+
+    reclaimed = stubs.inventory.ReclaimGpu(
+        inventory_pb2.ReclaimGpuRequest(name="boxes/box1/gpus/0", reason="proxy replaced")
+    )
+
+    assert reclaimed.state in (pb.GPU_STATE_FENCING, pb.GPU_STATE_FREE)
+    assert "proxy replaced" in reclaimed.message
+    wait_until(
+        lambda: gpu(stubs, "boxes/box1/gpus/0").state == pb.GPU_STATE_FREE,
+        message="the reclaimed GPU to be fenced and freed",
+    )
+    assert sim_pool.fabric.mappings("h1") == {}  # revoked at the box side first
+    again = wait_state(stubs, compose(stubs, "H100:1").name, pb.NODE_STATE_READY)
+    assert [b.gpu for b in again.gpus] == ["boxes/box1/gpus/0"]
+
+
+def test_only_a_quarantined_gpu_can_be_reclaimed(fencing_stubs: Stubs, sim_pool: SimPool) -> None:
+    stubs = fencing_stubs
+    register_sim_box(sim_pool, stubs, "box1", gpus=1)
+    with pytest.raises(grpc.RpcError) as free:
+        stubs.inventory.ReclaimGpu(inventory_pb2.ReclaimGpuRequest(name="boxes/box1/gpus/0"))
+    assert free.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "is FREE, not QUARANTINED" in (free.value.details() or "")
+    assert gpu(stubs, "boxes/box1/gpus/0").state == pb.GPU_STATE_FREE
+    with pytest.raises(grpc.RpcError) as missing:
+        stubs.inventory.ReclaimGpu(inventory_pb2.ReclaimGpuRequest(name="boxes/box1/gpus/7"))
+    assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+
+
 def test_released_nodes_and_their_request_ids_are_collected(
     fencing_stubs: Stubs, sim_pool: SimPool
 ) -> None:

@@ -76,6 +76,11 @@ class InventoryServiceStub:
                 request_serializer=dxpool_dot_v1_dot_inventory__pb2.ListGpusRequest.SerializeToString,
                 response_deserializer=dxpool_dot_v1_dot_inventory__pb2.ListGpusResponse.FromString,
                 _registered_method=True)
+        self.ReclaimGpu = channel.unary_unary(
+                '/dxpool.v1.InventoryService/ReclaimGpu',
+                request_serializer=dxpool_dot_v1_dot_inventory__pb2.ReclaimGpuRequest.SerializeToString,
+                response_deserializer=dxpool_dot_v1_dot_resources__pb2.Gpu.FromString,
+                _registered_method=True)
         self.GetHost = channel.unary_unary(
                 '/dxpool.v1.InventoryService/GetHost',
                 request_serializer=dxpool_dot_v1_dot_inventory__pb2.GetHostRequest.SerializeToString,
@@ -144,6 +149,16 @@ class InventoryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReclaimGpu(self, request, context):
+        """Puts a QUARANTINED GPU back into service the safe way: it goes FENCING, the leader
+        broker revokes it at the box side and scrubs it, then it is FREE (or QUARANTINED
+        again if that keeps failing). Idempotent for a GPU already FENCING;
+        FAILED_PRECONDITION for any other state.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetHost(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -198,6 +213,11 @@ def add_InventoryServiceServicer_to_server(servicer, server):
                     servicer.ListGpus,
                     request_deserializer=dxpool_dot_v1_dot_inventory__pb2.ListGpusRequest.FromString,
                     response_serializer=dxpool_dot_v1_dot_inventory__pb2.ListGpusResponse.SerializeToString,
+            ),
+            'ReclaimGpu': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReclaimGpu,
+                    request_deserializer=dxpool_dot_v1_dot_inventory__pb2.ReclaimGpuRequest.FromString,
+                    response_serializer=dxpool_dot_v1_dot_resources__pb2.Gpu.SerializeToString,
             ),
             'GetHost': grpc.unary_unary_rpc_method_handler(
                     servicer.GetHost,
@@ -426,6 +446,33 @@ class InventoryService:
             '/dxpool.v1.InventoryService/ListGpus',
             dxpool_dot_v1_dot_inventory__pb2.ListGpusRequest.SerializeToString,
             dxpool_dot_v1_dot_inventory__pb2.ListGpusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReclaimGpu(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dxpool.v1.InventoryService/ReclaimGpu',
+            dxpool_dot_v1_dot_inventory__pb2.ReclaimGpuRequest.SerializeToString,
+            dxpool_dot_v1_dot_resources__pb2.Gpu.FromString,
             options,
             channel_credentials,
             insecure,

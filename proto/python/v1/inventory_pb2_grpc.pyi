@@ -47,6 +47,12 @@ class InventoryServiceStub:
     """Removes a box and its GPUs. FAILED_PRECONDITION while any of its GPUs is owned."""
     GetGpu: _grpc.UnaryUnaryMultiCallable[_inventory_pb2.GetGpuRequest, _resources_pb2.Gpu]
     ListGpus: _grpc.UnaryUnaryMultiCallable[_inventory_pb2.ListGpusRequest, _inventory_pb2.ListGpusResponse]
+    ReclaimGpu: _grpc.UnaryUnaryMultiCallable[_inventory_pb2.ReclaimGpuRequest, _resources_pb2.Gpu]
+    """Puts a QUARANTINED GPU back into service the safe way: it goes FENCING, the leader
+    broker revokes it at the box side and scrubs it, then it is FREE (or QUARANTINED
+    again if that keeps failing). Idempotent for a GPU already FENCING;
+    FAILED_PRECONDITION for any other state.
+    """
     GetHost: _grpc.UnaryUnaryMultiCallable[_inventory_pb2.GetHostRequest, _resources_pb2.Host]
     ListHosts: _grpc.UnaryUnaryMultiCallable[_inventory_pb2.ListHostsRequest, _inventory_pb2.ListHostsResponse]
 
@@ -67,6 +73,12 @@ class InventoryServiceAsyncStub(InventoryServiceStub):
     """Removes a box and its GPUs. FAILED_PRECONDITION while any of its GPUs is owned."""
     GetGpu: _aio.UnaryUnaryMultiCallable[_inventory_pb2.GetGpuRequest, _resources_pb2.Gpu]  # type: ignore[assignment]
     ListGpus: _aio.UnaryUnaryMultiCallable[_inventory_pb2.ListGpusRequest, _inventory_pb2.ListGpusResponse]  # type: ignore[assignment]
+    ReclaimGpu: _aio.UnaryUnaryMultiCallable[_inventory_pb2.ReclaimGpuRequest, _resources_pb2.Gpu]  # type: ignore[assignment]
+    """Puts a QUARANTINED GPU back into service the safe way: it goes FENCING, the leader
+    broker revokes it at the box side and scrubs it, then it is FREE (or QUARANTINED
+    again if that keeps failing). Idempotent for a GPU already FENCING;
+    FAILED_PRECONDITION for any other state.
+    """
     GetHost: _aio.UnaryUnaryMultiCallable[_inventory_pb2.GetHostRequest, _resources_pb2.Host]  # type: ignore[assignment]
     ListHosts: _aio.UnaryUnaryMultiCallable[_inventory_pb2.ListHostsRequest, _inventory_pb2.ListHostsResponse]  # type: ignore[assignment]
 
@@ -132,6 +144,18 @@ class InventoryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _inventory_pb2.ListGpusRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_inventory_pb2.ListGpusResponse, _abc.Awaitable[_inventory_pb2.ListGpusResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ReclaimGpu(
+        self,
+        request: _inventory_pb2.ReclaimGpuRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_resources_pb2.Gpu, _abc.Awaitable[_resources_pb2.Gpu]]:
+        """Puts a QUARANTINED GPU back into service the safe way: it goes FENCING, the leader
+        broker revokes it at the box side and scrubs it, then it is FREE (or QUARANTINED
+        again if that keeps failing). Idempotent for a GPU already FENCING;
+        FAILED_PRECONDITION for any other state.
+        """
 
     @_abc_1.abstractmethod
     def GetHost(
