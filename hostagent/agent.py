@@ -2,13 +2,13 @@
 
 Threads:
 
-* the etcd watch callback adopts every change of ``hostalloc/{host}`` and queues the GPUs
-  it touched;
+* the spec watch (:class:`~dxpool.store.watch.PrefixWatch`, which fails over between etcd
+  members and resumes from its last revision) adopts every change of
+  ``hostalloc/{host}`` and queues the GPUs it touched;
 * ``workers`` reconcile threads take GPUs from the work queue (one GPU never in two
   workers at once) and re-queue failures with per-GPU exponential backoff;
-* the resync thread re-lists the spec and restarts the watch every ``resync_interval_s``
-  (at once when the watch reports an error), then queues desired | observed | reported
-  GPUs, catching any drift;
+* the resync thread queues desired | observed | reported GPUs every
+  ``resync_interval_s``, catching drift on the hardware side;
 * the registration thread keeps the host's liveness lease alive.
 
 Nothing the agent decides depends on its memory of earlier runs: restart it at any moment
@@ -37,10 +37,10 @@ from dxpool.hostagent.registration import ETCD_ERRORS, HostHeldError, HostRegist
 from dxpool.hostagent.status import StatusStore, StatusWriteRefusedError
 from dxpool.hostagent.workqueue import ExponentialBackoff, WorkQueue
 from dxpool.names import GpuRef
+from dxpool.store.client import addresses_of
+from dxpool.store.watch import PrefixWatch
 
 log = logging.getLogger(__name__)
-
-RELIST_RETRY_S = 1.0
 
 
 class Agent:
@@ -73,8 +73,7 @@ class Agent:
         )
         self._stopping = threading.Event()
         self._wake_resync = threading.Event()
-        self._watch_lock = threading.Lock()
-        self._watch_id: Any = None
+        self._spec_watch: PrefixWatch | None = None
         self._threads: list[threading.Thread] = []
         self._stopped = False
 
@@ -121,6 +120,18 @@ class Agent:
             "agent started",
             extra={"host": self._config.host_id, "workers": self._config.workers},
         )
+
+    @property
+    def desired(self) -> DesiredState:
+        """The spec as the agent last adopted it (read-only use)."""
+        return self._desired
+
+    @property
+    def spec_watch_endpoint(self) -> str | None:
+        """The etcd member the spec watch uses now (``host:port``), if it runs."""
+        watch = self._spec_watch
+        address = watch.endpoint if watch is not None else None
+        return str(address) if address is not None else None
 
     def _sleep_unless_stopping(self, seconds: float) -> None:
         self._stopping.wait(seconds)
@@ -174,40 +185,43 @@ class Agent:
     # -- spec: list, then watch -----------------------------------------------------------
 
     def _sync_spec(self) -> None:
-        """List the spec, adopt it, and watch it from the next revision."""
+        """List the spec, adopt it, and keep watching it (replacing any earlier watch).
+        Raises :class:`~dxpool.errors.Unavailable` if no etcd member can list it."""
         self._cancel_watch()
-        response = self._client.get_response(self._spec_key)
-        revision = int(response.header.revision)
-        allocation = None
-        spec_revision = 0
-        if response.count:
-            allocation = resources_pb2.HostAllocation.FromString(response.kvs[0].value)
-            spec_revision = int(response.kvs[0].mod_revision)
-        self._adopt(allocation, revision, spec_revision)
-        watch_id = self._client.add_watch_callback(
-            self._spec_key, self._on_watch_response, start_revision=revision + 1
+        watch = PrefixWatch(
+            addresses_of(self._client),
+            self._spec_key,  # a prefix: other hosts' keys that extend it are skipped
+            on_list=self._on_spec_list,
+            on_events=self._on_spec_events,
+            name="dxpool-spec-watch",
         )
-        with self._watch_lock:
-            self._watch_id = watch_id
+        watch.start(timeout_s=self._config.startup_timeout_s)
+        self._spec_watch = watch
 
     def _cancel_watch(self) -> None:
-        with self._watch_lock:
-            watch_id, self._watch_id = self._watch_id, None
-        if watch_id is not None:
-            try:
-                self._client.cancel_watch(watch_id)
-            except ETCD_ERRORS as error:
-                log.warning("watch cancel failed", extra={"error": repr(error)})
+        watch, self._spec_watch = self._spec_watch, None
+        if watch is not None:
+            watch.stop()
 
-    def _on_watch_response(self, response: Any) -> None:
-        """Runs on the etcd client's watch thread: adopt the newest event of a response."""
-        if isinstance(response, Exception):
-            log.warning("spec watch broke; re-listing", extra={"error": repr(response)})
-            self._wake_resync.set()
+    def _on_spec_list(self, kvs: Any, revision: int) -> None:
+        """Runs on the watch thread: a full listing at ``revision``."""
+        mine = [kv for kv in kvs if kv.key.decode() == self._spec_key]
+        if not mine:
+            self._adopt(None, revision, 0)
             return
-        if not response.events:
+        try:
+            allocation = resources_pb2.HostAllocation.FromString(mine[0].value)
+        except Exception:
+            log.exception("spec record unreadable; keeping the previous spec")
             return
-        event = response.events[-1]
+        self._adopt(allocation, revision, int(mine[0].mod_revision))
+
+    def _on_spec_events(self, response: Any) -> None:
+        """Runs on the watch thread: adopt the newest event of this host's spec."""
+        mine = [e for e in response.events if e.key.decode() == self._spec_key]
+        if not mine:
+            return
+        event = mine[-1]
         try:
             if isinstance(event, etcd3.events.DeleteEvent):
                 allocation = None
@@ -247,22 +261,15 @@ class Agent:
             self._queue.add(gpu)
 
     def _resync_loop(self) -> None:
-        delay = self._config.resync_interval_s
         while True:
-            self._wake_resync.wait(delay)
+            self._wake_resync.wait(self._config.resync_interval_s)
             self._wake_resync.clear()
             if self._stopping.is_set():
                 return
             try:
-                self._sync_spec()
                 self.enqueue_all()
-                delay = self._config.resync_interval_s
-            except ETCD_ERRORS as error:
-                log.warning("resync failed; retrying soon", extra={"error": repr(error)})
-                delay = min(RELIST_RETRY_S, self._config.resync_interval_s)
             except Exception:
-                log.exception("resync failed; retrying soon")
-                delay = min(RELIST_RETRY_S, self._config.resync_interval_s)
+                log.exception("resync failed; retrying at the next interval")
 
     def _work(self) -> None:
         while True:
