@@ -42,7 +42,7 @@ from dxpool.broker.records import seconds
 from dxpool.broker.stm import TxnView, transact
 from dxpool.broker.store import Store, Versioned
 from dxpool.broker.transitions import gpu_id, let_go, owned_gpus
-from dxpool.errors import Aborted
+from dxpool.errors import Aborted, Unavailable
 from dxpool.names import parse_host, parse_node
 from dxpool.store import keys as k
 
@@ -151,6 +151,11 @@ class NodeController:
                     self.sweep()
                 else:
                     self._process_dirty()
+            except Unavailable as error:
+                # etcd is away; the store logs reachability changes once, so a pass that
+                # fails for it says so only at debug level. The next sweep catches up.
+                log.debug("node controller pass deferred", extra={"error": error.message})
+                self._stop.wait(self._sweep_interval_s)
             except Exception:
                 log.exception("node controller pass failed; retrying on the next pass")
                 time.sleep(0.1)

@@ -40,7 +40,7 @@ from dxpool.broker.records import copy, seconds
 from dxpool.broker.stm import TxnView, transact
 from dxpool.broker.store import Store, Versioned
 from dxpool.broker.transitions import let_go
-from dxpool.errors import DxpoolError
+from dxpool.errors import DxpoolError, Unavailable
 from dxpool.names import parse_gpu, parse_host
 from dxpool.store import keys as k
 
@@ -143,6 +143,9 @@ class SingletonDuties:
                 continue
             try:
                 self.run_once()
+            except Unavailable as error:
+                # etcd is away; the store logs reachability changes once.
+                log.debug("leader duties deferred", extra={"error": error.message})
             except DxpoolError as error:
                 log.warning("leader duties failed; retrying", extra={"error": error.message})
             except Exception:
