@@ -33,9 +33,9 @@ from typing import Any
 import etcd3
 from google.protobuf.message import Message
 
-from dxpool.broker.store import Versioned, decode, encode
 from dxpool.store.client import EtcdAddress, addresses_of
 from dxpool.store.keys import COLLECTIONS, KeySchema
+from dxpool.store.typed import Versioned, decode, encode
 from dxpool.store.watch import PrefixWatch
 
 log = logging.getLogger(__name__)

@@ -29,7 +29,6 @@ from dxpool.broker.placement import PlacementRequest, PlacementResult, place
 from dxpool.broker.placement_index import PlacementIndex
 from dxpool.broker.records import copy, timestamp
 from dxpool.broker.stm import TxnView, read_through, transact
-from dxpool.broker.store import Store, Txn, Versioned
 from dxpool.broker.transitions import gpu_id, let_go
 from dxpool.broker.validation import check_node_spec
 from dxpool.errors import (
@@ -43,6 +42,7 @@ from dxpool.fabric.latency import LatencyModel
 from dxpool.names import check_id, check_request_id, node_name, parse_host, parse_node
 from dxpool.request import format_duration_ns
 from dxpool.store import keys as k
+from dxpool.store.typed import Store, Txn, Versioned
 
 log = logging.getLogger(__name__)
 

@@ -40,11 +40,11 @@ from dxpool.broker import metrics
 from dxpool.broker.cache import Cache
 from dxpool.broker.records import seconds
 from dxpool.broker.stm import TxnView, transact
-from dxpool.broker.store import Store, Versioned
 from dxpool.broker.transitions import gpu_id, let_go, owned_gpus
 from dxpool.errors import Aborted, Unavailable
 from dxpool.names import parse_host, parse_node
 from dxpool.store import keys as k
+from dxpool.store.typed import Store, Versioned
 
 log = logging.getLogger(__name__)
 

@@ -38,11 +38,11 @@ from dxpool.broker.box_fabric import BoxFabric, BoxFabricError
 from dxpool.broker.cache import Cache
 from dxpool.broker.records import copy, seconds
 from dxpool.broker.stm import TxnView, transact
-from dxpool.broker.store import Store, Versioned
 from dxpool.broker.transitions import let_go
 from dxpool.errors import DxpoolError, Unavailable
 from dxpool.names import parse_gpu, parse_host
 from dxpool.store import keys as k
+from dxpool.store.typed import Store, Versioned
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,6 @@ from dxpool.broker.cache import Cache
 from dxpool.broker.records import copy, timestamp
 from dxpool.broker.rpc import check_page_token, handler, page
 from dxpool.broker.stm import TxnView, transact
-from dxpool.broker.store import Store, Txn
 from dxpool.broker.validation import (
     check_box,
     check_enum,
@@ -39,6 +38,7 @@ from dxpool.names import (
 )
 from dxpool.request import check_gpu_memory_mib, check_model
 from dxpool.store import keys as k
+from dxpool.store.typed import Store, Txn
 
 MAX_ATTEMPTS = 8
 

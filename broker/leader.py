@@ -21,8 +21,8 @@ from typing import Any
 
 from etcd3 import transactions
 
-from dxpool.broker.store import Store
 from dxpool.errors import Unavailable
+from dxpool.store.typed import Store
 
 log = logging.getLogger(__name__)
 

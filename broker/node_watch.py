@@ -51,10 +51,10 @@ from dxpool.api.v1 import nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker import metrics
 from dxpool.broker.cache import Cache
-from dxpool.broker.store import Versioned
 from dxpool.broker.streams import end_call
 from dxpool.errors import Aborted, NotFound, Unavailable
 from dxpool.store import keys as k
+from dxpool.store.typed import Versioned
 
 log = logging.getLogger(__name__)
 

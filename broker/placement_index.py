@@ -20,10 +20,10 @@ from typing import Any
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.cache import Cache
 from dxpool.broker.placement.model import BoxInfo, GpuInfo, HostInfo, Snapshot
-from dxpool.broker.store import Versioned
 from dxpool.fabric.latency import Place
 from dxpool.limits import MAX_HOST_SLOTS
 from dxpool.store import keys as k
+from dxpool.store.typed import Versioned
 
 
 def gpu_info(gpu: pb.Gpu) -> GpuInfo:

@@ -47,13 +47,13 @@ from dxpool.broker.node_service import NodeService
 from dxpool.broker.node_watch import WatchSettings
 from dxpool.broker.placement_index import PlacementIndex
 from dxpool.broker.serving import DEFAULT_MAX_STALENESS_S, ServingState, StalenessGate
-from dxpool.broker.store import Store
 from dxpool.broker.streams import StreamLimiter, StreamLimits
 from dxpool.defaults import DEFAULT_ENDPOINT
 from dxpool.fabric.latency import TopologyLatencyModel
 from dxpool.fabric.topology import Topology
 from dxpool.store.client import connect
 from dxpool.store.keys import DEFAULT_PREFIX, KeySchema
+from dxpool.store.typed import Store
 
 log = logging.getLogger(__name__)
 

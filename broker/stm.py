@@ -29,8 +29,8 @@ from typing import Any, TypeVar
 from google.protobuf.message import Message
 
 from dxpool.broker.cache import Cache
-from dxpool.broker.store import Store, Txn, Versioned
 from dxpool.errors import Aborted, NotFound
+from dxpool.store.typed import Store, Txn, Versioned
 
 T = TypeVar("T")
 

@@ -38,6 +38,7 @@ from dxpool.hostagent.status import StatusStore, StatusWriteRefusedError
 from dxpool.hostagent.workqueue import ExponentialBackoff, WorkQueue
 from dxpool.names import GpuRef
 from dxpool.store.client import addresses_of
+from dxpool.store.typed import Store
 from dxpool.store.watch import PrefixWatch
 
 log = logging.getLogger(__name__)
@@ -57,9 +58,11 @@ class Agent:
         self._spec_key = config.keys.host_allocation(config.host_id)
         self._desired = DesiredState(config.host_id)
         self._identity = AgentIdentity(config.host_id, config.state_dir)
-        self._registration = HostRegistration(client, config, self._identity.token)
+        # One typed store for every etcd call the agent makes (the spec watch aside).
+        self._store = Store(client, config.keys, name="agent-store")
+        self._registration = HostRegistration(self._store, config, self._identity.token)
         self._status = StatusStore(
-            client, config.keys, config.host_id, lambda: self._registration.lease_id
+            self._store, config.keys, config.host_id, lambda: self._registration.lease_id
         )
         self._queue: WorkQueue[GpuRef] = WorkQueue(
             ExponentialBackoff(config.backoff_base_s, config.backoff_max_s)
@@ -179,6 +182,7 @@ class Agent:
         self._cancel_watch()
         for thread in self._threads:
             thread.join()
+        self._store.health.close()
         self._identity.close()
         log.info("agent stopped", extra={"host": self._config.host_id})
 

@@ -32,6 +32,7 @@ from dxpool.errors import Unavailable
 from dxpool.hostagent.config import AgentConfig
 from dxpool.hostagent.status import now_timestamp
 from dxpool.names import host_name
+from dxpool.store.typed import Store, Txn
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +63,12 @@ def host_record(config: AgentConfig) -> resources_pb2.Host:
 class HostRegistration:
     """Registers one host and keeps its liveness lease alive from a daemon thread."""
 
-    def __init__(self, client: Any, config: AgentConfig, token: str = "") -> None:
-        self._client = client
+    def __init__(self, store: Store | Any, config: AgentConfig, token: str = "") -> None:
+        """``store``: the agent's :class:`Store` (or an etcd client to build one on); every
+        etcd call goes through it, so failures are :class:`Unavailable` and fail over
+        between members like the broker's."""
+        self._store = store if isinstance(store, Store) else Store(store, config.keys)
+        self._client = self._store.client
         self._config = config
         self._token = token.encode()
         self._keys = config.keys
@@ -84,7 +89,7 @@ class HostRegistration:
         if it expired, rather than granted again.
         """
         record = host_record(self._config)
-        self._client.put(self._keys.host(self._config.host_id), record.SerializeToString())
+        self._store.commit(Txn().put(self._keys.host(self._config.host_id), record))
         self.keep_alive_once()
         log.info(
             "host registered",
@@ -96,15 +101,20 @@ class HostRegistration:
 
         Raises :class:`HostHeldError` (after revoking the new lease) when it is held."""
         ttl = math.ceil(self._config.lease_ttl_s)
-        lease = self._client.lease(ttl)
+        lease = self._store.call(lambda: self._client.lease(ttl), write=True)
         key = self._keys.host_lease(self._config.host_id)
-        created, responses = self._client.transaction(
-            compare=[transactions.Create(key) == 0],
-            success=[transactions.Put(key, self._token, lease=lease)],
-            failure=[transactions.Get(key)],
+        # Raw, not a Txn: the failure branch needs the holder's lease id, which typed
+        # records do not carry.
+        created, responses = self._store.call(
+            lambda: self._client.transaction(
+                compare=[transactions.Create(key) == 0],
+                success=[transactions.Put(key, self._token, lease=lease)],
+                failure=[transactions.Get(key)],
+            ),
+            write=True,
         )
         if not created:
-            lease.revoke()
+            self._store.call(lease.revoke, write=True)
             holder, value = _holder_of(responses)
             if self._token and value == self._token and self._adopt(holder, ttl):
                 return
@@ -118,7 +128,7 @@ class HostRegistration:
     def _adopt(self, lease_id: int, ttl: int) -> bool:
         """Take over our own previous incarnation's lease, if it is still alive."""
         lease = etcd3.Lease(lease_id, ttl, etcd_client=self._client)
-        responses = lease.refresh()
+        responses = self._store.call(lease.refresh, write=False)
         if not responses or responses[0].TTL <= 0:
             return False
         with self._lock:
@@ -156,7 +166,8 @@ class HostRegistration:
         if lease is None:
             self._renew_lease()
             return False
-        responses = lease.refresh()
+        # A keepalive changes nothing a second one would not: safe to resend elsewhere.
+        responses = self._store.call(lease.refresh, write=False)
         if responses and responses[0].TTL > 0:
             return True
         log.warning("host lease expired; granting a new one", extra={"host": self._config.host_id})
@@ -173,7 +184,7 @@ class HostRegistration:
             lease, self._lease = self._lease, None
         if revoke and lease is not None:
             try:
-                lease.revoke()
+                self._store.call(lease.revoke, write=True)
             except ETCD_ERRORS as error:
                 log.warning("lease revoke failed", extra={"error": repr(error)})
 

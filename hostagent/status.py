@@ -32,10 +32,10 @@ from typing import Any
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from dxpool.api.v1 import resources_pb2
-from dxpool.broker.store import Store, Txn
 from dxpool.errors import InvalidArgument
 from dxpool.names import GpuRef, host_name, parse_gpu
 from dxpool.store.keys import KeySchema
+from dxpool.store.typed import Store, Txn
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +80,14 @@ class StatusStore:
     """
 
     def __init__(
-        self, client: Any, keys: KeySchema, host_id: str, lease_id: Callable[[], int | None]
+        self,
+        store: Store | Any,
+        keys: KeySchema,
+        host_id: str,
+        lease_id: Callable[[], int | None],
     ) -> None:
-        self._store = Store(client, keys)
+        """``store``: the agent's :class:`Store` (or an etcd client to build one on)."""
+        self._store = store if isinstance(store, Store) else Store(store, keys)
         self._key = keys.host_status(host_id)
         self._lease_key = keys.host_lease(host_id)
         self._spec_key = keys.host_allocation(host_id)

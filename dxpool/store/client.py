@@ -14,7 +14,7 @@
   at least every :data:`MAX_RECONNECT_BACKOFF_MS` and probe idle streams with keepalives.
 * ``transaction()`` needs an explicit ``failure=[]`` (callers pass it).
 * A watch that ends kills its thread with a NameError; see ``_etcd3_compat``.
-* Failover does not retry the failed call; callers retry (``broker/store.py``), and a
+* Failover does not retry the failed call; callers retry (``dxpool/store/typed.py``), and a
   watch that must survive member loss uses :mod:`dxpool.store.watch`.
 """
 

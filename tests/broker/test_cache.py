@@ -4,9 +4,9 @@ import threading
 
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.cache import Cache
-from dxpool.broker.store import Store, Txn, Versioned
 from dxpool.store import keys as k
 from dxpool.store.keys import KeySchema
+from dxpool.store.typed import Store, Txn, Versioned
 from tests.conftest import wait_until
 
 

@@ -22,9 +22,9 @@ from dxpool.api.v1 import inventory_pb2, inventory_pb2_grpc, resources_pb2
 from dxpool.broker.cache import Cache
 from dxpool.broker.decoding import RequestDecodingGuard, Undecodable, _Throttle, guard_deserializer
 from dxpool.broker.inventory_service import InventoryService
-from dxpool.broker.store import Store
 from dxpool.store.client import connect
 from dxpool.store.keys import KeySchema
+from dxpool.store.typed import Store
 
 GARBAGE = b"\x0a\x05ab"  # field 1, length 5, then only 2 bytes
 NOT_UTF8 = b"\x0a\x02\xff\xfe"  # field 1 (a string) holding bytes that are not UTF-8

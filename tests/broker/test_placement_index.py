@@ -14,11 +14,11 @@ from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.cache import Cache
 from dxpool.broker.placement import PlacementRequest, place
 from dxpool.broker.placement_index import PlacementIndex
-from dxpool.broker.store import Versioned
 from dxpool.fabric.latency import TopologyLatencyModel
 from dxpool.fabric.topology import Topology
 from dxpool.limits import MAX_HOST_SLOTS
 from dxpool.store.keys import KeySchema
+from dxpool.store.typed import Versioned
 
 RACK = pb.Location(site="dc1", pod="p1", rack="r1")
 

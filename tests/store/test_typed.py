@@ -6,11 +6,11 @@ from collections.abc import Iterator
 import pytest
 
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker.store import MAX_TXN_OPS, Store, Txn
 from dxpool.errors import InvalidArgument, Unavailable
 from dxpool.store.client import connect
 from dxpool.store.embedded import EmbeddedEtcd, EtcdCluster
 from dxpool.store.keys import KeySchema
+from dxpool.store.typed import MAX_TXN_OPS, Store, Txn
 from tests.conftest import wait_until
 
 

@@ -114,8 +114,9 @@ class Txn:
         self.compares.append(LeaseIs(key) == lease_id)
         return self
 
-    def put(self, key: str, value: Message | bytes | str) -> Txn:
-        self.success.append(transactions.Put(key, encode(value)))
+    def put(self, key: str, value: Message | bytes | str, *, lease: Any = None) -> Txn:
+        """Write ``value``; with ``lease`` (an etcd lease) the key goes when it expires."""
+        self.success.append(transactions.Put(key, encode(value), lease=lease))
         self.writes.append((key, value))
         return self
 
@@ -153,7 +154,7 @@ class TxnResult:
 
 
 class Store:
-    """etcd client plus key schema; the only place that talks to etcd for the broker.
+    """etcd client plus key schema: how the broker and the host agents talk to etcd.
 
     Every failure of an etcd call becomes :class:`~dxpool.errors.Unavailable` (never a raw
     client error) and feeds ``health``. A call that failed without effect on one member
@@ -172,10 +173,12 @@ class Store:
         schema: KeySchema,
         *,
         health: EtcdHealth | None = None,
+        name: str = "broker-store",
     ) -> None:
+        """``name`` labels the reachability log lines and the probe thread."""
         self.client = client
         self.keys = schema
-        self.health = health or EtcdHealth(self.probe, name="broker-store")
+        self.health = health or EtcdHealth(self.probe, name=name)
         self._members = max(1, len(client.endpoints))
 
     def probe(self) -> None:
