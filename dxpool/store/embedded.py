@@ -11,6 +11,7 @@ shim; we start the static binary directly so signals reach etcd itself).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -204,14 +205,20 @@ class EmbeddedEtcd:
     def _answers_itself(self) -> bool:
         """Whether the socket listening on our client port belongs to our process, not to
         another etcd that took the port first (Linux ``/proc``; True where it is absent)."""
-        if self._process is None:
-            return False
+        if self._process is None or self._process.poll() is not None:
+            return False  # ours is gone: whoever answered was someone else
+        if not Path("/proc/net/tcp").exists():
+            return True
         try:
             inodes = _listening_inodes(self.client_port)
-            fds = Path(f"/proc/{self._process.pid}/fd")
-            owned = {os.readlink(fd) for fd in fds.iterdir()}
+            fds = list(Path(f"/proc/{self._process.pid}/fd").iterdir())
         except OSError:
-            return True
+            # Ours exited while we looked (its /proc entry went): not ours answering.
+            return False
+        owned = set()
+        for fd in fds:
+            with contextlib.suppress(OSError):  # closed since the listing
+                owned.add(os.readlink(fd))
         return any(f"socket:[{inode}]" in owned for inode in inodes)
 
     @property

@@ -57,7 +57,8 @@ def snapshot(etcd_client: Any, prefix: str) -> dict[bytes, bytes]:
 
 @dataclass
 class FuzzPool:
-    """A broker over real etcd with two boxes, one host and one node (``nodes/n1``)."""
+    """A broker over real etcd with two boxes, one host, one node (``nodes/n1``) and one
+    QUARANTINED GPU (``boxes/box1/gpus/7``)."""
 
     broker: BrokerServer
     channel: grpc.Channel
@@ -102,6 +103,10 @@ def fuzz_pool(
     stubs = Stubs(channel)
     add_box(stubs, "box1")
     add_box(stubs, "box2", gpus=4, model="A100")
+    # A GPU an earlier detach left QUARANTINED on h1, for ReclaimGpu.
+    stuck = pb.Gpu.FromString(etcd_client.get(keys.gpu("box1", 7))[0])
+    stuck.state, stuck.host, stuck.host_slot = pb.GPU_STATE_QUARANTINED, "hosts/h1", 7
+    etcd_client.put(keys.gpu("box1", 7), stuck.SerializeToString())
     stubs.nodes.ComposeNode(
         nodes_pb2.ComposeNodeRequest(
             spec=pb.NodeSpec(gpus=pb.GpuRequest(model="H100", count=1)), node_id="n1"

@@ -46,6 +46,7 @@ EXPECTED: dict[str, frozenset[grpc.StatusCode]] = {
     "InventoryService.DeleteBox": _LOOKUP | {C.FAILED_PRECONDITION},
     "InventoryService.GetGpu": _LOOKUP,
     "InventoryService.ListGpus": _LOOKUP,
+    "InventoryService.ReclaimGpu": _LOOKUP | {C.FAILED_PRECONDITION},
     "InventoryService.GetHost": _LOOKUP,
     "InventoryService.ListHosts": _LIST,
     "NodeService.ComposeNode": _LOOKUP
@@ -64,12 +65,15 @@ MUTATIONS = frozenset(
         "InventoryService.CordonBox",
         "InventoryService.UncordonBox",
         "InventoryService.DeleteBox",
+        "InventoryService.ReclaimGpu",
         "NodeService.ComposeNode",
         "NodeService.ReleaseNode",
     }
 )
 # Successful calls the node controller follows up on with writes of its own.
-FOLLOWED_UP = frozenset({"NodeService.ComposeNode", "NodeService.ReleaseNode"})
+FOLLOWED_UP = frozenset(
+    {"NodeService.ComposeNode", "NodeService.ReleaseNode", "InventoryService.ReclaimGpu"}
+)
 
 _SPEC = pb.NodeSpec(
     gpus=pb.GpuRequest(model="H100", count=1, min_memory_mib=1024),
@@ -101,6 +105,9 @@ BASELINES: dict[str, Message] = {
     "InventoryService.GetGpu": inventory_pb2.GetGpuRequest(name="boxes/box1/gpus/0"),
     "InventoryService.ListGpus": inventory_pb2.ListGpusRequest(
         parent="boxes/box1", page_size=2, state=pb.GPU_STATE_FREE, model="H100"
+    ),
+    "InventoryService.ReclaimGpu": inventory_pb2.ReclaimGpuRequest(
+        name="boxes/box1/gpus/7", reason="proxy replaced"
     ),
     "InventoryService.GetHost": inventory_pb2.GetHostRequest(name="hosts/h1"),
     "InventoryService.ListHosts": inventory_pb2.ListHostsRequest(page_size=5),
