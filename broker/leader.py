@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any
 
+import etcd3
 from etcd3 import transactions
 
 from dxpool.errors import Unavailable
@@ -85,21 +86,36 @@ class LeaderElection:
 
     def _campaign(self) -> None:
         lease = self._store.call(lambda: self._client.lease(self._ttl), write=True)
-        won, _ = self._store.call(
+        won, responses = self._store.call(
             lambda: self._client.transaction(
                 compare=[transactions.Create(self._key) == 0],
                 success=[transactions.Put(self._key, self._identity, lease=lease)],
-                failure=[],
+                failure=[transactions.Get(self._key)],
             ),
             write=True,
         )
         if won:
-            self._lease = lease
-            self._deadline = time.monotonic() + self._ttl * 2 / 3
-            self._leading.set()
-            log.info("elected leader", extra={"key": self._key, "identity": self._identity})
-        else:
-            self._store.call(lease.revoke, write=True)
+            self._lead(lease, "elected leader")
+            return
+        self._store.call(lease.revoke, write=True)
+        holder = _holder_lease(responses, self._identity)
+        if holder:
+            self._reclaim(holder)
+
+    def _reclaim(self, lease_id: int) -> None:
+        """The key is still ours, on a lease we stepped down from while etcd was away:
+        lead again at once if that lease lives, rather than leave every duty idle until
+        it expires (etcd extends leases when it restarts)."""
+        lease = etcd3.Lease(lease_id, self._ttl, etcd_client=self._client)
+        responses = self._store.call(lease.refresh, write=False)
+        if responses and responses[0].TTL > 0:
+            self._lead(lease, "leadership resumed on its own lease")
+
+    def _lead(self, lease: Any, message: str) -> None:
+        self._lease = lease
+        self._deadline = time.monotonic() + self._ttl * 2 / 3
+        self._leading.set()
+        log.info(message, extra={"key": self._key, "identity": self._identity})
 
     def _refresh(self) -> None:
         if time.monotonic() > self._deadline:
@@ -121,6 +137,18 @@ class LeaderElection:
                 log.debug("lease revoke failed", exc_info=True)
         if was_leading:
             log.info("stepped down", extra={"key": self._key})
+
+
+def _holder_lease(responses: Any, identity: str) -> int:
+    """The lease of the election key a failed campaign's Get returned, if ``identity``
+    holds it; else 0."""
+    try:
+        for value, meta in responses[0]:
+            if bytes(value) == identity.encode():
+                return int(meta.lease_id)
+    except (IndexError, TypeError, AttributeError):
+        pass
+    return 0
 
 
 __all__ = ["LeaderElection"]

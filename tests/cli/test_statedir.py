@@ -19,6 +19,7 @@ from dxpool.cli.statedir import (
     PoolBusyError,
     ProcessIdentity,
     StateLock,
+    cmdline,
     find_leftovers,
     paths_in_cmdline,
     stop_leftovers,
@@ -52,8 +53,15 @@ class Processes:
         return process
 
     def sleeper(self, *extra: str, cwd: Path | None = None) -> subprocess.Popen[str]:
-        """A process that sleeps, with ``extra`` on its command line."""
-        return self.start(sys.executable, "-c", "import time; time.sleep(120)", *extra, cwd=cwd)
+        """A process that sleeps, with ``extra`` on its command line (readable in /proc
+        when this returns)."""
+        process = self.start(sys.executable, "-c", "import time; time.sleep(120)", *extra, cwd=cwd)
+        # Popen returns once the child's exec has replaced its memory, which can be just
+        # before the kernel has set up the new argv: /proc/PID/cmdline is briefly empty.
+        deadline = time.monotonic() + 10
+        while not cmdline(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return process
 
     def stop(self) -> None:
         for process in self.started:
