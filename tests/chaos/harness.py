@@ -119,13 +119,20 @@ class ManagedProcess:
             self.process.send_signal(signal.SIGKILL)
             self.process.wait(10)
 
-    def pause(self) -> None:
-        """SIGSTOP: the process keeps its sockets and leases but does nothing."""
+    def pause(self, timeout_s: float = 10.0) -> None:
+        """SIGSTOP: the process keeps its sockets and leases but does nothing. Returns once
+        every thread of it has stopped: the signal is asynchronous, and a thread still
+        running could, for instance, take a lock its caller is about to release."""
         if self.running:
             assert self.process is not None
             self.process.send_signal(signal.SIGSTOP)
             self.paused = True
             self.down = True
+            deadline = time.monotonic() + timeout_s
+            while not _all_threads_stopped(self.process.pid):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.name} did not stop within {timeout_s:g}s")
+                time.sleep(0.001)
 
     def resume(self) -> None:
         if self.running and self.paused:
@@ -202,6 +209,22 @@ def broker_fabric_args(state_dir: Path) -> list[str]:
         f"sim:{state_dir}",
         *shlex.split(os.environ.get("DXPOOL_CHAOS_BROKER_ARGS", "")),
     ]
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is stopped (state T) or gone."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return True
+    for task in tasks:
+        try:
+            state = (task / "stat").read_text().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            continue  # the thread ended
+        if state not in ("T", "t", "Z", "X"):
+            return False
+    return True
 
 
 class ChaosPool:
@@ -332,8 +355,9 @@ class ChaosPool:
 
         Pause an agent inside it: a process stopped while it holds the lock would freeze
         the whole simulated fabric (every host and the checker), which a frozen host
-        cannot do to real proxies. A process stopped while waiting for the lock does not
-        take it when it is released (it has to run to take it).
+        cannot do to real proxies. ``pause`` returns only once every thread has stopped,
+        so none can take the lock between the SIGSTOP and the release here (a stopped
+        process has to run to take it).
         """
         fd = os.open(self.fabric_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         try:
