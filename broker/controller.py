@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from dxpool import lifecycle
@@ -47,6 +47,10 @@ from dxpool.store import keys as k
 from dxpool.store.typed import Store, Versioned
 
 log = logging.getLogger(__name__)
+
+# A settle transaction compares each GPU and the host's status and writes each GPU: 60
+# GPUs stay well inside etcd's 128 operations per list.
+GPUS_PER_TXN = 60
 
 
 class NodeController:
@@ -81,6 +85,11 @@ class NodeController:
         # GPU id -> its owner node id, so a GPU that lets go of its node (freed,
         # quarantined) wakes that node (e.g. RELEASING -> RELEASED).
         self._owner_of_gpu: dict[str, str] = {}
+        # What a sweep must look at, kept current from cache events so an idle sweep
+        # costs O(work in flight), not O(pool): DETACHING GPUs, and nodes that are
+        # attaching or releasing.
+        self._detaching: set[str] = set()
+        self._active_nodes: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._unsubscribe: Callable[[], None] | None = None
@@ -90,8 +99,11 @@ class NodeController:
         with self._lock:
             for name, record in self._cache.items(k.GPUS):
                 self._index_gpu(name, record.value.host)
+                self._track_gpu(name, record.value)
                 if record.value.node:
                     self._owner_of_gpu[name] = parse_node(record.value.node)
+            for name, record in self._cache.items(k.NODES):
+                self._track_node(name, record.value)
         self._thread = threading.Thread(target=self._loop, name="node-controller", daemon=True)
         self._thread.start()
 
@@ -107,9 +119,11 @@ class NodeController:
         with self._lock:
             if collection == k.NODES:
                 self._dirty_nodes.add(name)
+                self._track_node(name, record.value if record is not None else None)
             elif collection == k.GPUS:
                 self._dirty_gpus.add(name)
                 self._index_gpu(name, record.value.host if record is not None else "")
+                self._track_gpu(name, record.value if record is not None else None)
                 owner = parse_node(record.value.node) if record and record.value.node else ""
                 previous = self._owner_of_gpu.pop(name, "")
                 if previous and previous != owner:
@@ -121,6 +135,22 @@ class NodeController:
             else:
                 return
         self._wake.set()
+
+    def _track_gpu(self, name: str, gpu: pb.Gpu | None) -> None:
+        """Keep ``_detaching`` current; called with ``_lock`` held."""
+        if gpu is not None and gpu.state == pb.GPU_STATE_DETACHING:
+            self._detaching.add(name)
+        else:
+            self._detaching.discard(name)
+
+    def _track_node(self, name: str, node: pb.VirtualNode | None) -> None:
+        """Keep ``_active_nodes`` current; called with ``_lock`` held."""
+        if node is not None and (
+            node.state in lifecycle.ATTACHING_NODE_STATES or node.state == pb.NODE_STATE_RELEASING
+        ):
+            self._active_nodes.add(name)
+        else:
+            self._active_nodes.discard(name)
 
     def _index_gpu(self, name: str, host: str) -> None:
         """Keep ``_gpus_by_host`` current; called with ``_lock`` held."""
@@ -163,19 +193,22 @@ class NodeController:
     # -- passes ----------------------------------------------------------------------
 
     def sweep(self) -> None:
-        """Look at every non-terminal node and every DETACHING GPU."""
+        """Look at every DETACHING GPU and every node still attaching or releasing (kept
+        as sets from cache events; before :meth:`start`, found by a full scan)."""
         with self._lock:
             self._dirty_nodes.clear()
             self._dirty_gpus.clear()
             self._dirty_hosts.clear()
-        for name, record in self._cache.items(k.GPUS):
-            if record.value.state == pb.GPU_STATE_DETACHING:
-                self._reconcile_gpu(name)
-        for name, record in self._cache.items(k.NODES):
-            if record.value.state in lifecycle.ATTACHING_NODE_STATES or (
-                record.value.state == pb.NODE_STATE_RELEASING
-            ):
-                self._reconcile_node(name)
+            if self._unsubscribe is None:  # not started: nothing tracks the sets
+                for name, record in self._cache.items(k.GPUS):
+                    self._track_gpu(name, record.value)
+                for name, record in self._cache.items(k.NODES):
+                    self._track_node(name, record.value)
+            detaching = sorted(self._detaching)
+            active = sorted(self._active_nodes)
+        self._reconcile_gpus(detaching)
+        for name in active:
+            self._reconcile_node(name)
 
     def _process_dirty(self) -> None:
         with self._lock:
@@ -184,12 +217,14 @@ class NodeController:
             hosts, self._dirty_hosts = self._dirty_hosts, set()
             for host in hosts:
                 gpus |= self._gpus_by_host.get(host, set())
+        detaching = []
         for name in sorted(gpus):
             current = self._cache.get(k.GPUS, name)
             if current is not None and current.value.state == pb.GPU_STATE_DETACHING:
-                self._reconcile_gpu(name)
+                detaching.append(name)
             if current is not None and current.value.node:
                 nodes.add(parse_node(current.value.node))
+        self._reconcile_gpus(detaching)
         for name in sorted(nodes):
             self._reconcile_node(name)
 
@@ -275,11 +310,42 @@ class NodeController:
 
     # -- one GPU ---------------------------------------------------------------------
 
-    def _reconcile_gpu(self, name: str) -> None:
-        """Free a DETACHING GPU once its host's status no longer lists it; quarantine it
-        when its agent reports that the detach keeps failing."""
-        if self._run(lambda view: self._settle_detach(view, name), name) == "FREE":
-            metrics.GPU_FREED.inc()
+    def _reconcile_gpus(self, names: Iterable[str]) -> None:
+        """Settle DETACHING GPUs, one transaction per host (at most ``GPUS_PER_TXN``
+        GPUs each): a released node's GPUs are freed together, not one commit apiece."""
+        by_host: dict[str, list[str]] = {}
+        for name in names:
+            record = self._cache.get(k.GPUS, name)
+            if record is not None and record.value.state == pb.GPU_STATE_DETACHING:
+                by_host.setdefault(record.value.host, []).append(name)
+        for host, group in sorted(by_host.items()):
+            group.sort()
+            for start in range(0, len(group), GPUS_PER_TXN):
+                self._settle_detaches(host, group[start : start + GPUS_PER_TXN])
+
+    def _settle_detaches(self, host: str, names: list[str]) -> None:
+        outcomes: dict[str, str] = {}
+
+        def body(view: TxnView) -> None:
+            outcomes.clear()
+            for name in names:
+                outcome = self._settle_detach(view, name)
+                if outcome is not None:
+                    outcomes[name] = outcome
+
+        subject = f"{len(names)} detaching GPUs of {host or 'no host'}"
+        try:
+            transact(self._store, self._cache, body, attempts=3, what=subject)
+        except Aborted:
+            log.debug("controller transition kept losing compares", extra={"subject": subject})
+            return
+        for name, outcome in sorted(outcomes.items()):
+            if outcome == "FREE":
+                metrics.GPU_FREED.inc()
+            else:
+                record = self._cache.get(k.GPUS, name)
+                reason = record.value.message if record is not None else ""
+                log.warning("gpu quarantined", extra={"gpu": name, "reason": reason})
 
     def _settle_detach(self, view: TxnView, name: str) -> str | None:
         record = view.get(k.GPUS, name)
@@ -302,7 +368,6 @@ class NodeController:
                 name,
                 lifecycle.quarantine(gpu, f"detach keeps failing on {gpu.host}: {entry.message}"),
             )
-            log.warning("gpu quarantined", extra={"gpu": gpu.name, "reason": entry.message})
             return "QUARANTINED"
         return None
 
