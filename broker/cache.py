@@ -28,11 +28,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import etcd3
 from google.protobuf.message import Message
+from sortedcontainers import SortedDict
 
+from dxpool.store import keys as k
 from dxpool.store.client import EtcdAddress, addresses_of
 from dxpool.store.keys import COLLECTIONS, KeySchema
 from dxpool.store.typed import Versioned, decode, encode
@@ -59,6 +61,12 @@ class Subscription:
     close: Callable[[], None]
 
 
+def _gpu_order(name: str) -> tuple[str, int, str]:
+    """Listing order of GPU ids ``box/slot``: by box, then slot as a number."""
+    box, _, slot = name.partition("/")
+    return box, int(slot) if slot.isascii() and slot.isdigit() else -1, slot
+
+
 class Cache:
     """In-memory records by collection and id, fed by list-then-watch.
 
@@ -80,7 +88,11 @@ class Cache:
         self._keys = schema
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
-        self._records: dict[str, dict[str, Versioned[Any]]] = {c: {} for c in COLLECTIONS}
+        # Kept in listing order (GPUs by box, then slot as a number), so a page of a
+        # listing is found in O(log n + page), with no sort per call.
+        self._records: dict[str, SortedDict[str, Versioned[Any]]] = {
+            c: SortedDict(_gpu_order) if c == k.GPUS else SortedDict() for c in COLLECTIONS
+        }
         self._tombstones: dict[tuple[str, str], int] = {}
         self._listeners: tuple[ChangeListener, ...] = ()
         # Revisions whose listeners are running now (revision -> calls), and the highest
@@ -303,9 +315,39 @@ class Cache:
             return self._records[collection].get(name)
 
     def items(self, collection: str) -> list[tuple[str, Versioned[Any]]]:
-        """Every record of a collection, sorted by id."""
+        """Every record of a collection, in listing order (by id; GPUs by box, then slot
+        as a number)."""
         with self._lock:
-            return sorted(self._records[collection].items())
+            return list(self._records[collection].items())
+
+    def scan(
+        self,
+        collection: str,
+        after: str | None,
+        limit: int,
+        keep: Callable[[Versioned[Any]], bool] = lambda _: True,
+    ) -> tuple[list[tuple[str, Versioned[Any]]], bool]:
+        """Up to ``limit`` records that ``keep`` accepts, in listing order, starting after
+        id ``after`` (from the start when None); and whether more such records follow.
+
+        ``keep`` runs under the cache lock: it must be quick and must not call back."""
+        found: list[tuple[str, Versioned[Any]]] = []
+        with self._lock:
+            records = self._records[collection]
+            if after is None:
+                names = records.irange()
+            elif records.key is None:
+                names = records.irange(minimum=after, inclusive=(False, True))
+            else:  # a SortedKeyDict: ranges are over the order, not the id
+                keyed = cast(Any, records)
+                names = keyed.irange_key(min_key=records.key(after), inclusive=(False, True))
+            for name in names:
+                record = records[name]
+                if keep(record):
+                    if len(found) == limit:
+                        return found, True
+                    found.append((name, record))
+        return found, False
 
     def count(self, collection: str) -> int:
         with self._lock:

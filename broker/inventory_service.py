@@ -10,7 +10,7 @@ from dxpool.api.v1 import inventory_pb2_grpc
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.cache import Cache
 from dxpool.broker.records import copy, timestamp
-from dxpool.broker.rpc import check_page_token, handler, page
+from dxpool.broker.rpc import cache_page, check_page_token, handler
 from dxpool.broker.stm import TxnView, transact
 from dxpool.broker.validation import (
     check_box,
@@ -38,7 +38,7 @@ from dxpool.names import (
 )
 from dxpool.request import check_gpu_memory_mib, check_model
 from dxpool.store import keys as k
-from dxpool.store.typed import Store, Txn
+from dxpool.store.typed import Store, Txn, Versioned
 
 MAX_ATTEMPTS = 8
 
@@ -162,9 +162,10 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
     def ListBoxes(
         self, request: inv.ListBoxesRequest, context: grpc.ServicerContext
     ) -> inv.ListBoxesResponse:
-        items = [(name, r.value) for name, r in self._cache.items(k.BOXES)]
-        boxes, token = page(items, check_page_size(request.page_size), request.page_token)
-        return inv.ListBoxesResponse(boxes=boxes, next_page_token=token)
+        chunk, token = cache_page(
+            self._cache, k.BOXES, check_page_size(request.page_size), request.page_token
+        )
+        return inv.ListBoxesResponse(boxes=[r.value for _, r in chunk], next_page_token=token)
 
     @handler("InventoryService.CordonBox")
     def CordonBox(self, request: inv.CordonBoxRequest, context: grpc.ServicerContext) -> pb.Box:
@@ -294,18 +295,18 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
                 reason="BOX_NOT_FOUND",
             )
         model = request.model.lower()
-        items = []
-        for _name, record in self._cache.items(k.GPUS):
-            gpu: pb.Gpu = record.value
-            if box_filter is not None and gpu.box != f"boxes/{box_filter}":
-                continue
-            if request.state and gpu.state != request.state:
-                continue
-            if model and gpu.model.lower() != model:
-                continue
-            items.append((f"{gpu.box}/{gpu.slot:05d}", gpu))
-        items.sort(key=lambda item: item[0])
-        gpus, token = page(items, page_size, request.page_token)
+        box_name = f"boxes/{box_filter}" if box_filter is not None else ""
+
+        def keep(record: Versioned[pb.Gpu]) -> bool:
+            gpu = record.value
+            return (
+                (not box_name or gpu.box == box_name)
+                and (not request.state or gpu.state == request.state)
+                and (not model or gpu.model.lower() == model)
+            )
+
+        chunk, token = cache_page(self._cache, k.GPUS, page_size, request.page_token, keep)
+        gpus = [r.value for _, r in chunk]
         return inv.ListGpusResponse(gpus=gpus, next_page_token=token)
 
     # -- hosts -----------------------------------------------------------------------
@@ -326,8 +327,10 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
     def ListHosts(
         self, request: inv.ListHostsRequest, context: grpc.ServicerContext
     ) -> inv.ListHostsResponse:
-        items = [(name, self._host_view(name, r.value)) for name, r in self._cache.items(k.HOSTS)]
-        hosts, token = page(items, check_page_size(request.page_size), request.page_token)
+        chunk, token = cache_page(
+            self._cache, k.HOSTS, check_page_size(request.page_size), request.page_token
+        )
+        hosts = [self._host_view(name, r.value) for name, r in chunk]
         return inv.ListHostsResponse(hosts=hosts, next_page_token=token)
 
     def _host_view(self, host_id: str, host: pb.Host) -> pb.Host:

@@ -16,11 +16,12 @@ from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.cache import Cache
 from dxpool.broker.compose import Composer
 from dxpool.broker.node_watch import NodeFeed, WatchSettings
-from dxpool.broker.rpc import handler, page, stream_handler
+from dxpool.broker.rpc import cache_page, handler, stream_handler
 from dxpool.broker.validation import check_page_size
 from dxpool.errors import InvalidArgument, NotFound
 from dxpool.names import parse_host, parse_node
 from dxpool.store import keys as k
+from dxpool.store.typed import Versioned
 
 
 class NodeService(nodes_pb2_grpc.NodeServiceServicer):
@@ -65,13 +66,17 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
         self, request: nodes_pb2.ListNodesRequest, context: grpc.ServicerContext
     ) -> nodes_pb2.ListNodesResponse:
         host = f"hosts/{parse_host(request.host)}" if request.host else ""
-        items = [
-            (name, r.value)
-            for name, r in self._cache.items(k.NODES)
-            if (request.show_released or r.value.state != pb.NODE_STATE_RELEASED)
-            and (not host or r.value.host == host)
-        ]
-        nodes, token = page(items, check_page_size(request.page_size), request.page_token)
+
+        def keep(record: Versioned[pb.VirtualNode]) -> bool:
+            node = record.value
+            return (request.show_released or node.state != pb.NODE_STATE_RELEASED) and (
+                not host or node.host == host
+            )
+
+        chunk, token = cache_page(
+            self._cache, k.NODES, check_page_size(request.page_size), request.page_token, keep
+        )
+        nodes = [r.value for _, r in chunk]
         return nodes_pb2.ListNodesResponse(nodes=nodes, next_page_token=token)
 
     @handler("NodeService.ReleaseNode")

@@ -22,10 +22,12 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from dxpool.broker import metrics
+from dxpool.broker.cache import Cache
 from dxpool.errors import ERROR_DOMAIN, DxpoolError, InvalidArgument
 from dxpool.limits import MAX_PAGE_TOKEN
 from dxpool.store.errors import classify
 from dxpool.store.errors import unavailable as etcd_unavailable
+from dxpool.store.typed import Versioned
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +112,25 @@ def page(items: Sequence[tuple[str, T]], page_size: int, page_token: str) -> tup
     more = start + page_size < len(items)
     token = _encode_token(chunk[-1][0]) if more and chunk else ""
     return [item for _, item in chunk], token
+
+
+def cache_page(
+    cache: Cache,
+    collection: str,
+    page_size: int,
+    page_token: str,
+    keep: Callable[[Versioned[Any]], bool] = lambda _: True,
+) -> tuple[list[tuple[str, Versioned[Any]]], str]:
+    """One page of the records of ``collection`` that ``keep`` accepts, as ``(id,
+    record)`` in the cache's listing order, and the next page token (the last id).
+
+    O(log n + what the page skips): the cache keeps its records sorted, so no call sorts
+    the collection. Like :func:`page`, pages stay correct while records come and go.
+    """
+    after = _decode_token(page_token) if page_token else None
+    chunk, more = cache.scan(collection, after, page_size, keep)
+    token = _encode_token(chunk[-1][0]) if more and chunk else ""
+    return chunk, token
 
 
 def _encode_token(key: str) -> str:

@@ -143,3 +143,34 @@ def test_notified_revision_stays_below_a_change_whose_listeners_still_run(  # ty
         open_gate.set()
         release.set()
         cache.stop()
+
+
+def test_scan_pages_in_listing_order_without_sorting(etcd_client, key_prefix: str) -> None:  # type: ignore[no-untyped-def]
+    """GPUs list by box, then slot as a number (slot 10 after slot 9); a scan resumes
+    after an id, skips what ``keep`` rejects, and says whether more follow."""
+    schema = KeySchema(key_prefix)
+    txn = Txn()
+    for box in ("b1", "b2"):
+        for slot in range(12):
+            state = pb.GPU_STATE_FREE if slot % 2 == 0 else pb.GPU_STATE_ATTACHED
+            txn.put(schema.gpu(box, slot), pb.Gpu(name=f"boxes/{box}/gpus/{slot}", state=state))
+    Store(etcd_client, schema).commit(txn)
+    cache = Cache(etcd_client, schema)
+    cache.start()
+    try:
+        ids = [name for name, _ in cache.items(k.GPUS)]
+        assert ids == [f"{box}/{slot}" for box in ("b1", "b2") for slot in range(12)]
+
+        def free(record: Versioned[pb.Gpu]) -> bool:
+            return record.value.state == pb.GPU_STATE_FREE
+
+        first, more = cache.scan(k.GPUS, None, 5, free)
+        assert [n for n, _ in first] == ["b1/0", "b1/2", "b1/4", "b1/6", "b1/8"] and more
+        second, more = cache.scan(k.GPUS, first[-1][0], 5, free)
+        assert [n for n, _ in second] == ["b1/10", "b2/0", "b2/2", "b2/4", "b2/6"] and more
+        last, more = cache.scan(k.GPUS, second[-1][0], 5, free)
+        assert [n for n, _ in last] == ["b2/8", "b2/10"] and not more
+        boxes, more = cache.scan(k.BOXES, None, 5)
+        assert boxes == [] and not more
+    finally:
+        cache.stop()
