@@ -94,7 +94,6 @@ class Composer:
                 reason="NODE_EXISTS",
             )
         for attempt in range(self._settings.max_attempts):
-            version = self._index.version
             with metrics.COMPOSE_STAGE_SECONDS.labels(stage="placement").time():
                 result = place(placement_request, self._index.snapshot(), self._latency)
             if result.placement is None:
@@ -104,14 +103,19 @@ class Composer:
                 )
             host = result.placement.host
             # Composes in this broker that chose the same host commit one at a time, so
-            # they never fail each other's compares; only other brokers can.
+            # they never fail each other's compares; only other brokers can. One
+            # placement per compose: under the lock the choice is re-checked against the
+            # cache (GPUs still free, host slots unused, boxes schedulable) rather than
+            # placed again, and the commit compares every record it depends on.
             with self._host_locks.lock(host):
-                if self._index.version != version:
+                outcome = self._try_commit(request, node_id, result)
+                if outcome is None:
+                    # Taken meanwhile (most often by a compose that held this lock
+                    # first): try this host again, which is cheaper than a full placement.
                     pinned = replace(placement_request, host=host)
                     result = place(pinned, self._index.snapshot(), self._latency)
-                    if result.placement is None:
-                        continue  # the host filled up while we waited; place anew
-                outcome = self._try_commit(request, node_id, result)
+                    if result.placement is not None:
+                        outcome = self._try_commit(request, node_id, result)
             if isinstance(outcome, pb.VirtualNode):
                 metrics.COMPOSE_TOTAL.labels(result="ok").inc()
                 return outcome
@@ -232,10 +236,13 @@ class Composer:
         used = {a.host_slot for a in allocation.attachments}
         for binding in result.placement.bindings:
             gpu_record = self._cache.get(k.GPUS, f"{binding.box}/{binding.slot}")
+            box_record = self._cache.get(k.BOXES, binding.box)
             if (
                 gpu_record is None
                 or not lifecycle.is_free(gpu_record.value)
                 or binding.host_slot in used
+                or box_record is None
+                or box_record.value.state != pb.BOX_STATE_ACTIVE
             ):
                 return None  # the snapshot was older than the cache; place again
             used.add(binding.host_slot)

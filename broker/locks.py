@@ -29,3 +29,10 @@ class KeyedLocks:
                     del self._locks[key]
                 else:
                     self._locks[key] = (lock, users - 1)
+
+    def waiting(self, key: str) -> int:
+        """How many callers hold or wait for ``key``'s lock, less the holder: waiters
+        (for tests that must act while a caller is at the lock)."""
+        with self._guard:
+            _, users = self._locks.get(key, (None, 0))
+        return max(users - 1, 0)

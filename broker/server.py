@@ -13,6 +13,7 @@ Watch, reflection) are admitted within ``stream_limits`` and can hold at most
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -150,6 +151,11 @@ class BrokerServer:
         """Load the cache, start the controller, bind and serve. Returns once serving."""
         self.cache.start()
         self.index = PlacementIndex(self.cache)
+        # The loaded inventory lives as long as the broker: move it out of the garbage
+        # collector's generations, so full collections stop walking it on the request
+        # path (bench/scale.py shows the pauses this removes from placement's p99).
+        gc.collect()
+        gc.freeze()
         composer = Composer(
             self.store,
             self.cache,

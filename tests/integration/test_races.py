@@ -143,3 +143,39 @@ def test_a_gpu_reassigned_while_its_old_agent_is_held_stays_with_the_new_host(
     assert sim_pool.fabric.mapping("box1", 0)[0] == "h2"  # type: ignore[index]
     gpu = gpu_record(stubs, GPU)
     assert (gpu.state, gpu.node, gpu.host) == (pb.GPU_STATE_ATTACHED, second.name, "hosts/h2")
+
+
+def test_a_box_cordoned_between_placement_and_commit_is_not_used(
+    broker: Any, stubs: Stubs, etcd_client: Any, key_prefix: str
+) -> None:
+    """A compose places once, then waits for its host's lock; the box it chose is
+    cordoned meanwhile. The re-check under the lock sees it, so the node never lands on
+    the cordoned box."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from dxpool.api.v1 import inventory_pb2
+    from dxpool.store.keys import KeySchema
+    from tests.conftest import add_box
+
+    keys = KeySchema(key_prefix)
+    host = pb.Host(
+        name="hosts/h1", location=pb.Location(site="s1", pod="p1", rack="r1"), slot_capacity=8
+    )
+    etcd_client.put(keys.host("h1"), host.SerializeToString())
+    etcd_client.put(keys.host_lease("h1"), b"")
+    add_box(stubs, "box1", gpus=1)
+    wait_until(lambda: broker.index.snapshot().hosts.get("h1") is not None, message="host")
+    composer = broker.nodes._composer
+    with ThreadPoolExecutor(1) as pool:
+        with composer._host_locks.lock("h1"):
+            composing = pool.submit(compose, stubs, "H100:1")
+            wait_until(
+                lambda: composer._host_locks.waiting("h1") > 0, message="compose at the lock"
+            )
+            stubs.inventory.CordonBox(inventory_pb2.CordonBoxRequest(name="boxes/box1"))
+        with pytest.raises(grpc.RpcError) as refused:
+            composing.result(timeout=30)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert gpu_record(stubs, GPU).state == pb.GPU_STATE_FREE
