@@ -1,0 +1,426 @@
+"""How the broker scales with the pool: start, memory, placement and compose throughput.
+
+For each pool size (GPUs; 8 GPUs per box, one host per box, racks of 16 hosts + 16
+boxes, pods of 16 racks) this starts a private etcd, registers the boxes through the
+broker's API (``CreateBox``, 8 clients) and the hosts through the store layer (the Host
+record the agent writes, plus a liveness key on one shared lease kept alive here, so
+every host is alive without running thousands of agents), then measures:
+
+* **start**: a broker process (``python -m dxpool.broker``) from spawn until it has
+  answered a ComposeNode; its RSS then, and its idle CPU over ``--idle-s`` seconds;
+* **placement**: ``place()`` on the placement index, in this process over the same
+  code the broker runs (Cache + PlacementIndex fed from etcd), for 1- and 8-GPU
+  requests at 0%, 50% and 90% fill. Fill marks a random fraction of boxes wholly
+  ATTACHED to their rack's hosts (GPU records and host allocations written through the
+  store), so an 8-GPU request still fits at 90%. p50/p99 over ``--placements`` calls on
+  a settled index (the snapshot is shared, as between two composes with no change);
+  ``snapshot after a change`` times the first snapshot after one GPU changed;
+* **composes/s**: 8 client threads composing 1-GPU nodes for ``--compose-s`` seconds
+  against the started broker. Hosts have no agent here, so nodes stay ATTACHING and
+  releases would never finish: compose+release pairs/s are measured with agents by
+  ``bench/compose_latency.py`` on a small pool.
+
+Prints one block per size and a summary table. Nothing is asserted; compare sizes
+within one run (these machines are shared and noisy). etcd runs with --unsafe-no-fsync
+to load large pools quickly; the broker's own work is what is measured.
+
+Usage: python bench/scale.py [--sizes 1000,10000,100000] [--placements 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import gc
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from dxpool.api.v1 import nodes_pb2, nodes_pb2_grpc
+from dxpool.api.v1 import resources_pb2 as pb
+from dxpool.broker.cache import Cache
+from dxpool.broker.placement import PlacementRequest, place
+from dxpool.broker.placement_index import PlacementIndex
+from dxpool.broker.server import BrokerConfig, BrokerServer
+from dxpool.client import Client
+from dxpool.fabric.latency import TopologyLatencyModel
+from dxpool.fabric.topology import Topology
+from dxpool.hostagent.config import AgentConfig
+from dxpool.hostagent.registration import host_record
+from dxpool.store import keys as k
+from dxpool.store.client import connect
+from dxpool.store.embedded import EmbeddedEtcd, free_port
+from dxpool.store.keys import KeySchema
+from dxpool.store.typed import Store, Txn
+
+PREFIX = "/dxpool-scale/"
+GPUS_PER_BOX = 8
+RACK_SIZE = 16  # hosts (and boxes) per rack
+RACKS_PER_POD = 16
+LOADERS = 8
+TXN_RECORDS = 60  # records per loading transaction (etcd allows 128 operations)
+SEED = 7
+
+
+@dataclass
+class Figures:
+    gpus: int
+    load_s: float = 0.0
+    start_s: float = 0.0
+    rss_mib: float = 0.0
+    idle_cpu: float = 0.0
+    placement: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+    snapshot_ms: float = 0.0
+    composes_per_s: float = 0.0
+    exhausted: int = 0
+
+
+def location(index: int) -> tuple[str, str, str]:
+    rack = index // RACK_SIZE
+    pod, rack_in_pod = divmod(rack, RACKS_PER_POD)
+    return "dc0", f"p{pod}", f"r{rack_in_pod}"
+
+
+def batches(items: list[int], size: int) -> Iterator[list[int]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+# -- loading ------------------------------------------------------------------------------
+
+
+def load_boxes(endpoint: str, boxes: int) -> None:
+    """CreateBox for every box through the API, LOADERS clients at once."""
+
+    def create(indexes: list[int]) -> None:
+        with Client(endpoint, timeout_s=60) as client:
+            for index in indexes:
+                site, pod, rack = location(index)
+                client.create_box(
+                    f"b{index:05d}",
+                    gpus=GPUS_PER_BOX,
+                    model="H100",
+                    memory_mib=81920,
+                    location=pb.Location(site=site, pod=pod, rack=rack),
+                )
+
+    shares = [list(range(i, boxes, LOADERS)) for i in range(LOADERS)]
+    with concurrent.futures.ThreadPoolExecutor(LOADERS) as pool:
+        for done in [pool.submit(create, share) for share in shares]:
+            done.result()
+
+
+def load_hosts(store: Store, hosts: int, lease: object) -> None:
+    """The Host record an agent registers, and its liveness key on ``lease``."""
+    keys = store.keys
+    for chunk in batches(list(range(hosts)), TXN_RECORDS // 2):
+        txn = Txn()
+        for index in chunk:
+            site, pod, rack = location(index)
+            host_id = f"h{index:05d}"
+            config = AgentConfig(host_id=host_id, site=site, pod=pod, rack=rack, slot_capacity=8)
+            txn.put(keys.host(host_id), host_record(config))
+            txn.put(keys.host_lease(host_id), b"", lease=lease)
+        store.commit(txn)
+
+
+def fill(store: Store, cache: Cache, boxes: list[int], *, attached: bool = True) -> int:
+    """Mark each box's GPUs ATTACHED to the host of the same index, slots 0-7 (or, with
+    ``attached=False``, FREE again with no allocation); returns the last write's
+    revision."""
+    keys = store.keys
+    revision = 0
+    for chunk in batches(boxes, TXN_RECORDS // (GPUS_PER_BOX + 1)):
+        txn = Txn()
+        for index in chunk:
+            host = f"hosts/h{index:05d}"
+            node = f"nodes/fill-{index:05d}"
+            attachments = []
+            for slot in range(GPUS_PER_BOX):
+                name = f"boxes/b{index:05d}/gpus/{slot}"
+                record = cache.get(k.GPUS, f"b{index:05d}/{slot}")
+                assert record is not None, name
+                gpu = pb.Gpu()
+                gpu.CopyFrom(record.value)
+                if attached:
+                    gpu.state, gpu.node, gpu.host, gpu.host_slot = (
+                        pb.GPU_STATE_ATTACHED,
+                        node,
+                        host,
+                        slot,
+                    )
+                else:
+                    gpu.state, gpu.node, gpu.host, gpu.host_slot = pb.GPU_STATE_FREE, "", "", 0
+                gpu.generation += 1
+                txn.put(keys.gpu(f"b{index:05d}", slot), gpu)
+                attachments.append(
+                    pb.DesiredAttachment(gpu=name, host_slot=slot, node=node, generation=1)
+                )
+            if attached:
+                allocation = pb.HostAllocation(host=host, attachments=attachments)
+                txn.put(keys.host_allocation(f"h{index:05d}"), allocation)
+            else:
+                txn.delete(keys.host_allocation(f"h{index:05d}"))
+        revision = store.commit(txn).revision
+    return revision
+
+
+# -- measuring ----------------------------------------------------------------------------
+
+
+def percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_broker(etcd: str, work: Path) -> tuple[subprocess.Popen[bytes], str, float]:
+    """Spawn a broker; returns it, its endpoint and seconds until a compose succeeded."""
+    port = free_port()
+    endpoint = f"127.0.0.1:{port}"
+    log = open(work / "broker.log", "ab")  # noqa: SIM115 - handed to the child
+    started = time.monotonic()
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dxpool.broker",
+            "--etcd",
+            etcd,
+            "--prefix",
+            PREFIX,
+            "--listen",
+            endpoint,
+            "--attach-timeout",
+            "3600",
+            "--log-level",
+            "WARNING",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    log.close()
+    request = nodes_pb2.ComposeNodeRequest(
+        spec=pb.NodeSpec(gpus=pb.GpuRequest(model="H100", count=1)), node_id="first"
+    )
+    with grpc.insecure_channel(endpoint) as channel:
+        stub = nodes_pb2_grpc.NodeServiceStub(channel)
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"broker exited; see {work / 'broker.log'}")
+            try:
+                stub.ComposeNode(request, timeout=30)
+                break
+            except grpc.RpcError as error:
+                if error.code() not in (grpc.StatusCode.UNAVAILABLE,):
+                    raise
+                time.sleep(0.05)
+    return process, endpoint, time.monotonic() - started
+
+
+def composes_per_second(
+    endpoint: str, seconds: float, most: int, clients: int = 8
+) -> tuple[float, int]:
+    """1-GPU composes from ``clients`` threads for ``seconds`` or until ``most`` were made
+    (half the pool: composes here never release); (composes/s, RESOURCE_EXHAUSTED)."""
+    stop = time.monotonic() + seconds
+    share = max(1, most // clients)
+    counts = [0] * clients
+    exhausted = [0] * clients
+
+    def worker(index: int) -> None:
+        with grpc.insecure_channel(endpoint) as channel:
+            stub = nodes_pb2_grpc.NodeServiceStub(channel)
+            request = nodes_pb2.ComposeNodeRequest(
+                spec=pb.NodeSpec(gpus=pb.GpuRequest(model="H100", count=1))
+            )
+            while time.monotonic() < stop and counts[index] < share:
+                try:
+                    stub.ComposeNode(request, timeout=30)
+                    counts[index] += 1
+                except grpc.RpcError as error:
+                    if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        raise
+                    exhausted[index] += 1
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
+    began = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sum(counts) / (time.monotonic() - began), sum(exhausted)
+
+
+def time_placements(index: PlacementIndex, count: int, runs: int) -> tuple[float, float]:
+    latency = TopologyLatencyModel(Topology.default())
+    request = PlacementRequest("H100", count)
+    snapshot = index.snapshot()
+    result = place(request, snapshot, latency)  # warm the latency model
+    assert result.placement is not None, result.unsatisfied
+    samples = []
+    for _ in range(runs):
+        began = time.perf_counter()
+        place(request, snapshot, latency)
+        samples.append(time.perf_counter() - began)
+    return percentile(samples, 0.5) * 1e3, percentile(samples, 0.99) * 1e3
+
+
+def run_size(gpus: int, args: argparse.Namespace) -> Figures:
+    figures = Figures(gpus)
+    boxes = gpus // GPUS_PER_BOX
+    work = Path(tempfile.mkdtemp(prefix="dxpool-scale-"))
+    with EmbeddedEtcd(work / "etcd", unsafe_no_fsync=True) as etcd:
+        client = connect(etcd.endpoint, timeout_s=30)
+        store = Store(client, KeySchema(PREFIX))
+        try:
+            began = time.monotonic()
+            load_pool(etcd.endpoint, store, boxes)
+            figures.load_s = time.monotonic() - began
+            measure_placement(etcd.endpoint, store, boxes, figures, args)
+            measure_broker(etcd.endpoint, work, figures, args)
+        finally:
+            client.close()
+    return figures
+
+
+def load_pool(etcd: str, store: Store, boxes: int) -> None:
+    """``boxes`` boxes through a broker's API, as many hosts alive through the store."""
+    lease = store.client.lease(3600)
+    loader = BrokerServer(
+        BrokerConfig(etcd_endpoints=etcd, key_prefix=PREFIX, listen="127.0.0.1:0")
+    ).start()
+    try:
+        load_boxes(loader.endpoint, boxes)
+    finally:
+        loader.stop(grace_s=0)
+    load_hosts(store, boxes, lease)
+
+
+def measure_broker(etcd: str, work: Path, figures: Figures, args: argparse.Namespace) -> None:
+    process, endpoint, figures.start_s = start_broker(etcd, work)
+    try:
+        figures.rss_mib = rss_mib(process.pid)
+        cpu_before = cpu_seconds(process.pid)
+        time.sleep(args.idle_s)
+        figures.idle_cpu = (cpu_seconds(process.pid) - cpu_before) / args.idle_s
+        figures.composes_per_s, figures.exhausted = composes_per_second(
+            endpoint, args.compose_s, figures.gpus // 2
+        )
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def measure_placement(
+    etcd: str, store: Store, boxes: int, figures: Figures, args: argparse.Namespace
+) -> None:
+    cache = Cache(etcd, KeySchema(PREFIX))
+    cache.start(timeout_s=300)
+    index = PlacementIndex(cache)
+    if args.freeze:  # as BrokerServer.start does once its cache is loaded
+        gc.collect()
+        gc.freeze()
+    try:
+        order = list(range(boxes))
+        random.Random(SEED).shuffle(order)
+        filled = 0
+        runs = args.placements if boxes <= 1250 else max(20, args.placements // 10)
+        for percent in (0, 50, 90):
+            target = boxes * percent // 100
+            if target > filled:
+                cache.wait_for_revision(fill(store, cache, order[filled:target]), timeout_s=300)
+                filled = target
+            for count in (1, 8):
+                figures.placement[(percent, count)] = time_placements(index, count, runs)
+        cache.wait_for_revision(fill(store, cache, order[:filled], attached=False), timeout_s=300)
+        some_gpu = store.keys.gpu(f"b{order[-1]:05d}", 0)
+        record = store.get(some_gpu)
+        assert record is not None
+        changed: pb.Gpu = record.value
+        changed.memory_mib += 1
+        cache.wait_for_revision(store.commit(Txn().put(some_gpu, changed)).revision, 60)
+        began = time.perf_counter()
+        index.snapshot()
+        figures.snapshot_ms = (time.perf_counter() - began) * 1e3
+    finally:
+        index.close()
+        cache.stop()
+
+
+def report(figures: Figures) -> None:
+    print(f"== {figures.gpus:,} GPUs ({figures.gpus // GPUS_PER_BOX:,} boxes and hosts)")
+    print(f"  loaded in {figures.load_s:.1f} s")
+    print(
+        f"  broker start to first compose {figures.start_s:.2f} s, RSS "
+        f"{figures.rss_mib:.0f} MiB, idle CPU {figures.idle_cpu * 100:.1f}% of a core"
+    )
+    print(
+        f"  composes/s with 8 clients {figures.composes_per_s:.0f} "
+        f"(RESOURCE_EXHAUSTED {figures.exhausted})"
+    )
+    for (percent, count), (p50, p99) in sorted(figures.placement.items()):
+        print(f"  placement {count}-GPU at {percent:2d}% fill: p50 {p50:.2f} ms, p99 {p99:.2f} ms")
+    print(f"  snapshot after a change {figures.snapshot_ms:.2f} ms")
+
+
+def table(results: list[Figures]) -> None:
+    print("\n| GPUs | start s | RSS MiB | idle CPU | composes/s | 1-GPU p50/p99 ms (0/50/90%) "
+          "| 8-GPU p50/p99 ms (0/50/90%) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for f in results:
+        cells = {}
+        for count in (1, 8):
+            cells[count] = " · ".join(
+                f"{f.placement[(p, count)][0]:.2f}/{f.placement[(p, count)][1]:.2f}"
+                for p in (0, 50, 90)
+            )
+        print(
+            f"| {f.gpus:,} | {f.start_s:.2f} | {f.rss_mib:.0f} | {f.idle_cpu * 100:.1f}% "
+            f"| {f.composes_per_s:.0f} | {cells[1]} | {cells[8]} |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="1000,10000,100000", help="pool sizes in GPUs")
+    parser.add_argument("--placements", type=int, default=200, help="place() calls per case")
+    parser.add_argument("--idle-s", type=float, default=10.0, help="idle CPU window")
+    parser.add_argument("--compose-s", type=float, default=10.0, help="compose load window")
+    parser.add_argument(
+        "--no-freeze",
+        dest="freeze",
+        action="store_false",
+        help="time placement without gc.freeze() after the load (the broker freezes)",
+    )
+    args = parser.parse_args()
+    results = []
+    for size in (int(s) for s in args.sizes.split(",")):
+        figures = run_size(size, args)
+        report(figures)
+        results.append(figures)
+    table(results)
+
+
+if __name__ == "__main__":
+    main()
