@@ -58,6 +58,7 @@ from dxpool.broker.placement.guard import PluginError, applying, failure, guarde
 from dxpool.broker.placement.model import (
     Binding,
     CandidateReport,
+    Candidates,
     HostInfo,
     LatencyEstimate,
     LatencyModel,
@@ -216,11 +217,14 @@ class _Run:
         request: PlacementRequest,
         snapshot: Snapshot,
         latency: LatencyModel,
+        *,
+        share_classes: bool = True,
     ) -> None:
         self.pipeline = pipeline
         self.request = request
         self.snapshot = snapshot
         self.latency = latency
+        self.share_classes = share_classes
         key = ("placement", id(pipeline), id(latency), request)
         prepared = snapshot.derived(key, lambda: _prepare(pipeline, request, snapshot, latency))
         self.prepared = prepared
@@ -240,7 +244,16 @@ class _Run:
         if self.prepared.rejected:
             return _rejected(self.snapshot, self.prepared.rejected)
         hosts = self.snapshot.hosts
-        outcomes = [self.filter_and_select(hosts[host]) for host in self.snapshot.host_ids()]
+        if self.share_classes and self.chooser is not None:
+            outcomes, shared = self._filter_and_select_by_class()
+            if shared and not any(outcome.proposals for outcome in outcomes):
+                # Nothing fits: the account of why covers every host, host by host.
+                return _Run(
+                    self.pipeline, self.request, self.snapshot, self.latency, share_classes=False
+                ).result()
+        else:
+            outcomes = [self.filter_and_select(hosts[host]) for host in self.snapshot.host_ids()]
+            shared = 0
         proposals = [p for outcome in outcomes for p in outcome.proposals]
         totals, by_plugin = self.score(proposals)
         best: dict[str, tuple[float, int]] = {}
@@ -254,9 +267,61 @@ class _Run:
             total, index = winner[1]
             placement = self.bind(proposals[index], total)
         unsatisfied = () if placement is not None else tuple(self.unsatisfied(outcomes))
+        if shared:
+            # Hosts were skipped as alike; an explanation covers every host, so it is
+            # made by a run that looks at each (only when read: a compose never reads it).
+            return PlacementResult(placement, self._explain_every_host, unsatisfied)
         return PlacementResult(
             placement, lambda: self.report(outcomes, best, proposals, by_plugin), unsatisfied
         )
+
+    def _explain_every_host(self) -> Candidates:
+        full = _Run(self.pipeline, self.request, self.snapshot, self.latency, share_classes=False)
+        return full.result().candidates
+
+    def _filter_and_select_by_class(self) -> tuple[list[_HostOutcome], int]:
+        """The chooser's proposals made once per host class: hosts with the same latency
+        class and the same free slot count get the same proposals and scores, and only
+        the first of them by id can win (ties go to the lower id). Hosts the host filters
+        drop are skipped without a record. Returns the outcomes of the hosts looked at
+        and how many were skipped; when none got a proposal the caller asks a full run
+        for the account of why."""
+        chooser = self.chooser
+        assert chooser is not None
+        hosts = self.snapshot.hosts
+        served: set[tuple[int, int]] = set()
+        outcomes: list[_HostOutcome] = []
+        shared = 0
+        for host_id in self.snapshot.host_ids():
+            host = hosts[host_id]
+            if not self._passes_host_filters(host):
+                shared += 1  # dropped: only an explanation (a full run) says why
+                continue
+            try:
+                key: tuple[int, int] | None = (
+                    chooser.host_class(host.place),
+                    host.free_slot_count(),
+                )
+            except Exception:
+                key = None  # filter_and_select goes pair by pair and reports it
+            if key in served:
+                shared += 1
+                continue
+            outcome = self.filter_and_select(host)
+            outcomes.append(outcome)
+            if outcome.proposals and key is not None:
+                served.add(key)
+        return outcomes, shared
+
+    def _passes_host_filters(self, host: HostInfo) -> bool:
+        request = self.request
+        for plugin in self.host_filters:
+            try:
+                if plugin.filter_host(request, host).code is not Code.SUCCESS:
+                    return False
+            except Exception:
+                return False
+        return True
 
     def filter_and_select(self, host: HostInfo) -> _HostOutcome:
         request = self.request

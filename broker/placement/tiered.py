@@ -93,6 +93,10 @@ class TieredChooser:
         self._classes = classes
         self._chosen: dict[int, Choice] = {}
 
+    def host_class(self, host: Place) -> int:
+        """The class of a host's place: hosts of one class get the same choice."""
+        return self._model.host_class(host)
+
     def choose(self, host: Place) -> Choice:
         """What the rules choose for a host at ``host``."""
         host_class = self._model.host_class(host)

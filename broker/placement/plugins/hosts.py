@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from dxpool.broker.placement.model import HostInfo, PlacementRequest
@@ -53,6 +54,15 @@ class HostAlive:
         return f"hosts: {len(failed)} of {reached} not alive ({names})"
 
 
+@functools.lru_cache(maxsize=1024)
+def _too_few_slots(free: int, needed: int) -> Status:
+    """One Status per (free, needed): a full pool rejects most hosts on every placement,
+    and formatting a reason for each cost more than the rest of the filter."""
+    return Status.unschedulable(
+        f"{plural(free, 'free proxy slot')}, {needed} needed", plugin=HostSlots.name
+    )
+
+
 class HostSlots:
     """Keeps hosts with at least ``count`` free proxy slots."""
 
@@ -65,9 +75,7 @@ class HostSlots:
         free = host.free_slot_count()
         if free >= request.count:
             return SUCCESS
-        return Status.unschedulable(
-            f"{plural(free, 'free proxy slot')}, {request.count} needed", plugin=self.name
-        )
+        return _too_few_slots(free, request.count)
 
     def explain(
         self, request: PlacementRequest, failed: Sequence[HostInfo], reached: int

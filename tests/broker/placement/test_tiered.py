@@ -124,13 +124,14 @@ def test_the_tiered_path_answers_exactly_as_the_pair_by_pair_path(
     snapshot, request = random_case(random.Random(seed))
     model = CountingModel(topology)
     tiered = place(request, snapshot, model)
+    deciding_pairs = model.pairs  # the explanation, read below, may look at every host
     pairwise = place(request, snapshot, PairByPair(TopologyLatencyModel(topology)))
     assert tiered.placement == pairwise.placement
     assert tiered.unsatisfied == pairwise.unsatisfied
     assert tiered.candidates == pairwise.candidates
     if tiered.placement is not None:
         # never asked pair by pair: at most once per host, for its nearest box out of reach
-        assert model.pairs <= (len(snapshot.hosts) if request.max_latency_ns else 0)
+        assert deciding_pairs <= (len(snapshot.hosts) if request.max_latency_ns else 0)
 
 
 def test_the_random_cases_exercise_both_outcomes(topology: Topology) -> None:
@@ -226,3 +227,29 @@ def test_options_merge_identical_choices_and_need_a_nearest_first_choice() -> No
     nearest = (Take(supply, 1, 1_000),)
     assert options(1, nearest, (1_000, supply), (1_000, supply)) == [("nearest-first", nearest)]
     assert options(1, None, (1_000, supply), None) == []
+
+
+@pytest.mark.parametrize("seed", range(CASES))
+def test_hosts_alike_are_proposed_for_once_and_decide_the_same(
+    seed: int, topology: Topology
+) -> None:
+    """Hosts of one latency class with the same free slot count get the same proposals;
+    only the first by id is looked at, and the decision is that of a run over all."""
+    from dxpool.broker.placement.pipeline import _Run
+    from dxpool.broker.placement.registry import default_pipeline
+
+    rng = random.Random(seed)
+    snapshot, request = random_case(rng)
+    # Many hosts per rack, as in a real pool: the case the classes are for.
+    hosts = dict(snapshot.hosts)
+    for index in range(24):
+        place = Place(f"hosts/x{index:02d}", *where(rng))
+        hosts[f"x{index:02d}"] = HostInfo(f"x{index:02d}", place, 8, frozenset(), True)
+    snapshot = Snapshot(snapshot.boxes, hosts, snapshot.gpus_by_box)
+    model = TopologyLatencyModel(topology)
+    pipeline = default_pipeline()
+    by_class = _Run(pipeline, request, snapshot, model).result()
+    every_host = _Run(pipeline, request, snapshot, model, share_classes=False).result()
+    assert by_class.placement == every_host.placement
+    assert by_class.unsatisfied == every_host.unsatisfied
+    assert by_class.candidates == every_host.candidates
