@@ -9,6 +9,7 @@ from dxpool.api.v1 import inventory_pb2 as inv
 from dxpool.api.v1 import inventory_pb2_grpc
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.cache import Cache
+from dxpool.broker.pool_status import pool_status
 from dxpool.broker.records import copy, timestamp
 from dxpool.broker.rpc import cache_page, check_page_token, handler
 from dxpool.broker.stm import TxnView, transact
@@ -322,6 +323,12 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
                 reason="HOST_NOT_FOUND",
             )
         return self._host_view(host_id, record.value)
+
+    @handler("InventoryService.GetPoolStatus")
+    def GetPoolStatus(
+        self, request: inv.GetPoolStatusRequest, context: grpc.ServicerContext
+    ) -> inv.PoolStatus:
+        return pool_status(self._cache)
 
     @handler("InventoryService.ListHosts")
     def ListHosts(

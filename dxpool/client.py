@@ -456,6 +456,11 @@ class Client:
     def get_gpu(self, name: str) -> resources_pb2.Gpu:
         return self._unary(self._inventory.GetGpu, inventory_pb2.GetGpuRequest(name=gpu_name(name)))
 
+    def pool_status(self) -> inventory_pb2.PoolStatus:
+        """The pool at a glance: GPUs by model and state, nodes by state, live and dead
+        hosts, free proxy slots, and how many 1/2/4/8-GPU nodes fit now."""
+        return self._unary(self._inventory.GetPoolStatus, inventory_pb2.GetPoolStatusRequest())
+
     def reclaim_gpu(self, name: str, reason: str = "") -> resources_pb2.Gpu:
         """Put a QUARANTINED GPU back into service: it goes FENCING, the leader broker
         revokes and scrubs it at the box side, then it is FREE. Idempotent while FENCING;

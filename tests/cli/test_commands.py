@@ -151,6 +151,19 @@ def test_host_get_and_gpu_get(run: Run, pool: SimPool) -> None:
     assert gpu["name"] == "boxes/box2/gpus/3" and gpu["state"] == "GPU_STATE_FREE"
 
 
+def test_status_shows_the_pool_at_a_glance(run: Run, pool: SimPool) -> None:
+    table = ok(run("status")).splitlines()
+    assert table[0].split() == [
+        "MODEL", "TOTAL", "FREE", "IN", "USE", "FENCING", "QUARANTINED", "UNAVAILABLE", "USED"
+    ]  # fmt: skip
+    assert table[1].split()[0] == "(all)"
+    assert any(line.startswith("Fit now") for line in table)
+    data = json.loads(ok(run("status", "-o", "json")))
+    every = data["models"][0]
+    assert every["total"] == every["free"] > 0
+    assert [fit["gpus"] for fit in data["fits"]] == [1, 2, 4, 8]
+
+
 def test_gpu_reclaim_of_a_free_gpu_fails_and_says_why(run: Run, pool: SimPool) -> None:
     result = run("gpu", "reclaim", "box2/3", "--reason", "checked")
     assert result.exit_code == 1

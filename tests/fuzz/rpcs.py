@@ -48,6 +48,7 @@ EXPECTED: dict[str, frozenset[grpc.StatusCode]] = {
     "InventoryService.ListGpus": _LOOKUP,
     "InventoryService.ReclaimGpu": _LOOKUP | {C.FAILED_PRECONDITION},
     "InventoryService.GetHost": _LOOKUP,
+    "InventoryService.GetPoolStatus": _LIST,
     "InventoryService.ListHosts": _LIST,
     "NodeService.ComposeNode": _LOOKUP
     | {C.ALREADY_EXISTS, C.RESOURCE_EXHAUSTED, C.FAILED_PRECONDITION},
@@ -110,6 +111,7 @@ BASELINES: dict[str, Message] = {
         name="boxes/box1/gpus/7", reason="proxy replaced"
     ),
     "InventoryService.GetHost": inventory_pb2.GetHostRequest(name="hosts/h1"),
+    "InventoryService.GetPoolStatus": inventory_pb2.GetPoolStatusRequest(),
     "InventoryService.ListHosts": inventory_pb2.ListHostsRequest(page_size=5),
     "NodeService.ComposeNode": nodes_pb2.ComposeNodeRequest(spec=_SPEC, request_id="r-node"),
     "NodeService.PlanNode": nodes_pb2.ComposeNodeRequest(spec=_SPEC),

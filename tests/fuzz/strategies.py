@@ -211,6 +211,8 @@ def requests(descriptor: Descriptor, baseline: Message | None = None) -> st.Sear
     if baseline is None:
         return scratch
     paths = field_paths(descriptor)
+    if not paths:  # a message without fields: only the empty message and unknown bytes
+        return st.one_of(scratch, st.just(baseline))
     mutated = st.sampled_from(paths).flatmap(
         lambda path: values(path[-1], len(path) - 1).map(
             lambda value: with_field(baseline, path, value)

@@ -398,3 +398,149 @@ class ListHostsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListHostsResponse: _TypeAlias = ListHostsResponse  # noqa: Y015
+
+@_typing.final
+class GetPoolStatusRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetPoolStatusRequest: _TypeAlias = GetPoolStatusRequest  # noqa: Y015
+
+@_typing.final
+class ModelStatus(_message.Message):
+    """GPUs of one model ("" for all models together), by state. free counts only GPUs a
+    compose may take now (FREE, healthy, in an active box).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    TOTAL_FIELD_NUMBER: _builtins.int
+    FREE_FIELD_NUMBER: _builtins.int
+    IN_USE_FIELD_NUMBER: _builtins.int
+    FENCING_FIELD_NUMBER: _builtins.int
+    QUARANTINED_FIELD_NUMBER: _builtins.int
+    UNAVAILABLE_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    total: _builtins.int
+    free: _builtins.int
+    in_use: _builtins.int
+    """ATTACHING, ATTACHED or DETACHING for a node"""
+    fencing: _builtins.int
+    quarantined: _builtins.int
+    unavailable: _builtins.int
+    """FREE but unhealthy, faulted, or in a cordoned box"""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        total: _builtins.int = ...,
+        free: _builtins.int = ...,
+        in_use: _builtins.int = ...,
+        fencing: _builtins.int = ...,
+        quarantined: _builtins.int = ...,
+        unavailable: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fencing", b"fencing", "free", b"free", "in_use", b"in_use", "model", b"model", "quarantined", b"quarantined", "total", b"total", "unavailable", b"unavailable"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelStatus: _TypeAlias = ModelStatus  # noqa: Y015
+
+@_typing.final
+class FitCount(_message.Message):
+    """How many nodes of `gpus` GPUs (any model, no latency bound) fit now, one after the
+    other: limited by free GPUs and by the free proxy slots of live hosts.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GPUS_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
+    gpus: _builtins.int
+    nodes: _builtins.int
+    def __init__(
+        self,
+        *,
+        gpus: _builtins.int = ...,
+        nodes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus", "nodes", b"nodes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FitCount: _TypeAlias = FitCount  # noqa: Y015
+
+@_typing.final
+class PoolStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class NodesByStateEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    MODELS_FIELD_NUMBER: _builtins.int
+    NODES_BY_STATE_FIELD_NUMBER: _builtins.int
+    HOSTS_ALIVE_FIELD_NUMBER: _builtins.int
+    HOSTS_DEAD_FIELD_NUMBER: _builtins.int
+    FREE_HOST_SLOTS_FIELD_NUMBER: _builtins.int
+    FITS_FIELD_NUMBER: _builtins.int
+    hosts_alive: _builtins.int
+    hosts_dead: _builtins.int
+    free_host_slots: _builtins.int
+    """on live hosts"""
+    @_builtins.property
+    def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelStatus]:
+        """the first is all models together"""
+
+    @_builtins.property
+    def nodes_by_state(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """NodeState names, e.g. "NODE_STATE_READY" """
+
+    @_builtins.property
+    def fits(self) -> _containers.RepeatedCompositeFieldContainer[Global___FitCount]: ...
+    def __init__(
+        self,
+        *,
+        models: _abc.Iterable[Global___ModelStatus] | None = ...,
+        nodes_by_state: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        hosts_alive: _builtins.int = ...,
+        hosts_dead: _builtins.int = ...,
+        free_host_slots: _builtins.int = ...,
+        fits: _abc.Iterable[Global___FitCount] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fits", b"fits", "free_host_slots", b"free_host_slots", "hosts_alive", b"hosts_alive", "hosts_dead", b"hosts_dead", "models", b"models", "nodes_by_state", b"nodes_by_state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PoolStatus: _TypeAlias = PoolStatus  # noqa: Y015

@@ -86,6 +86,11 @@ class InventoryServiceStub:
                 request_serializer=dxpool_dot_v1_dot_inventory__pb2.GetHostRequest.SerializeToString,
                 response_deserializer=dxpool_dot_v1_dot_resources__pb2.Host.FromString,
                 _registered_method=True)
+        self.GetPoolStatus = channel.unary_unary(
+                '/dxpool.v1.InventoryService/GetPoolStatus',
+                request_serializer=dxpool_dot_v1_dot_inventory__pb2.GetPoolStatusRequest.SerializeToString,
+                response_deserializer=dxpool_dot_v1_dot_inventory__pb2.PoolStatus.FromString,
+                _registered_method=True)
         self.ListHosts = channel.unary_unary(
                 '/dxpool.v1.InventoryService/ListHosts',
                 request_serializer=dxpool_dot_v1_dot_inventory__pb2.ListHostsRequest.SerializeToString,
@@ -165,6 +170,14 @@ class InventoryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetPoolStatus(self, request, context):
+        """The pool at a glance: GPUs by model and state, nodes by state, live and dead hosts,
+        and how many nodes of 1, 2, 4 and 8 GPUs would fit now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListHosts(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -223,6 +236,11 @@ def add_InventoryServiceServicer_to_server(servicer, server):
                     servicer.GetHost,
                     request_deserializer=dxpool_dot_v1_dot_inventory__pb2.GetHostRequest.FromString,
                     response_serializer=dxpool_dot_v1_dot_resources__pb2.Host.SerializeToString,
+            ),
+            'GetPoolStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPoolStatus,
+                    request_deserializer=dxpool_dot_v1_dot_inventory__pb2.GetPoolStatusRequest.FromString,
+                    response_serializer=dxpool_dot_v1_dot_inventory__pb2.PoolStatus.SerializeToString,
             ),
             'ListHosts': grpc.unary_unary_rpc_method_handler(
                     servicer.ListHosts,
@@ -500,6 +518,33 @@ class InventoryService:
             '/dxpool.v1.InventoryService/GetHost',
             dxpool_dot_v1_dot_inventory__pb2.GetHostRequest.SerializeToString,
             dxpool_dot_v1_dot_resources__pb2.Host.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPoolStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dxpool.v1.InventoryService/GetPoolStatus',
+            dxpool_dot_v1_dot_inventory__pb2.GetPoolStatusRequest.SerializeToString,
+            dxpool_dot_v1_dot_inventory__pb2.PoolStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,6 +54,10 @@ class InventoryServiceStub:
     FAILED_PRECONDITION for any other state.
     """
     GetHost: _grpc.UnaryUnaryMultiCallable[_inventory_pb2.GetHostRequest, _resources_pb2.Host]
+    GetPoolStatus: _grpc.UnaryUnaryMultiCallable[_inventory_pb2.GetPoolStatusRequest, _inventory_pb2.PoolStatus]
+    """The pool at a glance: GPUs by model and state, nodes by state, live and dead hosts,
+    and how many nodes of 1, 2, 4 and 8 GPUs would fit now.
+    """
     ListHosts: _grpc.UnaryUnaryMultiCallable[_inventory_pb2.ListHostsRequest, _inventory_pb2.ListHostsResponse]
 
 @_typing.type_check_only
@@ -80,6 +84,10 @@ class InventoryServiceAsyncStub(InventoryServiceStub):
     FAILED_PRECONDITION for any other state.
     """
     GetHost: _aio.UnaryUnaryMultiCallable[_inventory_pb2.GetHostRequest, _resources_pb2.Host]  # type: ignore[assignment]
+    GetPoolStatus: _aio.UnaryUnaryMultiCallable[_inventory_pb2.GetPoolStatusRequest, _inventory_pb2.PoolStatus]  # type: ignore[assignment]
+    """The pool at a glance: GPUs by model and state, nodes by state, live and dead hosts,
+    and how many nodes of 1, 2, 4 and 8 GPUs would fit now.
+    """
     ListHosts: _aio.UnaryUnaryMultiCallable[_inventory_pb2.ListHostsRequest, _inventory_pb2.ListHostsResponse]  # type: ignore[assignment]
 
 class InventoryServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -163,6 +171,16 @@ class InventoryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _inventory_pb2.GetHostRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_resources_pb2.Host, _abc.Awaitable[_resources_pb2.Host]]: ...
+
+    @_abc_1.abstractmethod
+    def GetPoolStatus(
+        self,
+        request: _inventory_pb2.GetPoolStatusRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_inventory_pb2.PoolStatus, _abc.Awaitable[_inventory_pb2.PoolStatus]]:
+        """The pool at a glance: GPUs by model and state, nodes by state, live and dead hosts,
+        and how many nodes of 1, 2, 4 and 8 GPUs would fit now.
+        """
 
     @_abc_1.abstractmethod
     def ListHosts(
