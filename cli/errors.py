@@ -6,9 +6,12 @@ colleague would; it never repeats the message.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
+import click
 import grpc
 
-from dxpool.errors import DxpoolError
+from dxpool.errors import DxpoolError, NotFound
 
 EXIT_OK = 0
 EXIT_API_ERROR = 1
@@ -43,3 +46,27 @@ def format_error(error: DxpoolError, endpoint: str, *, verbose: bool = False) ->
     if hint:
         lines.append(f"hint: {hint}")
     return "\n".join(lines)
+
+
+def for_each(
+    names: Iterable[str],
+    act: Callable[[str], None],
+    endpoint: str,
+    *,
+    ignore_not_found: bool = False,
+) -> None:
+    """Run ``act`` on every name, even after one fails; each failure is printed as it
+    happens (``error: NAME: CODE: message``) and the command then exits 1. With
+    ``ignore_not_found`` a name that does not exist is skipped quietly."""
+    failed = 0
+    for name in names:
+        try:
+            act(name)
+        except DxpoolError as error:
+            if ignore_not_found and isinstance(error, NotFound):
+                continue
+            failed += 1
+            text = format_error(error, endpoint).replace("error: ", f"error: {name}: ", 1)
+            click.echo(text, err=True)
+    if failed:
+        raise click.exceptions.Exit(EXIT_API_ERROR)

@@ -79,3 +79,10 @@ GPU_STATE = _GrammarType("STATE", client.gpu_state)
 def labels_dict(pairs: tuple[tuple[str, str], ...]) -> dict[str, str]:
     """The ``--label`` pairs of a command as a mapping (a later key wins)."""
     return dict(pairs)
+
+
+ignore_not_found_option = click.option(
+    "--ignore-not-found",
+    is_flag=True,
+    help="Treat a name that does not exist as already deleted.",
+)

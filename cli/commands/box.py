@@ -5,8 +5,9 @@ from __future__ import annotations
 import click
 
 from dxpool.cli.context import CliContext, pass_cli
+from dxpool.cli.errors import for_each
 from dxpool.cli.output import OutputFormat, output_option, print_many, print_one
-from dxpool.cli.params import BOX, GPUS, LABEL, MEMORY, labels_dict
+from dxpool.cli.params import BOX, GPUS, LABEL, MEMORY, ignore_not_found_option, labels_dict
 from dxpool.cli.views import BOX_VIEW
 from dxpool.request import GpuSpec
 
@@ -116,9 +117,15 @@ def uncordon(cli: CliContext, name: str) -> None:
 
 @box.command("delete")
 @click.argument("names", metavar="BOX...", type=BOX, nargs=-1, required=True)
+@ignore_not_found_option
 @pass_cli
-def delete(cli: CliContext, names: tuple[str, ...]) -> None:
-    """Remove boxes and their GPUs; refused while any of their GPUs is in use."""
-    for name in names:
-        cli.client().delete_box(name)
+def delete(cli: CliContext, names: tuple[str, ...], ignore_not_found: bool) -> None:
+    """Remove boxes and their GPUs; refused while any of their GPUs is in use. Every name
+    is tried; each failure is reported and the command then exits 1."""
+    client = cli.client()
+
+    def remove(name: str) -> None:
+        client.delete_box(name)
         click.echo(f"{name} deleted")
+
+    for_each(names, remove, client.endpoint, ignore_not_found=ignore_not_found)

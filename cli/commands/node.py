@@ -9,6 +9,7 @@ import click
 
 from dxpool.api.v1 import nodes_pb2, resources_pb2
 from dxpool.cli.context import CliContext, pass_cli
+from dxpool.cli.errors import for_each
 from dxpool.cli.output import (
     DOCUMENT_FORMATS,
     OutputFormat,
@@ -21,7 +22,17 @@ from dxpool.cli.output import (
     print_one,
     to_dict,
 )
-from dxpool.cli.params import GPUS, HOST, LABEL, LATENCY, MEMORY, NODE, SECONDS, labels_dict
+from dxpool.cli.params import (
+    GPUS,
+    HOST,
+    LABEL,
+    LATENCY,
+    MEMORY,
+    NODE,
+    SECONDS,
+    ignore_not_found_option,
+    labels_dict,
+)
 from dxpool.cli.views import (
     BINDING_VIEW,
     CANDIDATE_VIEW,
@@ -234,13 +245,21 @@ def get(cli: CliContext, names: tuple[str, ...], output: OutputFormat) -> None:
     show_default=True,
     help="How long --wait waits for each node.",
 )
+@ignore_not_found_option
 @pass_cli
 def delete(
-    cli: CliContext, names: tuple[str, ...], wait: bool, force: bool, timeout: float
+    cli: CliContext,
+    names: tuple[str, ...],
+    wait: bool,
+    force: bool,
+    timeout: float,
+    ignore_not_found: bool,
 ) -> None:
-    """Release nodes: detach their GPUs and return them to the pool. Idempotent."""
+    """Release nodes: detach their GPUs and return them to the pool. Idempotent. Every
+    name is tried; each failure is reported and the command then exits 1."""
     client = cli.client()
-    for name in names:
+
+    def release(name: str) -> None:
         released = client.release_node(name, force=force)
         if wait and released.state != NodeState.NODE_STATE_RELEASED:
             info(f"waiting up to {timeout:g}s for {name} to be RELEASED")
@@ -248,6 +267,8 @@ def delete(
                 name, until=(NodeState.NODE_STATE_RELEASED,), timeout_s=timeout
             )
         click.echo(f"{name} {node_state_name(released.state).lower()}")
+
+    for_each(names, release, client.endpoint, ignore_not_found=ignore_not_found)
 
 
 @node.command("watch")

@@ -151,6 +151,35 @@ def test_host_get_and_gpu_get(run: Run, pool: SimPool) -> None:
     assert gpu["name"] == "boxes/box2/gpus/3" and gpu["state"] == "GPU_STATE_FREE"
 
 
+def test_delete_acts_on_every_name_and_reports_each_failure(run: Run) -> None:
+    """It used to stop at the first name that failed: `node delete nope real` left the
+    real node alone."""
+    ok(run(*shlex.split("box add box1 --gpus H100:1 --memory 80GiB")))
+    ok(run(*shlex.split("box add box2 --gpus H100:1 --memory 80GiB")))
+
+    result = run("box", "delete", "nope", "box1", "gone", "box2")
+
+    assert result.exit_code == 1
+    assert result.stdout == "boxes/box1 deleted\nboxes/box2 deleted\n"
+    errors = result.stderr.splitlines()
+    assert [line.split(":")[1].strip() for line in errors if line.startswith("error:")] == [
+        "boxes/nope",
+        "boxes/gone",
+    ]
+    assert all("NOT_FOUND" in line for line in errors if line.startswith("error:"))
+    assert ok(run("box", "list", "-o", "name")) == ""
+
+
+def test_delete_with_ignore_not_found_skips_missing_names(run: Run) -> None:
+    ok(run(*shlex.split("box add box1 --gpus H100:1 --memory 80GiB")))
+
+    result = run("box", "delete", "--ignore-not-found", "nope", "box1")
+    assert (result.exit_code, result.stdout, result.stderr) == (0, "boxes/box1 deleted\n", "")
+    assert run("node", "delete", "--ignore-not-found", "ghost").exit_code == 0
+    missing = run("node", "delete", "ghost")
+    assert missing.exit_code == 1 and "error: nodes/ghost: NOT_FOUND" in missing.stderr
+
+
 def test_status_shows_the_pool_at_a_glance(run: Run, pool: SimPool) -> None:
     table = ok(run("status")).splitlines()
     assert table[0].split() == [
