@@ -259,7 +259,15 @@ class BoundLinkFilterPlugin(LinkFilterPlugin, Protocol):
 
 
 class ScorePlugin(Protocol):
-    """Rates proposals. Higher normalized scores are better."""
+    """Rates proposals. Higher normalized scores are better.
+
+    A plugin may set ``by_host_class = True`` when its raw score depends only on the
+    proposal's takes and free slot count, never on which host of a latency class it is,
+    and its ``normalize`` only on the best raw score (max or min), not on how many
+    proposals there are. Placement then scores one host per class (see
+    ``pipeline._filter_and_select_by_class``); a plugin without it makes every host be
+    scored.
+    """
 
     name: str
 

@@ -244,7 +244,8 @@ class _Run:
         if self.prepared.rejected:
             return _rejected(self.snapshot, self.prepared.rejected)
         hosts = self.snapshot.hosts
-        if self.share_classes and self.chooser is not None:
+        by_class = all(getattr(w.plugin, "by_host_class", False) for w in self.pipeline.scores)
+        if self.share_classes and by_class and self.chooser is not None:
             outcomes, shared = self._filter_and_select_by_class()
             if shared and not any(outcome.proposals for outcome in outcomes):
                 # Nothing fits: the account of why covers every host, host by host.

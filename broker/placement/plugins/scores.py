@@ -21,6 +21,7 @@ class LatencyScore:
     """Prefers nearer boxes: the raw score is the mean round trip over the node's GPUs."""
 
     name = "latency"
+    by_host_class = True
 
     def score(self, request: PlacementRequest, proposal: Proposal) -> float:
         return proposal.mean_latency_ns
@@ -33,6 +34,7 @@ class BoxAffinity:
     """Prefers fewer distinct boxes, so GPUs can talk peer-to-peer inside one switch."""
 
     name = "box_affinity"
+    by_host_class = True
 
     def score(self, request: PlacementRequest, proposal: Proposal) -> float:
         return float(proposal.box_count)
@@ -46,6 +48,7 @@ class BoxFit:
     nodes: the raw score is the share of the usable GPUs in the touched boxes it takes."""
 
     name = "box_fit"
+    by_host_class = True
 
     def score(self, request: PlacementRequest, proposal: Proposal) -> float:
         return MAX_SCORE * proposal.gpu_count / max(proposal.available_in_boxes, 1)
@@ -59,6 +62,7 @@ class HostFit:
     the raw score is the share of the host's free slots the node takes."""
 
     name = "host_fit"
+    by_host_class = True
 
     def score(self, request: PlacementRequest, proposal: Proposal) -> float:
         return MAX_SCORE * proposal.gpu_count / max(proposal.free_slots, 1)

@@ -253,3 +253,41 @@ def test_hosts_alike_are_proposed_for_once_and_decide_the_same(
     assert by_class.placement == every_host.placement
     assert by_class.unsatisfied == every_host.unsatisfied
     assert by_class.candidates == every_host.candidates
+
+
+def test_a_score_that_tells_hosts_of_a_class_apart_makes_every_host_be_scored(
+    topology: Topology,
+) -> None:
+    """A plugin without ``by_host_class`` (here: it prefers the highest host id) must see
+    every host, or it could never pick one the classes would have skipped."""
+    import dataclasses
+
+    from dxpool.broker.placement.framework import Proposal, scale_to_best
+    from dxpool.broker.placement.pipeline import WeightedScore
+    from dxpool.broker.placement.registry import default_pipeline
+
+    class LastHost:
+        name = "last_host"
+
+        def score(self, request: PlacementRequest, proposal: Proposal) -> float:
+            return float(int(proposal.host.host.removeprefix("h")))
+
+        def normalize(self, scores: list[float]) -> list[float]:
+            return scale_to_best(scores)
+
+    rack = ("s", "p", "r")
+    boxes = {"b0": BoxInfo("b0", Place("boxes/b0", *rack), True)}
+    gpus = {
+        "b0": tuple(GpuInfo(f"boxes/b0/gpus/{s}", "b0", s, "H100", 1, True, True) for s in range(4))
+    }
+    hosts = {
+        f"h{i}": HostInfo(f"h{i}", Place(f"hosts/h{i}", *rack), 8, frozenset(), True)
+        for i in range(1, 6)
+    }
+    snapshot = Snapshot(boxes, hosts, gpus)
+    base = default_pipeline()
+    pipeline = dataclasses.replace(base, scores=(*base.scores, WeightedScore(LastHost(), 100.0)))
+
+    result = pipeline.run(PlacementRequest("H100", 1), snapshot, TopologyLatencyModel(topology))
+
+    assert result.placement is not None and result.placement.host == "h5"
