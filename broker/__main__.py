@@ -54,6 +54,12 @@ from dxpool.store.keys import DEFAULT_PREFIX
 @click.option(
     "--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)"
 )
+@click.option(
+    "--metrics-address",
+    default="127.0.0.1",
+    show_default=True,
+    help="address the metrics port binds (0.0.0.0 for every interface)",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 def broker_command(
     etcd: str,
@@ -65,6 +71,7 @@ def broker_command(
     host_loss_grace: float,
     retention: float,
     metrics_port: int,
+    metrics_address: str,
     log_level: str,
 ) -> None:
     """Run a dxpool broker: the gRPC API over the etcd inventory."""
@@ -74,7 +81,7 @@ def broker_command(
     if metrics_port:
         from prometheus_client import start_http_server
 
-        start_http_server(metrics_port, addr="127.0.0.1")
+        start_http_server(metrics_port, addr=metrics_address)
     server = BrokerServer(
         BrokerConfig(
             etcd_endpoints=etcd,
