@@ -17,7 +17,7 @@ from typing import Any
 import click
 
 import dxpool
-from dxpool.cli.commands import box, fabric, gpu, host, node, status, up
+from dxpool.cli.commands import box, completion, fabric, gpu, host, node, status, up
 from dxpool.cli.context import CliContext
 from dxpool.cli.errors import EXIT_API_ERROR, EXIT_INTERRUPTED, format_error
 from dxpool.cli.params import SECONDS
@@ -118,7 +118,16 @@ def cli(ctx: click.Context, endpoint: str | None, request_timeout: float, verbos
 # Long-running commands that own their logging configuration (their --log-level).
 DAEMONS = frozenset({"broker", "agent"})
 
-for _command in (box.box, gpu.gpu, host.host, node.node, fabric.fabric, status.status, up.up):
+for _command in (
+    box.box,
+    gpu.gpu,
+    host.host,
+    node.node,
+    fabric.fabric,
+    status.status,
+    completion.completion,
+    up.up,
+):
     cli.add_command(_command)
 
 

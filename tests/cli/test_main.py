@@ -151,3 +151,29 @@ def test_hints_say_what_to_do_next_without_repeating_the_message() -> None:
     assert format_error(NotFound("x"), "h:1") == "error: NOT_FOUND: x"
     verbose = format_error(NotFound("x", reason="NODE_NOT_FOUND"), "h:1", verbose=True)
     assert verbose.splitlines()[1] == "reason: NODE_NOT_FOUND"
+
+
+def test_completion_scripts_complete_commands() -> None:
+    """The script `dxpool completion bash` prints calls back into dxpool, which answers
+    with the commands that match."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    for shell in ("bash", "zsh", "fish"):
+        script = CliRunner().invoke(cli, ["completion", shell])
+        assert script.exit_code == 0 and "_DXPOOL_COMPLETE" in script.output
+    dxpool = Path(sys.executable).parent / "dxpool"
+    answer = subprocess.run(
+        [str(dxpool)],
+        env={**os.environ, "_DXPOOL_COMPLETE": "bash_complete", "COMP_WORDS": "dxpool no",
+             "COMP_CWORD": "1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )  # fmt: skip
+    assert "plain,node" in answer.stdout.splitlines()
