@@ -40,11 +40,19 @@ _GPU_STRING = re.compile(
 )
 # Bounded digits, so float() never overflows and int() never meets a 5,000-digit string.
 _NUMBER = r"([0-9]{1,15}(?:\.[0-9]{1,9})?)"
-_DURATION = re.compile(r"\s*" + _NUMBER + r"\s*(ns|us|µs|ms|s)\s*")
+_DURATION = re.compile(r"\s*" + _NUMBER + r"\s*(ns|us|µs|ms|s|m|h)\s*")
 _MEMORY = re.compile(r"\s*" + _NUMBER + r"\s*(MiB|GiB|TiB|M|G|T)\s*", re.IGNORECASE)
 _INTEGER = re.compile(r"\s*-?[0-9]{1,18}\s*", re.ASCII)
 _DIGITS = re.compile(r"[0-9]+")
-_NS_PER_UNIT = {"ns": 1, "us": 1_000, "µs": 1_000, "ms": 1_000_000, "s": 1_000_000_000}
+_NS_PER_UNIT = {
+    "ns": 1,
+    "us": 1_000,
+    "µs": 1_000,
+    "ms": 1_000_000,
+    "s": 1_000_000_000,
+    "m": 60_000_000_000,
+    "h": 3_600_000_000_000,
+}
 _MIB_PER_UNIT = {"mib": 1, "m": 1, "gib": 1024, "g": 1024, "tib": 1024 * 1024, "t": 1024 * 1024}
 
 
@@ -164,7 +172,7 @@ def parse_duration_ns(value: str) -> int:
     if not match:
         raise InvalidArgument(
             f"cannot parse duration {_shown(value)}: expected a number and a unit, "
-            "one of ns, us, ms, s (e.g. 4us)",
+            "one of ns, us, ms, s, m, h (e.g. 4us, 5m)",
             reason="INVALID_DURATION",
         )
     ns = round(float(match.group(1)) * _NS_PER_UNIT[match.group(2)])

@@ -55,7 +55,15 @@ def test_spec_is_immutable() -> None:
 
 
 @pytest.mark.parametrize(
-    ("text", "ns"), [("4us", 4000), ("1.5ms", 1_500_000), ("800ns", 800), ("2s", 2 * 10**9)]
+    ("text", "ns"),
+    [
+        ("4us", 4000),
+        ("1.5ms", 1_500_000),
+        ("800ns", 800),
+        ("2s", 2 * 10**9),
+        ("5m", 300 * 10**9),
+        ("1.5h", 5400 * 10**9),
+    ],
 )
 def test_durations(text: str, ns: int) -> None:
     assert parse_duration_ns(text) == ns
