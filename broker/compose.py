@@ -340,7 +340,13 @@ class Composer:
             )
             return let_go(view, node, pb.NODE_STATE_RELEASING, message, self._clock(), fence=force)
 
-        released = transact(self._store, self._cache, body, what=f"releasing {name}")
+        # Composes and releases on one host in this broker change its allocation record
+        # one at a time (composes commit under this lock too), so a release does not
+        # keep losing its compare to composes that land on the same host meanwhile.
+        known = self.lookup(k.NODES, node_id)
+        host = parse_host(known.value.host) if known is not None and known.value.host else ""
+        with self._host_locks.lock(host):
+            released = transact(self._store, self._cache, body, what=f"releasing {name}")
         metrics.RELEASE_TOTAL.inc()
         return released
 
