@@ -342,7 +342,6 @@ def measure_placement(
     cache.start(timeout_s=300)
     index = PlacementIndex(cache)
     if args.freeze:  # as BrokerServer.start does once its cache is loaded
-        gc.collect()
         gc.freeze()
     try:
         order = list(range(boxes))

@@ -23,7 +23,7 @@ import etcd3
 from etcd3 import transactions
 
 from dxpool.errors import Unavailable
-from dxpool.store.typed import Store
+from dxpool.store.typed import Store, key_holder
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +98,8 @@ class LeaderElection:
             self._lead(lease, "elected leader")
             return
         self._store.call(lease.revoke, write=True)
-        holder = _holder_lease(responses, self._identity)
-        if holder:
+        holder, value = key_holder(responses)
+        if holder and value == self._identity.encode():
             self._reclaim(holder)
 
     def _reclaim(self, lease_id: int) -> None:
@@ -137,18 +137,6 @@ class LeaderElection:
                 log.debug("lease revoke failed", exc_info=True)
         if was_leading:
             log.info("stepped down", extra={"key": self._key})
-
-
-def _holder_lease(responses: Any, identity: str) -> int:
-    """The lease of the election key a failed campaign's Get returned, if ``identity``
-    holds it; else 0."""
-    try:
-        for value, meta in responses[0]:
-            if bytes(value) == identity.encode():
-                return int(meta.lease_id)
-    except (IndexError, TypeError, AttributeError):
-        pass
-    return 0
 
 
 __all__ = ["LeaderElection"]

@@ -32,7 +32,7 @@ from dxpool.errors import Unavailable
 from dxpool.hostagent.config import AgentConfig
 from dxpool.hostagent.status import now_timestamp
 from dxpool.names import host_name
-from dxpool.store.typed import Store, Txn
+from dxpool.store.typed import Store, Txn, key_holder
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class HostRegistration:
         )
         if not created:
             self._store.call(lease.revoke, write=True)
-            holder, value = _holder_of(responses)
+            holder, value = key_holder(responses)
             if self._token and value == self._token and self._adopt(holder, ttl):
                 return
             raise HostHeldError(
@@ -187,16 +187,6 @@ class HostRegistration:
                 self._store.call(lease.revoke, write=True)
             except ETCD_ERRORS as error:
                 log.warning("lease revoke failed", extra={"error": repr(error)})
-
-
-def _holder_of(responses: Any) -> tuple[int, bytes]:
-    """The lease id and value of the key a failed transaction's single Get returned."""
-    try:
-        for value, meta in responses[0]:
-            return int(meta.lease_id), bytes(value)
-    except (IndexError, TypeError, AttributeError):
-        pass
-    return 0, b""
 
 
 __all__ = ["ETCD_ERRORS", "HostHeldError", "HostRegistration", "host_record"]

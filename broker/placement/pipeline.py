@@ -295,7 +295,7 @@ class _Run:
         shared = 0
         for host_id in self.snapshot.host_ids():
             host = hosts[host_id]
-            if not self._passes_host_filters(host):
+            if self.host_filter_failure(host) is not None:
                 shared += 1  # dropped: only an explanation (a full run) says why
                 continue
             try:
@@ -314,17 +314,8 @@ class _Run:
                 served.add(key)
         return outcomes, shared
 
-    def _passes_host_filters(self, host: HostInfo) -> bool:
-        request = self.request
-        for plugin in self.host_filters:
-            try:
-                if plugin.filter_host(request, host).code is not Code.SUCCESS:
-                    return False
-            except Exception:
-                return False
-        return True
-
-    def filter_and_select(self, host: HostInfo) -> _HostOutcome:
+    def host_filter_failure(self, host: HostInfo) -> tuple[int, Status] | None:
+        """The first host filter that drops ``host`` (its index and status), or None."""
         request = self.request
         for index, plugin in enumerate(self.host_filters):
             try:
@@ -332,10 +323,18 @@ class _Run:
             except Exception as error:
                 status = failure(plugin.name, error)
             if status.code is not Code.SUCCESS:
-                self.host_stops[index] += 1
-                if status.code is not Code.ERROR:  # errors are reported per host
-                    self.host_failures[plugin.name].append(host)
-                return _HostOutcome(host, status, [])
+                return index, status
+        return None
+
+    def filter_and_select(self, host: HostInfo) -> _HostOutcome:
+        request = self.request
+        dropped = self.host_filter_failure(host)
+        if dropped is not None:
+            index, status = dropped
+            self.host_stops[index] += 1
+            if status.code is not Code.ERROR:  # errors are reported per host
+                self.host_failures[self.host_filters[index].name].append(host)
+            return _HostOutcome(host, status, [])
         if self.chooser is not None:
             tiered = self.choose_tiered(host, self.chooser)
             if tiered is not None:

@@ -335,8 +335,14 @@ class EtcdCluster:
     """
 
     def __init__(
-        self, size: int = 3, data_dir: Path | None = None, *, unsafe_no_fsync: bool = False
+        self,
+        size: int = 3,
+        data_dir: Path | None = None,
+        *,
+        unsafe_no_fsync: bool = False,
+        launcher: Sequence[str] = (),
     ) -> None:
+        """``launcher`` prefixes every member's command line (see :class:`EmbeddedEtcd`)."""
         if size < 1:
             raise ValueError("an etcd cluster needs at least one member")
         self._own_dir = data_dir is None
@@ -352,6 +358,7 @@ class EtcdCluster:
                 client_port=ports[2 * i],
                 peer_port=ports[2 * i + 1],
                 unsafe_no_fsync=unsafe_no_fsync,
+                launcher=launcher,
                 name=name,
                 initial_cluster=initial,
             )

@@ -276,6 +276,18 @@ class _NextMember(Unavailable):
     once every member has been tried (it is an :class:`Unavailable`)."""
 
 
+def key_holder(responses: Any) -> tuple[int, bytes]:
+    """The lease id and value of the key that the single Get in a failed transaction's
+    failure branch returned (python3-etcd3's raw responses); ``(0, b"")`` if absent.
+    For keys held on a lease (liveness, leadership), which typed records do not carry."""
+    try:
+        for value, meta in responses[0]:
+            return int(meta.lease_id), bytes(value)
+    except (IndexError, TypeError, AttributeError):
+        pass
+    return 0, b""
+
+
 def _txn_revision(responses: Any) -> int:
     # python3-etcd3 drops the TxnResponse header; the per-op responses carry one.
     for response in responses or []:

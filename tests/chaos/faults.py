@@ -55,6 +55,7 @@ from dxpool.api.v1 import nodes_pb2, nodes_pb2_grpc
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.client import Client
 from dxpool.errors import DxpoolError
+from dxpool.store.embedded import EtcdCluster
 from tests.chaos.harness import ChaosPool
 from tests.chaos.invariants import (
     UNFENCED_GPU_STATES,
@@ -486,7 +487,7 @@ class EtcdKill(Fault):
     def inject(self) -> None:
         cluster = self.ctx.pool.etcd
         size = len(cluster.members)
-        leader = cluster.leader()
+        leader = _leader_index(cluster)
         if size == 1:
             self.index = 0
         elif self.leader:
@@ -498,10 +499,10 @@ class EtcdKill(Fault):
         )
         self.hold_s = self.rng.uniform(1.0, 3.0)
         self.record.injected_at = time.monotonic()
-        cluster.kill(self.index)
+        cluster.members[self.index].kill()
 
     def heal(self) -> None:
-        self.ctx.pool.etcd.restart(self.index)
+        self.ctx.pool.etcd.members[self.index].start(timeout_s=30.0)
         self.record.healed_at = time.monotonic()
 
     def observe(
@@ -516,6 +517,14 @@ class EtcdKill(Fault):
             if at is not None:
                 record.recovered_at = at
         return []
+
+
+def _leader_index(cluster: EtcdCluster) -> int | None:
+    """Which member leads, as the live members report it; None while none does."""
+    try:
+        return cluster.members.index(cluster.leader(timeout_s=2.0))
+    except RuntimeError:
+        return None
 
 
 class EtcdLeaderKill(EtcdKill):

@@ -1,6 +1,6 @@
 """A pool of real processes for chaos runs: etcd, brokers and host agents on a sim fabric.
 
-:class:`ChaosPool` starts an etcd cluster (:mod:`tests.chaos.etcd_cluster`), creates a
+:class:`ChaosPool` starts an etcd cluster (:class:`dxpool.store.embedded.EtcdCluster`), creates a
 simulated fabric (``SimFabric.create``), starts ``broker_count`` brokers
 (``python -m dxpool.broker``, the process ``dxpool broker`` runs), registers the boxes
 through the broker API (``dxpool.client.Client.create_box``) and starts one host agent
@@ -18,6 +18,7 @@ import contextlib
 import fcntl
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,13 +34,21 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from dxpool.client import Client
 from dxpool.fabric.sim import LOCK_FILE, SimFabric, SimGpuSpec
 from dxpool.store.client import connect
-from dxpool.store.embedded import free_ports
+from dxpool.store.embedded import EtcdCluster, free_ports
 from dxpool.store.keys import KeySchema
-from tests.chaos.etcd_cluster import EtcdCluster, die_with_parent
 
 GPU_MODEL = "H100"
 GPU_MEMORY_MIB = 81920
 LOG_TAIL_BYTES = 4000
+
+
+def die_with_parent() -> list[str]:
+    """A command prefix that makes a child get SIGKILL when the thread that started it
+    ends (``setpriv --pdeathsig``; it execs, so the pid stays the child's), so a run that
+    is itself killed leaves no etcd, broker or agent behind. Empty where setpriv is
+    missing. Start children only from threads that outlive them."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
 
 
 @dataclass(frozen=True)
@@ -68,7 +77,7 @@ class ManagedProcess:
     the same command line. Output goes to ``log_path`` (appended across restarts).
 
     The child gets SIGKILL when the thread that started it ends (see
-    :func:`~tests.chaos.etcd_cluster.die_with_parent`).
+    :func:`die_with_parent`).
 
     ``down`` is True from :meth:`kill` or :meth:`pause` until :meth:`start` or
     :meth:`resume`: a process that is not running while not ``down`` has died by itself.
@@ -234,7 +243,9 @@ class ChaosPool:
         self.root = root
         self.config = config
         self.schema = KeySchema(config.prefix)
-        self.etcd = EtcdCluster(root / "etcd", config.etcd_members)
+        self.etcd = EtcdCluster(
+            config.etcd_members, root / "etcd", unsafe_no_fsync=True, launcher=die_with_parent()
+        )
         self.fabric_dir = root / "fabric"
         self.fabric: SimFabric | None = None
         self.brokers: list[Broker] = []
