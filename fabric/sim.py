@@ -232,6 +232,28 @@ class SimFabric:
         _raise_injected(fault)
         return dropped
 
+    def fence_host(self, host: str) -> list[tuple[str, int]]:
+        """Box-side fencing of a whole host: drop every mapping ``host`` holds (and their
+        devices on it), and refuse maps for the generations those mappings were made for,
+        so the host's agent cannot map them again. Other hosts' mappings are untouched.
+        One transaction, so a GPU that moves to another host meanwhile is never cut off
+        there. Idempotent. Returns the ``(box, slot)`` of every dropped mapping."""
+        self._sleep(self.delays.map_s)
+        with self._transaction() as state:
+            _require_host(state, host)
+            fault = state.take_fault("fence", host=host)
+            dropped: list[tuple[str, int]] = []
+            if fault is None:
+                dropped = sorted(
+                    key for key, (target, _) in state.mappings.items() if target == host
+                )
+                for key in dropped:
+                    generation = state.mapped_generation.get(key, 0)
+                    state.fenced[key] = max(state.fenced.get(key, -1), generation)
+                    state.drop_mapping(key)
+        _raise_injected(fault)
+        return dropped
+
     def scrub(self, box: str, slot: int, generation: int) -> None:
         """Reset the GPU from the box side (its memory is cleared), for the assignment of
         ``generation``. Refused while the GPU is mapped: a mapped GPU may be in use."""

@@ -196,6 +196,21 @@ class ProxyMapper(Protocol):
         """Host slot -> GPU, for every mapping on this host."""
         ...
 
+    def fence(self, host: str) -> list[GpuRef]:
+        """Revoke, at the box side, every mapping ``host`` holds, and return the GPUs whose
+        mappings were dropped.
+
+        ``host`` may be any host of the fabric, not only the one this mapper serves: the
+        caller is whoever must cut a host off (the broker, for a lost host), never that
+        host's own agent. Only ``host``'s mappings are touched; a mapping another host
+        holds, or takes while the fence runs, is left alone. The revocation holds no
+        matter what the fenced host does: its proxy cannot reach a GPU whose box-side
+        mapping is gone. Idempotent: fencing a host with nothing mapped is a no-op and
+        returns an empty list. Raises :class:`DriverError` when the box side could not
+        be reached or refused; some mappings may then be revoked already, and calling
+        it again finishes the job."""
+        ...
+
 
 class PciBus(Protocol):
     """The host's PCIe bus. Raises :class:`DriverError`."""

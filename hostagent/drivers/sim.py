@@ -65,6 +65,11 @@ class SimProxyMapper:
             table = self._fabric.mappings(self._host)
         return {host_slot: GpuRef(box, slot) for host_slot, (box, slot) in table.items()}
 
+    def fence(self, host: str) -> list[GpuRef]:
+        with fabric_errors():
+            dropped = self._fabric.fence_host(host)
+        return [GpuRef(box, slot) for box, slot in dropped]
+
 
 class SimPciBus:
     """:class:`~dxpool.hostagent.driver.PciBus` of ``host`` on a simulated fabric."""

@@ -476,6 +476,37 @@ def test_a_stale_fence_leaves_a_newer_assignment_alone(fabric: SimFabric) -> Non
     assert fabric.fenced_generation("b1", 0) == 5
 
 
+def test_fence_host_drops_only_that_hosts_mappings_and_refuses_their_generations(
+    fabric: SimFabric,
+) -> None:
+    fabric.map("b1", 0, "h1", 0, generation=3)
+    fabric.map("b1", 1, "h1", 2, generation=7)
+    fabric.map("b2", 0, "h2", 0, generation=2)
+    fabric.rescan("h1")
+    fabric.rescan("h2")
+
+    assert fabric.fence_host("h1") == [("b1", 0), ("b1", 1)]
+
+    assert fabric.mappings("h1") == {}
+    assert fabric.devices("h1") == []
+    assert fabric.mappings("h2") == {0: ("b2", 0)}  # another host is untouched
+    assert [d.bdf for d in fabric.devices("h2")] != []
+    with pytest.raises(Fenced):
+        fabric.map("b1", 1, "h1", 2, generation=7)  # the fenced host's agent, late
+    fabric.map("b1", 1, "h2", 1, generation=8)  # the GPU's next assignment
+    assert fabric.fence_host("h1") == []  # idempotent
+
+
+def test_fence_host_faults_and_unknown_hosts(fabric: SimFabric) -> None:
+    fabric.map("b1", 0, "h1", 0)
+    fabric.inject_fault("fence", host="h1")
+    with pytest.raises(InjectedFault):
+        fabric.fence_host("h1")
+    assert fabric.mapping("b1", 0) == ("h1", 0)  # a faulted call does nothing
+    with pytest.raises(UnknownTarget):
+        fabric.fence_host("h9")
+
+
 def test_scrub_is_refused_while_mapped_and_recorded_once_fenced(fabric: SimFabric) -> None:
     fabric.map("b1", 0, "h1", 0, generation=2)
     with pytest.raises(MappingConflict):

@@ -214,6 +214,26 @@ def test_detach_never_touches_another_hosts_mapping(
     assert sim_fabric.mapping("b1", 0) == ("h2", 0)
 
 
+def test_proxy_fence_revokes_every_mapping_of_the_named_host_only(
+    sim_fabric: SimFabric, sim_driver: StepDriver
+) -> None:
+    sim_fabric.add_host("h2", 2)
+    sim_driver.attach(AttachRequest(gpu=GpuRef("b1", 0), host_slot=0, generation=1))
+    sim_driver.attach(AttachRequest(gpu=GpuRef("b2", 1), host_slot=3, generation=1))
+    sim_fabric.map("b1", 2, "h2", 0, generation=1)
+    fencer = SimProxyMapper(sim_fabric, "h2")  # any host's mapper can fence another host
+
+    assert sorted(fencer.fence(HOST)) == [GpuRef("b1", 0), GpuRef("b2", 1)]
+
+    assert sim_driver.observe() == {}
+    assert SimProxyMapper(sim_fabric, HOST).mappings() == {}
+    assert fencer.mappings() == {0: GpuRef("b1", 2)}
+    assert fencer.fence(HOST) == []
+    with pytest.raises(DriverError) as raised:  # the fenced host's agent cannot map again
+        sim_driver.attach(AttachRequest(gpu=GpuRef("b1", 0), host_slot=0, generation=1))
+    assert not raised.value.retryable
+
+
 def test_observe_reads_the_hardware_not_memory(
     sim_fabric: SimFabric, sim_driver: StepDriver
 ) -> None:
