@@ -153,6 +153,14 @@ def run_agent(config: AgentConfig) -> int:
     help="Simulated driver bind delay, seconds.",
 )
 @_option(
+    "--redfish-map",
+    env="REDFISH_MAP",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Redfish fabric map (YAML): map GPUs at the box side through a Redfish fabric "
+    "manager instead of the driver's own mapper.",
+)
+@_option(
     "--lease-ttl",
     "lease_ttl_s",
     env="LEASE_TTL",

@@ -53,6 +53,9 @@ class AgentConfig:
     startup_timeout_s: float = 60.0
     agent_endpoint: str = ""
     state_dir: Path | None = None
+    # Redfish box-side mapping: the fabric map file (hostagent/drivers/redfish_config.py)
+    # selects the Redfish proxy mapper in place of the driver's own.
+    redfish_map: Path | None = None
 
     def __post_init__(self) -> None:
         check_id(self.host_id, "host")

@@ -3,6 +3,11 @@
 ``build_driver(config)`` returns the :class:`~dxpool.hostagent.driver.FabricDriver` that
 ``config.driver`` names. ``"sim"`` runs on the simulated fabric in ``config.sim_state_dir``;
 the Linux sysfs/vfio driver will register as ``"linux"``.
+
+``build_proxy_mapper(config)`` returns the box-side
+:class:`~dxpool.hostagent.driver.ProxyMapper` the config selects in place of a driver's
+own (today: Redfish, with ``config.redfish_map``), or None. The simulated fabric maps on
+itself only, so the sim driver refuses a selected mapper.
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ from collections.abc import Callable
 
 from dxpool.errors import FailedPrecondition, InvalidArgument
 from dxpool.hostagent.config import AgentConfig
-from dxpool.hostagent.driver import FabricDriver
+from dxpool.hostagent.driver import FabricDriver, ProxyMapper
+from dxpool.hostagent.errors import DriverError
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +27,11 @@ def _build_sim(config: AgentConfig) -> FabricDriver:
     from dxpool.fabric.sim import SimDelays, SimFabric, SimFabricError, UnknownTarget
     from dxpool.hostagent.drivers.sim import make_sim_driver
 
+    if config.redfish_map is not None:
+        raise InvalidArgument(
+            "the sim driver maps GPUs on the simulated fabric; --redfish-map is for a driver "
+            "of real hosts"
+        )
     if config.sim_state_dir is None:
         raise InvalidArgument(
             "the sim driver needs sim_state_dir (--sim-state-dir): the directory of a "
@@ -60,6 +71,36 @@ def _build_sim(config: AgentConfig) -> FabricDriver:
 DRIVERS: dict[str, Callable[[AgentConfig], FabricDriver]] = {"sim": _build_sim}
 
 
+def build_proxy_mapper(config: AgentConfig) -> ProxyMapper | None:
+    """The box-side mapper ``config`` selects, connected and checked against its service,
+    or None when the driver's own mapper is to be used.
+
+    Raises InvalidArgument for a fabric map that is malformed or does not list this host,
+    FailedPrecondition when the service cannot be reached or does not match the map.
+    """
+    if config.redfish_map is None:
+        return None
+    from dxpool.hostagent.drivers.redfish import connect_redfish_mapper
+    from dxpool.hostagent.drivers.redfish_config import load_fabric_map
+
+    fabric_map = load_fabric_map(config.redfish_map)
+    if config.host_id not in fabric_map.hosts:
+        raise InvalidArgument(
+            f"host {config.host_id!r} is not in the Redfish fabric map {config.redfish_map}; "
+            "add it under hosts: with its endpoint and one zone per host slot"
+        )
+    zones = len(fabric_map.hosts[config.host_id].zones)
+    if zones < config.slot_capacity:
+        raise InvalidArgument(
+            f"the Redfish fabric map gives host {config.host_id!r} {zones} zones for "
+            f"{config.slot_capacity} slots; list one zone per slot or pass --slot-capacity {zones}"
+        )
+    try:
+        return connect_redfish_mapper(fabric_map, config.host_id)
+    except DriverError as error:
+        raise FailedPrecondition(f"Redfish fabric map {config.redfish_map}: {error}") from error
+
+
 def build_driver(config: AgentConfig) -> FabricDriver:
     """The driver ``config.driver`` names, ready to use.
 
@@ -74,4 +115,4 @@ def build_driver(config: AgentConfig) -> FabricDriver:
     return builder(config)
 
 
-__all__ = ["DRIVERS", "build_driver"]
+__all__ = ["DRIVERS", "build_driver", "build_proxy_mapper"]

@@ -1,0 +1,245 @@
+"""One logged-in session with a Redfish service, and its errors as driver errors.
+
+Built on DMTF's python-redfish-library (``redfish``). We chose it over OpenStack's
+``sushy`` after reading both clients' source:
+
+* its calls return the response whatever the status, and take the caller's headers
+  as given, so an ``If-Match`` PATCH stays conditional. ``sushy``'s ``patch(etag=...)``
+  answers a 412 by sending the PATCH again *without* ``If-Match``, which would overwrite
+  a zone that changed underneath - the very race the ETag is there to catch;
+* its resend-on-error is a per-call count we set to zero, so whether a request is
+  safe to repeat is decided here (see :mod:`tenacity` in the mapper), whereas ``sushy``
+  resends any timed-out request at least three times, sleeping two seconds each time;
+* it is DMTF's own reference client, small, and brings no OpenStack plumbing (pbr,
+  stevedore).
+
+What it lacks we add: a 401 on an expired session logs in again once and repeats the
+request; TLS verification is on by default (the library verifies only when given a CA
+file, so without ``ca_bundle`` we hand it the bundled public CAs of ``requests``).
+
+Errors (all :class:`~dxpool.hostagent.errors.DriverError`):
+
+* :class:`RedfishStatusError` - the service answered an HTTP error; ``status`` is the
+  code and the message carries the service's own ``@Message.ExtendedInfo`` text.
+  Retryable for 5xx and 412 (the operation is read again and redone), not for other 4xx.
+* :class:`RedfishUnreachableError` - no answer (connection refused, TLS failure, timeout).
+  Retryable, except a TLS verification failure, which only configuration fixes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+import redfish
+import requests.utils
+from redfish.rest.v1 import (
+    InvalidCredentialsError,
+    RetriesExhaustedError,
+    ServerDownOrUnreachableError,
+    SessionCreationError,
+)
+
+from dxpool.hostagent.drivers.redfish_config import RedfishService
+from dxpool.hostagent.errors import DriverError
+
+log = logging.getLogger(__name__)
+
+RETRYABLE_4XX = frozenset({HTTPStatus.PRECONDITION_FAILED, HTTPStatus.TOO_MANY_REQUESTS})
+
+
+class RedfishStatusError(DriverError):
+    """The service answered ``status``; retryable for 5xx, 412 and 429."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message, retryable=status >= 500 or status in RETRYABLE_4XX)
+        self.status = status
+
+
+class RedfishUnreachableError(DriverError):
+    """The service gave no answer."""
+
+
+@dataclass(frozen=True)
+class RedfishResource:
+    """A resource as read: its JSON body and its ETag ("" when the service gives none)."""
+
+    body: dict[str, Any]
+    etag: str
+
+
+class RedfishSession:
+    """A session-authenticated client for one Redfish service; safe for several threads
+    (requests are sent one at a time: the session token is shared state).
+
+    ``get`` and ``patch`` send one request each - never repeated here except after a
+    re-login - and raise the errors above. ``close`` deletes the session at the service.
+    """
+
+    def __init__(self, service: RedfishService) -> None:
+        self._service = service
+        self._lock = threading.Lock()
+        if not service.verify:
+            cafile = None
+            log.warning("redfish TLS verification is off", extra={"url": service.url})
+        elif service.ca_bundle is not None:
+            cafile = str(service.ca_bundle)
+        else:
+            cafile = requests.utils.DEFAULT_CA_BUNDLE_PATH
+        self._client = redfish.redfish_client(
+            base_url=service.url,
+            username=service.username,
+            password=service.password,
+            cafile=cafile,
+            timeout=service.timeout_s,
+            max_retry=0,
+            check_connectivity=False,
+        )
+        with self._lock:
+            self._login()
+
+    @property
+    def url(self) -> str:
+        return self._service.url
+
+    def get(self, path: str) -> RedfishResource:
+        """The resource at ``path``."""
+        response = self._send("GET", path)
+        return RedfishResource(body=_json(response, "GET", path), etag=_etag(response))
+
+    def patch(self, path: str, body: dict[str, Any], etag: str) -> RedfishResource:
+        """PATCH ``body`` onto ``path``, conditional on ``etag`` when it is not empty (412
+        when the resource changed since). Returns the resource as the service answered."""
+        headers = {"If-Match": etag} if etag else None
+        response = self._send("PATCH", path, body=body, headers=headers)
+        try:
+            payload = _json(response, "PATCH", path)
+        except RedfishStatusError:
+            payload = {}  # 204 No Content, or a body we do not need
+        return RedfishResource(body=payload, etag=_etag(response))
+
+    def close(self) -> None:
+        """Delete the session at the service; errors are logged, not raised."""
+        with self._lock:
+            try:
+                self._client.logout()
+            except Exception as error:
+                log.warning("redfish logout failed", extra={"url": self.url, "error": str(error)})
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> Any:
+        with self._lock:
+            response = self._request(method, path, body, headers)
+            if response.status == HTTPStatus.UNAUTHORIZED:
+                log.info("redfish session expired; logging in again", extra={"url": self.url})
+                self._login()
+                response = self._request(method, path, body, headers)
+                if response.status == HTTPStatus.UNAUTHORIZED:
+                    raise RedfishStatusError(
+                        f"{self.url} refused {method} {path} right after a fresh login (401): "
+                        f"check the rights of Redfish user {self._service.username!r}",
+                        HTTPStatus.UNAUTHORIZED,
+                    )
+        if response.status >= 400:
+            raise RedfishStatusError(
+                f"{self.url} answered {response.status} to {method} {path}: "
+                f"{_service_message(response)}",
+                response.status,
+            )
+        return response
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None,
+        headers: dict[str, str] | None,
+    ) -> Any:
+        try:
+            if method == "GET":
+                return self._client.get(path, headers=headers)
+            return self._client.patch(path, body=body, headers=headers)
+        except RetriesExhaustedError as error:
+            raise _unreachable(self.url, f"{method} {path}", error.__cause__ or error) from error
+
+    def _login(self) -> None:
+        try:
+            self._client.login(auth=redfish.AuthMethod.SESSION)
+        except InvalidCredentialsError as error:
+            raise DriverError(
+                f"{self.url} refused the credentials of Redfish user "
+                f"{self._service.username!r}: fix username or password_file in the fabric map",
+                retryable=False,
+            ) from error
+        except (SessionCreationError, ServerDownOrUnreachableError) as error:
+            raise DriverError(f"{self.url} could not open a Redfish session: {error}") from error
+        except RetriesExhaustedError as error:
+            raise _unreachable(self.url, "login", error.__cause__ or error) from error
+
+
+def _unreachable(url: str, what: str, cause: BaseException) -> RedfishUnreachableError:
+    if isinstance(cause, requests.exceptions.SSLError):
+        error = RedfishUnreachableError(
+            f"TLS with {url} failed during {what}: {cause}; set service.ca_bundle to the CA "
+            "that signed the service's certificate",
+        )
+        error.retryable = False
+        return error
+    if isinstance(cause, requests.exceptions.Timeout):
+        return RedfishUnreachableError(f"{url} did not answer {what} in time ({cause})")
+    return RedfishUnreachableError(f"{url} is unreachable for {what}: {cause}")
+
+
+def _json(response: Any, method: str, path: str) -> dict[str, Any]:
+    try:
+        payload = response.dict
+    except Exception as error:
+        raise RedfishStatusError(
+            f"{method} {path} answered {response.status} with a body that is not JSON",
+            response.status,
+        ) from error
+    if not isinstance(payload, dict) or not payload:
+        raise RedfishStatusError(
+            f"{method} {path} answered {response.status} without a JSON object",
+            response.status,
+        )
+    return payload
+
+
+def _etag(response: Any) -> str:
+    value = response.getheader("ETag")
+    return str(value) if value else ""
+
+
+def _service_message(response: Any) -> str:
+    """The service's own words: ``error.@Message.ExtendedInfo[].Message`` or
+    ``error.message`` (DMTF's error response), else the reason phrase."""
+    try:
+        error = response.dict.get("error", {})
+    except Exception:
+        error = {}
+    if isinstance(error, dict):
+        infos = error.get("@Message.ExtendedInfo")
+        if isinstance(infos, list):
+            texts = [str(i["Message"]) for i in infos if isinstance(i, dict) and "Message" in i]
+            if texts:
+                return "; ".join(texts)
+        if isinstance(error.get("message"), str):
+            return str(error["message"])
+    return (
+        HTTPStatus(response.status).phrase
+        if response.status in HTTPStatus._value2member_map_
+        else ""
+    )
+
+
+__all__ = ["RedfishResource", "RedfishSession", "RedfishStatusError", "RedfishUnreachableError"]

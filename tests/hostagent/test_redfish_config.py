@@ -1,0 +1,158 @@
+"""The Redfish fabric map: loading, checking, and selecting the mapper from the agent."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from dxpool.errors import FailedPrecondition, InvalidArgument
+from dxpool.hostagent.config import AgentConfig
+from dxpool.hostagent.drivers import build_driver, build_proxy_mapper
+from dxpool.hostagent.drivers.redfish import RedfishProxyMapper
+from dxpool.hostagent.drivers.redfish_config import load_fabric_map
+from dxpool.names import GpuRef
+
+from .redfish_service import (
+    FABRIC,
+    PASSWORD,
+    USERNAME,
+    RedfishFabricService,
+    running_service,
+    self_signed_cert,
+)
+from .test_redfish import install
+
+
+def document(url: str = "https://127.0.0.1:8443", **service: Any) -> dict[str, Any]:
+    return {
+        "service": {
+            "url": url,
+            "fabric": FABRIC,
+            "username": USERNAME,
+            "password_file": "password",
+            **service,
+        },
+        "hosts": {
+            "h1": {"endpoint": "HostPort-h1", "zones": ["h1-s0", "h1-s1"]},
+            "h2": {"endpoint": "HostPort-h2", "zones": ["h2-s0"]},
+        },
+        "boxes": {"b1": [f"GPU-b1-{slot}" for slot in range(4)]},
+    }
+
+
+def write(tmp_path: Path, content: dict[str, Any]) -> Path:
+    (tmp_path / "password").write_text(PASSWORD + "\n")
+    path = tmp_path / "fabric.yaml"
+    path.write_text(yaml.safe_dump(content))
+    return path
+
+
+def test_load_reads_the_map_and_resolves_files_next_to_it(tmp_path: Path) -> None:
+    loaded = load_fabric_map(write(tmp_path, document(ca_bundle="ca.pem", timeout_s=2)))
+
+    assert loaded.service.password == PASSWORD
+    assert loaded.service.ca_bundle == tmp_path / "ca.pem"
+    assert loaded.service.timeout_s == 2.0
+    assert loaded.service.verify is True
+    assert loaded.hosts["h1"].zones == ("h1-s0", "h1-s1")
+    assert loaded.gpu_endpoint(GpuRef("b1", 3)) == "GPU-b1-3"
+    assert loaded.gpu_endpoint(GpuRef("b1", 4)) is None
+    assert loaded.gpu_of("GPU-b1-2") == GpuRef("b1", 2)
+    assert PASSWORD not in repr(loaded.service)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"service": {"url": "ftp://x"}}, "must be the service's address"),
+        ({"service": {"verify": "yes"}}, "service.verify must be true or false"),
+        ({"service": {"attempts": 0}}, "service.attempts must be 1..10"),
+        ({"service": {"timeout_s": -1}}, "service.timeout_s must be a number > 0"),
+        ({"service": {"fabric": "PCIe/../x"}}, "is not a Redfish id"),
+        ({"service": {"colour": "red"}}, "unknown key(s) colour in service"),
+        ({"hosts": {"h1": {"endpoint": "HostPort-h1", "zones": []}}}, "non-empty list"),
+        ({"hosts": {"H 1": {"endpoint": "e", "zones": ["z"]}}}, "invalid host id"),
+        ({"boxes": {"b1": ["HostPort-h1"]}}, "is given to both host h1 and GPU b1/0"),
+        ({"hosts": {"h3": {"endpoint": "e3", "zones": ["h1-s0"]}}}, "'h1-s0' is given to both"),
+    ],
+)
+def test_bad_maps_name_what_to_fix(tmp_path: Path, change: dict[str, Any], message: str) -> None:
+    content = document()
+    for section, values in change.items():
+        content[section].update(values)
+    with pytest.raises(InvalidArgument) as raised:
+        load_fabric_map(write(tmp_path, content))
+    assert message in raised.value.message
+
+
+def test_a_missing_password_file_or_map_is_named(tmp_path: Path) -> None:
+    path = write(tmp_path, document())
+    (tmp_path / "password").unlink()
+    with pytest.raises(InvalidArgument, match=r"cannot read service\.password_file"):
+        load_fabric_map(path)
+    with pytest.raises(InvalidArgument, match="cannot read the Redfish fabric map"):
+        load_fabric_map(tmp_path / "absent.yaml")
+
+
+# -- selection from the agent's config ------------------------------------------------------
+
+
+@pytest.fixture
+def https_service(tmp_path: Path) -> Iterator[tuple[RedfishFabricService, Path]]:
+    cert, key = self_signed_cert(tmp_path)
+    fabric = RedfishFabricService()
+    install(fabric)
+    with running_service(fabric, tls=(cert, key)) as running:
+        yield running, cert
+
+
+def test_no_map_selects_the_drivers_own_mapper() -> None:
+    assert build_proxy_mapper(AgentConfig(host_id="h1")) is None
+
+
+def test_the_agent_config_selects_the_redfish_mapper(
+    tmp_path: Path, https_service: tuple[RedfishFabricService, Path]
+) -> None:
+    service, cert = https_service
+    path = write(tmp_path, document(service.url, ca_bundle=str(cert)))
+
+    mapper = build_proxy_mapper(AgentConfig(host_id="h1", slot_capacity=2, redfish_map=path))
+
+    assert isinstance(mapper, RedfishProxyMapper)
+    mapper.map(GpuRef("b1", 0), 1, generation=1)
+    assert service.zone("h1-s1") == ["HostPort-h1", "GPU-b1-0"]
+    mapper.close()
+
+
+def test_selection_refuses_a_host_or_slots_the_map_lacks(
+    tmp_path: Path, https_service: tuple[RedfishFabricService, Path]
+) -> None:
+    service, cert = https_service
+    path = write(tmp_path, document(service.url, ca_bundle=str(cert)))
+    with pytest.raises(InvalidArgument, match="host 'h7' is not in the Redfish fabric map"):
+        build_proxy_mapper(AgentConfig(host_id="h7", redfish_map=path))
+    with pytest.raises(InvalidArgument, match="gives host 'h1' 2 zones for 8 slots"):
+        build_proxy_mapper(AgentConfig(host_id="h1", slot_capacity=8, redfish_map=path))
+
+
+def test_selection_fails_its_precondition_when_the_service_does_not_match(
+    tmp_path: Path, https_service: tuple[RedfishFabricService, Path]
+) -> None:
+    service, cert = https_service
+    content = document(service.url, ca_bundle=str(cert))
+    content["boxes"]["b2"] = ["GPU-b2-0"]
+    path = write(tmp_path, content)
+    with pytest.raises(FailedPrecondition, match="endpoint GPU-b2-0 \\(GPU b2/0\\) does not"):
+        build_proxy_mapper(AgentConfig(host_id="h1", slot_capacity=2, redfish_map=path))
+
+
+def test_the_sim_driver_refuses_a_redfish_map(tmp_path: Path) -> None:
+    config = AgentConfig(
+        host_id="h1", sim_state_dir=tmp_path, redfish_map=write(tmp_path, document())
+    )
+    with pytest.raises(InvalidArgument, match="--redfish-map is for a driver of real hosts"):
+        build_driver(config)
