@@ -1,4 +1,5 @@
-"""NodeService: compose, plan, get, list, release and watch virtual nodes.
+"""NodeService: compose, plan, get, list, release and watch virtual nodes, and hand a
+node's GPUs to a VM (libvirt ``<hostdev>`` XML, :mod:`dxpool.broker.hostdev`).
 
 WatchNodes streams come from a :class:`~dxpool.broker.node_watch.NodeFeed`: coalesced per
 node, resumable by revision, and never able to block a compose or the cache's watch.
@@ -15,6 +16,7 @@ from dxpool.api.v1 import nodes_pb2, nodes_pb2_grpc
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.cache import Cache
 from dxpool.broker.compose import Composer
+from dxpool.broker.hostdev import node_hostdev
 from dxpool.broker.node_watch import NodeFeed, WatchSettings
 from dxpool.broker.rpc import cache_page, handler, stream_handler
 from dxpool.broker.validation import check_page_size
@@ -52,10 +54,20 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
     def GetNode(
         self, request: nodes_pb2.GetNodeRequest, context: grpc.ServicerContext
     ) -> pb.VirtualNode:
-        record = self._composer.lookup(k.NODES, parse_node(request.name))
+        return self._node(request.name)
+
+    @handler("NodeService.GetNodeHostdev")
+    def GetNodeHostdev(
+        self, request: nodes_pb2.GetNodeHostdevRequest, context: grpc.ServicerContext
+    ) -> nodes_pb2.NodeHostdev:
+        return node_hostdev(self._node(request.name))
+
+    def _node(self, name: str) -> pb.VirtualNode:
+        """The node ``name`` names, read through to etcd on a cache miss; NotFound."""
+        record = self._composer.lookup(k.NODES, parse_node(name))
         if record is None:
             raise NotFound(
-                f"node {request.name} does not exist; list nodes with `dxpool node list`",
+                f"node {name} does not exist; list nodes with `dxpool node list`",
                 reason="NODE_NOT_FOUND",
             )
         node: pb.VirtualNode = record.value

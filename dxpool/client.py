@@ -594,6 +594,12 @@ class Client:
     def get_node(self, name: str) -> resources_pb2.VirtualNode:
         return self._unary(self._nodes.GetNode, nodes_pb2.GetNodeRequest(name=node_name(name)))
 
+    def get_node_hostdev(self, name: str) -> nodes_pb2.NodeHostdev:
+        """The libvirt ``<hostdev>`` XML that hands a READY vfio node's GPUs to a VM on its
+        host. FailedPrecondition when the node is not READY or not composed for vfio."""
+        request = nodes_pb2.GetNodeHostdevRequest(name=node_name(name))
+        return self._unary(self._nodes.GetNodeHostdev, request)
+
     def list_nodes(
         self, *, host: str | None = None, show_released: bool = False
     ) -> list[resources_pb2.VirtualNode]:

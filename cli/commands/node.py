@@ -1,4 +1,5 @@
-"""``dxpool node create|plan|list|get|delete|watch``: virtual nodes (a host plus GPUs)."""
+"""``dxpool node create|plan|list|get|hostdev|delete|watch``: virtual nodes (a host plus
+GPUs)."""
 
 from __future__ import annotations
 
@@ -227,6 +228,31 @@ def get(cli: CliContext, names: tuple[str, ...], output: OutputFormat) -> None:
         print_one(found[0], NODE_VIEW, output)
     else:
         print_many(found, NODE_VIEW, output)
+
+
+@node.command("hostdev")
+@click.argument("name", metavar="NODE", type=NODE)
+@click.option(
+    "-o",
+    "--output",
+    "output",
+    type=click.Choice(["xml", OutputFormat.JSON.value, OutputFormat.YAML.value]),
+    default="xml",
+    show_default=True,
+    help="xml: the <hostdev> elements only; json/yaml: with the host and each GPU's address.",
+)
+@pass_cli
+def hostdev(cli: CliContext, name: str, output: str) -> None:
+    """Print libvirt <hostdev> XML that hands a READY node's GPUs to a VM on its host.
+
+    The node must be composed with --vfio. Paste the elements into the VM's <devices>
+    on the node's host, or attach each with `virsh attach-device`.
+    """
+    found = cli.client().get_node_hostdev(name)
+    if output == "xml":
+        click.echo(found.xml, nl=False)
+        return
+    click.echo(dump(to_dict(found), OutputFormat(output)).rstrip("\n"))
 
 
 @node.command("delete")

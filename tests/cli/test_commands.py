@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
+from xml.etree import ElementTree
 
 import pytest
 import yaml
@@ -134,6 +135,36 @@ def test_node_get_unknown_is_not_found(run: Run) -> None:
     result = run("node", "get", "ghost")
     assert result.exit_code == 1
     assert result.stderr.startswith("error: NOT_FOUND: ")
+
+
+def test_node_hostdev_prints_libvirt_xml_for_a_ready_vfio_node(run: Run, pool: SimPool) -> None:
+    ok(run(*shlex.split("node create --gpus H100:2 --vfio --name vm1 --wait -o name")))
+
+    xml = ok(run("node", "hostdev", "vm1"))
+
+    chunks = xml.split("</hostdev>\n")
+    assert chunks[-1] == ""  # every element ends its line
+    elements = [ElementTree.fromstring(chunk + "</hostdev>") for chunk in chunks[:-1]]
+    assert len(elements) == 2
+    assert all(e.get("managed") == "no" and e.get("type") == "pci" for e in elements)
+    detail = json.loads(ok(run("node", "hostdev", "nodes/vm1", "-o", "json")))
+    bound = sorted(d.bdf for d in pool.fabric.devices("h1") if d.driver == "vfio-pci")
+    assert sorted(d["bdf"] for d in detail["devices"]) == bound
+    assert detail["host"] == "hosts/h1"
+
+
+def test_node_hostdev_errors_exit_1_with_the_code(run: Run, pool: SimPool) -> None:
+    missing = run("node", "hostdev", "ghost")
+    assert missing.exit_code == 1
+    assert missing.stderr.startswith("error: NOT_FOUND: ")
+    ok(run(*shlex.split("node create --gpus H100:1 --name plain --wait -o name")))
+    plain = run("node", "hostdev", "plain")
+    assert plain.exit_code == 1
+    assert plain.stderr.startswith("error: FAILED_PRECONDITION: ")
+    assert "--vfio" in plain.stderr
+    assert plain.stdout == ""
+    usage = run("node", "hostdev")
+    assert usage.exit_code == 2
 
 
 def test_fabric_latency_near_and_far(run: Run, pool: SimPool) -> None:

@@ -139,6 +139,92 @@ class GetNodeRequest(_message.Message):
 Global___GetNodeRequest: _TypeAlias = GetNodeRequest  # noqa: Y015
 
 @_typing.final
+class GetNodeHostdevRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """"nodes/{node}" """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetNodeHostdevRequest: _TypeAlias = GetNodeHostdevRequest  # noqa: Y015
+
+@_typing.final
+class GpuHostdev(_message.Message):
+    """One GPU of a node as a libvirt PCI host device."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GPU_FIELD_NUMBER: _builtins.int
+    BDF_FIELD_NUMBER: _builtins.int
+    XML_FIELD_NUMBER: _builtins.int
+    gpu: _builtins.str
+    """"boxes/{box}/gpus/{slot}" """
+    bdf: _builtins.str
+    """its PCI address on the host, e.g. "0000:41:00.0" """
+    xml: _builtins.str
+    """<hostdev mode='subsystem' type='pci' managed='no'>...</hostdev>"""
+    def __init__(
+        self,
+        *,
+        gpu: _builtins.str = ...,
+        bdf: _builtins.str = ...,
+        xml: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bdf", b"bdf", "gpu", b"gpu", "xml", b"xml"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GpuHostdev: _TypeAlias = GpuHostdev  # noqa: Y015
+
+@_typing.final
+class NodeHostdev(_message.Message):
+    """What a VM on the node's host needs to take the node's GPUs."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    HOST_FIELD_NUMBER: _builtins.int
+    DEVICES_FIELD_NUMBER: _builtins.int
+    XML_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """"nodes/{node}" """
+    host: _builtins.str
+    """"hosts/{host}": define the VM on this host"""
+    xml: _builtins.str
+    """Every device's element, in binding order, one per line: paste into <devices>, or
+    pass each to `virsh attach-device`.
+    """
+    @_builtins.property
+    def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___GpuHostdev]: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        host: _builtins.str = ...,
+        devices: _abc.Iterable[Global___GpuHostdev] | None = ...,
+        xml: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "host", b"host", "name", b"name", "xml", b"xml"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeHostdev: _TypeAlias = NodeHostdev  # noqa: Y015
+
+@_typing.final
 class ListNodesRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

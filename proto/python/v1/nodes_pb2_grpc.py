@@ -66,6 +66,11 @@ class NodeServiceStub:
                 request_serializer=dxpool_dot_v1_dot_nodes__pb2.WatchNodesRequest.SerializeToString,
                 response_deserializer=dxpool_dot_v1_dot_nodes__pb2.NodeEvent.FromString,
                 _registered_method=True)
+        self.GetNodeHostdev = channel.unary_unary(
+                '/dxpool.v1.NodeService/GetNodeHostdev',
+                request_serializer=dxpool_dot_v1_dot_nodes__pb2.GetNodeHostdevRequest.SerializeToString,
+                response_deserializer=dxpool_dot_v1_dot_nodes__pb2.NodeHostdev.FromString,
+                _registered_method=True)
 
 
 class NodeServiceServicer:
@@ -140,6 +145,17 @@ class NodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetNodeHostdev(self, request, context):
+        """The libvirt <hostdev> elements that hand the node's GPUs to a VM on its host, from
+        the PCI addresses the host agent reported. The GPUs must be bound to vfio-pci
+        (compose with spec.vfio) and stay bound: the XML says managed='no', so libvirt does
+        not rebind them. NOT_FOUND for an unknown node; FAILED_PRECONDITION when the node
+        is not READY or was not composed for vfio.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -172,6 +188,11 @@ def add_NodeServiceServicer_to_server(servicer, server):
                     servicer.WatchNodes,
                     request_deserializer=dxpool_dot_v1_dot_nodes__pb2.WatchNodesRequest.FromString,
                     response_serializer=dxpool_dot_v1_dot_nodes__pb2.NodeEvent.SerializeToString,
+            ),
+            'GetNodeHostdev': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetNodeHostdev,
+                    request_deserializer=dxpool_dot_v1_dot_nodes__pb2.GetNodeHostdevRequest.FromString,
+                    response_serializer=dxpool_dot_v1_dot_nodes__pb2.NodeHostdev.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -336,6 +357,33 @@ class NodeService:
             '/dxpool.v1.NodeService/WatchNodes',
             dxpool_dot_v1_dot_nodes__pb2.WatchNodesRequest.SerializeToString,
             dxpool_dot_v1_dot_nodes__pb2.NodeEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetNodeHostdev(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dxpool.v1.NodeService/GetNodeHostdev',
+            dxpool_dot_v1_dot_nodes__pb2.GetNodeHostdevRequest.SerializeToString,
+            dxpool_dot_v1_dot_nodes__pb2.NodeHostdev.FromString,
             options,
             channel_credentials,
             insecure,

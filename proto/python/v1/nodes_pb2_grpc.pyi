@@ -75,6 +75,13 @@ class NodeServiceStub:
     with start_revision; UNAVAILABLE when the broker is stopping: re-watch, possibly
     on another broker.
     """
+    GetNodeHostdev: _grpc.UnaryUnaryMultiCallable[_nodes_pb2.GetNodeHostdevRequest, _nodes_pb2.NodeHostdev]
+    """The libvirt <hostdev> elements that hand the node's GPUs to a VM on its host, from
+    the PCI addresses the host agent reported. The GPUs must be bound to vfio-pci
+    (compose with spec.vfio) and stay bound: the XML says managed='no', so libvirt does
+    not rebind them. NOT_FOUND for an unknown node; FAILED_PRECONDITION when the node
+    is not READY or was not composed for vfio.
+    """
 
 @_typing.type_check_only
 class NodeServiceAsyncStub(NodeServiceStub):
@@ -120,6 +127,13 @@ class NodeServiceAsyncStub(NodeServiceStub):
     ABORTED (WATCH_TOO_SLOW) when the client stopped reading for too long: re-watch
     with start_revision; UNAVAILABLE when the broker is stopping: re-watch, possibly
     on another broker.
+    """
+    GetNodeHostdev: _aio.UnaryUnaryMultiCallable[_nodes_pb2.GetNodeHostdevRequest, _nodes_pb2.NodeHostdev]  # type: ignore[assignment]
+    """The libvirt <hostdev> elements that hand the node's GPUs to a VM on its host, from
+    the PCI addresses the host agent reported. The GPUs must be bound to vfio-pci
+    (compose with spec.vfio) and stay bound: the XML says managed='no', so libvirt does
+    not rebind them. NOT_FOUND for an unknown node; FAILED_PRECONDITION when the node
+    is not READY or was not composed for vfio.
     """
 
 class NodeServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -199,6 +213,19 @@ class NodeServiceServicer(metaclass=_abc_1.ABCMeta):
         ABORTED (WATCH_TOO_SLOW) when the client stopped reading for too long: re-watch
         with start_revision; UNAVAILABLE when the broker is stopping: re-watch, possibly
         on another broker.
+        """
+
+    @_abc_1.abstractmethod
+    def GetNodeHostdev(
+        self,
+        request: _nodes_pb2.GetNodeHostdevRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_nodes_pb2.NodeHostdev, _abc.Awaitable[_nodes_pb2.NodeHostdev]]:
+        """The libvirt <hostdev> elements that hand the node's GPUs to a VM on its host, from
+        the PCI addresses the host agent reported. The GPUs must be bound to vfio-pci
+        (compose with spec.vfio) and stay bound: the XML says managed='no', so libvirt does
+        not rebind them. NOT_FOUND for an unknown node; FAILED_PRECONDITION when the node
+        is not READY or was not composed for vfio.
         """
 
 def add_NodeServiceServicer_to_server(servicer: NodeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
