@@ -164,6 +164,11 @@ class RedfishProxyMapper:
                         extra={"zone": zone, "endpoint": endpoint},
                     )
                     continue
+                if host_slot in found:
+                    log.warning(
+                        "zone holds more than one GPU; reporting the last",
+                        extra={"zone": zone, "gpus": [found[host_slot].name, gpu.name]},
+                    )
                 found[host_slot] = gpu
         return found
 

@@ -266,6 +266,18 @@ class RedfishFabricService:
             return token is not None and token in self.state.sessions
 
 
+def install(service: RedfishFabricService) -> None:
+    """Host ports h1 (zones h1-s0, h1-s1) and h2 (zone h2-s0), box b1's four GPUs
+    (endpoints GPU-b1-0..3); nothing mapped."""
+    for host in ("h1", "h2"):
+        service.add_endpoint(f"HostPort-{host}", "Initiator")
+    for slot in range(4):
+        service.add_endpoint(f"GPU-b1-{slot}", "Target")
+    service.add_zone("h1-s0", ["HostPort-h1"])
+    service.add_zone("h1-s1", ["HostPort-h1"])
+    service.add_zone("h2-s0", ["HostPort-h2"])
+
+
 def _collection(path: str, kind: str, members: list[str]) -> dict[str, Any]:
     return {
         "@odata.type": f"#{kind}.{kind}",

@@ -28,6 +28,7 @@ from .redfish_service import (
     PASSWORD,
     USERNAME,
     RedfishFabricService,
+    install,
     running_service,
     self_signed_cert,
 )
@@ -35,18 +36,8 @@ from .redfish_service import (
 GPU0 = GpuRef("b1", 0)
 GPU1 = GpuRef("b1", 1)
 GPU2 = GpuRef("b1", 2)
+GPU3 = GpuRef("b1", 3)
 ZONE_PATH = f"/redfish/v1/Fabrics/{FABRIC}/Zones"
-
-
-def install(service: RedfishFabricService) -> None:
-    """Host h1 (two slots), h2 (one slot), box b1 with four GPUs; nothing mapped."""
-    for host in ("h1", "h2"):
-        service.add_endpoint(f"HostPort-{host}", "Initiator")
-    for slot in range(4):
-        service.add_endpoint(f"GPU-b1-{slot}", "Target")
-    service.add_zone("h1-s0", ["HostPort-h1"])
-    service.add_zone("h1-s1", ["HostPort-h1"])
-    service.add_zone("h2-s0", ["HostPort-h2"])
 
 
 def fabric_map(service: RedfishFabricService, cert: Path | None) -> RedfishFabricMap:
@@ -192,6 +183,23 @@ def test_a_gpu_in_another_hosts_zone_is_a_conflict_with_the_services_reason(
     assert "unmap it there first" in raised.value.message
     assert len(service.patches()) == 1  # a conflict is not retried
     assert service.zone("h1-s0") == ["HostPort-h1"]
+
+
+def test_two_hosts_racing_for_one_gpu_get_it_once(
+    service: RedfishFabricService, fmap: RedfishFabricMap, mapper: RedfishProxyMapper
+) -> None:
+    # h2's agent maps GPU 0 between h1's read of its zone and h1's write: h1's zone did
+    # not change (its If-Match holds), but the service refuses a second zone for the GPU.
+    other = mapper_for(fmap, "h2")
+    service.before_patch(lambda: other.map(GPU0, 0, generation=2))
+
+    with pytest.raises(AttachConflictError, match="already assigned to zone h2-s0"):
+        mapper.map(GPU0, 0, generation=1)
+
+    assert service.zone("h2-s0") == ["HostPort-h2", "GPU-b1-0"]
+    assert service.zone("h1-s0") == ["HostPort-h1"]
+    assert other.mappings() == {0: GPU0}
+    other.close()
 
 
 def test_a_slot_holding_another_gpu_is_a_conflict_without_a_write(
@@ -430,6 +438,3 @@ def test_concurrent_maps_from_several_threads_each_land(
         thread.join()
     assert errors == []
     assert mapper.mappings() == {0: GPU0, 1: GPU1}
-
-
-GPU3 = GpuRef("b1", 3)

@@ -21,10 +21,10 @@ from .redfish_service import (
     PASSWORD,
     USERNAME,
     RedfishFabricService,
+    install,
     running_service,
     self_signed_cert,
 )
-from .test_redfish import install
 
 
 def document(url: str = "https://127.0.0.1:8443", **service: Any) -> dict[str, Any]:
