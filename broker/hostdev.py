@@ -69,11 +69,16 @@ def node_hostdev(node: pb.VirtualNode) -> nodes_pb2.NodeHostdev:
     longer), was composed without ``vfio`` (its GPUs are on the host's driver), or a
     binding lacks a valid PCI address.
     """
-    if node.state != pb.NODE_STATE_READY:
+    if node.state in (pb.NODE_STATE_PENDING, pb.NODE_STATE_ATTACHING):
         raise FailedPrecondition(
             f"node {node.name} is {_state_name(node.state)}, not READY: its GPUs are not "
-            "bound on its host; retry once it is READY (dxpool node create --wait, or "
-            "dxpool node watch)",
+            "bound on its host yet; retry once it is READY (see `dxpool node watch`)",
+            reason="NODE_NOT_READY",
+        )
+    if node.state != pb.NODE_STATE_READY:
+        raise FailedPrecondition(
+            f"node {node.name} is {_state_name(node.state)}, not READY, and will not be "
+            "again: its GPUs are going or gone; compose a new node with --vfio",
             reason="NODE_NOT_READY",
         )
     if not node.spec.vfio:
