@@ -57,8 +57,8 @@ def snapshot(etcd_client: Any, prefix: str) -> dict[bytes, bytes]:
 
 @dataclass
 class FuzzPool:
-    """A broker over real etcd with two boxes, one host, one node (``nodes/n1``) and one
-    QUARANTINED GPU (``boxes/box1/gpus/7``)."""
+    """A broker over real etcd with two boxes, one host, a PENDING node (``nodes/n1``), a
+    READY vfio node (``nodes/vm1``) and one QUARANTINED GPU (``boxes/box1/gpus/7``)."""
 
     broker: BrokerServer
     channel: grpc.Channel
@@ -112,6 +112,22 @@ def fuzz_pool(
             spec=pb.NodeSpec(gpus=pb.GpuRequest(model="H100", count=1)), node_id="n1"
         )
     )
+    # A READY node handed to a VM (vfio), for GetNodeHostdev: as the controller leaves it
+    # once its agent reported the GPU bound at 0000:41:00.0.
+    ready = pb.VirtualNode(
+        name="nodes/vm1",
+        host="hosts/h1",
+        state=pb.NODE_STATE_READY,
+        spec=pb.NodeSpec(gpus=pb.GpuRequest(model="A100", count=1), vfio=True),
+    )
+    ready.gpus.add(
+        gpu="boxes/box2/gpus/3",
+        model="A100",
+        host_slot=6,
+        bdf="0000:41:00.0",
+        phase=pb.ATTACHMENT_PHASE_ATTACHED,
+    )
+    etcd_client.put(keys.node("vm1"), ready.SerializeToString())
     pool = FuzzPool(broker, channel, etcd_client, key_prefix)
     pool.settle()
     yield pool

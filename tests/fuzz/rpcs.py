@@ -117,7 +117,7 @@ BASELINES: dict[str, Message] = {
     "NodeService.ComposeNode": nodes_pb2.ComposeNodeRequest(spec=_SPEC, request_id="r-node"),
     "NodeService.PlanNode": nodes_pb2.ComposeNodeRequest(spec=_SPEC),
     "NodeService.GetNode": nodes_pb2.GetNodeRequest(name="nodes/n1"),
-    "NodeService.GetNodeHostdev": nodes_pb2.GetNodeHostdevRequest(name="nodes/n1"),
+    "NodeService.GetNodeHostdev": nodes_pb2.GetNodeHostdevRequest(name="nodes/vm1"),
     "NodeService.ListNodes": nodes_pb2.ListNodesRequest(host="hosts/h1", page_size=3),
     "NodeService.ReleaseNode": nodes_pb2.ReleaseNodeRequest(name="nodes/n1"),
     "NodeService.WatchNodes": nodes_pb2.WatchNodesRequest(name="nodes/n1"),
