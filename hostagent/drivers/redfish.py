@@ -69,8 +69,10 @@ def _retry_safe(error: BaseException) -> bool:
 class RedfishProxyMapper:
     """:class:`~dxpool.hostagent.driver.ProxyMapper` for ``host`` on a Redfish fabric.
 
-    ``session`` is owned by the mapper from then on (:meth:`close` ends it). ``wait``
-    scales the pause between retries (tests pass 0). Raises
+    ``session`` is owned by the mapper from then on (:meth:`close` ends it).
+    ``retry_wait_s`` is the first pause between tries, doubling up to 2 s (tests pass 0).
+    ``generation`` is logged with each map but cannot be enforced: Redfish zones do not
+    carry it (see the module docstring). Safe for several threads. Raises
     :class:`~dxpool.hostagent.errors.DriverError` naming the zone or endpoint and what
     the service said.
     """
