@@ -47,6 +47,9 @@ from dxpool.hostagent.drivers.redfish_config import RedfishService
 from dxpool.hostagent.errors import DriverError
 
 log = logging.getLogger(__name__)
+# The library logs every request at INFO (attempt counts, response times); the mapper's
+# own log lines say what happened, so only the library's warnings and errors pass.
+logging.getLogger("redfish.rest.v1").setLevel(logging.WARNING)
 
 RETRYABLE_4XX = frozenset({HTTPStatus.PRECONDITION_FAILED, HTTPStatus.TOO_MANY_REQUESTS})
 
