@@ -40,6 +40,7 @@ class DriverCapabilities:
     ``vfio``: devices can be bound to ``vfio-pci`` for a VM.
     ``p2p``: peer-to-peer transfers between GPUs of one host work across the fabric.
     ``identity``: the driver verifies GPU identity (UUID, model) on attach.
+    ``slot_power``: slots have power control, so a removed GPU's slot is powered off.
     """
 
     hotplug: bool
@@ -47,13 +48,15 @@ class DriverCapabilities:
     vfio: bool
     p2p: bool
     identity: bool
+    slot_power: bool = False
 
 
 @dataclass(frozen=True)
 class AttachRequest:
     """One GPU wanted at one host slot.
 
-    ``expected_uuid`` and ``model`` are verified against NVML when not empty; ``vfio``
+    ``expected_uuid`` and ``model`` are verified against NVML when not empty; ``pci_id``
+    (``"10de:2330"``) against the device's configuration space when not empty; ``vfio``
     asks for the device bound to ``vfio-pci`` instead of the native driver.
     """
 
@@ -63,6 +66,7 @@ class AttachRequest:
     expected_uuid: str = ""
     model: str = ""
     generation: int = 0  # the assignment's fencing token, carried by the mapping
+    pci_id: str = ""
 
     def __post_init__(self) -> None:
         if self.host_slot < 0:
@@ -75,12 +79,28 @@ class AttachRequest:
 
 
 @dataclass(frozen=True)
+class ExpectedDevice:
+    """What the device at a host slot must be, each part checked when not empty: the PCI
+    ``vendor:device`` id (``"10de:2330"``) and the Device Serial Number (``"01-23-..-ef"``)."""
+
+    pci_id: str = ""
+    dsn: str = ""
+
+
+@dataclass(frozen=True)
 class PciDevice:
-    """A PCI device on the host bus, at the address its host slot gives it."""
+    """A PCI device on the host bus, at the address its host slot gives it.
+
+    ``pci_id`` and ``dsn`` come from its configuration space, empty where the bus cannot
+    read them. They stay readable while the device is bound to ``vfio-pci``, when NVML
+    cannot see it.
+    """
 
     bdf: str
     host_slot: int
     driver: str | None  # "nvidia", "vfio-pci", or None when unbound
+    pci_id: str = ""
+    dsn: str = ""
 
 
 @dataclass(frozen=True)
@@ -208,9 +228,12 @@ class PciBus(Protocol):
         """Every fabric-attached device now on the bus."""
         ...
 
-    def wait_for_device(self, host_slot: int, timeout_s: float) -> PciDevice:
+    def wait_for_device(
+        self, host_slot: int, timeout_s: float, expected: ExpectedDevice | None = None
+    ) -> PciDevice:
         """The device at ``host_slot`` once present; :class:`DeviceTimeoutError` after
-        ``timeout_s``."""
+        ``timeout_s``. A bus that reads configuration space checks ``expected`` and raises
+        :class:`IdentityMismatchError` for another device."""
         ...
 
     def remove(self, bdf: str) -> None:
@@ -226,9 +249,10 @@ class PciBus(Protocol):
 class StepDriver:
     """:class:`FabricDriver` from a proxy mapper, a PCI bus and a GPU inspector.
 
-    Identities read before a ``vfio-pci`` bind are remembered per GPU and device address,
-    so :meth:`observe` can still name a GPU that NVML can no longer see; every other field
-    of an observation is read from the hardware.
+    Identities read before a ``vfio-pci`` bind are remembered per GPU and device (address,
+    PCI id, serial number), so :meth:`observe` can still name a GPU that NVML can no longer
+    see, as long as the device's configuration space says it is the same device; every
+    other field of an observation is read from the hardware.
     """
 
     def __init__(
@@ -247,7 +271,7 @@ class StepDriver:
         self._inspector = inspector
         self._capabilities = capabilities
         self._device_timeout_s = device_timeout_s
-        self._identities: dict[GpuRef, tuple[str, GpuIdentity]] = {}
+        self._identities: dict[GpuRef, tuple[PciDevice, GpuIdentity]] = {}
         self._lock = threading.Lock()
 
     @property
@@ -270,7 +294,13 @@ class StepDriver:
             )
         self._proxy.map(request.gpu, request.host_slot, request.generation)
         self._bus.rescan()
-        device = self._bus.wait_for_device(request.host_slot, self._device_timeout_s)
+        try:
+            device = self._bus.wait_for_device(
+                request.host_slot, self._device_timeout_s, ExpectedDevice(pci_id=request.pci_id)
+            )
+        except IdentityMismatchError:
+            self._roll_back(request.gpu)
+            raise
         if device.driver != NATIVE_DRIVER:
             self._bus.bind(device.bdf, NATIVE_DRIVER)
         identity = self._inspector.identify(device.bdf)
@@ -278,7 +308,7 @@ class StepDriver:
         if problem is not None:
             self._roll_back(request.gpu)
             raise IdentityMismatchError(problem)
-        self._remember(request.gpu, device.bdf, identity)
+        self._remember(request.gpu, device, identity)
         health = self._inspector.health(device.bdf)
         if request.vfio:
             self._bus.bind(device.bdf, VFIO_DRIVER)
@@ -319,7 +349,7 @@ class StepDriver:
     def _describe(self, gpu: GpuRef, host_slot: int, device: PciDevice | None) -> AttachedGpu:
         if device is None:
             return AttachedGpu(gpu=gpu, host_slot=host_slot)
-        identity = self._remembered(gpu, device.bdf)
+        identity = self._remembered(gpu, device)
         health = NO_HEALTH_SIGNAL
         if device.driver == NATIVE_DRIVER:
             try:
@@ -331,7 +361,7 @@ class StepDriver:
                     extra={"gpu": gpu.name, "bdf": device.bdf, "error": str(error)},
                 )
             else:
-                self._remember(gpu, device.bdf, identity)
+                self._remember(gpu, device, identity)
         return AttachedGpu(
             gpu=gpu,
             host_slot=host_slot,
@@ -341,14 +371,26 @@ class StepDriver:
             health=health,
         )
 
-    def _remember(self, gpu: GpuRef, bdf: str, identity: GpuIdentity) -> None:
+    def _remember(self, gpu: GpuRef, device: PciDevice, identity: GpuIdentity) -> None:
         with self._lock:
-            self._identities[gpu] = (bdf, identity)
+            self._identities[gpu] = (device, identity)
 
-    def _remembered(self, gpu: GpuRef, bdf: str) -> GpuIdentity | None:
+    def _remembered(self, gpu: GpuRef, device: PciDevice) -> GpuIdentity | None:
+        """The identity NVML gave for ``gpu`` while it was ``device``, if the device now at
+        that address is still the same one: same address and, where configuration space
+        is readable, the same PCI id and serial number."""
         with self._lock:
             known = self._identities.get(gpu)
-        return known[1] if known is not None and known[0] == bdf else None
+        if known is None:
+            return None
+        seen, identity = known
+        if seen.bdf != device.bdf:
+            return None
+        if seen.pci_id and device.pci_id and seen.pci_id != device.pci_id:
+            return None
+        if seen.dsn and device.dsn and seen.dsn != device.dsn:
+            return None
+        return identity
 
     def _forget(self, gpu: GpuRef) -> None:
         with self._lock:
@@ -361,6 +403,7 @@ __all__ = [
     "AttachRequest",
     "AttachedGpu",
     "DriverCapabilities",
+    "ExpectedDevice",
     "FabricDriver",
     "PciBus",
     "PciDevice",

@@ -17,6 +17,7 @@ from dxpool.fabric.sim import Fenced, MappingConflict, SimFabric, SimFabricError
 from dxpool.hostagent.driver import (
     DEFAULT_DEVICE_TIMEOUT_S,
     DriverCapabilities,
+    ExpectedDevice,
     PciDevice,
     StepDriver,
 )
@@ -83,7 +84,11 @@ class SimPciBus:
             found = self._fabric.devices(self._host)
         return [PciDevice(bdf=d.bdf, host_slot=d.host_slot, driver=d.driver) for d in found]
 
-    def wait_for_device(self, host_slot: int, timeout_s: float) -> PciDevice:
+    def wait_for_device(
+        self, host_slot: int, timeout_s: float, expected: ExpectedDevice | None = None
+    ) -> PciDevice:
+        """The device at ``host_slot`` once present. ``expected`` is not checked: the
+        simulated bus has no configuration space (the simulated NVML checks identity)."""
         deadline = time.monotonic() + timeout_s
         while True:
             device = next((d for d in self.devices() if d.host_slot == host_slot), None)
