@@ -21,7 +21,7 @@ from typing import Protocol
 
 from dxpool.api.v1 import resources_pb2
 from dxpool.hostagent.errors import AttachConflictError, DriverError, IdentityMismatchError
-from dxpool.hostagent.nvml import NO_HEALTH_SIGNAL, GpuIdentity, GpuInspector
+from dxpool.hostagent.nvml import NO_HEALTH_REPORT, NO_HEALTH_SIGNAL, GpuIdentity, GpuInspector
 from dxpool.names import GpuRef
 
 log = logging.getLogger(__name__)
@@ -118,6 +118,7 @@ class AttachedGpu:
     driver: str | None = None
     identity: GpuIdentity | None = None
     health: resources_pb2.GpuHealth.ValueType = NO_HEALTH_SIGNAL
+    health_reason: str = ""
 
     @property
     def present(self) -> bool:
@@ -318,7 +319,8 @@ class StepDriver:
             bdf=device.bdf,
             driver=request.kernel_driver,
             identity=identity,
-            health=health,
+            health=health.state,
+            health_reason=health.reason,
         )
 
     def _roll_back(self, gpu: GpuRef) -> None:
@@ -350,7 +352,7 @@ class StepDriver:
         if device is None:
             return AttachedGpu(gpu=gpu, host_slot=host_slot)
         identity = self._remembered(gpu, device)
-        health = NO_HEALTH_SIGNAL
+        health = NO_HEALTH_REPORT
         if device.driver == NATIVE_DRIVER:
             try:
                 identity = self._inspector.identify(device.bdf)
@@ -368,7 +370,8 @@ class StepDriver:
             bdf=device.bdf,
             driver=device.driver,
             identity=identity,
-            health=health,
+            health=health.state,
+            health_reason=health.reason,
         )
 
     def _remember(self, gpu: GpuRef, device: PciDevice, identity: GpuIdentity) -> None:

@@ -259,6 +259,7 @@ class Reconciler:
             uuid=previous.uuid if previous is not None else "",
             serial=previous.serial if previous is not None else "",
             health=previous.health if previous is not None else have.health,
+            health_reason=previous.health_reason if previous is not None else have.health_reason,
             message="detaching",
         )
         if (
@@ -320,9 +321,9 @@ class Reconciler:
         known = previous if previous is not None and previous.bdf == have.bdf else None
         uuid = have.identity.uuid if have.identity else (known.uuid if known else "")
         serial = have.identity.serial if have.identity else (known.serial if known else "")
-        health = have.health
+        health, health_reason = have.health, have.health_reason
         if health == resources_pb2.GPU_HEALTH_UNSPECIFIED and known is not None:
-            health = known.health
+            health, health_reason = known.health, known.health_reason
         return resources_pb2.ObservedAttachment(
             gpu=have.gpu.name,
             generation=want.generation,
@@ -332,6 +333,7 @@ class Reconciler:
             uuid=uuid,
             serial=serial,
             health=health,
+            health_reason=health_reason,
             message="",
         )
 

@@ -12,7 +12,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from dxpool.api.v1 import resources_pb2
 from dxpool.fabric.sim import Fenced, MappingConflict, SimFabric, SimFabricError, UnknownTarget
 from dxpool.hostagent.driver import (
     DEFAULT_DEVICE_TIMEOUT_S,
@@ -22,7 +21,7 @@ from dxpool.hostagent.driver import (
     StepDriver,
 )
 from dxpool.hostagent.errors import AttachConflictError, DeviceTimeoutError, DriverError
-from dxpool.hostagent.nvml import HEALTHY, UNHEALTHY, GpuIdentity
+from dxpool.hostagent.nvml import HEALTHY, UNHEALTHY, GpuIdentity, HealthReport
 from dxpool.names import GpuRef
 
 SIM_CAPABILITIES = DriverCapabilities(
@@ -127,10 +126,12 @@ class SimNvml:
             uuid=found.uuid, serial=found.serial, model=found.model, memory_mib=found.memory_mib
         )
 
-    def health(self, bdf: str) -> resources_pb2.GpuHealth.ValueType:
+    def health(self, bdf: str) -> HealthReport:
         with fabric_errors():
             found = self._fabric.identity(self._host, bdf)
-        return HEALTHY if found.healthy else UNHEALTHY
+        if found.healthy:
+            return HealthReport(HEALTHY)
+        return HealthReport(UNHEALTHY, "marked unhealthy in the simulated fabric")
 
 
 def make_sim_driver(

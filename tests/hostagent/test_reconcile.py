@@ -313,3 +313,4 @@ def test_health_changes_reach_the_status(harness: Harness) -> None:
     harness.reconciler.reconcile(GPU)
 
     assert harness.stored()[GPU.name].health == resources_pb2.GPU_HEALTH_UNHEALTHY
+    assert harness.stored()[GPU.name].health_reason == "marked unhealthy in the simulated fabric"
