@@ -15,6 +15,7 @@ bound to ``vfio-pci``. Detach is unbind -> remove the device -> unmap.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from dataclasses import dataclass
 from typing import Protocol
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 NATIVE_DRIVER = "nvidia"
 VFIO_DRIVER = "vfio-pci"
 DEFAULT_DEVICE_TIMEOUT_S = 30.0
+BDF_PATTERN = re.compile(r"\A[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]\Z")  # as sysfs writes it
 
 
 @dataclass(frozen=True)
@@ -401,6 +403,7 @@ class StepDriver:
 
 
 __all__ = [
+    "BDF_PATTERN",
     "NATIVE_DRIVER",
     "VFIO_DRIVER",
     "AttachRequest",

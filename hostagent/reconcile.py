@@ -67,6 +67,7 @@ def attach_request(gpu: GpuRef, want: resources_pb2.DesiredAttachment) -> Attach
         expected_uuid=want.expected_uuid,
         model=want.model,
         generation=want.generation,
+        pci_id=want.pci_id,
     )
 
 

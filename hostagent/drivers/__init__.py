@@ -2,7 +2,8 @@
 
 ``build_driver(config)`` returns the :class:`~dxpool.hostagent.driver.FabricDriver` that
 ``config.driver`` names. ``"sim"`` runs on the simulated fabric in ``config.sim_state_dir``;
-the Linux sysfs/vfio driver will register as ``"linux"``.
+``"linux"`` on the host's real PCIe bus (sysfs under ``config.sysfs_root``), its proxy
+programmed by ``config.proxy_hook`` and its GPUs read by NVML.
 """
 
 from __future__ import annotations
@@ -57,7 +58,30 @@ def _build_sim(config: AgentConfig) -> FabricDriver:
     return make_sim_driver(fabric, config.host_id, device_timeout_s=config.device_timeout_s)
 
 
-DRIVERS: dict[str, Callable[[AgentConfig], FabricDriver]] = {"sim": _build_sim}
+def _build_linux(config: AgentConfig) -> FabricDriver:
+    from dxpool.hostagent.drivers.linux import make_linux_driver
+    from dxpool.hostagent.drivers.sysfs import Sysfs
+
+    if config.proxy_hook is None or not config.linux_ports:
+        raise InvalidArgument(
+            "the linux driver needs proxy_hook (--proxy-hook PATH) and the bridge of every "
+            "host slot (--linux-port SLOT=BRIDGE, e.g. --linux-port 0=0000:40:01.0)"
+        )
+    return make_linux_driver(
+        host_id=config.host_id,
+        ports=config.linux_ports,
+        proxy_hook=config.proxy_hook,
+        sysfs=Sysfs(config.sysfs_root),
+        hook_timeout_s=config.proxy_hook_timeout_s,
+        device_timeout_s=config.device_timeout_s,
+        p2p=config.fabric_p2p,
+    )
+
+
+DRIVERS: dict[str, Callable[[AgentConfig], FabricDriver]] = {
+    "linux": _build_linux,
+    "sim": _build_sim,
+}
 
 
 def build_driver(config: AgentConfig) -> FabricDriver:

@@ -23,20 +23,18 @@ to check.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from dxpool.hostagent.driver import VFIO_DRIVER, ExpectedDevice, PciDevice
+from dxpool.hostagent.driver import BDF_PATTERN, VFIO_DRIVER, ExpectedDevice, PciDevice
 from dxpool.hostagent.drivers import pci_config
 from dxpool.hostagent.drivers.sysfs import Sysfs
 from dxpool.hostagent.errors import DeviceTimeoutError, DriverError, IdentityMismatchError
 
 log = logging.getLogger(__name__)
 
-BDF_PATTERN = re.compile(r"\A[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]\Z")
 NVIDIA_VENDOR = "10de"
 PCI_CLASS_BRIDGE = 0x06
 PASSTHROUGH_SAFE_DRIVERS = frozenset({VFIO_DRIVER, "pci-stub"})

@@ -127,3 +127,42 @@ def test_cli_accepts_the_short_aliases_other_launchers_use() -> None:
 
     assert result.exit_code == 2
     assert "attach_attempts must be >= 1" in result.output  # every alias parsed
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"linux_ports": {4: "0000:40:01.0"}}, "host slot 4 is outside the host's slots 0-3"),
+        ({"linux_ports": {0: "40:01.0"}}, "the bridge must be a PCI address"),
+        ({"proxy_hook_timeout_s": 0}, "proxy_hook_timeout_s must be > 0"),
+    ],
+)
+def test_bad_linux_settings_name_what_to_fix(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        AgentConfig(host_id="h1", slot_capacity=4, driver="linux", **fields)  # type: ignore[arg-type]
+    assert message in caught.value.message
+
+
+def test_cli_parses_linux_ports_and_rejects_a_bad_one() -> None:
+    bad = CliRunner().invoke(agent_command, ["--host", "h1", "--linux-port", "zero=0000:40:01.0"])
+    twice = CliRunner().invoke(
+        agent_command,
+        ["--host", "h1", "--linux-port", "0=0000:40:01.0", "--linux-port", "0=0000:40:02.0"],
+    )
+
+    assert bad.exit_code == 2
+    assert "'zero=0000:40:01.0' is not SLOT=BRIDGE" in bad.output
+    assert twice.exit_code == 2
+    assert "host slot 0 is given twice" in twice.output
+
+
+def test_cli_exits_1_when_the_linux_driver_has_no_pci_bus(tmp_path: Path) -> None:
+    hook = tmp_path / "hook"
+    hook.write_text("#!/bin/sh\n")
+    hook.chmod(0o755)
+    args = ["--host", "h1", "--driver", "linux", "--proxy-hook", str(hook)]
+    args += ["--linux-port", "0=0000:40:01.0", "--sysfs-root", str(tmp_path / "nosys")]
+
+    result = CliRunner().invoke(agent_command, args)
+
+    assert result.exit_code == 1

@@ -477,6 +477,7 @@ class DesiredAttachment(_message.Message):
     VFIO_FIELD_NUMBER: _builtins.int
     EXPECTED_UUID_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    PCI_ID_FIELD_NUMBER: _builtins.int
     gpu: _builtins.str
     """"boxes/{box}/gpus/{slot}" """
     host_slot: _builtins.int
@@ -489,6 +490,10 @@ class DesiredAttachment(_message.Message):
     expected_uuid: _builtins.str
     """Identity learned earlier, if any; the agent verifies against it."""
     model: _builtins.str
+    pci_id: _builtins.str
+    """PCI vendor and device id the GPU must show, e.g. "10de:2330" (Gpu.pci_id); checked
+    against the device's configuration space when not empty.
+    """
     def __init__(
         self,
         *,
@@ -499,10 +504,11 @@ class DesiredAttachment(_message.Message):
         vfio: _builtins.bool = ...,
         expected_uuid: _builtins.str = ...,
         model: _builtins.str = ...,
+        pci_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_uuid", b"expected_uuid", "generation", b"generation", "gpu", b"gpu", "host_slot", b"host_slot", "model", b"model", "node", b"node", "vfio", b"vfio"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_uuid", b"expected_uuid", "generation", b"generation", "gpu", b"gpu", "host_slot", b"host_slot", "model", b"model", "node", b"node", "pci_id", b"pci_id", "vfio", b"vfio"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
