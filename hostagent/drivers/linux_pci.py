@@ -79,7 +79,61 @@ class BusCapabilities:
     vfio: bool
 
 
-class SysfsPciBus:
+class PciSysfsReader:
+    """Read-only facts about PCI devices from sysfs: ids, serial number, driver, IOMMU
+    group, link. Never writes."""
+
+    def __init__(self, sysfs: Sysfs | None = None) -> None:
+        self._sysfs = sysfs or Sysfs()
+
+    @property
+    def sysfs(self) -> Sysfs:
+        return self._sysfs
+
+    def _device_dir(self, bdf: str) -> str:
+        return f"bus/pci/devices/{bdf}"
+
+    def present(self, bdf: str) -> bool:
+        return self._sysfs.exists(self._device_dir(bdf))
+
+    def driver_of(self, bdf: str) -> str | None:
+        return self._sysfs.link_name(f"{self._device_dir(bdf)}/driver")
+
+    def pci_id(self, bdf: str) -> str | None:
+        """``vendor:device`` in lower-case hex without ``0x`` (``"10de:2330"``)."""
+        vendor = self._sysfs.read_text(f"{self._device_dir(bdf)}/vendor")
+        device = self._sysfs.read_text(f"{self._device_dir(bdf)}/device")
+        if vendor is None or device is None:
+            return None
+        return f"{vendor.lower().removeprefix('0x')}:{device.lower().removeprefix('0x')}"
+
+    def dsn(self, bdf: str) -> str | None:
+        """The Device Serial Number from config space, or None (none, or not readable:
+        only root reads beyond the first 64 bytes)."""
+        config = self._sysfs.read_bytes(f"{self._device_dir(bdf)}/config")
+        return pci_config.device_serial_number(config) if config is not None else None
+
+    def pci_class(self, bdf: str) -> int | None:
+        text = self._sysfs.read_text(f"{self._device_dir(bdf)}/class")
+        try:
+            return int(text, 16) if text is not None else None
+        except ValueError:
+            return None
+
+    def iommu_group(self, bdf: str) -> str | None:
+        return self._sysfs.link_name(f"{self._device_dir(bdf)}/iommu_group")
+
+    def link(self, bdf: str) -> PciLink:
+        base = self._device_dir(bdf)
+        return PciLink(
+            width=_int_or_none(self._sysfs.read_text(f"{base}/current_link_width")),
+            max_width=_int_or_none(self._sysfs.read_text(f"{base}/max_link_width")),
+            speed=self._sysfs.read_text(f"{base}/current_link_speed"),
+            max_speed=self._sysfs.read_text(f"{base}/max_link_speed"),
+        )
+
+
+class SysfsPciBus(PciSysfsReader):
     """:class:`~dxpool.hostagent.driver.PciBus` over Linux sysfs.
 
     ``ports`` maps each host slot to the address of the downstream port (bridge) the proxy
@@ -106,21 +160,14 @@ class SysfsPciBus:
             slot: check_bdf(bridge, f"the bridge of host slot {slot}")
             for slot, bridge in sorted(ports.items())
         }
-        self._sysfs = sysfs or Sysfs()
+        super().__init__(sysfs)
         self._vendors = frozenset(v.lower().removeprefix("0x") for v in vendors)
         self._poll_s = poll_s
         self._remove_timeout_s = remove_timeout_s
         self._rescan_notes: dict[int, str] = {}
         self._lock = threading.Lock()
 
-    @property
-    def sysfs(self) -> Sysfs:
-        return self._sysfs
-
     # -- addresses ------------------------------------------------------------------------
-
-    def _device_dir(self, bdf: str) -> str:
-        return f"bus/pci/devices/{bdf}"
 
     def device_address(self, host_slot: int) -> str:
         """The address the GPU at ``host_slot`` gets: device 0, function 0 on the
@@ -171,42 +218,6 @@ class SysfsPciBus:
         return power_file.split("/")[-2]
 
     # -- reading --------------------------------------------------------------------------
-
-    def driver_of(self, bdf: str) -> str | None:
-        return self._sysfs.link_name(f"{self._device_dir(bdf)}/driver")
-
-    def pci_id(self, bdf: str) -> str | None:
-        """``vendor:device`` in lower-case hex without ``0x`` (``"10de:2330"``)."""
-        vendor = self._sysfs.read_text(f"{self._device_dir(bdf)}/vendor")
-        device = self._sysfs.read_text(f"{self._device_dir(bdf)}/device")
-        if vendor is None or device is None:
-            return None
-        return f"{vendor.lower().removeprefix('0x')}:{device.lower().removeprefix('0x')}"
-
-    def dsn(self, bdf: str) -> str | None:
-        """The Device Serial Number from config space, or None (none, or not readable:
-        only root reads beyond the first 64 bytes)."""
-        config = self._sysfs.read_bytes(f"{self._device_dir(bdf)}/config")
-        return pci_config.device_serial_number(config) if config is not None else None
-
-    def pci_class(self, bdf: str) -> int | None:
-        text = self._sysfs.read_text(f"{self._device_dir(bdf)}/class")
-        try:
-            return int(text, 16) if text is not None else None
-        except ValueError:
-            return None
-
-    def iommu_group(self, bdf: str) -> str | None:
-        return self._sysfs.link_name(f"{self._device_dir(bdf)}/iommu_group")
-
-    def link(self, bdf: str) -> PciLink:
-        base = self._device_dir(bdf)
-        return PciLink(
-            width=_int_or_none(self._sysfs.read_text(f"{base}/current_link_width")),
-            max_width=_int_or_none(self._sysfs.read_text(f"{base}/max_link_width")),
-            speed=self._sysfs.read_text(f"{base}/current_link_speed"),
-            max_speed=self._sysfs.read_text(f"{base}/max_link_speed"),
-        )
 
     def capabilities(self) -> BusCapabilities:
         """What the configured ports and the kernel support now."""
@@ -454,4 +465,11 @@ def _int_or_none(text: str | None) -> int | None:
         return None
 
 
-__all__ = ["NVIDIA_VENDOR", "BusCapabilities", "PciLink", "SysfsPciBus", "check_bdf"]
+__all__ = [
+    "NVIDIA_VENDOR",
+    "BusCapabilities",
+    "PciLink",
+    "PciSysfsReader",
+    "SysfsPciBus",
+    "check_bdf",
+]

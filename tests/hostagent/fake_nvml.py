@@ -134,6 +134,9 @@ class FakeNvml:
     def nvmlShutdown(self) -> None:
         self.shutdown_calls += 1
 
+    def nvmlSystemGetDriverVersion(self) -> str:
+        return "550.54.15"
+
     def nvmlDeviceGetCount(self) -> int:
         return len(self.devices)
 
