@@ -224,6 +224,15 @@ def run_agent(config: AgentConfig) -> int:
     "quarantines it); the agent keeps retrying.",
 )
 @_option(
+    "--drain-timeout",
+    "drain_timeout_s",
+    env="DRAIN_TIMEOUT",
+    type=float,
+    default=300.0,
+    help="Seconds a released GPU that still runs compute processes is waited for before "
+    "it is detached anyway.",
+)
+@_option(
     "--state-dir",
     "state_dir",
     env="STATE_DIR",

@@ -31,6 +31,8 @@ class AgentConfig:
     ``proxy_hook`` (the executable that programs the proxy), ``proxy_hook_timeout_s``,
     ``sysfs_root`` and ``fabric_p2p`` (the fabric carries GPU peer-to-peer traffic).
     ``startup_timeout_s`` bounds how long the agent waits for etcd when it starts.
+    ``drain_timeout_s`` is how long a released GPU that still runs compute processes is
+    waited for before it is detached anyway.
     ``lease_ttl_s`` is rounded up to whole seconds, the unit of etcd leases.
     """
 
@@ -56,6 +58,7 @@ class AgentConfig:
     resync_interval_s: float = 30.0
     attach_attempts: int = 3
     detach_attempts: int = 5
+    drain_timeout_s: float = 300.0
     backoff_base_s: float = 0.2
     backoff_max_s: float = 10.0
     device_timeout_s: float = 30.0
@@ -91,6 +94,7 @@ class AgentConfig:
                     "domain:bus:device.function in lower-case hex, e.g. 0000:40:01.0"
                 )
         _positive("proxy_hook_timeout_s", self.proxy_hook_timeout_s)
+        _at_least("drain_timeout_s", self.drain_timeout_s, 0)
         _at_least("slot_capacity", self.slot_capacity, 1)
         if self.slot_capacity > MAX_HOST_SLOTS:
             raise InvalidArgument(

@@ -21,7 +21,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from dxpool.api.v1 import resources_pb2
-from dxpool.hostagent.errors import AttachConflictError, DriverError, IdentityMismatchError
+from dxpool.hostagent.errors import (
+    AttachConflictError,
+    DriverError,
+    GpuBusyError,
+    IdentityMismatchError,
+)
 from dxpool.hostagent.nvml import NO_HEALTH_REPORT, NO_HEALTH_SIGNAL, GpuIdentity, GpuInspector
 from dxpool.names import GpuRef
 
@@ -186,11 +191,13 @@ class FabricDriver(Protocol):
         """
         ...
 
-    def detach(self, gpu: GpuRef) -> None:
+    def detach(self, gpu: GpuRef, *, force: bool = False) -> None:
         """Remove ``gpu`` from this host: unbind, hot-remove the device, unmap.
 
         Idempotent: detaching a GPU that is not attached is a no-op, and a partial detach
-        left by a crash is completed.
+        left by a crash is completed. Raises :class:`GpuBusyError`, touching nothing,
+        while compute processes run on the GPU, unless ``force``; a GPU whose processes
+        cannot be read (NVML cannot see it) is detached.
         """
         ...
 
@@ -327,20 +334,39 @@ class StepDriver:
 
     def _roll_back(self, gpu: GpuRef) -> None:
         try:
-            self.detach(gpu)
+            self.detach(gpu, force=True)  # just attached and not the GPU asked for
         except DriverError:
             log.exception("rollback of a mismatched gpu failed", extra={"gpu": gpu.name})
 
-    def detach(self, gpu: GpuRef) -> None:
+    def detach(self, gpu: GpuRef, *, force: bool = False) -> None:
         host_slot = next((slot for slot, ref in self._proxy.mappings().items() if ref == gpu), None)
         if host_slot is not None:
             device = next((d for d in self._bus.devices() if d.host_slot == host_slot), None)
             if device is not None:
+                if not force and device.driver == NATIVE_DRIVER:
+                    self._refuse_if_busy(gpu, device.bdf)
                 if device.driver is not None:
                     self._bus.bind(device.bdf, None)
                 self._bus.remove(device.bdf)
             self._proxy.unmap(gpu)
         self._forget(gpu)
+
+    def _refuse_if_busy(self, gpu: GpuRef, bdf: str) -> None:
+        try:
+            pids = self._inspector.compute_processes(bdf)
+        except DriverError as error:
+            log.warning(
+                "compute processes not readable; detaching",
+                extra={"gpu": gpu.name, "bdf": bdf, "error": str(error)},
+            )
+            return
+        if pids:
+            shown = ", ".join(str(pid) for pid in pids[:8]) + (", ..." if len(pids) > 8 else "")
+            raise GpuBusyError(
+                f"{gpu.name} at {bdf} still runs {len(pids)} compute process(es) (pids {shown}); "
+                "stop them to release the GPU",
+                tuple(pids),
+            )
 
     def observe(self) -> dict[GpuRef, AttachedGpu]:
         mappings = self._proxy.mappings()

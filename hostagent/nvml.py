@@ -169,6 +169,11 @@ class GpuInspector(Protocol):
         """HEALTHY, DEGRADED or UNHEALTHY with a reason, or no signal (UNSPECIFIED)."""
         ...
 
+    def compute_processes(self, bdf: str) -> list[int]:
+        """Process ids of the compute processes running on the GPU (empty when none, or
+        when the device cannot tell)."""
+        ...
+
 
 def sysfs_bus_id(nvml_bus_id: str) -> str:
     """NVML's ``"00000000:41:00.0"`` as sysfs writes it: ``"0000:41:00.0"``."""
@@ -282,6 +287,18 @@ class NvmlInspector:
 
     def health(self, bdf: str) -> HealthReport:
         return assess(self.readout(bdf))
+
+    def compute_processes(self, bdf: str) -> list[int]:
+        handle = self._handle(bdf)
+        try:
+            running = self._nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        except self._nvml.NVMLError_NotSupported:
+            return []
+        except self._nvml.NVMLError as error:
+            raise DriverError(
+                f"NVML could not list the compute processes of the device at {bdf}: {error}"
+            ) from error
+        return sorted({int(process.pid) for process in running})
 
     def readout(self, bdf: str) -> HealthReadout:
         """NVML's raw health answers for the GPU at ``bdf``."""

@@ -27,6 +27,11 @@ from the new spec (:attr:`Outcome.STALE`).
 
 A detach that keeps failing (``detach_attempts`` in a row) is reported FAILED, so the
 broker quarantines the GPU; the agent keeps retrying the detach with backoff.
+
+A GPU that still runs compute processes is drained, not yanked: the driver refuses the
+detach (:class:`~dxpool.hostagent.errors.GpuBusyError`), the entry stays DETACHING with a
+message naming the processes, and the refusals do not count as failures. Once
+``drain_timeout_s`` has passed since the first refusal, the detach is forced.
 """
 
 from __future__ import annotations
@@ -34,11 +39,13 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import time
+from collections.abc import Callable
 
 from dxpool.api.v1 import resources_pb2
 from dxpool.hostagent.desired import DesiredState
 from dxpool.hostagent.driver import AttachedGpu, AttachRequest, FabricDriver
-from dxpool.hostagent.errors import DriverError
+from dxpool.hostagent.errors import DriverError, GpuBusyError
 from dxpool.hostagent.status import StaleSpecError, StatusStore
 from dxpool.names import GpuRef
 
@@ -49,6 +56,7 @@ ATTACHED = resources_pb2.ATTACHMENT_PHASE_ATTACHED
 DETACHING = resources_pb2.ATTACHMENT_PHASE_DETACHING
 FAILED = resources_pb2.ATTACHMENT_PHASE_FAILED
 STALE_WAIT_S = 1.0
+DEFAULT_DRAIN_TIMEOUT_S = 300.0
 
 
 class Outcome(enum.Enum):
@@ -86,12 +94,19 @@ class Reconciler:
         status: StatusStore,
         attach_attempts: int,
         detach_attempts: int = 5,
+        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if attach_attempts < 1:
             raise ValueError(f"attach_attempts must be >= 1, got {attach_attempts}")
         if detach_attempts < 1:
             raise ValueError(f"detach_attempts must be >= 1, got {detach_attempts}")
+        if drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {drain_timeout_s}")
         self._detach_attempts = detach_attempts
+        self._drain_timeout_s = drain_timeout_s
+        self._clock = clock
+        self._draining: dict[GpuRef, float] = {}  # gpu -> when its detach was first refused
         self._failed_detaches: dict[GpuRef, int] = {}
         self._driver = driver
         self._desired = desired
@@ -249,6 +264,7 @@ class Reconciler:
             self._status.remove(gpu)
             with self._lock:
                 self._failed_detaches.pop(gpu, None)
+                self._draining.pop(gpu, None)
             return Outcome.DONE
         previous = self._status.get(gpu)
         entry = resources_pb2.ObservedAttachment(
@@ -271,8 +287,20 @@ class Reconciler:
             entry.phase = FAILED  # keep telling the broker; quarantine stands
             entry.message = previous.message
         self._status.put(entry)
+        with self._lock:
+            refused_at = self._draining.get(gpu)
+        force = refused_at is not None and self._clock() - refused_at >= self._drain_timeout_s
         try:
-            self._driver.detach(gpu)
+            self._driver.detach(gpu, force=force)
+        except GpuBusyError as error:
+            now = self._clock()
+            with self._lock:
+                refused_at = self._draining.setdefault(gpu, now)
+            left = max(0.0, self._drain_timeout_s - (now - refused_at))
+            entry.message = f"draining: {error}; detaching anyway in {left:.0f}s"
+            self._status.put(entry)
+            log.info("gpu draining", extra={"gpu": gpu.name, "pids": list(error.pids)})
+            return Outcome.RETRY
         except DriverError as error:
             with self._lock:
                 count = self._failed_detaches.get(gpu, 0) + 1
@@ -289,8 +317,9 @@ class Reconciler:
             return Outcome.RETRY
         with self._lock:
             self._failed_detaches.pop(gpu, None)
+            self._draining.pop(gpu, None)
         self._status.remove(gpu)
-        log.info("gpu detached", extra={"gpu": gpu.name})
+        log.info("gpu detached", extra={"gpu": gpu.name, "forced": force})
         return Outcome.DONE
 
     # -- status entries -------------------------------------------------------------------

@@ -26,6 +26,8 @@ slot, ``GENERATION`` the assignment's fencing token, all decimal integers but th
   good (a fenced generation, an unknown GPU or host: not retried); anything else is a
   transient failure that dxpool retries with backoff. Text on stderr is put into the
   error dxpool reports, so make it say what went wrong.
+* dxpool may run several hooks at once for different GPUs of the host (one per
+  reconcile worker): a hook serializes whatever its proxy needs serialized.
 * The hook must finish within the configured timeout (default 30 s). When it does not,
   dxpool kills its whole process group (it runs in a session of its own) and treats the
   operation as a transient failure: the hook must therefore be safe to run again after

@@ -126,6 +126,12 @@ class SimNvml:
             uuid=found.uuid, serial=found.serial, model=found.model, memory_mib=found.memory_mib
         )
 
+    def compute_processes(self, bdf: str) -> list[int]:
+        """Simulated GPUs run no processes; the device must exist, as for NVML."""
+        with fabric_errors():
+            self._fabric.identity(self._host, bdf)
+        return []
+
     def health(self, bdf: str) -> HealthReport:
         with fabric_errors():
             found = self._fabric.identity(self._host, bdf)

@@ -57,6 +57,7 @@ def test_labels_are_read_only_copies() -> None:
         ({"backoff_base_s": 0}, "backoff_base_s must be > 0"),
         ({"backoff_base_s": 2, "backoff_max_s": 1}, "backoff_max_s (1) must be >= backoff_base_s"),
         ({"sim_map_delay_s": -1}, "sim_map_delay_s must be >= 0"),
+        ({"drain_timeout_s": -1}, "drain_timeout_s must be >= 0"),
         ({"labels": {"": "x"}}, "invalid label key"),
         ({"slot_capacity": 257}, "slot_capacity 257 is over the limit of 256"),
         ({"labels": {"zone": "a\nb"}}, "labels['zone'] contains the non-printable character"),

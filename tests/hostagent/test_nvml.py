@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 
@@ -276,3 +277,12 @@ def test_the_default_is_the_real_pynvml_module() -> None:
 
     with pytest.raises(DriverError, match="NVML is not available"):
         NvmlInspector().identify(BDF)
+
+
+def test_compute_processes_are_listed_by_pid(inspectors: list[NvmlInspector]) -> None:
+    inspector, _, gpu = inspector_for(inspectors)
+    assert inspector.compute_processes(BDF) == []
+
+    gpu.processes = [SimpleNamespace(pid=9, usedGpuMemory=1), SimpleNamespace(pid=3)]
+
+    assert inspector.compute_processes(BDF) == [3, 9]

@@ -7,6 +7,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,7 +17,7 @@ from dxpool.hostagent.config import AgentConfig
 from dxpool.hostagent.driver import AttachRequest
 from dxpool.hostagent.drivers import build_driver
 from dxpool.hostagent.drivers.linux import make_linux_driver
-from dxpool.hostagent.errors import IdentityMismatchError
+from dxpool.hostagent.errors import GpuBusyError, IdentityMismatchError
 from dxpool.names import GpuRef
 from tests.hostagent.fake_sysfs import FakeCard
 from tests.hostagent.linux_host import LinuxHost, device_for, uuid_for
@@ -150,3 +151,33 @@ def test_a_sysfs_root_without_a_pci_bus_is_refused(tmp_path: Path, linux_host: L
 
     with pytest.raises(FailedPrecondition, match="no PCI bus under"):
         build_driver(config)
+
+
+def test_detach_refuses_a_gpu_running_compute_processes_unless_forced(
+    linux_host: LinuxHost,
+) -> None:
+    driver = linux_host.driver()
+    driver.attach(AttachRequest(GPU, host_slot=0))
+    gpu = linux_host.nvml.nvmlDeviceGetHandleByPciBusId(device_for(0))
+    gpu.processes = [SimpleNamespace(pid=4242), SimpleNamespace(pid=17)]
+
+    with pytest.raises(
+        GpuBusyError, match=r"runs 2 compute process\(es\) \(pids 17, 4242\)"
+    ) as caught:
+        driver.detach(GPU)
+
+    assert caught.value.pids == (17, 4242)
+    assert linux_host.mapped() == {0: GPU}  # nothing was touched
+    assert linux_host.kernel.link_name(f"bus/pci/devices/{device_for(0)}/driver") == "nvidia"
+    driver.detach(GPU, force=True)
+    assert linux_host.mapped() == {}
+    assert not linux_host.kernel.present(device_for(0))
+
+
+def test_a_vfio_bound_gpu_is_detached_without_asking_nvml(linux_host: LinuxHost) -> None:
+    driver = linux_host.driver()
+    driver.attach(AttachRequest(GPU, host_slot=0, vfio=True))
+
+    driver.detach(GPU)  # NVML cannot see it: the VM using it is the orchestrator's to stop
+
+    assert linux_host.mapped() == {}
