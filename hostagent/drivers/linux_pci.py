@@ -354,9 +354,7 @@ class SysfsPciBus(PciSysfsReader):
         current = self.driver_of(bdf)
         if driver is None:
             if current is not None:
-                self._write(
-                    f"bus/pci/drivers/{current}/unbind", bdf, f"unbinding {bdf} from {current}"
-                )
+                self._unbind(bdf, current)
             self._clear_override(bdf)
             return
         if driver == VFIO_DRIVER:
@@ -374,17 +372,37 @@ class SysfsPciBus(PciSysfsReader):
         else:
             self._clear_override(bdf)
         if current is not None:
-            self._write(f"bus/pci/drivers/{current}/unbind", bdf, f"unbinding {bdf} from {current}")
+            self._unbind(bdf, current)
         if driver == VFIO_DRIVER:
-            self._write("bus/pci/drivers_probe", bdf, f"probing {bdf} for {driver}")
+            self._write_settling(
+                "bus/pci/drivers_probe", bdf, f"probing {bdf} for {driver}", driver
+            )
         else:
-            self._write(f"bus/pci/drivers/{driver}/bind", bdf, f"binding {bdf} to {driver}")
+            self._write_settling(
+                f"bus/pci/drivers/{driver}/bind", bdf, f"binding {bdf} to {driver}", driver
+            )
         bound = self.driver_of(bdf)
         if bound != driver:
             raise DriverError(
                 f"{bdf} is bound to {bound or 'no driver'} after binding it to {driver}; check "
                 f"dmesg for the {driver} probe error"
             )
+
+    def _unbind(self, bdf: str, current: str) -> None:
+        self._write_settling(
+            f"bus/pci/drivers/{current}/unbind", bdf, f"unbinding {bdf} from {current}", None
+        )
+
+    def _write_settling(self, relative: str, bdf: str, what: str, wanted: str | None) -> None:
+        """Write ``bdf`` to a bind/unbind/probe attribute. A write the kernel refuses
+        because the device already is where it was to go (the kernel's own probe of a new
+        device won the race, or another unbind came first) is success."""
+        try:
+            self._write(relative, bdf, what)
+        except DriverError:
+            if self.driver_of(bdf) != wanted:
+                raise
+            log.info("driver already settled", extra={"bdf": bdf, "driver": wanted})
 
     def _clear_override(self, bdf: str) -> None:
         override = self._sysfs.read_text(f"{self._device_dir(bdf)}/driver_override")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,6 +17,7 @@ from dxpool.errors import FailedPrecondition, InvalidArgument
 from dxpool.hostagent.config import AgentConfig
 from dxpool.hostagent.driver import AttachRequest
 from dxpool.hostagent.drivers import build_driver
+from dxpool.hostagent.drivers.command_hook import CommandHookMapper
 from dxpool.hostagent.drivers.linux import make_linux_driver
 from dxpool.hostagent.errors import GpuBusyError, IdentityMismatchError
 from dxpool.names import GpuRef
@@ -181,3 +183,62 @@ def test_a_vfio_bound_gpu_is_detached_without_asking_nvml(linux_host: LinuxHost)
     driver.detach(GPU)  # NVML cannot see it: the VM using it is the orchestrator's to stop
 
     assert linux_host.mapped() == {}
+
+
+def test_an_attach_cut_off_after_the_map_is_completed_by_a_fresh_driver(
+    linux_host: LinuxHost,
+) -> None:
+    # The agent died right after the hook mapped the GPU: nothing was rescanned.
+    CommandHookMapper(linux_host.hook, "h1").map(GPU, 1, generation=4)
+    driver = linux_host.driver()
+    partial = driver.observe()[GPU]
+    assert (partial.host_slot, partial.present) == (1, False)
+
+    attached = driver.attach(AttachRequest(GPU, host_slot=1, generation=4))
+
+    assert (attached.bdf, attached.driver) == (device_for(1), "nvidia")
+    assert linux_host.mapped() == {1: GPU}
+
+
+@pytest.mark.parametrize("cut_after", ["unbind", "remove"])
+def test_a_detach_cut_off_midway_is_completed_by_a_fresh_driver(
+    linux_host: LinuxHost, cut_after: str
+) -> None:
+    linux_host.driver().attach(AttachRequest(GPU, host_slot=2))
+    bdf = device_for(2)
+    linux_host.kernel.write("bus/pci/drivers/nvidia/unbind", bdf)
+    if cut_after == "remove":
+        linux_host.kernel.write(f"bus/pci/devices/{bdf}/remove", "1")
+    driver = linux_host.driver()  # the agent restarted
+
+    driver.detach(GPU)
+
+    assert linux_host.mapped() == {}
+    assert not linux_host.kernel.present(bdf)
+    assert driver.observe() == {}
+
+
+def test_concurrent_attaches_on_different_slots_share_the_bus(linux_host: LinuxHost) -> None:
+    driver = linux_host.driver()
+    gpus = [GpuRef("b1", slot) for slot in range(4)]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        attached = list(
+            pool.map(lambda i: driver.attach(AttachRequest(gpus[i], host_slot=i)), range(4))
+        )
+
+    assert [a.bdf for a in attached] == [device_for(i) for i in range(4)]
+    assert [a.identity.uuid for a in attached if a.identity] == [uuid_for(g) for g in gpus]
+    assert linux_host.mapped() == dict(enumerate(gpus))
+
+
+def test_a_surprise_removed_gpu_is_seen_as_partial_and_brought_back(
+    linux_host: LinuxHost,
+) -> None:
+    driver = linux_host.driver()
+    request = AttachRequest(GPU, host_slot=0)
+    driver.attach(request)
+    linux_host.kernel.write(f"bus/pci/devices/{device_for(0)}/remove", "1")  # link flap
+
+    assert driver.observe()[GPU].present is False
+    assert driver.attach(request).bdf == device_for(0)
+    assert driver.observe()[GPU].satisfies(request)

@@ -341,3 +341,56 @@ def test_link_width_and_speed_are_read(kernel: FakeKernel) -> None:
     link = bus.link(GPU_BDF)
 
     assert (link.width, link.max_width, link.speed) == (8, 16, "32.0 GT/s PCIe")
+
+
+class RacingKernel(FakeKernel):
+    """Before the agent's write to ``race_on`` lands, the device's driver changes as if the
+    kernel's own probe (or another unbind) got there first."""
+
+    race_on: str = ""
+    race_to: str | None = None
+
+    def write(self, relative: str, value: str) -> None:
+        if relative == self.race_on:
+            self.race_on = ""
+            self._set_driver(value.strip(), self.race_to)
+        super().write(relative, value)
+
+
+@pytest.mark.parametrize(
+    ("race_on", "race_to", "start", "wanted"),
+    [
+        ("bus/pci/drivers/nvidia/bind", "nvidia", None, "nvidia"),
+        ("bus/pci/drivers/nvidia/unbind", None, "nvidia", None),
+    ],
+)
+def test_a_bind_that_loses_the_race_to_the_kernels_own_probe_is_success(
+    tmp_path: Path, race_on: str, race_to: str | None, start: str | None, wanted: str | None
+) -> None:
+    kernel = RacingKernel(tmp_path / "sys")
+    kernel.add_port(BRIDGE, "0000:41", iommu_group=3)
+    kernel.add_device(
+        GPU_BDF, vendor=0x10DE, device=0x2330, class_code=0x030200, iommu_group=3, driver=start
+    )
+    bus = SysfsPciBus({0: BRIDGE}, sysfs=kernel)
+    kernel.race_on, kernel.race_to = race_on, race_to
+
+    bus.bind(GPU_BDF, wanted)  # the write itself fails (EBUSY / ENODEV)
+
+    assert bus.driver_of(GPU_BDF) == wanted
+    assert (race_on, GPU_BDF) in kernel.writes
+
+
+def test_a_refused_bind_that_did_not_settle_is_still_an_error(tmp_path: Path) -> None:
+    kernel = RacingKernel(tmp_path / "sys")
+    kernel.add_port(BRIDGE, "0000:41", iommu_group=3)
+    kernel.add_device(
+        GPU_BDF, vendor=0x10DE, device=0x2330, class_code=0x030200, iommu_group=3, driver=None
+    )
+    kernel.failing_writes["bus/pci/drivers/nvidia/bind"] = errno.ENODEV
+    bus = SysfsPciBus({0: BRIDGE}, sysfs=kernel)
+
+    with pytest.raises(
+        DriverError, match=re.escape("binding 0000:41:00.0 to nvidia failed: No such device")
+    ):
+        bus.bind(GPU_BDF, "nvidia")
