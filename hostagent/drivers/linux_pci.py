@@ -6,7 +6,7 @@ to that slot appears as device 0, function 0 on the bridge's secondary bus, read
 ``devices/<bridge>/pci_bus/``.
 
 Attach side: :meth:`~SysfsPciBus.rescan` powers on the port's hotplug slot when it has a
-``power`` attribute, else rescans below the bridge (``devices/<bridge>/rescan``), else the
+``power`` attribute that reads 0, else rescans below the bridge (``devices/<bridge>/rescan``), else the
 whole bus (``bus/pci/rescan``); :meth:`~SysfsPciBus.wait_for_device` waits, until a
 deadline, for the device at the slot's address and checks its vendor/device id and Device
 Serial Number; :meth:`~SysfsPciBus.bind` binds ``nvidia``, or ``vfio-pci`` through
@@ -275,6 +275,8 @@ class SysfsPciBus(PciSysfsReader):
             if self._sysfs.exists(self._device_dir(bdf)):
                 continue
             power = self._power_file(bdf)
+            if power is not None and self._sysfs.read_text(power) == "1":
+                power = None  # already on and still no device: rescan below the bridge
             if power is not None:
                 how, target = f"powering on hotplug slot {self._slot_name(power)}", power
             elif self._sysfs.exists(f"{self._device_dir(bridge)}/rescan"):
@@ -288,11 +290,12 @@ class SysfsPciBus(PciSysfsReader):
             else:
                 continue
             try:
-                if power is None or self._sysfs.read_text(power) != "1":
-                    self._sysfs.write(target, "1")
+                self._sysfs.write(target, "1")
             except OSError as error:
+                # Expected for slots nothing is mapped to; the wait for a slot that
+                # should have come up names it.
                 note = f"{how} failed: {error.strerror or error}"
-                log.warning("rescan failed", extra={"host_slot": host_slot, "error": note})
+                log.debug("rescan failed", extra={"host_slot": host_slot, "error": note})
             else:
                 note = how
             with self._lock:

@@ -394,3 +394,16 @@ def test_a_refused_bind_that_did_not_settle_is_still_an_error(tmp_path: Path) ->
         DriverError, match=re.escape("binding 0000:41:00.0 to nvidia failed: No such device")
     ):
         bus.bind(GPU_BDF, "nvidia")
+
+
+def test_a_slot_already_powered_without_a_device_is_rescanned_below_its_bridge(
+    kernel: FakeKernel,
+) -> None:
+    kernel.write("bus/pci/slots/7/power", "1")  # powered on while nothing was mapped
+    kernel.insert(BRIDGE2, FakeCard())
+    bus = make_bus(kernel)
+
+    bus.rescan()
+
+    assert (f"bus/pci/devices/{BRIDGE2}/rescan", "1") in kernel.writes
+    assert bus.wait_for_device(1, 1.0).bdf == GPU2_BDF
