@@ -96,6 +96,12 @@ class XidWatcher:
             self._thread = threading.Thread(target=self._run, name="nvml-xid", daemon=True)
             self._thread.start()
 
+    @property
+    def running(self) -> bool:
+        """True while the waiting thread runs."""
+        with self._lock:
+            return self._thread is not None and self._thread.is_alive()
+
     def stop(self) -> None:
         """Stop the thread (within about one wait) and free the event set. Idempotent."""
         self._stop.set()

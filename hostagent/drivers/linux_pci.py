@@ -6,8 +6,9 @@ to that slot appears as device 0, function 0 on the bridge's secondary bus, read
 ``devices/<bridge>/pci_bus/``.
 
 Attach side: :meth:`~SysfsPciBus.rescan` powers on the port's hotplug slot when it has a
-``power`` attribute that reads 0, else rescans below the bridge (``devices/<bridge>/rescan``), else the
-whole bus (``bus/pci/rescan``); :meth:`~SysfsPciBus.wait_for_device` waits, until a
+``power`` attribute that reads 0, else rescans below the bridge
+(``devices/<bridge>/rescan``), else the whole bus (``bus/pci/rescan``);
+:meth:`~SysfsPciBus.wait_for_device` waits, until a
 deadline, for the device at the slot's address and checks its vendor/device id and Device
 Serial Number; :meth:`~SysfsPciBus.bind` binds ``nvidia``, or ``vfio-pci`` through
 ``driver_override`` + ``drivers_probe`` after checking that the device's IOMMU group is

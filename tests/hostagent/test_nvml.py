@@ -256,13 +256,14 @@ def test_close_stops_the_xid_thread_and_frees_the_event_set(
 ) -> None:
     inspector, nvml, _ = inspector_for(inspectors)
     inspector.health(BDF)
+    assert inspector.xids.running
 
     started = time.monotonic()
     inspector.close()
 
     assert time.monotonic() - started < 2
     assert [s.freed for s in nvml.event_sets] == [True]
-    assert not [t for t in __import__("threading").enumerate() if t.name == "nvml-xid"]
+    assert not inspector.xids.running
 
 
 def test_the_default_is_the_real_pynvml_module() -> None:
