@@ -261,6 +261,7 @@ class Composer:
                     vfio=request.spec.vfio,
                     expected_uuid=gpu.uuid,
                     model=gpu.model,
+                    pci_id=gpu.pci_id,
                 )
             )
             node.gpus.append(

@@ -168,6 +168,7 @@ def attach_confirmed(gpu: pb.Gpu, seen: pb.ObservedAttachment) -> pb.Gpu:
     updated.serial = seen.serial or gpu.serial
     if seen.health != pb.GPU_HEALTH_UNSPECIFIED:
         updated.health = seen.health
+        updated.health_reason = seen.health_reason
     return updated
 
 

@@ -50,6 +50,23 @@ def _parse_labels(labels: tuple[str, ...]) -> dict[str, str]:
     return parsed
 
 
+def _parse_ports(ports: tuple[str, ...]) -> dict[int, str]:
+    parsed: dict[int, str] = {}
+    for item in ports:
+        slot, sep, bridge = item.partition("=")
+        if not sep or not slot.strip().isascii() or not slot.strip().isdigit() or not bridge:
+            raise click.BadParameter(
+                f"{item!r} is not SLOT=BRIDGE, e.g. --linux-port 0=0000:40:01.0",
+                param_hint="--linux-port",
+            )
+        if int(slot) in parsed:
+            raise click.BadParameter(
+                f"host slot {int(slot)} is given twice", param_hint="--linux-port"
+            )
+        parsed[int(slot)] = bridge.strip().lower()
+    return parsed
+
+
 def run_agent(config: AgentConfig) -> int:
     """Run one agent until SIGTERM or SIGINT; return the process exit status."""
     try:
@@ -161,6 +178,44 @@ def run_agent(config: AgentConfig) -> int:
     "manager instead of the driver's own mapper.",
 )
 @_option(
+    "--linux-port",
+    "linux_ports",
+    env="LINUX_PORTS",
+    multiple=True,
+    metavar="SLOT=BRIDGE",
+    help="Driver linux: the PCIe downstream port (bridge address) behind which the proxy "
+    "presents host slot SLOT; repeat per slot (environment: space-separated).",
+)
+@_option(
+    "--proxy-hook",
+    env="PROXY_HOOK",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Driver linux: executable that programs the host's proxy (map, unmap, status, fence).",
+)
+@_option(
+    "--proxy-hook-timeout",
+    "proxy_hook_timeout_s",
+    env="PROXY_HOOK_TIMEOUT",
+    type=float,
+    default=30.0,
+    help="Driver linux: seconds a proxy hook run may take before it is killed.",
+)
+@_option(
+    "--sysfs-root",
+    env="SYSFS_ROOT",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("/sys"),
+    help="Driver linux: where sysfs is mounted.",
+)
+@_option(
+    "--fabric-p2p/--no-fabric-p2p",
+    "fabric_p2p",
+    env="FABRIC_P2P",
+    default=False,
+    help="Driver linux: the fabric carries peer-to-peer traffic between GPUs.",
+)
+@_option(
     "--lease-ttl",
     "lease_ttl_s",
     env="LEASE_TTL",
@@ -175,6 +230,15 @@ def run_agent(config: AgentConfig) -> int:
     default=5,
     help="Failed detaches in a row before the GPU is reported FAILED (the broker then "
     "quarantines it); the agent keeps retrying.",
+)
+@_option(
+    "--drain-timeout",
+    "drain_timeout_s",
+    env="DRAIN_TIMEOUT",
+    type=float,
+    default=300.0,
+    help="Seconds a released GPU that still runs compute processes is waited for before "
+    "it is detached anyway.",
 )
 @_option(
     "--state-dir",
@@ -243,11 +307,15 @@ def run_agent(config: AgentConfig) -> int:
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
     help="Log level (logs go to stderr).",
 )
-def agent_command(labels: tuple[str, ...], log_level: str, **fields: Any) -> None:
+def agent_command(
+    labels: tuple[str, ...], linux_ports: tuple[str, ...], log_level: str, **fields: Any
+) -> None:
     """Run a dxpool host agent: register the host, attach and detach its GPUs."""
     configure_logging(log_level)
     try:
-        config = AgentConfig(labels=_parse_labels(labels), **fields)
+        config = AgentConfig(
+            labels=_parse_labels(labels), linux_ports=_parse_ports(linux_ports), **fields
+        )
     except InvalidArgument as error:
         raise click.UsageError(error.message) from error
     sys.exit(run_agent(config))

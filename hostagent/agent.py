@@ -73,6 +73,7 @@ class Agent:
             status=self._status,
             attach_attempts=config.attach_attempts,
             detach_attempts=config.detach_attempts,
+            drain_timeout_s=config.drain_timeout_s,
         )
         self._stopping = threading.Event()
         self._wake_resync = threading.Event()

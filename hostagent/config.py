@@ -8,6 +8,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from dxpool.errors import InvalidArgument
+from dxpool.hostagent.driver import BDF_PATTERN
 from dxpool.limits import MAX_HOST_SLOTS
 from dxpool.names import check_id
 from dxpool.store.client import parse_endpoints
@@ -25,7 +26,13 @@ class AgentConfig:
 
     ``labels`` is copied into a read-only mapping. The ``sim_*`` fields configure the
     simulated fabric (``driver="sim"``): its state directory and per-operation delays.
+    ``driver="linux"`` uses ``linux_ports`` (host slot -> the PCIe downstream port the
+    proxy presents that slot behind, ``"0000:40:01.0"``; read-only copy),
+    ``proxy_hook`` (the executable that programs the proxy), ``proxy_hook_timeout_s``,
+    ``sysfs_root`` and ``fabric_p2p`` (the fabric carries GPU peer-to-peer traffic).
     ``startup_timeout_s`` bounds how long the agent waits for etcd when it starts.
+    ``drain_timeout_s`` is how long a released GPU that still runs compute processes is
+    waited for before it is detached anyway.
     ``lease_ttl_s`` is rounded up to whole seconds, the unit of etcd leases.
     """
 
@@ -42,10 +49,16 @@ class AgentConfig:
     sim_map_delay_s: float = 0.0
     sim_hotplug_delay_s: float = 0.0
     sim_bind_delay_s: float = 0.0
+    linux_ports: Mapping[int, str] = field(default_factory=dict)
+    proxy_hook: Path | None = None
+    proxy_hook_timeout_s: float = 30.0
+    sysfs_root: Path = Path("/sys")
+    fabric_p2p: bool = False
     lease_ttl_s: float = 10.0
     resync_interval_s: float = 30.0
     attach_attempts: int = 3
     detach_attempts: int = 5
+    drain_timeout_s: float = 300.0
     backoff_base_s: float = 0.2
     backoff_max_s: float = 10.0
     device_timeout_s: float = 30.0
@@ -71,6 +84,20 @@ class AgentConfig:
                     f"invalid label key {key!r}: use a non-empty key without '=' (key=value)"
                 )
         check_labels(self.labels)
+        object.__setattr__(self, "linux_ports", MappingProxyType(dict(self.linux_ports)))
+        for host_slot, bridge in self.linux_ports.items():
+            if not 0 <= host_slot < self.slot_capacity:
+                raise InvalidArgument(
+                    f"linux port for host slot {host_slot} is outside the host's slots "
+                    f"0-{self.slot_capacity - 1}; give a slot below slot_capacity"
+                )
+            if not BDF_PATTERN.match(bridge):
+                raise InvalidArgument(
+                    f"linux port {host_slot}={bridge!r}: the bridge must be a PCI address "
+                    "domain:bus:device.function in lower-case hex, e.g. 0000:40:01.0"
+                )
+        _positive("proxy_hook_timeout_s", self.proxy_hook_timeout_s)
+        _at_least("drain_timeout_s", self.drain_timeout_s, 0)
         _at_least("slot_capacity", self.slot_capacity, 1)
         if self.slot_capacity > MAX_HOST_SLOTS:
             raise InvalidArgument(

@@ -15,13 +15,19 @@ bound to ``vfio-pci``. Detach is unbind -> remove the device -> unmap.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from dataclasses import dataclass
 from typing import Protocol
 
 from dxpool.api.v1 import resources_pb2
-from dxpool.hostagent.errors import AttachConflictError, DriverError, IdentityMismatchError
-from dxpool.hostagent.nvml import NO_HEALTH_SIGNAL, GpuIdentity, GpuInspector
+from dxpool.hostagent.errors import (
+    AttachConflictError,
+    DriverError,
+    GpuBusyError,
+    IdentityMismatchError,
+)
+from dxpool.hostagent.nvml import NO_HEALTH_REPORT, NO_HEALTH_SIGNAL, GpuIdentity, GpuInspector
 from dxpool.names import GpuRef
 
 log = logging.getLogger(__name__)
@@ -29,6 +35,7 @@ log = logging.getLogger(__name__)
 NATIVE_DRIVER = "nvidia"
 VFIO_DRIVER = "vfio-pci"
 DEFAULT_DEVICE_TIMEOUT_S = 30.0
+BDF_PATTERN = re.compile(r"\A[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]\Z")  # as sysfs writes it
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,7 @@ class DriverCapabilities:
     ``vfio``: devices can be bound to ``vfio-pci`` for a VM.
     ``p2p``: peer-to-peer transfers between GPUs of one host work across the fabric.
     ``identity``: the driver verifies GPU identity (UUID, model) on attach.
+    ``slot_power``: slots have power control, so a removed GPU's slot is powered off.
     """
 
     hotplug: bool
@@ -47,13 +55,15 @@ class DriverCapabilities:
     vfio: bool
     p2p: bool
     identity: bool
+    slot_power: bool = False
 
 
 @dataclass(frozen=True)
 class AttachRequest:
     """One GPU wanted at one host slot.
 
-    ``expected_uuid`` and ``model`` are verified against NVML when not empty; ``vfio``
+    ``expected_uuid`` and ``model`` are verified against NVML when not empty; ``pci_id``
+    (``"10de:2330"``) against the device's configuration space when not empty; ``vfio``
     asks for the device bound to ``vfio-pci`` instead of the native driver.
     """
 
@@ -63,6 +73,7 @@ class AttachRequest:
     expected_uuid: str = ""
     model: str = ""
     generation: int = 0  # the assignment's fencing token, carried by the mapping
+    pci_id: str = ""
 
     def __post_init__(self) -> None:
         if self.host_slot < 0:
@@ -75,12 +86,28 @@ class AttachRequest:
 
 
 @dataclass(frozen=True)
+class ExpectedDevice:
+    """What the device at a host slot must be, each part checked when not empty: the PCI
+    ``vendor:device`` id (``"10de:2330"``) and the Device Serial Number (``"01-23-..-ef"``)."""
+
+    pci_id: str = ""
+    dsn: str = ""
+
+
+@dataclass(frozen=True)
 class PciDevice:
-    """A PCI device on the host bus, at the address its host slot gives it."""
+    """A PCI device on the host bus, at the address its host slot gives it.
+
+    ``pci_id`` and ``dsn`` come from its configuration space, empty where the bus cannot
+    read them. They stay readable while the device is bound to ``vfio-pci``, when NVML
+    cannot see it.
+    """
 
     bdf: str
     host_slot: int
     driver: str | None  # "nvidia", "vfio-pci", or None when unbound
+    pci_id: str = ""
+    dsn: str = ""
 
 
 @dataclass(frozen=True)
@@ -98,6 +125,7 @@ class AttachedGpu:
     driver: str | None = None
     identity: GpuIdentity | None = None
     health: resources_pb2.GpuHealth.ValueType = NO_HEALTH_SIGNAL
+    health_reason: str = ""
 
     @property
     def present(self) -> bool:
@@ -163,11 +191,13 @@ class FabricDriver(Protocol):
         """
         ...
 
-    def detach(self, gpu: GpuRef) -> None:
+    def detach(self, gpu: GpuRef, *, force: bool = False) -> None:
         """Remove ``gpu`` from this host: unbind, hot-remove the device, unmap.
 
         Idempotent: detaching a GPU that is not attached is a no-op, and a partial detach
-        left by a crash is completed.
+        left by a crash is completed. Raises :class:`GpuBusyError`, touching nothing,
+        while compute processes run on the GPU, unless ``force``; a GPU whose processes
+        cannot be read (NVML cannot see it) is detached.
         """
         ...
 
@@ -223,9 +253,12 @@ class PciBus(Protocol):
         """Every fabric-attached device now on the bus."""
         ...
 
-    def wait_for_device(self, host_slot: int, timeout_s: float) -> PciDevice:
+    def wait_for_device(
+        self, host_slot: int, timeout_s: float, expected: ExpectedDevice | None = None
+    ) -> PciDevice:
         """The device at ``host_slot`` once present; :class:`DeviceTimeoutError` after
-        ``timeout_s``."""
+        ``timeout_s``. A bus that reads configuration space checks ``expected`` and raises
+        :class:`IdentityMismatchError` for another device."""
         ...
 
     def remove(self, bdf: str) -> None:
@@ -241,9 +274,10 @@ class PciBus(Protocol):
 class StepDriver:
     """:class:`FabricDriver` from a proxy mapper, a PCI bus and a GPU inspector.
 
-    Identities read before a ``vfio-pci`` bind are remembered per GPU and device address,
-    so :meth:`observe` can still name a GPU that NVML can no longer see; every other field
-    of an observation is read from the hardware.
+    Identities read before a ``vfio-pci`` bind are remembered per GPU and device (address,
+    PCI id, serial number), so :meth:`observe` can still name a GPU that NVML can no longer
+    see, as long as the device's configuration space says it is the same device; every
+    other field of an observation is read from the hardware.
     """
 
     def __init__(
@@ -262,7 +296,7 @@ class StepDriver:
         self._inspector = inspector
         self._capabilities = capabilities
         self._device_timeout_s = device_timeout_s
-        self._identities: dict[GpuRef, tuple[str, GpuIdentity]] = {}
+        self._identities: dict[GpuRef, tuple[PciDevice, GpuIdentity]] = {}
         self._lock = threading.Lock()
 
     @property
@@ -285,7 +319,13 @@ class StepDriver:
             )
         self._proxy.map(request.gpu, request.host_slot, request.generation)
         self._bus.rescan()
-        device = self._bus.wait_for_device(request.host_slot, self._device_timeout_s)
+        try:
+            device = self._bus.wait_for_device(
+                request.host_slot, self._device_timeout_s, ExpectedDevice(pci_id=request.pci_id)
+            )
+        except IdentityMismatchError:
+            self._roll_back(request.gpu)
+            raise
         if device.driver != NATIVE_DRIVER:
             self._bus.bind(device.bdf, NATIVE_DRIVER)
         identity = self._inspector.identify(device.bdf)
@@ -293,7 +333,7 @@ class StepDriver:
         if problem is not None:
             self._roll_back(request.gpu)
             raise IdentityMismatchError(problem)
-        self._remember(request.gpu, device.bdf, identity)
+        self._remember(request.gpu, device, identity)
         health = self._inspector.health(device.bdf)
         if request.vfio:
             self._bus.bind(device.bdf, VFIO_DRIVER)
@@ -303,25 +343,45 @@ class StepDriver:
             bdf=device.bdf,
             driver=request.kernel_driver,
             identity=identity,
-            health=health,
+            health=health.state,
+            health_reason=health.reason,
         )
 
     def _roll_back(self, gpu: GpuRef) -> None:
         try:
-            self.detach(gpu)
+            self.detach(gpu, force=True)  # just attached and not the GPU asked for
         except DriverError:
             log.exception("rollback of a mismatched gpu failed", extra={"gpu": gpu.name})
 
-    def detach(self, gpu: GpuRef) -> None:
+    def detach(self, gpu: GpuRef, *, force: bool = False) -> None:
         host_slot = next((slot for slot, ref in self._proxy.mappings().items() if ref == gpu), None)
         if host_slot is not None:
             device = next((d for d in self._bus.devices() if d.host_slot == host_slot), None)
             if device is not None:
+                if not force and device.driver == NATIVE_DRIVER:
+                    self._refuse_if_busy(gpu, device.bdf)
                 if device.driver is not None:
                     self._bus.bind(device.bdf, None)
                 self._bus.remove(device.bdf)
             self._proxy.unmap(gpu)
         self._forget(gpu)
+
+    def _refuse_if_busy(self, gpu: GpuRef, bdf: str) -> None:
+        try:
+            pids = self._inspector.compute_processes(bdf)
+        except DriverError as error:
+            log.warning(
+                "compute processes not readable; detaching",
+                extra={"gpu": gpu.name, "bdf": bdf, "error": str(error)},
+            )
+            return
+        if pids:
+            shown = ", ".join(str(pid) for pid in pids[:8]) + (", ..." if len(pids) > 8 else "")
+            raise GpuBusyError(
+                f"{gpu.name} at {bdf} still runs {len(pids)} compute process(es) (pids {shown}); "
+                "stop them to release the GPU",
+                tuple(pids),
+            )
 
     def observe(self) -> dict[GpuRef, AttachedGpu]:
         mappings = self._proxy.mappings()
@@ -334,8 +394,8 @@ class StepDriver:
     def _describe(self, gpu: GpuRef, host_slot: int, device: PciDevice | None) -> AttachedGpu:
         if device is None:
             return AttachedGpu(gpu=gpu, host_slot=host_slot)
-        identity = self._remembered(gpu, device.bdf)
-        health = NO_HEALTH_SIGNAL
+        identity = self._remembered(gpu, device)
+        health = NO_HEALTH_REPORT
         if device.driver == NATIVE_DRIVER:
             try:
                 identity = self._inspector.identify(device.bdf)
@@ -346,24 +406,37 @@ class StepDriver:
                     extra={"gpu": gpu.name, "bdf": device.bdf, "error": str(error)},
                 )
             else:
-                self._remember(gpu, device.bdf, identity)
+                self._remember(gpu, device, identity)
         return AttachedGpu(
             gpu=gpu,
             host_slot=host_slot,
             bdf=device.bdf,
             driver=device.driver,
             identity=identity,
-            health=health,
+            health=health.state,
+            health_reason=health.reason,
         )
 
-    def _remember(self, gpu: GpuRef, bdf: str, identity: GpuIdentity) -> None:
+    def _remember(self, gpu: GpuRef, device: PciDevice, identity: GpuIdentity) -> None:
         with self._lock:
-            self._identities[gpu] = (bdf, identity)
+            self._identities[gpu] = (device, identity)
 
-    def _remembered(self, gpu: GpuRef, bdf: str) -> GpuIdentity | None:
+    def _remembered(self, gpu: GpuRef, device: PciDevice) -> GpuIdentity | None:
+        """The identity NVML gave for ``gpu`` while it was ``device``, if the device now at
+        that address is still the same one: same address and, where configuration space
+        is readable, the same PCI id and serial number."""
         with self._lock:
             known = self._identities.get(gpu)
-        return known[1] if known is not None and known[0] == bdf else None
+        if known is None:
+            return None
+        seen, identity = known
+        if seen.bdf != device.bdf:
+            return None
+        if seen.pci_id and device.pci_id and seen.pci_id != device.pci_id:
+            return None
+        if seen.dsn and device.dsn and seen.dsn != device.dsn:
+            return None
+        return identity
 
     def _forget(self, gpu: GpuRef) -> None:
         with self._lock:
@@ -371,11 +444,13 @@ class StepDriver:
 
 
 __all__ = [
+    "BDF_PATTERN",
     "NATIVE_DRIVER",
     "VFIO_DRIVER",
     "AttachRequest",
     "AttachedGpu",
     "DriverCapabilities",
+    "ExpectedDevice",
     "FabricDriver",
     "PciBus",
     "PciDevice",

@@ -6,6 +6,8 @@ Hierarchy::
     ├── DeviceTimeoutError      the PCI device did not appear on the host bus in time
     ├── AttachConflictError     the GPU is mapped at another host slot, or the host slot holds
     │                           another GPU (retryable: the holder is detached first)
+    ├── GpuBusyError            compute processes still run on the GPU; not detached unless
+    │                           forced (retryable: they may exit)
     └── IdentityMismatchError   the device is not the GPU asked for (not retryable)
 
 The reconciler retries retryable errors with backoff and reports the others at once.
@@ -32,6 +34,14 @@ class AttachConflictError(DriverError):
     """The GPU is mapped at another host slot, or the host slot holds another GPU."""
 
 
+class GpuBusyError(DriverError):
+    """Compute processes still run on the GPU (``pids``), so it was not detached."""
+
+    def __init__(self, message: str, pids: tuple[int, ...]) -> None:
+        super().__init__(message, retryable=True)
+        self.pids = pids
+
+
 class IdentityMismatchError(DriverError):
     """NVML reports a different GPU (UUID or model) than the attachment asked for."""
 
@@ -39,4 +49,10 @@ class IdentityMismatchError(DriverError):
         super().__init__(message, retryable=False)
 
 
-__all__ = ["AttachConflictError", "DeviceTimeoutError", "DriverError", "IdentityMismatchError"]
+__all__ = [
+    "AttachConflictError",
+    "DeviceTimeoutError",
+    "DriverError",
+    "GpuBusyError",
+    "IdentityMismatchError",
+]

@@ -27,6 +27,11 @@ from the new spec (:attr:`Outcome.STALE`).
 
 A detach that keeps failing (``detach_attempts`` in a row) is reported FAILED, so the
 broker quarantines the GPU; the agent keeps retrying the detach with backoff.
+
+A GPU that still runs compute processes is drained, not yanked: the driver refuses the
+detach (:class:`~dxpool.hostagent.errors.GpuBusyError`), the entry stays DETACHING with a
+message naming the processes, and the refusals do not count as failures. Once
+``drain_timeout_s`` has passed since the first refusal, the detach is forced.
 """
 
 from __future__ import annotations
@@ -34,11 +39,13 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import time
+from collections.abc import Callable
 
 from dxpool.api.v1 import resources_pb2
 from dxpool.hostagent.desired import DesiredState
 from dxpool.hostagent.driver import AttachedGpu, AttachRequest, FabricDriver
-from dxpool.hostagent.errors import DriverError
+from dxpool.hostagent.errors import DriverError, GpuBusyError
 from dxpool.hostagent.status import StaleSpecError, StatusStore
 from dxpool.names import GpuRef
 
@@ -49,6 +56,7 @@ ATTACHED = resources_pb2.ATTACHMENT_PHASE_ATTACHED
 DETACHING = resources_pb2.ATTACHMENT_PHASE_DETACHING
 FAILED = resources_pb2.ATTACHMENT_PHASE_FAILED
 STALE_WAIT_S = 1.0
+DEFAULT_DRAIN_TIMEOUT_S = 300.0
 
 
 class Outcome(enum.Enum):
@@ -67,6 +75,7 @@ def attach_request(gpu: GpuRef, want: resources_pb2.DesiredAttachment) -> Attach
         expected_uuid=want.expected_uuid,
         model=want.model,
         generation=want.generation,
+        pci_id=want.pci_id,
     )
 
 
@@ -85,12 +94,19 @@ class Reconciler:
         status: StatusStore,
         attach_attempts: int,
         detach_attempts: int = 5,
+        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if attach_attempts < 1:
             raise ValueError(f"attach_attempts must be >= 1, got {attach_attempts}")
         if detach_attempts < 1:
             raise ValueError(f"detach_attempts must be >= 1, got {detach_attempts}")
+        if drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {drain_timeout_s}")
         self._detach_attempts = detach_attempts
+        self._drain_timeout_s = drain_timeout_s
+        self._clock = clock
+        self._draining: dict[GpuRef, float] = {}  # gpu -> when its detach was first refused
         self._failed_detaches: dict[GpuRef, int] = {}
         self._driver = driver
         self._desired = desired
@@ -248,6 +264,7 @@ class Reconciler:
             self._status.remove(gpu)
             with self._lock:
                 self._failed_detaches.pop(gpu, None)
+                self._draining.pop(gpu, None)
             return Outcome.DONE
         previous = self._status.get(gpu)
         entry = resources_pb2.ObservedAttachment(
@@ -259,6 +276,7 @@ class Reconciler:
             uuid=previous.uuid if previous is not None else "",
             serial=previous.serial if previous is not None else "",
             health=previous.health if previous is not None else have.health,
+            health_reason=previous.health_reason if previous is not None else have.health_reason,
             message="detaching",
         )
         if (
@@ -269,8 +287,20 @@ class Reconciler:
             entry.phase = FAILED  # keep telling the broker; quarantine stands
             entry.message = previous.message
         self._status.put(entry)
+        with self._lock:
+            refused_at = self._draining.get(gpu)
+        force = refused_at is not None and self._clock() - refused_at >= self._drain_timeout_s
         try:
-            self._driver.detach(gpu)
+            self._driver.detach(gpu, force=force)
+        except GpuBusyError as error:
+            now = self._clock()
+            with self._lock:
+                refused_at = self._draining.setdefault(gpu, now)
+            left = max(0.0, self._drain_timeout_s - (now - refused_at))
+            entry.message = f"draining: {error}; detaching anyway in {left:.0f}s"
+            self._status.put(entry)
+            log.info("gpu draining", extra={"gpu": gpu.name, "pids": list(error.pids)})
+            return Outcome.RETRY
         except DriverError as error:
             with self._lock:
                 count = self._failed_detaches.get(gpu, 0) + 1
@@ -287,8 +317,9 @@ class Reconciler:
             return Outcome.RETRY
         with self._lock:
             self._failed_detaches.pop(gpu, None)
+            self._draining.pop(gpu, None)
         self._status.remove(gpu)
-        log.info("gpu detached", extra={"gpu": gpu.name})
+        log.info("gpu detached", extra={"gpu": gpu.name, "forced": force})
         return Outcome.DONE
 
     # -- status entries -------------------------------------------------------------------
@@ -320,9 +351,9 @@ class Reconciler:
         known = previous if previous is not None and previous.bdf == have.bdf else None
         uuid = have.identity.uuid if have.identity else (known.uuid if known else "")
         serial = have.identity.serial if have.identity else (known.serial if known else "")
-        health = have.health
+        health, health_reason = have.health, have.health_reason
         if health == resources_pb2.GPU_HEALTH_UNSPECIFIED and known is not None:
-            health = known.health
+            health, health_reason = known.health, known.health_reason
         return resources_pb2.ObservedAttachment(
             gpu=have.gpu.name,
             generation=want.generation,
@@ -332,6 +363,7 @@ class Reconciler:
             uuid=uuid,
             serial=serial,
             health=health,
+            health_reason=health_reason,
             message="",
         )
 

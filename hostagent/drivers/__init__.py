@@ -2,12 +2,14 @@
 
 ``build_driver(config)`` returns the :class:`~dxpool.hostagent.driver.FabricDriver` that
 ``config.driver`` names. ``"sim"`` runs on the simulated fabric in ``config.sim_state_dir``;
-the Linux sysfs/vfio driver will register as ``"linux"``.
+``"linux"`` on the host's real PCIe bus (sysfs under ``config.sysfs_root``), its proxy
+programmed by ``config.proxy_hook`` and its GPUs read by NVML.
 
 ``build_proxy_mapper(config)`` returns the box-side
 :class:`~dxpool.hostagent.driver.ProxyMapper` the config selects in place of a driver's
-own (today: Redfish, with ``config.redfish_map``), or None. The simulated fabric maps on
-itself only, so the sim driver refuses a selected mapper.
+own (today: Redfish, with ``config.redfish_map``), or None. The Linux driver uses it in
+place of the proxy hook; the simulated fabric maps on itself only, so the sim driver
+refuses a selected mapper.
 """
 
 from __future__ import annotations
@@ -68,7 +70,36 @@ def _build_sim(config: AgentConfig) -> FabricDriver:
     return make_sim_driver(fabric, config.host_id, device_timeout_s=config.device_timeout_s)
 
 
-DRIVERS: dict[str, Callable[[AgentConfig], FabricDriver]] = {"sim": _build_sim}
+def _build_linux(config: AgentConfig) -> FabricDriver:
+    from dxpool.hostagent.drivers.linux import make_linux_driver
+    from dxpool.hostagent.drivers.sysfs import Sysfs
+
+    if not config.linux_ports:
+        raise InvalidArgument(
+            "the linux driver needs the bridge of every host slot (--linux-port SLOT=BRIDGE, "
+            "e.g. --linux-port 0=0000:40:01.0)"
+        )
+    if (config.proxy_hook is None) == (config.redfish_map is None):
+        raise InvalidArgument(
+            "the linux driver needs exactly one way to map GPUs: a proxy hook "
+            "(--proxy-hook PATH) or a Redfish fabric map (--redfish-map FILE)"
+        )
+    return make_linux_driver(
+        host_id=config.host_id,
+        ports=config.linux_ports,
+        proxy_hook=config.proxy_hook,
+        mapper=build_proxy_mapper(config),
+        sysfs=Sysfs(config.sysfs_root),
+        hook_timeout_s=config.proxy_hook_timeout_s,
+        device_timeout_s=config.device_timeout_s,
+        p2p=config.fabric_p2p,
+    )
+
+
+DRIVERS: dict[str, Callable[[AgentConfig], FabricDriver]] = {
+    "linux": _build_linux,
+    "sim": _build_sim,
+}
 
 
 def build_proxy_mapper(config: AgentConfig) -> ProxyMapper | None:

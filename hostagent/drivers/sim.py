@@ -12,16 +12,16 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from dxpool.api.v1 import resources_pb2
 from dxpool.fabric.sim import Fenced, MappingConflict, SimFabric, SimFabricError, UnknownTarget
 from dxpool.hostagent.driver import (
     DEFAULT_DEVICE_TIMEOUT_S,
     DriverCapabilities,
+    ExpectedDevice,
     PciDevice,
     StepDriver,
 )
 from dxpool.hostagent.errors import AttachConflictError, DeviceTimeoutError, DriverError
-from dxpool.hostagent.nvml import HEALTHY, UNHEALTHY, GpuIdentity
+from dxpool.hostagent.nvml import HEALTHY, UNHEALTHY, GpuIdentity, HealthReport
 from dxpool.names import GpuRef
 
 SIM_CAPABILITIES = DriverCapabilities(
@@ -88,7 +88,11 @@ class SimPciBus:
             found = self._fabric.devices(self._host)
         return [PciDevice(bdf=d.bdf, host_slot=d.host_slot, driver=d.driver) for d in found]
 
-    def wait_for_device(self, host_slot: int, timeout_s: float) -> PciDevice:
+    def wait_for_device(
+        self, host_slot: int, timeout_s: float, expected: ExpectedDevice | None = None
+    ) -> PciDevice:
+        """The device at ``host_slot`` once present. ``expected`` is not checked: the
+        simulated bus has no configuration space (the simulated NVML checks identity)."""
         deadline = time.monotonic() + timeout_s
         while True:
             device = next((d for d in self.devices() if d.host_slot == host_slot), None)
@@ -127,10 +131,18 @@ class SimNvml:
             uuid=found.uuid, serial=found.serial, model=found.model, memory_mib=found.memory_mib
         )
 
-    def health(self, bdf: str) -> resources_pb2.GpuHealth.ValueType:
+    def compute_processes(self, bdf: str) -> list[int]:
+        """Simulated GPUs run no processes; the device must exist, as for NVML."""
+        with fabric_errors():
+            self._fabric.identity(self._host, bdf)
+        return []
+
+    def health(self, bdf: str) -> HealthReport:
         with fabric_errors():
             found = self._fabric.identity(self._host, bdf)
-        return HEALTHY if found.healthy else UNHEALTHY
+        if found.healthy:
+            return HealthReport(HEALTHY)
+        return HealthReport(UNHEALTHY, "marked unhealthy in the simulated fabric")
 
 
 def make_sim_driver(

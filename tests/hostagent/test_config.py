@@ -57,6 +57,7 @@ def test_labels_are_read_only_copies() -> None:
         ({"backoff_base_s": 0}, "backoff_base_s must be > 0"),
         ({"backoff_base_s": 2, "backoff_max_s": 1}, "backoff_max_s (1) must be >= backoff_base_s"),
         ({"sim_map_delay_s": -1}, "sim_map_delay_s must be >= 0"),
+        ({"drain_timeout_s": -1}, "drain_timeout_s must be >= 0"),
         ({"labels": {"": "x"}}, "invalid label key"),
         ({"slot_capacity": 257}, "slot_capacity 257 is over the limit of 256"),
         ({"labels": {"zone": "a\nb"}}, "labels['zone'] contains the non-printable character"),
@@ -127,3 +128,42 @@ def test_cli_accepts_the_short_aliases_other_launchers_use() -> None:
 
     assert result.exit_code == 2
     assert "attach_attempts must be >= 1" in result.output  # every alias parsed
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"linux_ports": {4: "0000:40:01.0"}}, "host slot 4 is outside the host's slots 0-3"),
+        ({"linux_ports": {0: "40:01.0"}}, "the bridge must be a PCI address"),
+        ({"proxy_hook_timeout_s": 0}, "proxy_hook_timeout_s must be > 0"),
+    ],
+)
+def test_bad_linux_settings_name_what_to_fix(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        AgentConfig(host_id="h1", slot_capacity=4, driver="linux", **fields)  # type: ignore[arg-type]
+    assert message in caught.value.message
+
+
+def test_cli_parses_linux_ports_and_rejects_a_bad_one() -> None:
+    bad = CliRunner().invoke(agent_command, ["--host", "h1", "--linux-port", "zero=0000:40:01.0"])
+    twice = CliRunner().invoke(
+        agent_command,
+        ["--host", "h1", "--linux-port", "0=0000:40:01.0", "--linux-port", "0=0000:40:02.0"],
+    )
+
+    assert bad.exit_code == 2
+    assert "'zero=0000:40:01.0' is not SLOT=BRIDGE" in bad.output
+    assert twice.exit_code == 2
+    assert "host slot 0 is given twice" in twice.output
+
+
+def test_cli_exits_1_when_the_linux_driver_has_no_pci_bus(tmp_path: Path) -> None:
+    hook = tmp_path / "hook"
+    hook.write_text("#!/bin/sh\n")
+    hook.chmod(0o755)
+    args = ["--host", "h1", "--driver", "linux", "--proxy-hook", str(hook)]
+    args += ["--linux-port", "0=0000:40:01.0", "--sysfs-root", str(tmp_path / "nosys")]
+
+    result = CliRunner().invoke(agent_command, args)
+
+    assert result.exit_code == 1

@@ -48,5 +48,7 @@ def test_sim_driver_needs_an_existing_fabric(tmp_path: Path) -> None:
 
 
 def test_unknown_driver_names_the_choices() -> None:
-    with pytest.raises(InvalidArgument, match="unknown fabric driver 'linux': choose one of sim"):
-        build_driver(AgentConfig(host_id="h1", driver="linux"))
+    with pytest.raises(
+        InvalidArgument, match="unknown fabric driver 'vendor-x': choose one of linux, sim"
+    ):
+        build_driver(AgentConfig(host_id="h1", driver="vendor-x"))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,6 +21,7 @@ from dxpool.names import GpuRef
 from dxpool.store.client import connect
 from dxpool.store.embedded import EmbeddedEtcd
 from dxpool.store.keys import KeySchema
+from tests.hostagent.linux_host import LinuxHost, device_for
 
 from .conftest import HOST
 
@@ -313,3 +316,61 @@ def test_health_changes_reach_the_status(harness: Harness) -> None:
     harness.reconciler.reconcile(GPU)
 
     assert harness.stored()[GPU.name].health == resources_pb2.GPU_HEALTH_UNHEALTHY
+    assert harness.stored()[GPU.name].health_reason == "marked unhealthy in the simulated fabric"
+
+
+def test_a_busy_gpu_is_drained_then_detached_after_the_drain_timeout(
+    tmp_path: Path, etcd_server: EmbeddedEtcd, key_prefix: str
+) -> None:
+    host = LinuxHost(tmp_path / "host", host=HOST)
+    client = connect(etcd_server.endpoint)
+    keys = KeySchema(key_prefix)
+    lease = client.lease(60)
+    client.put(keys.host_lease(HOST), b"", lease=lease)
+    status = StatusStore(client, keys, HOST, lambda: int(lease.id))
+    desired = DesiredState(HOST)
+    now = [0.0]
+    reconciler = Reconciler(
+        driver=host.driver(),
+        desired=desired,
+        status=status,
+        attach_attempts=1,
+        detach_attempts=2,
+        drain_timeout_s=60,
+        clock=lambda: now[0],
+    )
+
+    def set_desired(*attachments: resources_pb2.DesiredAttachment) -> None:
+        allocation = resources_pb2.HostAllocation(host=f"hosts/{HOST}", attachments=attachments)
+        response = client.put(keys.host_allocation(HOST), allocation.SerializeToString())
+        revision = int(response.header.revision)
+        desired.replace(allocation, revision, revision)
+
+    def stored() -> dict[str, resources_pb2.ObservedAttachment]:
+        value, _ = client.get(keys.host_status(HOST))
+        record = resources_pb2.HostStatus.FromString(value or b"")
+        return {entry.gpu: entry for entry in record.attachments}
+
+    try:
+        set_desired(want(GPU, host_slot=0))
+        assert reconciler.reconcile(GPU) is Outcome.DONE
+        gpu = host.nvml.nvmlDeviceGetHandleByPciBusId(device_for(0))
+        gpu.processes = [SimpleNamespace(pid=4242)]
+        set_desired()
+
+        for _ in range(3):  # more refusals than detach_attempts: draining is not failing
+            assert reconciler.reconcile(GPU) is Outcome.RETRY
+        entry = stored()[GPU.name]
+        assert entry.phase == Phase.ATTACHMENT_PHASE_DETACHING
+        assert "pids 4242" in entry.message and "detaching anyway in 60s" in entry.message
+        assert host.mapped() == {0: GPU}
+
+        now[0] = 61.0
+        assert reconciler.reconcile(GPU) is Outcome.DONE
+        assert stored() == {}
+        assert host.mapped() == {}
+        assert not host.kernel.present(device_for(0))
+    finally:
+        lease.revoke()
+        client.close()
+        host.close()

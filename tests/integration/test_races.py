@@ -52,8 +52,8 @@ class HeldDriver:
         self.attaches.append(request)
         return self.inner.attach(request)
 
-    def detach(self, gpu: GpuRef) -> None:
-        self.inner.detach(gpu)
+    def detach(self, gpu: GpuRef, *, force: bool = False) -> None:
+        self.inner.detach(gpu, force=force)
 
 
 @pytest.fixture

@@ -110,12 +110,22 @@ class _GpuHealthEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_GpuHealth.V
     GPU_HEALTH_UNSPECIFIED: _GpuHealth.ValueType  # 0
     GPU_HEALTH_HEALTHY: _GpuHealth.ValueType  # 1
     GPU_HEALTH_UNHEALTHY: _GpuHealth.ValueType  # 2
+    """Failed: not handed out (uncorrected ECC errors, failed row remapping, a fatal XID)."""
+    GPU_HEALTH_DEGRADED: _GpuHealth.ValueType  # 3
+    """Works, with a warning worth an operator's look (a pending row remap or page
+    retirement, thermal slowdown, a narrowed PCIe link); still handed out.
+    """
 
 class GpuHealth(_GpuHealth, metaclass=_GpuHealthEnumTypeWrapper): ...
 
 GPU_HEALTH_UNSPECIFIED: GpuHealth.ValueType  # 0
 GPU_HEALTH_HEALTHY: GpuHealth.ValueType  # 1
 GPU_HEALTH_UNHEALTHY: GpuHealth.ValueType  # 2
+"""Failed: not handed out (uncorrected ECC errors, failed row remapping, a fatal XID)."""
+GPU_HEALTH_DEGRADED: GpuHealth.ValueType  # 3
+"""Works, with a warning worth an operator's look (a pending row remap or page
+retirement, thermal slowdown, a narrowed PCIe link); still handed out.
+"""
 Global___GpuHealth: _TypeAlias = GpuHealth  # noqa: Y015
 
 class _AttachmentPhase:
@@ -323,6 +333,7 @@ class Gpu(_message.Message):
     HOST_SLOT_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    HEALTH_REASON_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name: "boxes/{box}/gpus/{slot}"."""
     box: _builtins.str
@@ -349,6 +360,8 @@ class Gpu(_message.Message):
     """
     message: _builtins.str
     """Last error seen for this GPU, if any."""
+    health_reason: _builtins.str
+    """Why `health` is not HEALTHY, as the host agent last reported it."""
     def __init__(
         self,
         *,
@@ -367,10 +380,11 @@ class Gpu(_message.Message):
         host_slot: _builtins.int = ...,
         generation: _builtins.int = ...,
         message: _builtins.str = ...,
+        health_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["box", b"box", "generation", b"generation", "health", b"health", "host", b"host", "host_slot", b"host_slot", "memory_mib", b"memory_mib", "message", b"message", "model", b"model", "name", b"name", "node", b"node", "pci_id", b"pci_id", "serial", b"serial", "slot", b"slot", "state", b"state", "uuid", b"uuid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["box", b"box", "generation", b"generation", "health", b"health", "health_reason", b"health_reason", "host", b"host", "host_slot", b"host_slot", "memory_mib", b"memory_mib", "message", b"message", "model", b"model", "name", b"name", "node", b"node", "pci_id", b"pci_id", "serial", b"serial", "slot", b"slot", "state", b"state", "uuid", b"uuid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -463,6 +477,7 @@ class DesiredAttachment(_message.Message):
     VFIO_FIELD_NUMBER: _builtins.int
     EXPECTED_UUID_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    PCI_ID_FIELD_NUMBER: _builtins.int
     gpu: _builtins.str
     """"boxes/{box}/gpus/{slot}" """
     host_slot: _builtins.int
@@ -475,6 +490,10 @@ class DesiredAttachment(_message.Message):
     expected_uuid: _builtins.str
     """Identity learned earlier, if any; the agent verifies against it."""
     model: _builtins.str
+    pci_id: _builtins.str
+    """PCI vendor and device id the GPU must show, e.g. "10de:2330" (Gpu.pci_id); checked
+    against the device's configuration space when not empty.
+    """
     def __init__(
         self,
         *,
@@ -485,10 +504,11 @@ class DesiredAttachment(_message.Message):
         vfio: _builtins.bool = ...,
         expected_uuid: _builtins.str = ...,
         model: _builtins.str = ...,
+        pci_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_uuid", b"expected_uuid", "generation", b"generation", "gpu", b"gpu", "host_slot", b"host_slot", "model", b"model", "node", b"node", "vfio", b"vfio"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_uuid", b"expected_uuid", "generation", b"generation", "gpu", b"gpu", "host_slot", b"host_slot", "model", b"model", "node", b"node", "pci_id", b"pci_id", "vfio", b"vfio"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -537,6 +557,7 @@ class ObservedAttachment(_message.Message):
     HEALTH_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     UPDATE_TIME_FIELD_NUMBER: _builtins.int
+    HEALTH_REASON_FIELD_NUMBER: _builtins.int
     gpu: _builtins.str
     generation: _builtins.int
     phase: Global___AttachmentPhase.ValueType
@@ -550,6 +571,8 @@ class ObservedAttachment(_message.Message):
     """Error text for FAILED, progress otherwise. FAILED on a GPU the host no longer
     wants means its detach keeps failing (the broker quarantines it).
     """
+    health_reason: _builtins.str
+    """Why `health` is not HEALTHY (e.g. "2 volatile uncorrected ECC errors")."""
     @_builtins.property
     def update_time(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -565,10 +588,11 @@ class ObservedAttachment(_message.Message):
         health: Global___GpuHealth.ValueType = ...,
         message: _builtins.str = ...,
         update_time: _timestamp_pb2.Timestamp | None = ...,
+        health_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bdf", b"bdf", "generation", b"generation", "gpu", b"gpu", "health", b"health", "host_slot", b"host_slot", "message", b"message", "phase", b"phase", "serial", b"serial", "update_time", b"update_time", "uuid", b"uuid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bdf", b"bdf", "generation", b"generation", "gpu", b"gpu", "health", b"health", "health_reason", b"health_reason", "host_slot", b"host_slot", "message", b"message", "phase", b"phase", "serial", b"serial", "update_time", b"update_time", "uuid", b"uuid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,251 @@
+"""A :class:`~dxpool.hostagent.driver.ProxyMapper` that runs an operator's executable.
+
+Proxy vendors differ in how their mapping tables are programmed (a CLI, a REST service, a
+kernel module's ioctl). The command hook lets an operator plug any of them in with a small
+program. dxpool runs it once per operation and reads its answer; nothing else is shared.
+
+Contract of the hook executable
+-------------------------------
+
+It is run without a shell, with one of these argument lists (``HOST`` is the host id,
+``BOX`` a box id, ``SLOT`` the GPU's slot in its box, ``HOST_SLOT`` the host-side proxy
+slot, ``GENERATION`` the assignment's fencing token, all decimal integers but the ids)::
+
+    HOOK map HOST BOX SLOT HOST_SLOT GENERATION   map the GPU to the host slot
+    HOOK unmap HOST BOX SLOT                      drop the GPU's mapping on the host
+    HOOK status HOST                              list the host's mappings
+    HOOK fence HOST                               revoke every mapping of the host
+
+* ``map`` must be idempotent for the identical mapping; ``unmap`` of a GPU that is not
+  mapped on the host and ``fence`` of a host with no mappings succeed.
+* ``status`` prints one JSON object on stdout:
+  ``{"mappings": [{"host_slot": 0, "box": "b1", "slot": 3}, ...]}``. ``fence`` may print
+  ``{"revoked": [{"box": "b1", "slot": 3}, ...]}``, the GPUs it cut off; without it,
+  dxpool takes the host's ``status`` listing read just before the fence. The other
+  operations may print nothing or any JSON object; an object's ``"message"`` string is
+  logged.
+* Exit status: **0** done; **3** conflict (the GPU is mapped at another host slot or the
+  host slot holds another GPU; dxpool detaches the holder and retries); **4** refused for
+  good (a fenced generation, an unknown GPU or host: not retried); anything else is a
+  transient failure that dxpool retries with backoff. Text on stderr is put into the
+  error dxpool reports, so make it say what went wrong.
+* dxpool may run several hooks at once for different GPUs of the host (one per
+  reconcile worker): a hook serializes whatever its proxy needs serialized.
+* The hook must finish within the configured timeout (default 30 s). When it does not,
+  dxpool kills its whole process group (it runs in a session of its own) and treats the
+  operation as a transient failure: the hook must therefore be safe to run again after
+  being killed at any point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from dxpool.errors import InvalidArgument
+from dxpool.hostagent.errors import AttachConflictError, DriverError
+from dxpool.names import GpuRef, check_id
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_CONFLICT = 3
+EXIT_REFUSED = 4
+DEFAULT_HOOK_TIMEOUT_S = 30.0
+STDERR_SHOWN = 500  # characters of the hook's stderr put into an error message
+
+
+class CommandHookMapper:
+    """:class:`~dxpool.hostagent.driver.ProxyMapper` for ``host`` through ``hook``.
+
+    ``hook`` is the path of an executable that follows the contract in this module's
+    docstring; ``timeout_s`` bounds every run. Every method raises :class:`DriverError`
+    (:class:`AttachConflictError` for exit status 3) with the hook's stderr in the message.
+    Safe to call from several threads: each call is its own process.
+    """
+
+    def __init__(self, hook: Path, host: str, *, timeout_s: float = DEFAULT_HOOK_TIMEOUT_S) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self._hook = Path(hook)
+        self._host = host
+        self._timeout_s = timeout_s
+
+    @property
+    def hook(self) -> Path:
+        return self._hook
+
+    def map(self, gpu: GpuRef, host_slot: int, generation: int) -> None:
+        self._run("map", gpu.box, str(gpu.slot), str(host_slot), str(generation))
+
+    def unmap(self, gpu: GpuRef) -> None:
+        self._run("unmap", gpu.box, str(gpu.slot))
+
+    def fence(self, host: str) -> list[GpuRef]:
+        """Revoke every mapping of ``host`` (this mapper's host, or another host when the
+        hook runs on a machine that may program that host's proxy), and return the GPUs
+        revoked: the hook's ``"revoked"`` list when it prints one, else the mappings its
+        ``status`` listed for ``host`` just before the fence."""
+        listed = parse_mappings(self._run_for(host, "status"), self._describe_for(host, "status"))
+        answer = self._run_for(host, "fence")
+        if "revoked" not in answer:
+            return sorted(listed.values())
+        return parse_revoked(answer, self._describe_for(host, "fence"))
+
+    def mappings(self) -> dict[int, GpuRef]:
+        answer = self._run("status")
+        return parse_mappings(answer, self._describe("status"))
+
+    def _describe(self, operation: str) -> str:
+        return self._describe_for(self._host, operation)
+
+    def _describe_for(self, host: str, operation: str) -> str:
+        return f"proxy hook {self._hook} {operation} for host {host}"
+
+    def _run(self, operation: str, *args: str) -> dict[str, Any]:
+        return self._run_for(self._host, operation, *args)
+
+    def _run_for(self, host: str, operation: str, *args: str) -> dict[str, Any]:
+        what = f"proxy hook {self._hook} {operation} for host {host}"
+        argv = [str(self._hook), operation, host, *args]
+        try:
+            process = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,  # so a timeout can kill everything it started
+            )
+        except OSError as error:
+            raise DriverError(
+                f"{what} could not be started ({error.strerror or error}); check that the "
+                "hook path in the agent's configuration names an executable file",
+                retryable=False,
+            ) from error
+        try:
+            stdout, stderr = process.communicate(timeout=self._timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(process)
+            process.communicate()
+            raise DriverError(
+                f"{what} did not finish within {self._timeout_s:g}s and was killed; check "
+                "that the proxy's management interface answers"
+            ) from None
+        return _answer(what, process.returncode, stdout, stderr)
+
+
+def _kill_group(process: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError):  # it may have ended in the meantime
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+def _answer(what: str, returncode: int, stdout: str, stderr: str) -> dict[str, Any]:
+    detail = stderr.strip()[-STDERR_SHOWN:]
+    said = f": {detail}" if detail else " and wrote nothing to stderr"
+    if returncode == EXIT_CONFLICT:
+        raise AttachConflictError(f"{what} reports a mapping conflict{said}")
+    if returncode == EXIT_REFUSED:
+        raise DriverError(f"{what} refused the operation{said}", retryable=False)
+    if returncode < 0:
+        raise DriverError(f"{what} was killed by signal {-returncode}{said}")
+    if returncode != EXIT_OK:
+        raise DriverError(f"{what} failed with exit status {returncode}{said}")
+    text = stdout.strip()
+    if not text:
+        return {}
+    try:
+        answer = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise DriverError(
+            f"{what} printed output that is not JSON ({error.msg} at line {error.lineno} "
+            f"column {error.colno}): {text[:200]!r}; the hook must print one JSON object"
+        ) from error
+    if not isinstance(answer, dict):
+        raise DriverError(
+            f"{what} printed JSON {type(answer).__name__}, not an object; the hook must print "
+            "one JSON object"
+        )
+    message = answer.get("message")
+    if isinstance(message, str) and message:
+        log.info("proxy hook message", extra={"hook": what, "hook_message": message})
+    return answer
+
+
+def parse_mappings(answer: dict[str, Any], what: str) -> dict[int, GpuRef]:
+    """Host slot -> GPU from a ``status`` answer; :class:`DriverError` naming the bad entry."""
+    entries = answer.get("mappings")
+    if not isinstance(entries, list):
+        raise DriverError(
+            f'{what} printed no "mappings" list; expected '
+            '{"mappings": [{"host_slot": 0, "box": "b1", "slot": 3}, ...]}'
+        )
+    table: dict[int, GpuRef] = {}
+    for index, entry in enumerate(entries):
+        host_slot = entry.get("host_slot") if isinstance(entry, dict) else None
+        box = entry.get("box") if isinstance(entry, dict) else None
+        slot = entry.get("slot") if isinstance(entry, dict) else None
+        if not (_is_count(host_slot) and isinstance(box, str) and _is_count(slot)):
+            raise DriverError(
+                f"{what}: mappings[{index}] is {entry!r}; each entry needs host_slot (an "
+                "integer >= 0), box (a box id) and slot (an integer >= 0)"
+            )
+        try:
+            check_id(box, "box")
+        except InvalidArgument as error:
+            raise DriverError(f"{what}: mappings[{index}]: {error.message}") from error
+        assert isinstance(host_slot, int) and isinstance(slot, int)
+        if host_slot in table:
+            raise DriverError(
+                f"{what}: host slot {host_slot} is listed twice ({table[host_slot].name} and "
+                f"{GpuRef(box, slot).name}); a host slot holds one GPU"
+            )
+        table[host_slot] = GpuRef(box, slot)
+    return table
+
+
+def parse_revoked(answer: dict[str, Any], what: str) -> list[GpuRef]:
+    """The GPUs a ``fence`` answer's ``"revoked"`` list names, in order; :class:`DriverError`
+    naming the bad entry."""
+    entries = answer.get("revoked")
+    if not isinstance(entries, list):
+        raise DriverError(
+            f'{what}: "revoked" is not a list; expected '
+            '{"revoked": [{"box": "b1", "slot": 3}, ...]} or no "revoked" at all'
+        )
+    revoked: list[GpuRef] = []
+    for index, entry in enumerate(entries):
+        box = entry.get("box") if isinstance(entry, dict) else None
+        slot = entry.get("slot") if isinstance(entry, dict) else None
+        if not (isinstance(box, str) and _is_count(slot)):
+            raise DriverError(
+                f"{what}: revoked[{index}] is {entry!r}; each entry needs box (a box id) and "
+                "slot (an integer >= 0)"
+            )
+        try:
+            check_id(box, "box")
+        except InvalidArgument as error:
+            raise DriverError(f"{what}: revoked[{index}]: {error.message}") from error
+        assert isinstance(slot, int)
+        revoked.append(GpuRef(box, slot))
+    return sorted(revoked)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+__all__ = [
+    "DEFAULT_HOOK_TIMEOUT_S",
+    "EXIT_CONFLICT",
+    "EXIT_OK",
+    "EXIT_REFUSED",
+    "CommandHookMapper",
+    "parse_mappings",
+]

@@ -1,0 +1,409 @@
+"""SysfsPciBus against a fake sysfs tree that acts like the kernel, good and bad."""
+
+from __future__ import annotations
+
+import errno
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dxpool.hostagent.driver import ExpectedDevice
+from dxpool.hostagent.drivers.linux_pci import SysfsPciBus
+from dxpool.hostagent.errors import DeviceTimeoutError, DriverError, IdentityMismatchError
+from tests.hostagent.fake_sysfs import FakeCard, FakeKernel
+
+BRIDGE = "0000:40:01.0"
+GPU_BDF = "0000:41:00.0"
+BRIDGE2 = "0000:40:02.0"
+GPU2_BDF = "0000:42:00.0"
+DSN = "01-23-45-67-89-ab-cd-ef"
+
+
+@pytest.fixture
+def kernel(tmp_path: Path) -> Iterator[FakeKernel]:
+    kernel = FakeKernel(tmp_path / "sys")
+    kernel.add_port(BRIDGE, "0000:41", iommu_group=11)
+    kernel.add_port(BRIDGE2, "0000:42", slot="7", iommu_group=12, surprise=True)
+    yield kernel
+    kernel.close()
+
+
+def make_bus(kernel: FakeKernel, **options: object) -> SysfsPciBus:
+    return SysfsPciBus(
+        {0: BRIDGE, 1: BRIDGE2},
+        sysfs=kernel,
+        poll_s=0.01,
+        remove_timeout_s=0.3,
+        **options,  # type: ignore[arg-type]
+    )
+
+
+def test_device_addresses_come_from_the_bridges_secondary_bus(kernel: FakeKernel) -> None:
+    bus = make_bus(kernel)
+
+    assert bus.device_address(0) == GPU_BDF
+    assert bus.device_address(1) == GPU2_BDF
+
+
+def test_rescan_below_the_bridge_brings_up_the_mapped_card_bound_to_nvidia(
+    kernel: FakeKernel,
+) -> None:
+    kernel.insert(BRIDGE, FakeCard())
+    bus = make_bus(kernel)
+    assert bus.devices() == []
+
+    bus.rescan()
+    device = bus.wait_for_device(0, 1.0, ExpectedDevice(pci_id="10de:2330", dsn=DSN))
+
+    assert (device.bdf, device.host_slot, device.driver) == (GPU_BDF, 0, "nvidia")
+    assert (device.pci_id, device.dsn) == ("10de:2330", DSN)
+    assert (f"bus/pci/devices/{BRIDGE}/rescan", "1") in kernel.writes
+    assert [d.bdf for d in bus.devices()] == [GPU_BDF]
+
+
+def test_a_slot_with_power_control_is_powered_on_and_off(kernel: FakeKernel) -> None:
+    kernel.insert(BRIDGE2, FakeCard())
+    bus = make_bus(kernel)
+
+    bus.rescan()
+    bus.wait_for_device(1, 1.0)
+    assert kernel.read_text("bus/pci/slots/7/power") == "1"
+    bus.bind(GPU2_BDF, None)
+    bus.remove(GPU2_BDF)
+
+    assert kernel.read_text("bus/pci/slots/7/power") == "0"
+    assert not kernel.present(GPU2_BDF)
+    assert (f"bus/pci/devices/{GPU2_BDF}/remove", "1") not in kernel.writes
+
+
+def test_without_a_bridge_rescan_attribute_the_whole_bus_is_rescanned(tmp_path: Path) -> None:
+    kernel = FakeKernel(tmp_path / "sys")
+    kernel.add_port(BRIDGE, "0000:41", rescan_file=False)
+    kernel.insert(BRIDGE, FakeCard())
+    bus = SysfsPciBus({0: BRIDGE}, sysfs=kernel, poll_s=0.01)
+
+    bus.rescan()
+
+    assert ("bus/pci/rescan", "1") in kernel.writes
+    assert bus.wait_for_device(0, 1.0).bdf == GPU_BDF
+
+
+def test_a_card_that_appears_late_is_waited_for(kernel: FakeKernel) -> None:
+    kernel.insert(BRIDGE, FakeCard(delay_s=0.2))
+    bus = make_bus(kernel)
+
+    bus.rescan()
+    started = time.monotonic()
+    device = bus.wait_for_device(0, 2.0)
+
+    assert device.bdf == GPU_BDF
+    assert time.monotonic() - started >= 0.15
+
+
+def test_a_card_that_never_appears_times_out_naming_address_and_what_to_check(
+    kernel: FakeKernel,
+) -> None:
+    kernel.insert(BRIDGE, FakeCard(appears=False))
+    bus = make_bus(kernel)
+
+    bus.rescan()
+    with pytest.raises(DeviceTimeoutError) as caught:
+        bus.wait_for_device(0, 0.2)
+
+    message = str(caught.value)
+    assert GPU_BDF in message and BRIDGE in message and "host slot 0" in message
+    assert "rescanning below bridge" in message and "proxy mapped the GPU" in message
+
+
+def test_a_failed_slot_power_on_is_named_in_the_timeout(kernel: FakeKernel) -> None:
+    bus = make_bus(kernel)
+    kernel.failing_writes["bus/pci/slots/7/power"] = errno.ENODEV
+
+    bus.rescan()
+    with pytest.raises(
+        DeviceTimeoutError, match="powering on hotplug slot 7 failed: No such device"
+    ):
+        bus.wait_for_device(1, 0.1)
+
+
+@pytest.mark.parametrize(
+    ("card", "expected", "message"),
+    [
+        (
+            FakeCard(device=0x20B0),
+            ExpectedDevice(pci_id="10de:2330"),
+            "is PCI 10de:20b0, expected 10de:2330",
+        ),
+        (
+            FakeCard(vendor=0x15B3, device=0x1021),
+            None,
+            "is PCI 15b3:1021, not a GPU of vendor 10de",
+        ),
+        (
+            FakeCard(dsn=0x1111),
+            ExpectedDevice(dsn=DSN),
+            "serial number 00-00-00-00-00-00-11-11, expected",
+        ),
+        (FakeCard(dsn=None), ExpectedDevice(dsn=DSN), "no readable serial number"),
+    ],
+)
+def test_a_card_that_is_not_the_expected_device_is_refused(
+    kernel: FakeKernel, card: FakeCard, expected: ExpectedDevice | None, message: str
+) -> None:
+    kernel.insert(BRIDGE, card)
+    bus = make_bus(kernel)
+
+    bus.rescan()
+    with pytest.raises(IdentityMismatchError, match=re.escape(message)) as caught:
+        bus.wait_for_device(0, 1.0, expected)
+
+    assert caught.value.retryable is False
+    assert GPU_BDF in str(caught.value)
+
+
+def test_remove_that_leaves_the_device_on_the_bus_fails_with_what_to_check(
+    kernel: FakeKernel,
+) -> None:
+    kernel.insert(BRIDGE, FakeCard(sticky=True))
+    bus = make_bus(kernel)
+    bus.rescan()
+    bus.wait_for_device(0, 1.0)
+    bus.bind(GPU_BDF, None)
+
+    with pytest.raises(
+        DriverError, match=r"still on the PCI bus 0\.3s after writing its remove"
+    ) as caught:
+        bus.remove(GPU_BDF)
+
+    assert "nvidia-smi" in str(caught.value)
+    assert caught.value.retryable
+
+
+def test_remove_of_an_absent_device_is_a_no_op(kernel: FakeKernel) -> None:
+    make_bus(kernel).remove(GPU_BDF)
+
+    assert kernel.writes == []
+
+
+def test_detach_steps_unbind_then_remove(kernel: FakeKernel) -> None:
+    kernel.insert(BRIDGE, FakeCard())
+    bus = make_bus(kernel)
+    bus.rescan()
+    bus.wait_for_device(0, 1.0)
+
+    bus.bind(GPU_BDF, None)
+    assert bus.driver_of(GPU_BDF) is None
+    bus.remove(GPU_BDF)
+
+    assert not kernel.present(GPU_BDF)
+    assert kernel.writes[-2:] == [
+        ("bus/pci/drivers/nvidia/unbind", GPU_BDF),
+        (f"bus/pci/devices/{GPU_BDF}/remove", "1"),
+    ]
+
+
+def test_vfio_bind_goes_through_driver_override_and_back(kernel: FakeKernel) -> None:
+    kernel.insert(BRIDGE, FakeCard())
+    bus = make_bus(kernel)
+    bus.rescan()
+    bus.wait_for_device(0, 1.0)
+
+    bus.bind(GPU_BDF, "vfio-pci")
+    assert bus.driver_of(GPU_BDF) == "vfio-pci"
+    assert kernel.read_text(f"bus/pci/devices/{GPU_BDF}/driver_override") == "vfio-pci"
+    assert ("bus/pci/drivers_probe", GPU_BDF) in kernel.writes
+    bus.bind(GPU_BDF, "vfio-pci")  # already bound: nothing to do
+    bus.bind(GPU_BDF, "nvidia")
+
+    assert bus.driver_of(GPU_BDF) == "nvidia"
+    assert kernel.read_text(f"bus/pci/devices/{GPU_BDF}/driver_override") == "(null)"
+
+
+def test_vfio_bind_accepts_a_group_with_a_bridge_and_an_unbound_function(
+    kernel: FakeKernel,
+) -> None:
+    kernel.insert(BRIDGE, FakeCard())
+    kernel.add_device(
+        "0000:41:00.1",
+        vendor=0x10DE,
+        device=0x22A3,
+        class_code=0x040300,
+        iommu_group=11,
+        driver=None,
+    )
+    kernel.add_device(
+        "0000:3f:00.0",
+        vendor=0x1000,
+        device=0xC010,
+        class_code=0x060400,
+        iommu_group=11,
+        driver="pcieport",
+    )
+    bus = make_bus(kernel)
+    bus.rescan()
+    bus.wait_for_device(0, 1.0)
+
+    bus.bind(GPU_BDF, "vfio-pci")
+
+    assert bus.driver_of(GPU_BDF) == "vfio-pci"
+
+
+def test_vfio_bind_refuses_a_group_holding_a_foreign_bound_device(kernel: FakeKernel) -> None:
+    kernel.insert(BRIDGE, FakeCard())
+    kernel.load_driver("mlx5_core")
+    kernel.add_device(
+        "0000:43:00.0",
+        vendor=0x15B3,
+        device=0x1021,
+        class_code=0x020000,
+        iommu_group=11,
+        driver="mlx5_core",
+    )
+    bus = make_bus(kernel)
+    bus.rescan()
+    bus.wait_for_device(0, 1.0)
+
+    with pytest.raises(DriverError) as caught:
+        bus.bind(GPU_BDF, "vfio-pci")
+
+    message = str(caught.value)
+    assert "IOMMU group 11" in message and "0000:43:00.0" in message and "mlx5_core" in message
+    assert "not viable" in message and "ACS" in message
+    assert caught.value.retryable is False
+    assert bus.driver_of(GPU_BDF) == "nvidia"  # refused before touching it
+
+
+def test_vfio_bind_without_an_iommu_group_says_to_enable_the_iommu(tmp_path: Path) -> None:
+    kernel = FakeKernel(tmp_path / "sys")
+    kernel.add_port(BRIDGE, "0000:41")
+    kernel.add_device(
+        "0000:50:00.0",
+        vendor=0x10DE,
+        device=0x2330,
+        class_code=0x030200,
+        iommu_group=None,  # type: ignore[arg-type]
+        driver="nvidia",
+    )
+    bus = SysfsPciBus({0: BRIDGE}, sysfs=kernel)
+
+    with pytest.raises(DriverError, match=r"no IOMMU group.*intel_iommu=on"):
+        bus.bind("0000:50:00.0", "vfio-pci")
+
+
+def test_vfio_bind_without_the_vfio_module_says_to_load_it(tmp_path: Path) -> None:
+    kernel = FakeKernel(tmp_path / "sys", drivers=("nvidia",))
+    kernel.add_port(BRIDGE, "0000:41", iommu_group=3)
+    kernel.insert(BRIDGE, FakeCard())
+    bus = SysfsPciBus({0: BRIDGE}, sysfs=kernel, poll_s=0.01)
+    bus.rescan()
+    bus.wait_for_device(0, 1.0)
+
+    with pytest.raises(DriverError, match="modprobe vfio-pci"):
+        bus.bind(GPU_BDF, "vfio-pci")
+    assert bus.capabilities().vfio is False
+
+
+def test_bind_of_an_absent_device_is_a_driver_error(kernel: FakeKernel) -> None:
+    with pytest.raises(DriverError, match=re.escape("no PCI device at 0000:41:00.0")):
+        make_bus(kernel).bind(GPU_BDF, "nvidia")
+
+
+def test_a_bridge_that_is_not_there_is_a_configuration_error(kernel: FakeKernel) -> None:
+    bus = SysfsPciBus({0: "0000:7f:01.0"}, sysfs=kernel)
+
+    with pytest.raises(DriverError, match=r"not on this host's PCI bus.*lspci") as caught:
+        bus.device_address(0)
+    assert caught.value.retryable is False
+
+
+def test_a_bad_bridge_address_is_refused_at_construction(kernel: FakeKernel) -> None:
+    with pytest.raises(DriverError, match="not a PCI address"):
+        SysfsPciBus({0: "40:01.0"}, sysfs=kernel)
+
+
+def test_capabilities_are_read_from_the_ports(kernel: FakeKernel) -> None:
+    caps = make_bus(kernel).capabilities()
+    only_power = SysfsPciBus({1: BRIDGE2}, sysfs=kernel).capabilities()
+
+    assert (caps.slot_power, caps.surprise_removal, caps.vfio) == (False, False, True)
+    assert (only_power.slot_power, only_power.surprise_removal) == (True, True)
+
+
+def test_link_width_and_speed_are_read(kernel: FakeKernel) -> None:
+    kernel.insert(BRIDGE, FakeCard(link_width=8))
+    bus = make_bus(kernel)
+    bus.rescan()
+    bus.wait_for_device(0, 1.0)
+
+    link = bus.link(GPU_BDF)
+
+    assert (link.width, link.max_width, link.speed) == (8, 16, "32.0 GT/s PCIe")
+
+
+class RacingKernel(FakeKernel):
+    """Before the agent's write to ``race_on`` lands, the device's driver changes as if the
+    kernel's own probe (or another unbind) got there first."""
+
+    race_on: str = ""
+    race_to: str | None = None
+
+    def write(self, relative: str, value: str) -> None:
+        if relative == self.race_on:
+            self.race_on = ""
+            self._set_driver(value.strip(), self.race_to)
+        super().write(relative, value)
+
+
+@pytest.mark.parametrize(
+    ("race_on", "race_to", "start", "wanted"),
+    [
+        ("bus/pci/drivers/nvidia/bind", "nvidia", None, "nvidia"),
+        ("bus/pci/drivers/nvidia/unbind", None, "nvidia", None),
+    ],
+)
+def test_a_bind_that_loses_the_race_to_the_kernels_own_probe_is_success(
+    tmp_path: Path, race_on: str, race_to: str | None, start: str | None, wanted: str | None
+) -> None:
+    kernel = RacingKernel(tmp_path / "sys")
+    kernel.add_port(BRIDGE, "0000:41", iommu_group=3)
+    kernel.add_device(
+        GPU_BDF, vendor=0x10DE, device=0x2330, class_code=0x030200, iommu_group=3, driver=start
+    )
+    bus = SysfsPciBus({0: BRIDGE}, sysfs=kernel)
+    kernel.race_on, kernel.race_to = race_on, race_to
+
+    bus.bind(GPU_BDF, wanted)  # the write itself fails (EBUSY / ENODEV)
+
+    assert bus.driver_of(GPU_BDF) == wanted
+    assert (race_on, GPU_BDF) in kernel.writes
+
+
+def test_a_refused_bind_that_did_not_settle_is_still_an_error(tmp_path: Path) -> None:
+    kernel = RacingKernel(tmp_path / "sys")
+    kernel.add_port(BRIDGE, "0000:41", iommu_group=3)
+    kernel.add_device(
+        GPU_BDF, vendor=0x10DE, device=0x2330, class_code=0x030200, iommu_group=3, driver=None
+    )
+    kernel.failing_writes["bus/pci/drivers/nvidia/bind"] = errno.ENODEV
+    bus = SysfsPciBus({0: BRIDGE}, sysfs=kernel)
+
+    with pytest.raises(
+        DriverError, match=re.escape("binding 0000:41:00.0 to nvidia failed: No such device")
+    ):
+        bus.bind(GPU_BDF, "nvidia")
+
+
+def test_a_slot_already_powered_without_a_device_is_rescanned_below_its_bridge(
+    kernel: FakeKernel,
+) -> None:
+    kernel.write("bus/pci/slots/7/power", "1")  # powered on while nothing was mapped
+    kernel.insert(BRIDGE2, FakeCard())
+    bus = make_bus(kernel)
+
+    bus.rescan()
+
+    assert (f"bus/pci/devices/{BRIDGE2}/rescan", "1") in kernel.writes
+    assert bus.wait_for_device(1, 1.0).bdf == GPU2_BDF
