@@ -169,6 +169,8 @@ class Composer:
             min_memory_mib=request.spec.gpus.min_memory_mib,
             host=host,
             max_latency_ns=request.spec.max_latency_ns,
+            max_slowdown=request.spec.max_slowdown,
+            workload=request.spec.workload,
         )
 
     def _node_for_request(
@@ -383,11 +385,14 @@ def _unschedulable_message(spec: pb.NodeSpec, result: PlacementResult) -> str:
         extra.append(f"on {spec.host}")
     if spec.max_latency_ns:
         extra.append(f"within {format_duration_ns(spec.max_latency_ns)}")
+    if spec.max_slowdown:
+        extra.append(f"at most {spec.max_slowdown:g}x slower for {spec.workload}")
     head = f"no placement for {wanted} GPUs" + (" " + " ".join(extra) if extra else "")
     reasons = "; ".join(result.unsatisfied) or "no host can take the node"
     return (
         f"{head}: {reasons}. Relax the request (fewer GPUs, another model, a larger "
-        "max_latency, no host pin) or release nodes; `dxpool node plan` shows every candidate"
+        "max_latency or max_slowdown, no host pin) or release nodes; `dxpool node plan` "
+        "shows every candidate"
     )
 
 

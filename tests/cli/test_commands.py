@@ -130,6 +130,46 @@ def test_node_plan_shows_placement_and_candidates(run: Run, pool: SimPool) -> No
     assert ok(run("node", "list", "-o", "name")) == ""  # nothing committed
 
 
+def test_node_plan_with_a_slowdown_bound_explains_the_boxes_too_far(
+    run: Run, pool: SimPool
+) -> None:
+    # h1 sits in rack r1: box1 is 2.9us away, box2 (rack r2) 4.4us; inference-online at
+    # 1.07 allows 3.5us, so only box1's four GPUs are within reach
+    fits = json.loads(
+        ok(
+            run(
+                *shlex.split(
+                    "node plan --gpus H100:4 --max-slowdown 1.07 --workload inference-online "
+                    "-o json"
+                )
+            )
+        )
+    )
+    assert {g["gpu"].split("/gpus/")[0] for g in fits["gpus"]} == {"boxes/box1"}
+    text = ok(
+        run(*shlex.split("node plan --gpus H100:5 --max-slowdown 1.07 --workload inference-online"))
+    )
+    assert text.startswith("placement: nothing fits now\n")
+    assert "max_slowdown 1.07 for workload inference-online" in text
+    assert "nearest left out: boxes/box2 (4 GPUs) at 4.4us" in text
+    refused = run(*shlex.split("node create --gpus H100:5 --max-slowdown 1.07 --workload 100@5ms"))
+    assert refused.exit_code == 1
+    assert refused.stderr.startswith("error: RESOURCE_EXHAUSTED: ")
+    assert "at most 1.07x slower for 100@5ms" in refused.stderr
+
+
+def test_node_slowdown_options_are_checked_before_sending(run: Run) -> None:
+    missing = run(*shlex.split("node plan --gpus H100:1 --max-slowdown 1.05"))
+    assert missing.exit_code == 2
+    assert "--max-slowdown needs --workload" in missing.stderr
+    unknown = run(*shlex.split("node plan --gpus H100:1 --max-slowdown 1.05 --workload mystery"))
+    assert unknown.exit_code == 2
+    assert "known profiles: compute-bound, inference-batch" in unknown.stderr
+    bad_ratio = run(*shlex.split("node plan --gpus H100:1 --max-slowdown 0.5 --workload training"))
+    assert bad_ratio.exit_code == 2
+    assert "out of range" in bad_ratio.stderr
+
+
 def test_node_get_unknown_is_not_found(run: Run) -> None:
     result = run("node", "get", "ghost")
     assert result.exit_code == 1

@@ -665,6 +665,8 @@ class NodeSpec(_message.Message):
     VFIO_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
+    MAX_SLOWDOWN_FIELD_NUMBER: _builtins.int
+    WORKLOAD_FIELD_NUMBER: _builtins.int
     host: _builtins.str
     """Pin to this host ("hosts/{host}"); empty lets placement choose."""
     max_latency_ns: _builtins.int
@@ -674,6 +676,15 @@ class NodeSpec(_message.Message):
     vfio: _builtins.bool
     """Bind GPUs to vfio-pci for hand-off to a VM."""
     tenant: _builtins.str
+    max_slowdown: _builtins.float
+    """Upper bound on the predicted slowdown of `workload` on every GPU: the slowest
+    acceptable step time over the native one, e.g. 1.05 for 5%; 0 for no bound.
+    """
+    workload: _builtins.str
+    """The workload whose slowdown is predicted: a profile name ("training",
+    "inference-online", ...) or ROUND_TRIPS@STEP_TIME, e.g. "400@5ms". Required with
+    max_slowdown.
+    """
     @_builtins.property
     def gpus(self) -> Global___GpuRequest: ...
     @_builtins.property
@@ -687,10 +698,12 @@ class NodeSpec(_message.Message):
         vfio: _builtins.bool = ...,
         tenant: _builtins.str = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        max_slowdown: _builtins.float = ...,
+        workload: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus", "host", b"host", "labels", b"labels", "max_latency_ns", b"max_latency_ns", "tenant", b"tenant", "vfio", b"vfio"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus", "host", b"host", "labels", b"labels", "max_latency_ns", b"max_latency_ns", "max_slowdown", b"max_slowdown", "tenant", b"tenant", "vfio", b"vfio", "workload", b"workload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
