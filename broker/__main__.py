@@ -11,6 +11,8 @@ from types import FrameType
 import click
 
 from dxpool.broker.server import DEFAULT_LISTEN, BrokerConfig, BrokerServer
+from dxpool.cli.params import LATENCY as DURATION
+from dxpool.fabric.models import MODELS
 from dxpool.store.keys import DEFAULT_PREFIX
 
 
@@ -23,6 +25,25 @@ from dxpool.store.keys import DEFAULT_PREFIX
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     default=None,
     help="fabric topology YAML (default: built-in tier latencies)",
+)
+@click.option(
+    "--latency-model",
+    type=click.Choice(MODELS),
+    default=None,
+    help="fabric latency model (default: the topology YAML's latency.model, else topology)",
+)
+@click.option(
+    "--latency-matrix",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="round trips per rack/pod/site pair, YAML or CSV (implies --latency-model matrix)",
+)
+@click.option(
+    "--rtt-staleness",
+    type=DURATION,
+    default=None,
+    help="measured model: agent reports older than this fall back to the topology model "
+    "(default 5m)",
 )
 @click.option(
     "--attach-timeout",
@@ -66,6 +87,9 @@ def broker_command(
     prefix: str,
     listen: str,
     topology: Path | None,
+    latency_model: str | None,
+    latency_matrix: Path | None,
+    rtt_staleness: int | None,
     attach_timeout: float,
     fabric: str | None,
     host_loss_grace: float,
@@ -88,6 +112,9 @@ def broker_command(
             key_prefix=prefix,
             listen=listen,
             topology_path=topology,
+            latency_model=latency_model,
+            latency_matrix=latency_matrix,
+            rtt_staleness_s=None if rtt_staleness is None else rtt_staleness / 1e9,
             attach_timeout_s=attach_timeout,
             fabric=fabric,
             host_loss_grace_s=host_loss_grace,

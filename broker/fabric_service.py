@@ -8,15 +8,15 @@ from dxpool.api.v1 import fabric_pb2, fabric_pb2_grpc
 from dxpool.broker.cache import Cache
 from dxpool.broker.rpc import handler
 from dxpool.errors import NotFound
-from dxpool.fabric.latency import LatencyModel, Place
+from dxpool.fabric.latency import LatencyModel, LatencySource, Place, as_source
 from dxpool.names import parse_box, parse_host
 from dxpool.store import keys as k
 
 
 class FabricService(fabric_pb2_grpc.FabricServiceServicer):
-    def __init__(self, cache: Cache, latency: LatencyModel) -> None:
+    def __init__(self, cache: Cache, latency: LatencyModel | LatencySource) -> None:
         self._cache = cache
-        self._latency = latency
+        self._latency = as_source(latency)
 
     @handler("FabricService.GetLatency")
     def GetLatency(
@@ -34,7 +34,7 @@ class FabricService(fabric_pb2_grpc.FabricServiceServicer):
                 f"box {request.box} does not exist; see `dxpool box list`",
                 reason="BOX_NOT_FOUND",
             )
-        estimate = self._latency.round_trip(Place.of(host.value), Place.of(box.value))
+        estimate = self._latency.current().round_trip(Place.of(host.value), Place.of(box.value))
         return fabric_pb2.Latency(
             host=request.host,
             box=request.box,

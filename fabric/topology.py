@@ -214,7 +214,8 @@ class Topology:
     def from_dict(cls, data: Mapping[str, Any]) -> Topology:
         """Build from the parsed YAML mapping (see the module docstring for the schema)."""
         root = _Node(data, "")
-        root.only_keys("proxy_ns", "links", "sites", "places")
+        # ``latency`` chooses the latency model (read by dxpool.fabric.models)
+        root.only_keys("proxy_ns", "links", "sites", "places", "latency")
         links_node = root.child_mapping("links")
         links = LinkLatencies()
         if links_node is not None:

@@ -583,25 +583,65 @@ class HostStatus(_message.Message):
     HOST_FIELD_NUMBER: _builtins.int
     ATTACHMENTS_FIELD_NUMBER: _builtins.int
     UPDATE_TIME_FIELD_NUMBER: _builtins.int
+    ROUND_TRIPS_FIELD_NUMBER: _builtins.int
     host: _builtins.str
     @_builtins.property
     def attachments(self) -> _containers.RepeatedCompositeFieldContainer[Global___ObservedAttachment]: ...
     @_builtins.property
     def update_time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def round_trips(self) -> _containers.RepeatedCompositeFieldContainer[Global___RoundTripSample]:
+        """PCIe round trips the agent probed to boxes, smoothed, for the measured latency
+        model; at most one entry per box.
+        """
+
     def __init__(
         self,
         *,
         host: _builtins.str = ...,
         attachments: _abc.Iterable[Global___ObservedAttachment] | None = ...,
         update_time: _timestamp_pb2.Timestamp | None = ...,
+        round_trips: _abc.Iterable[Global___RoundTripSample] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attachments", b"attachments", "host", b"host", "update_time", b"update_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attachments", b"attachments", "host", b"host", "round_trips", b"round_trips", "update_time", b"update_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HostStatus: _TypeAlias = HostStatus  # noqa: Y015
+
+@_typing.final
+class RoundTripSample(_message.Message):
+    """A host-to-box PCIe round trip as a host agent measured it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BOX_FIELD_NUMBER: _builtins.int
+    ROUND_TRIP_NS_FIELD_NUMBER: _builtins.int
+    MEASURE_TIME_FIELD_NUMBER: _builtins.int
+    box: _builtins.str
+    """"boxes/{box}" """
+    round_trip_ns: _builtins.int
+    """smoothed (EWMA) round trip"""
+    @_builtins.property
+    def measure_time(self) -> _timestamp_pb2.Timestamp:
+        """when the last probe ran"""
+
+    def __init__(
+        self,
+        *,
+        box: _builtins.str = ...,
+        round_trip_ns: _builtins.int = ...,
+        measure_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["measure_time", b"measure_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["box", b"box", "measure_time", b"measure_time", "round_trip_ns", b"round_trip_ns"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoundTripSample: _TypeAlias = RoundTripSample  # noqa: Y015
 
 @_typing.final
 class GpuRequest(_message.Message):
