@@ -228,7 +228,7 @@ class BrokerServer:
         self.nodes = NodeService(composer, self.cache, self.config.watch)
         nodes_pb2_grpc.add_NodeServiceServicer_to_server(self.nodes, server)
         fabric_pb2_grpc.add_FabricServiceServicer_to_server(
-            FabricService(self.cache, self.latency), server
+            FabricService(self.cache, self.latency, self.index.snapshot), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         self.serving.start()

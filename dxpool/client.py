@@ -820,3 +820,29 @@ class Client:
         """Round-trip latency between a host and a box in the fabric model."""
         request = fabric_pb2.GetLatencyRequest(host=host_name(host), box=box_name(box))
         return self._unary(self._fabric.GetLatency, request)
+
+    def predict(
+        self,
+        host: str,
+        *,
+        box: str | None = None,
+        gpus: str | Mapping[str, object] | GpuSpec | None = None,
+        workload: str = "",
+    ) -> fabric_pb2.Prediction:
+        """Round trip, path and predicted slowdown from ``host`` to one ``box``, or to the
+        boxes placement would give ``host`` for ``gpus`` (exactly one of them). With no
+        ``workload`` every named profile is predicted."""
+        if (box is None) == (gpus is None):
+            raise InvalidArgument("give exactly one of box and gpus", reason="INVALID_PREDICTION")
+        request = fabric_pb2.PredictRequest(host=host_name(host), workload=workload)
+        if box is not None:
+            request.box = box_name(box)
+        else:
+            assert gpus is not None
+            spec = parse_gpus(gpus)
+            request.gpus.CopyFrom(
+                resources_pb2.GpuRequest(
+                    model=spec.model, count=spec.count, min_memory_mib=spec.min_memory_mib
+                )
+            )
+        return self._unary(self._fabric.Predict, request)

@@ -184,6 +184,54 @@ def test_fabric_latency_near_and_far(run: Run, pool: SimPool) -> None:
     assert table[0].split() == ["HOST", "BOX", "ROUND-TRIP", "PATH"]
 
 
+def test_fabric_predict_for_a_box_and_for_a_request(run: Run, pool: SimPool) -> None:
+    text = ok(run(*shlex.split("fabric predict --host h1 --box box2 --workload inference-online")))
+    lines = text.splitlines()
+    assert lines[0] == "host: h1  farthest: box2 at 4.4us (topology model)"
+    assert lines[-1].split() == [
+        "inference-online",
+        "1.088",
+        "100",
+        "round",
+        "trips",
+        "per",
+        "5ms",
+        "step",
+    ]
+    wide = ok(run(*shlex.split("fabric predict --host h1 --gpus H100:6 -o wide")))
+    rows = [line.split() for line in wide.splitlines()]
+    assert [
+        "box1",
+        "4",
+        "2.9us",
+        "proxy:hosts/h1",
+        ">",
+        "rack:s1/p1/r1",
+        ">",
+        "proxy:boxes/box1",
+    ] in rows
+    assert rows[rows.index(["BOX", "GPUS", "ROUND-TRIP", "PATH"]) + 2][:3] == ["box2", "2", "4.4us"]
+    assert "training" in wide and "compute-bound" in wide
+    doc = json.loads(ok(run(*shlex.split("fabric predict --host h1 --gpus H100:2 -o json"))))
+    assert doc["box"] == "boxes/box1" and doc["latencyModel"] == "topology"
+
+
+def test_fabric_predict_errors(run: Run, pool: SimPool) -> None:
+    unknown = run(*shlex.split("fabric predict --host nope --box box1"))
+    assert unknown.exit_code == 1
+    assert unknown.stderr.startswith("error: NOT_FOUND: host hosts/nope is not registered")
+    missing_box = run(*shlex.split("fabric predict --host h1 --box ghost"))
+    assert missing_box.exit_code == 1
+    assert missing_box.stderr.startswith("error: NOT_FOUND: box boxes/ghost does not exist")
+    both = run(*shlex.split("fabric predict --host h1 --box box1 --gpus 2"))
+    assert both.exit_code == 2 and "exactly one of --box and --gpus" in both.stderr
+    profile = run(*shlex.split("fabric predict --host h1 --box box1 --workload mystery"))
+    assert profile.exit_code == 2 and "known profiles: compute-bound" in profile.stderr
+    too_many = run(*shlex.split("fabric predict --host h1 --gpus H100:9"))
+    assert too_many.exit_code == 1
+    assert too_many.stderr.startswith("error: RESOURCE_EXHAUSTED: ")
+
+
 def test_host_get_and_gpu_get(run: Run, pool: SimPool) -> None:
     host = yaml.safe_load(ok(run("host", "get", "h1", "-o", "yaml")))
     assert host["name"] == "hosts/h1" and host["alive"] is True and host["slotCapacity"] == 8
