@@ -184,3 +184,39 @@ def test_an_agents_probes_reach_the_brokers_measured_model(
     finally:
         agent.stop()
         etcd.close()
+
+
+def test_a_report_and_an_attachment_write_at_once_lose_neither(
+    status: StatusStore, client: Any, key_prefix: str
+) -> None:
+    """The report's write is held inside etcd's commit while a reconcile worker writes an
+    attachment: the worker waits for it, then writes both, so neither is lost (and the
+    attachment entry, the one a release compares, is never written without the lease)."""
+    import threading
+
+    real_commit = status._store.commit
+    in_commit, release = threading.Event(), threading.Event()
+
+    def held_commit(txn: Any) -> Any:
+        if not in_commit.is_set():
+            in_commit.set()
+            assert release.wait(10)
+        return real_commit(txn)
+
+    status._store.commit = held_commit  # type: ignore[method-assign]
+    reporter = threading.Thread(target=status.set_round_trips, args=([sample("boxes/b1", 4_000)],))
+    reporter.start()
+    assert in_commit.wait(10)
+    entry = resources_pb2.ObservedAttachment(
+        gpu="boxes/b1/gpus/0", phase=resources_pb2.ATTACHMENT_PHASE_ATTACHING
+    )
+    worker = threading.Thread(target=status.put, args=(entry,))
+    worker.start()
+    worker.join(0.3)
+    assert worker.is_alive()  # it waits for the report's write to finish
+    release.set()
+    reporter.join(10)
+    worker.join(10)
+    record, _ = stored(client, key_prefix)
+    assert [e.gpu for e in record.attachments] == ["boxes/b1/gpus/0"]
+    assert [(s.box, s.round_trip_ns) for s in record.round_trips] == [("boxes/b1", 4_000)]
