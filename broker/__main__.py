@@ -12,6 +12,7 @@ import click
 
 from dxpool.broker.server import DEFAULT_LISTEN, BrokerConfig, BrokerServer
 from dxpool.cli.params import LATENCY as DURATION
+from dxpool.errors import InvalidArgument
 from dxpool.fabric.models import MODELS
 from dxpool.store.keys import DEFAULT_PREFIX
 
@@ -106,8 +107,8 @@ def broker_command(
         from prometheus_client import start_http_server
 
         start_http_server(metrics_port, addr=metrics_address)
-    server = BrokerServer(
-        BrokerConfig(
+    try:
+        config = BrokerConfig(
             etcd_endpoints=etcd,
             key_prefix=prefix,
             listen=listen,
@@ -120,7 +121,9 @@ def broker_command(
             host_loss_grace_s=host_loss_grace,
             retention_s=retention,
         )
-    )
+        server = BrokerServer(config)
+    except InvalidArgument as error:  # a bad topology, latency model or matrix file
+        raise click.UsageError(error.message) from None
     server.start()
     click.echo(f"broker serving on {server.endpoint}", err=True)
     stopped = threading.Event()

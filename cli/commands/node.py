@@ -101,7 +101,7 @@ def _request_kwargs(
     tenant: str,
     labels: tuple[tuple[str, str], ...],
 ) -> dict[str, Any]:
-    if max_slowdown is not None and not workload:
+    if max_slowdown and not workload:
         raise click.UsageError(
             "--max-slowdown needs --workload: a profile name "
             f"({known_profiles()}) or ROUND_TRIPS@STEP_TIME, e.g. 400@5ms"
