@@ -121,3 +121,39 @@ def test_tiered_and_pair_by_pair_placement_agree_on_a_rack_topology() -> None:
     pairwise = place(tight, snapshot, TableLatency({("h1", "same-rack"): 2_900}, 4_400))
     assert pairwise.placement is None
     assert refused.unsatisfied == pairwise.unsatisfied
+
+
+class CountingTreeModel(TopologyLatencyModel):
+    """The tree model, counting the (host, box) pairs placement asks about."""
+
+    def __init__(self) -> None:
+        super().__init__(Topology.default())
+        self.pairs = 0
+
+    def round_trip(self, host: Place, box: Place) -> LatencyEstimate:
+        self.pairs += 1
+        return super().round_trip(host, box)
+
+
+@pytest.mark.parametrize("max_latency_ns", [0, 4_000])
+def test_a_slowdown_bound_keeps_placement_on_the_tiered_path(max_latency_ns: int) -> None:
+    """The bound is a round trip, so placement cuts whole racks: it asks about a handful of
+    pairs, not one per (host, box) (with max_latency too, one link filter still applies)."""
+    pool = Pool()
+    for rack in range(8):
+        for k in range(5):
+            pool.host(f"h{rack}-{k}", rack=f"r{rack}")
+            pool.box(f"b{rack}-{k}", 2, rack=f"r{rack}")
+    snapshot = pool.snapshot()
+    model = CountingTreeModel()
+    request = PlacementRequest(
+        "H100",
+        4,
+        max_latency_ns=max_latency_ns,
+        max_slowdown=1.07,
+        workload="inference-online",
+    )
+    result = place(request, snapshot, model)
+    assert result.placement is not None
+    assert {b.latency_ns for b in result.placement.bindings} == {2_900}  # same rack only
+    assert model.pairs < len(snapshot.hosts) * len(snapshot.boxes) // 10, model.pairs
