@@ -200,3 +200,32 @@ def test_classes_stay_racks_and_the_tier_contract_holds() -> None:
 def test_staleness_must_be_positive() -> None:
     with pytest.raises(InvalidArgument, match="staleness"):
         source(Clock(), staleness_s=0)
+
+
+def test_placement_follows_the_measurements_and_a_slowdown_bound_uses_them() -> None:
+    """A same-rack box measured slow loses to a box one rack over; once the measurement
+    is stale, the tree's estimate (same rack is nearest) wins again."""
+    from dxpool.broker.placement.model import PlacementRequest
+    from dxpool.broker.placement.placer import place
+    from tests.broker.placement.pools import Pool
+
+    snapshot = Pool().host("h1", rack="r1").box("near", 4, rack="r1").box("far", 4, rack="r2")
+    snapshot = snapshot.snapshot()
+    clock = Clock()
+    host, near = snapshot.hosts["h1"].place, snapshot.boxes["near"].place
+    measured = MeasuredLatency(
+        TOPOLOGY,
+        host_place=lambda h: host if h == "h1" else None,
+        box_place=lambda b: near if b == "near" else None,
+        staleness_s=60,
+        clock=clock,
+    )
+    measured.report("h1", [Measurement("near", 50_000, clock.now)])
+    request = PlacementRequest("H100", 2, max_slowdown=1.1, workload="inference-online")
+    chosen = place(request, snapshot, measured.current())
+    assert chosen.placement is not None
+    assert {b.box for b in chosen.placement.bindings} == {"far"}
+    clock.now += 61
+    chosen = place(request, snapshot, measured.current())
+    assert chosen.placement is not None
+    assert {b.box for b in chosen.placement.bindings} == {"near"}
