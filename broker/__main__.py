@@ -11,6 +11,9 @@ from types import FrameType
 import click
 
 from dxpool.broker.server import DEFAULT_LISTEN, BrokerConfig, BrokerServer
+from dxpool.cli.params import LATENCY as DURATION
+from dxpool.errors import InvalidArgument
+from dxpool.fabric.models import MODELS
 from dxpool.store.keys import DEFAULT_PREFIX
 
 
@@ -23,6 +26,25 @@ from dxpool.store.keys import DEFAULT_PREFIX
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     default=None,
     help="fabric topology YAML (default: built-in tier latencies)",
+)
+@click.option(
+    "--latency-model",
+    type=click.Choice(MODELS),
+    default=None,
+    help="fabric latency model (default: the topology YAML's latency.model, else topology)",
+)
+@click.option(
+    "--latency-matrix",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="round trips per rack/pod/site pair, YAML or CSV (implies --latency-model matrix)",
+)
+@click.option(
+    "--rtt-staleness",
+    type=DURATION,
+    default=None,
+    help="measured model: agent reports older than this fall back to the topology model "
+    "(default 5m)",
 )
 @click.option(
     "--attach-timeout",
@@ -66,6 +88,9 @@ def broker_command(
     prefix: str,
     listen: str,
     topology: Path | None,
+    latency_model: str | None,
+    latency_matrix: Path | None,
+    rtt_staleness: int | None,
     attach_timeout: float,
     fabric: str | None,
     host_loss_grace: float,
@@ -82,18 +107,23 @@ def broker_command(
         from prometheus_client import start_http_server
 
         start_http_server(metrics_port, addr=metrics_address)
-    server = BrokerServer(
-        BrokerConfig(
+    try:
+        config = BrokerConfig(
             etcd_endpoints=etcd,
             key_prefix=prefix,
             listen=listen,
             topology_path=topology,
+            latency_model=latency_model,
+            latency_matrix=latency_matrix,
+            rtt_staleness_s=None if rtt_staleness is None else rtt_staleness / 1e9,
             attach_timeout_s=attach_timeout,
             fabric=fabric,
             host_loss_grace_s=host_loss_grace,
             retention_s=retention,
         )
-    )
+        server = BrokerServer(config)
+    except InvalidArgument as error:  # a bad topology, latency model or matrix file
+        raise click.UsageError(error.message) from None
     server.start()
     click.echo(f"broker serving on {server.endpoint}", err=True)
     stopped = threading.Event()

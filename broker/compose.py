@@ -38,7 +38,7 @@ from dxpool.errors import (
     NotFound,
     ResourceExhausted,
 )
-from dxpool.fabric.latency import LatencyModel
+from dxpool.fabric.latency import LatencyModel, LatencySource, as_source
 from dxpool.names import check_id, check_request_id, node_name, parse_host, parse_node
 from dxpool.request import format_duration_ns
 from dxpool.store import keys as k
@@ -63,14 +63,14 @@ class Composer:
         store: Store,
         cache: Cache,
         index: PlacementIndex,
-        latency: LatencyModel,
+        latency: LatencyModel | LatencySource,
         settings: ComposeSettings = ComposeSettings(),
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._store = store
         self._cache = cache
         self._index = index
-        self._latency = latency
+        self._latency = as_source(latency)  # asked for its current model per placement
         self._settings = settings
         self._clock = clock
         self._host_locks = KeyedLocks()
@@ -95,7 +95,7 @@ class Composer:
             )
         for attempt in range(self._settings.max_attempts):
             with metrics.COMPOSE_STAGE_SECONDS.labels(stage="placement").time():
-                result = place(placement_request, self._index.snapshot(), self._latency)
+                result = place(placement_request, self._index.snapshot(), self._latency.current())
             if result.placement is None:
                 metrics.COMPOSE_TOTAL.labels(result="unschedulable").inc()
                 raise ResourceExhausted(
@@ -113,7 +113,7 @@ class Composer:
                     # Taken meanwhile (most often by a compose that held this lock
                     # first): try this host again, which is cheaper than a full placement.
                     pinned = replace(placement_request, host=host)
-                    result = place(pinned, self._index.snapshot(), self._latency)
+                    result = place(pinned, self._index.snapshot(), self._latency.current())
                     if result.placement is not None:
                         outcome = self._try_commit(request, node_id, result)
             if isinstance(outcome, pb.VirtualNode):
@@ -138,7 +138,7 @@ class Composer:
     def plan(self, request: nodes_pb2.ComposeNodeRequest) -> nodes_pb2.NodePlan:
         """Where ``compose`` would put the node now, and why; commits nothing."""
         placement_request = self._check(request)
-        result = place(placement_request, self._index.snapshot(), self._latency)
+        result = place(placement_request, self._index.snapshot(), self._latency.current())
         plan = nodes_pb2.NodePlan(unsatisfied=list(result.unsatisfied))
         if result.placement is not None:
             plan.host = f"hosts/{result.placement.host}"
@@ -169,6 +169,8 @@ class Composer:
             min_memory_mib=request.spec.gpus.min_memory_mib,
             host=host,
             max_latency_ns=request.spec.max_latency_ns,
+            max_slowdown=request.spec.max_slowdown,
+            workload=request.spec.workload,
         )
 
     def _node_for_request(
@@ -384,11 +386,14 @@ def _unschedulable_message(spec: pb.NodeSpec, result: PlacementResult) -> str:
         extra.append(f"on {spec.host}")
     if spec.max_latency_ns:
         extra.append(f"within {format_duration_ns(spec.max_latency_ns)}")
+    if spec.max_slowdown:
+        extra.append(f"at most {spec.max_slowdown:g}x slower for {spec.workload}")
     head = f"no placement for {wanted} GPUs" + (" " + " ".join(extra) if extra else "")
     reasons = "; ".join(result.unsatisfied) or "no host can take the node"
     return (
         f"{head}: {reasons}. Relax the request (fewer GPUs, another model, a larger "
-        "max_latency, no host pin) or release nodes; `dxpool node plan` shows every candidate"
+        "max_latency or max_slowdown, no host pin) or release nodes; `dxpool node plan` "
+        "shows every candidate"
     )
 
 

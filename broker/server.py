@@ -44,14 +44,17 @@ from dxpool.broker.duties import DutySettings, SingletonDuties
 from dxpool.broker.fabric_service import FabricService
 from dxpool.broker.inventory_service import InventoryService
 from dxpool.broker.leader import LeaderElection
+from dxpool.broker.measured_feed import MeasuredFeed, place_lookup
 from dxpool.broker.node_service import NodeService
 from dxpool.broker.node_watch import WatchSettings
 from dxpool.broker.placement_index import PlacementIndex
 from dxpool.broker.serving import DEFAULT_MAX_STALENESS_S, ServingState, StalenessGate
 from dxpool.broker.streams import StreamLimiter, StreamLimits
 from dxpool.defaults import DEFAULT_ENDPOINT
-from dxpool.fabric.latency import TopologyLatencyModel
+from dxpool.fabric.measured import MeasuredLatency
+from dxpool.fabric.models import LatencySettings, build_latency_source
 from dxpool.fabric.topology import Topology
+from dxpool.store import keys as k
 from dxpool.store.client import connect
 from dxpool.store.keys import DEFAULT_PREFIX, KeySchema
 from dxpool.store.typed import Store
@@ -84,6 +87,11 @@ class BrokerConfig:
     key_prefix: str = DEFAULT_PREFIX
     listen: str = DEFAULT_LISTEN
     topology_path: Path | None = None
+    # The latency model (topology, matrix, measured); None: the topology YAML's
+    # ``latency`` section, else topology. See dxpool.fabric.models.
+    latency_model: str | None = None
+    latency_matrix: Path | None = None
+    rtt_staleness_s: float | None = None
     attach_timeout_s: float = 120.0
     max_workers: int = 32
     controller_sweep_s: float = 1.0
@@ -121,7 +129,22 @@ class BrokerServer:
         topology = (
             Topology.load(config.topology_path) if config.topology_path else Topology.default()
         )
-        self.latency = TopologyLatencyModel(topology)
+        settings = (
+            LatencySettings.from_topology_file(config.topology_path)
+            if config.topology_path
+            else LatencySettings()
+        ).overridden(
+            model=config.latency_model,
+            matrix_path=config.latency_matrix,
+            staleness_s=config.rtt_staleness_s,
+        )
+        self.latency = build_latency_source(
+            topology,
+            settings,
+            host_place=place_lookup(self.cache, k.HOSTS),
+            box_place=place_lookup(self.cache, k.BOXES),
+        )
+        self._measured_feed: MeasuredFeed | None = None
         self.box_fabric = open_box_fabric(config.fabric)
         self.index: PlacementIndex | None = None
         self.controller: NodeController | None = None
@@ -151,6 +174,8 @@ class BrokerServer:
         """Load the cache, start the controller, bind and serve. Returns once serving."""
         self.cache.start()
         self.index = PlacementIndex(self.cache)
+        if isinstance(self.latency, MeasuredLatency):
+            self._measured_feed = MeasuredFeed(self.cache, self.latency)
         # The loaded inventory lives as long as the broker: move it out of the garbage
         # collector's generations, so full collections stop walking it on the request
         # path (bench/scale.py shows the pauses this removes from placement's p99). No
@@ -203,7 +228,7 @@ class BrokerServer:
         self.nodes = NodeService(composer, self.cache, self.config.watch)
         nodes_pb2_grpc.add_NodeServiceServicer_to_server(self.nodes, server)
         fabric_pb2_grpc.add_FabricServiceServicer_to_server(
-            FabricService(self.cache, self.latency), server
+            FabricService(self.cache, self.latency, self.index.snapshot), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         self.serving.start()
@@ -254,6 +279,8 @@ class BrokerServer:
             self.controller.stop()
         if self.index is not None:
             self.index.close()
+        if self._measured_feed is not None:
+            self._measured_feed.close()
         self.cache.stop()
         self.store.health.close()
         self._etcd.close()

@@ -16,6 +16,7 @@ from google.protobuf.descriptor import EnumDescriptor
 
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.errors import InvalidArgument
+from dxpool.fabric.overhead import check_slowdown
 from dxpool.limits import (
     DEFAULT_PAGE_SIZE,
     MAX_GPU_MEMORY_MIB,
@@ -84,7 +85,8 @@ def check_pci_id(value: str, field: str) -> str:
 
 
 def check_node_spec(spec: pb.NodeSpec) -> None:
-    """Validate a ComposeNode spec (GPU request, host pin, latency, tenant, labels)."""
+    """Validate a ComposeNode spec (GPU request, host pin, latency and slowdown bounds,
+    tenant, labels)."""
     validate_gpu_request(spec.gpus.model, spec.gpus.count, spec.gpus.min_memory_mib)
     if spec.host:
         parse_host(spec.host)
@@ -94,6 +96,8 @@ def check_node_spec(spec: pb.NodeSpec) -> None:
             f"up to {MAX_LATENCY_NS} (10s)",
             reason="INVALID_DURATION",
         )
+    check_text(spec.workload, "spec.workload")
+    check_slowdown(spec.max_slowdown, spec.workload, "spec.max_slowdown")
     check_text(spec.tenant, "spec.tenant", MAX_TENANT)
     check_labels(spec.labels, "spec.labels")
 

@@ -14,6 +14,7 @@ import click
 
 from dxpool import client
 from dxpool.errors import InvalidArgument
+from dxpool.fabric.overhead import WORKLOAD_GRAMMAR, parse_slowdown, parse_workload
 from dxpool.request import GPU_GRAMMAR, GpuSpec, parse_duration_ns, parse_gpus, parse_memory_mib
 
 _T = TypeVar("_T")
@@ -54,12 +55,21 @@ def _label(value: str) -> tuple[str, str]:
     return key.strip(), text
 
 
+def _workload(value: str) -> str:
+    parse_workload(value)
+    return value.strip()
+
+
 GPUS = _GrammarType("MODEL:COUNT", _gpus, GPU_GRAMMAR)
 """``H100:4``, ``A100``, ``8`` or ``*:2`` -> :class:`~dxpool.request.GpuSpec`."""
 LATENCY = _GrammarType("DURATION", parse_duration_ns)
 """``4us`` -> 4000 (nanoseconds)."""
 SECONDS = _GrammarType("DURATION", _seconds)
 """``120s`` or ``500ms`` -> seconds as a float."""
+SLOWDOWN = _GrammarType("RATIO", parse_slowdown)
+"""``1.05`` -> 1.05 (at most 5% slower)."""
+WORKLOAD = _GrammarType("WORKLOAD", _workload, WORKLOAD_GRAMMAR)
+"""``training`` or ``400@5ms`` -> the same text, once it parses as a workload."""
 MEMORY = _GrammarType("SIZE", parse_memory_mib)
 """``80GiB`` -> 81920 (MiB)."""
 LABEL = _GrammarType("KEY=VALUE", _label)

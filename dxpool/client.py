@@ -73,6 +73,7 @@ from dxpool.errors import (
     Unavailable,
     from_code,
 )
+from dxpool.fabric.overhead import check_slowdown
 from dxpool.lifecycle import NODE_REACHABLE
 from dxpool.limits import MAX_GPU_MEMORY_MIB, MAX_GPUS_PER_BOX, MAX_LATENCY_NS
 from dxpool.request import (
@@ -219,6 +220,18 @@ def _latency_ns(value: str | int | None) -> int:
             reason="INVALID_DURATION",
         )
     return ns
+
+
+def _slowdown(max_slowdown: float | None, workload: str | None) -> float:
+    """The slowdown bound to send (0: none), checked with its workload before sending."""
+    value = 0.0 if max_slowdown is None else max_slowdown
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgument(
+            f"invalid max_slowdown {max_slowdown!r}: give a ratio such as 1.05",
+            reason="INVALID_SLOWDOWN",
+        )
+    check_slowdown(float(value), workload or "")
+    return float(value)
 
 
 def _memory_mib(value: str | int | None, default: int) -> int:
@@ -507,6 +520,8 @@ class Client:
         max_latency: str | int | None,
         min_memory: str | int | None,
         vfio: bool,
+        max_slowdown: float | None = None,
+        workload: str | None = None,
         node_id: str | None,
         tenant: str,
         labels: Mapping[str, str] | None,
@@ -522,6 +537,8 @@ class Client:
                 ),
                 host=host_name(host) if host else "",
                 max_latency_ns=_latency_ns(max_latency),
+                max_slowdown=_slowdown(max_slowdown, workload),
+                workload=workload or "",
                 vfio=vfio,
                 tenant=tenant,
                 labels=dict(labels or {}),
@@ -539,6 +556,8 @@ class Client:
         max_latency: str | int | None = None,
         min_memory: str | int | None = None,
         vfio: bool = False,
+        max_slowdown: float | None = None,
+        workload: str | None = None,
         node_id: str | None = None,
         tenant: str = "",
         labels: Mapping[str, str] | None = None,
@@ -548,7 +567,9 @@ class Client:
 
         ``gpus`` follows :mod:`dxpool.request` ("H100:4", a mapping, or a GpuSpec);
         ``max_latency`` is a duration ("4us") or nanoseconds; ``min_memory`` a size
-        ("80GiB") or MiB. Retrying with the same ``request_id`` returns the same node.
+        ("80GiB") or MiB; ``max_slowdown`` (e.g. 1.05) bounds the predicted slowdown of
+        ``workload`` (a profile name or ``ROUND_TRIPS@STEP_TIME``, see
+        :mod:`dxpool.fabric.overhead`). Retrying with the same ``request_id`` returns the same node.
         Raises ResourceExhausted when nothing fits, NotFound for an unknown host.
         """
         request = self._compose_request(
@@ -557,6 +578,8 @@ class Client:
             max_latency=max_latency,
             min_memory=min_memory,
             vfio=vfio,
+            max_slowdown=max_slowdown,
+            workload=workload,
             node_id=node_id,
             tenant=tenant,
             labels=labels,
@@ -572,6 +595,8 @@ class Client:
         max_latency: str | int | None = None,
         min_memory: str | int | None = None,
         vfio: bool = False,
+        max_slowdown: float | None = None,
+        workload: str | None = None,
         node_id: str | None = None,
         tenant: str = "",
         labels: Mapping[str, str] | None = None,
@@ -584,6 +609,8 @@ class Client:
             max_latency=max_latency,
             min_memory=min_memory,
             vfio=vfio,
+            max_slowdown=max_slowdown,
+            workload=workload,
             node_id=node_id,
             tenant=tenant,
             labels=labels,
@@ -799,3 +826,29 @@ class Client:
         """Round-trip latency between a host and a box in the fabric model."""
         request = fabric_pb2.GetLatencyRequest(host=host_name(host), box=box_name(box))
         return self._unary(self._fabric.GetLatency, request)
+
+    def predict(
+        self,
+        host: str,
+        *,
+        box: str | None = None,
+        gpus: str | Mapping[str, object] | GpuSpec | None = None,
+        workload: str = "",
+    ) -> fabric_pb2.Prediction:
+        """Round trip, path and predicted slowdown from ``host`` to one ``box``, or to the
+        boxes placement would give ``host`` for ``gpus`` (exactly one of them). With no
+        ``workload`` every named profile is predicted."""
+        if (box is None) == (gpus is None):
+            raise InvalidArgument("give exactly one of box and gpus", reason="INVALID_PREDICTION")
+        request = fabric_pb2.PredictRequest(host=host_name(host), workload=workload)
+        if box is not None:
+            request.box = box_name(box)
+        else:
+            assert gpus is not None
+            spec = parse_gpus(gpus)
+            request.gpus.CopyFrom(
+                resources_pb2.GpuRequest(
+                    model=spec.model, count=spec.count, min_memory_mib=spec.min_memory_mib
+                )
+            )
+        return self._unary(self._fabric.Predict, request)

@@ -12,6 +12,9 @@ GPU grammar (case of the model is kept; models compare case-insensitively)::
 
 Durations: an integer or decimal followed by ``ns``, ``us`` (or ``µs``), ``ms`` or ``s``.
 Memory sizes: a number followed by ``MiB``, ``GiB`` (or ``M``/``G``, read as binary).
+Slowdown bounds (``1.05``) and workloads (a profile name, or ``ROUND_TRIPS@STEP_TIME``
+such as ``400@5ms``) are read by :mod:`dxpool.fabric.overhead`, next to the model that
+gives them their meaning.
 """
 
 from __future__ import annotations

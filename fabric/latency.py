@@ -127,8 +127,43 @@ class TieredLatencyModel(LatencyModel, Protocol):
         ...
 
 
+@runtime_checkable
+class LatencySource(Protocol):
+    """Where placement gets the latency model to use now.
+
+    A model must be pure, but measurements change: a source hands out immutable models,
+    a new one whenever what it knows changes, and the same object while nothing did (so
+    what placement derived from a model stays valid exactly as long as the model).
+    ``name`` says which kind of model it is (``topology``, ``matrix``, ``measured``).
+    """
+
+    name: str
+
+    def current(self) -> LatencyModel:
+        """The model to use for the next placement. Never raises."""
+        ...
+
+
+class StaticLatency:
+    """A source whose model never changes (the topology and matrix models)."""
+
+    def __init__(self, model: LatencyModel, name: str = "topology") -> None:
+        self.model = model
+        self.name = name
+
+    def current(self) -> LatencyModel:
+        return self.model
+
+
+def as_source(latency: LatencyModel | LatencySource) -> LatencySource:
+    """``latency`` itself when it is a source, else a static source of the model."""
+    if isinstance(latency, LatencySource):
+        return latency
+    return StaticLatency(latency)
+
+
 @dataclass(frozen=True)
-class _Side:
+class ResolvedPlace:
     """One endpoint resolved against the topology; ``switches`` None when unplaced."""
 
     location: Location
@@ -136,7 +171,7 @@ class _Side:
 
 
 _NOWHERE = Place("")  # stands in for an endpoint whose name does not matter
-_UNPLACED = _Side(Location(), None)
+_UNPLACED = ResolvedPlace(Location(), None)
 
 
 class TopologyLatencyModel:
@@ -161,7 +196,7 @@ class TopologyLatencyModel:
         self._box_classes = functools.lru_cache(maxsize=cache_size)(self._classify_box)
         self._class_lock = threading.Lock()
         self._class_numbers: dict[Location | None, int] = {}
-        self._class_sides: list[_Side] = []
+        self._class_sides: list[ResolvedPlace] = []
         # host class -> (how many classes there were, the ranking of all of them)
         self._rankings: dict[int, tuple[int, Tiers]] = {}
 
@@ -198,15 +233,32 @@ class TopologyLatencyModel:
     def _estimate(self, host: Place, box: Place) -> LatencyEstimate:
         host_side = self._resolve(host, "hosts/", self._topology.host_place)
         box_side = self._resolve(box, "boxes/", self._topology.box_place)
+        override = self._override(host_side, box_side)
+        if override is not None:
+            round_trip, hop = override
+            return LatencyEstimate(round_trip, (f"proxy:{host.name}", hop, f"proxy:{box.name}"))
         hops, switch_ns = self._switch_path(host, host_side, box, box_side)
         one_way = 2 * self._proxy_ns + switch_ns
         path = (f"proxy:{host.name}", *hops, f"proxy:{box.name}")
         return LatencyEstimate(round_trip_ns=2 * one_way, path=path)
 
-    def _sides_ns(self, host_side: _Side, box_side: _Side) -> int:
+    def _sides_ns(self, host_side: ResolvedPlace, box_side: ResolvedPlace) -> int:
         """The round trip between two resolved endpoints (what :meth:`_estimate` gives)."""
+        override = self._override(host_side, box_side)
+        if override is not None:
+            return override[0]
         _, switch_ns = self._switch_path(_NOWHERE, host_side, _NOWHERE, box_side)
         return 2 * (2 * self._proxy_ns + switch_ns)
+
+    def _override(
+        self, host_side: ResolvedPlace, box_side: ResolvedPlace
+    ) -> tuple[int, str] | None:
+        """A whole round trip (proxies included) that replaces the tree's for a pair of
+        resolved endpoints, and the hop that names where it came from; None keeps the
+        tree's. The tree model has none; models built on it (an operator's matrix,
+        measurements) override pairs of racks. It must depend only on the two sides'
+        locations (and whether they are placed), so classes stay racks."""
+        return None
 
     def _classify_host(self, host: Place) -> int:
         return self._number(self._resolve(host, "hosts/", self._topology.host_place))
@@ -214,7 +266,7 @@ class TopologyLatencyModel:
     def _classify_box(self, box: Place) -> int:
         return self._number(self._resolve(box, "boxes/", self._topology.box_place))
 
-    def _number(self, side: _Side) -> int:
+    def _number(self, side: ResolvedPlace) -> int:
         """The class of a resolved endpoint, numbered on first sight."""
         key = side.location if side.switches is not None else None
         number = self._class_numbers.get(key)
@@ -228,13 +280,13 @@ class TopologyLatencyModel:
                 self._class_numbers[key] = number
             return number
 
-    def _resolve(self, place: Place, prefix: str, explicit: _PlaceLookup) -> _Side:
+    def _resolve(self, place: Place, prefix: str, explicit: _PlaceLookup) -> ResolvedPlace:
         resource_id = place.name.removeprefix(prefix)
         location = explicit(resource_id) or Location(place.site, place.pod, place.rack)
-        return _Side(location, self._topology.switches(location))
+        return ResolvedPlace(location, self._topology.switches(location))
 
     def _switch_path(
-        self, host: Place, host_side: _Side, box: Place, box_side: _Side
+        self, host: Place, host_side: ResolvedPlace, box: Place, box_side: ResolvedPlace
     ) -> tuple[list[str], int]:
         h, b = host_side.location, box_side.location
         hs, bs = host_side.switches, box_side.switches
@@ -251,7 +303,7 @@ class TopologyLatencyModel:
         hops = [*host_hops, INTER_SITE_HOP, *reversed(box_hops)]
         return hops, host_ns + self._inter_site_ns + box_ns
 
-    def _up_to_site(self, place: Place, side: _Side) -> tuple[list[str], int]:
+    def _up_to_site(self, place: Place, side: ResolvedPlace) -> tuple[list[str], int]:
         """Hops from a rack up to its site switch, nearest the rack first."""
         switches = side.switches
         if switches is None:

@@ -43,6 +43,21 @@ import yaml
 from dxpool.errors import InvalidArgument
 from dxpool.names import check_id
 
+# Default one-way latencies, in ns. They are assumptions of plausible magnitude, not
+# measurements of a particular fabric: give a topology (or a matrix, or let agents
+# measure, see dxpool.fabric.models) for real decisions.
+#
+# - proxy (600): one traversal of a proxy card, which turns PCIe transactions into network
+#   packets and back. Not published for DxPU's proxies (He et al., ACM TACO 20(4), 2023,
+#   report end-to-end overheads, not per-hop figures), so an assumption: a PCIe switch
+#   hop (Broadcom quotes 105 ns cut-through between x16 ports for its PEX88000 Gen4
+#   switches, per the Linley Group, 2019), encapsulation, and a network MAC/PHY. The box's
+#   own PCIe switch is counted in the box-side proxy figure.
+# - rack (250), pod (500), site (1000): crossing the top-of-rack, pod aggregation and
+#   site core network switches, assumed at a few hundred ns for cut-through ToR switches
+#   and more for the larger chassis above them.
+# - inter-site (40,000): a metro link between sites, assumed as about 8 km of fibre at
+#   about 5 us per km.
 DEFAULT_PROXY_NS = 600
 DEFAULT_RACK_NS = 250
 DEFAULT_POD_NS = 500
@@ -214,7 +229,8 @@ class Topology:
     def from_dict(cls, data: Mapping[str, Any]) -> Topology:
         """Build from the parsed YAML mapping (see the module docstring for the schema)."""
         root = _Node(data, "")
-        root.only_keys("proxy_ns", "links", "sites", "places")
+        # ``latency`` chooses the latency model (read by dxpool.fabric.models)
+        root.only_keys("proxy_ns", "links", "sites", "places", "latency")
         links_node = root.child_mapping("links")
         links = LinkLatencies()
         if links_node is not None:

@@ -9,7 +9,10 @@ Threads:
   workers at once) and re-queue failures with per-GPU exponential backoff;
 * the resync thread queues desired | observed | reported GPUs every
   ``resync_interval_s``, catching drift on the hardware side;
-* the registration thread keeps the host's liveness lease alive.
+* the registration thread keeps the host's liveness lease alive;
+* with a round-trip prober, the probe thread measures the round trip to every box the
+  host has GPUs from each ``probe_interval_s`` and reports it in the status record
+  (:mod:`~dxpool.hostagent.latency_report`).
 
 Nothing the agent decides depends on its memory of earlier runs: restart it at any moment
 and it converges again from etcd and ``driver.observe()``.
@@ -32,6 +35,7 @@ from dxpool.hostagent.desired import DesiredState
 from dxpool.hostagent.driver import FabricDriver
 from dxpool.hostagent.errors import DriverError
 from dxpool.hostagent.identity import AgentIdentity
+from dxpool.hostagent.latency_report import LatencyReporter, RoundTripProber
 from dxpool.hostagent.reconcile import Outcome, Reconciler
 from dxpool.hostagent.registration import ETCD_ERRORS, HostHeldError, HostRegistration
 from dxpool.hostagent.status import StatusStore, StatusWriteRefusedError
@@ -42,6 +46,8 @@ from dxpool.store.typed import Store
 from dxpool.store.watch import PrefixWatch
 
 log = logging.getLogger(__name__)
+# Why a round-trip report may not be written this round (the next round tries again).
+_REPORT_ERRORS: tuple[type[BaseException], ...] = (StatusWriteRefusedError, *ETCD_ERRORS)
 
 
 class Agent:
@@ -51,7 +57,13 @@ class Agent:
     :meth:`stop` from any thread. :meth:`request_stop` only signals, for signal handlers.
     """
 
-    def __init__(self, config: AgentConfig, driver: FabricDriver, client: Any) -> None:
+    def __init__(
+        self,
+        config: AgentConfig,
+        driver: FabricDriver,
+        client: Any,
+        prober: RoundTripProber | None = None,
+    ) -> None:
         self._config = config
         self._driver = driver
         self._client = client
@@ -74,6 +86,11 @@ class Agent:
             attach_attempts=config.attach_attempts,
             detach_attempts=config.detach_attempts,
             drain_timeout_s=config.drain_timeout_s,
+        )
+        self._reporter = (
+            LatencyReporter(prober, self._status, self._boxes_in_use)
+            if prober is not None
+            else None
         )
         self._stopping = threading.Event()
         self._wake_resync = threading.Event()
@@ -120,6 +137,8 @@ class Agent:
         for index in range(self._config.workers):
             self._spawn(self._work, f"dxpool-reconcile-{index}")
         self._spawn(self._resync_loop, "dxpool-resync")
+        if self._reporter is not None:
+            self._spawn(self._probe_loop, "dxpool-probe")
         log.info(
             "agent started",
             extra={"host": self._config.host_id, "workers": self._config.workers},
@@ -275,6 +294,19 @@ class Agent:
                 self.enqueue_all()
             except Exception:
                 log.exception("resync failed; retrying at the next interval")
+
+    def _boxes_in_use(self) -> set[str]:
+        return {gpu.box for gpu in self._status.gpus()}
+
+    def _probe_loop(self) -> None:
+        assert self._reporter is not None
+        while not self._stopping.wait(self._config.probe_interval_s):
+            try:
+                self._reporter.probe_once()
+            except _REPORT_ERRORS as error:
+                log.warning("round trips not reported", extra={"error": repr(error)})
+            except Exception:
+                log.exception("round-trip probing failed; retrying at the next interval")
 
     def _work(self) -> None:
         while True:

@@ -56,6 +56,8 @@ class AgentConfig:
     fabric_p2p: bool = False
     lease_ttl_s: float = 10.0
     resync_interval_s: float = 30.0
+    # How often a prober (if the driver has one) measures round trips to the boxes.
+    probe_interval_s: float = 30.0
     attach_attempts: int = 3
     detach_attempts: int = 5
     drain_timeout_s: float = 300.0
@@ -107,7 +109,7 @@ class AgentConfig:
         _at_least("lease_ttl_s", self.lease_ttl_s, 2)
         _at_least("attach_attempts", self.attach_attempts, 1)
         _at_least("workers", self.workers, 1)
-        for name in ("resync_interval_s", "backoff_base_s", "device_timeout_s"):
+        for name in ("resync_interval_s", "probe_interval_s", "backoff_base_s", "device_timeout_s"):
             _positive(name, getattr(self, name))
         _positive("startup_timeout_s", self.startup_timeout_s)
         for name in ("sim_map_delay_s", "sim_hotplug_delay_s", "sim_bind_delay_s"):

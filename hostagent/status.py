@@ -18,6 +18,11 @@ Every write is one etcd transaction with two guards:
   broker freeing a GPU only by a transaction that compares this record, no interleaving
   frees a GPU a host may still map.
 
+The record also carries the round trips the agent measured to boxes
+(``round_trips``, for the broker's measured latency model, see
+:mod:`dxpool.fabric.measured`); they are written with the lease guard only, never claim
+anything, and every later write of the record keeps them.
+
 The in-memory copy changes only when a write succeeds.
 """
 
@@ -94,6 +99,7 @@ class StatusStore:
         self._host = host_name(host_id)
         self._lease_id = lease_id
         self._entries: dict[GpuRef, resources_pb2.ObservedAttachment] = {}
+        self._round_trips: tuple[resources_pb2.RoundTripSample, ...] = ()
         self._in_sync = False  # True when etcd holds exactly self._entries
         self._lock = threading.Lock()
 
@@ -109,6 +115,7 @@ class StatusStore:
                 log.warning("status entry dropped", extra={"gpu": entry.gpu, "error": str(error)})
         with self._lock:
             self._entries = entries
+            self._round_trips = tuple(record.round_trips)
             self._in_sync = found is not None and len(entries) == len(record.attachments)
 
     def get(self, gpu: GpuRef) -> resources_pb2.ObservedAttachment | None:
@@ -153,16 +160,36 @@ class StatusStore:
             entries.pop(gpu, None)
             self._write_locked(entries, None)
 
+    def round_trips(self) -> list[resources_pb2.RoundTripSample]:
+        """Copies of the round trips last written (or loaded)."""
+        with self._lock:
+            return [_copy_sample(sample) for sample in self._round_trips]
+
+    def set_round_trips(self, samples: list[resources_pb2.RoundTripSample]) -> None:
+        """Replace the reported round trips (one per box) and write the record; a no-op
+        when they are what was last written. Raises :class:`NotRegisteredError` when the
+        lease guard fails, leaving the in-memory copy as it was."""
+        report = tuple(_copy_sample(sample) for sample in samples)
+        with self._lock:
+            if report == self._round_trips and self._in_sync:
+                return
+            self._write_locked(dict(self._entries), None, report)
+
     def _write_locked(
-        self, entries: dict[GpuRef, resources_pb2.ObservedAttachment], spec_revision: int | None
+        self,
+        entries: dict[GpuRef, resources_pb2.ObservedAttachment],
+        spec_revision: int | None,
+        round_trips: tuple[resources_pb2.RoundTripSample, ...] | None = None,
     ) -> None:
         lease_id = self._lease_id()
         if lease_id is None:
             raise NotRegisteredError(f"{self._host} is not registered; status not written")
+        samples = self._round_trips if round_trips is None else round_trips
         record = resources_pb2.HostStatus(
             host=self._host,
             attachments=[entries[gpu] for gpu in sorted(entries)],
             update_time=now_timestamp(),
+            round_trips=samples,
         )
         txn = Txn().expect_lease(self._lease_key, lease_id)
         if spec_revision is not None:
@@ -182,7 +209,14 @@ class StatusStore:
                 f"{self._host}'s liveness key is not held by this agent's lease {lease_id}"
             )
         self._entries = entries
+        self._round_trips = samples
         self._in_sync = True
+
+
+def _copy_sample(sample: resources_pb2.RoundTripSample) -> resources_pb2.RoundTripSample:
+    copy = resources_pb2.RoundTripSample()
+    copy.CopyFrom(sample)
+    return copy
 
 
 __all__ = [

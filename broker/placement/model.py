@@ -13,6 +13,7 @@ from typing import TypeVar, cast
 
 from dxpool.errors import InvalidArgument
 from dxpool.fabric.latency import LatencyEstimate, LatencyModel, Place
+from dxpool.fabric.overhead import check_slowdown
 from dxpool.names import check_id, parse_gpu
 from dxpool.request import validate_gpu_request
 
@@ -141,7 +142,10 @@ class PlacementRequest:
     """What a node asks of placement.
 
     ``model`` "" matches any model and compares case-insensitively; ``host`` pins the node
-    to that host id; ``max_latency_ns`` 0 means no latency bound; ``exclude_gpus`` holds
+    to that host id; ``max_latency_ns`` 0 means no latency bound; ``max_slowdown`` 0 means
+    no slowdown bound, else the predicted slowdown of ``workload`` (a profile name or
+    ``ROUND_TRIPS@STEP_TIME``, see :mod:`dxpool.fabric.overhead`) on every GPU must be at
+    most that; ``exclude_gpus`` holds
     GPU names (``boxes/{box}/gpus/{slot}``) that must not be chosen. Construction raises
     :class:`~dxpool.errors.InvalidArgument` naming the field to fix.
     """
@@ -152,6 +156,8 @@ class PlacementRequest:
     host: str | None = None
     max_latency_ns: int = 0
     exclude_gpus: frozenset[str] = field(default_factory=frozenset)
+    max_slowdown: float = 0.0
+    workload: str = ""
 
     def __post_init__(self) -> None:
         validate_gpu_request(self.model, self.count, self.min_memory_mib)
@@ -169,6 +175,7 @@ class PlacementRequest:
             )
         for name in sorted(self.exclude_gpus):
             parse_gpu(name)
+        check_slowdown(self.max_slowdown, self.workload)
 
 
 @dataclass(frozen=True, slots=True)

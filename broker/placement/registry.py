@@ -18,6 +18,7 @@ from dxpool.broker.placement.plugins.gpus import (
 from dxpool.broker.placement.plugins.hosts import HostAlive, HostSlots, PinnedHost
 from dxpool.broker.placement.plugins.inventory import HostCapacity, PoolInventory
 from dxpool.broker.placement.plugins.scores import BoxAffinity, BoxFit, HostFit, LatencyScore
+from dxpool.broker.placement.plugins.slowdown import SlowdownBound
 
 WEIGHTS: Mapping[str, float] = MappingProxyType(
     {
@@ -55,6 +56,6 @@ def default_pipeline(weights: Mapping[str, float] = WEIGHTS) -> Pipeline:
         gpu_filters=(GpuModel(), GpuMemory(), GpuFree(), GpuHealthy(), GpuNotExcluded()),
         box_filters=(BoxSchedulable(),),
         host_filters=(PinnedHost(), HostAlive(), HostSlots()),
-        link_filters=(LatencyBound(),),
+        link_filters=(LatencyBound(), SlowdownBound()),
         scores=tuple(WeightedScore(score, weights[score.name]) for score in scores),
     )

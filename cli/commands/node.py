@@ -31,6 +31,8 @@ from dxpool.cli.params import (
     MEMORY,
     NODE,
     SECONDS,
+    SLOWDOWN,
+    WORKLOAD,
     ignore_not_found_option,
     labels_dict,
 )
@@ -42,6 +44,7 @@ from dxpool.cli.views import (
     short,
 )
 from dxpool.client import node_state_name
+from dxpool.fabric.overhead import known_profiles
 from dxpool.request import GpuSpec
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -65,6 +68,19 @@ def _request_options(command: _F) -> _F:
             default=None,
             help="Most host-to-box round trip for every GPU, e.g. 4us.",
         ),
+        click.option(
+            "--max-slowdown",
+            type=SLOWDOWN,
+            default=None,
+            help="Most predicted slowdown of --workload on every GPU, e.g. 1.05 for 5%.",
+        ),
+        click.option(
+            "--workload",
+            type=WORKLOAD,
+            default=None,
+            help="Workload profile for --max-slowdown: a name (training, inference-online, "
+            "...) or ROUND_TRIPS@STEP_TIME, e.g. 400@5ms.",
+        ),
         click.option("--min-memory", type=MEMORY, default=None, help="Least memory per GPU."),
         click.option("--vfio", is_flag=True, help="Bind the GPUs to vfio-pci for a VM."),
         click.option("--tenant", default="", help="Tenant the node belongs to."),
@@ -79,14 +95,23 @@ def _request_kwargs(
     *,
     host_name: str | None,
     max_latency: int | None,
+    max_slowdown: float | None,
+    workload: str | None,
     min_memory: int | None,
     vfio: bool,
     tenant: str,
     labels: tuple[tuple[str, str], ...],
 ) -> dict[str, Any]:
+    if max_slowdown and not workload:
+        raise click.UsageError(
+            "--max-slowdown needs --workload: a profile name "
+            f"({known_profiles()}) or ROUND_TRIPS@STEP_TIME, e.g. 400@5ms"
+        )
     return {
         "host": host_name,
         "max_latency": max_latency,
+        "max_slowdown": max_slowdown,
+        "workload": workload,
         "min_memory": min_memory,
         "vfio": vfio,
         "tenant": tenant,
@@ -119,6 +144,8 @@ def create(
     gpus: GpuSpec,
     host_name: str | None,
     max_latency: int | None,
+    max_slowdown: float | None,
+    workload: str | None,
     min_memory: int | None,
     vfio: bool,
     tenant: str,
@@ -138,6 +165,8 @@ def create(
         **_request_kwargs(
             host_name=host_name,
             max_latency=max_latency,
+            max_slowdown=max_slowdown,
+            workload=workload,
             min_memory=min_memory,
             vfio=vfio,
             tenant=tenant,
@@ -161,6 +190,8 @@ def plan(
     gpus: GpuSpec,
     host_name: str | None,
     max_latency: int | None,
+    max_slowdown: float | None,
+    workload: str | None,
     min_memory: int | None,
     vfio: bool,
     tenant: str,
@@ -173,6 +204,8 @@ def plan(
         **_request_kwargs(
             host_name=host_name,
             max_latency=max_latency,
+            max_slowdown=max_slowdown,
+            workload=workload,
             min_memory=min_memory,
             vfio=vfio,
             tenant=tenant,

@@ -131,6 +131,46 @@ def test_node_plan_shows_placement_and_candidates(run: Run, pool: SimPool) -> No
     assert ok(run("node", "list", "-o", "name")) == ""  # nothing committed
 
 
+def test_node_plan_with_a_slowdown_bound_explains_the_boxes_too_far(
+    run: Run, pool: SimPool
+) -> None:
+    # h1 sits in rack r1: box1 is 2.9us away, box2 (rack r2) 4.4us; inference-online at
+    # 1.07 allows 3.5us, so only box1's four GPUs are within reach
+    fits = json.loads(
+        ok(
+            run(
+                *shlex.split(
+                    "node plan --gpus H100:4 --max-slowdown 1.07 --workload inference-online "
+                    "-o json"
+                )
+            )
+        )
+    )
+    assert {g["gpu"].split("/gpus/")[0] for g in fits["gpus"]} == {"boxes/box1"}
+    text = ok(
+        run(*shlex.split("node plan --gpus H100:5 --max-slowdown 1.07 --workload inference-online"))
+    )
+    assert text.startswith("placement: nothing fits now\n")
+    assert "max_slowdown 1.07 for workload inference-online" in text
+    assert "nearest left out: boxes/box2 (4 GPUs) at 4.4us" in text
+    refused = run(*shlex.split("node create --gpus H100:5 --max-slowdown 1.07 --workload 100@5ms"))
+    assert refused.exit_code == 1
+    assert refused.stderr.startswith("error: RESOURCE_EXHAUSTED: ")
+    assert "at most 1.07x slower for 100@5ms" in refused.stderr
+
+
+def test_node_slowdown_options_are_checked_before_sending(run: Run) -> None:
+    missing = run(*shlex.split("node plan --gpus H100:1 --max-slowdown 1.05"))
+    assert missing.exit_code == 2
+    assert "--max-slowdown needs --workload" in missing.stderr
+    unknown = run(*shlex.split("node plan --gpus H100:1 --max-slowdown 1.05 --workload mystery"))
+    assert unknown.exit_code == 2
+    assert "known profiles: compute-bound, inference-batch" in unknown.stderr
+    bad_ratio = run(*shlex.split("node plan --gpus H100:1 --max-slowdown 0.5 --workload training"))
+    assert bad_ratio.exit_code == 2
+    assert "out of range" in bad_ratio.stderr
+
+
 def test_node_get_unknown_is_not_found(run: Run) -> None:
     result = run("node", "get", "ghost")
     assert result.exit_code == 1
@@ -173,6 +213,54 @@ def test_fabric_latency_near_and_far(run: Run, pool: SimPool) -> None:
     assert int(near["roundTripNs"]) < int(far["roundTripNs"])
     table = ok(run("fabric", "latency", "--host", "h1", "--box", "box1")).splitlines()
     assert table[0].split() == ["HOST", "BOX", "ROUND-TRIP", "PATH"]
+
+
+def test_fabric_predict_for_a_box_and_for_a_request(run: Run, pool: SimPool) -> None:
+    text = ok(run(*shlex.split("fabric predict --host h1 --box box2 --workload inference-online")))
+    lines = text.splitlines()
+    assert lines[0] == "host: h1  farthest: box2 at 4.4us (topology model)"
+    assert lines[-1].split() == [
+        "inference-online",
+        "1.088",
+        "100",
+        "round",
+        "trips",
+        "per",
+        "5ms",
+        "step",
+    ]
+    wide = ok(run(*shlex.split("fabric predict --host h1 --gpus H100:6 -o wide")))
+    rows = [line.split() for line in wide.splitlines()]
+    assert [
+        "box1",
+        "4",
+        "2.9us",
+        "proxy:hosts/h1",
+        ">",
+        "rack:s1/p1/r1",
+        ">",
+        "proxy:boxes/box1",
+    ] in rows
+    assert rows[rows.index(["BOX", "GPUS", "ROUND-TRIP", "PATH"]) + 2][:3] == ["box2", "2", "4.4us"]
+    assert "training" in wide and "compute-bound" in wide
+    doc = json.loads(ok(run(*shlex.split("fabric predict --host h1 --gpus H100:2 -o json"))))
+    assert doc["box"] == "boxes/box1" and doc["latencyModel"] == "topology"
+
+
+def test_fabric_predict_errors(run: Run, pool: SimPool) -> None:
+    unknown = run(*shlex.split("fabric predict --host nope --box box1"))
+    assert unknown.exit_code == 1
+    assert unknown.stderr.startswith("error: NOT_FOUND: host hosts/nope is not registered")
+    missing_box = run(*shlex.split("fabric predict --host h1 --box ghost"))
+    assert missing_box.exit_code == 1
+    assert missing_box.stderr.startswith("error: NOT_FOUND: box boxes/ghost does not exist")
+    both = run(*shlex.split("fabric predict --host h1 --box box1 --gpus 2"))
+    assert both.exit_code == 2 and "exactly one of --box and --gpus" in both.stderr
+    profile = run(*shlex.split("fabric predict --host h1 --box box1 --workload mystery"))
+    assert profile.exit_code == 2 and "known profiles: compute-bound" in profile.stderr
+    too_many = run(*shlex.split("fabric predict --host h1 --gpus H100:9"))
+    assert too_many.exit_code == 1
+    assert too_many.stderr.startswith("error: RESOURCE_EXHAUSTED: ")
 
 
 def test_host_get_and_gpu_get(run: Run, pool: SimPool) -> None:

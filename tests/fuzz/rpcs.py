@@ -59,6 +59,7 @@ EXPECTED: dict[str, frozenset[grpc.StatusCode]] = {
     "NodeService.ReleaseNode": _LOOKUP,
     "NodeService.WatchNodes": _LOOKUP,
     "FabricService.GetLatency": _LOOKUP,
+    "FabricService.Predict": _LOOKUP | {C.RESOURCE_EXHAUSTED},
 }
 # Calls that may change etcd when they succeed; every other call never does.
 MUTATIONS = frozenset(
@@ -80,6 +81,8 @@ FOLLOWED_UP = frozenset(
 _SPEC = pb.NodeSpec(
     gpus=pb.GpuRequest(model="H100", count=1, min_memory_mib=1024),
     max_latency_ns=1_000_000,
+    max_slowdown=1.5,
+    workload="training",
     tenant="ml",
     labels={"team": "ml"},
 )
@@ -122,6 +125,9 @@ BASELINES: dict[str, Message] = {
     "NodeService.ReleaseNode": nodes_pb2.ReleaseNodeRequest(name="nodes/n1"),
     "NodeService.WatchNodes": nodes_pb2.WatchNodesRequest(name="nodes/n1"),
     "FabricService.GetLatency": fabric_pb2.GetLatencyRequest(host="hosts/h1", box="boxes/box1"),
+    "FabricService.Predict": fabric_pb2.PredictRequest(
+        host="hosts/h1", gpus=pb.GpuRequest(model="H100", count=2), workload="400@5ms"
+    ),
 }
 
 # A rejection says what to do about it; each message carries one of these.

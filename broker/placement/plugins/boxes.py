@@ -30,13 +30,16 @@ class LatencyBound:
     """Keeps, for each host, the boxes within the request's ``max_latency_ns`` round trip.
 
     It says which bound it applies (``round_trip_bound``), so with a latency model that
-    ranks boxes in tiers the pipeline cuts whole tiers instead of asking it per pair.
+    ranks boxes in tiers the pipeline cuts whole tiers instead of asking it per pair. A
+    request that also bounds its slowdown is left to
+    :class:`~.slowdown.SlowdownBound`, which applies the tighter of both bounds (one link
+    filter keeps placement on the tiered path).
     """
 
     name = "latency_bound"
 
     def applies(self, request: PlacementRequest) -> bool:
-        return request.max_latency_ns > 0
+        return request.max_latency_ns > 0 and request.max_slowdown <= 0
 
     def round_trip_bound(self, request: PlacementRequest) -> int:
         return request.max_latency_ns

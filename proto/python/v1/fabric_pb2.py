@@ -23,9 +23,10 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from dxpool.api.v1 import resources_pb2 as dxpool_dot_v1_dot_resources__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64xpool/v1/fabric.proto\x12\tdxpool.v1\".\n\x11GetLatencyRequest\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0b\n\x03\x62ox\x18\x02 \x01(\t\"I\n\x07Latency\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0b\n\x03\x62ox\x18\x02 \x01(\t\x12\x15\n\rround_trip_ns\x18\x03 \x01(\x03\x12\x0c\n\x04path\x18\x04 \x03(\t2O\n\rFabricService\x12>\n\nGetLatency\x12\x1c.dxpool.v1.GetLatencyRequest\x1a\x12.dxpool.v1.LatencyB*Z(github.com/dxpool/dxpool/api/v1;dxpoolv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64xpool/v1/fabric.proto\x12\tdxpool.v1\x1a\x19\x64xpool/v1/resources.proto\".\n\x11GetLatencyRequest\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0b\n\x03\x62ox\x18\x02 \x01(\t\"I\n\x07Latency\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0b\n\x03\x62ox\x18\x02 \x01(\t\x12\x15\n\rround_trip_ns\x18\x03 \x01(\x03\x12\x0c\n\x04path\x18\x04 \x03(\t\"b\n\x0ePredictRequest\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0b\n\x03\x62ox\x18\x02 \x01(\t\x12#\n\x04gpus\x18\x03 \x01(\x0b\x32\x15.dxpool.v1.GpuRequest\x12\x10\n\x08workload\x18\x04 \x01(\t\"G\n\x10WorkloadSlowdown\x12\x10\n\x08workload\x18\x01 \x01(\t\x12\x10\n\x08slowdown\x18\x02 \x01(\x01\x12\x0f\n\x07profile\x18\x03 \x01(\t\"O\n\rPredictedLink\x12\x0b\n\x03\x62ox\x18\x01 \x01(\t\x12\x15\n\rround_trip_ns\x18\x02 \x01(\x03\x12\x0c\n\x04path\x18\x03 \x03(\t\x12\x0c\n\x04gpus\x18\x04 \x01(\x05\"\xbc\x01\n\nPrediction\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0b\n\x03\x62ox\x18\x02 \x01(\t\x12\x15\n\rround_trip_ns\x18\x03 \x01(\x03\x12\x0c\n\x04path\x18\x04 \x03(\t\x12.\n\tslowdowns\x18\x05 \x03(\x0b\x32\x1b.dxpool.v1.WorkloadSlowdown\x12\'\n\x05links\x18\x06 \x03(\x0b\x32\x18.dxpool.v1.PredictedLink\x12\x15\n\rlatency_model\x18\x07 \x01(\t2\x8c\x01\n\rFabricService\x12>\n\nGetLatency\x12\x1c.dxpool.v1.GetLatencyRequest\x1a\x12.dxpool.v1.Latency\x12;\n\x07Predict\x12\x19.dxpool.v1.PredictRequest\x1a\x15.dxpool.v1.PredictionB*Z(github.com/dxpool/dxpool/api/v1;dxpoolv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +34,18 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dxpool.v1.fabric_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'Z(github.com/dxpool/dxpool/api/v1;dxpoolv1'
-  _globals['_GETLATENCYREQUEST']._serialized_start=37
-  _globals['_GETLATENCYREQUEST']._serialized_end=83
-  _globals['_LATENCY']._serialized_start=85
-  _globals['_LATENCY']._serialized_end=158
-  _globals['_FABRICSERVICE']._serialized_start=160
-  _globals['_FABRICSERVICE']._serialized_end=239
+  _globals['_GETLATENCYREQUEST']._serialized_start=64
+  _globals['_GETLATENCYREQUEST']._serialized_end=110
+  _globals['_LATENCY']._serialized_start=112
+  _globals['_LATENCY']._serialized_end=185
+  _globals['_PREDICTREQUEST']._serialized_start=187
+  _globals['_PREDICTREQUEST']._serialized_end=285
+  _globals['_WORKLOADSLOWDOWN']._serialized_start=287
+  _globals['_WORKLOADSLOWDOWN']._serialized_end=358
+  _globals['_PREDICTEDLINK']._serialized_start=360
+  _globals['_PREDICTEDLINK']._serialized_end=439
+  _globals['_PREDICTION']._serialized_start=442
+  _globals['_PREDICTION']._serialized_end=630
+  _globals['_FABRICSERVICE']._serialized_start=633
+  _globals['_FABRICSERVICE']._serialized_end=773
 # @@protoc_insertion_point(module_scope)

@@ -5,6 +5,7 @@ isort:skip_file
 dxpool public API: the fabric latency model."""
 
 from collections import abc as _abc
+from dxpool.api.v1 import resources_pb2 as _resources_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
@@ -73,3 +74,141 @@ class Latency(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Latency: _TypeAlias = Latency  # noqa: Y015
+
+@_typing.final
+class PredictRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOST_FIELD_NUMBER: _builtins.int
+    BOX_FIELD_NUMBER: _builtins.int
+    GPUS_FIELD_NUMBER: _builtins.int
+    WORKLOAD_FIELD_NUMBER: _builtins.int
+    host: _builtins.str
+    """"hosts/{host}" """
+    box: _builtins.str
+    """Exactly one of box and gpus: one box, or the GPUs placement would give the host.
+    "boxes/{box}"
+    """
+    workload: _builtins.str
+    """A profile name or ROUND_TRIPS@STEP_TIME; empty predicts every named profile."""
+    @_builtins.property
+    def gpus(self) -> _resources_pb2.GpuRequest: ...
+    def __init__(
+        self,
+        *,
+        host: _builtins.str = ...,
+        box: _builtins.str = ...,
+        gpus: _resources_pb2.GpuRequest | None = ...,
+        workload: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["box", b"box", "gpus", b"gpus", "host", b"host", "workload", b"workload"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PredictRequest: _TypeAlias = PredictRequest  # noqa: Y015
+
+@_typing.final
+class WorkloadSlowdown(_message.Message):
+    """The predicted slowdown of one workload: step time over native step time."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKLOAD_FIELD_NUMBER: _builtins.int
+    SLOWDOWN_FIELD_NUMBER: _builtins.int
+    PROFILE_FIELD_NUMBER: _builtins.int
+    workload: _builtins.str
+    slowdown: _builtins.float
+    profile: _builtins.str
+    """what the workload stands for, e.g. "100 round trips per 5ms step" """
+    def __init__(
+        self,
+        *,
+        workload: _builtins.str = ...,
+        slowdown: _builtins.float = ...,
+        profile: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["profile", b"profile", "slowdown", b"slowdown", "workload", b"workload"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkloadSlowdown: _TypeAlias = WorkloadSlowdown  # noqa: Y015
+
+@_typing.final
+class PredictedLink(_message.Message):
+    """One box of a prediction and its round trip from the host."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BOX_FIELD_NUMBER: _builtins.int
+    ROUND_TRIP_NS_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    GPUS_FIELD_NUMBER: _builtins.int
+    box: _builtins.str
+    round_trip_ns: _builtins.int
+    gpus: _builtins.int
+    """GPUs taken from the box (1 for a single box)"""
+    @_builtins.property
+    def path(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        box: _builtins.str = ...,
+        round_trip_ns: _builtins.int = ...,
+        path: _abc.Iterable[_builtins.str] | None = ...,
+        gpus: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["box", b"box", "gpus", b"gpus", "path", b"path", "round_trip_ns", b"round_trip_ns"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PredictedLink: _TypeAlias = PredictedLink  # noqa: Y015
+
+@_typing.final
+class Prediction(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOST_FIELD_NUMBER: _builtins.int
+    BOX_FIELD_NUMBER: _builtins.int
+    ROUND_TRIP_NS_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    SLOWDOWNS_FIELD_NUMBER: _builtins.int
+    LINKS_FIELD_NUMBER: _builtins.int
+    LATENCY_MODEL_FIELD_NUMBER: _builtins.int
+    host: _builtins.str
+    box: _builtins.str
+    """The farthest box of `links`: a step waits for its slowest GPU, so the slowdown
+    is predicted from this round trip.
+    """
+    round_trip_ns: _builtins.int
+    latency_model: _builtins.str
+    """which model answered: topology, matrix, measured"""
+    @_builtins.property
+    def path(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def slowdowns(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkloadSlowdown]: ...
+    @_builtins.property
+    def links(self) -> _containers.RepeatedCompositeFieldContainer[Global___PredictedLink]: ...
+    def __init__(
+        self,
+        *,
+        host: _builtins.str = ...,
+        box: _builtins.str = ...,
+        round_trip_ns: _builtins.int = ...,
+        path: _abc.Iterable[_builtins.str] | None = ...,
+        slowdowns: _abc.Iterable[Global___WorkloadSlowdown] | None = ...,
+        links: _abc.Iterable[Global___PredictedLink] | None = ...,
+        latency_model: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["box", b"box", "host", b"host", "latency_model", b"latency_model", "links", b"links", "path", b"path", "round_trip_ns", b"round_trip_ns", "slowdowns", b"slowdowns"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Prediction: _TypeAlias = Prediction  # noqa: Y015

@@ -40,6 +40,11 @@ class FabricServiceStub:
                 request_serializer=dxpool_dot_v1_dot_fabric__pb2.GetLatencyRequest.SerializeToString,
                 response_deserializer=dxpool_dot_v1_dot_fabric__pb2.Latency.FromString,
                 _registered_method=True)
+        self.Predict = channel.unary_unary(
+                '/dxpool.v1.FabricService/Predict',
+                request_serializer=dxpool_dot_v1_dot_fabric__pb2.PredictRequest.SerializeToString,
+                response_deserializer=dxpool_dot_v1_dot_fabric__pb2.Prediction.FromString,
+                _registered_method=True)
 
 
 class FabricServiceServicer:
@@ -53,6 +58,17 @@ class FabricServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Predict(self, request, context):
+        """Round trip, path and predicted workload slowdown between a host and a box, or
+        between a host and the boxes placement would choose for a GPU request on it.
+        NOT_FOUND for an unknown host or box; INVALID_ARGUMENT for an unknown workload
+        (the message lists the known profiles); RESOURCE_EXHAUSTED when the request
+        does not fit on the host now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FabricServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -60,6 +76,11 @@ def add_FabricServiceServicer_to_server(servicer, server):
                     servicer.GetLatency,
                     request_deserializer=dxpool_dot_v1_dot_fabric__pb2.GetLatencyRequest.FromString,
                     response_serializer=dxpool_dot_v1_dot_fabric__pb2.Latency.SerializeToString,
+            ),
+            'Predict': grpc.unary_unary_rpc_method_handler(
+                    servicer.Predict,
+                    request_deserializer=dxpool_dot_v1_dot_fabric__pb2.PredictRequest.FromString,
+                    response_serializer=dxpool_dot_v1_dot_fabric__pb2.Prediction.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -89,6 +110,33 @@ class FabricService:
             '/dxpool.v1.FabricService/GetLatency',
             dxpool_dot_v1_dot_fabric__pb2.GetLatencyRequest.SerializeToString,
             dxpool_dot_v1_dot_fabric__pb2.Latency.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Predict(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dxpool.v1.FabricService/Predict',
+            dxpool_dot_v1_dot_fabric__pb2.PredictRequest.SerializeToString,
+            dxpool_dot_v1_dot_fabric__pb2.Prediction.FromString,
             options,
             channel_credentials,
             insecure,

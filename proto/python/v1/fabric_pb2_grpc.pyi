@@ -36,6 +36,13 @@ class FabricServiceStub:
     """Round-trip latency of a PCIe transaction between a host and a box over the
     fabric. NOT_FOUND when the topology does not place the host or the box.
     """
+    Predict: _grpc.UnaryUnaryMultiCallable[_fabric_pb2.PredictRequest, _fabric_pb2.Prediction]
+    """Round trip, path and predicted workload slowdown between a host and a box, or
+    between a host and the boxes placement would choose for a GPU request on it.
+    NOT_FOUND for an unknown host or box; INVALID_ARGUMENT for an unknown workload
+    (the message lists the known profiles); RESOURCE_EXHAUSTED when the request
+    does not fit on the host now.
+    """
 
 @_typing.type_check_only
 class FabricServiceAsyncStub(FabricServiceStub):
@@ -43,6 +50,13 @@ class FabricServiceAsyncStub(FabricServiceStub):
     GetLatency: _aio.UnaryUnaryMultiCallable[_fabric_pb2.GetLatencyRequest, _fabric_pb2.Latency]  # type: ignore[assignment]
     """Round-trip latency of a PCIe transaction between a host and a box over the
     fabric. NOT_FOUND when the topology does not place the host or the box.
+    """
+    Predict: _aio.UnaryUnaryMultiCallable[_fabric_pb2.PredictRequest, _fabric_pb2.Prediction]  # type: ignore[assignment]
+    """Round trip, path and predicted workload slowdown between a host and a box, or
+    between a host and the boxes placement would choose for a GPU request on it.
+    NOT_FOUND for an unknown host or box; INVALID_ARGUMENT for an unknown workload
+    (the message lists the known profiles); RESOURCE_EXHAUSTED when the request
+    does not fit on the host now.
     """
 
 class FabricServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -54,6 +68,19 @@ class FabricServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_fabric_pb2.Latency, _abc.Awaitable[_fabric_pb2.Latency]]:
         """Round-trip latency of a PCIe transaction between a host and a box over the
         fabric. NOT_FOUND when the topology does not place the host or the box.
+        """
+
+    @_abc_1.abstractmethod
+    def Predict(
+        self,
+        request: _fabric_pb2.PredictRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_fabric_pb2.Prediction, _abc.Awaitable[_fabric_pb2.Prediction]]:
+        """Round trip, path and predicted workload slowdown between a host and a box, or
+        between a host and the boxes placement would choose for a GPU request on it.
+        NOT_FOUND for an unknown host or box; INVALID_ARGUMENT for an unknown workload
+        (the message lists the known profiles); RESOURCE_EXHAUSTED when the request
+        does not fit on the host now.
         """
 
 def add_FabricServiceServicer_to_server(servicer: FabricServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -607,25 +607,65 @@ class HostStatus(_message.Message):
     HOST_FIELD_NUMBER: _builtins.int
     ATTACHMENTS_FIELD_NUMBER: _builtins.int
     UPDATE_TIME_FIELD_NUMBER: _builtins.int
+    ROUND_TRIPS_FIELD_NUMBER: _builtins.int
     host: _builtins.str
     @_builtins.property
     def attachments(self) -> _containers.RepeatedCompositeFieldContainer[Global___ObservedAttachment]: ...
     @_builtins.property
     def update_time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def round_trips(self) -> _containers.RepeatedCompositeFieldContainer[Global___RoundTripSample]:
+        """PCIe round trips the agent probed to boxes, smoothed, for the measured latency
+        model; at most one entry per box.
+        """
+
     def __init__(
         self,
         *,
         host: _builtins.str = ...,
         attachments: _abc.Iterable[Global___ObservedAttachment] | None = ...,
         update_time: _timestamp_pb2.Timestamp | None = ...,
+        round_trips: _abc.Iterable[Global___RoundTripSample] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attachments", b"attachments", "host", b"host", "update_time", b"update_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attachments", b"attachments", "host", b"host", "round_trips", b"round_trips", "update_time", b"update_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HostStatus: _TypeAlias = HostStatus  # noqa: Y015
+
+@_typing.final
+class RoundTripSample(_message.Message):
+    """A host-to-box PCIe round trip as a host agent measured it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BOX_FIELD_NUMBER: _builtins.int
+    ROUND_TRIP_NS_FIELD_NUMBER: _builtins.int
+    MEASURE_TIME_FIELD_NUMBER: _builtins.int
+    box: _builtins.str
+    """"boxes/{box}" """
+    round_trip_ns: _builtins.int
+    """smoothed (EWMA) round trip"""
+    @_builtins.property
+    def measure_time(self) -> _timestamp_pb2.Timestamp:
+        """when the last probe ran"""
+
+    def __init__(
+        self,
+        *,
+        box: _builtins.str = ...,
+        round_trip_ns: _builtins.int = ...,
+        measure_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["measure_time", b"measure_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["box", b"box", "measure_time", b"measure_time", "round_trip_ns", b"round_trip_ns"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoundTripSample: _TypeAlias = RoundTripSample  # noqa: Y015
 
 @_typing.final
 class GpuRequest(_message.Message):
@@ -689,6 +729,8 @@ class NodeSpec(_message.Message):
     VFIO_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
+    MAX_SLOWDOWN_FIELD_NUMBER: _builtins.int
+    WORKLOAD_FIELD_NUMBER: _builtins.int
     host: _builtins.str
     """Pin to this host ("hosts/{host}"); empty lets placement choose."""
     max_latency_ns: _builtins.int
@@ -698,6 +740,15 @@ class NodeSpec(_message.Message):
     vfio: _builtins.bool
     """Bind GPUs to vfio-pci for hand-off to a VM."""
     tenant: _builtins.str
+    max_slowdown: _builtins.float
+    """Upper bound on the predicted slowdown of `workload` on every GPU: the slowest
+    acceptable step time over the native one, e.g. 1.05 for 5%; 0 for no bound.
+    """
+    workload: _builtins.str
+    """The workload whose slowdown is predicted: a profile name ("training",
+    "inference-online", ...) or ROUND_TRIPS@STEP_TIME, e.g. "400@5ms". Required with
+    max_slowdown.
+    """
     @_builtins.property
     def gpus(self) -> Global___GpuRequest: ...
     @_builtins.property
@@ -711,10 +762,12 @@ class NodeSpec(_message.Message):
         vfio: _builtins.bool = ...,
         tenant: _builtins.str = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        max_slowdown: _builtins.float = ...,
+        workload: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus", "host", b"host", "labels", b"labels", "max_latency_ns", b"max_latency_ns", "tenant", b"tenant", "vfio", b"vfio"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus", "host", b"host", "labels", b"labels", "max_latency_ns", b"max_latency_ns", "max_slowdown", b"max_slowdown", "tenant", b"tenant", "vfio", b"vfio", "workload", b"workload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
