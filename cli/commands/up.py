@@ -17,11 +17,11 @@ from types import FrameType
 
 import click
 
-from dxpool.cli.config import DEFAULT_ENDPOINT
 from dxpool.cli.localpool import LocalPool, LocalPoolSpec
 from dxpool.cli.output import info
 from dxpool.cli.params import MEMORY, SECONDS
 from dxpool.cli.supervisor import RestartPolicy
+from dxpool.defaults import DEFAULT_ENDPOINT
 from dxpool.errors import InvalidArgument
 from dxpool.request import validate_gpu_request
 

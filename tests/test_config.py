@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dxpool.cli.config import (
+from dxpool.config import (
     DEFAULT_ENDPOINT,
     config_path,
     load_config,
