@@ -3,8 +3,9 @@
 Exit statuses: 0 ok; 1 an API error (``error: NOT_FOUND: ...`` on stderr) or a wait that
 timed out; 2 a usage error (click's own, and values that do not parse); 130 Ctrl-C.
 
-``dxpool broker`` and ``dxpool agent`` are mounted from their own packages when those are
-installed, and imported only when used.
+``dxpool broker`` and ``dxpool agent`` are mounted from their own packages and imported
+only when used; without their extra (``dxpool[server]``, ``dxpool[agent]``) they are
+stand-ins that say what to install.
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ import dxpool
 from dxpool.cli.commands import box, completion, fabric, gpu, host, node, status, up
 from dxpool.cli.context import CliContext
 from dxpool.cli.errors import EXIT_API_ERROR, EXIT_INTERRUPTED, format_error
+from dxpool.cli.extras import missing_extra_command
 from dxpool.cli.params import SECONDS
 from dxpool.errors import DxpoolError
+from dxpool.extras import missing_modules
 
-# Commands that live in other packages: name -> (module, attribute).
-LAZY_COMMANDS: dict[str, tuple[str, str]] = {
-    "broker": ("dxpool.broker.__main__", "broker_command"),
-    "agent": ("dxpool.hostagent.__main__", "agent_command"),
+# Commands that live in other packages: name -> (module, attribute, extra it needs).
+LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
+    "broker": ("dxpool.broker.__main__", "broker_command", "server"),
+    "agent": ("dxpool.hostagent.__main__", "agent_command", "agent"),
 }
 
 
@@ -48,9 +51,11 @@ class DxpoolGroup(click.Group):
         command = super().get_command(ctx, cmd_name)
         if command is not None or cmd_name not in LAZY_COMMANDS:
             return command
-        module_name, attribute = LAZY_COMMANDS[cmd_name]
+        module_name, attribute, extra = LAZY_COMMANDS[cmd_name]
         if not _module_exists(module_name):
             return None
+        if missing_modules(extra):
+            return missing_extra_command(cmd_name, extra)
         try:
             found = getattr(importlib.import_module(module_name), attribute, None)
         except ImportError as error:  # a partial install: leave the command out

@@ -17,7 +17,7 @@ from types import FrameType
 
 import click
 
-from dxpool.cli.localpool import LocalPool, LocalPoolSpec
+from dxpool.cli.extras import require_extras
 from dxpool.cli.output import info
 from dxpool.cli.params import MEMORY, SECONDS
 from dxpool.cli.supervisor import RestartPolicy
@@ -115,6 +115,10 @@ def up(
     one `dxpool up` runs on a --data-dir at a time; running it again on the same
     --data-dir picks up where the last run left off.
     """
+    require_extras("up", "server")
+    # Imported here: the local pool needs the server extra, which `dxpool --help` does not.
+    from dxpool.cli.localpool import LocalPool, LocalPoolSpec
+
     try:
         validate_gpu_request(gpu_model, 1)
         spec = LocalPoolSpec(

@@ -124,7 +124,9 @@ def test_ctrl_c_exits_130(runner: CliRunner) -> None:
 def test_missing_lazy_command_is_not_mounted(
     runner: CliRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(cli_main.LAZY_COMMANDS, "ghost", ("dxpool.no_such_module", "command"))
+    monkeypatch.setitem(
+        cli_main.LAZY_COMMANDS, "ghost", ("dxpool.no_such_module", "command", "server")
+    )
     listed = runner.invoke(cli, ["--help"])
     assert listed.exit_code == 0
     assert "ghost" not in listed.stdout
@@ -132,7 +134,7 @@ def test_missing_lazy_command_is_not_mounted(
 
 
 def test_installed_lazy_commands_are_mounted(runner: CliRunner) -> None:
-    for name, (module, _) in cli_main.LAZY_COMMANDS.items():
+    for name, (module, _, _) in cli_main.LAZY_COMMANDS.items():
         if not cli_main._module_exists(module):
             continue
         result = runner.invoke(cli, [name, "--help"])
