@@ -387,8 +387,18 @@ def test_unknown_host_is_not_found(client: Client, pool_with_host: SimPool) -> N
 def test_nothing_fits_is_resource_exhausted(client: Client, pool_with_host: SimPool) -> None:
     from dxpool.errors import ResourceExhausted
 
-    with pytest.raises(ResourceExhausted):
+    with pytest.raises(ResourceExhausted) as error:
+        client.compose_node("H100:9")  # eight H100s in the pool
+    assert error.value.reason == "NO_CAPACITY"
+
+
+def test_a_model_the_pool_lacks_is_failed_precondition(
+    client: Client, pool_with_host: SimPool
+) -> None:
+    with pytest.raises(FailedPrecondition) as error:
         client.compose_node("A100:1")
+    assert error.value.reason == "UNKNOWN_MODEL"
+    assert error.value.metadata["models"] == "H100"
 
 
 def test_wait_times_out(client: Client, stubs: Stubs, sim_pool: SimPool) -> None:
