@@ -90,8 +90,9 @@ class DxpoolGroup(click.Group):
 @click.option(
     "--endpoint",
     metavar="HOST:PORT",
-    help="Broker address. Default: $DXPOOL_ENDPOINT, else 'endpoint' in $DXPOOL_CONFIG or "
-    "~/.config/dxpool/config.yaml, else 127.0.0.1:8470 (where `dxpool up` listens).",
+    help="Broker address (a leading http:// or grpc:// is dropped). Default: "
+    "$DXPOOL_ENDPOINT, else 'endpoint' in $DXPOOL_CONFIG or ~/.config/dxpool/config.yaml, "
+    "else 127.0.0.1:8470 (where `dxpool up` listens).",
 )
 @click.option(
     "--request-timeout",

@@ -50,6 +50,8 @@ def runner(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> CliRunner:
         ),
         (["fabric", "latency", "--host", "h1"], "Missing option '--box'"),
         (["--endpoint", "nohostport", "box", "list"], "expected host:port"),
+        (["--endpoint", "https://h:1", "box", "list"], "cannot ask for TLS"),
+        (["--endpoint", "http://h:1/api", "box", "list"], "has no path"),
         (["--request-timeout", "0s", "box", "list"], "must be positive"),
         (["frobnicate"], "No such command 'frobnicate'"),
     ],
