@@ -11,6 +11,7 @@ from types import FrameType
 import click
 
 from dxpool.broker.server import DEFAULT_LISTEN, BrokerConfig, BrokerServer
+from dxpool.cli.params import DAEMON_SECONDS
 from dxpool.store.keys import DEFAULT_PREFIX
 
 
@@ -26,10 +27,10 @@ from dxpool.store.keys import DEFAULT_PREFIX
 )
 @click.option(
     "--attach-timeout",
-    type=float,
-    default=120.0,
+    type=DAEMON_SECONDS,
+    default="120s",
     show_default=True,
-    help="seconds a node may take to become READY before it fails",
+    help="how long a node may take to become READY before it fails (e.g. 120s, 5m)",
 )
 @click.option(
     "--fabric",
@@ -39,17 +40,17 @@ from dxpool.store.keys import DEFAULT_PREFIX
 )
 @click.option(
     "--host-loss-grace",
-    type=click.FloatRange(min=0),
-    default=0.0,
+    type=DAEMON_SECONDS,
+    default="0s",
     show_default=True,
-    help="seconds a host may stay without a live agent lease before it is lost",
+    help="how long a host may stay without a live agent lease before it is lost",
 )
 @click.option(
     "--retention",
-    type=click.FloatRange(min=0),
-    default=3600.0,
+    type=DAEMON_SECONDS,
+    default="1h",
     show_default=True,
-    help="seconds RELEASED nodes and their request ids are kept",
+    help="how long RELEASED nodes and their request ids are kept",
 )
 @click.option(
     "--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)"
@@ -60,7 +61,12 @@ from dxpool.store.keys import DEFAULT_PREFIX
     show_default=True,
     help="address the metrics port binds (0.0.0.0 for every interface)",
 )
-@click.option("--log-level", default="INFO", show_default=True)
+@click.option(
+    "--log-level",
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+    default="INFO",
+    show_default=True,
+)
 def broker_command(
     etcd: str,
     prefix: str,

@@ -20,6 +20,7 @@ from typing import Any
 
 import click
 
+from dxpool.cli.params import DAEMON_SECONDS
 from dxpool.errors import DxpoolError, InvalidArgument
 from dxpool.hostagent.agent import Agent
 from dxpool.hostagent.config import DEFAULT_ETCD_ENDPOINTS, AgentConfig
@@ -130,7 +131,7 @@ def run_agent(config: AgentConfig) -> int:
     "--map-delay",
     "sim_map_delay_s",
     env="SIM_MAP_DELAY",
-    type=float,
+    type=DAEMON_SECONDS,
     default=0.0,
     help="Simulated proxy mapping delay, seconds.",
 )
@@ -139,7 +140,7 @@ def run_agent(config: AgentConfig) -> int:
     "--hotplug-delay",
     "sim_hotplug_delay_s",
     env="SIM_HOTPLUG_DELAY",
-    type=float,
+    type=DAEMON_SECONDS,
     default=0.0,
     help="Simulated hotplug delay, seconds.",
 )
@@ -148,7 +149,7 @@ def run_agent(config: AgentConfig) -> int:
     "--bind-delay",
     "sim_bind_delay_s",
     env="SIM_BIND_DELAY",
-    type=float,
+    type=DAEMON_SECONDS,
     default=0.0,
     help="Simulated driver bind delay, seconds.",
 )
@@ -156,7 +157,7 @@ def run_agent(config: AgentConfig) -> int:
     "--lease-ttl",
     "lease_ttl_s",
     env="LEASE_TTL",
-    type=float,
+    type=DAEMON_SECONDS,
     default=10.0,
     help="Liveness lease TTL, seconds (etcd rounds it up to whole seconds).",
 )
@@ -181,7 +182,7 @@ def run_agent(config: AgentConfig) -> int:
     "--resync-interval",
     "resync_interval_s",
     env="RESYNC_INTERVAL",
-    type=float,
+    type=DAEMON_SECONDS,
     default=30.0,
     help="Full resync period, seconds.",
 )
@@ -196,7 +197,7 @@ def run_agent(config: AgentConfig) -> int:
     "--backoff-base",
     "backoff_base_s",
     env="BACKOFF_BASE",
-    type=float,
+    type=DAEMON_SECONDS,
     default=0.2,
     help="First retry delay, seconds (doubles per failure).",
 )
@@ -204,7 +205,7 @@ def run_agent(config: AgentConfig) -> int:
     "--backoff-max",
     "backoff_max_s",
     env="BACKOFF_MAX",
-    type=float,
+    type=DAEMON_SECONDS,
     default=10.0,
     help="Longest retry delay, seconds.",
 )
@@ -212,7 +213,7 @@ def run_agent(config: AgentConfig) -> int:
     "--device-timeout",
     "device_timeout_s",
     env="DEVICE_TIMEOUT",
-    type=float,
+    type=DAEMON_SECONDS,
     default=30.0,
     help="Wait for a PCI device after a rescan, seconds.",
 )
@@ -221,7 +222,7 @@ def run_agent(config: AgentConfig) -> int:
     "--startup-timeout",
     "startup_timeout_s",
     env="STARTUP_TIMEOUT",
-    type=float,
+    type=DAEMON_SECONDS,
     default=60.0,
     help="Wait for etcd at startup, seconds.",
 )
