@@ -1,9 +1,11 @@
-"""``dxpool fabric latency``: what the fabric model says about a host-box path."""
+"""``dxpool fabric``: what the fabric model says about a host-box path (``latency``), and the
+simulated fabric (``sim``)."""
 
 from __future__ import annotations
 
 import click
 
+from dxpool.cli.commands.fabric_sim import sim
 from dxpool.cli.context import CliContext, pass_cli
 from dxpool.cli.output import DOCUMENT_FORMATS, OutputFormat, output_option, print_one
 from dxpool.cli.params import BOX, HOST
@@ -12,7 +14,10 @@ from dxpool.cli.views import LATENCY_VIEW
 
 @click.group()
 def fabric() -> None:
-    """Inspect the fabric latency model."""
+    """Inspect the fabric latency model; set up a simulated fabric."""
+
+
+fabric.add_command(sim)
 
 
 @fabric.command("latency")
