@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import signal
 import threading
 from pathlib import Path
@@ -12,6 +11,7 @@ import click
 
 from dxpool.broker.server import DEFAULT_LISTEN, BrokerConfig, BrokerServer
 from dxpool.cli.params import DAEMON_SECONDS
+from dxpool.logs import configure_logging
 from dxpool.store.keys import DEFAULT_PREFIX
 
 
@@ -81,9 +81,7 @@ def broker_command(
     log_level: str,
 ) -> None:
     """Run a dxpool broker: the gRPC API over the etcd inventory."""
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    configure_logging(log_level)
     if metrics_port:
         from prometheus_client import start_http_server
 

@@ -25,6 +25,7 @@ from dxpool.cli.extras import missing_extra_command
 from dxpool.cli.params import SECONDS
 from dxpool.errors import DxpoolError
 from dxpool.extras import missing_modules
+from dxpool.logs import KeyValueFormatter
 
 # Commands that live in other packages: name -> (module, attribute, extra it needs).
 LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -116,7 +117,10 @@ def cli(ctx: click.Context, endpoint: str | None, request_timeout: float, verbos
         raise click.BadParameter("must be positive", param_hint="--request-timeout")
     if ctx.invoked_subcommand not in DAEMONS:  # daemons set up logging from --log-level
         level = {0: logging.WARNING, 1: logging.INFO}.get(verbose, logging.DEBUG)
-        logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        # Like basicConfig, a no-op where logging is already set up (an embedding program).
+        stderr = logging.StreamHandler()
+        stderr.setFormatter(KeyValueFormatter())
+        logging.basicConfig(level=level, handlers=[stderr])
         logging.getLogger("dxpool").setLevel(level)
     ctx.obj = CliContext(endpoint_flag=endpoint, request_timeout_s=request_timeout)
 

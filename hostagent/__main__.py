@@ -25,7 +25,7 @@ from dxpool.errors import DxpoolError, InvalidArgument
 from dxpool.hostagent.agent import Agent
 from dxpool.hostagent.config import DEFAULT_ETCD_ENDPOINTS, AgentConfig
 from dxpool.hostagent.drivers import DRIVERS, build_driver
-from dxpool.hostagent.logs import configure_logging
+from dxpool.logs import configure_logging
 from dxpool.store.client import connect
 from dxpool.store.keys import DEFAULT_PREFIX
 

@@ -98,3 +98,26 @@ def test_bad_values_are_usage_errors(args: list[str], expected: str) -> None:
 
 def test_log_level_is_case_insensitive() -> None:
     assert str(_parsed("--log-level", "debug")["log_level"]).upper() == "DEBUG"
+
+
+def test_log_lines_carry_their_fields(
+    etcd_server: EmbeddedEtcd, key_prefix: str, tmp_path: Path
+) -> None:
+    port = free_port()
+    log_path = tmp_path / "broker.log"
+    with log_path.open("wb") as log:
+        broker = subprocess.Popen(
+            [sys.executable, "-m", "dxpool.broker", "--etcd", etcd_server.endpoint,
+             "--prefix", key_prefix, "--listen", f"127.0.0.1:{port}", "--log-level", "info"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            grpc.channel_ready_future(channel).result(timeout=30)
+        wait_until(lambda: "broker serving" in log_path.read_text(), timeout_s=10, message="logged")
+        line = next(x for x in log_path.read_text().splitlines() if "broker serving" in x)
+        assert line.endswith(f"broker serving endpoint=127.0.0.1:{port}"), line
+    finally:
+        broker.terminate()
+        broker.wait(30)
