@@ -93,6 +93,13 @@ def _hint(endpoint: str, model: str) -> str:
     show_default=True,
     help="Window for --max-restarts, e.g. 60s.",
 )
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=0,
+    show_default=True,
+    help="Serve the broker's Prometheus metrics on 127.0.0.1:PORT (0: off).",
+)
 def up(
     *,
     data_dir: Path,
@@ -106,6 +113,7 @@ def up(
     attach_delay: float,
     max_restarts: int,
     restart_window: float,
+    metrics_port: int,
 ) -> None:
     """Run a local pool: etcd, a broker, simulated GPU boxes and host agents.
 
@@ -141,6 +149,11 @@ def up(
         try:
             info(f"starting a local pool in {data_dir} ...")
             pool.start()
+            if metrics_port:
+                from prometheus_client import start_http_server
+
+                start_http_server(metrics_port, addr="127.0.0.1")
+                info(f"metrics on http://127.0.0.1:{metrics_port}/metrics")
             click.echo(
                 f"dxpool is up at {pool.endpoint}: {hosts} hosts, {boxes} boxes of "
                 f"{gpus_per_box} {gpu_model} (data in {data_dir}, logs in {pool.logs_dir})"
