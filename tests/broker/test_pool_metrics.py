@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+import grpc
 import pytest
 from prometheus_client import REGISTRY
 
+from dxpool.api.v1 import nodes_pb2
 from dxpool.broker.pool_metrics import state_label
 from dxpool.client import Client
 from dxpool.errors import NotFound
@@ -72,3 +74,15 @@ def test_rpcs_are_counted_by_status_code(client: Client, stubs: Stubs) -> None:
 def test_state_labels_drop_the_enum_prefix() -> None:
     assert state_label("NODE_STATE_READY", "NODE_STATE_") == "READY"
     assert state_label("GPU_STATE_FREE", "GPU_STATE_") == "FREE"
+
+
+def test_streams_are_counted_by_status_code(stubs: Stubs) -> None:
+    method = "NodeService.WatchNodes"
+    before = sample("dxpool_rpc_total", method=method, code="INVALID_ARGUMENT")
+    with pytest.raises(grpc.RpcError) as error:
+        next(iter(stubs.nodes.WatchNodes(nodes_pb2.WatchNodesRequest(start_revision=-1))))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    wait_until(
+        lambda: sample("dxpool_rpc_total", method=method, code="INVALID_ARGUMENT") == before + 1,
+        message="refused watch counted",
+    )
