@@ -15,12 +15,12 @@ check says nothing and the caller reports the retryable NO_CAPACITY.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Iterator
 
 from dxpool.broker.cache import Cache
 from dxpool.errors import FailedPrecondition, Unavailable
 from dxpool.store import keys as k
-from dxpool.store.typed import Store, Versioned
+from dxpool.store.typed import Store
 
 log = logging.getLogger(__name__)
 
@@ -28,21 +28,20 @@ CATCH_UP_TIMEOUT_S = 2.0
 """How long the cache may take to reach etcd's revision before the check gives up."""
 
 
+def _gpu_models(cache: Cache) -> Iterator[str]:
+    """The model of every cached GPU (a page of records per hold of the cache's lock)."""
+    return (record.value.model for _, record in cache.walk(k.GPUS))
+
+
 def _has_model(cache: Cache, model: str) -> bool:
     wanted = model.casefold()
-
-    def matches(record: Versioned[Any]) -> bool:
-        return bool(record.value.model.casefold() == wanted)
-
-    found, _ = cache.scan(k.GPUS, None, 1, matches)
-    return bool(found)
+    return any(found.casefold() == wanted for found in _gpu_models(cache))
 
 
 def models_in_pool(cache: Cache) -> list[str]:
     """The GPU models of the cached GPUs, sorted, each once (first spelling seen)."""
     models: dict[str, str] = {}
-    for _, record in cache.items(k.GPUS):
-        model = record.value.model
+    for model in _gpu_models(cache):
         models.setdefault(model.casefold(), model)
     return sorted(models.values(), key=str.casefold)
 

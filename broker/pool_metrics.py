@@ -10,7 +10,8 @@
 
 State labels are the enum value names without their prefix (``FREE``, ``READY``), the
 form every dxpool metric uses (``dxpool_node_transitions_total{state}`` too). Counting is
-one pass over the cached records per scrape, nothing on the request path.
+one pass over the cached records per scrape (a page at a time, so the cache's watch is
+never held up for long), nothing on the request path.
 
 :data:`COLLECTOR` is registered with the default registry on import. A broker attaches
 its cache on start and detaches it on stop; with several brokers in one process (tests),
@@ -65,15 +66,15 @@ class PoolCollector(Collector):
         gpus, nodes, hosts, revision = self._families()
         if cache is not None:
             by_gpu = Counter(
-                (r.value.model, pb.GpuState.Name(r.value.state)) for _, r in cache.items(k.GPUS)
+                (r.value.model, pb.GpuState.Name(r.value.state)) for _, r in cache.walk(k.GPUS)
             )
             for (model, state), count in sorted(by_gpu.items()):
                 gpus.add_metric([model, state_label(state, "GPU_STATE_")], count)
-            by_node = Counter(pb.NodeState.Name(r.value.state) for _, r in cache.items(k.NODES))
+            by_node = Counter(pb.NodeState.Name(r.value.state) for _, r in cache.walk(k.NODES))
             for state, count in sorted(by_node.items()):
                 nodes.add_metric([state_label(state, "NODE_STATE_")], count)
             alive = sum(
-                1 for host, _ in cache.items(k.HOSTS) if cache.get(k.HOST_LEASES, host) is not None
+                1 for host, _ in cache.walk(k.HOSTS) if cache.get(k.HOST_LEASES, host) is not None
             )
             hosts.add_metric(["alive"], alive)
             hosts.add_metric(["dead"], cache.count(k.HOSTS) - alive)

@@ -135,3 +135,16 @@ def test_a_known_model_with_nothing_free_stays_no_capacity(stubs: Stubs) -> None
     with pytest.raises(grpc.RpcError) as error:
         stubs.nodes.ComposeNode(request)
     assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_a_model_last_in_listing_order_is_found(
+    etcd_client: Any, schema: KeySchema, store: Store, cache: Cache
+) -> None:
+    for slot in range(5):
+        put_gpu(etcd_client, schema, "hbox", slot, "H100")
+    put_gpu(etcd_client, schema, "zbox", 0, "B200")  # last in listing order
+    assert cache.wait_for_revision(store.current_revision(), 5)
+    check_model_known(store, cache, "b200")
+    assert models_in_pool(cache) == ["B200", "H100"]
+    with pytest.raises(FailedPrecondition, match="the pool has B200, H100"):
+        check_model_known(store, cache, "A100")
