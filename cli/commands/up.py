@@ -56,6 +56,23 @@ def _hint(endpoint: str, model: str) -> str:
     return f"try: {prefix} node create --gpus {model}:2 --wait\n     {prefix} node list"
 
 
+def _serve_metrics(port: int) -> None:
+    """Serve this process's Prometheus metrics (the broker's) on 127.0.0.1:``port``, or
+    report why not and exit 1 before anything has started."""
+    from prometheus_client import start_http_server
+
+    try:
+        start_http_server(port, addr="127.0.0.1")
+    except OSError as error:
+        click.echo(
+            f"error: cannot serve metrics on 127.0.0.1:{port}: {error.strerror}; "
+            "choose another --metrics-port",
+            err=True,
+        )
+        raise click.exceptions.Exit(1) from None
+    info(f"metrics on http://127.0.0.1:{port}/metrics")
+
+
 @click.command("up")
 @click.option(
     "--data-dir",
@@ -143,17 +160,14 @@ def up(
         )
     except InvalidArgument as error:
         raise click.UsageError(error.message) from None
+    if metrics_port:
+        _serve_metrics(metrics_port)
     pool = LocalPool(spec, report=info)
     failure: Exception | None = None
     with _stop_on_signal():
         try:
             info(f"starting a local pool in {data_dir} ...")
             pool.start()
-            if metrics_port:
-                from prometheus_client import start_http_server
-
-                start_http_server(metrics_port, addr="127.0.0.1")
-                info(f"metrics on http://127.0.0.1:{metrics_port}/metrics")
             click.echo(
                 f"dxpool is up at {pool.endpoint}: {hosts} hosts, {boxes} boxes of "
                 f"{gpus_per_box} {gpu_model} (data in {data_dir}, logs in {pool.logs_dir})"

@@ -9,6 +9,7 @@ import os
 import re
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -440,3 +441,17 @@ def test_up_serves_pool_metrics_on_the_metrics_port(up_factory: Callable[..., Up
     assert float(free.group(1)) > 0
     assert 'dxpool_hosts{liveness="alive"}' in body
     assert f"metrics on {url}" in up.stderr
+
+
+def test_up_with_a_taken_metrics_port_fails_before_starting_anything(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(
+            cli, ["up", "--data-dir", str(tmp_path / "pool"), "--metrics-port", str(port)]
+        )
+    assert result.exit_code == 1, result.output
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in result.stderr
+    assert "choose another --metrics-port" in result.stderr
+    assert not (tmp_path / "pool").exists()
