@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from dxpool.api.v1 import nodes_pb2
+from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.pool_metrics import state_label
 from dxpool.client import Client
 from dxpool.errors import NotFound
@@ -55,6 +56,17 @@ def test_gauges_count_gpus_nodes_and_hosts(client: Client, stubs: Stubs, sim_poo
         message="release counted",
     )
     assert sample("dxpool_nodes", state="READY") == 0
+    # Every state label, gauge or counter, is a NodeState name without its prefix.
+    node_states = {
+        state_label(name, "NODE_STATE_") for name in pb.NodeState.DESCRIPTOR.values_by_name
+    }
+    transitions = {
+        sample.labels["state"]
+        for metric in REGISTRY.collect()
+        if metric.name == "dxpool_node_transitions"
+        for sample in metric.samples
+    }
+    assert {"READY", "RELEASED"} <= transitions <= node_states
 
 
 def test_rpcs_are_counted_by_status_code(client: Client, stubs: Stubs) -> None:
