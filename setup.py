@@ -1,11 +1,22 @@
-"""Package discovery for the remapped top-level folders.
+"""Package discovery for the remapped top-level folders, and the .proto files.
 
 pyproject.toml maps each top-level folder onto a subpackage of ``dxpool`` (for example
 ``broker/`` installs as ``dxpool.broker``). setuptools' automatic discovery cannot follow
 such a mapping, so every package below each mapped folder is listed here.
+
+The API's .proto sources (``proto/dxpool/v1/*.proto``) ship in the wheel under
+``dxpool/api/proto/``, laid out as their imports name them (``dxpool/v1/...``), so that
+directory is the include root for generating clients in other languages.
 """
 
+import shutil
+from pathlib import Path
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+PROTO_SOURCES = Path("proto")
+PROTO_TARGET = Path("dxpool", "api", "proto")
 
 ROOTS = {
     "dxpool": "dxpool",
@@ -25,7 +36,19 @@ def _packages() -> list[str]:
     return found
 
 
+class BuildWithProtos(build_py):
+    """``build_py`` that also copies the .proto sources into the built package."""
+
+    def run(self) -> None:
+        super().run()
+        for source in sorted(PROTO_SOURCES.glob("dxpool/**/*.proto")):
+            target = Path(self.build_lib) / PROTO_TARGET / source.relative_to(PROTO_SOURCES)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, target)
+
+
 setup(
+    cmdclass={"build_py": BuildWithProtos},
     packages=_packages(),
     package_data={
         "dxpool": ["py.typed"],

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import signal
 import threading
 from pathlib import Path
@@ -11,9 +10,11 @@ from types import FrameType
 import click
 
 from dxpool.broker.server import DEFAULT_LISTEN, BrokerConfig, BrokerServer
+from dxpool.cli.params import DAEMON_SECONDS
 from dxpool.cli.params import LATENCY as DURATION
 from dxpool.errors import InvalidArgument
 from dxpool.fabric.models import MODELS
+from dxpool.logs import configure_logging
 from dxpool.store.keys import DEFAULT_PREFIX
 
 
@@ -48,10 +49,10 @@ from dxpool.store.keys import DEFAULT_PREFIX
 )
 @click.option(
     "--attach-timeout",
-    type=float,
-    default=120.0,
+    type=DAEMON_SECONDS,
+    default="120s",
     show_default=True,
-    help="seconds a node may take to become READY before it fails",
+    help="how long a node may take to become READY before it fails (e.g. 120s, 5m)",
 )
 @click.option(
     "--fabric",
@@ -61,17 +62,17 @@ from dxpool.store.keys import DEFAULT_PREFIX
 )
 @click.option(
     "--host-loss-grace",
-    type=click.FloatRange(min=0),
-    default=0.0,
+    type=DAEMON_SECONDS,
+    default="0s",
     show_default=True,
-    help="seconds a host may stay without a live agent lease before it is lost",
+    help="how long a host may stay without a live agent lease before it is lost",
 )
 @click.option(
     "--retention",
-    type=click.FloatRange(min=0),
-    default=3600.0,
+    type=DAEMON_SECONDS,
+    default="1h",
     show_default=True,
-    help="seconds RELEASED nodes and their request ids are kept",
+    help="how long RELEASED nodes and their request ids are kept",
 )
 @click.option(
     "--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)"
@@ -82,7 +83,12 @@ from dxpool.store.keys import DEFAULT_PREFIX
     show_default=True,
     help="address the metrics port binds (0.0.0.0 for every interface)",
 )
-@click.option("--log-level", default="INFO", show_default=True)
+@click.option(
+    "--log-level",
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+    default="INFO",
+    show_default=True,
+)
 def broker_command(
     etcd: str,
     prefix: str,
@@ -100,9 +106,7 @@ def broker_command(
     log_level: str,
 ) -> None:
     """Run a dxpool broker: the gRPC API over the etcd inventory."""
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    configure_logging(log_level)
     if metrics_port:
         from prometheus_client import start_http_server
 

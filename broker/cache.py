@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -41,6 +41,9 @@ from dxpool.store.typed import Versioned, decode, encode
 from dxpool.store.watch import PrefixWatch
 
 log = logging.getLogger(__name__)
+
+WALK_PAGE = 1000
+"""Records :meth:`Cache.walk` reads per hold of the lock (about a millisecond's work)."""
 
 Listener = Callable[[str, str, "Versioned[Any] | None"], None]
 ChangeListener = Callable[[str, str, "Versioned[Any] | None", int], None]
@@ -348,6 +351,18 @@ class Cache:
                         return found, True
                     found.append((name, record))
         return found, False
+
+    def walk(self, collection: str, page: int = WALK_PAGE) -> Iterator[tuple[str, Versioned[Any]]]:
+        """Every record of a collection in listing order, read ``page`` records per hold
+        of the lock, so a pass over a large collection never holds up the watch for long.
+        Not a snapshot: a record changed during the walk may be seen before or after."""
+        after: str | None = None
+        while True:
+            found, more = self.scan(collection, after, page)
+            yield from found
+            if not more or not found:
+                return
+            after = found[-1][0]
 
     def count(self, collection: str) -> int:
         with self._lock:

@@ -25,6 +25,7 @@ from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker import metrics
 from dxpool.broker.cache import Cache
 from dxpool.broker.locks import KeyedLocks
+from dxpool.broker.model_check import check_model_known
 from dxpool.broker.placement import PlacementRequest, PlacementResult, place
 from dxpool.broker.placement_index import PlacementIndex
 from dxpool.broker.records import copy, timestamp
@@ -97,6 +98,11 @@ class Composer:
             with metrics.COMPOSE_STAGE_SECONDS.labels(stage="placement").time():
                 result = place(placement_request, self._index.snapshot(), self._latency.current())
             if result.placement is None:
+                try:
+                    check_model_known(self._store, self._cache, placement_request.model)
+                except FailedPrecondition:
+                    metrics.COMPOSE_TOTAL.labels(result="unknown_model").inc()
+                    raise
                 metrics.COMPOSE_TOTAL.labels(result="unschedulable").inc()
                 raise ResourceExhausted(
                     _unschedulable_message(request.spec, result), reason="NO_CAPACITY"
@@ -139,6 +145,8 @@ class Composer:
         """Where ``compose`` would put the node now, and why; commits nothing."""
         placement_request = self._check(request)
         result = place(placement_request, self._index.snapshot(), self._latency.current())
+        if result.placement is None:
+            check_model_known(self._store, self._cache, placement_request.model)
         plan = nodes_pb2.NodePlan(unsatisfied=list(result.unsatisfied))
         if result.placement is not None:
             plan.host = f"hosts/{result.placement.host}"

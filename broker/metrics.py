@@ -13,6 +13,11 @@ NODE_TRANSITIONS = Counter(
     "dxpool_node_transitions_total", "Node state changes made by the controller", ["state"]
 )
 GPU_FREED = Counter("dxpool_gpus_freed_total", "GPUs returned to the pool after a confirmed detach")
+RPC_TOTAL = Counter(
+    "dxpool_rpc_total",
+    "Broker RPCs by method and the status code they ended with (OK, NOT_FOUND, ...)",
+    ["method", "code"],
+)
 RPC_SECONDS = Histogram(
     "dxpool_rpc_duration_seconds",
     "Broker RPC latency",

@@ -63,6 +63,14 @@ def _abort(context: grpc.ServicerContext, method: str, error: Exception) -> None
     context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see broker logs")
 
 
+def _code_name(context: grpc.ServicerContext) -> str:
+    """The status code the call ends with, by name (``OK`` unless one was set)."""
+    # grpc's servicer context has code() (since 1.38); the type stubs lack it.
+    read_code = getattr(context, "code", None)
+    code = read_code() if callable(read_code) else None
+    return code.name if isinstance(code, grpc.StatusCode) else "OK"
+
+
 def handler(method: str) -> Callable[[F], F]:
     """Decorate a unary servicer method ``(self, request, context)``."""
 
@@ -76,6 +84,7 @@ def handler(method: str) -> Callable[[F], F]:
                 _abort(context, method, error)
             finally:
                 metrics.RPC_SECONDS.labels(method=method).observe(time.perf_counter() - started)
+                metrics.RPC_TOTAL.labels(method=method, code=_code_name(context)).inc()
 
         return wrapper  # type: ignore[return-value]
 
@@ -92,6 +101,8 @@ def stream_handler(method: str) -> Callable[[F], F]:
                 yield from func(self, request, context)
             except Exception as error:
                 _abort(context, method, error)
+            finally:
+                metrics.RPC_TOTAL.labels(method=method, code=_code_name(context)).inc()
 
         return wrapper  # type: ignore[return-value]
 

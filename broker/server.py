@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import uuid
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,7 @@ from dxpool.api.v1 import (
     nodes_pb2,
     nodes_pb2_grpc,
 )
+from dxpool.broker import pool_metrics
 from dxpool.broker.box_fabric import open_box_fabric
 from dxpool.broker.cache import Cache
 from dxpool.broker.compose import Composer, ComposeSettings
@@ -159,6 +161,7 @@ class BrokerServer:
         self.streams = StreamLimiter(config.stream_limits)
         self._executor: futures.ThreadPoolExecutor | None = None
         self._stopped = False
+        self._detach_pool_metrics: Callable[[], None] = lambda: None
         self._health = health.HealthServicer()
         self.serving = ServingState(
             self.store.health,
@@ -173,6 +176,7 @@ class BrokerServer:
     def start(self) -> BrokerServer:
         """Load the cache, start the controller, bind and serve. Returns once serving."""
         self.cache.start()
+        self._detach_pool_metrics = pool_metrics.COLLECTOR.attach(self.cache)
         self.index = PlacementIndex(self.cache)
         if isinstance(self.latency, MeasuredLatency):
             self._measured_feed = MeasuredFeed(self.cache, self.latency)
@@ -281,6 +285,7 @@ class BrokerServer:
             self.index.close()
         if self._measured_feed is not None:
             self._measured_feed.close()
+        self._detach_pool_metrics()
         self.cache.stop()
         self.store.health.close()
         self._etcd.close()

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import click
 
-from dxpool.cli.config import Setting, resolve_endpoint_setting
 from dxpool.client import Client
+from dxpool.config import Setting, resolve_endpoint_setting
 from dxpool.errors import InvalidArgument
 
 

@@ -3,8 +3,9 @@
 Exit statuses: 0 ok; 1 an API error (``error: NOT_FOUND: ...`` on stderr) or a wait that
 timed out; 2 a usage error (click's own, and values that do not parse); 130 Ctrl-C.
 
-``dxpool broker`` and ``dxpool agent`` are mounted from their own packages when those are
-installed, and imported only when used.
+``dxpool broker`` and ``dxpool agent`` are mounted from their own packages and imported
+only when used; without their extra (``dxpool[server]``, ``dxpool[agent]``) they are
+stand-ins that say what to install.
 """
 
 from __future__ import annotations
@@ -20,13 +21,16 @@ import dxpool
 from dxpool.cli.commands import box, completion, fabric, gpu, host, node, status, up
 from dxpool.cli.context import CliContext
 from dxpool.cli.errors import EXIT_API_ERROR, EXIT_INTERRUPTED, format_error
+from dxpool.cli.extras import missing_extra_command
 from dxpool.cli.params import SECONDS
 from dxpool.errors import DxpoolError
+from dxpool.extras import missing_modules
+from dxpool.logs import KeyValueFormatter
 
-# Commands that live in other packages: name -> (module, attribute).
-LAZY_COMMANDS: dict[str, tuple[str, str]] = {
-    "broker": ("dxpool.broker.__main__", "broker_command"),
-    "agent": ("dxpool.hostagent.__main__", "agent_command"),
+# Commands that live in other packages: name -> (module, attribute, extra it needs).
+LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
+    "broker": ("dxpool.broker.__main__", "broker_command", "server"),
+    "agent": ("dxpool.hostagent.__main__", "agent_command", "agent"),
 }
 
 
@@ -48,9 +52,11 @@ class DxpoolGroup(click.Group):
         command = super().get_command(ctx, cmd_name)
         if command is not None or cmd_name not in LAZY_COMMANDS:
             return command
-        module_name, attribute = LAZY_COMMANDS[cmd_name]
+        module_name, attribute, extra = LAZY_COMMANDS[cmd_name]
         if not _module_exists(module_name):
             return None
+        if missing_modules(extra):
+            return missing_extra_command(cmd_name, extra)
         try:
             found = getattr(importlib.import_module(module_name), attribute, None)
         except ImportError as error:  # a partial install: leave the command out
@@ -85,8 +91,9 @@ class DxpoolGroup(click.Group):
 @click.option(
     "--endpoint",
     metavar="HOST:PORT",
-    help="Broker address. Default: $DXPOOL_ENDPOINT, else 'endpoint' in $DXPOOL_CONFIG or "
-    "~/.config/dxpool/config.yaml, else 127.0.0.1:8470 (where `dxpool up` listens).",
+    help="Broker address (a leading http:// or grpc:// is dropped). Default: "
+    "$DXPOOL_ENDPOINT, else 'endpoint' in $DXPOOL_CONFIG or ~/.config/dxpool/config.yaml, "
+    "else 127.0.0.1:8470 (where `dxpool up` listens).",
 )
 @click.option(
     "--request-timeout",
@@ -110,7 +117,10 @@ def cli(ctx: click.Context, endpoint: str | None, request_timeout: float, verbos
         raise click.BadParameter("must be positive", param_hint="--request-timeout")
     if ctx.invoked_subcommand not in DAEMONS:  # daemons set up logging from --log-level
         level = {0: logging.WARNING, 1: logging.INFO}.get(verbose, logging.DEBUG)
-        logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        # Like basicConfig, a no-op where logging is already set up (an embedding program).
+        stderr = logging.StreamHandler()
+        stderr.setFormatter(KeyValueFormatter())
+        logging.basicConfig(level=level, handlers=[stderr])
         logging.getLogger("dxpool").setLevel(level)
     ctx.obj = CliContext(endpoint_flag=endpoint, request_timeout_s=request_timeout)
 

@@ -15,6 +15,7 @@ import click
 from dxpool import client
 from dxpool.errors import InvalidArgument
 from dxpool.fabric.overhead import WORKLOAD_GRAMMAR, parse_slowdown, parse_workload
+from dxpool.limits import MAX_DURATION_NS
 from dxpool.request import GPU_GRAMMAR, GpuSpec, parse_duration_ns, parse_gpus, parse_memory_mib
 
 _T = TypeVar("_T")
@@ -44,6 +45,19 @@ def _seconds(value: str) -> float:
     return parse_duration_ns(value) / 1e9
 
 
+def _seconds_or_number(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        return _seconds(value)
+    if not 0 <= seconds <= MAX_DURATION_NS / 1e9:
+        raise InvalidArgument(
+            f"{value!r} is out of range: give 0 to {MAX_DURATION_NS // 10**9} seconds "
+            "or a duration such as 120s or 5m"
+        )
+    return seconds
+
+
 def _gpus(value: str) -> GpuSpec:
     return parse_gpus(value)
 
@@ -70,6 +84,9 @@ SLOWDOWN = _GrammarType("RATIO", parse_slowdown)
 """``1.05`` -> 1.05 (at most 5% slower)."""
 WORKLOAD = _GrammarType("WORKLOAD", _workload, WORKLOAD_GRAMMAR)
 """``training`` or ``400@5ms`` -> the same text, once it parses as a workload."""
+DAEMON_SECONDS = _GrammarType("DURATION", _seconds_or_number)
+"""``120s``, ``5m`` or a bare number of seconds (``120``, as daemon flags always took) ->
+seconds as a float."""
 MEMORY = _GrammarType("SIZE", parse_memory_mib)
 """``80GiB`` -> 81920 (MiB)."""
 LABEL = _GrammarType("KEY=VALUE", _label)

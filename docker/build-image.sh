@@ -23,13 +23,20 @@ say() { echo "build-image: $*" >&2; }
 
 DXPOOL_BASE_IMAGE="$base" DXPOOL_ENGINE="$engine" docker/base-image.sh
 
-# Runtime dependencies plus the build backend, as pip requirement lines.
+# Runtime dependencies with the server and agent extras (the image runs the broker, the
+# agents and etcd), plus the build backend, as pip requirement lines.
 requirements="$("$python" - <<'PY'
 import tomllib
 
 with open("pyproject.toml", "rb") as f:
     project = tomllib.load(f)
-lines = [*project["build-system"]["requires"], *project["project"]["dependencies"]]
+extras = project["project"]["optional-dependencies"]
+lines = {
+    *project["build-system"]["requires"],
+    *project["project"]["dependencies"],
+    *extras["server"],
+    *extras["agent"],
+}
 print("\n".join(sorted(lines)))
 PY
 )"

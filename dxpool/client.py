@@ -62,7 +62,7 @@ from dxpool.api.v1 import (
     nodes_pb2_grpc,
     resources_pb2,
 )
-from dxpool.cli.config import resolve_endpoint
+from dxpool.config import resolve_endpoint
 from dxpool.errors import (
     Aborted,
     DxpoolError,
@@ -86,7 +86,10 @@ from dxpool.request import (
 
 __all__ = [
     "Client",
+    "GpuState",
+    "Location",
     "LocationLike",
+    "NodeState",
     "NodeStateLike",
     "box_name",
     "gpu_name",
@@ -297,7 +300,7 @@ class Client:
     """A connection to one broker. Thread-safe; use as a context manager or call ``close``.
 
     ``endpoint`` None resolves it from ``$DXPOOL_ENDPOINT``, the config file or the default
-    (see :mod:`dxpool.cli.config`). ``timeout_s`` bounds every unary call; a call that
+    (see :mod:`dxpool.config`). ``timeout_s`` bounds every unary call; a call that
     finds the broker unreachable is tried up to ``max_attempts`` times in all.
     """
 

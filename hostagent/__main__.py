@@ -20,11 +20,12 @@ from typing import Any
 
 import click
 
+from dxpool.cli.params import DAEMON_SECONDS
 from dxpool.errors import DxpoolError, InvalidArgument
 from dxpool.hostagent.agent import Agent
 from dxpool.hostagent.config import DEFAULT_ETCD_ENDPOINTS, AgentConfig
 from dxpool.hostagent.drivers import DRIVERS, build_driver
-from dxpool.hostagent.logs import configure_logging
+from dxpool.logs import configure_logging
 from dxpool.store.client import connect
 from dxpool.store.keys import DEFAULT_PREFIX
 
@@ -147,7 +148,7 @@ def run_agent(config: AgentConfig) -> int:
     "--map-delay",
     "sim_map_delay_s",
     env="SIM_MAP_DELAY",
-    type=float,
+    type=DAEMON_SECONDS,
     default=0.0,
     help="Simulated proxy mapping delay, seconds.",
 )
@@ -156,7 +157,7 @@ def run_agent(config: AgentConfig) -> int:
     "--hotplug-delay",
     "sim_hotplug_delay_s",
     env="SIM_HOTPLUG_DELAY",
-    type=float,
+    type=DAEMON_SECONDS,
     default=0.0,
     help="Simulated hotplug delay, seconds.",
 )
@@ -165,7 +166,7 @@ def run_agent(config: AgentConfig) -> int:
     "--bind-delay",
     "sim_bind_delay_s",
     env="SIM_BIND_DELAY",
-    type=float,
+    type=DAEMON_SECONDS,
     default=0.0,
     help="Simulated driver bind delay, seconds.",
 )
@@ -219,7 +220,7 @@ def run_agent(config: AgentConfig) -> int:
     "--lease-ttl",
     "lease_ttl_s",
     env="LEASE_TTL",
-    type=float,
+    type=DAEMON_SECONDS,
     default=10.0,
     help="Liveness lease TTL, seconds (etcd rounds it up to whole seconds).",
 )
@@ -253,7 +254,7 @@ def run_agent(config: AgentConfig) -> int:
     "--resync-interval",
     "resync_interval_s",
     env="RESYNC_INTERVAL",
-    type=float,
+    type=DAEMON_SECONDS,
     default=30.0,
     help="Full resync period, seconds.",
 )
@@ -268,7 +269,7 @@ def run_agent(config: AgentConfig) -> int:
     "--backoff-base",
     "backoff_base_s",
     env="BACKOFF_BASE",
-    type=float,
+    type=DAEMON_SECONDS,
     default=0.2,
     help="First retry delay, seconds (doubles per failure).",
 )
@@ -276,7 +277,7 @@ def run_agent(config: AgentConfig) -> int:
     "--backoff-max",
     "backoff_max_s",
     env="BACKOFF_MAX",
-    type=float,
+    type=DAEMON_SECONDS,
     default=10.0,
     help="Longest retry delay, seconds.",
 )
@@ -284,7 +285,7 @@ def run_agent(config: AgentConfig) -> int:
     "--device-timeout",
     "device_timeout_s",
     env="DEVICE_TIMEOUT",
-    type=float,
+    type=DAEMON_SECONDS,
     default=30.0,
     help="Wait for a PCI device after a rescan, seconds.",
 )
@@ -293,7 +294,7 @@ def run_agent(config: AgentConfig) -> int:
     "--startup-timeout",
     "startup_timeout_s",
     env="STARTUP_TIMEOUT",
-    type=float,
+    type=DAEMON_SECONDS,
     default=60.0,
     help="Wait for etcd at startup, seconds.",
 )

@@ -9,7 +9,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet -e .
+.venv/bin/python -m pip install --quiet -e '.[server]'
 # exec: `dxpool up` takes this script's pid, so a SIGTERM sent to it stops the pool in order
 # (a shell in between would die and leave `dxpool up` running).
 exec .venv/bin/dxpool up "$@"

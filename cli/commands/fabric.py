@@ -1,11 +1,12 @@
-"""``dxpool fabric latency|predict``: what the fabric model says about a host-box path,
-and how much slower a workload would run over it."""
+"""``dxpool fabric``: what the fabric model says about a host-box path (``latency``), how
+much slower a workload would run over it (``predict``), and the simulated fabric (``sim``)."""
 
 from __future__ import annotations
 
 import click
 
 from dxpool.api.v1 import fabric_pb2
+from dxpool.cli.commands.fabric_sim import sim
 from dxpool.cli.context import CliContext, pass_cli
 from dxpool.cli.output import (
     DOCUMENT_FORMATS,
@@ -23,7 +24,10 @@ from dxpool.request import GpuSpec
 
 @click.group()
 def fabric() -> None:
-    """Inspect the fabric latency model."""
+    """Inspect the fabric latency model; set up a simulated fabric."""
+
+
+fabric.add_command(sim)
 
 
 @fabric.command("latency")

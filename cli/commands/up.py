@@ -17,11 +17,11 @@ from types import FrameType
 
 import click
 
-from dxpool.cli.config import DEFAULT_ENDPOINT
-from dxpool.cli.localpool import LocalPool, LocalPoolSpec
+from dxpool.cli.extras import require_extras
 from dxpool.cli.output import info
 from dxpool.cli.params import MEMORY, SECONDS
 from dxpool.cli.supervisor import RestartPolicy
+from dxpool.defaults import DEFAULT_ENDPOINT
 from dxpool.errors import InvalidArgument
 from dxpool.request import validate_gpu_request
 
@@ -54,6 +54,23 @@ def _stop_on_signal() -> Iterator[None]:
 def _hint(endpoint: str, model: str) -> str:
     prefix = "dxpool" if endpoint == DEFAULT_ENDPOINT else f"dxpool --endpoint {endpoint}"
     return f"try: {prefix} node create --gpus {model}:2 --wait\n     {prefix} node list"
+
+
+def _serve_metrics(port: int) -> None:
+    """Serve this process's Prometheus metrics (the broker's) on 127.0.0.1:``port``, or
+    report why not and exit 1 before anything has started."""
+    from prometheus_client import start_http_server
+
+    try:
+        start_http_server(port, addr="127.0.0.1")
+    except OSError as error:
+        click.echo(
+            f"error: cannot serve metrics on 127.0.0.1:{port}: {error.strerror}; "
+            "choose another --metrics-port",
+            err=True,
+        )
+        raise click.exceptions.Exit(1) from None
+    info(f"metrics on http://127.0.0.1:{port}/metrics")
 
 
 @click.command("up")
@@ -93,6 +110,13 @@ def _hint(endpoint: str, model: str) -> str:
     show_default=True,
     help="Window for --max-restarts, e.g. 60s.",
 )
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=0,
+    show_default=True,
+    help="Serve the broker's Prometheus metrics on 127.0.0.1:PORT (0: off).",
+)
 def up(
     *,
     data_dir: Path,
@@ -106,6 +130,7 @@ def up(
     attach_delay: float,
     max_restarts: int,
     restart_window: float,
+    metrics_port: int,
 ) -> None:
     """Run a local pool: etcd, a broker, simulated GPU boxes and host agents.
 
@@ -115,6 +140,10 @@ def up(
     one `dxpool up` runs on a --data-dir at a time; running it again on the same
     --data-dir picks up where the last run left off.
     """
+    require_extras("up", "server")
+    # Imported here: the local pool needs the server extra, which `dxpool --help` does not.
+    from dxpool.cli.localpool import LocalPool, LocalPoolSpec
+
     try:
         validate_gpu_request(gpu_model, 1)
         spec = LocalPoolSpec(
@@ -131,6 +160,8 @@ def up(
         )
     except InvalidArgument as error:
         raise click.UsageError(error.message) from None
+    if metrics_port:
+        _serve_metrics(metrics_port)
     pool = LocalPool(spec, report=info)
     failure: Exception | None = None
     with _stop_on_signal():

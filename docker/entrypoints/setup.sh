@@ -22,12 +22,11 @@ gpus="${DXPOOL_GPUS:-H100:8}"
 memory="${DXPOOL_GPU_MEMORY:-80GiB}"
 slots="${DXPOOL_SLOTS:-8}"
 broker_wait_s="${DXPOOL_BROKER_WAIT_S:-120}"
-here="$(dirname "$0")"
 
 fabric_args=(--state "$fabric_dir" --gpus "$gpus" --memory "$memory" --slots "$slots")
 for box in "${boxes[@]}"; do fabric_args+=(--box "$box"); done
 for host in "${hosts[@]}"; do fabric_args+=(--host "$host"); done
-python "$here/create_fabric.py" "${fabric_args[@]}"
+dxpool fabric sim create "${fabric_args[@]}"
 
 echo "setup: waiting for the broker at $DXPOOL_ENDPOINT" >&2
 waited=0

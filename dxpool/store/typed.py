@@ -209,6 +209,12 @@ class Store:
         collection, _ = self.keys.split(key)
         return Versioned(decode(collection, value), meta.mod_revision, meta.create_revision)
 
+    def current_revision(self) -> int:
+        """etcd's revision now (a linearizable read): every commit acknowledged before
+        this call is at or below it."""
+        response = self.call(lambda: self.client.get_response(self.keys.prefix), write=False)
+        return int(response.header.revision)
+
     def get(self, key: str) -> Versioned[Any] | None:
         """Read one record straight from etcd (linearizable)."""
         value, meta = self.call(lambda: self.client.get(key), write=False)

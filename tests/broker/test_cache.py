@@ -174,3 +174,30 @@ def test_scan_pages_in_listing_order_without_sorting(etcd_client, key_prefix: st
         assert boxes == [] and not more
     finally:
         cache.stop()
+
+
+def test_walk_reads_every_record_in_listing_order_a_page_at_a_time(
+    etcd_client, key_prefix: str
+) -> None:  # type: ignore[no-untyped-def]
+    schema = KeySchema(key_prefix)
+    for slot in (10, 2, 0, 1, 3):
+        gpu = pb.Gpu(name=f"boxes/b1/gpus/{slot}", model="H100")
+        etcd_client.put(schema.gpu("b1", slot), gpu.SerializeToString())
+    cache = Cache(etcd_client, schema)
+    cache.start()
+    pages: list[int] = []
+    scan = cache.scan
+
+    def counting_scan(*args, **kwargs):  # type: ignore[no-untyped-def]
+        found, more = scan(*args, **kwargs)
+        pages.append(len(found))
+        return found, more
+
+    cache.scan = counting_scan  # type: ignore[method-assign]
+    try:
+        walked = [name for name, _ in cache.walk(k.GPUS, page=2)]
+        assert walked == ["b1/0", "b1/1", "b1/2", "b1/3", "b1/10"]
+        assert pages == [2, 2, 1]
+        assert [name for name, _ in cache.walk(k.BOXES)] == []
+    finally:
+        cache.stop()

@@ -8,9 +8,13 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+import pytest
+from click.testing import CliRunner
 
 from dxpool.api.v1 import fabric_pb2
 from dxpool.api.v1 import resources_pb2 as pb
+from dxpool.broker.__main__ import broker_command
+from dxpool.cli.main import cli
 from dxpool.client import Client
 from dxpool.errors import NotFound
 from dxpool.store.client import connect
@@ -120,3 +124,75 @@ def _latency_or_none(client: Client) -> fabric_pb2.Latency | None:
         return client.get_latency("h1", "box2")
     except NotFound:
         return None
+
+
+def _parsed(*args: str) -> dict[str, object]:
+    """The broker command's options as click parses them (nothing is started)."""
+    context = broker_command.make_context("broker", ["--etcd", "127.0.0.1:2379", *args])
+    return dict(context.params)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "seconds"),
+    [
+        ("--attach-timeout", "120s", 120.0),
+        ("--attach-timeout", "2m", 120.0),
+        ("--attach-timeout", "3600", 3600.0),  # a bare number is seconds, as before
+        ("--host-loss-grace", "500ms", 0.5),
+        ("--retention", "1.5h", 5400.0),
+    ],
+)
+def test_durations_take_units_or_bare_seconds(flag: str, value: str, seconds: float) -> None:
+    assert _parsed(flag, value)[flag.lstrip("-").replace("-", "_")] == seconds
+
+
+def test_defaults_are_the_documented_durations() -> None:
+    params = _parsed()
+    assert (params["attach_timeout"], params["host_loss_grace"], params["retention"]) == (
+        120.0,
+        0.0,
+        3600.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--log-level", "verbose"], "'verbose' is not one of"),
+        (["--attach-timeout", "soon"], "cannot parse duration 'soon'"),
+        (["--attach-timeout", "-5"], "out of range"),
+        (["--retention", "nan"], "out of range"),
+    ],
+)
+def test_bad_values_are_usage_errors(args: list[str], expected: str) -> None:
+    result = CliRunner().invoke(cli, ["broker", "--etcd", "127.0.0.1:2379", *args])
+    assert result.exit_code == 2, result.output
+    assert expected in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_log_level_is_case_insensitive() -> None:
+    assert str(_parsed("--log-level", "debug")["log_level"]).upper() == "DEBUG"
+
+
+def test_log_lines_carry_their_fields(
+    etcd_server: EmbeddedEtcd, key_prefix: str, tmp_path: Path
+) -> None:
+    port = free_port()
+    log_path = tmp_path / "broker.log"
+    with log_path.open("wb") as log:
+        broker = subprocess.Popen(
+            [sys.executable, "-m", "dxpool.broker", "--etcd", etcd_server.endpoint,
+             "--prefix", key_prefix, "--listen", f"127.0.0.1:{port}", "--log-level", "info"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            grpc.channel_ready_future(channel).result(timeout=30)
+        wait_until(lambda: "broker serving" in log_path.read_text(), timeout_s=10, message="logged")
+        line = next(x for x in log_path.read_text().splitlines() if "broker serving" in x)
+        assert line.endswith(f"broker serving endpoint=127.0.0.1:{port}"), line
+    finally:
+        broker.terminate()
+        broker.wait(30)

@@ -50,6 +50,8 @@ def runner(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> CliRunner:
         ),
         (["fabric", "latency", "--host", "h1"], "Missing option '--box'"),
         (["--endpoint", "nohostport", "box", "list"], "expected host:port"),
+        (["--endpoint", "https://h:1", "box", "list"], "cannot ask for TLS"),
+        (["--endpoint", "http://h:1/api", "box", "list"], "has no path"),
         (["--request-timeout", "0s", "box", "list"], "must be positive"),
         (["frobnicate"], "No such command 'frobnicate'"),
     ],
@@ -124,7 +126,9 @@ def test_ctrl_c_exits_130(runner: CliRunner) -> None:
 def test_missing_lazy_command_is_not_mounted(
     runner: CliRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(cli_main.LAZY_COMMANDS, "ghost", ("dxpool.no_such_module", "command"))
+    monkeypatch.setitem(
+        cli_main.LAZY_COMMANDS, "ghost", ("dxpool.no_such_module", "command", "server")
+    )
     listed = runner.invoke(cli, ["--help"])
     assert listed.exit_code == 0
     assert "ghost" not in listed.stdout
@@ -132,7 +136,7 @@ def test_missing_lazy_command_is_not_mounted(
 
 
 def test_installed_lazy_commands_are_mounted(runner: CliRunner) -> None:
-    for name, (module, _) in cli_main.LAZY_COMMANDS.items():
+    for name, (module, _, _) in cli_main.LAZY_COMMANDS.items():
         if not cli_main._module_exists(module):
             continue
         result = runner.invoke(cli, [name, "--help"])

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -423,3 +426,32 @@ def test_a_killed_etcd_is_restarted_on_its_data_and_the_pool_serves_again(
     up.process.send_signal(signal.SIGINT)
     assert up.process.wait(timeout=30) == 0
     assert processes_mentioning(str(up.data_dir)) == []
+
+
+def test_up_serves_pool_metrics_on_the_metrics_port(up_factory: Callable[..., Up]) -> None:
+    port = free_port()
+    up = up_factory("--metrics-port", str(port))
+    up.wait_up()
+    url = f"http://127.0.0.1:{port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        body = response.read().decode()
+    # SMALL_POOL's GPUs, all free; the pool gauges come from the broker's cache.
+    free = re.search(r'^dxpool_gpus\{model="H100",state="FREE"\} (\S+)$', body, re.MULTILINE)
+    assert free is not None, body[:2000]
+    assert float(free.group(1)) > 0
+    assert 'dxpool_hosts{liveness="alive"}' in body
+    assert f"metrics on {url}" in up.stderr
+
+
+def test_up_with_a_taken_metrics_port_fails_before_starting_anything(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(
+            cli, ["up", "--data-dir", str(tmp_path / "pool"), "--metrics-port", str(port)]
+        )
+    assert result.exit_code == 1, result.output
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in result.stderr
+    assert "choose another --metrics-port" in result.stderr
+    assert not (tmp_path / "pool").exists()

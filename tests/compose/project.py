@@ -1,4 +1,5 @@
-"""Drive a docker-compose project of ``docker-compose.yml`` from a test.
+"""Drive a docker-compose project of ``docker-compose.yml`` (with etcd from the local image)
+from a test.
 
 :func:`find_engine` says whether a container engine and compose are usable here, and if
 not, exactly what is missing (the test skips with that message). :class:`ComposeProject`
@@ -18,7 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-COMPOSE_FILE = REPO / "docker-compose.yml"
+# The override runs etcd from the locally built image: the suite runs where no registry
+# can be reached, so it must not pull etcd's official image.
+COMPOSE_FILES = (REPO / "docker-compose.yml", REPO / "docker-compose.local-etcd.yml")
 BUILD_SCRIPT = REPO / "docker" / "build-image.sh"
 BASE_IMAGE = os.environ.get("DXPOOL_BASE_IMAGE", "dxpool-base:bookworm")
 SETUP_HINT = "run docker/compose-test.sh as root, which installs and starts what is missing"
@@ -97,9 +100,10 @@ class ComposeProject:
     def compose(
         self, *args: str, timeout_s: float = 300, check: bool = True
     ) -> subprocess.CompletedProcess[str]:
-        """Run ``docker-compose -p NAME -f docker-compose.yml ARGS``; raises with the
-        command's output if it fails and ``check`` is set."""
-        command = [*self.engine.compose, "-p", self.name, "-f", str(COMPOSE_FILE), *args]
+        """Run ``docker-compose -p NAME -f FILE... ARGS`` over :data:`COMPOSE_FILES`; raises
+        with the command's output if it fails and ``check`` is set."""
+        files = [arg for path in COMPOSE_FILES for arg in ("-f", str(path))]
+        command = [*self.engine.compose, "-p", self.name, *files, *args]
         env = {**os.environ, "DXPOOL_BROKER_PORT": str(self.broker_port)}
         done = subprocess.run(
             command,

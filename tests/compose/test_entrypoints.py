@@ -1,22 +1,17 @@
 """The container entrypoints, run here without a container engine (fast).
 
-``create_fabric.py`` against a temporary fabric directory, ``agent.sh``'s wait for the
-fabric, and ``setup.sh`` against a real broker on loopback (real etcd), run twice to show
-it is idempotent.
+``agent.sh``'s wait for the fabric, and ``setup.sh`` against a real broker on loopback
+(real etcd), run twice to show it is idempotent.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING
-
-from click.testing import CliRunner
 
 from dxpool.client import Client
 from dxpool.fabric.sim import SimFabric, SimGpuSpec
@@ -29,68 +24,10 @@ ENTRYPOINTS = REPO / "docker" / "entrypoints"
 H100 = SimGpuSpec("H100", 81920)
 
 
-def load_create_fabric() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("create_fabric", ENTRYPOINTS / "create_fabric.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-create_fabric = load_create_fabric()
-
-
-def fabric_args(state: Path, *extra: str) -> list[str]:
-    return ["--state", str(state), "--box", "box1", "--box", "box2", "--gpus", "H100:4",
-            "--memory", "80GiB", "--host", "h1", "--slots", "4", *extra]  # fmt: skip
-
-
 def script_env(**extra: str) -> dict[str, str]:
     """This environment with the running interpreter's `python` and `dxpool` first on PATH."""
     bin_dir = str(Path(sys.executable).parent)
     return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", **extra}
-
-
-def test_create_fabric_installs_boxes_and_hosts(tmp_path: Path) -> None:
-    result = CliRunner().invoke(create_fabric.main, fabric_args(tmp_path / "fabric"))
-    assert result.exit_code == 0, result.output
-    fabric = SimFabric(tmp_path / "fabric")
-    assert fabric.boxes() == {"box1": [H100] * 4, "box2": [H100] * 4}
-    assert fabric.hosts() == {"h1": 4}
-
-
-def test_create_fabric_again_keeps_mappings_and_adds_what_is_missing(tmp_path: Path) -> None:
-    state = tmp_path / "fabric"
-    assert CliRunner().invoke(create_fabric.main, fabric_args(state)).exit_code == 0
-    SimFabric(state).map("box1", 2, "h1", 0)
-
-    again = CliRunner().invoke(create_fabric.main, fabric_args(state, "--host", "h2"))
-
-    assert again.exit_code == 0, again.output
-    fabric = SimFabric(state)
-    assert fabric.mapping("box1", 2) == ("h1", 0)
-    assert fabric.hosts() == {"h1": 4, "h2": 4}
-
-
-def test_create_fabric_refuses_to_change_an_installed_host(tmp_path: Path) -> None:
-    state = tmp_path / "fabric"
-    assert CliRunner().invoke(create_fabric.main, fabric_args(state)).exit_code == 0
-    changed = [*fabric_args(state)[:-2], "--slots", "8"]
-
-    result = CliRunner().invoke(create_fabric.main, changed)
-
-    assert result.exit_code == 1
-    assert "host 'h1' is already installed with 4 proxy slots, not 8" in result.output
-    assert SimFabric(state).hosts() == {"h1": 4}
-
-
-def test_create_fabric_needs_a_gpu_model(tmp_path: Path) -> None:
-    args = fabric_args(tmp_path / "fabric")
-    args[args.index("H100:4")] = "4"
-    result = CliRunner().invoke(create_fabric.main, args)
-    assert result.exit_code == 2
-    assert "name the GPU model, e.g. H100:8" in result.output
-    assert not (tmp_path / "fabric").exists()
 
 
 def test_agent_script_gives_up_when_no_fabric_appears(tmp_path: Path) -> None:

@@ -52,7 +52,7 @@ EXPECTED: dict[str, frozenset[grpc.StatusCode]] = {
     "InventoryService.ListHosts": _LIST,
     "NodeService.ComposeNode": _LOOKUP
     | {C.ALREADY_EXISTS, C.RESOURCE_EXHAUSTED, C.FAILED_PRECONDITION},
-    "NodeService.PlanNode": _LOOKUP,
+    "NodeService.PlanNode": _LOOKUP | {C.FAILED_PRECONDITION},  # UNKNOWN_MODEL
     "NodeService.GetNode": _LOOKUP,
     "NodeService.GetNodeHostdev": _LOOKUP | {C.FAILED_PRECONDITION},
     "NodeService.ListNodes": _LIST,

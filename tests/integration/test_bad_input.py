@@ -26,7 +26,7 @@ def compose_request(**fields: object) -> nodes_pb2.ComposeNodeRequest:
 
 
 COMPOSE_CASES = {
-    "unknown model": (compose_request(spec=spec("B300", 1)), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    "unknown model": (compose_request(spec=spec("B300", 1)), grpc.StatusCode.FAILED_PRECONDITION),
     "zero count": (compose_request(spec=spec(count=0)), INVALID),
     "negative count": (compose_request(spec=spec(count=-3)), INVALID),
     "more than a node takes": (compose_request(spec=spec(count=65)), INVALID),

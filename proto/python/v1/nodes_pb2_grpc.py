@@ -82,8 +82,11 @@ class NodeServiceServicer:
         request_id returns the same node, never a second one.
 
         RESOURCE_EXHAUSTED when nothing fits now (the message says, per constraint, what
-        was missing and the closest thing available); INVALID_ARGUMENT for a malformed
-        request; NOT_FOUND for an unknown host; ABORTED when the commit kept conflicting.
+        was missing and the closest thing available); FAILED_PRECONDITION, reason
+        UNKNOWN_MODEL, when no GPU of the requested model is in the pool at all (retrying
+        will not help; the message lists the models there are); INVALID_ARGUMENT for a
+        malformed request; NOT_FOUND for an unknown host; ABORTED when the commit kept
+        conflicting.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -91,6 +94,7 @@ class NodeServiceServicer:
 
     def PlanNode(self, request, context):
         """Explains where a ComposeNode request would go, without committing anything.
+        FAILED_PRECONDITION (UNKNOWN_MODEL) as for ComposeNode.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

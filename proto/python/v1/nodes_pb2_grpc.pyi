@@ -39,11 +39,16 @@ class NodeServiceStub:
     request_id returns the same node, never a second one.
 
     RESOURCE_EXHAUSTED when nothing fits now (the message says, per constraint, what
-    was missing and the closest thing available); INVALID_ARGUMENT for a malformed
-    request; NOT_FOUND for an unknown host; ABORTED when the commit kept conflicting.
+    was missing and the closest thing available); FAILED_PRECONDITION, reason
+    UNKNOWN_MODEL, when no GPU of the requested model is in the pool at all (retrying
+    will not help; the message lists the models there are); INVALID_ARGUMENT for a
+    malformed request; NOT_FOUND for an unknown host; ABORTED when the commit kept
+    conflicting.
     """
     PlanNode: _grpc.UnaryUnaryMultiCallable[_nodes_pb2.ComposeNodeRequest, _nodes_pb2.NodePlan]
-    """Explains where a ComposeNode request would go, without committing anything."""
+    """Explains where a ComposeNode request would go, without committing anything.
+    FAILED_PRECONDITION (UNKNOWN_MODEL) as for ComposeNode.
+    """
     GetNode: _grpc.UnaryUnaryMultiCallable[_nodes_pb2.GetNodeRequest, _resources_pb2.VirtualNode]
     ListNodes: _grpc.UnaryUnaryMultiCallable[_nodes_pb2.ListNodesRequest, _nodes_pb2.ListNodesResponse]
     ReleaseNode: _grpc.UnaryUnaryMultiCallable[_nodes_pb2.ReleaseNodeRequest, _resources_pb2.VirtualNode]
@@ -92,11 +97,16 @@ class NodeServiceAsyncStub(NodeServiceStub):
     request_id returns the same node, never a second one.
 
     RESOURCE_EXHAUSTED when nothing fits now (the message says, per constraint, what
-    was missing and the closest thing available); INVALID_ARGUMENT for a malformed
-    request; NOT_FOUND for an unknown host; ABORTED when the commit kept conflicting.
+    was missing and the closest thing available); FAILED_PRECONDITION, reason
+    UNKNOWN_MODEL, when no GPU of the requested model is in the pool at all (retrying
+    will not help; the message lists the models there are); INVALID_ARGUMENT for a
+    malformed request; NOT_FOUND for an unknown host; ABORTED when the commit kept
+    conflicting.
     """
     PlanNode: _aio.UnaryUnaryMultiCallable[_nodes_pb2.ComposeNodeRequest, _nodes_pb2.NodePlan]  # type: ignore[assignment]
-    """Explains where a ComposeNode request would go, without committing anything."""
+    """Explains where a ComposeNode request would go, without committing anything.
+    FAILED_PRECONDITION (UNKNOWN_MODEL) as for ComposeNode.
+    """
     GetNode: _aio.UnaryUnaryMultiCallable[_nodes_pb2.GetNodeRequest, _resources_pb2.VirtualNode]  # type: ignore[assignment]
     ListNodes: _aio.UnaryUnaryMultiCallable[_nodes_pb2.ListNodesRequest, _nodes_pb2.ListNodesResponse]  # type: ignore[assignment]
     ReleaseNode: _aio.UnaryUnaryMultiCallable[_nodes_pb2.ReleaseNodeRequest, _resources_pb2.VirtualNode]  # type: ignore[assignment]
@@ -148,8 +158,11 @@ class NodeServiceServicer(metaclass=_abc_1.ABCMeta):
         request_id returns the same node, never a second one.
 
         RESOURCE_EXHAUSTED when nothing fits now (the message says, per constraint, what
-        was missing and the closest thing available); INVALID_ARGUMENT for a malformed
-        request; NOT_FOUND for an unknown host; ABORTED when the commit kept conflicting.
+        was missing and the closest thing available); FAILED_PRECONDITION, reason
+        UNKNOWN_MODEL, when no GPU of the requested model is in the pool at all (retrying
+        will not help; the message lists the models there are); INVALID_ARGUMENT for a
+        malformed request; NOT_FOUND for an unknown host; ABORTED when the commit kept
+        conflicting.
         """
 
     @_abc_1.abstractmethod
@@ -158,7 +171,9 @@ class NodeServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _nodes_pb2.ComposeNodeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_nodes_pb2.NodePlan, _abc.Awaitable[_nodes_pb2.NodePlan]]:
-        """Explains where a ComposeNode request would go, without committing anything."""
+        """Explains where a ComposeNode request would go, without committing anything.
+        FAILED_PRECONDITION (UNKNOWN_MODEL) as for ComposeNode.
+        """
 
     @_abc_1.abstractmethod
     def GetNode(

@@ -1,10 +1,10 @@
-"""The agent's key=value log lines."""
+"""The key=value log lines of the broker, the agent and the CLI."""
 
 from __future__ import annotations
 
 import logging
 
-from dxpool.hostagent.logs import KeyValueFormatter
+from dxpool.logs import KeyValueFormatter
 
 
 def format_record(message: str, **extra: object) -> str:

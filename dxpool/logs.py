@@ -1,4 +1,5 @@
-"""Structured logging for the agent: constant messages, values as ``key=value`` on stderr.
+"""Structured logging for the broker, the agent and the CLI: constant messages, values as
+``key=value`` on stderr.
 
 Callers log ``log.info("gpu attached", extra={"gpu": name, "bdf": bdf})``; the formatter
 appends every ``extra`` field to the line, quoting values that contain spaces.

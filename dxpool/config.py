@@ -87,15 +87,53 @@ def load_config(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     return data
 
 
+# URL schemes that only say "plaintext gRPC" and can be dropped, and those that ask for TLS,
+# which is configured on its own and never implied by how an endpoint is spelled.
+_PLAINTEXT_SCHEMES = ("http", "grpc")
+_TLS_SCHEMES = ("https", "grpcs")
+# Target schemes gRPC itself resolves (https://grpc.github.io/grpc/core/md_doc_naming.html).
+_GRPC_TARGET_PREFIXES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:")
+
+
 def check_endpoint(value: str, source: str) -> str:
-    """Return ``value`` if it looks like a gRPC target (``host:port``, ``dns:///host:port``)."""
-    if not value or value != value.strip() or " " in value or ":" not in value:
+    """Return ``value`` as a gRPC target if it is one (``host:port``, ``dns:///host:port``).
+
+    A URL that only says "plaintext", ``http://host:port`` or ``grpc://host:port`` (a
+    trailing ``/`` allowed), gives ``host:port``. Anything else URL-shaped (``https://``, a
+    path, another scheme) raises :class:`InvalidArgument` saying what to write instead.
+    """
+    example = f"e.g. {DEFAULT_ENDPOINT}"
+    if value.startswith(_GRPC_TARGET_PREFIXES):
+        target = value
+    elif "://" in value:
+        scheme, _, rest = value.partition("://")
+        if scheme.lower() in _TLS_SCHEMES:
+            raise InvalidArgument(
+                f"invalid broker endpoint {value!r} from {source}: the scheme cannot ask for "
+                f"TLS; give host:port ({example}) and configure TLS on its own",
+                reason="INVALID_ENDPOINT",
+            )
+        if scheme.lower() not in _PLAINTEXT_SCHEMES:
+            raise InvalidArgument(
+                f"invalid broker endpoint {value!r} from {source}: unknown scheme "
+                f"{scheme!r}; give host:port ({example})",
+                reason="INVALID_ENDPOINT",
+            )
+        target = rest[:-1] if rest.endswith("/") else rest
+        if "/" in target or "?" in target or "#" in target:
+            raise InvalidArgument(
+                f"invalid broker endpoint {value!r} from {source}: a gRPC endpoint has no "
+                f"path; give host:port ({example})",
+                reason="INVALID_ENDPOINT",
+            )
+    else:
+        target = value
+    if not target or target != target.strip() or " " in target or ":" not in target:
         raise InvalidArgument(
-            f"invalid broker endpoint {value!r} from {source}: expected host:port, "
-            f"e.g. {DEFAULT_ENDPOINT}",
+            f"invalid broker endpoint {value!r} from {source}: expected host:port, {example}",
             reason="INVALID_ENDPOINT",
         )
-    return value
+    return target
 
 
 def resolve_endpoint_setting(

@@ -1,9 +1,11 @@
-"""Install the simulated fabric that the host agents of a compose pool share.
+"""``dxpool fabric sim create``: install the simulated fabric that the broker (for fencing)
+and the host agents of a pool share, in a state directory::
 
-Run by the one-shot ``setup`` service of ``docker-compose.yml`` on the ``/fabric`` volume::
+    dxpool fabric sim create --state /var/lib/dxpool/fabric --box box1 --box box2 \\
+        --gpus H100:8 --memory 80GiB --host h1 --host h2 --slots 8
 
-    python create_fabric.py --state /fabric --box box1 --box box2 --gpus H100:8 \\
-        --memory 80GiB --host h1 --host h2 --slots 8
+The one-shot ``setup`` service of ``docker-compose.yml`` runs it on the ``/fabric`` volume;
+``dxpool up`` makes its own.
 
 Idempotent: on a volume that already holds a fabric (a second ``docker-compose up``) it
 installs only what is missing and keeps every existing mapping, so attached GPUs stay
@@ -13,13 +15,15 @@ error (exit status 1) that names it; nothing is replaced implicitly.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
 
+from dxpool.cli.errors import EXIT_API_ERROR
 from dxpool.cli.params import GPUS, MEMORY
+from dxpool.errors import InvalidArgument
 from dxpool.fabric.sim import SimFabric, SimFabricError, SimGpuSpec, UnknownTarget
+from dxpool.names import check_id
 from dxpool.request import GpuSpec
 
 
@@ -39,7 +43,12 @@ def install_fabric(
     return fabric
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group("sim")
+def sim() -> None:
+    """The simulated fabric (driver `sim`): boxes and hosts in a state directory."""
+
+
+@sim.command("create")
 @click.option(
     "--state",
     "state_dir",
@@ -52,7 +61,7 @@ def install_fabric(
 @click.option("--memory", "memory_mib", type=MEMORY, required=True, help="Memory per GPU: 80GiB.")
 @click.option("--host", "hosts", multiple=True, required=True, help="Host id; repeatable.")
 @click.option("--slots", type=click.IntRange(min=1), default=8, show_default=True)
-def main(
+def create(
     state_dir: Path,
     boxes: tuple[str, ...],
     gpus: GpuSpec,
@@ -60,21 +69,28 @@ def main(
     hosts: tuple[str, ...],
     slots: int,
 ) -> None:
-    """Create (or complete) the simulated fabric in --state."""
+    """Create (or complete) the simulated fabric in --state.
+
+    Safe to run again: boxes and hosts already there are kept with their mappings, and
+    missing ones are added. A box or host already installed differently is an error.
+    """
     if not gpus.model:
         raise click.BadParameter("name the GPU model, e.g. H100:8", param_hint="--gpus")
+    try:
+        for box in boxes:
+            check_id(box, "box")
+        for host in hosts:
+            check_id(host, "host")
+    except InvalidArgument as error:
+        raise click.UsageError(error.message) from None
     spec = [SimGpuSpec(gpus.model, memory_mib)] * gpus.count
     try:
         fabric = install_fabric(state_dir, dict.fromkeys(boxes, spec), dict.fromkeys(hosts, slots))
     except SimFabricError as error:
         click.echo(f"error: {error}", err=True)
-        sys.exit(1)
+        raise click.exceptions.Exit(EXIT_API_ERROR) from None
     click.echo(
         f"fabric in {fabric.state_dir}: boxes {', '.join(sorted(fabric.boxes()))}; "
         f"hosts {', '.join(sorted(fabric.hosts()))}",
         err=True,
     )
-
-
-if __name__ == "__main__":
-    main()

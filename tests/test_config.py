@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dxpool.cli.config import (
+from dxpool.config import (
     DEFAULT_ENDPOINT,
     config_path,
     load_config,
@@ -102,3 +102,38 @@ def test_bad_config_file_names_the_file(tmp_path: Path, text: str, expected: str
 def test_bad_endpoint_names_its_source(value: str) -> None:
     with pytest.raises(InvalidArgument, match=r"\$DXPOOL_ENDPOINT: expected host:port"):
         resolve_endpoint(env={"DXPOOL_ENDPOINT": value})
+
+
+@pytest.mark.parametrize(
+    ("value", "target"),
+    [
+        ("http://broker.example:8470", "broker.example:8470"),
+        ("grpc://10.0.0.5:8470/", "10.0.0.5:8470"),
+        ("HTTP://[::1]:8470", "[::1]:8470"),
+        ("dns:///broker.example:8470", "dns:///broker.example:8470"),
+        ("unix:///run/dxpool.sock", "unix:///run/dxpool.sock"),
+        ("broker.example:8470", "broker.example:8470"),
+    ],
+)
+def test_a_plaintext_url_gives_its_host_and_port(value: str, target: str) -> None:
+    assert resolve_endpoint(value) == target
+    assert resolve_endpoint(env={"DXPOOL_ENDPOINT": value}) == target
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("https://broker.example:8470", "cannot ask for TLS"),
+        ("grpcs://broker.example:8470", "cannot ask for TLS"),
+        ("ftp://broker.example:8470", "unknown scheme 'ftp'"),
+        ("http://broker.example:8470/api", "has no path"),
+        ("http://broker.example:8470?x=1", "has no path"),
+        ("http://broker.example", "expected host:port"),
+        ("http://", "expected host:port"),
+    ],
+)
+def test_other_urls_are_refused_saying_what_to_write(value: str, expected: str) -> None:
+    with pytest.raises(InvalidArgument, match=expected) as error:
+        resolve_endpoint(value)
+    assert error.value.reason == "INVALID_ENDPOINT"
+    assert "--endpoint" in error.value.message

@@ -1,0 +1,49 @@
+"""``dxpool agent`` options: durations take units (or bare seconds), bad values exit 2."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from dxpool.cli.main import cli
+from dxpool.hostagent.__main__ import ENV_PREFIX, agent_command
+
+
+def _parsed(*args: str, env: dict[str, str] | None = None) -> dict[str, object]:
+    """The agent command's options as click parses them (nothing is started)."""
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in (env or {}).items():
+            patch.setenv(key, value)
+        context = agent_command.make_context("agent", ["--host", "h1", *args])
+    return dict(context.params)
+
+
+def test_durations_take_units_or_bare_seconds() -> None:
+    params = _parsed("--lease-ttl", "15s", "--backoff-base", "200ms", "--resync-interval", "30")
+    assert (params["lease_ttl_s"], params["backoff_base_s"], params["resync_interval_s"]) == (
+        15.0,
+        0.2,
+        30.0,
+    )
+
+
+def test_durations_from_the_environment_take_units() -> None:
+    assert _parsed(env={f"{ENV_PREFIX}STARTUP_TIMEOUT": "2m"})["startup_timeout_s"] == 120.0
+
+
+def test_defaults_are_unchanged() -> None:
+    params = _parsed()
+    assert (params["lease_ttl_s"], params["device_timeout_s"]) == (10.0, 30.0)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--lease-ttl", "soon"], "cannot parse duration 'soon'"),
+        (["--log-level", "verbose"], "'verbose' is not one of"),
+    ],
+)
+def test_bad_values_are_usage_errors(args: list[str], expected: str) -> None:
+    result = CliRunner().invoke(cli, ["agent", "--host", "h1", *args])
+    assert result.exit_code == 2, result.output
+    assert expected in result.stderr
