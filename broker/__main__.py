@@ -12,6 +12,26 @@ import click
 
 from dxpool.broker.server import DEFAULT_LISTEN, BrokerConfig, BrokerServer
 from dxpool.store.keys import DEFAULT_PREFIX
+from dxpool.tls import ServerTls
+
+
+def server_tls(
+    cert: Path | None, key: Path | None, client_ca: Path | None, insecure: bool
+) -> ServerTls | None:
+    """The broker's TLS from its flags; a usage error unless TLS or --insecure is chosen."""
+    if insecure:
+        if cert or key or client_ca:
+            raise click.UsageError(
+                "--insecure serves plaintext: leave out --tls-cert, --tls-key and --client-ca, "
+                "or drop --insecure"
+            )
+        return None
+    if cert is None or key is None:
+        raise click.UsageError(
+            "the broker serves TLS: give --tls-cert and --tls-key (create them with "
+            "`dxpool certs`), or --insecure for plaintext"
+        )
+    return ServerTls(cert=cert, key=key, client_ca=client_ca)
 
 
 @click.command("broker", context_settings={"auto_envvar_prefix": "DXPOOL_BROKER"})
@@ -60,6 +80,30 @@ from dxpool.store.keys import DEFAULT_PREFIX
     show_default=True,
     help="address the metrics port binds (0.0.0.0 for every interface)",
 )
+@click.option(
+    "--tls-cert",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="server certificate (PEM) for TLS",
+)
+@click.option(
+    "--tls-key",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="key of --tls-cert (PEM)",
+)
+@click.option(
+    "--client-ca",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="CA (PEM) that signs client certificates: clients must present one (mutual TLS)",
+)
+@click.option(
+    "--insecure",
+    is_flag=True,
+    default=False,
+    help="serve plaintext gRPC without TLS (anyone who can reach the port may call any RPC)",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 def broker_command(
     etcd: str,
@@ -72,9 +116,18 @@ def broker_command(
     retention: float,
     metrics_port: int,
     metrics_address: str,
+    tls_cert: Path | None,
+    tls_key: Path | None,
+    client_ca: Path | None,
+    insecure: bool,
     log_level: str,
 ) -> None:
-    """Run a dxpool broker: the gRPC API over the etcd inventory."""
+    """Run a dxpool broker: the gRPC API over the etcd inventory.
+
+    Serves TLS with --tls-cert and --tls-key (mutual TLS with --client-ca); plaintext
+    only with --insecure.
+    """
+    tls = server_tls(tls_cert, tls_key, client_ca, insecure)
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
@@ -92,6 +145,7 @@ def broker_command(
             fabric=fabric,
             host_loss_grace_s=host_loss_grace,
             retention_s=retention,
+            tls=tls,
         )
     )
     server.start()

@@ -55,6 +55,7 @@ from dxpool.fabric.topology import Topology
 from dxpool.store.client import connect
 from dxpool.store.keys import DEFAULT_PREFIX, KeySchema
 from dxpool.store.typed import Store
+from dxpool.tls import ServerTls, is_loopback_listen
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,8 @@ class BrokerConfig:
     etcd_timeout_s: float = 1.0
     # Calls are refused (UNAVAILABLE) once the cache may be this stale; see serving.py.
     max_staleness_s: float = DEFAULT_MAX_STALENESS_S
+    # TLS for the gRPC endpoint; None serves plaintext (an explicit choice: ``--insecure``).
+    tls: ServerTls | None = None
 
 
 class BrokerServer:
@@ -148,7 +151,11 @@ class BrokerServer:
         self.store.health.subscribe(self.serving.notify)
 
     def start(self) -> BrokerServer:
-        """Load the cache, start the controller, bind and serve. Returns once serving."""
+        """Load the cache, start the controller, bind and serve. Returns once serving.
+
+        TLS files are read first: a missing one raises InvalidArgument before anything
+        starts."""
+        credentials = self.config.tls.credentials() if self.config.tls is not None else None
         self.cache.start()
         self.index = PlacementIndex(self.cache)
         # The loaded inventory lives as long as the broker: move it out of the garbage
@@ -210,13 +217,27 @@ class BrokerServer:
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        self._port = server.add_insecure_port(self.config.listen)
+        self._port = self._bind(server, credentials)
         if self._port == 0:
             raise OSError(f"cannot listen on {self.config.listen}: address in use or invalid")
         server.start()
         self._server = server
         log.info("broker serving", extra={"endpoint": self.endpoint})
         return self
+
+    def _bind(self, server: grpc.Server, credentials: grpc.ServerCredentials | None) -> int:
+        """Add the listening port, with TLS when configured; warn about plaintext that
+        leaves the machine."""
+        listen = self.config.listen
+        if credentials is not None:
+            return server.add_secure_port(listen, credentials)
+        if not is_loopback_listen(listen):
+            log.warning(
+                "serving plaintext gRPC without TLS on a non-loopback address: any client "
+                "on the network can call every RPC; configure TLS for production",
+                extra={"listen": listen},
+            )
+        return server.add_insecure_port(listen)
 
     @property
     def endpoint(self) -> str:

@@ -305,3 +305,50 @@ def pool_records(etcd_client: object, prefix: str) -> dict[bytes, bytes]:
         for value, meta in etcd_client.get_prefix(prefix)  # type: ignore[attr-defined]
         if not meta.key.startswith(elections)
     }
+
+
+# -- TLS material: a private CA and certificates for the secure fixtures -----------------
+
+
+@dataclass
+class Pki:
+    """Certificates under ``root``: ``ca`` signs everything but ``rogue``, a second CA's
+    client certificate; ``server`` is good for 127.0.0.1 and localhost."""
+
+    root: Path
+
+    def path(self, name: str, kind: str = "crt") -> Path:
+        return self.root / f"{name}.{kind}"
+
+    def client_identity(self, role: str, name: str) -> str:
+        """Issue (once) a client certificate for ``dxpool://role/name``; returns its file
+        stem, so ``path(stem)`` and ``path(stem, "key")`` are its files."""
+        from dxpool.identity import Identity
+        from dxpool.pki import issue, load_pair, write_pair
+
+        stem = f"{role}-{name}"
+        if not self.path(stem).exists():
+            pair = issue(load_pair(self.root, "ca"), identity=Identity.make(role, name))
+            write_pair(self.root, stem, pair)
+        return stem
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    import datetime as dt
+
+    from dxpool.identity import Identity
+    from dxpool.pki import create_ca, issue, write_pair
+
+    root = tmp_path_factory.mktemp("pki")
+    ca, rogue_ca = create_ca("test CA"), create_ca("rogue CA")
+    write_pair(root, "ca", ca)
+    write_pair(root, "rogue-ca", rogue_ca)
+    write_pair(root, "server", issue(ca, dns_names=["localhost"], ip_addresses=["127.0.0.1"]))
+    write_pair(root, "elsewhere", issue(ca, dns_names=["broker.elsewhere.example"]))
+    alice = Identity.make("operator", "alice")
+    write_pair(root, "operator-alice", issue(ca, identity=alice))
+    write_pair(root, "rogue", issue(rogue_ca, identity=alice))
+    long_ago = dt.datetime.now(dt.UTC) - dt.timedelta(days=30)
+    write_pair(root, "expired", issue(ca, identity=alice, valid_days=1, not_before=long_ago))
+    return Pki(root)

@@ -22,7 +22,7 @@ def test_metrics_are_served_on_the_address_and_port_given(
         [sys.executable, "-m", "dxpool.broker", "--etcd", etcd_server.endpoint,
          "--prefix", key_prefix, "--listen", f"127.0.0.1:{port}",
          "--metrics-port", str(metrics_port), "--metrics-address", "127.0.0.1",
-         "--log-level", "WARNING"],
+         "--log-level", "WARNING", "--insecure"],
         stdout=log,
         stderr=subprocess.STDOUT,
     )  # fmt: skip
