@@ -5,6 +5,11 @@ fabric in ``<data-dir>/fabric``, a broker in this process, and one host agent pr
 host (``python -m dxpool.hostagent``, logs in ``<data-dir>/logs``); then it registers the
 boxes through the client and waits until every host's agent is alive.
 
+Secure by default: a private CA in ``<data-dir>/pki`` (:mod:`dxpool.cli.localpki`)
+signs the broker's certificate and the operator's, the broker requires client
+certificates (mutual TLS), and ``<data-dir>/config.yaml`` tells the CLI where the broker
+is and which certificate to use. ``secure=False`` serves plaintext.
+
 Hosts ``h1..hN`` and boxes ``box1..boxM`` are spread over the racks of one site, two racks
 per pod, host ``hI`` and box ``boxI`` sharing rack ``rI``; so a host reaches one box through
 its rack switch, another through the pod switch and the rest through the site switch, and
@@ -53,6 +58,7 @@ from typing import TYPE_CHECKING
 
 from dxpool.api.v1 import resources_pb2
 from dxpool.cli.lifeline import lifeline_argv
+from dxpool.cli.localpki import ensure_local_pki, write_client_config
 from dxpool.cli.statedir import (
     ChildRecords,
     LeftoverProcessesError,
@@ -96,6 +102,9 @@ class LocalPoolSpec:
     key_prefix: str = DEFAULT_PREFIX
     ready_timeout_s: float = 60.0
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+    # Mutual TLS between the CLI and the broker, with a private CA in <data-dir>/pki;
+    # False serves plaintext.
+    secure: bool = True
 
     def __post_init__(self) -> None:
         for name in ("boxes", "gpus_per_box", "hosts", "slots", "gpu_memory_mib"):
@@ -234,6 +243,12 @@ class LocalPool:
     def logs_dir(self) -> Path:
         return self.spec.data_dir / "logs"
 
+    @property
+    def config_path(self) -> Path:
+        """The CLI config ``start`` writes: the endpoint and, when secure, the operator's
+        certificate."""
+        return self.spec.data_dir / "config.yaml"
+
     def start(self) -> LocalPool:
         """Start everything; on any failure stop what was started and re-raise.
 
@@ -266,22 +281,34 @@ class LocalPool:
         self._etcd = _EtcdChild(etcd, self._records)
         self._etcd.start()
         fabric_dir = self._install_fabric(data_dir)
+        pki = (
+            ensure_local_pki(data_dir / "pki", listen=spec.listen, hosts=spec.host_ids)
+            if spec.secure
+            else None
+        )
         broker = BrokerServer(
             BrokerConfig(
                 etcd_endpoints=etcd.endpoint,
                 key_prefix=spec.key_prefix,
                 listen=spec.listen,
                 fabric=f"sim:{fabric_dir}",
+                tls=pki.broker_tls() if pki is not None else None,
             )
         )
         self._broker = broker
         broker.start()
         self._endpoint = broker.endpoint
+        write_client_config(self.config_path, self._endpoint, pki)
         for index, host in enumerate(spec.host_ids, start=1):
             agent = self._agent(host, index, fabric_dir)
             self._agents.append(agent)
             agent.start()
-        with Client(self._endpoint) as client:
+        client = (
+            Client(self._endpoint, tls=pki.operator_tls())
+            if pki is not None
+            else Client(self._endpoint, insecure=True)
+        )
+        with client:
             self._register_boxes(client)
             self._wait_for_hosts(client)
         self._supervisor.watch(self._etcd)

@@ -17,7 +17,7 @@ from typing import Any
 import click
 
 import dxpool
-from dxpool.cli.commands import box, completion, fabric, gpu, host, node, status, up
+from dxpool.cli.commands import box, certs, completion, fabric, gpu, host, node, status, up
 from dxpool.cli.context import CliContext, SecurityFlags
 from dxpool.cli.errors import EXIT_API_ERROR, EXIT_INTERRUPTED, format_error
 from dxpool.cli.params import SECONDS
@@ -148,6 +148,7 @@ DAEMONS = frozenset({"broker", "agent"})
 
 for _command in (
     box.box,
+    certs.certs,
     gpu.gpu,
     host.host,
     node.node,

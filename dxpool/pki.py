@@ -29,6 +29,8 @@ from dxpool.identity import SCHEME, Identity
 from dxpool.tls import read_pem
 
 __all__ = [
+    "DEFAULT_CA_DAYS",
+    "DEFAULT_CERT_DAYS",
     "CertPair",
     "create_ca",
     "identities_in",
