@@ -99,6 +99,13 @@ def server_tls(
     help="CA (PEM) that signs client certificates: clients must present one (mutual TLS)",
 )
 @click.option(
+    "--token-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="YAML mapping bearer tokens to identities (TOKEN: tenant/team-a); needs TLS "
+    "without --client-ca",
+)
+@click.option(
     "--insecure",
     is_flag=True,
     default=False,
@@ -119,15 +126,24 @@ def broker_command(
     tls_cert: Path | None,
     tls_key: Path | None,
     client_ca: Path | None,
+    token_file: Path | None,
     insecure: bool,
     log_level: str,
 ) -> None:
     """Run a dxpool broker: the gRPC API over the etcd inventory.
 
     Serves TLS with --tls-cert and --tls-key (mutual TLS with --client-ca); plaintext
-    only with --insecure.
+    only with --insecure. With --client-ca or --token-file every call must authenticate,
+    and its role (operator, tenant, agent) decides what it may do.
     """
     tls = server_tls(tls_cert, tls_key, client_ca, insecure)
+    if token_file is not None and tls is None:
+        raise click.UsageError("--token-file needs TLS: bearer tokens must not cross in the clear")
+    if token_file is not None and client_ca is not None:
+        raise click.UsageError(
+            "give --client-ca (certificates) or --token-file (bearer tokens), not both: a "
+            "broker authenticates one way; run one of each against the same etcd"
+        )
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
@@ -146,6 +162,7 @@ def broker_command(
             host_loss_grace_s=host_loss_grace,
             retention_s=retention,
             tls=tls,
+            token_file=token_file,
         )
     )
     server.start()

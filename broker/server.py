@@ -35,11 +35,12 @@ from dxpool.api.v1 import (
     nodes_pb2,
     nodes_pb2_grpc,
 )
+from dxpool.broker.auth import Authenticator, Authorizer, TokenTable
 from dxpool.broker.box_fabric import open_box_fabric
 from dxpool.broker.cache import Cache
 from dxpool.broker.compose import Composer, ComposeSettings
 from dxpool.broker.controller import NodeController
-from dxpool.broker.decoding import RequestDecodingGuard
+from dxpool.broker.decoding import Interceptor, RequestDecodingGuard
 from dxpool.broker.duties import DutySettings, SingletonDuties
 from dxpool.broker.fabric_service import FabricService
 from dxpool.broker.inventory_service import InventoryService
@@ -50,6 +51,7 @@ from dxpool.broker.placement_index import PlacementIndex
 from dxpool.broker.serving import DEFAULT_MAX_STALENESS_S, ServingState, StalenessGate
 from dxpool.broker.streams import StreamLimiter, StreamLimits
 from dxpool.defaults import DEFAULT_ENDPOINT
+from dxpool.errors import InvalidArgument
 from dxpool.fabric.latency import TopologyLatencyModel
 from dxpool.fabric.topology import Topology
 from dxpool.store.client import connect
@@ -104,6 +106,9 @@ class BrokerConfig:
     max_staleness_s: float = DEFAULT_MAX_STALENESS_S
     # TLS for the gRPC endpoint; None serves plaintext (an explicit choice: ``--insecure``).
     tls: ServerTls | None = None
+    # Bearer tokens (``TOKEN: ROLE/NAME`` YAML); needs ``tls`` without a client CA.
+    # Authentication is on when this or ``tls.client_ca`` is set (see broker/auth.py).
+    token_file: Path | None = None
 
 
 class BrokerServer:
@@ -155,7 +160,9 @@ class BrokerServer:
 
         TLS files are read first: a missing one raises InvalidArgument before anything
         starts."""
-        credentials = self.config.tls.credentials() if self.config.tls is not None else None
+        authenticator = self._authenticator()
+        tls = self.config.tls
+        credentials = tls.credentials() if tls is not None else None
         self.cache.start()
         self.index = PlacementIndex(self.cache)
         # The loaded inventory lives as long as the broker: move it out of the garbage
@@ -195,19 +202,23 @@ class BrokerServer:
             max_workers=self.config.max_workers + self.config.stream_limits.total,
             thread_name_prefix="rpc",
         )
-        server = grpc.server(
-            self._executor,
-            interceptors=[
-                self.streams,
-                StalenessGate(self.serving, GATED_PREFIXES),
-                RequestDecodingGuard(),
-            ],
-            options=_SERVER_OPTIONS,
-        )
+        interceptors: list[Interceptor] = [
+            self.streams,
+            StalenessGate(self.serving, GATED_PREFIXES),
+            RequestDecodingGuard(),
+        ]
+        if authenticator is not None:  # checks each call before its servicer runs
+            interceptors.insert(1, Authorizer(authenticator))
+        server = grpc.server(self._executor, interceptors=interceptors, options=_SERVER_OPTIONS)
         inventory_pb2_grpc.add_InventoryServiceServicer_to_server(
             InventoryService(self.store, self.cache), server
         )
-        self.nodes = NodeService(composer, self.cache, self.config.watch)
+        self.nodes = NodeService(
+            composer,
+            self.cache,
+            self.config.watch,
+            identify=authenticator.identify if authenticator is not None else None,
+        )
         nodes_pb2_grpc.add_NodeServiceServicer_to_server(self.nodes, server)
         fabric_pb2_grpc.add_FabricServiceServicer_to_server(
             FabricService(self.cache, self.latency), server
@@ -224,6 +235,34 @@ class BrokerServer:
         self._server = server
         log.info("broker serving", extra={"endpoint": self.endpoint})
         return self
+
+    def _authenticator(self) -> Authenticator | None:
+        """Who calls, when authentication is on (a client CA or a token file); None
+        otherwise. InvalidArgument for tokens without TLS or with a client CA, or an
+        unreadable token file.
+
+        A broker authenticates one way: gRPC's Python server can only require client
+        certificates or not ask for them, so it cannot serve certificate holders and token
+        holders on one port. Run a broker of each kind against the same etcd for both.
+        """
+        config = self.config
+        if config.token_file is not None and config.tls is None:
+            raise InvalidArgument(
+                "bearer tokens need TLS (they would cross the network in the clear): give "
+                "the broker a certificate and key, or no token file",
+                reason="INVALID_TLS_CONFIG",
+            )
+        if config.token_file is not None and config.tls is not None and config.tls.client_ca:
+            raise InvalidArgument(
+                "a broker authenticates by client certificates (client CA) or by bearer "
+                "tokens, not both: run one broker of each kind against the same etcd",
+                reason="INVALID_TLS_CONFIG",
+            )
+        tokens = TokenTable.load(config.token_file) if config.token_file is not None else None
+        certificates = config.tls is not None and config.tls.client_ca is not None
+        if tokens is None and not certificates:
+            return None
+        return Authenticator(tokens=tokens, certificates=certificates)
 
     def _bind(self, server: grpc.Server, credentials: grpc.ServerCredentials | None) -> int:
         """Add the listening port, with TLS when configured; warn about plaintext that

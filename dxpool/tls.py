@@ -2,10 +2,7 @@
 
 * :class:`ServerTls` is what a broker serves with: its certificate and key, and
   optionally a client CA. With a client CA every client must present a certificate that
-  CA signed (mutual TLS); the handshake fails otherwise, before any call is seen — unless
-  ``client_cert_optional`` is set (the broker also accepts bearer tokens), in which case a
-  certificate is verified when one is presented and the call is judged by the broker's
-  authorization (see :mod:`dxpool.broker.auth`).
+  CA signed (mutual TLS); the handshake fails otherwise, before any call is seen.
 * :class:`ClientTls` is what a client (the CLI, :class:`dxpool.client.Client`) connects
   with: the CA that signed the broker's certificate, and its own certificate and key for
   mutual TLS. ``server_name`` overrides the name checked against the broker's
@@ -54,7 +51,6 @@ class ServerTls:
     cert: Path
     key: Path
     client_ca: Path | None = None
-    client_cert_optional: bool = False
 
     def credentials(self) -> grpc.ServerCredentials:
         pair = (read_pem(self.key, "server key"), read_pem(self.cert, "server certificate"))
@@ -63,7 +59,7 @@ class ServerTls:
         return grpc.ssl_server_credentials(
             [pair],
             root_certificates=read_pem(self.client_ca, "client CA"),
-            require_client_auth=not self.client_cert_optional,
+            require_client_auth=True,
         )
 
 

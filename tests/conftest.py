@@ -31,6 +31,27 @@ if TYPE_CHECKING:  # imported lazily so one broken component does not hide every
     from dxpool.fabric.sim import SimFabric
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_user_config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Clients built without TLS arguments read the config file; point them at an empty
+    one, so a developer's ~/.config/dxpool or a local pool's ./.dxpool/config.yaml (which
+    would turn on TLS) cannot change what the suite does. Tests of the config file set
+    their own."""
+    empty = tmp_path_factory.mktemp("config") / "config.yaml"
+    empty.write_text("")
+    saved = {name: os.environ.pop(name, None) for name in _CLIENT_ENV}
+    os.environ["DXPOOL_CONFIG"] = str(empty)
+    yield
+    for name, value in saved.items():
+        os.environ.pop(name, None)
+        if value is not None:
+            os.environ[name] = value
+
+
+_CLIENT_ENV = ("DXPOOL_CONFIG", "DXPOOL_ENDPOINT", "DXPOOL_CA", "DXPOOL_CERT", "DXPOOL_KEY",
+               "DXPOOL_SERVER_NAME", "DXPOOL_TOKEN_FILE")  # fmt: skip
+
+
 @pytest.fixture(scope="session")
 def etcd_server() -> Iterator[EmbeddedEtcd]:
     with EmbeddedEtcd(unsafe_no_fsync=True) as server:

@@ -28,6 +28,7 @@ def config_file(tmp_path: Path) -> Path:
 @pytest.fixture(autouse=True)
 def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)  # no ./.dxpool/config.yaml of a local pool
     monkeypatch.delenv("DXPOOL_ENDPOINT", raising=False)
     monkeypatch.delenv("DXPOOL_CONFIG", raising=False)
 
