@@ -11,8 +11,9 @@ from types import FrameType
 import click
 
 from dxpool.broker.server import DEFAULT_LISTEN, BrokerConfig, BrokerServer
+from dxpool.errors import InvalidArgument
 from dxpool.store.keys import DEFAULT_PREFIX
-from dxpool.tls import ServerTls
+from dxpool.tls import ClientTls, ServerTls
 
 
 def server_tls(
@@ -99,6 +100,24 @@ def server_tls(
     help="CA (PEM) that signs client certificates: clients must present one (mutual TLS)",
 )
 @click.option(
+    "--etcd-ca",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="CA (PEM) that signed etcd's certificate: talk to etcd over TLS",
+)
+@click.option(
+    "--etcd-cert",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="client certificate (PEM) for etcd's --client-cert-auth",
+)
+@click.option(
+    "--etcd-key",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="key of --etcd-cert (PEM)",
+)
+@click.option(
     "--token-file",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     default=None,
@@ -126,6 +145,9 @@ def broker_command(
     tls_cert: Path | None,
     tls_key: Path | None,
     client_ca: Path | None,
+    etcd_ca: Path | None,
+    etcd_cert: Path | None,
+    etcd_key: Path | None,
     token_file: Path | None,
     insecure: bool,
     log_level: str,
@@ -137,6 +159,12 @@ def broker_command(
     and its role (operator, tenant, agent) decides what it may do.
     """
     tls = server_tls(tls_cert, tls_key, client_ca, insecure)
+    etcd_tls = None
+    if etcd_ca or etcd_cert or etcd_key:
+        try:
+            etcd_tls = ClientTls(ca=etcd_ca, cert=etcd_cert, key=etcd_key)
+        except InvalidArgument as error:
+            raise click.UsageError(error.message) from None
     if token_file is not None and tls is None:
         raise click.UsageError("--token-file needs TLS: bearer tokens must not cross in the clear")
     if token_file is not None and client_ca is not None:
@@ -163,6 +191,7 @@ def broker_command(
             retention_s=retention,
             tls=tls,
             token_file=token_file,
+            etcd_tls=etcd_tls,
         )
     )
     server.start()

@@ -54,10 +54,10 @@ from dxpool.defaults import DEFAULT_ENDPOINT
 from dxpool.errors import InvalidArgument
 from dxpool.fabric.latency import TopologyLatencyModel
 from dxpool.fabric.topology import Topology
-from dxpool.store.client import connect
+from dxpool.store.client import connect, parse_endpoints
 from dxpool.store.keys import DEFAULT_PREFIX, KeySchema
 from dxpool.store.typed import Store
-from dxpool.tls import ServerTls, is_loopback_listen
+from dxpool.tls import ClientTls, ServerTls, is_loopback_listen
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,8 @@ class BrokerConfig:
     # Each etcd call gives up after this long (an unanswered call is one to a dead or
     # paused member, or one without quorum; failing it lets the next member be tried).
     etcd_timeout_s: float = 1.0
+    # TLS to etcd (its CA, and a client certificate for --client-cert-auth); None: plaintext.
+    etcd_tls: ClientTls | None = None
     # Calls are refused (UNAVAILABLE) once the cache may be this stale; see serving.py.
     max_staleness_s: float = DEFAULT_MAX_STALENESS_S
     # TLS for the gRPC endpoint; None serves plaintext (an explicit choice: ``--insecure``).
@@ -118,14 +120,13 @@ class BrokerServer:
         self.config = config
         self._port = 0
         self._server: grpc.Server | None = None
-        self._etcd = connect(config.etcd_endpoints, timeout_s=config.etcd_timeout_s)
+        etcd_addresses = parse_endpoints(config.etcd_endpoints, config.etcd_tls)
+        self._etcd = connect(etcd_addresses, timeout_s=config.etcd_timeout_s)
         schema = KeySchema(config.key_prefix)
         self.store = Store(self._etcd, schema)
         # The cache's watch opens channels of its own, so watch events never queue
         # behind (or ahead of) the transactions on the compose path.
-        self.cache = Cache(
-            config.etcd_endpoints, schema, on_watch_state=lambda _: self.serving.notify()
-        )
+        self.cache = Cache(etcd_addresses, schema, on_watch_state=lambda _: self.serving.notify())
         topology = (
             Topology.load(config.topology_path) if config.topology_path else Topology.default()
         )

@@ -1,9 +1,11 @@
 """The TLS material of a local pool (``dxpool up``), kept in ``<data-dir>/pki``.
 
 A private CA (``ca.crt``/``ca.key``) signs: the broker's server certificate
-(``broker``, for 127.0.0.1, localhost and the listen host), the operator's client
-certificate (``operator``, identity ``dxpool://operator/local``) that the CLI uses, and
-one client certificate per host agent (``agent-<host>``, ``dxpool://agent/<host>``).
+(``broker``, for 127.0.0.1, localhost and the listen host; also the broker's client
+certificate towards etcd), etcd's server certificate (``etcd``, for 127.0.0.1 and
+localhost), the operator's client certificate (``operator``, identity
+``dxpool://operator/local``) that the CLI uses, and one client certificate per host
+agent (``agent-<host>``, ``dxpool://agent/<host>``), which it also shows etcd.
 Keys are 0600. :func:`ensure_local_pki` keeps what a previous run made (the CA above
 all, so certificates handed out stay valid) and makes only what is missing or expires
 within a week. It also writes ``<data-dir>/config.yaml``, which points the CLI at the
@@ -53,6 +55,27 @@ class LocalPki:
     def operator_tls(self) -> ClientTls:
         return ClientTls(self.ca, self.cert("operator"), self.key("operator"))
 
+    def etcd_tls(self) -> ServerTls:
+        """etcd's TLS: its certificate, and client certificates required
+        (``--client-cert-auth``)."""
+        return ServerTls(self.cert("etcd"), self.key("etcd"), client_ca=self.ca)
+
+    def broker_etcd_tls(self) -> ClientTls:
+        """How the broker (and ``dxpool up``'s own probes) reach etcd."""
+        return ClientTls(self.ca, self.cert("broker"), self.key("broker"))
+
+    def agent_etcd_args(self, host: str) -> list[str]:
+        """The agent flags that make host ``host``'s agent reach etcd over TLS."""
+        name = f"agent-{host}"
+        return [
+            "--etcd-ca",
+            str(self.ca),
+            "--etcd-cert",
+            str(self.cert(name)),
+            "--etcd-key",
+            str(self.key(name)),
+        ]
+
 
 def _fresh(directory: Path, name: str) -> bool:
     """Whether ``name``'s pair exists and stays valid for more than a week."""
@@ -92,7 +115,11 @@ def ensure_local_pki(directory: Path, *, listen: str, hosts: Sequence[str]) -> L
                 stale.unlink()
     dns, ips = _server_names(listen.rpartition(":")[0])
     if not _fresh(directory, "broker") or not _names_cover(directory, dns, ips):
-        write_pair(directory, "broker", issue(ca, dns_names=dns, ip_addresses=ips))
+        pair = issue(ca, dns_names=dns, ip_addresses=ips, client_auth=True)
+        write_pair(directory, "broker", pair)
+    if not _fresh(directory, "etcd"):
+        pair = issue(ca, dns_names=["localhost"], ip_addresses=["127.0.0.1"])
+        write_pair(directory, "etcd", pair)
     if not _fresh(directory, "operator"):
         write_pair(directory, "operator", issue(ca, identity=LOCAL_OPERATOR))
     for host in hosts:

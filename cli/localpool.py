@@ -6,9 +6,10 @@ host (``python -m dxpool.hostagent``, logs in ``<data-dir>/logs``); then it regi
 boxes through the client and waits until every host's agent is alive.
 
 Secure by default: a private CA in ``<data-dir>/pki`` (:mod:`dxpool.cli.localpki`)
-signs the broker's certificate and the operator's, the broker requires client
-certificates (mutual TLS), and ``<data-dir>/config.yaml`` tells the CLI where the broker
-is and which certificate to use. ``secure=False`` serves plaintext.
+signs every certificate; the broker requires client certificates (mutual TLS), etcd
+serves TLS and requires client certificates too (the broker's and each agent's), and
+``<data-dir>/config.yaml`` tells the CLI where the broker is and which certificate to
+use. ``secure=False`` runs everything in plaintext.
 
 Hosts ``h1..hN`` and boxes ``box1..boxM`` are spread over the racks of one site, two racks
 per pod, host ``hI`` and box ``boxI`` sharing rack ``rI``; so a host reaches one box through
@@ -58,7 +59,7 @@ from typing import TYPE_CHECKING
 
 from dxpool.api.v1 import resources_pb2
 from dxpool.cli.lifeline import lifeline_argv
-from dxpool.cli.localpki import ensure_local_pki, write_client_config
+from dxpool.cli.localpki import LocalPki, ensure_local_pki, write_client_config
 from dxpool.cli.statedir import (
     ChildRecords,
     LeftoverProcessesError,
@@ -228,6 +229,7 @@ class LocalPool:
     _broker: BrokerServer | None = field(default=None, init=False)
     _agents: list[_AgentChild] = field(default_factory=list, init=False)
     _endpoint: str = field(default="", init=False)
+    _pki: LocalPki | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self._lock = StateLock(self.spec.data_dir)
@@ -273,19 +275,22 @@ class LocalPool:
         # their working directory (the next run matches leftovers by them).
         data_dir = spec.data_dir.resolve()
         self.logs_dir.mkdir(parents=True, exist_ok=True)
-        etcd = EmbeddedEtcd(
-            data_dir / "etcd",
-            log_path=self.logs_dir / "etcd.log",
-            launcher=lifeline_argv(os.getpid(), ETCD_DEATH_SIGNAL, self.python),
-        )
-        self._etcd = _EtcdChild(etcd, self._records)
-        self._etcd.start()
-        fabric_dir = self._install_fabric(data_dir)
         pki = (
             ensure_local_pki(data_dir / "pki", listen=spec.listen, hosts=spec.host_ids)
             if spec.secure
             else None
         )
+        self._pki = pki
+        etcd = EmbeddedEtcd(
+            data_dir / "etcd",
+            log_path=self.logs_dir / "etcd.log",
+            launcher=lifeline_argv(os.getpid(), ETCD_DEATH_SIGNAL, self.python),
+            tls=pki.etcd_tls() if pki is not None else None,
+            client_tls=pki.broker_etcd_tls() if pki is not None else None,
+        )
+        self._etcd = _EtcdChild(etcd, self._records)
+        self._etcd.start()
+        fabric_dir = self._install_fabric(data_dir)
         broker = BrokerServer(
             BrokerConfig(
                 etcd_endpoints=etcd.endpoint,
@@ -293,6 +298,7 @@ class LocalPool:
                 listen=spec.listen,
                 fabric=f"sim:{fabric_dir}",
                 tls=pki.broker_tls() if pki is not None else None,
+                etcd_tls=pki.broker_etcd_tls() if pki is not None else None,
             )
         )
         self._broker = broker
@@ -382,6 +388,7 @@ class LocalPool:
             # A restarted agent adopts its live lease, so its host's nodes are not lost.
             "--state-dir",
             str(fabric_dir.parent / "agents"),
+            *(self._pki.agent_etcd_args(host) if self._pki is not None else []),
         ]
         log_path = self.logs_dir / f"agent-{host}.log"
         return _AgentChild(host, self.python, args, log_path, self._records)

@@ -122,12 +122,15 @@ def issue(
     ip_addresses: Sequence[str] = (),
     valid_days: int = DEFAULT_CERT_DAYS,
     not_before: dt.datetime | None = None,
+    client_auth: bool = False,
 ) -> CertPair:
     """A certificate signed by ``ca``.
 
     ``identity`` makes it a client certificate for that identity; ``dns_names`` and
     ``ip_addresses`` make it a server certificate for those names. At least one of them
-    must be given. ``not_before`` (default: now) lets tests make expired certificates.
+    must be given. ``client_auth`` makes a server certificate good as a client's too
+    (a broker's, towards etcd). ``not_before`` (default: now) lets tests make expired
+    certificates.
     """
     if identity is None and not dns_names and not ip_addresses:
         raise InvalidArgument(
@@ -144,6 +147,7 @@ def issue(
     usages = []
     if identity is not None:
         sans.append(x509.UniformResourceIdentifier(identity.uri))
+    if identity is not None or client_auth:
         usages.append(ExtendedKeyUsageOID.CLIENT_AUTH)
     if dns_names or ips:
         usages.append(ExtendedKeyUsageOID.SERVER_AUTH)

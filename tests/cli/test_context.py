@@ -64,3 +64,31 @@ def test_unreadable_tls_file_is_a_usage_error(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["--tls-ca", str(tmp_path / "missing.crt"), "box", "list"])
     assert result.exit_code == 2
     assert "missing.crt does not exist" in result.output
+
+
+def test_unauthenticated_call_hints_at_credentials(
+    broker_factory: Callable[..., BrokerServer], pki: Pki, tmp_path: Path
+) -> None:
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text("token-for-team-a-0123456789abcdef: tenant/team-a\n")
+    broker = broker_factory(
+        tls=ServerTls(pki.path("server"), pki.path("server", "key")), token_file=tokens
+    )
+    result = CliRunner().invoke(
+        cli, ["--endpoint", broker.endpoint, "--tls-ca", str(pki.path("ca")), "node", "list"]
+    )
+    assert result.exit_code == 1
+    assert "error: UNAUTHENTICATED: this broker requires authentication" in result.output
+    assert "hint: connect with a client certificate" in result.output
+
+
+def test_permission_denied_names_the_role(mtls_broker: BrokerServer, pki: Pki) -> None:
+    stem = pki.client_identity("tenant", "team-a")
+    result = CliRunner().invoke(
+        cli,
+        ["--endpoint", mtls_broker.endpoint, "--tls-ca", str(pki.path("ca")),
+         "--tls-cert", str(pki.path(stem)), "--tls-key", str(pki.path(stem, "key")),
+         "box", "list"],
+    )  # fmt: skip
+    assert result.exit_code == 1
+    assert "error: PERMISSION_DENIED: ListBoxes needs the role operator" in result.output

@@ -16,7 +16,7 @@ from dxpool.pki import identities_in, load_pair
 
 def test_every_certificate_is_made_with_private_keys(tmp_path: Path) -> None:
     pki = ensure_local_pki(tmp_path / "pki", listen="127.0.0.1:8470", hosts=["h1", "h2"])
-    for name in ("ca", "broker", "operator", "agent-h1", "agent-h2"):
+    for name in ("ca", "broker", "etcd", "operator", "agent-h1", "agent-h2"):
         assert stat.S_IMODE(pki.key(name).stat().st_mode) == 0o600, name
     assert identities_in(load_pair(pki.directory, "operator").cert) == [LOCAL_OPERATOR]
     assert identities_in(load_pair(pki.directory, "agent-h2").cert) == [Identity(Role.AGENT, "h2")]

@@ -84,6 +84,7 @@ def test_up_serves_a_pool_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
         assert created.exit_code == 0, created.output
         assert json.loads(created.stdout)["state"] == "NODE_STATE_READY"
         assert len(processes_mentioning(str(data_dir))) == 4  # up itself, etcd, two agents
+        assert_etcd_requires_client_certificates(data_dir)
 
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=30) == 0
@@ -94,6 +95,31 @@ def test_up_serves_a_pool_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     assert processes_mentioning(str(data_dir)) == []
     assert "stopped" in (tmp_path / "up.err").read_text()
     assert (data_dir / "logs" / "agent-h1.log").exists()
+
+
+def assert_etcd_requires_client_certificates(data_dir: Path) -> None:
+    """The pool's etcd serves TLS with client-certificate auth: an agent's certificate
+    reads, a client without one is refused."""
+    from dxpool.store.client import connect
+    from dxpool.tls import ClientTls
+
+    (etcd,) = [line for line in processes_mentioning("--client-cert-auth") if str(data_dir) in line]
+    url = next(arg for arg in etcd.split() if arg.startswith("--listen-client-urls="))
+    endpoint = url.split("=", 1)[1].removeprefix("https://")
+    pki = data_dir / "pki"
+    anonymous = connect(endpoint, timeout_s=2, tls=ClientTls(ca=pki / "ca.crt"))
+    agent = connect(
+        endpoint,
+        timeout_s=2,
+        tls=ClientTls(pki / "ca.crt", pki / "agent-h1.crt", pki / "agent-h1.key"),
+    )
+    try:
+        with pytest.raises(Exception):  # noqa: B017 - refused at the handshake
+            anonymous.get("/")
+        agent.get("/")
+    finally:
+        anonymous.close()
+        agent.close()
 
 
 def pid_gone(pid: int) -> bool:
