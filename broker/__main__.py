@@ -10,6 +10,7 @@ from types import FrameType
 
 import click
 
+from dxpool.broker.audit import DEFAULT_RETENTION_S as DEFAULT_AUDIT_RETENTION_S
 from dxpool.broker.server import DEFAULT_LISTEN, BrokerConfig, BrokerServer
 from dxpool.errors import InvalidArgument
 from dxpool.store.keys import DEFAULT_PREFIX
@@ -71,6 +72,13 @@ def server_tls(
     default=3600.0,
     show_default=True,
     help="seconds RELEASED nodes and their request ids are kept",
+)
+@click.option(
+    "--audit-retention",
+    type=click.FloatRange(min=0),
+    default=DEFAULT_AUDIT_RETENTION_S,
+    show_default=True,
+    help="seconds audit records of mutating calls are kept in etcd (0: keep no audit log)",
 )
 @click.option(
     "--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)"
@@ -140,6 +148,7 @@ def broker_command(
     fabric: str | None,
     host_loss_grace: float,
     retention: float,
+    audit_retention: float,
     metrics_port: int,
     metrics_address: str,
     tls_cert: Path | None,
@@ -189,6 +198,7 @@ def broker_command(
             fabric=fabric,
             host_loss_grace_s=host_loss_grace,
             retention_s=retention,
+            audit_retention_s=audit_retention,
             tls=tls,
             token_file=token_file,
             etcd_tls=etcd_tls,

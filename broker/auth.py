@@ -38,7 +38,7 @@ import grpc
 import yaml
 from cryptography import x509
 
-from dxpool.api.v1 import fabric_pb2, inventory_pb2, nodes_pb2
+from dxpool.api.v1 import audit_pb2, fabric_pb2, inventory_pb2, nodes_pb2
 from dxpool.broker.decoding import Handler, Interceptor
 from dxpool.broker.rpc import to_status
 from dxpool.errors import DxpoolError, InvalidArgument, PermissionDenied, Unauthenticated
@@ -57,7 +57,8 @@ __all__ = [
 _INVENTORY = inventory_pb2.DESCRIPTOR.services_by_name["InventoryService"].full_name
 _NODES = nodes_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name
 _FABRIC = fabric_pb2.DESCRIPTOR.services_by_name["FabricService"].full_name
-GUARDED_PREFIXES = tuple(f"/{name}/" for name in (_INVENTORY, _NODES, _FABRIC))
+_AUDIT = audit_pb2.DESCRIPTOR.services_by_name["AuditService"].full_name
+GUARDED_PREFIXES = tuple(f"/{name}/" for name in (_INVENTORY, _NODES, _FABRIC, _AUDIT))
 
 OPERATOR = frozenset({Role.OPERATOR})
 NODE_USERS = frozenset({Role.OPERATOR, Role.TENANT})
@@ -111,6 +112,8 @@ RULES: Mapping[str, Rule] = {
     f"/{_NODES}/WatchNodes": Rule(NODE_USERS),
     # Latency between a host and a box: anyone placing work; an agent for its own host.
     f"/{_FABRIC}/GetLatency": Rule(frozenset(Role), agent_host=lambda r: _host_id(r.host)),
+    # Who did what: the operator's.
+    f"/{_AUDIT}/ListAuditRecords": Rule(OPERATOR),
 }
 
 

@@ -28,6 +28,8 @@ from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from dxpool.api.v1 import (
+    audit_pb2,
+    audit_pb2_grpc,
     fabric_pb2,
     fabric_pb2_grpc,
     inventory_pb2,
@@ -35,6 +37,9 @@ from dxpool.api.v1 import (
     nodes_pb2,
     nodes_pb2_grpc,
 )
+from dxpool.broker.audit import DEFAULT_RETENTION_S as DEFAULT_AUDIT_RETENTION_S
+from dxpool.broker.audit import AuditLog, AuditRecorder
+from dxpool.broker.audit_service import AuditService
 from dxpool.broker.auth import Authenticator, Authorizer, TokenTable
 from dxpool.broker.box_fabric import open_box_fabric
 from dxpool.broker.cache import Cache
@@ -66,6 +71,7 @@ SERVICE_NAMES = (
     inventory_pb2.DESCRIPTOR.services_by_name["InventoryService"].full_name,
     nodes_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name,
     fabric_pb2.DESCRIPTOR.services_by_name["FabricService"].full_name,
+    audit_pb2.DESCRIPTOR.services_by_name["AuditService"].full_name,
 )
 # How long stop() waits, beyond the grace period, for calls and stream threads to end.
 STOP_MARGIN_S = 3.0
@@ -104,6 +110,8 @@ class BrokerConfig:
     etcd_timeout_s: float = 1.0
     # TLS to etcd (its CA, and a client certificate for --client-cert-auth); None: plaintext.
     etcd_tls: ClientTls | None = None
+    # How long audit records are kept (broker/audit.py); 0 keeps no audit log.
+    audit_retention_s: float = DEFAULT_AUDIT_RETENTION_S
     # Calls are refused (UNAVAILABLE) once the cache may be this stale; see serving.py.
     max_staleness_s: float = DEFAULT_MAX_STALENESS_S
     # TLS for the gRPC endpoint; None serves plaintext (an explicit choice: ``--insecure``).
@@ -210,6 +218,14 @@ class BrokerServer:
         ]
         if authenticator is not None:  # checks each call before its servicer runs
             interceptors.insert(1, Authorizer(authenticator))
+        audit = (
+            AuditLog(self._etcd, self.config.key_prefix, retention_s=self.config.audit_retention_s)
+            if self.config.audit_retention_s > 0
+            else None
+        )
+        if audit is not None:  # outermost: it sees every outcome, denials included
+            identify = authenticator.identify if authenticator is not None else None
+            interceptors.insert(0, AuditRecorder(audit, identify))
         server = grpc.server(self._executor, interceptors=interceptors, options=_SERVER_OPTIONS)
         inventory_pb2_grpc.add_InventoryServiceServicer_to_server(
             InventoryService(self.store, self.cache), server
@@ -224,6 +240,7 @@ class BrokerServer:
         fabric_pb2_grpc.add_FabricServiceServicer_to_server(
             FabricService(self.cache, self.latency), server
         )
+        audit_pb2_grpc.add_AuditServiceServicer_to_server(AuditService(audit), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         self.serving.start()
         reflection.enable_server_reflection(

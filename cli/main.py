@@ -17,7 +17,18 @@ from typing import Any
 import click
 
 import dxpool
-from dxpool.cli.commands import box, certs, completion, fabric, gpu, host, node, status, up
+from dxpool.cli.commands import (
+    audit,
+    box,
+    certs,
+    completion,
+    fabric,
+    gpu,
+    host,
+    node,
+    status,
+    up,
+)
 from dxpool.cli.context import CliContext, SecurityFlags
 from dxpool.cli.errors import EXIT_API_ERROR, EXIT_INTERRUPTED, format_error
 from dxpool.cli.params import SECONDS
@@ -147,6 +158,7 @@ def cli(
 DAEMONS = frozenset({"broker", "agent"})
 
 for _command in (
+    audit.audit,
     box.box,
     certs.certs,
     gpu.gpu,

@@ -32,6 +32,7 @@ Contracts:
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
 import uuid
@@ -42,6 +43,7 @@ from typing import Final, TypeVar
 import grpc
 from google.protobuf.descriptor import EnumDescriptor
 from google.protobuf.message import Message
+from google.protobuf.timestamp_pb2 import Timestamp
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from tenacity import (
@@ -57,6 +59,8 @@ from tenacity import (
 
 from dxpool import names
 from dxpool.api.v1 import (
+    audit_pb2,
+    audit_pb2_grpc,
     fabric_pb2,
     fabric_pb2_grpc,
     inventory_pb2,
@@ -341,6 +345,7 @@ class Client:
         self._inventory = inventory_pb2_grpc.InventoryServiceStub(self._channel)
         self._nodes = nodes_pb2_grpc.NodeServiceStub(self._channel)
         self._fabric = fabric_pb2_grpc.FabricServiceStub(self._channel)
+        self._audit = audit_pb2_grpc.AuditServiceStub(self._channel)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -529,6 +534,36 @@ class Client:
             self._inventory.ListHosts,
             lambda token: inventory_pb2.ListHostsRequest(page_size=_PAGE_SIZE, page_token=token),
             lambda response: (response.hosts, response.next_page_token),
+        )
+
+    # -- audit ---------------------------------------------------------------------------
+
+    def list_audit_records(
+        self,
+        *,
+        since: datetime.datetime | None = None,
+        identity: str = "",
+        target: str = "",
+    ) -> list[audit_pb2.AuditRecord]:
+        """The audit records of mutating calls, oldest first: from ``since`` (an aware
+        datetime), by ``identity`` (``dxpool://tenant/team-a``), naming ``target``
+        (``nodes/n1``, ``boxes/box1``)."""
+        since_ts = None
+        if since is not None:
+            if since.tzinfo is None:
+                raise InvalidArgument("since must be timezone-aware, e.g. in UTC")
+            since_ts = Timestamp()
+            since_ts.FromDatetime(since)
+        return self._collect(
+            self._audit.ListAuditRecords,
+            lambda token: audit_pb2.ListAuditRecordsRequest(
+                page_size=_PAGE_SIZE,
+                page_token=token,
+                since=since_ts,
+                identity=identity,
+                target=target,
+            ),
+            lambda response: (response.records, response.next_page_token),
         )
 
     # -- nodes ---------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from dxpool.api.v1 import nodes_pb2, resources_pb2
+from dxpool.api.v1 import audit_pb2, nodes_pb2, resources_pb2
 from dxpool.broker.auth import GUARDED_PREFIXES, RULES, TokenTable
 from dxpool.broker.server import BrokerServer
 from dxpool.client import Client
@@ -85,7 +85,7 @@ def test_every_rpc_of_every_service_has_exactly_one_rule() -> None:
 
     methods = {
         f"/{service.full_name}/{method.name}"
-        for module in (inventory, nodes, fabric)
+        for module in (inventory, nodes, fabric, audit_pb2)
         for service in module.DESCRIPTOR.services_by_name.values()
         for method in service.methods
     }
