@@ -306,3 +306,45 @@ def test_a_certificate_without_exactly_one_dxpool_identity_is_refused(pki: Pki) 
     assert _certificate_identity(pki.path("operator-alice").read_bytes()) == Identity(
         Role.OPERATOR, "alice"
     )
+
+
+def _race(callers: dict[str, Client], request_id: str) -> dict[str, object]:
+    """Both callers compose at once with ``request_id``; each one's node or error."""
+    import threading
+
+    barrier = threading.Barrier(len(callers))
+    outcomes: dict[str, object] = {}
+
+    def compose(team: str) -> None:
+        barrier.wait()
+        try:
+            outcomes[team] = callers[team].compose_node("H100:1", request_id=request_id)
+        except Exception as error:
+            outcomes[team] = error
+
+    threads = [threading.Thread(target=compose, args=(team,)) for team in callers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return outcomes
+
+
+def test_two_tenants_racing_on_one_request_id_never_share_a_node(
+    connect: Callable[..., Client], pool: SimPool
+) -> None:
+    """Both composes start together with the same request id: one makes the node; the
+    other learns the id is taken (from the cache, or from the compose transaction's
+    compare on the request key) and never gets the winner's node."""
+    callers = {"team-a": connect("tenant", "team-a"), "team-b": connect("tenant", "team-b")}
+    for round_ in range(4):
+        outcomes = _race(callers, f"race-{round_}")
+        winners = {t: o for t, o in outcomes.items() if isinstance(o, resources_pb2.VirtualNode)}
+        losers = {t: o for t, o in outcomes.items() if t not in winners}
+        assert len(winners) == 1 and len(losers) == 1, outcomes
+        ((winner, node),) = winners.items()
+        assert isinstance(node, resources_pb2.VirtualNode)
+        assert node.owner == f"dxpool://tenant/{winner}"
+        ((_, error),) = losers.items()
+        assert "already used by another caller" in str(error)
+        callers[winner].release_node(node.name)
