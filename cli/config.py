@@ -210,11 +210,16 @@ def resolve_connection(
 ) -> Connection:
     """TLS material and token by the precedence in the module docstring."""
     env = os.environ if env is None else env
-    explicit = {"ca": ca, "cert": cert, "key": key, "server_name": server_name}
-    explicit["token_file"] = token_file
-    config: dict[str, Any] | None = None
-    if not all(explicit.values()) and not all(env.get(v) for v in TLS_ENV.values()):
-        config = load_config(env)
+    explicit = {
+        "ca": ca,
+        "cert": cert,
+        "key": key,
+        "server_name": server_name,
+        "token_file": token_file,
+    }
+    # The file is read only when some setting is left to it.
+    left_to_file = any(not explicit[name] and not env.get(TLS_ENV[name]) for name in TLS_ENV)
+    config = load_config(env) if left_to_file else None
     found = {n: _security_setting(n, explicit[n], env, config) for n in TLS_ENV}
     tls: ClientTls | None = None
     if found["ca"] or found["cert"] or found["key"]:
