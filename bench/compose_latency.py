@@ -155,6 +155,7 @@ def start_stack(work: Path) -> tuple[EmbeddedEtcd, list[subprocess.Popen[bytes]]
                 "WARNING",
                 "--metrics-port",
                 str(metrics_port),
+                "--insecure",
             ],
             stdout=log,
             stderr=subprocess.STDOUT,

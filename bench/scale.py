@@ -218,6 +218,7 @@ def start_broker(etcd: str, work: Path) -> tuple[subprocess.Popen[bytes], str, f
             "3600",
             "--log-level",
             "WARNING",
+            "--insecure",
         ],
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -78,13 +78,17 @@ class Composer:
 
     # -- compose ---------------------------------------------------------------------
 
-    def compose(self, request: nodes_pb2.ComposeNodeRequest) -> pb.VirtualNode:
-        """Place and commit a node; see the module docstring and NodeService.ComposeNode."""
+    def compose(self, request: nodes_pb2.ComposeNodeRequest, owner: str = "") -> pb.VirtualNode:
+        """Place and commit a node; see the module docstring and NodeService.ComposeNode.
+
+        ``owner`` (the caller's identity URI; empty without authentication) is recorded
+        on the node. A request id is the owner's own: another owner's id answers
+        ALREADY_EXISTS without naming the node it made."""
         placement_request = self._check(request)
         request_id = request.request_id
         if request_id:
             existing = self._node_for_request(
-                request_id, request.spec, self._cache.get(k.REQUESTS, request_id)
+                request_id, request.spec, self._cache.get(k.REQUESTS, request_id), owner
             )
             if existing is not None:
                 return existing
@@ -114,14 +118,14 @@ class Composer:
             # cache (GPUs still free, host slots unused, boxes schedulable) rather than
             # placed again, and the commit compares every record it depends on.
             with self._host_locks.lock(host):
-                outcome = self._try_commit(request, node_id, result)
+                outcome = self._try_commit(request, node_id, result, owner)
                 if outcome is None:
                     # Taken meanwhile (most often by a compose that held this lock
                     # first): try this host again, which is cheaper than a full placement.
                     pinned = replace(placement_request, host=host)
                     result = place(pinned, self._index.snapshot(), self._latency.current())
                     if result.placement is not None:
-                        outcome = self._try_commit(request, node_id, result)
+                        outcome = self._try_commit(request, node_id, result, owner)
             if isinstance(outcome, pb.VirtualNode):
                 metrics.COMPOSE_TOTAL.labels(result="ok").inc()
                 return outcome
@@ -182,7 +186,7 @@ class Composer:
         )
 
     def _node_for_request(
-        self, request_id: str, spec: pb.NodeSpec, record: Versioned[Any] | None
+        self, request_id: str, spec: pb.NodeSpec, record: Versioned[Any] | None, owner: str
     ) -> pb.VirtualNode | None:
         """The node an earlier call with ``request_id`` made, given its request record.
 
@@ -207,6 +211,12 @@ class Composer:
                 reason="REQUEST_ID_REUSED",
             )
         found: pb.VirtualNode = node.value
+        if found.owner != owner:
+            raise AlreadyExists(
+                f"request_id {request_id!r} was already used by another caller; use a new "
+                "request_id",
+                reason="REQUEST_ID_REUSED",
+            )
         if found.spec != spec:
             raise AlreadyExists(
                 f"request_id {request_id!r} was already used for a different request "
@@ -216,7 +226,11 @@ class Composer:
         return found
 
     def _try_commit(
-        self, request: nodes_pb2.ComposeNodeRequest, node_id: str, result: PlacementResult
+        self,
+        request: nodes_pb2.ComposeNodeRequest,
+        node_id: str,
+        result: PlacementResult,
+        owner: str,
     ) -> pb.VirtualNode | None:
         """Commit ``result``; return the node, or None when a compare failed."""
         assert result.placement is not None
@@ -236,6 +250,7 @@ class Composer:
             create_time=timestamp(now),
             update_time=timestamp(now),
             attach_deadline=timestamp(now + self._settings.attach_timeout_s),
+            owner=owner,
         )
         allocation_record = self._cache.get(k.HOST_ALLOCATIONS, host_id)
         allocation = (
@@ -304,7 +319,7 @@ class Composer:
         self._refresh(committed.current)
         if request_key:
             existing = self._node_for_request(
-                request.request_id, request.spec, committed.current.get(request_key)
+                request.request_id, request.spec, committed.current.get(request_key), owner
             )
             if existing is not None:
                 return existing
@@ -322,8 +337,13 @@ class Composer:
 
     # -- release ---------------------------------------------------------------------
 
-    def release(self, name: str, *, force: bool = False) -> pb.VirtualNode:
+    def release(
+        self, name: str, *, force: bool = False, owner: str | None = None
+    ) -> pb.VirtualNode:
         """Start releasing a node. Idempotent for RELEASING and RELEASED nodes.
+
+        With ``owner`` set (a tenant's call) a node owned by anyone else is NOT_FOUND,
+        judged in the same transaction that releases it.
 
         Without ``force`` the host's agent detaches the GPUs and they are freed once it
         confirms. With ``force`` the broker does not wait for the agent: the GPUs go
@@ -334,7 +354,7 @@ class Composer:
 
         def body(view: TxnView) -> pb.VirtualNode:
             record = view.get(k.NODES, node_id)
-            if record is None:
+            if record is None or (owner is not None and record.value.owner != owner):
                 raise NotFound(
                     f"node {name} does not exist; list nodes with `dxpool node list`",
                     reason="NODE_NOT_FOUND",

@@ -93,13 +93,13 @@ def guard_deserializer(deserializer: Callable[[bytes], Any]) -> Callable[[bytes]
 
 if TYPE_CHECKING:  # grpc's classes are generic only in its type stubs
     Handler = grpc.RpcMethodHandler[Any, Any]
-    _Interceptor = grpc.ServerInterceptor[Any, Any]
+    Interceptor = grpc.ServerInterceptor[Any, Any]
 else:
     Handler = grpc.RpcMethodHandler
-    _Interceptor = grpc.ServerInterceptor
+    Interceptor = grpc.ServerInterceptor
 
 
-class RequestDecodingGuard(_Interceptor):
+class RequestDecodingGuard(Interceptor):
     """Server interceptor: undecodable requests get INVALID_ARGUMENT; see the module doc."""
 
     def __init__(self, log_interval_s: float = LOG_INTERVAL_S) -> None:

@@ -46,3 +46,7 @@ STREAMS_REJECTED = Counter(
 WATCH_CUTOFFS = Counter(
     "dxpool_watch_cutoffs_total", "WatchNodes streams the broker ended early", ["reason"]
 )
+AUDIT_WRITE_FAILURES = Counter(
+    "dxpool_audit_write_failures_total",
+    "Audit records that could not be written to etcd (the call itself went through)",
+)

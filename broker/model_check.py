@@ -7,8 +7,9 @@ FAILED_PRECONDITION, reason ``UNKNOWN_MODEL``, naming the models the pool has.
 
 It runs only after placement has failed, so a compose that fits pays nothing for it.
 The cache may lag etcd (a box another broker has just registered), so a model the cache
-lacks is confirmed at etcd's current revision before it is called unknown: the cache is
-waited for up to that revision and asked again. When that cannot be done in time the
+lacks is confirmed with etcd before it is called unknown: the cache is waited for up to
+the revision of the latest GPU record written (not etcd's current revision: writes outside
+the pool's prefix, such as the audit log, never reach the cache's watch) and asked again. When that cannot be done in time the
 check says nothing and the caller reports the retryable NO_CAPACITY.
 """
 
@@ -53,7 +54,7 @@ def check_model_known(store: Store, cache: Cache, model: str) -> None:
     if not model or _has_model(cache, model):
         return
     try:
-        revision = store.current_revision()
+        revision = store.last_write_revision(k.GPUS)
     except Unavailable:
         return
     if not cache.wait_for_revision(revision, CATCH_UP_TIMEOUT_S):

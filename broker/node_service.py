@@ -4,16 +4,22 @@ node's GPUs to a VM (libvirt ``<hostdev>`` XML, :mod:`dxpool.broker.hostdev`).
 WatchNodes streams come from a :class:`~dxpool.broker.node_watch.NodeFeed`: coalesced per
 node, resumable by revision, and never able to block a compose or the cache's watch.
 How many run at once is the broker's stream budget (``broker/streams.py``).
+
+With authentication on, a tenant is scoped to its own nodes (``VirtualNode.owner``, set
+at compose): another owner's node is NOT_FOUND to it (Get, Release, a named Watch),
+missing from its listings, and absent from its watch. Operators see every node. Which
+roles may call at all is ``broker/auth.py``'s table.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 
 from dxpool.api.v1 import nodes_pb2, nodes_pb2_grpc
 from dxpool.api.v1 import resources_pb2 as pb
+from dxpool.broker.auth import owner_scope
 from dxpool.broker.cache import Cache
 from dxpool.broker.compose import Composer
 from dxpool.broker.hostdev import node_hostdev
@@ -21,18 +27,44 @@ from dxpool.broker.node_watch import NodeFeed, WatchSettings
 from dxpool.broker.rpc import cache_page, handler, stream_handler
 from dxpool.broker.validation import check_page_size
 from dxpool.errors import InvalidArgument, NotFound
+from dxpool.identity import Identity
 from dxpool.names import parse_host, parse_node
 from dxpool.store import keys as k
 from dxpool.store.typed import Versioned
 
+Identify = Callable[[grpc.ServicerContext], Identity]
+
+
+def _not_found(name: str) -> NotFound:
+    return NotFound(
+        f"node {name} does not exist; list nodes with `dxpool node list`",
+        reason="NODE_NOT_FOUND",
+    )
+
 
 class NodeService(nodes_pb2_grpc.NodeServiceServicer):
+    """``identify`` names the caller when authentication is on (None: it is off, and
+    every caller sees every node)."""
+
     def __init__(
-        self, composer: Composer, cache: Cache, watch: WatchSettings | None = None
+        self,
+        composer: Composer,
+        cache: Cache,
+        watch: WatchSettings | None = None,
+        *,
+        identify: Identify | None = None,
     ) -> None:
         self._composer = composer
         self._cache = cache
+        self._identify = identify
         self.feed = NodeFeed(cache, watch, lookup=composer.lookup)
+
+    def _caller(self, context: grpc.ServicerContext) -> Identity | None:
+        return self._identify(context) if self._identify is not None else None
+
+    def _scope(self, context: grpc.ServicerContext) -> str | None:
+        """The owner this caller is limited to; None: every node."""
+        return owner_scope(self._caller(context))
 
     def close(self) -> None:
         """End every watch (UNAVAILABLE, so clients re-watch); returns at once."""
@@ -42,7 +74,8 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
     def ComposeNode(
         self, request: nodes_pb2.ComposeNodeRequest, context: grpc.ServicerContext
     ) -> pb.VirtualNode:
-        return self._composer.compose(request)
+        caller = self._caller(context)
+        return self._composer.compose(request, owner=caller.uri if caller else "")
 
     @handler("NodeService.PlanNode")
     def PlanNode(
@@ -54,22 +87,21 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
     def GetNode(
         self, request: nodes_pb2.GetNodeRequest, context: grpc.ServicerContext
     ) -> pb.VirtualNode:
-        return self._node(request.name)
+        return self._node(request.name, context)
 
     @handler("NodeService.GetNodeHostdev")
     def GetNodeHostdev(
         self, request: nodes_pb2.GetNodeHostdevRequest, context: grpc.ServicerContext
     ) -> nodes_pb2.NodeHostdev:
-        return node_hostdev(self._node(request.name))
+        return node_hostdev(self._node(request.name, context))
 
-    def _node(self, name: str) -> pb.VirtualNode:
-        """The node ``name`` names, read through to etcd on a cache miss; NotFound."""
+    def _node(self, name: str, context: grpc.ServicerContext) -> pb.VirtualNode:
+        """The node ``name`` names, read through to etcd on a cache miss; NotFound also
+        when the caller is a tenant that does not own it."""
+        scope = self._scope(context)
         record = self._composer.lookup(k.NODES, parse_node(name))
-        if record is None:
-            raise NotFound(
-                f"node {name} does not exist; list nodes with `dxpool node list`",
-                reason="NODE_NOT_FOUND",
-            )
+        if record is None or (scope is not None and record.value.owner != scope):
+            raise _not_found(name)
         node: pb.VirtualNode = record.value
         return node
 
@@ -78,11 +110,14 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
         self, request: nodes_pb2.ListNodesRequest, context: grpc.ServicerContext
     ) -> nodes_pb2.ListNodesResponse:
         host = f"hosts/{parse_host(request.host)}" if request.host else ""
+        scope = self._scope(context)
 
         def keep(record: Versioned[pb.VirtualNode]) -> bool:
             node = record.value
-            return (request.show_released or node.state != pb.NODE_STATE_RELEASED) and (
-                not host or node.host == host
+            return (
+                (request.show_released or node.state != pb.NODE_STATE_RELEASED)
+                and (not host or node.host == host)
+                and (scope is None or node.owner == scope)
             )
 
         chunk, token = cache_page(
@@ -95,7 +130,7 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
     def ReleaseNode(
         self, request: nodes_pb2.ReleaseNodeRequest, context: grpc.ServicerContext
     ) -> pb.VirtualNode:
-        return self._composer.release(request.name, force=request.force)
+        return self._composer.release(request.name, force=request.force, owner=self._scope(context))
 
     @stream_handler("NodeService.WatchNodes")
     def WatchNodes(
@@ -108,4 +143,34 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
                 "listing, or the revision of the last event handled on an earlier watch",
                 reason="INVALID_REVISION",
             )
-        yield from self.feed.watch(only, request.start_revision, context)
+        scope = self._scope(context)
+        if scope is None:
+            yield from self.feed.watch(only, request.start_revision, context)
+            return
+        if only is not None:
+            record = self._composer.lookup(k.NODES, only)
+            if record is not None and record.value.owner != scope:
+                raise _not_found(request.name)
+        yield from _owned_events(self.feed.watch(only, request.start_revision, context), scope)
+
+
+def _owned_events(
+    events: Iterator[nodes_pb2.NodeEvent], owner: str
+) -> Iterator[nodes_pb2.NodeEvent]:
+    """The events of ``owner``'s nodes (and every SYNCED mark, which carries no node).
+
+    A deletion carries only the node's name, so it is passed on for nodes this stream
+    has shown as ``owner``'s; a deletion of an owned node that this stream never showed
+    (one resumed after the node was RELEASED and before it was collected) is not sent.
+    """
+    shown: set[str] = set()
+    for event in events:
+        if event.type == nodes_pb2.NodeEvent.TYPE_SYNCED:
+            yield event
+        elif event.type == nodes_pb2.NodeEvent.TYPE_DELETED:
+            if event.node.name in shown:
+                shown.discard(event.node.name)
+                yield event
+        elif event.node.owner == owner:
+            shown.add(event.node.name)
+            yield event

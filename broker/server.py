@@ -29,6 +29,8 @@ from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from dxpool.api.v1 import (
+    audit_pb2,
+    audit_pb2_grpc,
     fabric_pb2,
     fabric_pb2_grpc,
     inventory_pb2,
@@ -37,11 +39,15 @@ from dxpool.api.v1 import (
     nodes_pb2_grpc,
 )
 from dxpool.broker import pool_metrics
+from dxpool.broker.audit import DEFAULT_RETENTION_S as DEFAULT_AUDIT_RETENTION_S
+from dxpool.broker.audit import AuditLog, AuditRecorder
+from dxpool.broker.audit_service import AuditService
+from dxpool.broker.auth import Authenticator, Authorizer, TokenTable
 from dxpool.broker.box_fabric import open_box_fabric
 from dxpool.broker.cache import Cache
 from dxpool.broker.compose import Composer, ComposeSettings
 from dxpool.broker.controller import NodeController
-from dxpool.broker.decoding import RequestDecodingGuard
+from dxpool.broker.decoding import Interceptor, RequestDecodingGuard
 from dxpool.broker.duties import DutySettings, SingletonDuties
 from dxpool.broker.fabric_service import FabricService
 from dxpool.broker.inventory_service import InventoryService
@@ -53,13 +59,15 @@ from dxpool.broker.placement_index import PlacementIndex
 from dxpool.broker.serving import DEFAULT_MAX_STALENESS_S, ServingState, StalenessGate
 from dxpool.broker.streams import StreamLimiter, StreamLimits
 from dxpool.defaults import DEFAULT_ENDPOINT
+from dxpool.errors import InvalidArgument
 from dxpool.fabric.measured import MeasuredLatency
 from dxpool.fabric.models import LatencySettings, build_latency_source
 from dxpool.fabric.topology import Topology
 from dxpool.store import keys as k
-from dxpool.store.client import connect
+from dxpool.store.client import connect, parse_endpoints
 from dxpool.store.keys import DEFAULT_PREFIX, KeySchema
 from dxpool.store.typed import Store
+from dxpool.tls import ClientTls, ServerTls, is_loopback_listen
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +76,7 @@ SERVICE_NAMES = (
     inventory_pb2.DESCRIPTOR.services_by_name["InventoryService"].full_name,
     nodes_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name,
     fabric_pb2.DESCRIPTOR.services_by_name["FabricService"].full_name,
+    audit_pb2.DESCRIPTOR.services_by_name["AuditService"].full_name,
 )
 # How long stop() waits, beyond the grace period, for calls and stream threads to end.
 STOP_MARGIN_S = 3.0
@@ -109,8 +118,17 @@ class BrokerConfig:
     # Each etcd call gives up after this long (an unanswered call is one to a dead or
     # paused member, or one without quorum; failing it lets the next member be tried).
     etcd_timeout_s: float = 1.0
+    # TLS to etcd (its CA, and a client certificate for --client-cert-auth); None: plaintext.
+    etcd_tls: ClientTls | None = None
+    # How long audit records are kept (broker/audit.py); 0 keeps no audit log.
+    audit_retention_s: float = DEFAULT_AUDIT_RETENTION_S
     # Calls are refused (UNAVAILABLE) once the cache may be this stale; see serving.py.
     max_staleness_s: float = DEFAULT_MAX_STALENESS_S
+    # TLS for the gRPC endpoint; None serves plaintext (an explicit choice: ``--insecure``).
+    tls: ServerTls | None = None
+    # Bearer tokens (``TOKEN: ROLE/NAME`` YAML); needs ``tls`` without a client CA.
+    # Authentication is on when this or ``tls.client_ca`` is set (see broker/auth.py).
+    token_file: Path | None = None
 
 
 class BrokerServer:
@@ -120,14 +138,13 @@ class BrokerServer:
         self.config = config
         self._port = 0
         self._server: grpc.Server | None = None
-        self._etcd = connect(config.etcd_endpoints, timeout_s=config.etcd_timeout_s)
+        etcd_addresses = parse_endpoints(config.etcd_endpoints, config.etcd_tls)
+        self._etcd = connect(etcd_addresses, timeout_s=config.etcd_timeout_s)
         schema = KeySchema(config.key_prefix)
         self.store = Store(self._etcd, schema)
         # The cache's watch opens channels of its own, so watch events never queue
         # behind (or ahead of) the transactions on the compose path.
-        self.cache = Cache(
-            config.etcd_endpoints, schema, on_watch_state=lambda _: self.serving.notify()
-        )
+        self.cache = Cache(etcd_addresses, schema, on_watch_state=lambda _: self.serving.notify())
         topology = (
             Topology.load(config.topology_path) if config.topology_path else Topology.default()
         )
@@ -174,7 +191,13 @@ class BrokerServer:
         self.store.health.subscribe(self.serving.notify)
 
     def start(self) -> BrokerServer:
-        """Load the cache, start the controller, bind and serve. Returns once serving."""
+        """Load the cache, start the controller, bind and serve. Returns once serving.
+
+        TLS files are read first: a missing one raises InvalidArgument before anything
+        starts."""
+        authenticator = self._authenticator()
+        tls = self.config.tls
+        credentials = tls.credentials() if tls is not None else None
         self.cache.start()
         self._detach_pool_metrics = pool_metrics.COLLECTOR.attach(self.cache)
         self.index = PlacementIndex(self.cache)
@@ -217,35 +240,90 @@ class BrokerServer:
             max_workers=self.config.max_workers + self.config.stream_limits.total,
             thread_name_prefix="rpc",
         )
-        server = grpc.server(
-            self._executor,
-            interceptors=[
-                self.streams,
-                StalenessGate(self.serving, GATED_PREFIXES),
-                RequestDecodingGuard(),
-            ],
-            options=_SERVER_OPTIONS,
+        interceptors: list[Interceptor] = [
+            self.streams,
+            StalenessGate(self.serving, GATED_PREFIXES),
+            RequestDecodingGuard(),
+        ]
+        if authenticator is not None:  # checks each call before its servicer runs
+            interceptors.insert(1, Authorizer(authenticator))
+        audit = (
+            AuditLog(self._etcd, self.config.key_prefix, retention_s=self.config.audit_retention_s)
+            if self.config.audit_retention_s > 0
+            else None
         )
+        if audit is not None:  # outermost: it sees every outcome, denials included
+            identify = authenticator.identify if authenticator is not None else None
+            interceptors.insert(0, AuditRecorder(audit, identify))
+        server = grpc.server(self._executor, interceptors=interceptors, options=_SERVER_OPTIONS)
         inventory_pb2_grpc.add_InventoryServiceServicer_to_server(
             InventoryService(self.store, self.cache), server
         )
-        self.nodes = NodeService(composer, self.cache, self.config.watch)
+        self.nodes = NodeService(
+            composer,
+            self.cache,
+            self.config.watch,
+            identify=authenticator.identify if authenticator is not None else None,
+        )
         nodes_pb2_grpc.add_NodeServiceServicer_to_server(self.nodes, server)
         fabric_pb2_grpc.add_FabricServiceServicer_to_server(
             FabricService(self.cache, self.latency, self.index.snapshot), server
         )
+        audit_pb2_grpc.add_AuditServiceServicer_to_server(AuditService(audit), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         self.serving.start()
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        self._port = server.add_insecure_port(self.config.listen)
+        self._port = self._bind(server, credentials)
         if self._port == 0:
             raise OSError(f"cannot listen on {self.config.listen}: address in use or invalid")
         server.start()
         self._server = server
         log.info("broker serving", extra={"endpoint": self.endpoint})
         return self
+
+    def _authenticator(self) -> Authenticator | None:
+        """Who calls, when authentication is on (a client CA or a token file); None
+        otherwise. InvalidArgument for tokens without TLS or with a client CA, or an
+        unreadable token file.
+
+        A broker authenticates one way: gRPC's Python server can only require client
+        certificates or not ask for them, so it cannot serve certificate holders and token
+        holders on one port. Run a broker of each kind against the same etcd for both.
+        """
+        config = self.config
+        if config.token_file is not None and config.tls is None:
+            raise InvalidArgument(
+                "bearer tokens need TLS (they would cross the network in the clear): give "
+                "the broker a certificate and key, or no token file",
+                reason="INVALID_TLS_CONFIG",
+            )
+        if config.token_file is not None and config.tls is not None and config.tls.client_ca:
+            raise InvalidArgument(
+                "a broker authenticates by client certificates (client CA) or by bearer "
+                "tokens, not both: run one broker of each kind against the same etcd",
+                reason="INVALID_TLS_CONFIG",
+            )
+        tokens = TokenTable.load(config.token_file) if config.token_file is not None else None
+        certificates = config.tls is not None and config.tls.client_ca is not None
+        if tokens is None and not certificates:
+            return None
+        return Authenticator(tokens=tokens, certificates=certificates)
+
+    def _bind(self, server: grpc.Server, credentials: grpc.ServerCredentials | None) -> int:
+        """Add the listening port, with TLS when configured; warn about plaintext that
+        leaves the machine."""
+        listen = self.config.listen
+        if credentials is not None:
+            return server.add_secure_port(listen, credentials)
+        if not is_loopback_listen(listen):
+            log.warning(
+                "serving plaintext gRPC without TLS on a non-loopback address: any client "
+                "on the network can call every RPC; configure TLS for production",
+                extra={"listen": listen},
+            )
+        return server.add_insecure_port(listen)
 
     @property
     def endpoint(self) -> str:

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import click
 
 from dxpool.client import Client
-from dxpool.config import Setting, resolve_endpoint_setting
+from dxpool.config import Setting, resolve_connection, resolve_endpoint_setting
 from dxpool.errors import InvalidArgument
+
+
+class SecurityFlags(NamedTuple):
+    """The root command's TLS and token flags (None: not given)."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    token_file: str | None = None
 
 
 @dataclass
@@ -18,6 +28,7 @@ class CliContext:
 
     endpoint_flag: str | None = None
     request_timeout_s: float = 10.0
+    security_flags: SecurityFlags = field(default_factory=SecurityFlags)
     _endpoint: Setting | None = field(default=None, init=False)
     _client: Client | None = field(default=None, init=False)
 
@@ -34,7 +45,20 @@ class CliContext:
     def client(self) -> Client:
         """The client for this invocation, closed when the root context closes."""
         if self._client is None:
-            self._client = Client(self.endpoint.value, timeout_s=self.request_timeout_s)
+            flags = self.security_flags
+            try:
+                tls, token = resolve_connection(
+                    ca=flags.ca, cert=flags.cert, key=flags.key, token_file=flags.token_file
+                )
+                self._client = Client(
+                    self.endpoint.value,
+                    timeout_s=self.request_timeout_s,
+                    tls=tls,
+                    token=token,
+                    insecure=tls is None and token is None,
+                )
+            except InvalidArgument as error:  # a TLS file that cannot be read
+                raise click.UsageError(error.message) from None
             click.get_current_context().find_root().call_on_close(self._client.close)
         return self._client
 

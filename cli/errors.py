@@ -19,9 +19,24 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
 
+def _looks_like_tls(message: str) -> bool:
+    lowered = message.lower()
+    return any(word in lowered for word in ("ssl", "handshake", "certificate", "tls"))
+
+
 def hint_for(error: DxpoolError, endpoint: str) -> str | None:
     """A next step for ``error``, or None when the message says it all."""
     code = error.code
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return (
+            "connect with a client certificate (--tls-cert and --tls-key, or cert/key in the "
+            "config file) or a bearer token (--token-file), as the broker expects"
+        )
+    if code == grpc.StatusCode.UNAVAILABLE and _looks_like_tls(error.message):
+        return (
+            "the TLS handshake failed: check --tls-ca (the CA that signed the broker), your "
+            "certificate and key, and that the broker serves TLS"
+        )
     if code == grpc.StatusCode.UNAVAILABLE:
         return (
             f"is the broker running at {endpoint}? start one with `dxpool up`, or point "

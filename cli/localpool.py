@@ -5,6 +5,12 @@ fabric in ``<data-dir>/fabric``, a broker in this process, and one host agent pr
 host (``python -m dxpool.hostagent``, logs in ``<data-dir>/logs``); then it registers the
 boxes through the client and waits until every host's agent is alive.
 
+Secure by default: a private CA in ``<data-dir>/pki`` (:mod:`dxpool.cli.localpki`)
+signs every certificate; the broker requires client certificates (mutual TLS), etcd
+serves TLS and requires client certificates too (the broker's and each agent's), and
+``<data-dir>/config.yaml`` tells the CLI where the broker is and which certificate to
+use. ``secure=False`` runs everything in plaintext.
+
 Hosts ``h1..hN`` and boxes ``box1..boxM`` are spread over the racks of one site, two racks
 per pod, host ``hI`` and box ``boxI`` sharing rack ``rI``; so a host reaches one box through
 its rack switch, another through the pod switch and the rest through the site switch, and
@@ -53,6 +59,7 @@ from typing import TYPE_CHECKING
 
 from dxpool.api.v1 import resources_pb2
 from dxpool.cli.lifeline import lifeline_argv
+from dxpool.cli.localpki import LocalPki, ensure_local_pki, write_client_config
 from dxpool.cli.statedir import (
     ChildRecords,
     LeftoverProcessesError,
@@ -96,6 +103,9 @@ class LocalPoolSpec:
     key_prefix: str = DEFAULT_PREFIX
     ready_timeout_s: float = 60.0
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+    # Mutual TLS between the CLI and the broker, with a private CA in <data-dir>/pki;
+    # False serves plaintext.
+    secure: bool = True
 
     def __post_init__(self) -> None:
         for name in ("boxes", "gpus_per_box", "hosts", "slots", "gpu_memory_mib"):
@@ -219,6 +229,7 @@ class LocalPool:
     _broker: BrokerServer | None = field(default=None, init=False)
     _agents: list[_AgentChild] = field(default_factory=list, init=False)
     _endpoint: str = field(default="", init=False)
+    _pki: LocalPki | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self._lock = StateLock(self.spec.data_dir)
@@ -233,6 +244,12 @@ class LocalPool:
     @property
     def logs_dir(self) -> Path:
         return self.spec.data_dir / "logs"
+
+    @property
+    def config_path(self) -> Path:
+        """The CLI config ``start`` writes: the endpoint and, when secure, the operator's
+        certificate."""
+        return self.spec.data_dir / "config.yaml"
 
     def start(self) -> LocalPool:
         """Start everything; on any failure stop what was started and re-raise.
@@ -258,10 +275,18 @@ class LocalPool:
         # their working directory (the next run matches leftovers by them).
         data_dir = spec.data_dir.resolve()
         self.logs_dir.mkdir(parents=True, exist_ok=True)
+        pki = (
+            ensure_local_pki(data_dir / "pki", listen=spec.listen, hosts=spec.host_ids)
+            if spec.secure
+            else None
+        )
+        self._pki = pki
         etcd = EmbeddedEtcd(
             data_dir / "etcd",
             log_path=self.logs_dir / "etcd.log",
             launcher=lifeline_argv(os.getpid(), ETCD_DEATH_SIGNAL, self.python),
+            tls=pki.etcd_tls() if pki is not None else None,
+            client_tls=pki.broker_etcd_tls() if pki is not None else None,
         )
         self._etcd = _EtcdChild(etcd, self._records)
         self._etcd.start()
@@ -272,16 +297,24 @@ class LocalPool:
                 key_prefix=spec.key_prefix,
                 listen=spec.listen,
                 fabric=f"sim:{fabric_dir}",
+                tls=pki.broker_tls() if pki is not None else None,
+                etcd_tls=pki.broker_etcd_tls() if pki is not None else None,
             )
         )
         self._broker = broker
         broker.start()
         self._endpoint = broker.endpoint
+        write_client_config(self.config_path, self._endpoint, pki)
         for index, host in enumerate(spec.host_ids, start=1):
             agent = self._agent(host, index, fabric_dir)
             self._agents.append(agent)
             agent.start()
-        with Client(self._endpoint) as client:
+        client = (
+            Client(self._endpoint, tls=pki.operator_tls())
+            if pki is not None
+            else Client(self._endpoint, insecure=True)
+        )
+        with client:
             self._register_boxes(client)
             self._wait_for_hosts(client)
         self._supervisor.watch(self._etcd)
@@ -355,6 +388,7 @@ class LocalPool:
             # A restarted agent adopts its live lease, so its host's nodes are not lost.
             "--state-dir",
             str(fabric_dir.parent / "agents"),
+            *(self._pki.agent_etcd_args(host) if self._pki is not None else []),
         ]
         log_path = self.logs_dir / f"agent-{host}.log"
         return _AgentChild(host, self.python, args, log_path, self._records)

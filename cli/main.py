@@ -18,8 +18,19 @@ from typing import Any
 import click
 
 import dxpool
-from dxpool.cli.commands import box, completion, fabric, gpu, host, node, status, up
-from dxpool.cli.context import CliContext
+from dxpool.cli.commands import (
+    audit,
+    box,
+    certs,
+    completion,
+    fabric,
+    gpu,
+    host,
+    node,
+    status,
+    up,
+)
+from dxpool.cli.context import CliContext, SecurityFlags
 from dxpool.cli.errors import EXIT_API_ERROR, EXIT_INTERRUPTED, format_error
 from dxpool.cli.extras import missing_extra_command
 from dxpool.cli.params import SECONDS
@@ -102,10 +113,34 @@ class DxpoolGroup(click.Group):
     show_default=True,
     help="Deadline of each call to the broker.",
 )
+@click.option(
+    "--tls-ca",
+    metavar="PATH",
+    help="CA (PEM) that signed the broker's certificate; connects with TLS. Default: "
+    "$DXPOOL_CA, else 'ca' in the config file; none of the TLS settings: plaintext.",
+)
+@click.option(
+    "--tls-cert", metavar="PATH", help="Client certificate (PEM) for mutual TLS ($DXPOOL_CERT)."
+)
+@click.option("--tls-key", metavar="PATH", help="Key of --tls-cert (PEM) ($DXPOOL_KEY).")
+@click.option(
+    "--token-file",
+    metavar="PATH",
+    help="File holding a bearer token to authenticate with ($DXPOOL_TOKEN_FILE); needs TLS.",
+)
 @click.option("-v", "--verbose", count=True, help="Log more to stderr (-v info, -vv debug).")
 @click.version_option(dxpool.__version__, prog_name="dxpool")
 @click.pass_context
-def cli(ctx: click.Context, endpoint: str | None, request_timeout: float, verbose: int) -> None:
+def cli(
+    ctx: click.Context,
+    endpoint: str | None,
+    request_timeout: float,
+    tls_ca: str | None,
+    tls_cert: str | None,
+    tls_key: str | None,
+    token_file: str | None,
+    verbose: int,
+) -> None:
     """Compose GPU nodes from a disaggregated GPU pool.
 
     \b
@@ -122,14 +157,20 @@ def cli(ctx: click.Context, endpoint: str | None, request_timeout: float, verbos
         stderr.setFormatter(KeyValueFormatter())
         logging.basicConfig(level=level, handlers=[stderr])
         logging.getLogger("dxpool").setLevel(level)
-    ctx.obj = CliContext(endpoint_flag=endpoint, request_timeout_s=request_timeout)
+    ctx.obj = CliContext(
+        endpoint_flag=endpoint,
+        request_timeout_s=request_timeout,
+        security_flags=SecurityFlags(tls_ca, tls_cert, tls_key, token_file),
+    )
 
 
 # Long-running commands that own their logging configuration (their --log-level).
 DAEMONS = frozenset({"broker", "agent"})
 
 for _command in (
+    audit.audit,
     box.box,
+    certs.certs,
     gpu.gpu,
     host.host,
     node.node,

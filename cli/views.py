@@ -146,6 +146,7 @@ NODE_VIEW: View[resources_pb2.VirtualNode] = View(
         Column("latency", _node_latency),
         Column("age", lambda n: age(n.create_time)),
         Column("tenant", lambda n: n.spec.tenant or NONE, wide_only=True),
+        Column("owner", lambda n: n.owner or NONE, wide_only=True),
         Column("vfio", lambda n: "yes" if n.spec.vfio else "no", wide_only=True),
         Column("bindings", lambda n: ",".join(short(g.gpu) for g in n.gpus) or NONE, True),
         Column("message", lambda n: n.message or NONE, wide_only=True),
@@ -153,7 +154,7 @@ NODE_VIEW: View[resources_pb2.VirtualNode] = View(
 )
 
 # Widths for streaming node rows (``dxpool node watch``), one per NODE_VIEW column.
-NODE_STREAM_WIDTHS = (28, 11, 14, 14, 10, 6, 12, 6, 40)
+NODE_STREAM_WIDTHS = (28, 11, 14, 14, 10, 6, 12, 24, 6, 40)
 
 LATENCY_VIEW: View[fabric_pb2.Latency] = View(
     "latencies",

@@ -5,6 +5,9 @@ Example::
     from dxpool.client import Client
 
     with Client() as pool:  # endpoint: $DXPOOL_ENDPOINT, the config file, or 127.0.0.1:8470
+        # TLS: Client(tls=ClientTls(ca=..., cert=..., key=...)), or token="..." for a
+        # bearer token; by default both come from $DXPOOL_CA/CERT/KEY/TOKEN_FILE or the
+        # config file, and with none configured the connection is plaintext.
         node = pool.compose_node("H100:4", max_latency="4us")
         node = pool.wait_for_node(node.name)  # READY, or FailedPrecondition if it FAILED
         ...
@@ -29,6 +32,7 @@ Contracts:
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
 import uuid
@@ -39,6 +43,7 @@ from typing import Final, TypeVar
 import grpc
 from google.protobuf.descriptor import EnumDescriptor
 from google.protobuf.message import Message
+from google.protobuf.timestamp_pb2 import Timestamp
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from tenacity import (
@@ -54,6 +59,8 @@ from tenacity import (
 
 from dxpool import names
 from dxpool.api.v1 import (
+    audit_pb2,
+    audit_pb2_grpc,
     fabric_pb2,
     fabric_pb2_grpc,
     inventory_pb2,
@@ -62,7 +69,7 @@ from dxpool.api.v1 import (
     nodes_pb2_grpc,
     resources_pb2,
 )
-from dxpool.config import resolve_endpoint
+from dxpool.config import resolve_connection, resolve_endpoint
 from dxpool.errors import (
     Aborted,
     DxpoolError,
@@ -83,6 +90,7 @@ from dxpool.request import (
     parse_gpus,
     parse_memory_mib,
 )
+from dxpool.tls import ClientTls
 
 __all__ = [
     "Client",
@@ -296,12 +304,37 @@ def _wait_timeout(
     return TimeoutError(f"node {full_name} still {state} after {timeout_s:g}s")
 
 
+def _open_channel(
+    endpoint: str, tls: ClientTls | None, token: str | None, *, insecure: bool
+) -> grpc.Channel:
+    """A channel to ``endpoint``: plaintext, TLS, or TLS plus a bearer token."""
+    if not insecure and tls is None and token is None:
+        tls, token = resolve_connection()
+    if insecure or (tls is None and token is None):
+        return grpc.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
+    tls = tls or ClientTls()
+    credentials = tls.credentials()
+    if token is not None:
+        credentials = grpc.composite_channel_credentials(
+            credentials, grpc.access_token_call_credentials(token)
+        )
+    return grpc.secure_channel(
+        endpoint, credentials, options=[*_CHANNEL_OPTIONS, *tls.channel_options()]
+    )
+
+
 class Client:
     """A connection to one broker. Thread-safe; use as a context manager or call ``close``.
 
     ``endpoint`` None resolves it from ``$DXPOOL_ENDPOINT``, the config file or the default
     (see :mod:`dxpool.config`). ``timeout_s`` bounds every unary call; a call that
     finds the broker unreachable is tried up to ``max_attempts`` times in all.
+
+    ``tls`` (and ``token``, a bearer token sent on every call) None resolve from the
+    environment and the config file like the endpoint; ``insecure=True`` connects in
+    plaintext whatever they say. A token is sent only over TLS (gRPC refuses to send call
+    credentials in plaintext), so a token without ``tls`` connects with TLS verified
+    against the system's roots.
     """
 
     def __init__(
@@ -310,7 +343,12 @@ class Client:
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        tls: ClientTls | None = None,
+        token: str | None = None,
+        insecure: bool = False,
     ) -> None:
+        if insecure and (tls is not None or token is not None):
+            raise InvalidArgument("insecure=True connects in plaintext: give no tls or token")
         if timeout_s <= 0:
             raise InvalidArgument(f"timeout_s must be positive, got {timeout_s}")
         if max_attempts < 1:
@@ -318,11 +356,12 @@ class Client:
         self.endpoint = resolve_endpoint(endpoint)
         self.timeout_s = timeout_s
         self.max_attempts = max_attempts
-        self._channel = grpc.insecure_channel(self.endpoint, options=_CHANNEL_OPTIONS)
+        self._channel = _open_channel(self.endpoint, tls, token, insecure=insecure)
         self._closed = False
         self._inventory = inventory_pb2_grpc.InventoryServiceStub(self._channel)
         self._nodes = nodes_pb2_grpc.NodeServiceStub(self._channel)
         self._fabric = fabric_pb2_grpc.FabricServiceStub(self._channel)
+        self._audit = audit_pb2_grpc.AuditServiceStub(self._channel)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -511,6 +550,36 @@ class Client:
             self._inventory.ListHosts,
             lambda token: inventory_pb2.ListHostsRequest(page_size=_PAGE_SIZE, page_token=token),
             lambda response: (response.hosts, response.next_page_token),
+        )
+
+    # -- audit ---------------------------------------------------------------------------
+
+    def list_audit_records(
+        self,
+        *,
+        since: datetime.datetime | None = None,
+        identity: str = "",
+        target: str = "",
+    ) -> list[audit_pb2.AuditRecord]:
+        """The audit records of mutating calls, oldest first: from ``since`` (an aware
+        datetime), by ``identity`` (``dxpool://tenant/team-a``), naming ``target``
+        (``nodes/n1``, ``boxes/box1``)."""
+        since_ts = None
+        if since is not None:
+            if since.tzinfo is None:
+                raise InvalidArgument("since must be timezone-aware, e.g. in UTC")
+            since_ts = Timestamp()
+            since_ts.FromDatetime(since)
+        return self._collect(
+            self._audit.ListAuditRecords,
+            lambda token: audit_pb2.ListAuditRecordsRequest(
+                page_size=_PAGE_SIZE,
+                page_token=token,
+                since=since_ts,
+                identity=identity,
+                target=target,
+            ),
+            lambda response: (response.records, response.next_page_token),
         )
 
     # -- nodes ---------------------------------------------------------------------------

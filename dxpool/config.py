@@ -5,10 +5,17 @@ Precedence, highest first:
 1. an explicit value (the ``--endpoint`` flag, or ``Client(endpoint=...)``);
 2. the environment variable ``DXPOOL_ENDPOINT``;
 3. the key ``endpoint`` in the config file: ``$DXPOOL_CONFIG`` if set, otherwise
-   ``~/.config/dxpool/config.yaml`` (a missing default file is fine; a missing file that
-   ``DXPOOL_CONFIG`` names is an error);
+   ``~/.config/dxpool/config.yaml``, otherwise ``./.dxpool/config.yaml`` (the file
+   ``dxpool up`` writes into its default data directory), whichever exists first (a
+   missing default file is fine; a missing file that ``DXPOOL_CONFIG`` names is an error);
 4. ``127.0.0.1:8470``, which is also where ``dxpool up`` listens, so a local pool needs no
    configuration at all.
+
+The TLS settings and the bearer token (``ca``, ``cert``, ``key``, ``server_name``,
+``token_file``) resolve the same way, each on its own: flag, then ``DXPOOL_CA``,
+``DXPOOL_CERT``, ``DXPOOL_KEY``, ``DXPOOL_SERVER_NAME``, ``DXPOOL_TOKEN_FILE``, then the
+config file, where relative paths are taken from the file's directory. With none of
+them the connection is plaintext, as before.
 
 Every bad value raises :class:`~dxpool.errors.InvalidArgument` naming where it came from.
 """
@@ -24,11 +31,14 @@ import yaml
 
 from dxpool.defaults import DEFAULT_ENDPOINT
 from dxpool.errors import InvalidArgument
+from dxpool.tls import ClientTls
 
 ENDPOINT_ENV = "DXPOOL_ENDPOINT"
 CONFIG_ENV = "DXPOOL_CONFIG"
 DEFAULT_CONFIG_PATH = Path("~/.config/dxpool/config.yaml")
-CONFIG_KEYS = frozenset({"endpoint"})
+# What `dxpool up` writes into its default data directory, read when no other file is.
+LOCAL_POOL_CONFIG_PATH = Path(".dxpool/config.yaml")
+CONFIG_KEYS = frozenset({"endpoint", "ca", "cert", "key", "server_name", "token_file"})
 
 
 class Setting(NamedTuple):
@@ -39,9 +49,15 @@ class Setting(NamedTuple):
 
 
 def config_path(env: Mapping[str, str] | None = None) -> Path:
-    """The config file to read: ``$DXPOOL_CONFIG`` or the default path, user-expanded."""
+    """The config file to read: ``$DXPOOL_CONFIG``, else the default path, else a local
+    pool's ``./.dxpool/config.yaml`` if only that one exists; user-expanded."""
     env = os.environ if env is None else env
-    return Path(env.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH).expanduser()
+    if env.get(CONFIG_ENV):
+        return Path(env[CONFIG_ENV]).expanduser()
+    default = DEFAULT_CONFIG_PATH.expanduser()
+    if not default.exists() and LOCAL_POOL_CONFIG_PATH.is_file():
+        return LOCAL_POOL_CONFIG_PATH.absolute()
+    return default
 
 
 def load_config(env: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -165,14 +181,110 @@ def resolve_endpoint(explicit: str | None = None, *, env: Mapping[str, str] | No
     return resolve_endpoint_setting(explicit, env=env).value
 
 
+# -- TLS and token settings ---------------------------------------------------------------
+
+TLS_ENV: Mapping[str, str] = {
+    "ca": "DXPOOL_CA",
+    "cert": "DXPOOL_CERT",
+    "key": "DXPOOL_KEY",
+    "server_name": "DXPOOL_SERVER_NAME",
+    "token_file": "DXPOOL_TOKEN_FILE",
+}
+_PATH_SETTINGS = frozenset({"ca", "cert", "key", "token_file"})
+
+
+class Connection(NamedTuple):
+    """How to reach and authenticate to the broker, beyond its endpoint.
+
+    ``tls`` None: plaintext. ``token``: a bearer token sent on every call (needs TLS)."""
+
+    tls: ClientTls | None
+    token: str | None
+
+
+def _security_setting(
+    name: str, explicit: str | None, env: Mapping[str, str], config: Mapping[str, Any] | None
+) -> str | None:
+    """One TLS/token setting by flag > environment > config file; paths from the file are
+    taken relative to the file's directory."""
+    if explicit:
+        return explicit
+    if env.get(TLS_ENV[name]):
+        return env[TLS_ENV[name]]
+    if config is None or name not in config:
+        return None
+    value = config[name]
+    if not isinstance(value, str) or not value:
+        raise InvalidArgument(
+            f"{name!r} in config file {config_path(env)} must be a non-empty string, got {value!r}",
+            reason="INVALID_CONFIG",
+        )
+    if name in _PATH_SETTINGS:
+        return str(config_path(env).parent / Path(value).expanduser())
+    return value
+
+
+def read_token(path: Path) -> str:
+    """The bearer token in ``path`` (its first line, stripped)."""
+    try:
+        token = path.expanduser().read_text(encoding="utf-8").strip().splitlines()
+    except OSError as error:
+        raise InvalidArgument(
+            f"cannot read token file {path}: {error.strerror}", reason="INVALID_CONFIG"
+        ) from None
+    if not token or not token[0].strip():
+        raise InvalidArgument(f"token file {path} is empty", reason="INVALID_CONFIG")
+    return token[0].strip()
+
+
+def resolve_connection(
+    *,
+    ca: str | None = None,
+    cert: str | None = None,
+    key: str | None = None,
+    server_name: str | None = None,
+    token_file: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Connection:
+    """TLS material and token by the precedence in the module docstring."""
+    env = os.environ if env is None else env
+    explicit = {
+        "ca": ca,
+        "cert": cert,
+        "key": key,
+        "server_name": server_name,
+        "token_file": token_file,
+    }
+    # The file is read only when some setting is left to it.
+    left_to_file = any(not explicit[name] and not env.get(TLS_ENV[name]) for name in TLS_ENV)
+    config = load_config(env) if left_to_file else None
+    found = {n: _security_setting(n, explicit[n], env, config) for n in TLS_ENV}
+    tls: ClientTls | None = None
+    if found["ca"] or found["cert"] or found["key"]:
+        tls = ClientTls(
+            ca=Path(found["ca"]) if found["ca"] else None,
+            cert=Path(found["cert"]) if found["cert"] else None,
+            key=Path(found["key"]) if found["key"] else None,
+            server_name=found["server_name"],
+        )
+    token = read_token(Path(found["token_file"])) if found["token_file"] else None
+    if token is not None and tls is None:
+        tls = ClientTls(server_name=found["server_name"])  # tokens only travel over TLS
+    return Connection(tls, token)
+
+
 __all__ = [
     "CONFIG_ENV",
     "DEFAULT_CONFIG_PATH",
     "DEFAULT_ENDPOINT",
     "ENDPOINT_ENV",
+    "TLS_ENV",
+    "Connection",
     "Setting",
     "config_path",
     "load_config",
+    "read_token",
+    "resolve_connection",
     "resolve_endpoint",
     "resolve_endpoint_setting",
 ]

@@ -9,7 +9,9 @@ Hierarchy::
     ├── FailedPrecondition        the system is not in a state that allows the call
     ├── ResourceExhausted         nothing fits now; relax the request or wait
     ├── Aborted                   a concurrent change won; retry the call
-    └── Unavailable               a dependency (etcd, an agent) cannot be reached
+    ├── Unavailable               a dependency (etcd, an agent) cannot be reached
+    ├── Unauthenticated           the caller did not prove who it is (certificate, token)
+    └── PermissionDenied          the caller's role may not make this call
 
 Each class carries the gRPC code the broker answers with and a machine-readable
 ``reason`` (an ``ErrorInfo`` reason: UPPER_SNAKE_CASE). Messages say what to fix.
@@ -72,6 +74,16 @@ class Unavailable(DxpoolError):
     default_reason = "UNAVAILABLE"
 
 
+class Unauthenticated(DxpoolError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+    default_reason = "UNAUTHENTICATED"
+
+
+class PermissionDenied(DxpoolError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+    default_reason = "PERMISSION_DENIED"
+
+
 ERRORS_BY_CODE: dict[grpc.StatusCode, type[DxpoolError]] = {
     cls.code: cls
     for cls in (
@@ -82,6 +94,8 @@ ERRORS_BY_CODE: dict[grpc.StatusCode, type[DxpoolError]] = {
         ResourceExhausted,
         Aborted,
         Unavailable,
+        Unauthenticated,
+        PermissionDenied,
     )
 }
 

@@ -75,7 +75,11 @@ def run_agent(config: AgentConfig) -> int:
     except DxpoolError as error:
         log.error("fabric driver unavailable", extra={"error": error.message})
         return EXIT_START_FAILED
-    client = connect(config.etcd_endpoints)
+    try:
+        client = connect(config.etcd_endpoints, tls=config.etcd_tls)
+    except DxpoolError as error:  # a TLS file that cannot be read
+        log.error("etcd client unavailable", extra={"error": error.message})
+        return EXIT_START_FAILED
     agent = Agent(config, driver, client)
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
@@ -106,6 +110,27 @@ def run_agent(config: AgentConfig) -> int:
     env="ETCD_ENDPOINTS",
     default=DEFAULT_ETCD_ENDPOINTS,
     help="etcd endpoints, host:port[,host:port...].",
+)
+@_option(
+    "--etcd-ca",
+    env="ETCD_CA",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="CA (PEM) that signed etcd's certificate: talk to etcd over TLS.",
+)
+@_option(
+    "--etcd-cert",
+    env="ETCD_CERT",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Client certificate (PEM) for etcd's --client-cert-auth.",
+)
+@_option(
+    "--etcd-key",
+    env="ETCD_KEY",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Key of --etcd-cert (PEM).",
 )
 @_option(
     "--key-prefix", "--prefix", env="KEY_PREFIX", default=DEFAULT_PREFIX, help="etcd key prefix."

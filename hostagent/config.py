@@ -14,6 +14,7 @@ from dxpool.names import check_id
 from dxpool.store.client import parse_endpoints
 from dxpool.store.keys import DEFAULT_PREFIX, KeySchema
 from dxpool.text import check_labels
+from dxpool.tls import ClientTls
 
 DEFAULT_ETCD_ENDPOINTS = "127.0.0.1:2379"
 
@@ -71,10 +72,23 @@ class AgentConfig:
     # Redfish box-side mapping: the fabric map file (hostagent/drivers/redfish_config.py)
     # selects the Redfish proxy mapper in place of the driver's own.
     redfish_map: Path | None = None
+    # TLS to etcd: the CA that signed etcd's certificate, and a client certificate for
+    # etcd's --client-cert-auth (both or neither of cert and key).
+    etcd_ca: Path | None = None
+    etcd_cert: Path | None = None
+    etcd_key: Path | None = None
+
+    @property
+    def etcd_tls(self) -> ClientTls | None:
+        """How to reach etcd: TLS when any etcd TLS file is given, plaintext otherwise."""
+        if self.etcd_ca is None and self.etcd_cert is None and self.etcd_key is None:
+            return None
+        return ClientTls(ca=self.etcd_ca, cert=self.etcd_cert, key=self.etcd_key)
 
     def __post_init__(self) -> None:
         check_id(self.host_id, "host")
         parse_endpoints(self.etcd_endpoints)
+        _ = self.etcd_tls  # a certificate without its key (or the reverse) is refused here
         try:
             KeySchema(self.key_prefix)
         except ValueError as error:

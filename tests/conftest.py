@@ -31,6 +31,27 @@ if TYPE_CHECKING:  # imported lazily so one broken component does not hide every
     from dxpool.fabric.sim import SimFabric
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_user_config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Clients built without TLS arguments read the config file; point them at an empty
+    one, so a developer's ~/.config/dxpool or a local pool's ./.dxpool/config.yaml (which
+    would turn on TLS) cannot change what the suite does. Tests of the config file set
+    their own."""
+    empty = tmp_path_factory.mktemp("config") / "config.yaml"
+    empty.write_text("")
+    saved = {name: os.environ.pop(name, None) for name in _CLIENT_ENV}
+    os.environ["DXPOOL_CONFIG"] = str(empty)
+    yield
+    for name, value in saved.items():
+        os.environ.pop(name, None)
+        if value is not None:
+            os.environ[name] = value
+
+
+_CLIENT_ENV = ("DXPOOL_CONFIG", "DXPOOL_ENDPOINT", "DXPOOL_CA", "DXPOOL_CERT", "DXPOOL_KEY",
+               "DXPOOL_SERVER_NAME", "DXPOOL_TOKEN_FILE")  # fmt: skip
+
+
 @pytest.fixture(scope="session")
 def etcd_server() -> Iterator[EmbeddedEtcd]:
     with EmbeddedEtcd(unsafe_no_fsync=True) as server:
@@ -305,3 +326,50 @@ def pool_records(etcd_client: object, prefix: str) -> dict[bytes, bytes]:
         for value, meta in etcd_client.get_prefix(prefix)  # type: ignore[attr-defined]
         if not meta.key.startswith(elections)
     }
+
+
+# -- TLS material: a private CA and certificates for the secure fixtures -----------------
+
+
+@dataclass
+class Pki:
+    """Certificates under ``root``: ``ca`` signs everything but ``rogue``, a second CA's
+    client certificate; ``server`` is good for 127.0.0.1 and localhost."""
+
+    root: Path
+
+    def path(self, name: str, kind: str = "crt") -> Path:
+        return self.root / f"{name}.{kind}"
+
+    def client_identity(self, role: str, name: str) -> str:
+        """Issue (once) a client certificate for ``dxpool://role/name``; returns its file
+        stem, so ``path(stem)`` and ``path(stem, "key")`` are its files."""
+        from dxpool.identity import Identity
+        from dxpool.pki import issue, load_pair, write_pair
+
+        stem = f"{role}-{name}"
+        if not self.path(stem).exists():
+            pair = issue(load_pair(self.root, "ca"), identity=Identity.make(role, name))
+            write_pair(self.root, stem, pair)
+        return stem
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    import datetime as dt
+
+    from dxpool.identity import Identity
+    from dxpool.pki import create_ca, issue, write_pair
+
+    root = tmp_path_factory.mktemp("pki")
+    ca, rogue_ca = create_ca("test CA"), create_ca("rogue CA")
+    write_pair(root, "ca", ca)
+    write_pair(root, "rogue-ca", rogue_ca)
+    write_pair(root, "server", issue(ca, dns_names=["localhost"], ip_addresses=["127.0.0.1"]))
+    write_pair(root, "elsewhere", issue(ca, dns_names=["broker.elsewhere.example"]))
+    alice = Identity.make("operator", "alice")
+    write_pair(root, "operator-alice", issue(ca, identity=alice))
+    write_pair(root, "rogue", issue(rogue_ca, identity=alice))
+    long_ago = dt.datetime.now(dt.UTC) - dt.timedelta(days=30)
+    write_pair(root, "expired", issue(ca, identity=alice, valid_days=1, not_before=long_ago))
+    return Pki(root)

@@ -10,10 +10,12 @@ from dxpool.config import (
     DEFAULT_ENDPOINT,
     config_path,
     load_config,
+    resolve_connection,
     resolve_endpoint,
     resolve_endpoint_setting,
 )
 from dxpool.errors import InvalidArgument
+from dxpool.tls import ClientTls
 
 
 @pytest.fixture
@@ -26,6 +28,7 @@ def config_file(tmp_path: Path) -> Path:
 @pytest.fixture(autouse=True)
 def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)  # no ./.dxpool/config.yaml of a local pool
     monkeypatch.delenv("DXPOOL_ENDPOINT", raising=False)
     monkeypatch.delenv("DXPOOL_CONFIG", raising=False)
 
@@ -137,3 +140,61 @@ def test_other_urls_are_refused_saying_what_to_write(value: str, expected: str) 
         resolve_endpoint(value)
     assert error.value.reason == "INVALID_ENDPOINT"
     assert "--endpoint" in error.value.message
+
+
+# -- TLS and token settings ---------------------------------------------------------------
+
+
+def test_tls_paths_in_the_config_file_are_taken_from_its_directory(tmp_path: Path) -> None:
+    config = tmp_path / "pool" / "config.yaml"
+    config.parent.mkdir()
+    config.write_text("endpoint: h:1\nca: pki/ca.crt\ncert: pki/me.crt\nkey: /abs/me.key\n")
+    tls, token = resolve_connection(env={"DXPOOL_CONFIG": str(config)})
+    assert tls == ClientTls(
+        ca=config.parent / "pki/ca.crt", cert=config.parent / "pki/me.crt", key=Path("/abs/me.key")
+    )
+    assert token is None
+
+
+def test_tls_flag_beats_environment_beats_file(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("ca: file-ca.crt\n")
+    env = {"DXPOOL_CONFIG": str(config), "DXPOOL_CA": "/env/ca.crt"}
+    assert resolve_connection(ca="/flag/ca.crt", env=env).tls == ClientTls(ca=Path("/flag/ca.crt"))
+    assert resolve_connection(env=env).tls == ClientTls(ca=Path("/env/ca.crt"))
+    del env["DXPOOL_CA"]
+    assert resolve_connection(env=env).tls == ClientTls(ca=tmp_path / "file-ca.crt")
+
+
+def test_no_tls_settings_mean_plaintext() -> None:
+    assert resolve_connection(env={}) == (None, None)
+
+
+def test_a_token_file_is_read_and_implies_tls(tmp_path: Path) -> None:
+    (tmp_path / "token").write_text("s3cret\n")
+    connection = resolve_connection(env={"DXPOOL_TOKEN_FILE": str(tmp_path / "token")})
+    assert connection.token == "s3cret"
+    assert connection.tls == ClientTls()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("ca: 5\n", "'ca' in config file .* must be a non-empty string"),
+     ("cert: c.crt\n", "give both")],
+)  # fmt: skip
+def test_bad_tls_settings_say_what_to_fix(tmp_path: Path, text: str, expected: str) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(text)
+    with pytest.raises(InvalidArgument, match=expected):
+        resolve_connection(env={"DXPOOL_CONFIG": str(config)})
+
+
+def test_local_pool_config_is_read_when_no_other_file_exists(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert config_path({}) == (tmp_path / "home/.config/dxpool/config.yaml")
+    (tmp_path / ".dxpool").mkdir()
+    (tmp_path / ".dxpool/config.yaml").write_text("endpoint: local:1\n")
+    assert config_path({}) == tmp_path / ".dxpool/config.yaml"
+    assert resolve_endpoint(env={}) == "local:1"

@@ -122,11 +122,12 @@ def server_venv(wheel: Path, tmp_path: Path) -> Path:
 
 @pytest.fixture
 def up_pool(server_venv: Path) -> Iterator[str]:
-    """``dxpool up`` from the installed wheel; yields its endpoint, stops it after."""
+    """``dxpool up`` from the installed wheel; yields its endpoint, stops it after. Its data
+    directory is ``./.dxpool``, where the CLI and the client find its TLS config by themselves."""
     endpoint = f"127.0.0.1:{free_port()}"
     args = [
         str(server_venv / "bin" / "dxpool"), "up",
-        "--data-dir", str(server_venv.parent / "pool"), "--listen", endpoint,
+        "--data-dir", str(server_venv.parent / ".dxpool"), "--listen", endpoint,
         "--boxes", "1", "--gpus-per-box", "2", "--hosts", "1", "--slots", "2",
     ]  # fmt: skip
     with open(server_venv.parent / "up.err", "w") as stderr:

@@ -21,6 +21,7 @@ from dxpool.cli.extras import require_extras
 from dxpool.cli.output import info
 from dxpool.cli.params import MEMORY, SECONDS
 from dxpool.cli.supervisor import RestartPolicy
+from dxpool.config import LOCAL_POOL_CONFIG_PATH
 from dxpool.defaults import DEFAULT_ENDPOINT
 from dxpool.errors import InvalidArgument
 from dxpool.request import validate_gpu_request
@@ -51,9 +52,13 @@ def _stop_on_signal() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def _hint(endpoint: str, model: str) -> str:
-    prefix = "dxpool" if endpoint == DEFAULT_ENDPOINT else f"dxpool --endpoint {endpoint}"
-    return f"try: {prefix} node create --gpus {model}:2 --wait\n     {prefix} node list"
+def _hint(config_path: Path, model: str) -> str:
+    """How to use the pool; the CLI finds ``./.dxpool/config.yaml`` by itself, any other
+    data directory's config is named with ``DXPOOL_CONFIG``."""
+    lines = [f"try: dxpool node create --gpus {model}:2 --wait", "     dxpool node list"]
+    if config_path.resolve() != (Path.cwd() / LOCAL_POOL_CONFIG_PATH).resolve():
+        lines.append(f"after: export DXPOOL_CONFIG={config_path.resolve()}")
+    return "\n".join(lines)
 
 
 def _serve_metrics(port: int) -> None:
@@ -96,6 +101,12 @@ def _serve_metrics(port: int) -> None:
     help="Simulated PCIe hotplug time per GPU, e.g. 500ms.",
 )
 @click.option(
+    "--insecure",
+    is_flag=True,
+    default=False,
+    help="Serve the broker in plaintext instead of mutual TLS with a private CA in DATA_DIR/pki.",
+)
+@click.option(
     "--max-restarts",
     type=click.IntRange(0),
     default=RestartPolicy.max_restarts,
@@ -128,6 +139,7 @@ def up(
     hosts: int,
     slots: int,
     attach_delay: float,
+    insecure: bool,
     max_restarts: int,
     restart_window: float,
     metrics_port: int,
@@ -139,6 +151,11 @@ def up(
     within --restart-window stops the pool. Children never outlive this command. Only
     one `dxpool up` runs on a --data-dir at a time; running it again on the same
     --data-dir picks up where the last run left off.
+
+    The broker requires mutual TLS: a private CA in DATA_DIR/pki signs its certificate
+    and the operator's, and DATA_DIR/config.yaml points the CLI at both (found by itself
+    for the default --data-dir, otherwise export DXPOOL_CONFIG). --insecure serves
+    plaintext instead.
     """
     require_extras("up", "server")
     # Imported here: the local pool needs the server extra, which `dxpool --help` does not.
@@ -157,6 +174,7 @@ def up(
             slots=slots,
             attach_delay_s=attach_delay,
             restart=RestartPolicy(max_restarts=max_restarts, window_s=restart_window),
+            secure=not insecure,
         )
     except InvalidArgument as error:
         raise click.UsageError(error.message) from None
@@ -172,7 +190,7 @@ def up(
                 f"dxpool is up at {pool.endpoint}: {hosts} hosts, {boxes} boxes of "
                 f"{gpus_per_box} {gpu_model} (data in {data_dir}, logs in {pool.logs_dir})"
             )
-            click.echo(_hint(pool.endpoint, gpu_model))
+            click.echo(_hint(pool.config_path, gpu_model))
             info("press Ctrl-C to stop")
             while True:
                 pool.supervise()

@@ -16,12 +16,18 @@
 * A watch that ends kills its thread with a NameError; see ``_etcd3_compat``.
 * Failover does not retry the failed call; callers retry (``dxpool/store/typed.py``), and a
   watch that must survive member loss uses :mod:`dxpool.store.watch`.
+
+TLS: an :class:`EtcdAddress` may carry a :class:`~dxpool.tls.ClientTls` (the CA that
+signed etcd's certificate, and the client certificate etcd's ``--client-cert-auth``
+asks for). Every channel to that member, the client's and the watch's alike, is then a
+TLS channel; a client made by :func:`connect` keeps its addresses, TLS included, so
+:func:`addresses_of` hands them on unchanged.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 import etcd3
@@ -29,6 +35,7 @@ import grpc
 
 from dxpool.errors import InvalidArgument
 from dxpool.store import _etcd3_compat  # noqa: F401 - patches a watch defect on import
+from dxpool.tls import ClientTls
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_RETRY_AFTER_S = 0.25
@@ -59,23 +66,27 @@ REQUIRE_LEADER: Final[tuple[tuple[str, str], ...]] = (("hasleader", "true"),)
 class EtcdAddress:
     host: str
     port: int
+    # None: plaintext. Not part of the address's identity (two equal addresses are one
+    # member), so it takes no part in equality.
+    tls: ClientTls | None = field(default=None, compare=False)
 
     def __str__(self) -> str:
         return f"{self.host}:{self.port}"
 
 
-def parse_endpoints(value: str) -> list[EtcdAddress]:
-    """Parse ``"host:port[,host:port...]"`` (an ``http://`` scheme is accepted)."""
+def parse_endpoints(value: str, tls: ClientTls | None = None) -> list[EtcdAddress]:
+    """Parse ``"host:port[,host:port...]"`` (an ``http://`` or ``https://`` scheme is
+    accepted; TLS is what ``tls`` says, not the scheme)."""
     addresses = []
     for raw in value.split(","):
-        item = raw.strip().removeprefix("http://")
+        item = raw.strip().removeprefix("http://").removeprefix("https://")
         host, sep, port = item.rpartition(":")
         if not sep or not host or not _PORT.fullmatch(port) or not 0 < int(port) < 65536:
             raise InvalidArgument(
                 f"invalid etcd endpoint {raw.strip()!r}: expected host:port, "
                 "e.g. 127.0.0.1:2379 (separate several with commas)"
             )
-        addresses.append(EtcdAddress(host, int(port)))
+        addresses.append(EtcdAddress(host, int(port), tls))
     return addresses
 
 
@@ -87,12 +98,22 @@ def addresses_of(
         return parse_endpoints(source)
     if isinstance(source, list):
         return list(source)
+    kept: list[EtcdAddress] | None = getattr(source, "dxpool_addresses", None)
+    if kept is not None:
+        return list(kept)
     return parse_endpoints(",".join(source.endpoints))
 
 
 def channel(address: EtcdAddress) -> grpc.Channel:
-    """A plain gRPC channel to one member, with the reconnect and keepalive settings."""
-    return grpc.insecure_channel(str(address), options=CHANNEL_OPTIONS)
+    """A gRPC channel to one member (TLS when the address says so), with the reconnect
+    and keepalive settings."""
+    if address.tls is None:
+        return grpc.insecure_channel(str(address), options=CHANNEL_OPTIONS)
+    return grpc.secure_channel(
+        str(address),
+        address.tls.credentials(),
+        options=[*CHANNEL_OPTIONS, *address.tls.channel_options()],
+    )
 
 
 def connect(
@@ -100,28 +121,36 @@ def connect(
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     retry_after_s: float = DEFAULT_RETRY_AFTER_S,
+    tls: ClientTls | None = None,
 ) -> etcd3.MultiEndpointEtcd3Client:
     """Return a client over every endpoint, failing over between them.
 
     Every call gives up after ``timeout_s``; a member that failed a call is skipped for
-    ``retry_after_s`` while others are tried.
+    ``retry_after_s`` while others are tried. ``tls`` applies to endpoints given as a
+    string; addresses bring their own. A TLS file that cannot be read raises
+    InvalidArgument naming it.
     """
-    addresses = parse_endpoints(endpoints) if isinstance(endpoints, str) else endpoints
+    addresses = parse_endpoints(endpoints, tls) if isinstance(endpoints, str) else endpoints
     client = etcd3.MultiEndpointEtcd3Client(
-        endpoints=[
-            etcd3.Endpoint(
-                a.host,
-                a.port,
-                secure=False,
-                time_retry=retry_after_s,
-                # python3-etcd3 annotates a dict, but grpc wants (name, value) pairs.
-                opts=CHANNEL_OPTIONS,
-            )
-            for a in addresses
-        ],
+        endpoints=[_endpoint(a, retry_after_s) for a in addresses],
         timeout=timeout_s,
         failover=True,
     )
     # python3-etcd3 sends ``metadata`` with every call (it exists for auth tokens).
     client.metadata = REQUIRE_LEADER
+    client.dxpool_addresses = list(addresses)  # for addresses_of: TLS included
     return client
+
+
+def _endpoint(address: EtcdAddress, retry_after_s: float) -> etcd3.Endpoint:
+    tls = address.tls
+    # python3-etcd3 annotates ``opts`` as a dict, but grpc wants (name, value) pairs.
+    options = [*CHANNEL_OPTIONS, *(tls.channel_options() if tls else [])]
+    return etcd3.Endpoint(
+        address.host,
+        address.port,
+        secure=tls is not None,
+        creds=tls.credentials() if tls is not None else None,
+        time_retry=retry_after_s,
+        opts=options,
+    )

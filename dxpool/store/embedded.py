@@ -26,6 +26,8 @@ from types import TracebackType
 import grpc
 
 from dxpool.store.client import EtcdAddress
+from dxpool.store.client import channel as member_channel
+from dxpool.tls import ClientTls, ServerTls
 
 _READY_POLL_S = 0.05
 
@@ -71,6 +73,12 @@ class EmbeddedEtcd:
     :mod:`dxpool.cli.lifeline`, which ties etcd's life to this process); it must exec, so
     that :attr:`pid` is etcd's own pid.
 
+    ``tls`` serves clients over TLS (etcd's ``--cert-file``/``--key-file``) and, with a
+    client CA, requires client certificates from it (``--trusted-ca-file``,
+    ``--client-cert-auth``); ``client_tls`` is what this object's own probes, and
+    :attr:`address`, connect with (a certificate etcd accepts). Peers stay on plaintext
+    loopback.
+
     ``kill``, ``pause`` and ``resume`` act on the running process and keep the data;
     ``start`` after ``kill`` or a crash brings the member back on the same data directory
     and ports, so at the same address.
@@ -88,7 +96,13 @@ class EmbeddedEtcd:
         launcher: Sequence[str] = (),
         name: str = "dxpool",
         initial_cluster: str | None = None,
+        tls: ServerTls | None = None,
+        client_tls: ClientTls | None = None,
     ) -> None:
+        if tls is not None and client_tls is None:
+            raise ValueError("an etcd serving TLS needs client_tls for its own probes")
+        self.tls = tls
+        self.client_tls = client_tls
         self._own_dir = data_dir is None
         self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="dxpool-etcd-"))
         self.host = host
@@ -110,7 +124,7 @@ class EmbeddedEtcd:
 
     @property
     def address(self) -> EtcdAddress:
-        return EtcdAddress(self.host, self.client_port)
+        return EtcdAddress(self.host, self.client_port, self.client_tls)
 
     @property
     def endpoint(self) -> str:
@@ -146,7 +160,8 @@ class EmbeddedEtcd:
 
     def _start_once(self, timeout_s: float, *, wait: bool) -> EmbeddedEtcd:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        client_url = f"http://{self.host}:{self.client_port}"
+        scheme = "https" if self.tls is not None else "http"
+        client_url = f"{scheme}://{self.host}:{self.client_port}"
         args = [
             *self.launcher,
             str(etcd_binary()),
@@ -165,6 +180,10 @@ class EmbeddedEtcd:
         ]
         if self.unsafe_no_fsync:
             args.append("--unsafe-no-fsync")
+        if self.tls is not None:
+            args += [f"--cert-file={self.tls.cert}", f"--key-file={self.tls.key}"]
+            if self.tls.client_ca is not None:
+                args += [f"--trusted-ca-file={self.tls.client_ca}", "--client-cert-auth"]
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child process
         self._process = subprocess.Popen(
             args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -260,7 +279,7 @@ class EmbeddedEtcd:
             return None
         import etcd3
 
-        channel = grpc.insecure_channel(self.endpoint)
+        channel = member_channel(self.address)
         try:
             stub = etcd3.etcdrpc.MaintenanceStub(channel)
             response = stub.Status(etcd3.etcdrpc.StatusRequest(), timeout=0.5)

@@ -211,9 +211,25 @@ class Store:
 
     def current_revision(self) -> int:
         """etcd's revision now (a linearizable read): every commit acknowledged before
-        this call is at or below it."""
+        this call is at or below it. Writes outside the pool's prefix count too, so a
+        watch of the prefix alone may never report this revision; see
+        :meth:`last_write_revision` for what such a watch is sure to reach."""
         response = self.call(lambda: self.client.get_response(self.keys.prefix), write=False)
         return int(response.header.revision)
+
+    def last_write_revision(self, collection: str) -> int:
+        """The revision of the latest put still live under ``collection`` (a linearizable
+        read; 0 when it is empty): a watch of the pool's prefix reaches it, unlike
+        :meth:`current_revision`. Deletions leave nothing to find, so a caller waiting
+        on this sees every put acknowledged before the call, not every delete."""
+        prefix = self.keys.collection(collection)
+        response = self.call(
+            lambda: self.client.get_prefix_response(
+                prefix, limit=1, sort_order="descend", sort_target="mod", keys_only=True
+            ),
+            write=False,
+        )
+        return int(response.kvs[0].mod_revision) if response.kvs else 0
 
     def get(self, key: str) -> Versioned[Any] | None:
         """Read one record straight from etcd (linearizable)."""

@@ -60,7 +60,9 @@ def test_release_of_a_node_the_cache_has_not_seen_goes_through(
         released = stub.ReleaseNode(nodes_pb2.ReleaseNodeRequest(name="nodes/elsewhere"), timeout=5)
         assert released.state == pb.NODE_STATE_RELEASING
         stored = lagging_broker.store.get(lagging_broker.store.keys.node("elsewhere"))
-        assert stored is not None and stored.value.state == pb.NODE_STATE_RELEASING
+        # A node without GPUs may already be RELEASED by the controller's next sweep.
+        assert stored is not None
+        assert stored.value.state in (pb.NODE_STATE_RELEASING, pb.NODE_STATE_RELEASED)
 
 
 def test_a_named_watch_of_a_node_the_cache_has_not_seen_starts(

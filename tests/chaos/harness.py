@@ -314,6 +314,7 @@ class ChaosPool:
             str(self.config.attach_timeout_s),
             "--log-level",
             "WARNING",
+            "--insecure",
             *broker_fabric_args(self.fabric_dir),
         ]
         return Broker(f"broker{index}", args, self.root / f"broker{index}.log", port)

@@ -78,13 +78,16 @@ def test_up_serves_a_pool_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
         assert "node create --gpus H100:2 --wait" in process.stdout.readline()  # the hint
 
         runner = CliRunner()
+        # The config `dxpool up` wrote carries the endpoint and the operator's certificate.
         created = runner.invoke(
             cli,
-            ["--endpoint", endpoint, "node", "create", "--gpus", "H100:2", "--wait", "-o", "json"],
+            ["node", "create", "--gpus", "H100:2", "--wait", "-o", "json"],
+            env={"DXPOOL_CONFIG": str(data_dir / "config.yaml")},
         )
         assert created.exit_code == 0, created.output
         assert json.loads(created.stdout)["state"] == "NODE_STATE_READY"
         assert len(processes_mentioning(str(data_dir))) == 4  # up itself, etcd, two agents
+        assert_etcd_requires_client_certificates(data_dir)
 
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=30) == 0
@@ -95,6 +98,31 @@ def test_up_serves_a_pool_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     assert processes_mentioning(str(data_dir)) == []
     assert "stopped" in (tmp_path / "up.err").read_text()
     assert (data_dir / "logs" / "agent-h1.log").exists()
+
+
+def assert_etcd_requires_client_certificates(data_dir: Path) -> None:
+    """The pool's etcd serves TLS with client-certificate auth: an agent's certificate
+    reads, a client without one is refused."""
+    from dxpool.store.client import connect
+    from dxpool.tls import ClientTls
+
+    (etcd,) = [line for line in processes_mentioning("--client-cert-auth") if str(data_dir) in line]
+    url = next(arg for arg in etcd.split() if arg.startswith("--listen-client-urls="))
+    endpoint = url.split("=", 1)[1].removeprefix("https://")
+    pki = data_dir / "pki"
+    anonymous = connect(endpoint, timeout_s=2, tls=ClientTls(ca=pki / "ca.crt"))
+    agent = connect(
+        endpoint,
+        timeout_s=2,
+        tls=ClientTls(pki / "ca.crt", pki / "agent-h1.crt", pki / "agent-h1.key"),
+    )
+    try:
+        with pytest.raises(Exception):  # noqa: B017 - refused at the handshake
+            anonymous.get("/")
+        agent.get("/")
+    finally:
+        anonymous.close()
+        agent.close()
 
 
 def pid_gone(pid: int) -> bool:
@@ -180,9 +208,14 @@ class Up:
         return found
 
     def cli(self, *args: str) -> Any:
-        result = CliRunner().invoke(cli, ["--endpoint", self.endpoint, *args, "-o", "json"])
+        result = CliRunner().invoke(cli, [*args, "-o", "json"], env=self.cli_env)
         assert result.exit_code == 0, result.output
         return json.loads(result.stdout)
+
+    @property
+    def cli_env(self) -> dict[str, str]:
+        """Where the CLI finds the config this pool wrote (endpoint, certificates)."""
+        return {"DXPOOL_CONFIG": str(self.data_dir / "config.yaml")}
 
     def hosts(self) -> dict[str, dict[str, Any]]:
         return {h["name"]: h for h in self.cli("host", "list")}
@@ -378,7 +411,7 @@ def test_a_box_deleted_by_hand_is_registered_again_by_the_next_up(
     data_dir = tmp_path / "pool"
     first = up_factory(data_dir=data_dir)
     first.wait_up()
-    deleted = CliRunner().invoke(cli, ["--endpoint", first.endpoint, "box", "delete", "box2"])
+    deleted = CliRunner().invoke(cli, ["box", "delete", "box2"], env=first.cli_env)
     assert deleted.exit_code == 0, deleted.output
     first.process.send_signal(signal.SIGINT)
     assert first.process.wait(timeout=30) == 0
@@ -409,12 +442,12 @@ def test_a_killed_etcd_is_restarted_on_its_data_and_the_pool_serves_again(
     assert sorted(b["name"] for b in up.cli("box", "list")) == ["boxes/box1", "boxes/box2"]
     # The broker's etcd client may fail a call or two while it reconnects; the same
     # request id makes the retry safe.
-    create = ["--endpoint", up.endpoint, "node", "create", "--gpus", "H100:2", "--wait",
+    create = ["node", "create", "--gpus", "H100:2", "--wait",
               "--timeout", "30s", "--request-id", "after-etcd-restart", "-o", "json"]  # fmt: skip
     results = []
 
     def composed() -> bool:
-        results.append(CliRunner().invoke(cli, create))
+        results.append(CliRunner().invoke(cli, create, env=up.cli_env))
         return results[-1].exit_code == 0
 
     wait_until(composed, 30, "a node composed after the etcd restart")

@@ -143,3 +143,18 @@ def test_read_returns_keys_and_prefix_ranges(etcd_client, key_prefix: str) -> No
     assert bytes(found[keys.request("r1")].value) == b"boxes/b1"
     assert found[keys.gpu("b1", 1)].value.slot == 1
     assert {record.mod_revision for record in found.values()} == {committed.revision}
+
+
+def test_last_write_revision_follows_puts_in_its_collection_only(
+    etcd_client, key_prefix: str
+) -> None:  # type: ignore[no-untyped-def]
+    store = Store(etcd_client, KeySchema(key_prefix))
+    keys = store.keys
+    assert store.last_write_revision("gpus") == 0
+    first = store.commit(Txn().put(keys.gpu("b1", 0), pb.Gpu(name="boxes/b1/gpus/0")))
+    second = store.commit(Txn().put(keys.gpu("b2", 0), pb.Gpu(name="boxes/b2/gpus/0")))
+    store.commit(Txn().put(keys.box("b3"), pb.Box(name="boxes/b3")))  # another collection
+    etcd_client.put(f"{key_prefix.rstrip('/')}-audit/x", b"outside the pool's prefix")
+
+    assert store.last_write_revision("gpus") == second.revision > first.revision
+    assert store.current_revision() > second.revision + 1

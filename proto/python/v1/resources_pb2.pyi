@@ -832,6 +832,7 @@ class VirtualNode(_message.Message):
     UPDATE_TIME_FIELD_NUMBER: _builtins.int
     READY_TIME_FIELD_NUMBER: _builtins.int
     ATTACH_DEADLINE_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name: "nodes/{node}"."""
     host: _builtins.str
@@ -840,6 +841,10 @@ class VirtualNode(_message.Message):
     message: _builtins.str
     """Why the node is in its state (error text for FAILED)."""
     request_id: _builtins.str
+    owner: _builtins.str
+    """Who composed the node ("dxpool://tenant/team-a"); empty when the broker runs
+    without authentication. A tenant sees and releases only the nodes it owns.
+    """
     @_builtins.property
     def spec(self) -> Global___NodeSpec: ...
     @_builtins.property
@@ -868,10 +873,11 @@ class VirtualNode(_message.Message):
         update_time: _timestamp_pb2.Timestamp | None = ...,
         ready_time: _timestamp_pb2.Timestamp | None = ...,
         attach_deadline: _timestamp_pb2.Timestamp | None = ...,
+        owner: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["attach_deadline", b"attach_deadline", "create_time", b"create_time", "ready_time", b"ready_time", "spec", b"spec", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attach_deadline", b"attach_deadline", "create_time", b"create_time", "gpus", b"gpus", "host", b"host", "message", b"message", "name", b"name", "ready_time", b"ready_time", "request_id", b"request_id", "spec", b"spec", "state", b"state", "update_time", b"update_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attach_deadline", b"attach_deadline", "create_time", b"create_time", "gpus", b"gpus", "host", b"host", "message", b"message", "name", b"name", "owner", b"owner", "ready_time", b"ready_time", "request_id", b"request_id", "spec", b"spec", "state", b"state", "update_time", b"update_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

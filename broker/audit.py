@@ -1,0 +1,296 @@
+"""The audit log: one record per mutating call, in etcd, read back with ListAuditRecords.
+
+Where: etcd, under ``{prefix minus its slash}-audit/`` (``/dxpool/v1-audit/`` for the
+default prefix) — beside the pool's keys, not under them, so the cache's listing and
+watch (which cover the pool prefix) never carry audit traffic, and every broker of a
+pool writes to, and reads from, one shared log that survives any broker. A file per
+broker would be lost with its machine and could not be read through the API.
+
+Keys are ``{time_ns:020d}-{broker}-{seq:010d}``: they sort by time, so ``since`` is a
+range start, and retention is one range delete of everything older than the cutoff
+(done by whichever broker writes, at most once a minute).
+
+What: :data:`MUTATIONS` lists every mutating RPC with how to find the resource it
+names (a test holds every RPC of the services to be either in it or a read). The
+:class:`AuditRecorder` interceptor wraps them outermost, so it sees every outcome —
+success, a validation error, PERMISSION_DENIED, UNAUTHENTICATED, UNAVAILABLE — and
+writes exactly one record per call after the call ends and before its answer is sent.
+A record that cannot be written (etcd away) is logged and counted
+(``dxpool_audit_write_failures_total``); the call's own result stands, since the
+mutation, if any, has already been committed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import etcd3
+import grpc
+
+from dxpool.api.v1 import audit_pb2, inventory_pb2, nodes_pb2
+from dxpool.broker import metrics
+from dxpool.broker.decoding import Handler, Interceptor
+from dxpool.errors import InvalidArgument, Unauthenticated
+from dxpool.identity import Identity
+from dxpool.limits import MAX_PAGE_TOKEN
+
+__all__ = ["MUTATIONS", "AuditLog", "AuditRecorder", "audit_prefix"]
+
+log = logging.getLogger(__name__)
+
+_INVENTORY = inventory_pb2.DESCRIPTOR.services_by_name["InventoryService"].full_name
+_NODES = nodes_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name
+
+Target = Callable[[Any, Any], str]
+"""``(request, response or None) -> resource name`` of a mutating call."""
+
+MUTATIONS: Mapping[str, Target] = {
+    f"/{_INVENTORY}/CreateBox": lambda req, _: f"boxes/{req.box_id}" if req.box_id else "",
+    f"/{_INVENTORY}/CordonBox": lambda req, _: str(req.name),
+    f"/{_INVENTORY}/UncordonBox": lambda req, _: str(req.name),
+    f"/{_INVENTORY}/DeleteBox": lambda req, _: str(req.name),
+    f"/{_INVENTORY}/ReclaimGpu": lambda req, _: str(req.name),
+    f"/{_NODES}/ComposeNode": lambda req, resp: (
+        str(resp.name) if resp is not None else (f"nodes/{req.node_id}" if req.node_id else "")
+    ),
+    f"/{_NODES}/ReleaseNode": lambda req, _: str(req.name),
+}
+
+DEFAULT_RETENTION_S = 30 * 24 * 3600.0
+PRUNE_INTERVAL_S = 60.0
+MAX_PAGE_SIZE = 1000
+DEFAULT_PAGE_SIZE = 100
+_SCAN_BATCH = 500
+
+
+def audit_prefix(key_prefix: str) -> str:
+    """``/dxpool/v1/`` -> ``/dxpool/v1-audit/``: beside the pool's keys, not under them."""
+    return key_prefix.rstrip("/") + "-audit/"
+
+
+def _time_key(time_ns: int) -> str:
+    return f"{time_ns:020d}"
+
+
+@dataclass(frozen=True)
+class _Filter:
+    since_ns: int
+    identity: str
+    target: str
+
+    def keeps(self, record: audit_pb2.AuditRecord) -> bool:
+        return (not self.identity or record.identity == self.identity) and (
+            not self.target or record.target == self.target
+        )
+
+
+class AuditLog:
+    """Writes and reads the audit records of one pool (see the module docstring)."""
+
+    def __init__(
+        self,
+        etcd: etcd3.MultiEndpointEtcd3Client,
+        key_prefix: str,
+        *,
+        retention_s: float = DEFAULT_RETENTION_S,
+        clock_ns: Callable[[], int] = time.time_ns,
+    ) -> None:
+        self._etcd = etcd
+        self.prefix = audit_prefix(key_prefix)
+        self.retention_s = retention_s
+        self.broker = uuid.uuid4().hex[:12]
+        self._clock_ns = clock_ns
+        self._seq = itertools.count()
+        self._lock = threading.Lock()
+        self._pruned_at = 0.0
+
+    def write(self, record: audit_pb2.AuditRecord) -> None:
+        """Store ``record`` (its time and broker are set here). Raises what etcd raises."""
+        now_ns = self._clock_ns()
+        record.time.FromNanoseconds(now_ns)
+        record.broker = self.broker
+        with self._lock:
+            seq = next(self._seq)
+        key = f"{self.prefix}{_time_key(now_ns)}-{self.broker}-{seq:010d}"
+        self._etcd.put(key, record.SerializeToString())
+        self._maybe_prune(now_ns)
+
+    def _maybe_prune(self, now_ns: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._pruned_at < PRUNE_INTERVAL_S:
+                return
+            self._pruned_at = now
+        self.prune(now_ns)
+
+    def prune(self, now_ns: int | None = None) -> None:
+        """Delete every record older than the retention, in one range delete."""
+        now_ns = self._clock_ns() if now_ns is None else now_ns
+        cutoff = now_ns - int(self.retention_s * 1e9)
+        self._etcd.kvstub.DeleteRange(
+            etcd3.etcdrpc.DeleteRangeRequest(
+                key=self.prefix.encode(),
+                range_end=f"{self.prefix}{_time_key(max(cutoff, 0))}".encode(),
+            ),
+            self._etcd.timeout,
+            metadata=self._etcd.metadata,
+        )
+
+    def list(
+        self, request: audit_pb2.ListAuditRecordsRequest
+    ) -> audit_pb2.ListAuditRecordsResponse:
+        """One page of records, oldest first, that match the request's filters."""
+        page_size = request.page_size or DEFAULT_PAGE_SIZE
+        if not 0 < page_size <= MAX_PAGE_SIZE:
+            raise InvalidArgument(
+                f"invalid page_size {request.page_size}: use 1 to {MAX_PAGE_SIZE} (0 for "
+                f"{DEFAULT_PAGE_SIZE})",
+                reason="INVALID_PAGE_SIZE",
+            )
+        since_ns = request.since.ToNanoseconds() if request.HasField("since") else 0
+        if since_ns < 0:
+            raise InvalidArgument("invalid since: give a time after 1970", reason="INVALID_TIME")
+        wanted = _Filter(since_ns, request.identity, request.target)
+        start = f"{self.prefix}{_time_key(since_ns)}".encode()
+        if request.page_token:
+            start = max(start, self._after(request.page_token))
+        end = etcd3.utils.prefix_range_end(self.prefix.encode())
+        records: list[audit_pb2.AuditRecord] = []
+        last_key = b""
+        while len(records) < page_size:
+            response = self._etcd.kvstub.Range(
+                etcd3.etcdrpc.RangeRequest(key=start, range_end=end, limit=_SCAN_BATCH),
+                self._etcd.timeout,
+                metadata=self._etcd.metadata,
+            )
+            for kv in response.kvs:
+                last_key = kv.key
+                record = audit_pb2.AuditRecord.FromString(kv.value)
+                if wanted.keeps(record):
+                    records.append(record)
+                    if len(records) == page_size:
+                        break
+            if len(records) == page_size or not response.more or not response.kvs:
+                break
+            start = response.kvs[-1].key + b"\0"
+        more = len(records) == page_size and last_key
+        token = last_key.decode()[len(self.prefix) :] if more else ""
+        return audit_pb2.ListAuditRecordsResponse(records=records, next_page_token=token)
+
+    def _after(self, token: str) -> bytes:
+        """Where a page that follows ``token`` (the last key of the previous page) starts."""
+        if len(token) > MAX_PAGE_TOKEN or not token[:20].isascii() or not token[:20].isdigit():
+            raise InvalidArgument(
+                "invalid page_token: pass the next_page_token of the previous page unchanged",
+                reason="INVALID_PAGE_TOKEN",
+            )
+        return f"{self.prefix}{token}".encode() + b"\0"
+
+
+def _status(context: grpc.ServicerContext) -> tuple[grpc.StatusCode, str]:
+    """The code and details a call ended with (OK when none was set). The servicer
+    context has ``code()`` and ``details()`` since grpcio 1.38; the type stubs lack them."""
+    code = getattr(context, "code")()  # noqa: B009
+    details = getattr(context, "details")()  # noqa: B009
+    if isinstance(details, bytes):
+        details = details.decode(errors="replace")
+    return code or grpc.StatusCode.OK, str(details or "")
+
+
+def _peer(context: grpc.ServicerContext) -> str:
+    try:
+        return str(context.peer())
+    except Exception:  # the call is over; the peer is unknown
+        return ""
+
+
+class AuditRecorder(Interceptor):
+    """Writes one :class:`AuditRecord` per call of a method in :data:`MUTATIONS`.
+
+    ``identify`` names the caller when authentication is on (None: off, identity empty).
+    """
+
+    def __init__(
+        self,
+        audit: AuditLog,
+        identify: Callable[[grpc.ServicerContext], Identity] | None = None,
+        mutations: Mapping[str, Target] = MUTATIONS,
+    ) -> None:
+        self._audit = audit
+        self._identify = identify
+        self._mutations = mutations
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Handler | None],
+        details: grpc.HandlerCallDetails,
+    ) -> Handler | None:
+        handler = continuation(details)
+        method: str = details.method
+        target = self._mutations.get(method)
+        if handler is None or target is None or handler.unary_unary is None:
+            return handler
+        behavior = handler.unary_unary
+        service, _, rpc_name = method.strip("/").partition("/")
+        name = f"{service.rsplit('.', 1)[-1]}.{rpc_name}"
+
+        def recorded(request: Any, context: grpc.ServicerContext) -> Any:
+            response = None
+            try:
+                response = behavior(request, context)
+                return response
+            finally:
+                self._record(name, target, request, response, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            recorded,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+    def _caller(self, context: grpc.ServicerContext) -> str:
+        if self._identify is None:
+            return ""
+        try:
+            return self._identify(context).uri
+        except Unauthenticated:
+            return "unauthenticated"
+
+    def _record(
+        self,
+        rpc: str,
+        target: Target,
+        request: Any,
+        response: Any,
+        context: grpc.ServicerContext,
+    ) -> None:
+        code, details = _status(context)
+        if response is None and code == grpc.StatusCode.OK:
+            code = grpc.StatusCode.UNKNOWN  # raised without setting a status
+        record = audit_pb2.AuditRecord(
+            identity=self._caller(context),
+            peer=_peer(context),
+            rpc=rpc,
+            request_id=str(getattr(request, "request_id", "") or ""),
+            code=code.name,
+            message=details if code != grpc.StatusCode.OK else "",
+        )
+        try:
+            record.target = target(request, response)
+        except Exception:  # an undecodable request has no fields to name a target by
+            record.target = ""
+        try:
+            self._audit.write(record)
+        except Exception as error:
+            metrics.AUDIT_WRITE_FAILURES.inc()
+            log.warning(
+                "audit record not written",
+                extra={"rpc": rpc, "target": record.target, "error": str(error)},
+            )

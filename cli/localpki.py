@@ -1,0 +1,157 @@
+"""The TLS material of a local pool (``dxpool up``), kept in ``<data-dir>/pki``.
+
+A private CA (``ca.crt``/``ca.key``) signs: the broker's server certificate
+(``broker``, for 127.0.0.1, localhost and the listen host; also the broker's client
+certificate towards etcd), etcd's server certificate (``etcd``, for 127.0.0.1 and
+localhost), the operator's client certificate (``operator``, identity
+``dxpool://operator/local``) that the CLI uses, and one client certificate per host
+agent (``agent-<host>``, ``dxpool://agent/<host>``), which it also shows etcd.
+Keys are 0600. :func:`ensure_local_pki` keeps what a previous run made (the CA above
+all, so certificates handed out stay valid) and makes only what is missing or expires
+within a week. It also writes ``<data-dir>/config.yaml``, which points the CLI at the
+broker with the operator's certificate.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from dxpool.identity import Identity, Role
+from dxpool.pki import CertPair, create_ca, issue, load_pair, write_pair
+from dxpool.tls import ClientTls, ServerTls
+
+__all__ = ["LOCAL_OPERATOR", "LocalPki", "ensure_local_pki", "write_client_config"]
+
+LOCAL_OPERATOR = Identity(Role.OPERATOR, "local")
+_RENEW_BEFORE = dt.timedelta(days=7)
+
+
+@dataclass(frozen=True)
+class LocalPki:
+    """Where a local pool's certificates are."""
+
+    directory: Path
+
+    def cert(self, name: str) -> Path:
+        return self.directory / f"{name}.crt"
+
+    def key(self, name: str) -> Path:
+        return self.directory / f"{name}.key"
+
+    @property
+    def ca(self) -> Path:
+        return self.cert("ca")
+
+    def broker_tls(self) -> ServerTls:
+        """The broker's TLS: its certificate, and client certificates required (mTLS)."""
+        return ServerTls(self.cert("broker"), self.key("broker"), client_ca=self.ca)
+
+    def operator_tls(self) -> ClientTls:
+        return ClientTls(self.ca, self.cert("operator"), self.key("operator"))
+
+    def etcd_tls(self) -> ServerTls:
+        """etcd's TLS: its certificate, and client certificates required
+        (``--client-cert-auth``)."""
+        return ServerTls(self.cert("etcd"), self.key("etcd"), client_ca=self.ca)
+
+    def broker_etcd_tls(self) -> ClientTls:
+        """How the broker (and ``dxpool up``'s own probes) reach etcd."""
+        return ClientTls(self.ca, self.cert("broker"), self.key("broker"))
+
+    def agent_etcd_args(self, host: str) -> list[str]:
+        """The agent flags that make host ``host``'s agent reach etcd over TLS."""
+        name = f"agent-{host}"
+        return [
+            "--etcd-ca",
+            str(self.ca),
+            "--etcd-cert",
+            str(self.cert(name)),
+            "--etcd-key",
+            str(self.key(name)),
+        ]
+
+
+def _fresh(directory: Path, name: str) -> bool:
+    """Whether ``name``'s pair exists and stays valid for more than a week."""
+    try:
+        pair = load_pair(directory, name)
+        expires = pair.cert.not_valid_after_utc
+    except Exception:  # missing, unreadable or not a certificate: make it again
+        return False
+    return expires - dt.datetime.now(dt.UTC) > _RENEW_BEFORE
+
+
+def _server_names(listen_host: str) -> tuple[list[str], list[str]]:
+    dns, ips = ["localhost"], ["127.0.0.1", "::1"]
+    host = listen_host.strip("[]")
+    if host and host not in ("0.0.0.0", "::", "localhost"):
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            dns.append(host)
+        else:
+            if str(address) not in ips:
+                ips.append(str(address))
+    return dns, ips
+
+
+def ensure_local_pki(directory: Path, *, listen: str, hosts: Sequence[str]) -> LocalPki:
+    """Make (or keep) the CA and every certificate the pool needs; see the module doc."""
+    pki = LocalPki(directory)
+    ca: CertPair
+    if _fresh(directory, "ca"):
+        ca = load_pair(directory, "ca")
+    else:
+        ca = create_ca("dxpool local pool CA")
+        write_pair(directory, "ca", ca)
+        for stale in directory.glob("*.crt"):  # signed by a CA that is gone
+            if stale.name != "ca.crt":
+                stale.unlink()
+    dns, ips = _server_names(listen.rpartition(":")[0])
+    if not _fresh(directory, "broker") or not _names_cover(directory, dns, ips):
+        pair = issue(ca, dns_names=dns, ip_addresses=ips, client_auth=True)
+        write_pair(directory, "broker", pair)
+    if not _fresh(directory, "etcd"):
+        pair = issue(ca, dns_names=["localhost"], ip_addresses=["127.0.0.1"])
+        write_pair(directory, "etcd", pair)
+    if not _fresh(directory, "operator"):
+        write_pair(directory, "operator", issue(ca, identity=LOCAL_OPERATOR))
+    for host in hosts:
+        if not _fresh(directory, f"agent-{host}"):
+            pair = issue(ca, identity=Identity(Role.AGENT, host))
+            write_pair(directory, f"agent-{host}", pair)
+    return pki
+
+
+def _names_cover(directory: Path, dns: list[str], ips: list[str]) -> bool:
+    """Whether the broker certificate names every host it must (the listen host may have
+    changed since the last run)."""
+    from cryptography import x509
+
+    cert = load_pair(directory, "broker").cert
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    have_dns = set(sans.get_values_for_type(x509.DNSName))
+    have_ips = {str(ip) for ip in sans.get_values_for_type(x509.IPAddress)}
+    return set(dns) <= have_dns and set(ips) <= have_ips
+
+
+def write_client_config(path: Path, endpoint: str, pki: LocalPki | None) -> None:
+    """Write the CLI config for the pool: its endpoint and, with TLS, the operator's
+    certificate (paths relative to the file, so the directory can move)."""
+    config: dict[str, str] = {"endpoint": endpoint}
+    if pki is not None:
+        base = path.parent.resolve()
+        for key, value in (
+            ("ca", pki.ca),
+            ("cert", pki.cert("operator")),
+            ("key", pki.key("operator")),
+        ):
+            config[key] = str(value.resolve().relative_to(base))
+    header = "# Written by `dxpool up`: how the dxpool CLI reaches this pool.\n"
+    path.write_text(header + yaml.safe_dump(config, sort_keys=False), encoding="utf-8")

@@ -1,0 +1,168 @@
+"""The audit log: exactly one record per mutating call, whatever its outcome; filters,
+pages and retention."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+from click.testing import CliRunner
+
+from dxpool.api.v1 import audit_pb2, fabric_pb2, inventory_pb2, nodes_pb2
+from dxpool.broker.audit import MUTATIONS, AuditLog, audit_prefix
+from dxpool.broker.server import BrokerServer
+from dxpool.cli.main import cli
+from dxpool.client import Client
+from dxpool.errors import DxpoolError, FailedPrecondition, PermissionDenied
+from dxpool.fabric.sim import SimGpuSpec
+from dxpool.store.client import connect
+from dxpool.tls import ClientTls, ServerTls
+from tests.conftest import Pki, SimPool, pool_records, wait_until
+
+READS = ("Get", "List", "Watch", "Plan", "Predict")
+
+
+def test_every_rpc_is_either_audited_or_a_read() -> None:
+    for module in (inventory_pb2, nodes_pb2, fabric_pb2, audit_pb2):
+        for service in module.DESCRIPTOR.services_by_name.values():
+            for method in service.methods:
+                full = f"/{service.full_name}/{method.name}"
+                assert (full in MUTATIONS) != method.name.startswith(READS), full
+
+
+def _records(client: Client, **filters: str) -> list[audit_pb2.AuditRecord]:
+    return client.list_audit_records(**filters)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def pool_client(broker: BrokerServer, sim_pool: SimPool) -> Client:
+    client = Client(broker.endpoint, insecure=True, max_attempts=1)
+    sim_pool.fabric.add_box("box1", [SimGpuSpec("H100", 81920)] * 4)
+    sim_pool.start_agent("h1")
+    return client
+
+
+def test_every_mutating_call_leaves_exactly_one_record(pool_client: Client) -> None:
+    client = pool_client
+    client.create_box("box1", gpus=4, model="H100", memory_mib=81920, request_id="req-box1",
+                      location=("s1", "p1", "r1"))  # fmt: skip
+    wait_until(lambda: any(h.alive for h in client.list_hosts()), 20, message="h1 alive")
+    client.cordon_box("box1", reason="test")
+    client.uncordon_box("box1")
+    with pytest.raises(FailedPrecondition):
+        client.reclaim_gpu("box1/0")  # a FREE GPU: refused, and still recorded
+    node = client.compose_node("H100:1", node_id="n1", request_id="req-n1")
+    client.wait_for_node(node.name, timeout_s=20)
+    client.release_node("n1")
+    with pytest.raises(DxpoolError):
+        client.delete_box("box1")  # a GPU may still be detaching; either way one record
+    records = _records(client)
+    calls = Counter(r.rpc for r in records)
+    assert calls == {
+        "InventoryService.CreateBox": 1,
+        "InventoryService.CordonBox": 1,
+        "InventoryService.UncordonBox": 1,
+        "InventoryService.ReclaimGpu": 1,
+        "NodeService.ComposeNode": 1,
+        "NodeService.ReleaseNode": 1,
+        "InventoryService.DeleteBox": 1,
+    }
+    by_rpc = {r.rpc: r for r in records}
+    assert by_rpc["InventoryService.CreateBox"].target == "boxes/box1"
+    assert by_rpc["InventoryService.CreateBox"].request_id == "req-box1"
+    assert by_rpc["InventoryService.ReclaimGpu"].code == "FAILED_PRECONDITION"
+    assert by_rpc["NodeService.ComposeNode"].target == "nodes/n1"
+    assert by_rpc["NodeService.ComposeNode"].code == "OK"
+    assert by_rpc["NodeService.ReleaseNode"].target == "nodes/n1"
+    assert all(r.identity == "" and r.peer for r in records)  # authentication is off
+    times = [r.time.ToNanoseconds() for r in records]
+    assert times == sorted(times)
+    # Reads leave nothing.
+    client.list_nodes()
+    client.get_node("n1")
+    assert len(_records(client)) == 7
+
+
+def test_filters_and_pages(pool_client: Client) -> None:
+    client = pool_client
+    for index in range(5):
+        client.create_box(f"b{index}", gpus=1, model="H100", memory_mib=1)
+    client.cordon_box("b3")
+    assert [r.target for r in _records(client, target="boxes/b3")] == ["boxes/b3"] * 2
+    assert len(_records(client)) == 6  # walked in pages of 500 by the client
+    first = client._audit.ListAuditRecords(audit_pb2.ListAuditRecordsRequest(page_size=4))
+    assert len(first.records) == 4 and first.next_page_token
+    rest = client._audit.ListAuditRecords(
+        audit_pb2.ListAuditRecordsRequest(page_size=4, page_token=first.next_page_token)
+    )
+    assert [r.target for r in [*first.records, *rest.records]] == [
+        r.target for r in _records(client)
+    ]
+    later = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=5)
+    assert _records(client, since=later) == []  # type: ignore[arg-type]
+    assert _records(client, identity="dxpool://tenant/nobody") == []
+
+
+def test_denied_and_unauthenticated_calls_are_recorded_with_their_caller(
+    broker_factory: Callable[..., BrokerServer],
+    pki: Pki,
+    etcd_client: object,
+    key_prefix: str,
+) -> None:
+    broker = broker_factory(
+        tls=ServerTls(pki.path("server"), pki.path("server", "key"), client_ca=pki.path("ca"))
+    )
+
+    def as_(role: str, name: str) -> Client:
+        stem = pki.client_identity(role, name)
+        tls = ClientTls(pki.path("ca"), pki.path(stem), pki.path(stem, "key"))
+        return Client(broker.endpoint, tls=tls, max_attempts=1)
+
+    before = pool_records(etcd_client, key_prefix)
+    with as_("tenant", "team-a") as tenant, pytest.raises(PermissionDenied):
+        tenant.create_box("b1", gpus=1, model="H100", memory_mib=1)
+    assert pool_records(etcd_client, key_prefix) == before  # audit keys live beside it
+    with as_("operator", "alice") as operator:
+        operator.create_box("b2", gpus=1, model="H100", memory_mib=1)
+        records = _records(operator)
+        assert [(r.identity, r.target, r.code) for r in records] == [
+            ("dxpool://tenant/team-a", "boxes/b1", "PERMISSION_DENIED"),
+            ("dxpool://operator/alice", "boxes/b2", "OK"),
+        ]
+        assert "needs the role operator" in records[0].message
+        mine = _records(operator, identity="dxpool://operator/alice")
+        assert [r.target for r in mine] == ["boxes/b2"]
+    with as_("tenant", "team-a") as tenant, pytest.raises(PermissionDenied):
+        tenant.list_audit_records()
+
+
+def test_records_older_than_the_retention_are_pruned(etcd_server: object, key_prefix: str) -> None:
+    now = [1_000 * 10**9]
+    client = connect(etcd_server.endpoint)  # type: ignore[attr-defined]
+    try:
+        audit = AuditLog(client, key_prefix, retention_s=60, clock_ns=lambda: now[0])
+        audit.write(audit_pb2.AuditRecord(rpc="NodeService.ComposeNode", target="nodes/old"))
+        now[0] += 61 * 10**9
+        audit.write(audit_pb2.AuditRecord(rpc="NodeService.ComposeNode", target="nodes/new"))
+        audit.prune()
+        kept = audit.list(audit_pb2.ListAuditRecordsRequest())
+        assert [r.target for r in kept.records] == ["nodes/new"]
+        assert all(
+            meta.key.decode().startswith(audit_prefix(key_prefix))
+            for _, meta in client.get_prefix(audit_prefix(key_prefix))
+        )
+    finally:
+        client.close()
+
+
+def test_cli_audit_filters_by_node(broker: BrokerServer, pool_client: Client) -> None:
+    pool_client.create_box("box1", gpus=4, model="H100", memory_mib=81920,
+                           location=("s1", "p1", "r1"))  # fmt: skip
+    wait_until(lambda: any(h.alive for h in pool_client.list_hosts()), 20, message="h1 alive")
+    pool_client.compose_node("H100:1", node_id="n1")
+    result = CliRunner().invoke(cli, ["--endpoint", broker.endpoint, "audit", "--node", "n1",
+                                      "--since", "10m", "-o", "name"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == "NodeService.ComposeNode nodes/n1"
