@@ -121,7 +121,12 @@ def replay(allocator: Allocator, jobs: Sequence[Job]) -> Replay:
 
 
 def clusters(
-    size: int, jobs: Sequence[Job], pipeline: str, verify: bool
+    size: int,
+    jobs: Sequence[Job],
+    pipeline: str,
+    verify: bool,
+    slots: Sequence[int] = (8, 16),
+    racks: int = 1,
 ) -> list[tuple[str, Callable[[], Allocator]]]:
     """(name, factory) of each cluster of ``size`` GPUs compared."""
     if size <= 0 or size % 8:
@@ -130,13 +135,14 @@ def clusters(
     built = pipelines.build(pipeline, mix)
     boxes = [("GPU", 8)] * (size // 8)
 
-    def dxpool(slots: int) -> tuple[str, Callable[[], Allocator]]:
-        name = f"dxpool, {slots} slots/host"
-        layout = PoolLayout(boxes, [slots] * (size // 8))
+    def dxpool(per_host: int) -> tuple[str, Callable[[], Allocator]]:
+        name = f"dxpool, {per_host} slots/host" + (f", {racks} racks" if racks > 1 else "")
+        layout = PoolLayout(boxes, [per_host] * (size // 8), racks)
         return name, lambda: DxpoolPool(name, layout, pipeline=built, verify_refusals=verify)
 
     fixed = "8-GPU servers, best fit"
-    return [dxpool(8), dxpool(16), (fixed, lambda: FixedServers(fixed, [8] * (size // 8)))]
+    pools = [dxpool(count) for count in slots]
+    return [*pools, (fixed, lambda: FixedServers(fixed, [8] * (size // 8)))]
 
 
 def summarize(size: int, replays: Sequence[Replay]) -> None:
@@ -223,19 +229,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--verify-refusals", action="store_true", help="ask placement on every refusal too"
     )
+    parser.add_argument(
+        "--slots", type=parse_sizes, default=[8, 16], help="proxy slots per host, a comma list"
+    )
+    parser.add_argument(
+        "--racks", type=int, default=1, help="racks the boxes and hosts are dealt over"
+    )
     parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT)
     args = parser.parse_args(argv)
     try:
         jobs = philly_jobs(traces_dir(args.traces))
         sizes_clusters = [
-            (size, clusters(size, jobs, args.pipeline, args.verify_refusals)) for size in args.sizes
+            (
+                size,
+                clusters(size, jobs, args.pipeline, args.verify_refusals, args.slots, args.racks),
+            )
+            for size in args.sizes
         ]
     except (TraceError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     if args.quick:
         jobs = jobs[:QUICK_JOBS]
-        sizes_clusters = [(768, clusters(768, jobs, args.pipeline, args.verify_refusals))]
+        sizes_clusters = [
+            (768, clusters(768, jobs, args.pipeline, args.verify_refusals, args.slots, args.racks))
+        ]
     print(f"Philly replay: {len(jobs)} jobs, pipeline {args.pipeline}")
     results: dict[int, list[Replay]] = {}
     for size, made in sizes_clusters:

@@ -4,7 +4,8 @@
 :class:`~dxpool.broker.placement.plugins.fragmentation.SlotFragmentation` to it with
 weight :data:`SLOT_FRAGMENTATION_WEIGHT`: ``slot-frag`` with the plugin's default size
 mix, ``slot-frag-trace`` with the node sizes of the trace being replayed (how often each
-size comes, by count, as FGD weighs its task types).
+size comes, by count, as FGD weighs its task types), ``slot-frag-trace-gpus`` with them
+weighed by the GPUs they ask for (count x size).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Mapping
 from dxpool.broker.placement import Pipeline, WeightedScore, default_pipeline
 from dxpool.broker.placement.plugins.fragmentation import SlotFragmentation
 
-NAMES = ("default", "slot-frag", "slot-frag-trace")
+NAMES = ("default", "slot-frag", "slot-frag-trace", "slot-frag-trace-gpus")
 SLOT_FRAGMENTATION_WEIGHT = 2.0  # above host_fit (1.0), so it decides between hosts
 
 
@@ -36,4 +37,6 @@ def build(name: str, trace_sizes: Mapping[int, float]) -> Pipeline | None:
         return with_slot_fragmentation(None)
     if name == "slot-frag-trace":
         return with_slot_fragmentation(trace_sizes)
+    if name == "slot-frag-trace-gpus":
+        return with_slot_fragmentation({size: n * size for size, n in trace_sizes.items()})
     raise ValueError(f"unknown pipeline {name!r}; choose one of {', '.join(NAMES)}")
