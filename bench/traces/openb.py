@@ -198,8 +198,8 @@ def summarize(runs: dict[str, list[FillRun]]) -> None:
                 for _, size, c in run.refusals
                 if size_class(size) == label
             ]
-            frag = sum(1 for _, c in refused if c is Cause.FRAGMENTATION)
-            cells.append(f"{len(refused) / len(done):.1f} ({frag / len(done):.1f})")
+            stranded = sum(1 for _, c in refused if c is Cause.FRAGMENTATION)
+            cells.append(f"{len(refused) / len(done):.1f} ({stranded / len(done):.1f})")
         size_rows.append((name, *cells))
     print("Refusals to 130% by pod size, mean per run (of them fragmentation):")
     print(table(("cluster", *(f"{label} GPU" for label in labels)), size_rows))

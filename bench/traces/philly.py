@@ -25,7 +25,7 @@ import argparse
 import heapq
 import sys
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,9 +49,9 @@ class Replay:
     cluster: str
     capacity: int
     jobs: Counter[str] = field(default_factory=Counter)  # by size class
-    gpu_hours: Counter[str] = field(default_factory=Counter)
+    gpu_hours: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
     refused: Counter[str] = field(default_factory=Counter)
-    refused_gpu_hours: Counter[str] = field(default_factory=Counter)
+    refused_gpu_hours: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
     causes: Counter[Cause] = field(default_factory=Counter)
     gpu_seconds_held: float = 0.0
     span_s: float = 0.0

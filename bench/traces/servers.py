@@ -7,6 +7,7 @@ that still fit the node, ties to the lowest index. O(distinct free counts) per d
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from sortedcontainers import SortedList
 
@@ -22,7 +23,7 @@ class FixedServers:
         self.name = name
         self.capacity = sum(gpus_per_server)
         self._free = list(gpus_per_server)
-        self._by_free: dict[int, SortedList] = {}
+        self._by_free: dict[int, SortedList[int]] = {}
         for index, free in enumerate(self._free):
             self._by_free.setdefault(free, SortedList()).add(index)
         self._allocated = 0
@@ -44,7 +45,7 @@ class FixedServers:
         return Grant((server, gpus), gpus)
 
     def release(self, grant: Grant) -> None:
-        server, gpus = grant.key  # type: ignore[misc]
+        server, gpus = cast(tuple[int, int], grant.key)
         self._move(server, gpus)
         self._allocated -= gpus
 
