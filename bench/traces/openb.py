@@ -76,6 +76,7 @@ class FillRun:
     capacity: int
     arrived: list[float] = field(default_factory=list)  # demand after each request
     allocated: list[int] = field(default_factory=list)  # GPUs held after each request
+    used: list[float] = field(default_factory=list)  # demand of the placed pods, in GPUs
     refusals: list[tuple[float, int, Cause]] = field(default_factory=list)  # (% arrived, size)
 
     def allocation_at(self, percent: float) -> float:
@@ -83,21 +84,30 @@ class FillRun:
         index = bisect.bisect_right(self.arrived, percent * self.capacity / 100) - 1
         return 100 * self.allocated[index] / self.capacity if index >= 0 else 0.0
 
+    def used_at(self, percent: float) -> float:
+        """FGD's allocation ratio: the placed pods' demand (fractions summed), % of
+        capacity, once ``percent``% of capacity has arrived."""
+        index = bisect.bisect_right(self.arrived, percent * self.capacity / 100) - 1
+        return 100 * self.used[index] / self.capacity if index >= 0 else 0.0
+
     def first_refusal(self, causes: Sequence[Cause] = tuple(Cause)) -> float | None:
         return next((at for at, _, cause in self.refusals if cause in causes), None)
 
 
 def fill(allocator: Allocator, requests: Sequence[Pod], seed: int) -> FillRun:
     run = FillRun(allocator.name, seed, allocator.capacity)
-    demand = 0.0
+    demand = used = 0.0
     for pod in requests:
         demand += demand_of(pod)
         gpus = pod.gpus
         outcome = allocator.allocate(gpus)
         if isinstance(outcome, Cause):
             run.refusals.append((100 * demand / allocator.capacity, gpus, outcome))
+        else:
+            used += demand_of(pod)
         run.arrived.append(demand)
         run.allocated.append(allocator.allocated)
+        run.used.append(used)
     return run
 
 
@@ -170,6 +180,7 @@ def summarize(runs: dict[str, list[FillRun]]) -> None:
                 _spread(frag),
                 " / ".join(f"{by_cause[c] / len(done):.1f}" for c in Cause),
                 f"{statistics.mean(run.allocation_at(130) for run in done):.2f}%",
+                f"{statistics.mean(run.used_at(100) for run in done):.2f}%",
             )
         )
     print(
@@ -182,6 +193,7 @@ def summarize(runs: dict[str, list[FillRun]]) -> None:
                 "first fragmentation refusal",
                 "refusals to 100%: capacity / slots / fragmentation",
                 "allocated at 130%",
+                "FGD's ratio at 100% (placed fractions)",
             ),
             rows,
         )
@@ -224,6 +236,9 @@ def plot(runs: dict[str, list[FillRun]], fgd: dict[str, list[float]], path: Path
     for name, done in runs.items():
         curve = [statistics.mean(run.allocation_at(k) for run in done) for k in PERCENTS]
         axis.plot(list(PERCENTS), curve, label=f"{name} (whole GPUs)")
+    first, done = next(iter(runs.items()))
+    used = [statistics.mean(run.used_at(k) for run in done) for k in PERCENTS]
+    axis.plot(list(PERCENTS), used, linestyle="--", label=f"{first}: FGD's ratio (fractions)")
     for policy in ("05-BestFit", "06-FGD"):
         if policy in fgd:
             axis.plot(
