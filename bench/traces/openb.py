@@ -40,7 +40,7 @@ from pathlib import Path
 from bench.traces import pipelines
 from bench.traces.allocator import Allocator, Cause
 from bench.traces.data import Pod, Server, TraceError, openb_pods, openb_servers, traces_dir
-from bench.traces.pool import DxpoolPool, PoolLayout, boxes_of
+from bench.traces.pool import DecisionTimes, DxpoolPool, PoolLayout, boxes_of
 from bench.traces.report import pyplot, save, size_class, table
 from bench.traces.servers import FixedServers
 
@@ -320,9 +320,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     summarize(runs)
     for name, samples in timing.items():
-        ordered = sorted(samples)
-        p50, p99 = ordered[len(ordered) // 2], ordered[int(0.99 * (len(ordered) - 1))]
-        print(f"{name}: {len(ordered)} placements, p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms")
+        times = DecisionTimes(samples)
+        p50, p99 = times.percentile(0.5), times.percentile(0.99)
+        print(f"{name}: {len(samples)} placements, p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms")
     fgd = published(traces)
     for policy in ("05-BestFit", "06-FGD"):
         if policy in fgd:

@@ -69,6 +69,7 @@ class DecisionTimes:
     samples: list[float] = field(default_factory=list)
 
     def percentile(self, fraction: float) -> float:
+        """The sample at ``fraction`` (0-1) of the sorted samples; 0 when there are none."""
         ordered = sorted(self.samples)
         if not ordered:
             return 0.0

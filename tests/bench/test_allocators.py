@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.traces.allocator import Cause, Grant, allocate_gang, gang_members
-from bench.traces.pool import DxpoolPool, PoolLayout, boxes_of
+from bench.traces.pool import DecisionTimes, DxpoolPool, PoolLayout, boxes_of
 from bench.traces.servers import FixedServers
 
 
@@ -70,3 +70,14 @@ def test_a_gang_that_cannot_be_placed_whole_gives_back_its_members() -> None:
     grants = allocate_gang(cluster, [8, 8])
     assert isinstance(grants, list) and len(grants) == 2
     assert {grant.key.host for grant in grants} == {"h00000", "h00001"}  # type: ignore[attr-defined]
+
+
+def test_every_decision_is_timed_and_percentiles_read_the_sorted_samples() -> None:
+    cluster = pool([8, 8])
+    for _ in range(3):
+        cluster.allocate(1)
+    assert len(cluster.times.samples) == 3
+    times = DecisionTimes([0.003, 0.001, 0.002, 0.004])
+    assert times.percentile(0.5) == 0.003
+    assert times.percentile(0.99) == 0.004
+    assert DecisionTimes().percentile(0.5) == 0.0
