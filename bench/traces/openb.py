@@ -20,7 +20,8 @@ refusal and first fragmentation refusal (as % of capacity arrived), refusals by 
 and by size; writes a plot of allocation against arrived demand with FGD's published
 BestFit and FGD curves (``alibaba-gpu-v2023-fgd-results``, GPU-sharing mode) beside it.
 
-Usage: python -m bench.traces.openb [--quick] [--seeds 42-51] [--plot PATH]
+Usage: python -m bench.traces.openb [--quick] [--seeds 42-51] [--variant-seeds 3]
+       [--pipeline default|slot-frag|...] [--verify-refusals] [--traces DIR] [--plot PATH]
 """
 
 from __future__ import annotations

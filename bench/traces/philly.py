@@ -16,7 +16,9 @@ fragmentation (enough free GPUs in all, no server or host could take a node), th
 time-averaged allocation, and allocator operations (placements and releases) per second
 of time spent in the allocator; writes a plot of refused GPU-hours by size class.
 
-Usage: python -m bench.traces.philly [--quick] [--sizes 512,768,1024] [--plot PATH]
+Usage: python -m bench.traces.philly [--quick] [--sizes 512,768,1024] [--slots 8,16]
+       [--racks 1] [--pipeline default|slot-frag|...] [--verify-refusals] [--traces DIR]
+       [--plot PATH]
 """
 
 from __future__ import annotations
