@@ -42,7 +42,7 @@ from bench.traces import pipelines
 from bench.traces.allocator import Allocator, Cause
 from bench.traces.data import Pod, Server, TraceError, openb_pods, openb_servers, traces_dir
 from bench.traces.pool import DecisionTimes, DxpoolPool, PoolLayout, boxes_of
-from bench.traces.report import pyplot, save, size_class, table
+from bench.traces.report import positive_int, pyplot, save, size_class, table
 from bench.traces.servers import FixedServers
 
 TUNE = 1.3  # pods are drawn until demand reaches 130% of capacity
@@ -282,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--variant-seeds",
-        type=int,
+        type=positive_int,
         default=3,
         help="how many of the seeds the 8- and 16-slot pools run (they cost the most)",
     )

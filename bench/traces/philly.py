@@ -36,7 +36,15 @@ from bench.traces import pipelines
 from bench.traces.allocator import Allocator, Cause, Grant, allocate_gang, gang_members
 from bench.traces.data import Job, TraceError, philly_jobs, traces_dir
 from bench.traces.pool import DxpoolPool, PoolLayout
-from bench.traces.report import SIZE_CLASSES, pyplot, save, size_class, table
+from bench.traces.report import (
+    SIZE_CLASSES,
+    positive_int,
+    positive_ints,
+    pyplot,
+    save,
+    size_class,
+    table,
+)
 from bench.traces.servers import FixedServers
 
 DEFAULT_PLOT = Path(__file__).parent / "plots" / "philly.png"
@@ -211,19 +219,10 @@ def plot(results: dict[int, list[Replay]], path: Path) -> None:
     save(figure, path)
 
 
-def parse_sizes(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"sizes are a comma list of GPU counts, got {text!r}"
-        ) from None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--traces", help="folder of the trace folders")
-    parser.add_argument("--sizes", type=parse_sizes, default=[512, 768, 1024])
+    parser.add_argument("--sizes", type=positive_ints, default=[512, 768, 1024])
     parser.add_argument(
         "--quick", action="store_true", help=f"the first {QUICK_JOBS} jobs, 768 GPUs"
     )
@@ -232,10 +231,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--verify-refusals", action="store_true", help="ask placement on every refusal too"
     )
     parser.add_argument(
-        "--slots", type=parse_sizes, default=[8, 16], help="proxy slots per host, a comma list"
+        "--slots", type=positive_ints, default=[8, 16], help="proxy slots per host, a comma list"
     )
     parser.add_argument(
-        "--racks", type=int, default=1, help="racks the boxes and hosts are dealt over"
+        "--racks", type=positive_int, default=1, help="racks the boxes and hosts are dealt over"
     )
     parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT)
     args = parser.parse_args(argv)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,6 +18,30 @@ def size_class(gpus: int) -> str:
         if low <= gpus <= high:
             return label
     raise ValueError(f"no size class for {gpus} GPUs")
+
+
+def positive_ints(text: str) -> list[int]:
+    """An argparse type: ``512,768`` -> [512, 768], every number at least 1."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected positive whole numbers separated by commas, got {text!r}"
+        )
+    return values
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: one whole number, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return value
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

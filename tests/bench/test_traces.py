@@ -1,4 +1,5 @@
-"""The trace benchmarks run end to end in --quick mode, so the harness cannot rot."""
+"""The trace benchmarks run end to end in --quick mode (slow), so the harness cannot rot,
+and refuse bad input with a message and a non-zero exit."""
 
 from __future__ import annotations
 
@@ -13,8 +14,6 @@ from bench.traces.data import TraceError, traces_dir
 
 REPO = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.slow
-
 
 def have_traces() -> bool:
     try:
@@ -24,6 +23,7 @@ def have_traces() -> bool:
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not have_traces(), reason="no trace folder (set DXPOOL_TRACES)")
 @pytest.mark.parametrize(
     ("module", "expected"),
@@ -50,14 +50,23 @@ def test_quick_run(module: str, expected: str, tmp_path: Path) -> None:
         assert plot.stat().st_size > 0
 
 
-def test_a_missing_trace_folder_is_a_clear_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("arguments", "code", "message"),
+    [
+        (["--traces", "/nonexistent/traces"], 1, "pass --traces DIR or set DXPOOL_TRACES"),
+        (["--racks", "0"], 2, "--racks: expected a positive whole number, got '0'"),
+        (["--sizes", "512,x"], 2, "--sizes: expected positive whole numbers"),
+        (["--sizes", "12"], 1, "cluster sizes are positive multiples of 8 GPUs, got 12"),
+    ],
+)
+def test_bad_input_is_a_clear_error(arguments: list[str], code: int, message: str) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "bench.traces.philly", "--traces", str(tmp_path / "none")],
+        [sys.executable, "-m", "bench.traces.philly", *arguments],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
-    assert done.returncode == 1
-    assert "pass --traces DIR or set DXPOOL_TRACES" in done.stderr
+    assert done.returncode == code
+    assert message in done.stderr
