@@ -9,8 +9,9 @@ It runs only after placement has failed, so a compose that fits pays nothing for
 The cache may lag etcd (a box another broker has just registered), so a model the cache
 lacks is confirmed with etcd before it is called unknown: the cache is waited for up to
 the revision of the latest GPU record written (not etcd's current revision: writes outside
-the pool's prefix, such as the audit log, never reach the cache's watch) and asked again. When that cannot be done in time the
-check says nothing and the caller reports the retryable NO_CAPACITY.
+the pool's prefix, such as the audit log, never reach the cache's watch) and asked again.
+When that cannot be done in time the check says nothing and the caller reports the
+retryable NO_CAPACITY.
 """
 
 from __future__ import annotations

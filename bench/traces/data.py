@@ -1,0 +1,110 @@
+"""Reading the public traces the benchmarks replay (each folder's README has the schema).
+
+The trace folder is ``--traces DIR``, else ``$DXPOOL_TRACES``, else the first
+``shared/data/traces`` found at or above the repository root.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parents[2]
+
+
+class TraceError(Exception):
+    """A trace file is missing or does not hold what its README describes."""
+
+
+def traces_dir(given: str | None) -> Path:
+    """The folder holding the trace folders; ``TraceError`` says how to point at it."""
+    if given:
+        candidates = [Path(given)]
+    elif os.environ.get("DXPOOL_TRACES"):
+        candidates = [Path(os.environ["DXPOOL_TRACES"])]
+    else:
+        candidates = [parent / "shared" / "data" / "traces" for parent in (_REPO, *_REPO.parents)]
+    for candidate in candidates:
+        if candidate.is_dir():
+            return candidate
+    raise TraceError(
+        f"no trace folder at {', '.join(str(c) for c in candidates[:3])}: "
+        "pass --traces DIR or set DXPOOL_TRACES"
+    )
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    try:
+        with path.open(newline="", encoding="utf-8") as handle:
+            return [row for row in csv.DictReader(handle) if any(row.values())]
+    except OSError as error:
+        raise TraceError(f"cannot read {path}: {error.strerror}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Server:
+    """One GPU node of the openb cluster."""
+
+    name: str
+    gpus: int
+    model: str
+
+
+@dataclass(frozen=True, slots=True)
+class Pod:
+    """One GPU pod of an openb pod list, in whole GPUs (a fractional pod takes one)."""
+
+    name: str
+    gpus: int
+    gpu_milli: int  # per GPU, as in the trace
+
+
+def openb_servers(traces: Path) -> list[Server]:
+    """The 1,213 GPU nodes (6,212 GPUs) of ``openb_node_list_gpu_node.csv``."""
+    path = traces / "alibaba-gpu-v2023" / "openb_node_list_gpu_node.csv"
+    try:
+        servers = [Server(r["sn"], int(r["gpu"]), r["model"]) for r in _rows(path)]
+    except (KeyError, ValueError) as error:
+        raise TraceError(f"{path}: not the openb node schema ({error})") from None
+    return [server for server in servers if server.gpus > 0]
+
+
+def openb_pods(traces: Path, workload: str = "default") -> list[Pod]:
+    """The GPU pods of ``openb_pod_list_<workload>.csv``, in file order; CPU-only pods
+    are left out (whole-GPU mode places GPUs only)."""
+    path = traces / "alibaba-gpu-v2023" / f"openb_pod_list_{workload}.csv"
+    try:
+        pods = [Pod(r["name"], int(r["num_gpu"]), int(r["gpu_milli"])) for r in _rows(path)]
+    except (KeyError, ValueError) as error:
+        raise TraceError(f"{path}: not the openb pod schema ({error})") from None
+    return [pod for pod in pods if pod.gpus > 0]
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One Philly job: submitted ``arrival_s`` after the trace's first, for ``duration_s``."""
+
+    arrival_s: float
+    duration_s: float
+    gpus: int
+
+
+def philly_jobs(traces: Path) -> list[Job]:
+    """Every job of ``philly-pollux/philly.csv``, by arrival (ties in file order)."""
+    path = traces / "philly-pollux" / "philly.csv"
+    try:
+        rows = [
+            (datetime.fromisoformat(r["timestamp"]), float(r["duration"]), int(r["num_gpus"]))
+            for r in _rows(path)
+        ]
+    except (KeyError, ValueError) as error:
+        raise TraceError(f"{path}: not the Philly job schema ({error})") from None
+    if not rows:
+        raise TraceError(f"{path}: no jobs")
+    start = min(when for when, _, _ in rows)
+    jobs = [Job((when - start).total_seconds(), d, gpus) for when, d, gpus in rows]
+    jobs.sort(key=lambda job: job.arrival_s)
+    return jobs

@@ -1,0 +1,42 @@
+"""The placement pipelines a benchmark may run, by name.
+
+``default`` is the broker's own. The others add
+:class:`~dxpool.broker.placement.plugins.fragmentation.SlotFragmentation` to it with
+weight :data:`SLOT_FRAGMENTATION_WEIGHT`: ``slot-frag`` with the plugin's default size
+mix, ``slot-frag-trace`` with the node sizes of the trace being replayed (how often each
+size comes, by count, as FGD weighs its task types), ``slot-frag-trace-gpus`` with them
+weighed by the GPUs they ask for (count x size).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from dxpool.broker.placement import Pipeline, WeightedScore, default_pipeline
+from dxpool.broker.placement.plugins.fragmentation import SlotFragmentation
+
+NAMES = ("default", "slot-frag", "slot-frag-trace", "slot-frag-trace-gpus")
+SLOT_FRAGMENTATION_WEIGHT = 2.0  # above host_fit (1.0), so it decides between hosts
+
+
+def with_slot_fragmentation(sizes: Mapping[int, float] | None) -> Pipeline:
+    """The default pipeline plus the slot fragmentation score (default mix when None)."""
+    base = default_pipeline()
+    plugin = SlotFragmentation(sizes) if sizes else SlotFragmentation()
+    extra = WeightedScore(plugin, SLOT_FRAGMENTATION_WEIGHT)
+    return dataclasses.replace(base, scores=(*base.scores, extra))
+
+
+def build(name: str, trace_sizes: Mapping[int, float]) -> Pipeline | None:
+    """The pipeline called ``name`` (one of :data:`NAMES`); None means the broker's
+    default. ``trace_sizes`` is the replayed trace's node size mix."""
+    if name == "default":
+        return None
+    if name == "slot-frag":
+        return with_slot_fragmentation(None)
+    if name == "slot-frag-trace":
+        return with_slot_fragmentation(trace_sizes)
+    if name == "slot-frag-trace-gpus":
+        return with_slot_fragmentation({size: n * size for size, n in trace_sizes.items()})
+    raise ValueError(f"unknown pipeline {name!r}; choose one of {', '.join(NAMES)}")

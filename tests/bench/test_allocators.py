@@ -1,0 +1,83 @@
+"""The trace benchmarks' clusters: dxpool's real placement and the fixed-server baseline."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.traces.allocator import Cause, Grant, allocate_gang, gang_members
+from bench.traces.pool import DecisionTimes, DxpoolPool, PoolLayout, boxes_of
+from bench.traces.servers import FixedServers
+
+
+def pool(host_slots: list[int], gpus: int = 16, **options: bool) -> DxpoolPool:
+    return DxpoolPool("test", PoolLayout(boxes_of({"H100": gpus}), host_slots), **options)
+
+
+def test_boxes_of_fills_boxes_of_eight_per_model() -> None:
+    assert boxes_of({"T4": 10, "A10": 2}) == [("A10", 2), ("T4", 8), ("T4", 2)]
+
+
+def test_gang_members_are_full_nodes_then_the_rest() -> None:
+    assert gang_members(4) == [4]
+    assert gang_members(16) == [8, 8]
+    assert gang_members(12) == [8, 4]
+    with pytest.raises(ValueError, match="at least one GPU"):
+        gang_members(0)
+
+
+def test_fixed_servers_take_the_tightest_server_that_fits() -> None:
+    servers = FixedServers("s", [8, 4, 2])
+    first = servers.allocate(2)
+    assert isinstance(first, Grant) and first.key == (2, 2)  # the 2-GPU server
+    assert servers.allocate(3) == Grant((1, 3), 3)  # 4 free beats 8 free
+    assert servers.allocate(8) == Grant((0, 8), 8)
+    assert servers.allocated == 13
+    assert servers.allocate(2) is Cause.CAPACITY  # 1 GPU left in all
+    servers.release(first)
+    assert servers.allocate(3) is Cause.FRAGMENTATION  # 3 free, at most 2 on one server
+
+
+def test_the_pool_places_through_the_index_and_takes_back_what_it_granted() -> None:
+    cluster = pool([8, 8])
+    grant = cluster.allocate(8)
+    assert isinstance(grant, Grant)
+    assert cluster.allocated == 8
+    assert sorted(cluster.free_slot_counts()) == [0, 8]
+    cluster.release(grant)
+    assert cluster.allocated == 0
+    assert cluster.free_slot_counts() == [8, 8]
+    # Every GPU and slot is free again: the whole pool can be taken twice over.
+    assert isinstance(cluster.allocate(8), Grant)
+    assert isinstance(cluster.allocate(8), Grant)
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_the_pool_says_why_it_refuses(verify: bool) -> None:
+    cluster = pool([4, 4, 4, 4], gpus=8, verify_refusals=verify)
+    assert cluster.allocate(5) is Cause.FRAGMENTATION  # 8 GPUs, 16 slots, no host of 5
+    assert isinstance(cluster.allocate(3), Grant)
+    assert isinstance(cluster.allocate(3), Grant)
+    assert cluster.allocate(3) is Cause.CAPACITY  # 2 GPUs left
+    small = pool([1, 1], gpus=8, verify_refusals=verify)
+    assert small.allocate(3) is Cause.HOST_SLOTS  # 8 GPUs, only 2 slots in all
+
+
+def test_a_gang_that_cannot_be_placed_whole_gives_back_its_members() -> None:
+    cluster = pool([8, 8, 8], gpus=16)
+    assert allocate_gang(cluster, [8, 8, 8]) is Cause.CAPACITY  # the third member fails
+    assert cluster.allocated == 0
+    assert cluster.free_slot_counts() == [8, 8, 8]
+    grants = allocate_gang(cluster, [8, 8])
+    assert isinstance(grants, list) and len(grants) == 2
+    assert {grant.key.host for grant in grants} == {"h00000", "h00001"}  # type: ignore[attr-defined]
+
+
+def test_every_decision_is_timed_and_percentiles_read_the_sorted_samples() -> None:
+    cluster = pool([8, 8])
+    for _ in range(3):
+        cluster.allocate(1)
+    assert len(cluster.times.samples) == 3
+    times = DecisionTimes([0.003, 0.001, 0.002, 0.004])
+    assert times.percentile(0.5) == 0.003
+    assert times.percentile(0.99) == 0.004
+    assert DecisionTimes().percentile(0.5) == 0.0
