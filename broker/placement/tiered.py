@@ -143,6 +143,9 @@ class TieredChooser:
         self._fewest = min((size for size in sizes if size >= count), default=None)
         self._tightest: tuple[tuple[int, BoxSupply], ...] | None = None  # made when asked
         self._chosen: dict[int, _Memo] = {}
+        # round trip by (host class, box class), shared along advance(): by the model's
+        # contract it depends on the two classes only, and a model never changes
+        self._class_ns: dict[tuple[int, int], int] = {}
 
     def advance(self, removed: Iterable[BoxSupply], added: Iterable[BoxSupply]) -> TieredChooser:
         """The chooser of the supply that differs from this one's by ``removed`` boxes
@@ -177,6 +180,7 @@ class TieredChooser:
         sizes = +sizes  # drop sizes no box has any more
         following = TieredChooser.__new__(TieredChooser)
         following._setup(self._model, self._count, self._bound, classes, sizes)
+        following._class_ns = self._class_ns
         following._keep_memos(self, frozenset(touched))
         return following
 
@@ -206,7 +210,7 @@ class TieredChooser:
         if memo is not None and self._bound is None and memo.choice.options:
             stamp = self._stamp()
             if not _same_stamp(memo.stamp, stamp):
-                memo = self._retighten(host, memo, stamp)
+                memo = self._retighten(host, host_class, memo, stamp)
                 if memo is not None:
                     self._chosen[host_class] = memo
         if memo is None:
@@ -236,12 +240,12 @@ class TieredChooser:
         """What a choice's tightest box rests on here (see :data:`_Stamp`)."""
         return (self._fewest, self._tightest_classes())
 
-    def _retighten(self, host: Place, memo: _Memo, stamp: _Stamp) -> _Memo | None:
+    def _retighten(self, host: Place, host_class: int, memo: _Memo, stamp: _Stamp) -> _Memo | None:
         """``memo`` with the tightest box found again from the few classes holding one;
         None when they are many (the walk must find it)."""
         if stamp[1] is None:
             return None
-        tightest = self._nearest_tightest(host)
+        tightest = self._nearest_tightest(host, host_class)
         found = options(self._count, memo.nearest, memo.single, tightest)
         if found == memo.choice.options:
             found = memo.choice.options  # the same object: what was derived from it holds
@@ -258,7 +262,7 @@ class TieredChooser:
                 return _Memo(Choice([], self._usable, None), ranking, frozenset(), stamp)
             direct: Callable[[], Link | None] | None = None
             if stamp[1] is not None:
-                direct = partial(self._nearest_tightest, host)
+                direct = partial(self._nearest_tightest, host, self._model.host_class(host))
             options_, nearest, single = self._rules(tiers, self._fewest, direct)
             choice = Choice(options_, self._usable, None)
             return _Memo(choice, ranking, _seen(examined), stamp, nearest, single)
@@ -277,18 +281,19 @@ class TieredChooser:
         options_, _, _ = self._rules(iter(within), fewest, None)
         return _Memo(Choice(options_, reach, dropped), ranking, _seen(examined), None)
 
-    def _nearest_tightest(self, host: Place) -> Link | None:
+    def _nearest_tightest(self, host: Place, host_class: int) -> Link | None:
         """The tightest-single-box rule from the few classes holding such a box: the
         nearest of their tightest boxes (lowest box id among equally near ones)."""
-        round_trip = self._model.round_trip
-        return min(
-            (
-                (round_trip(host, supply.box.place).round_trip_ns, supply)
-                for _, supply in self._tightest_classes() or ()
-            ),
-            key=lambda link: (link[0], link[1].box.box),
-            default=None,
-        )
+        class_ns = self._class_ns
+        best: Link | None = None
+        for number, supply in self._tightest_classes() or ():
+            ns = class_ns.get((host_class, number))
+            if ns is None:
+                ns = self._model.round_trip(host, supply.box.place).round_trip_ns
+                class_ns[(host_class, number)] = ns
+            if best is None or (ns, supply.box.box) < (best[0], best[1].box.box):
+                best = (ns, supply)
+        return best
 
     def _present(
         self, ranking: Tiers, examined: list[int]
