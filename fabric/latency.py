@@ -204,9 +204,26 @@ class TopologyLatencyModel:
         return LatencyEstimate(round_trip_ns=2 * one_way, path=path)
 
     def _sides_ns(self, host_side: _Side, box_side: _Side) -> int:
-        """The round trip between two resolved endpoints (what :meth:`_estimate` gives)."""
-        _, switch_ns = self._switch_path(_NOWHERE, host_side, _NOWHERE, box_side)
-        return 2 * (2 * self._proxy_ns + switch_ns)
+        """The round trip between two resolved endpoints (what :meth:`_estimate` gives),
+        without naming the hops: rankings ask this for every pair of classes."""
+        return 2 * (2 * self._proxy_ns + self._switch_ns(host_side, box_side))
+
+    def _switch_ns(self, host_side: _Side, box_side: _Side) -> int:
+        """The switch latency of :meth:`_switch_path`, computed the same way."""
+        h, b = host_side.location, box_side.location
+        hs, bs = host_side.switches, box_side.switches
+        if hs is not None and bs is not None and h.site == b.site:
+            if h.pod == b.pod:
+                if h.rack == b.rack:
+                    return hs.rack_ns
+                return hs.rack_ns + hs.pod_ns + bs.rack_ns
+            return hs.rack_ns + hs.pod_ns + hs.site_ns + bs.pod_ns + bs.rack_ns
+        return self._site_ns(hs) + self._inter_site_ns + self._site_ns(bs)
+
+    def _site_ns(self, switches: SwitchLatencies | None) -> int:
+        """One way from a rack up to its site switch (the worst case when unplaced)."""
+        up = switches if switches is not None else self._worst
+        return up.rack_ns + up.pod_ns + up.site_ns
 
     def _classify_host(self, host: Place) -> int:
         return self._number(self._resolve(host, "hosts/", self._topology.host_place))

@@ -59,10 +59,31 @@ class LiveSupply:
         """Judges every box of ``snapshot``; None when the supply holds fewer GPUs than
         requested, a plugin fails, or a record names another box (the reference path
         in :mod:`.supply` then answers, with its hints)."""
-        empty: LiveSupply = LiveSupply(
-            Supply((), 0, ()), immutables.Map(), (0,) * (len(gpu_filters) + 1), 0
-        )
-        return empty.advance(request, snapshot, snapshot.gpus_by_box, box_filters, gpu_filters)
+        counts: list[tuple[int, ...]] = []
+        parts: dict[str, BoxPart] = {}
+        boxes: list[BoxSupply] = []
+        pool = 0
+        known = snapshot.boxes
+        try:
+            for box_id, gpus in snapshot.gpus_by_box.items():
+                part = judge_box(request, box_id, known.get(box_id), gpus, box_filters, gpu_filters)
+                if not part.own:
+                    return None
+                parts[box_id] = part
+                pool += len(gpus)
+                counts.append(part.counts)
+                if part.supply is not None:
+                    boxes.append(part.supply)
+            totals = tuple(sum(column) for column in zip(*counts, strict=True))
+            totals = totals or (0,) * (len(gpu_filters) + 1)
+            if totals[-1] < request.count:
+                return None
+            funnel = _funnel(request, pool, totals, box_filters, gpu_filters)
+        except PluginError:
+            return None
+        boxes.sort(key=supply_order)
+        supply = Supply(tuple(boxes), totals[-1], funnel)
+        return LiveSupply(supply, immutables.Map(parts), totals, pool)
 
     def advance(
         self,
@@ -115,19 +136,31 @@ class LiveSupply:
                 finished = parts.finish()
             if totals[-1] < request.count:
                 return None
-            labels = [label(plugin, request) for plugin in box_filters]
-            funnel = (
-                FunnelStage("in the pool", pool, None),
-                FunnelStage(" and ".join(labels) or "in registered boxes", totals[0], None),
-                *(
-                    FunnelStage(label(plugin, request), count, None)
-                    for plugin, count in zip(gpu_filters, totals[1:], strict=True)
-                ),
-            )
+            funnel = _funnel(request, pool, tuple(totals), box_filters, gpu_filters)
         except PluginError:
             return None
         supply = Supply(tuple(boxes), totals[-1], funnel)
         return LiveSupply(supply, finished, tuple(totals), pool)
+
+
+def _funnel(
+    request: PlacementRequest,
+    pool: int,
+    totals: tuple[int, ...],
+    box_filters: Sequence[BoxFilterPlugin],
+    gpu_filters: Sequence[GpuFilterPlugin],
+) -> tuple[FunnelStage, ...]:
+    """The funnel of a supply that holds enough GPUs (no hints), as :mod:`.supply`
+    counts it."""
+    labels = [label(plugin, request) for plugin in box_filters]
+    return (
+        FunnelStage("in the pool", pool, None),
+        FunnelStage(" and ".join(labels) or "in registered boxes", totals[0], None),
+        *(
+            FunnelStage(label(plugin, request), count, None)
+            for plugin, count in zip(gpu_filters, totals[1:], strict=True)
+        ),
+    )
 
 
 def _remove(boxes: list[BoxSupply], supply: BoxSupply) -> None:
