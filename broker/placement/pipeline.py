@@ -494,17 +494,26 @@ class _Run:
         request = self.request
         plugins = [weighted.plugin for weighted in self.pipeline.scores]
         lowest: dict[tuple[float, ...], str] = {}  # raw scores -> lowest host proposing them
+        tightest: dict[str, tuple[selection.Option, tuple[float, ...]]] = {}
+        scored = live.scored
         for host_id in live.hosts.firsts():
             host = hosts[host_id]
             try:
-                choice = chooser.choose(host.place)
+                base, tight = chooser.parts(host.place)
             except Exception:
                 return None
             made = memo.get(host_id)
-            if made is None or made.options is not choice.options or made.host is not host:
-                made = _propose(request, host, choice.options, plugins, live.scored)
+            if made is None or made.options is not base or made.host is not host:
+                made = _propose(request, host, base, plugins, scored)
                 memo[host_id] = made
             for raw in made.raws:
+                seen = lowest.get(raw)
+                if seen is None or host_id < seen:
+                    lowest[raw] = host_id
+            if tight is not None:
+                option = (selection.TIGHTEST_SINGLE_BOX, (Take(tight[1], request.count, tight[0]),))
+                (raw,) = _propose(request, host, [option], plugins, scored).raws
+                tightest[host_id] = (option, raw)
                 seen = lowest.get(raw)
                 if seen is None or host_id < seen:
                     lowest[raw] = host_id
@@ -514,8 +523,13 @@ class _Run:
         best = max(totals.values())
         winner = min(lowest[raw] for raw, total in totals.items() if total == best)
         made = memo[winner]
-        index = next(i for i, raw in enumerate(made.raws) if totals[raw] == best)
-        rule, takes = made.options[index]
+        options = list(made.options)
+        raws = list(made.raws)
+        if winner in tightest:  # options() puts the tightest box after the others
+            options.append(tightest[winner][0])
+            raws.append(tightest[winner][1])
+        index = next(i for i, raw in enumerate(raws) if totals[raw] == best)
+        rule, takes = options[index]
         proposal = Proposal(made.host, made.host.free_slot_count(), takes, rule)
         placement = self.bind(proposal, best)
         return PlacementResult(placement, self._explain_every_host, ())

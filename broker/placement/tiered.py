@@ -101,6 +101,7 @@ class _Memo:
     stamp: _Stamp | None
     nearest: tuple[Take, ...] | None = None
     single: Link | None = None
+    base: list[Option] | None = None  # the options without the tightest rule (unbounded)
 
 
 class TieredChooser:
@@ -221,6 +222,36 @@ class TieredChooser:
             choice = replace(choice, reach=self._usable)  # the same options, kept memoized
         return choice
 
+    def parts(self, host: Place) -> tuple[list[Option], Link | None]:
+        """:meth:`choose`'s options in two parts: the options of the nearest-first and
+        nearest-single-box rules, and the tightest single box when it comes after them
+        (None when it is one of their boxes, or is already among the options). The
+        options are the first part, plus the tightest box's option when there is one.
+
+        Lets a caller that remembers what it made of the first part keep it while only
+        the tightest box moves (a 1-GPU compose into the box with the fewest free GPUs
+        moves it for every host class)."""
+        if self._bound is not None or self._tightest_classes() is None:
+            return self.choose(host).options, None
+        host_class = self._model.host_class(host)
+        memo = self._chosen.get(host_class)
+        ranking = self._model.ranking(host_class)
+        if memo is None or memo.ranking is not ranking or memo.base is None:
+            memo = self._choose(host, ranking)
+            self._chosen[host_class] = memo
+        base = memo.base
+        assert base is not None  # every unbounded memo has one
+        if not base:
+            return base, None
+        tightest = self._nearest_tightest(host, host_class)
+        if tightest is None:
+            return base, None
+        box = tightest[1].box.box
+        for _, takes in base:
+            if len(takes) == 1 and takes[0].supply.box.box == box:
+                return base, None  # options() merges it with that one
+        return base, tightest
+
     def _tightest_classes(self) -> tuple[tuple[int, BoxSupply], ...] | None:
         """(class, its tightest box) for each class holding a box of the fewest usable
         GPUs that holds the request, by class; None when more than ``FEW_TIGHTEST``."""
@@ -250,7 +281,9 @@ class TieredChooser:
         if found == memo.choice.options:
             found = memo.choice.options  # the same object: what was derived from it holds
         choice = Choice(found, self._usable, None)
-        return _Memo(choice, memo.ranking, memo.examined, stamp, memo.nearest, memo.single)
+        return _Memo(
+            choice, memo.ranking, memo.examined, stamp, memo.nearest, memo.single, memo.base
+        )
 
     def _choose(self, host: Place, ranking: Tiers) -> _Memo:
         examined: list[int] = []
@@ -259,13 +292,16 @@ class TieredChooser:
         if bound is None:
             stamp = self._stamp()
             if self._usable < self._count:
-                return _Memo(Choice([], self._usable, None), ranking, frozenset(), stamp)
+                empty: list[Option] = []
+                choice = Choice(empty, self._usable, None)
+                return _Memo(choice, ranking, frozenset(), stamp, None, None, empty)
             direct: Callable[[], Link | None] | None = None
             if stamp[1] is not None:
                 direct = partial(self._nearest_tightest, host, self._model.host_class(host))
             options_, nearest, single = self._rules(tiers, self._fewest, direct)
             choice = Choice(options_, self._usable, None)
-            return _Memo(choice, ranking, _seen(examined), stamp, nearest, single)
+            base = options(self._count, nearest, single, None)
+            return _Memo(choice, ranking, _seen(examined), stamp, nearest, single, base)
         within: list[tuple[int, list[_BoxClass]]] = []
         dropped: Link | None = None
         for latency, tier in tiers:
