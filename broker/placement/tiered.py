@@ -189,8 +189,10 @@ class TieredChooser:
         """Keeps ``before``'s choices whose walk looked at no class that changed (see the
         module docstring); :meth:`choose` finds the tightest box again when its stamp
         changed."""
-        if self._bound is None and (self._usable >= self._count) != (
-            before._usable >= before._count
+        if self._bound is None and (
+            (self._usable >= self._count) != (before._usable >= before._count)
+            # with no box holding the request, walks did not look for a single box
+            or (self._fewest is None) != (before._fewest is None)
         ):
             return
         for host_class, memo in before._chosen.items():
