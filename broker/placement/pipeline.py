@@ -20,6 +20,12 @@ changes what it answers:
 - a result explains each candidate only when its ``candidates`` are read (a plan reads
   them, a compose does not); what a failed placement answers in ``unsatisfied`` is made
   at once.
+- for a snapshot with a journal (the broker's placement index), what it works out before
+  looking at hosts is brought forward from the newest one made for an earlier version,
+  judging only the boxes and hosts changed since (:mod:`~dxpool.broker.placement.live`);
+  a decision then looks at the first host of each group of hosts alike (latency class,
+  free slot count) and totals each distinct tuple of raw scores once
+  (``_Run._result_by_host_group``).
 
 Plugins must therefore be pure: the same request and candidate give the same verdict.
 """
