@@ -185,8 +185,16 @@ class HostClasses:
 
     @staticmethod
     def build(snapshot: Snapshot, dropped: HostDropped, class_of: HostClassOf) -> HostClasses:
+        return HostClasses.build_for(snapshot, snapshot.hosts, dropped, class_of)
+
+    @staticmethod
+    def build_for(
+        snapshot: Snapshot, hosts: Iterable[str], dropped: HostDropped, class_of: HostClassOf
+    ) -> HostClasses:
+        """The groups of ``hosts`` alone (for a request whose filters drop every other
+        host: one pinned to a host)."""
         empty = HostClasses({}, immutables.Map())
-        return empty.advance(snapshot, snapshot.hosts, dropped, class_of)
+        return empty.advance(snapshot, hosts, dropped, class_of)
 
     def advance(
         self,

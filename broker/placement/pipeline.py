@@ -37,7 +37,7 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 from dxpool.broker.placement import selection
@@ -78,6 +78,7 @@ from dxpool.broker.placement.model import (
     PlacementResult,
     Snapshot,
 )
+from dxpool.broker.placement.plugins.hosts import PinnedHost
 from dxpool.broker.placement.status import SUCCESS, Code, Status
 from dxpool.broker.placement.supply import BoxVerdicts, Supply, build_supply
 from dxpool.broker.placement.tiered import TieredChooser
@@ -251,23 +252,87 @@ def _prepared_for(
     since, else made from the snapshot alone. Either way the same answer."""
     journal = snapshot.journal
     if journal is not None:
-        base = pipeline._latest.get(latency, request)
-        live = base.live if base is not None else None
-        if (
-            base is not None
-            and live is not None
-            and live.journal is journal
-            and live.version <= snapshot.version
-        ):
-            changes = journal.changed_since(live.version, snapshot.version)
-            if changes is not None:
-                advanced = _advance(pipeline, base, live, request, snapshot, changes)
-                if advanced is not None:
-                    pipeline._latest.offer(latency, request, advanced)
-                    return advanced
+        advanced = _brought_forward(pipeline, request, snapshot, latency, request)
+        if advanced is None and request.host is not None:
+            advanced = _pinned_from_unpinned(pipeline, request, snapshot, latency)
+        if advanced is not None:
+            pipeline._latest.offer(latency, request, advanced)
+            return advanced
     prepared = _prepare(pipeline, request, snapshot, latency)
     pipeline._latest.offer(latency, request, prepared)
     return prepared
+
+
+def _brought_forward(
+    pipeline: Pipeline,
+    request: PlacementRequest,
+    snapshot: Snapshot,
+    latency: LatencyModel,
+    made_for: PlacementRequest,
+) -> _Prepared | None:
+    """The newest preparation for ``made_for`` brought up to ``snapshot`` for
+    ``request`` (the same request, or the one it pins), or None."""
+    base = pipeline._latest.get(latency, made_for)
+    live = base.live if base is not None else None
+    if (
+        base is None
+        or live is None
+        or live.journal is not snapshot.journal
+        or live.version > snapshot.version
+        or snapshot.journal is None
+    ):
+        return None
+    changes = snapshot.journal.changed_since(live.version, snapshot.version)
+    if changes is None:
+        return None
+    return _advance(pipeline, base, live, request, snapshot, changes)
+
+
+def _pinned_from_unpinned(
+    pipeline: Pipeline, request: PlacementRequest, snapshot: Snapshot, latency: LatencyModel
+) -> _Prepared | None:
+    """A pinned request's preparation from the same request unpinned (a compose re-placed
+    on the host it waited for, after another compose changed the inventory): box and GPU
+    filters judge whatever the host, so the supply and the chooser are the same, and the
+    pin keeps one host, so only that host is filtered. None when the unpinned one is not
+    at hand, or no host filter of the pipeline enforces the pin."""
+    assert request.host is not None
+    unpinned = replace(request, host=None)
+    base = _brought_forward(pipeline, unpinned, snapshot, latency, unpinned)
+    if base is None or base.live is None:
+        return None
+    pipeline._latest.offer(latency, unpinned, base)
+    host_filters = applying(pipeline.host_filters, request)
+    if not any(isinstance(plugin, PinnedHost) for plugin in host_filters):
+        return None
+    for plugin in pipeline.pre_filters:
+        try:
+            if plugin.pre_filter(request, snapshot).code is not Code.SUCCESS:
+                return None
+        except Exception:
+            return None
+    live = base.live
+    try:
+        hosts = HostClasses.build_for(
+            snapshot,
+            (request.host,),
+            functools.partial(_host_dropped, host_filters, request),
+            _host_class_of(live.chooser),
+        )
+    except Exception:
+        return None
+    pinned = _Live(live.journal, live.version, live.supply, hosts, live.chooser, {}, {})
+    return _Prepared(
+        base.owners,
+        base.gpu_filters,
+        base.box_filters,
+        host_filters,
+        applying(pipeline.link_filters, request),
+        (),
+        live.supply.supply,
+        live.chooser,
+        pinned,
+    )
 
 
 def _advance(

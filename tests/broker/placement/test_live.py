@@ -134,7 +134,8 @@ def test_placement_brought_forward_answers_as_placement_from_scratch(seed: int) 
         for _ in range(rng.randint(1, 3)):
             step(rng, inventory)
         snapshot = inventory.snapshot()
-        for request in requests:
+        pinned = replace(rng.choice(requests), host=rng.choice(sorted(inventory.hosts)))
+        for request in [*requests, pinned]:  # a pin starts from the same request unpinned
             live = pipeline.run(request, snapshot, model)
             fresh = default_pipeline().run(request, inventory.alone(), model)
             assert live.placement == fresh.placement
