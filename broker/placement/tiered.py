@@ -195,7 +195,8 @@ class TieredChooser:
             or (self._fewest is None) != (before._fewest is None)
         ):
             return
-        for host_class, memo in before._chosen.items():
+        # a copy taken at once: decisions on ``before`` may add to its memo meanwhile
+        for host_class, memo in list(before._chosen.items()):
             if memo.examined is not None and memo.examined.isdisjoint(touched):
                 self._chosen[host_class] = memo
 

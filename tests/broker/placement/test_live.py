@@ -11,6 +11,7 @@ what did not fit, the same explanation of every host.
 from __future__ import annotations
 
 import random
+import sys
 from dataclasses import replace
 
 import immutables
@@ -157,3 +158,50 @@ def test_an_older_snapshot_after_a_newer_one_still_answers_for_itself() -> None:
     pipeline.run(request, inventory.snapshot(), model)  # the newest is remembered
     again = pipeline.run(request, older, model)
     assert again.placement == default_pipeline().run(request, older_records, model).placement
+
+
+def test_decisions_run_on_a_snapshot_while_the_next_is_brought_forward_from_it() -> None:
+    """One thread keeps placing on the newest snapshot published (adding to what its
+    preparation remembers) while another brings the pipeline forward from that same
+    preparation to the next snapshot: each decision answers as placement from scratch on
+    its own snapshot (preparations are copied on write, never changed under a reader)."""
+    import threading
+
+    rng = random.Random(5)
+    inventory = Inventory()
+    populate(rng, inventory)
+    model = TopologyLatencyModel(Topology.default())
+    pipeline = default_pipeline()
+    requests = [PlacementRequest("H100", 1), PlacementRequest("H100", 2)]
+    versions: list[tuple[Snapshot, dict[PlacementRequest, object]]] = []
+    for _ in range(60):
+        step(rng, inventory)
+        alone = inventory.alone()
+        expected = {r: default_pipeline().run(r, alone, model).placement for r in requests}
+        versions.append((inventory.snapshot(), expected))
+    published = [versions[0]]
+    failures: list[str] = []
+    done = threading.Event()
+
+    def place_on_the_newest() -> None:
+        while not done.is_set():
+            snapshot, expected = published[-1]
+            for request in requests:
+                if pipeline.run(request, snapshot, model).placement != expected[request]:
+                    failures.append(f"reader at version {snapshot.version}")
+
+    reader = threading.Thread(target=place_on_the_newest)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # switch threads often, inside the steps that matter
+    reader.start()
+    try:
+        for snapshot, expected in versions:
+            for request in requests:
+                if pipeline.run(request, snapshot, model).placement != expected[request]:
+                    failures.append(f"writer at version {snapshot.version}")
+            published.append((snapshot, expected))
+    finally:
+        done.set()
+        reader.join()
+        sys.setswitchinterval(interval)
+    assert failures == []
