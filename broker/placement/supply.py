@@ -60,9 +60,9 @@ class BoxVerdicts:
     def __init__(self, max_requests: int = 16) -> None:
         self._lock = threading.Lock()
         self._max_requests = max_requests
-        self._by_request: OrderedDict[PlacementRequest, dict[str, _BoxPart]] = OrderedDict()
+        self._by_request: OrderedDict[PlacementRequest, dict[str, BoxPart]] = OrderedDict()
 
-    def parts(self, request: PlacementRequest) -> dict[str, _BoxPart]:
+    def parts(self, request: PlacementRequest) -> dict[str, BoxPart]:
         """The verdicts remembered for ``request``, by box id (the caller adds to them).
 
         A request pinned to a host shares them with the same request unpinned: box and
@@ -82,7 +82,7 @@ class BoxVerdicts:
 
 
 @dataclass(frozen=True, slots=True)
-class _BoxPart:
+class BoxPart:
     """One box's share of the supply for one request, and the records it was judged on.
 
     ``counts``: its GPUs left after the box filters, then after each GPU filter. ``own``
@@ -139,7 +139,7 @@ def _box_by_box(
             box = known.get(box_id)
             part = parts.get(box_id)
             if part is None or part.box is not box or part.gpus is not gpus:
-                part = _judge(request, box_id, box, gpus, box_filters, gpu_filters)
+                part = judge_box(request, box_id, box, gpus, box_filters, gpu_filters)
                 if type(gpus) is tuple:  # only an immutable sequence can be trusted later
                     parts[box_id] = part
             if not part.own:
@@ -152,12 +152,12 @@ def _box_by_box(
         totals = totals or [0] * (len(gpu_filters) + 1)
         if totals[-1] < request.count:
             return None
-        labels = [_label(plugin, request) for plugin in box_filters]
+        labels = [label(plugin, request) for plugin in box_filters]
         funnel = [
             FunnelStage("in the pool", pool, None),
             FunnelStage(" and ".join(labels) or "in registered boxes", totals[0], None),
             *(
-                FunnelStage(_label(plugin, request), count, None)
+                FunnelStage(label(plugin, request), count, None)
                 for plugin, count in zip(gpu_filters, totals[1:], strict=True)
             ),
         ]
@@ -168,17 +168,17 @@ def _box_by_box(
     return Supply(tuple(supplies), usable, tuple(funnel))
 
 
-def _judge(
+def judge_box(
     request: PlacementRequest,
     box_id: str,
     box: BoxInfo | None,
     gpus: Sequence[GpuInfo],
     box_filters: Sequence[BoxFilterPlugin],
     gpu_filters: Sequence[GpuFilterPlugin],
-) -> _BoxPart:
+) -> BoxPart:
     """What the filters make of one box and its GPUs."""
     if box is None or not _box_kept(request, box, box_filters):
-        return _BoxPart(box, gpus, (0,) * (len(gpu_filters) + 1), None, True)
+        return BoxPart(box, gpus, (0,) * (len(gpu_filters) + 1), None, True)
     kept = list(gpus)
     counts = [len(kept)]
     for plugin in gpu_filters:
@@ -186,7 +186,7 @@ def _judge(
         counts.append(len(kept))
     own = box.box == box_id and all(gpu.box == box_id for gpu in kept)
     supply = BoxSupply(box, tuple(sorted(kept, key=_slot_of))) if kept else None
-    return _BoxPart(box, gpus, tuple(counts), supply, own)
+    return BoxPart(box, gpus, tuple(counts), supply, own)
 
 
 def _stage_by_stage(
@@ -200,7 +200,7 @@ def _stage_by_stage(
     boxes = _kept_boxes(request, snapshot, box_filters)
     pool = sum(len(gpus) for gpus in gpus_by_box.values())
     gpus = [gpu for box in boxes for gpu in gpus_by_box[box.box]]
-    labels = [_label(plugin, request) for plugin in box_filters]
+    labels = [label(plugin, request) for plugin in box_filters]
     funnel = [
         FunnelStage("in the pool", pool, None),
         FunnelStage(" and ".join(labels) or "in registered boxes", len(gpus), None),
@@ -209,7 +209,7 @@ def _stage_by_stage(
     for plugin in gpu_filters:
         inputs.append(gpus)
         gpus = _gpu_stage(plugin, request, gpus)
-        funnel.append(FunnelStage(_label(plugin, request), len(gpus), None))
+        funnel.append(FunnelStage(label(plugin, request), len(gpus), None))
     if len(gpus) < request.count:
         _add_hints(request, gpu_filters, inputs, funnel)
     return Supply(_by_box(boxes, gpus), len(gpus), tuple(funnel))
@@ -259,7 +259,7 @@ def _gpu_stage(
         raise PluginError(plugin.name, error) from error
 
 
-def _label(plugin: BoxFilterPlugin | GpuFilterPlugin, request: PlacementRequest) -> str:
+def label(plugin: BoxFilterPlugin | GpuFilterPlugin, request: PlacementRequest) -> str:
     try:
         return plugin.label(request)
     except Exception as error:

@@ -12,30 +12,59 @@ are out of reach, and the nearest box among them is what a failed host is told i
 
 The choices are exactly those of :func:`~dxpool.broker.placement.selection.propose` on
 the host's links (same boxes, same takes, same order), which the tests check.
+
+A chooser is immutable apart from its memo, and follows the supply: :meth:`advance`
+makes the chooser of the next supply from the boxes that changed, sharing every class
+of boxes that did not change and keeping each memoized choice that cannot have changed.
+A choice records which box classes its walk looked at (the tiers it consumed), and,
+without a bound, the fewest usable GPUs of a box that holds the request (the
+*tightest-single-box* rule's target) and whether the pool holds enough; it is kept when
+none of those changed. The tightest box is found from the few classes that hold a box of
+that size when there are few of them (the nearest of them, by the model's round trip),
+so that rule does not make every choice depend on far tiers.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
 from itertools import chain
 
 from dxpool.broker.placement.framework import BoxSupply, Take
 from dxpool.broker.placement.selection import Link, Option, fill_tier, options
 from dxpool.fabric.latency import Place, TieredLatencyModel, Tiers
 
+MAX_EXAMINED = 64
+"""A choice whose walk looked at more box classes than this depends on every class."""
 
-@dataclass(slots=True)
+FEW_TIGHTEST = 8
+"""At most this many classes holding the tightest box: that rule asks the model for the
+round trip to each instead of walking the ranking to the nearest."""
+
+
+def supply_order(supply: BoxSupply) -> tuple[int, str]:
+    """The order of a supply: (usable GPUs, box id)."""
+    return supply.available, supply.box.box
+
+
+@dataclass(frozen=True, slots=True)
 class _BoxClass:
-    """The supply's boxes of one class, by (usable GPUs, box id), with their positions in
-    the supply (so tiers of several classes merge by position), how many GPUs they hold,
-    and the position of the first box that holds every GPU requested."""
+    """The supply's boxes of one class, by (usable GPUs, box id), how many GPUs they
+    hold, and the first box that holds every GPU requested (None if none does)."""
 
-    boxes: list[BoxSupply]
-    positions: list[int]
+    boxes: tuple[BoxSupply, ...]
     usable: int
-    fits: int | None
+    fits: BoxSupply | None
+
+    @staticmethod
+    def of(boxes: Sequence[BoxSupply], count: int) -> _BoxClass:
+        available = [supply.available for supply in boxes]
+        first = bisect_left(available, count)
+        fits = boxes[first] if first < len(boxes) else None
+        return _BoxClass(tuple(boxes), sum(available), fits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +82,28 @@ class Choice:
     dropped: Link | None
 
 
+_Stamp = tuple[object, tuple[tuple[int, BoxSupply], ...] | None]
+"""What an unbounded choice's tightest box rests on: the fewest usable GPUs of a box that
+holds the request, and the few classes holding such a box with that box (None when
+there are many: the walk found it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Memo:
+    """A choice and what it rests on: the box classes its walk looked at (None: all),
+    the tightest-box stamp it was made with, and the two rules the walk alone decides
+    (nearest-first's takes, the nearest single box), kept so that only the tightest box
+    is found again when just the stamp changed."""
+
+    choice: Choice
+    ranking: Tiers  # the model's ranking it walked: a class numbered since is not in it
+    examined: frozenset[int] | None
+    stamp: _Stamp | None
+    nearest: tuple[Take, ...] | None = None
+    single: Link | None = None
+    base: list[Option] | None = None  # the options without the tightest rule (unbounded)
+
+
 class TieredChooser:
     """Chooses boxes for ``count`` GPUs from ``supplies`` (ordered by (usable, box id)),
     for any host, memoized per host class. With ``bound``, only boxes at most ``bound``
@@ -68,30 +119,86 @@ class TieredChooser:
         count: int,
         bound: int | None = None,
     ) -> None:
+        box_class = model.box_class
+        grouped: dict[int, list[BoxSupply]] = {}
+        for supply in supplies:
+            grouped.setdefault(box_class(supply.box.place), []).append(supply)
+        classes = {number: _BoxClass.of(boxes, count) for number, boxes in grouped.items()}
+        sizes = Counter(supply.available for supply in supplies)
+        self._setup(model, count, bound, classes, sizes)
+
+    def _setup(
+        self,
+        model: TieredLatencyModel,
+        count: int,
+        bound: int | None,
+        classes: dict[int, _BoxClass],
+        sizes: Counter[int],
+    ) -> None:
         self._model = model
-        self._supplies = supplies
         self._count = count
         self._bound = bound
-        available = [supply.available for supply in supplies]
-        self._usable = sum(available)
-        first = bisect_left(available, count)
-        self._fewest = available[first] if first < len(available) else None
-        box_class = model.box_class
-        classes: dict[int, _BoxClass] = {}
-        for position, supply in enumerate(supplies):
-            number = box_class(supply.box.place)
-            found = classes.get(number)
-            fits = position if supply.available >= count else None
-            if found is None:
-                classes[number] = _BoxClass([supply], [position], supply.available, fits)
-            else:
-                found.boxes.append(supply)
-                found.positions.append(position)
-                found.usable += supply.available
-                if found.fits is None:
-                    found.fits = fits
         self._classes = classes
-        self._chosen: dict[int, Choice] = {}
+        self._sizes = sizes  # boxes by usable GPUs
+        self._usable = sum(size * boxes for size, boxes in sizes.items())
+        self._fewest = min((size for size in sizes if size >= count), default=None)
+        self._tightest: tuple[tuple[int, BoxSupply], ...] | None = None  # made when asked
+        self._chosen: dict[int, _Memo] = {}
+        # round trip by (host class, box class), shared along advance(): by the model's
+        # contract it depends on the two classes only, and a model never changes
+        self._class_ns: dict[tuple[int, int], int] = {}
+
+    def advance(self, removed: Iterable[BoxSupply], added: Iterable[BoxSupply]) -> TieredChooser:
+        """The chooser of the supply that differs from this one's by ``removed`` boxes
+        (as this supply holds them) and ``added`` ones. This chooser is not changed."""
+        box_class = self._model.box_class
+        classes = dict(self._classes)
+        sizes = self._sizes.copy()
+        touched: dict[int, list[BoxSupply]] = {}
+
+        def boxes_of(number: int) -> list[BoxSupply]:
+            found = touched.get(number)
+            if found is None:
+                known = classes.get(number)
+                found = touched[number] = list(known.boxes) if known is not None else []
+            return found
+
+        for supply in removed:
+            boxes = boxes_of(box_class(supply.box.place))
+            at = bisect_left(boxes, supply_order(supply), key=supply_order)
+            if at < len(boxes) and boxes[at] is supply:
+                del boxes[at]
+                sizes[supply.available] -= 1
+        for supply in added:
+            boxes = boxes_of(box_class(supply.box.place))
+            boxes.insert(bisect_left(boxes, supply_order(supply), key=supply_order), supply)
+            sizes[supply.available] += 1
+        for number, boxes in touched.items():
+            if boxes:
+                classes[number] = _BoxClass.of(boxes, self._count)
+            else:
+                classes.pop(number, None)
+        sizes = +sizes  # drop sizes no box has any more
+        following = TieredChooser.__new__(TieredChooser)
+        following._setup(self._model, self._count, self._bound, classes, sizes)
+        following._class_ns = self._class_ns
+        following._keep_memos(self, frozenset(touched))
+        return following
+
+    def _keep_memos(self, before: TieredChooser, touched: frozenset[int]) -> None:
+        """Keeps ``before``'s choices whose walk looked at no class that changed (see the
+        module docstring); :meth:`choose` finds the tightest box again when its stamp
+        changed."""
+        if self._bound is None and (
+            (self._usable >= self._count) != (before._usable >= before._count)
+            # with no box holding the request, walks did not look for a single box
+            or (self._fewest is None) != (before._fewest is None)
+        ):
+            return
+        # a copy taken at once: decisions on ``before`` may add to its memo meanwhile
+        for host_class, memo in list(before._chosen.items()):
+            if memo.examined is not None and memo.examined.isdisjoint(touched):
+                self._chosen[host_class] = memo
 
     def host_class(self, host: Place) -> int:
         """The class of a host's place: hosts of one class get the same choice."""
@@ -100,48 +207,157 @@ class TieredChooser:
     def choose(self, host: Place) -> Choice:
         """What the rules choose for a host at ``host``."""
         host_class = self._model.host_class(host)
-        chosen = self._chosen.get(host_class)
-        if chosen is None:
-            chosen = self._choose(self._model.ranking(host_class))
-            self._chosen[host_class] = chosen
-        return chosen
+        memo = self._chosen.get(host_class)
+        ranking = self._model.ranking(host_class)
+        if memo is not None and memo.ranking is not ranking:
+            memo = None  # the model has numbered classes since: the walk may miss them
+        if memo is not None and self._bound is None and memo.choice.options:
+            stamp = self._stamp()
+            if not _same_stamp(memo.stamp, stamp):
+                memo = self._retighten(host, host_class, memo, stamp)
+                if memo is not None:
+                    self._chosen[host_class] = memo
+        if memo is None:
+            memo = self._choose(host, ranking)
+            self._chosen[host_class] = memo
+        choice = memo.choice
+        if self._bound is None and choice.reach != self._usable:
+            choice = replace(choice, reach=self._usable)  # the same options, kept memoized
+        return choice
 
-    def _choose(self, ranking: Tiers) -> Choice:
-        tiers = self._present(ranking)
+    def parts(self, host: Place) -> tuple[list[Option], Link | None]:
+        """:meth:`choose`'s options in two parts: the options of the nearest-first and
+        nearest-single-box rules, and the tightest single box when it comes after them
+        (None when it is one of their boxes, or is already among the options). The
+        options are the first part, plus the tightest box's option when there is one.
+
+        Lets a caller that remembers what it made of the first part keep it while only
+        the tightest box moves (a 1-GPU compose into the box with the fewest free GPUs
+        moves it for every host class)."""
+        if self._bound is not None or self._tightest_classes() is None:
+            return self.choose(host).options, None
+        host_class = self._model.host_class(host)
+        memo = self._chosen.get(host_class)
+        ranking = self._model.ranking(host_class)
+        if memo is None or memo.ranking is not ranking or memo.base is None:
+            memo = self._choose(host, ranking)
+            self._chosen[host_class] = memo
+        base = memo.base
+        assert base is not None  # every unbounded memo has one
+        if not base:
+            return base, None
+        tightest = self._nearest_tightest(host, host_class)
+        if tightest is None:
+            return base, None
+        box = tightest[1].box.box
+        for _, takes in base:
+            if len(takes) == 1 and takes[0].supply.box.box == box:
+                return base, None  # options() merges it with that one
+        return base, tightest
+
+    def _tightest_classes(self) -> tuple[tuple[int, BoxSupply], ...] | None:
+        """(class, its tightest box) for each class holding a box of the fewest usable
+        GPUs that holds the request, by class; None when more than ``FEW_TIGHTEST``."""
+        if self._tightest is None:
+            fewest = self._fewest
+            found = sorted(
+                (number, box_class.fits)
+                for number, box_class in self._classes.items()
+                if box_class.fits is not None and box_class.fits.available == fewest
+            )
+            self._tightest = tuple(found)
+        if len(self._tightest) > FEW_TIGHTEST:
+            return None
+        return self._tightest
+
+    def _stamp(self) -> _Stamp:
+        """What a choice's tightest box rests on here (see :data:`_Stamp`)."""
+        return (self._fewest, self._tightest_classes())
+
+    def _retighten(self, host: Place, host_class: int, memo: _Memo, stamp: _Stamp) -> _Memo | None:
+        """``memo`` with the tightest box found again from the few classes holding one;
+        None when they are many (the walk must find it)."""
+        if stamp[1] is None:
+            return None
+        tightest = self._nearest_tightest(host, host_class)
+        found = options(self._count, memo.nearest, memo.single, tightest)
+        if found == memo.choice.options:
+            found = memo.choice.options  # the same object: what was derived from it holds
+        choice = Choice(found, self._usable, None)
+        return _Memo(
+            choice, memo.ranking, memo.examined, stamp, memo.nearest, memo.single, memo.base
+        )
+
+    def _choose(self, host: Place, ranking: Tiers) -> _Memo:
+        examined: list[int] = []
+        tiers = self._present(ranking, examined)
         bound = self._bound
         if bound is None:
+            stamp = self._stamp()
             if self._usable < self._count:
-                return Choice([], self._usable, None)
-            return Choice(self._rules(tiers, self._fewest), self._usable, None)
+                empty: list[Option] = []
+                choice = Choice(empty, self._usable, None)
+                return _Memo(choice, ranking, frozenset(), stamp, None, None, empty)
+            direct: Callable[[], Link | None] | None = None
+            if stamp[1] is not None:
+                direct = partial(self._nearest_tightest, host, self._model.host_class(host))
+            options_, nearest, single = self._rules(tiers, self._fewest, direct)
+            choice = Choice(options_, self._usable, None)
+            base = options(self._count, nearest, single, None)
+            return _Memo(choice, ranking, _seen(examined), stamp, nearest, single, base)
         within: list[tuple[int, list[_BoxClass]]] = []
         dropped: Link | None = None
         for latency, tier in tiers:
             if latency > bound:
-                dropped = (latency, self._supplies[min(c.positions[0] for c in tier)])
+                dropped = (latency, min((c.boxes[0] for c in tier), key=supply_order))
                 break
             within.append((latency, tier))
         reach = sum(c.usable for _, tier in within for c in tier)
         if reach < self._count:
-            return Choice([], reach, dropped)
+            return _Memo(Choice([], reach, dropped), ranking, _seen(examined), None)
         fitting = [c.fits for _, tier in within for c in tier if c.fits is not None]
-        fewest = self._supplies[min(fitting)].available if fitting else None
-        return Choice(self._rules(iter(within), fewest), reach, dropped)
+        fewest = min(fits.available for fits in fitting) if fitting else None
+        options_, _, _ = self._rules(iter(within), fewest, None)
+        return _Memo(Choice(options_, reach, dropped), ranking, _seen(examined), None)
 
-    def _present(self, ranking: Tiers) -> Iterator[tuple[int, list[_BoxClass]]]:
-        """The ranking's tiers that hold boxes of the supply, as those boxes' classes."""
+    def _nearest_tightest(self, host: Place, host_class: int) -> Link | None:
+        """The tightest-single-box rule from the few classes holding such a box: the
+        nearest of their tightest boxes (lowest box id among equally near ones)."""
+        class_ns = self._class_ns
+        best: Link | None = None
+        for number, supply in self._tightest_classes() or ():
+            ns = class_ns.get((host_class, number))
+            if ns is None:
+                ns = self._model.round_trip(host, supply.box.place).round_trip_ns
+                class_ns[(host_class, number)] = ns
+            if best is None or (ns, supply.box.box) < (best[0], best[1].box.box):
+                best = (ns, supply)
+        return best
+
+    def _present(
+        self, ranking: Tiers, examined: list[int]
+    ) -> Iterator[tuple[int, list[_BoxClass]]]:
+        """The ranking's tiers that hold boxes of the supply, as those boxes' classes;
+        adds the class numbers of each tier consumed to ``examined``."""
         present = self._classes.get
         for latency, numbers in ranking:
+            examined.extend(numbers)
             tier = [found for number in numbers if (found := present(number)) is not None]
             if tier:
                 yield latency, tier
 
     def _rules(
-        self, tiers: Iterator[tuple[int, list[_BoxClass]]], fewest: int | None
-    ) -> list[Option]:
+        self,
+        tiers: Iterator[tuple[int, list[_BoxClass]]],
+        fewest: int | None,
+        tightest_direct: Callable[[], Link | None] | None,
+    ) -> tuple[list[Option], tuple[Take, ...] | None, Link | None]:
         """The three rules over ``tiers`` (nearest first), which hold at least ``count``
         GPUs; ``fewest`` is the fewest usable GPUs of a box among them that holds every
-        GPU requested (None if no box does)."""
-        supplies = self._supplies
+        GPU requested (None if no box does). With ``tightest_direct``, the walk does not
+        go on for the tightest-single-box rule alone: when the tiers it needs for the
+        other rules hold no such box, ``tightest_direct()`` answers. Returns the options,
+        and the nearest-first and nearest-single-box rules' answers."""
         remaining = self._count
         takes: list[Take] = []
         single: Link | None = None
@@ -150,21 +366,39 @@ class TieredChooser:
         for latency, tier in tiers:
             if remaining:
                 if len(tier) == 1:
-                    boxes = tier[0].boxes.copy()
+                    boxes = list(tier[0].boxes)
                 else:
-                    merged = sorted(chain.from_iterable(c.positions for c in tier))
-                    boxes = [supplies[position] for position in merged]
+                    boxes = sorted(chain.from_iterable(c.boxes for c in tier), key=supply_order)
                 remaining = fill_tier(remaining, latency, boxes, takes)
             if want_single or want_tightest:
                 fits = [c.fits for c in tier if c.fits is not None]
                 if fits and want_single:
-                    single = (latency, supplies[min(fits)])
+                    single = (latency, min(fits, key=supply_order))
                     want_single = False
-                tight = [f for f in fits if supplies[f].available == fewest]
+                tight = [f for f in fits if f.available == fewest]
                 if tight and want_tightest:
-                    tightest = (latency, supplies[min(tight)])
+                    tightest = (latency, min(tight, key=supply_order))
                     want_tightest = False
-            if not (remaining or want_single or want_tightest):
+            if not (remaining or want_single or (want_tightest and tightest_direct is None)):
                 break
+        if want_tightest and tightest_direct is not None:
+            tightest = tightest_direct()
         nearest = tuple(takes) if remaining == 0 else None
-        return options(self._count, nearest, single, tightest)
+        return options(self._count, nearest, single, tightest), nearest, single
+
+
+def _same_stamp(made: _Stamp | None, now: _Stamp) -> bool:
+    """Whether a memo's stamp is ``now`` (the very same boxes, not equal ones)."""
+    if made is None or made[0] != now[0]:
+        return False
+    few, current = made[1], now[1]
+    if few is None or current is None:
+        return few is None and current is None
+    return len(few) == len(current) and all(
+        a[0] == b[0] and a[1] is b[1] for a, b in zip(few, current, strict=True)
+    )
+
+
+def _seen(examined: list[int]) -> frozenset[int] | None:
+    """The classes a walk looked at, or None when they are too many to track."""
+    return frozenset(examined) if len(examined) <= MAX_EXAMINED else None

@@ -145,3 +145,43 @@ def test_host_capacity_is_bounded(feed: Feed, index: PlacementIndex) -> None:
     host = index.snapshot().hosts["h1"]
     assert host.slot_capacity == MAX_HOST_SLOTS
     assert len(host.free_slots()) == MAX_HOST_SLOTS
+
+
+def test_the_journal_names_what_changed_between_two_versions(
+    feed: Feed, index: PlacementIndex
+) -> None:
+    first = index.snapshot()
+    feed.gpu("b1", 2, state=pb.GPU_STATE_ATTACHING, node="nodes/n1")
+    feed.allocate("h1", (0,))
+    feed.allocate("h1", (0,))  # the same slots: no new version
+    second = index.snapshot()
+    assert second.version == first.version + 2
+    assert second.journal is index
+    assert index.changed_since(first.version, second.version) == (
+        frozenset({"b1"}),
+        frozenset({"h1"}),
+    )
+    assert index.changed_since(second.version, second.version) == (frozenset(), frozenset())
+    assert index.changed_since(second.version, second.version + 1) is None  # not yet
+
+
+def test_a_snapshot_stays_as_it_was_while_events_arrive(feed: Feed, index: PlacementIndex) -> None:
+    first = index.snapshot()
+    feed.gpu("b1", 0, state=pb.GPU_STATE_ATTACHING, node="nodes/n1")
+    feed.allocate("h1", (0, 1))
+    index.snapshot()
+    assert first.gpus_by_box["b1"][0].free
+    assert first.hosts["h1"].used_slots == frozenset()
+
+
+def test_the_journal_forgets_beyond_its_length(feed: Feed) -> None:
+    index = PlacementIndex(feed.cache, journal_length=2)
+    try:
+        start = index.snapshot().version
+        for slot in range(3):
+            feed.gpu("b2", slot, state=pb.GPU_STATE_ATTACHING, node="nodes/n2")
+        now = index.snapshot().version
+        assert index.changed_since(start, now) is None
+        assert index.changed_since(now - 2, now) == (frozenset({"b2"}), frozenset())
+    finally:
+        index.close()

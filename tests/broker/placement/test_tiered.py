@@ -23,7 +23,7 @@ from dxpool.broker.placement import (
 )
 from dxpool.broker.placement.framework import BoxSupply, Take
 from dxpool.broker.placement.selection import options, propose
-from dxpool.broker.placement.tiered import TieredChooser
+from dxpool.broker.placement.tiered import FEW_TIGHTEST, TieredChooser
 from dxpool.fabric.latency import LatencyEstimate, Place, TopologyLatencyModel
 from dxpool.fabric.topology import Topology
 
@@ -130,8 +130,10 @@ def test_the_tiered_path_answers_exactly_as_the_pair_by_pair_path(
     assert tiered.unsatisfied == pairwise.unsatisfied
     assert tiered.candidates == pairwise.candidates
     if tiered.placement is not None:
-        # never asked pair by pair: at most once per host, for its nearest box out of reach
-        assert deciding_pairs <= (len(snapshot.hosts) if request.max_latency_ns else 0)
+        # never asked for every pair: per host at most its nearest box out of reach, or
+        # the few boxes the tightest-single-box rule compares
+        per_host = 1 if request.max_latency_ns else FEW_TIGHTEST
+        assert deciding_pairs <= len(snapshot.hosts) * per_host
 
 
 def test_the_random_cases_exercise_both_outcomes(topology: Topology) -> None:
@@ -291,3 +293,59 @@ def test_a_score_that_tells_hosts_of_a_class_apart_makes_every_host_be_scored(
     result = pipeline.run(PlacementRequest("H100", 1), snapshot, TopologyLatencyModel(topology))
 
     assert result.placement is not None and result.placement.host == "h5"
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_an_advanced_chooser_chooses_as_one_built_from_scratch(
+    seed: int, topology: Topology
+) -> None:
+    """advance() keeps choices whose racks did not change and finds the tightest box
+    again when only it moved: after random changes to the supply, every host gets what
+    a chooser built from the new supply gives it, in choose() and in parts()."""
+    rng = random.Random(seed)
+    model = TopologyLatencyModel(topology)
+    supplies = list(Supplies.make(rng).boxes)
+    count = rng.choice((1, 2, 3, 8))
+    bound = rng.choice((None, None, 5_000, 9_000))
+    hosts = [Place(f"hosts/h{i}", *where(rng)) for i in range(8)]
+    chooser = TieredChooser(model, supplies, count, bound)
+    for _ in range(12):
+        for host in hosts:  # fill the memo the next chooser starts from
+            chooser.choose(host)
+            chooser.parts(host)
+        removed: list[BoxSupply] = []
+        added: list[BoxSupply] = []
+        for _ in range(rng.randint(1, 3)):
+            if supplies and rng.random() < 0.7:
+                old = supplies.pop(rng.randrange(len(supplies)))
+                removed.append(old)
+                if rng.random() < 0.8:  # the same box with fewer or more usable GPUs
+                    usable = tuple(
+                        GpuInfo(
+                            f"boxes/{old.box.box}/gpus/{s}", old.box.box, s, "H100", 1, True, True
+                        )
+                        for s in range(rng.randint(1, 8))
+                    )
+                    added.append(BoxSupply(old.box, usable))
+            else:
+                name = f"n{rng.randrange(10_000):04d}"
+                if all(s.box.box != name for s in supplies):
+                    box = BoxInfo(name, Place(f"boxes/{name}", *where(rng)), True)
+                    gpus = tuple(
+                        GpuInfo(f"boxes/{name}/gpus/{s}", name, s, "H100", 1, True, True)
+                        for s in range(rng.randint(1, 8))
+                    )
+                    added.append(BoxSupply(box, gpus))
+        supplies = sorted([*supplies, *added], key=lambda s: (s.available, s.box.box))
+        chooser = chooser.advance(removed, added)
+        fresh = TieredChooser(model, supplies, count, bound)
+        for host in hosts:
+            expected = fresh.choose(host)
+            assert chooser.choose(host) == expected
+            base, tight = chooser.parts(host)
+            whole = (
+                [*base, ("tightest-single-box", (Take(tight[1], count, tight[0]),))]
+                if tight
+                else base
+            )
+            assert whole == expected.options

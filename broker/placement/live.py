@@ -1,0 +1,247 @@
+"""What placement keeps between snapshots of one inventory, brought up to date per change.
+
+The broker's placement index hands out snapshots with a version and a journal of which
+boxes and hosts each version changed (:class:`~dxpool.broker.placement.model.Snapshot`).
+For the snapshot after a compose only a box or two and one host differ from the one
+before, so instead of judging every box and host again, placement takes what it worked
+out for the earlier snapshot and judges only those:
+
+* :class:`LiveSupply`: the supply (usable boxes by (usable GPUs, box id)) with each
+  box's share (its counts after each filter) in a persistent map, so the funnel's totals
+  move by the changed boxes' shares;
+* :class:`HostClasses`: the hosts the host filters keep, grouped by (latency class of
+  the host, free slot count), lowest id first: placement proposes for the first host of
+  each group only (the others get the same proposals and scores and lose ties by id).
+
+Both are immutable: :meth:`advance` makes the next one and leaves this one as it was, so
+a decision still running on an older snapshot is never disturbed. Each step costs
+O(changed records x log n) plus copying one pointer per usable box (a C-level copy)
+or per group of hosts.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import immutables
+from sortedcontainers import SortedList
+
+from dxpool.broker.placement.explain import FunnelStage
+from dxpool.broker.placement.framework import BoxFilterPlugin, BoxSupply, GpuFilterPlugin
+from dxpool.broker.placement.guard import PluginError
+from dxpool.broker.placement.model import HostInfo, PlacementRequest, Snapshot
+from dxpool.broker.placement.supply import BoxPart, Supply, judge_box, label
+from dxpool.broker.placement.tiered import supply_order
+
+HostKey = tuple[int, int] | None
+"""(latency class of the host, free slot count); None for a host whose class the model
+could not tell (each such host is looked at on its own)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LiveSupply:
+    """The supply of one request on one snapshot, and each box's share of it."""
+
+    supply: Supply
+    parts: immutables.Map[str, BoxPart]
+    totals: tuple[int, ...]  # GPUs left after the box filters, then after each GPU filter
+    pool: int  # every GPU of every box
+
+    @staticmethod
+    def build(
+        request: PlacementRequest,
+        snapshot: Snapshot,
+        box_filters: Sequence[BoxFilterPlugin],
+        gpu_filters: Sequence[GpuFilterPlugin],
+    ) -> LiveSupply | None:
+        """Judges every box of ``snapshot``; None when the supply holds fewer GPUs than
+        requested, a plugin fails, or a record names another box (the reference path
+        in :mod:`.supply` then answers, with its hints)."""
+        counts: list[tuple[int, ...]] = []
+        parts: dict[str, BoxPart] = {}
+        boxes: list[BoxSupply] = []
+        pool = 0
+        known = snapshot.boxes
+        try:
+            for box_id, gpus in snapshot.gpus_by_box.items():
+                part = judge_box(request, box_id, known.get(box_id), gpus, box_filters, gpu_filters)
+                if not part.own:
+                    return None
+                parts[box_id] = part
+                pool += len(gpus)
+                counts.append(part.counts)
+                if part.supply is not None:
+                    boxes.append(part.supply)
+            totals = tuple(sum(column) for column in zip(*counts, strict=True))
+            totals = totals or (0,) * (len(gpu_filters) + 1)
+            if totals[-1] < request.count:
+                return None
+            funnel = _funnel(request, pool, totals, box_filters, gpu_filters)
+        except PluginError:
+            return None
+        boxes.sort(key=supply_order)
+        supply = Supply(tuple(boxes), totals[-1], funnel)
+        return LiveSupply(supply, immutables.Map(parts), totals, pool)
+
+    def advance(
+        self,
+        request: PlacementRequest,
+        snapshot: Snapshot,
+        changed: Iterable[str],
+        box_filters: Sequence[BoxFilterPlugin],
+        gpu_filters: Sequence[GpuFilterPlugin],
+        removed: list[BoxSupply] | None = None,
+        added: list[BoxSupply] | None = None,
+    ) -> LiveSupply | None:
+        """This supply with the boxes ``changed`` judged again on ``snapshot`` (None as
+        for :meth:`build`). Appends the box supplies that left to ``removed`` and those
+        that came to ``added``."""
+        boxes = list(self.supply.boxes)
+        totals = list(self.totals)
+        pool = self.pool
+        gpus_by_box = snapshot.gpus_by_box
+        known = snapshot.boxes
+        try:
+            with self.parts.mutate() as parts:
+                for box_id in changed:
+                    old = parts.get(box_id)
+                    if old is not None:
+                        pool -= len(old.gpus)
+                        totals = [t - c for t, c in zip(totals, old.counts, strict=True)]
+                        if old.supply is not None:
+                            _remove(boxes, old.supply)
+                            if removed is not None:
+                                removed.append(old.supply)
+                        del parts[box_id]
+                    gpus = gpus_by_box.get(box_id)
+                    if gpus is None:
+                        continue
+                    part = judge_box(
+                        request, box_id, known.get(box_id), gpus, box_filters, gpu_filters
+                    )
+                    if not part.own:
+                        return None
+                    parts[box_id] = part
+                    pool += len(gpus)
+                    totals = [t + c for t, c in zip(totals, part.counts, strict=True)]
+                    if part.supply is not None:
+                        boxes.insert(
+                            bisect_left(boxes, supply_order(part.supply), key=supply_order),
+                            part.supply,
+                        )
+                        if added is not None:
+                            added.append(part.supply)
+                finished = parts.finish()
+            if totals[-1] < request.count:
+                return None
+            funnel = _funnel(request, pool, tuple(totals), box_filters, gpu_filters)
+        except PluginError:
+            return None
+        supply = Supply(tuple(boxes), totals[-1], funnel)
+        return LiveSupply(supply, finished, tuple(totals), pool)
+
+
+def _funnel(
+    request: PlacementRequest,
+    pool: int,
+    totals: tuple[int, ...],
+    box_filters: Sequence[BoxFilterPlugin],
+    gpu_filters: Sequence[GpuFilterPlugin],
+) -> tuple[FunnelStage, ...]:
+    """The funnel of a supply that holds enough GPUs (no hints), as :mod:`.supply`
+    counts it."""
+    labels = [label(plugin, request) for plugin in box_filters]
+    return (
+        FunnelStage("in the pool", pool, None),
+        FunnelStage(" and ".join(labels) or "in registered boxes", totals[0], None),
+        *(
+            FunnelStage(label(plugin, request), count, None)
+            for plugin, count in zip(gpu_filters, totals[1:], strict=True)
+        ),
+    )
+
+
+def _remove(boxes: list[BoxSupply], supply: BoxSupply) -> None:
+    at = bisect_left(boxes, supply_order(supply), key=supply_order)
+    if at < len(boxes) and boxes[at] is supply:
+        del boxes[at]
+    else:  # cannot happen while parts and boxes agree; never leave a stale box behind
+        boxes.remove(supply)
+
+
+HostDropped = Callable[[HostInfo], bool]
+"""Whether the host filters drop a host (for any reason, an error included)."""
+HostClassOf = Callable[[HostInfo], int]
+
+
+@dataclass(frozen=True, slots=True)
+class HostClasses:
+    """The hosts the host filters keep, by :data:`HostKey`, each group lowest id first."""
+
+    groups: dict[HostKey, SortedList[str]]
+    key_of: immutables.Map[str, HostKey]  # only the hosts kept
+
+    @staticmethod
+    def build(snapshot: Snapshot, dropped: HostDropped, class_of: HostClassOf) -> HostClasses:
+        return HostClasses.build_for(snapshot, snapshot.hosts, dropped, class_of)
+
+    @staticmethod
+    def build_for(
+        snapshot: Snapshot, hosts: Iterable[str], dropped: HostDropped, class_of: HostClassOf
+    ) -> HostClasses:
+        """The groups of ``hosts`` alone (for a request whose filters drop every other
+        host: one pinned to a host)."""
+        empty = HostClasses({}, immutables.Map())
+        return empty.advance(snapshot, hosts, dropped, class_of)
+
+    def advance(
+        self,
+        snapshot: Snapshot,
+        changed: Iterable[str],
+        dropped: HostDropped,
+        class_of: HostClassOf,
+    ) -> HostClasses:
+        """These groups with the hosts ``changed`` placed again as ``snapshot`` has them."""
+        groups = dict(self.groups)
+        copied: set[HostKey] = set()
+        hosts = snapshot.hosts
+
+        def group(key: HostKey) -> SortedList[str]:
+            if key not in copied:
+                copied.add(key)
+                found = groups.get(key)
+                groups[key] = SortedList(found) if found is not None else SortedList()
+            return groups[key]
+
+        with self.key_of.mutate() as key_of:
+            for host_id in changed:
+                if host_id in key_of:
+                    old = key_of[host_id]
+                    members = group(old)
+                    members.discard(host_id)
+                    if not members:
+                        del groups[old]
+                    del key_of[host_id]
+                host = hosts.get(host_id)
+                if host is None or dropped(host):
+                    continue
+                key: HostKey
+                try:
+                    key = (class_of(host), host.free_slot_count())
+                except Exception:
+                    key = None  # looked at on its own, which reports what failed
+                group(key).add(host_id)
+                key_of[host_id] = key
+            finished = key_of.finish()
+        return HostClasses(groups, finished)
+
+    def firsts(self) -> Iterator[str]:
+        """The host to look at for each group: its lowest id (every host of the None
+        group)."""
+        for key, members in self.groups.items():
+            if key is None:
+                yield from members
+            else:
+                yield members[0]

@@ -1,0 +1,207 @@
+"""Placement brought forward change by change answers as placement from scratch.
+
+A journal-backed inventory (the interface the broker's placement index offers) goes
+through random event sequences: GPUs taken and freed, boxes cordoned, added and removed,
+hosts filling up, dying and coming back. After each step, placement on the new snapshot
+(which starts from what it worked out for the one before) must answer exactly as a fresh
+pipeline on the same records without a journal: the same placement, the same account of
+what did not fit, the same explanation of every host.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from dataclasses import replace
+
+import immutables
+import pytest
+
+from dxpool.broker.placement import (
+    BoxInfo,
+    GpuInfo,
+    HostInfo,
+    PlacementRequest,
+    Snapshot,
+    default_pipeline,
+)
+from dxpool.fabric.latency import Place, TopologyLatencyModel
+from dxpool.fabric.topology import Topology
+
+STEPS = 30
+RACKS = [("dc0", f"p{pod}", f"r{rack}") for pod in range(3) for rack in range(3)]
+
+
+class Inventory:
+    """Persistent maps of boxes, GPUs and hosts, and a journal of what each version
+    changed, as the broker's placement index keeps them."""
+
+    def __init__(self) -> None:
+        self.boxes: immutables.Map[str, BoxInfo] = immutables.Map()
+        self.gpus: immutables.Map[str, tuple[GpuInfo, ...]] = immutables.Map()
+        self.hosts: immutables.Map[str, HostInfo] = immutables.Map()
+        self.log: list[tuple[str | None, str | None]] = []
+
+    def changed_since(
+        self, version: int, until: int
+    ) -> tuple[frozenset[str], frozenset[str]] | None:
+        if not 0 <= version <= until <= len(self.log):
+            return None
+        boxes = {box for box, _ in self.log[version:until] if box is not None}
+        hosts = {host for _, host in self.log[version:until] if host is not None}
+        return frozenset(boxes), frozenset(hosts)
+
+    def put_box(self, box: BoxInfo | None, box_id: str, gpus: tuple[GpuInfo, ...] | None) -> None:
+        self.boxes = self.boxes.delete(box_id) if box is None else self.boxes.set(box_id, box)
+        if box is None and box_id in self.boxes:
+            self.boxes = self.boxes.delete(box_id)
+        self.gpus = self.gpus.set(box_id, gpus) if gpus is not None else self.gpus.delete(box_id)
+        self.log.append((box_id, None))
+
+    def put_host(self, host: HostInfo) -> None:
+        self.hosts = self.hosts.set(host.host, host)
+        self.log.append((None, host.host))
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(self.boxes, self.hosts, self.gpus, version=len(self.log), journal=self)
+
+    def alone(self) -> Snapshot:
+        """The same records with no journal: placement starts from scratch."""
+        return Snapshot(dict(self.boxes), dict(self.hosts), dict(self.gpus))
+
+
+def make_box(box_id: str, rack: tuple[str, str, str], free: list[bool]) -> tuple[BoxInfo, tuple]:
+    box = BoxInfo(box_id, Place(f"boxes/{box_id}", *rack), True)
+    gpus = tuple(
+        GpuInfo(f"boxes/{box_id}/gpus/{s}", box_id, s, "H100", 81920, f, True)
+        for s, f in enumerate(free)
+    )
+    return box, gpus
+
+
+def populate(rng: random.Random, inventory: Inventory) -> None:
+    for index in range(rng.randint(6, 24)):
+        box, gpus = make_box(f"b{index:02d}", rng.choice(RACKS), [rng.random() < 0.7] * 8)
+        inventory.put_box(box, box.box, gpus)
+    for index in range(rng.randint(4, 24)):
+        place = Place(f"hosts/h{index:02d}", *rng.choice(RACKS))
+        used = frozenset(s for s in range(8) if rng.random() < 0.3)
+        inventory.put_host(HostInfo(f"h{index:02d}", place, 8, used, rng.random() > 0.1))
+
+
+def step(rng: random.Random, inventory: Inventory) -> None:
+    """One random change, as a cache event would bring it."""
+    kind = rng.randrange(6)
+    box_ids = sorted(inventory.gpus)
+    host_ids = sorted(inventory.hosts)
+    if kind == 0 and box_ids:  # GPUs taken or freed
+        box_id = rng.choice(box_ids)
+        gpus = tuple(replace(g, free=rng.random() < 0.5) for g in inventory.gpus[box_id])
+        inventory.put_box(inventory.boxes.get(box_id), box_id, gpus)
+    elif kind == 1 and box_ids:  # cordoned or uncordoned
+        box_id = rng.choice(box_ids)
+        box = inventory.boxes.get(box_id)
+        if box is not None:
+            changed = replace(box, schedulable=not box.schedulable)
+            inventory.put_box(changed, box_id, inventory.gpus[box_id])
+    elif kind == 2:  # a new box
+        box_id = f"n{len(inventory.log):03d}"
+        box, gpus = make_box(box_id, rng.choice(RACKS), [rng.random() < 0.8 for _ in range(8)])
+        inventory.put_box(box, box_id, gpus)
+    elif kind == 3 and len(box_ids) > 1:  # a box removed
+        inventory.put_box(None, rng.choice(box_ids), None)
+    elif kind == 4 and host_ids:  # a host's slots change
+        host = inventory.hosts[rng.choice(host_ids)]
+        used = frozenset(s for s in range(8) if rng.random() < 0.4)
+        inventory.put_host(replace(host, used_slots=used))
+    elif host_ids:  # a host dies or comes back
+        host = inventory.hosts[rng.choice(host_ids)]
+        inventory.put_host(replace(host, alive=not host.alive))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_placement_brought_forward_answers_as_placement_from_scratch(seed: int) -> None:
+    rng = random.Random(seed)
+    inventory = Inventory()
+    populate(rng, inventory)
+    model = TopologyLatencyModel(Topology.default())
+    pipeline = default_pipeline()  # keeps what it worked out between snapshots
+    requests = [
+        PlacementRequest("H100", count, max_latency_ns=bound)
+        for count in (1, 2, 8)
+        for bound in (0, 0, 5_000)
+    ]
+    for _ in range(STEPS):
+        for _ in range(rng.randint(1, 3)):
+            step(rng, inventory)
+        snapshot = inventory.snapshot()
+        pinned = replace(rng.choice(requests), host=rng.choice(sorted(inventory.hosts)))
+        for request in [*requests, pinned]:  # a pin starts from the same request unpinned
+            live = pipeline.run(request, snapshot, model)
+            fresh = default_pipeline().run(request, inventory.alone(), model)
+            assert live.placement == fresh.placement
+            assert live.unsatisfied == fresh.unsatisfied
+            assert live.candidates == fresh.candidates
+
+
+def test_an_older_snapshot_after_a_newer_one_still_answers_for_itself() -> None:
+    rng = random.Random(1)
+    inventory = Inventory()
+    populate(rng, inventory)
+    model = TopologyLatencyModel(Topology.default())
+    pipeline = default_pipeline()
+    request = PlacementRequest("H100", 2)
+    older = inventory.snapshot()
+    older_records = inventory.alone()
+    for _ in range(10):
+        step(rng, inventory)
+    pipeline.run(request, inventory.snapshot(), model)  # the newest is remembered
+    again = pipeline.run(request, older, model)
+    assert again.placement == default_pipeline().run(request, older_records, model).placement
+
+
+def test_decisions_run_on_a_snapshot_while_the_next_is_brought_forward_from_it() -> None:
+    """One thread keeps placing on the newest snapshot published (adding to what its
+    preparation remembers) while another brings the pipeline forward from that same
+    preparation to the next snapshot: each decision answers as placement from scratch on
+    its own snapshot (preparations are copied on write, never changed under a reader)."""
+    import threading
+
+    rng = random.Random(5)
+    inventory = Inventory()
+    populate(rng, inventory)
+    model = TopologyLatencyModel(Topology.default())
+    pipeline = default_pipeline()
+    requests = [PlacementRequest("H100", 1), PlacementRequest("H100", 2)]
+    versions: list[tuple[Snapshot, dict[PlacementRequest, object]]] = []
+    for _ in range(60):
+        step(rng, inventory)
+        alone = inventory.alone()
+        expected = {r: default_pipeline().run(r, alone, model).placement for r in requests}
+        versions.append((inventory.snapshot(), expected))
+    published = [versions[0]]
+    failures: list[str] = []
+    done = threading.Event()
+
+    def place_on_the_newest() -> None:
+        while not done.is_set():
+            snapshot, expected = published[-1]
+            for request in requests:
+                if pipeline.run(request, snapshot, model).placement != expected[request]:
+                    failures.append(f"reader at version {snapshot.version}")
+
+    reader = threading.Thread(target=place_on_the_newest)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # switch threads often, inside the steps that matter
+    reader.start()
+    try:
+        for snapshot, expected in versions:
+            for request in requests:
+                if pipeline.run(request, snapshot, model).placement != expected[request]:
+                    failures.append(f"writer at version {snapshot.version}")
+            published.append((snapshot, expected))
+    finally:
+        done.set()
+        reader.join()
+        sys.setswitchinterval(interval)
+    assert failures == []
