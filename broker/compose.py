@@ -103,7 +103,24 @@ class Composer:
 
         ``owner`` (the caller's identity URI; empty without authentication) is recorded
         on the node. A request id is the owner's own: another owner's id answers
-        ALREADY_EXISTS without naming the node it made."""
+        ALREADY_EXISTS without naming the node it made.
+
+        A request whose node was already committed gets that node, also when the
+        tenant's quota is full by now (that node is what fills it): a quota refusal of
+        a call with a request id first looks the id up in etcd, since this broker's
+        cache may not have seen another broker commit it yet."""
+        try:
+            return self._compose(request, owner)
+        except ResourceExhausted as error:
+            if error.reason != "QUOTA_EXCEEDED" or not request.request_id:
+                raise
+            record = self.lookup(k.REQUESTS, request.request_id)
+            existing = self._node_for_request(request.request_id, request.spec, record, owner)
+            if existing is None:
+                raise
+            return existing
+
+    def _compose(self, request: nodes_pb2.ComposeNodeRequest, owner: str) -> pb.VirtualNode:
         placement_request = self._check(request)
         request_id = request.request_id
         if request_id:

@@ -469,3 +469,36 @@ def test_a_release_between_read_and_commit_is_not_lost(
     assert stored is not None
     assert stored.usage == pb.TenantUsage(gpus=1, nodes=1, gpus_by_model={"H100": 1})
     assert node.charged and node.spec.tenant == "team-a"
+
+
+def test_a_retried_compose_gets_its_node_even_with_the_quota_full(
+    two_brokers: tuple[BrokerServer, Stubs, BrokerServer, Stubs],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The node a request made fills the quota; the client retries the request on
+    another broker whose watch has not brought the request id yet. The quota refusal
+    looks the id up in etcd and answers with the node, not QUOTA_EXCEEDED."""
+    _, first_stubs, second, second_stubs = two_brokers
+    set_quota(first_stubs, "team-a", gpus=1)
+    request = compose_request("H100:1", "team-a")
+    request.request_id = "retry-1"
+    node = first_stubs.nodes.ComposeNode(request)
+    wait_until(lambda: cached_gpus(second, "team-a") == 1, message="usage at broker B")
+    cache_get = second.cache.get
+    hidden = []
+
+    def lagging_get(collection: str, name: str) -> Any:
+        if collection == "requests" and name == "retry-1" and not hidden:
+            hidden.append(name)  # the first look, before placement: not seen yet
+            return None
+        return cache_get(collection, name)
+
+    monkeypatch.setattr(second.cache, "get", lagging_get)
+    again = second_stubs.nodes.ComposeNode(request)
+    assert hidden == ["retry-1"]
+    assert again == node
+    other = compose_request("H100:1", "team-a")
+    other.request_id = "retry-2"
+    with pytest.raises(grpc.RpcError) as refused:
+        second_stubs.nodes.ComposeNode(other)
+    assert error_info(refused.value).reason == "QUOTA_EXCEEDED"
