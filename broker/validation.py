@@ -4,7 +4,7 @@ Every function raises :class:`~dxpool.errors.InvalidArgument` with a message tha
 the field and says what to change. The limits (``dxpool.limits``) protect etcd (keys,
 record sizes), placement (loop bounds) and the people reading the output.
 
-Free text (labels, reasons, tenants, locations, endpoints) must be printable; see
+Free text (labels, reasons, locations, endpoints) must be printable; see
 :mod:`dxpool.text`, which host agents use too.
 """
 
