@@ -22,7 +22,16 @@ from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.server import BrokerServer
 from dxpool.store.keys import KeySchema
 from dxpool.store.typed import Txn
-from tests.conftest import Stubs, add_box, pool_records, wait_until
+from tests.conftest import (
+    SimPool,
+    Stubs,
+    add_box,
+    pool_records,
+    register_sim_box,
+    wait_hosts_alive,
+    wait_until,
+)
+from tests.integration.test_node_lifecycle import wait_state
 
 
 def register_host(etcd_client: Any, keys: KeySchema, host_id: str, slots: int = 32) -> None:
@@ -502,3 +511,47 @@ def test_a_retried_compose_gets_its_node_even_with_the_quota_full(
     with pytest.raises(grpc.RpcError) as refused:
         second_stubs.nodes.ComposeNode(other)
     assert error_info(refused.value).reason == "QUOTA_EXCEEDED"
+
+
+def test_usage_through_a_real_lifecycle_ready_lost_fenced_released_collected(
+    broker_factory: Callable[..., BrokerServer],
+    sim_pool: SimPool,
+    etcd_client: Any,
+    keys: KeySchema,
+) -> None:
+    """With a host agent: a node reaches READY (still charged), its host is lost (the
+    usage drops at once, while its GPUs are still fencing), the GPUs are freed, the node
+    released and collected after retention; the usage stays 0 and the record stays."""
+    broker = broker_factory(
+        fabric=f"sim:{sim_pool.state_dir / 'fabric'}", retention_s=1.0, leader_ttl_s=2.0
+    )
+    channel = grpc.insecure_channel(broker.endpoint)
+    stubs = Stubs(channel)
+    register_sim_box(sim_pool, stubs, "box1", gpus=2)
+    agent = sim_pool.start_agent("h1", lease_ttl_s=2.0)
+    wait_hosts_alive(stubs)
+    set_quota(stubs, "team-a", gpus=2)
+    node = wait_state(
+        stubs,
+        stubs.nodes.ComposeNode(compose_request("H100:2", "team-a")).name,
+        pb.NODE_STATE_READY,
+    )
+    assert node.charged
+    assert get_tenant(stubs, "team-a").usage.gpus == 2
+    agent.kill()
+    wait_state(stubs, node.name, pb.NODE_STATE_LOST, timeout_s=15)
+    assert get_tenant(stubs, "team-a").usage == pb.TenantUsage()
+    wait_until(
+        lambda: all(
+            pb.Gpu.FromString(v).state == pb.GPU_STATE_FREE
+            for v, _ in etcd_client.get_prefix(keys.collection("gpus"))
+        ),
+        message="the lost host's GPUs fenced and freed",
+    )
+    stubs.nodes.ReleaseNode(nodes_pb2.ReleaseNodeRequest(name=node.name))
+    wait_until(
+        lambda: not stored_nodes(etcd_client, keys), message="the released node to be collected"
+    )
+    stored = stored_tenant(etcd_client, keys, "team-a")
+    assert stored is not None and stored.usage == pb.TenantUsage() and stored.quota.gpus == 2
+    channel.close()
