@@ -61,6 +61,7 @@ MUTATIONS: Mapping[str, Target] = {
         str(resp.name) if resp is not None else (f"nodes/{req.node_id}" if req.node_id else "")
     ),
     f"/{_NODES}/ReleaseNode": lambda req, _: str(req.name),
+    f"/{_NODES}/SetTenantQuota": lambda req, _: str(req.name),
 }
 
 DEFAULT_RETENTION_S = 30 * 24 * 3600.0

@@ -12,6 +12,7 @@ from dxpool import lifecycle
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.records import without_node
 from dxpool.broker.stm import TxnView
+from dxpool.broker.tenants import discharge
 from dxpool.names import parse_gpu, parse_host
 from dxpool.store import keys as k
 
@@ -36,9 +37,12 @@ def let_go(
     The GPUs it still owns go DETACHING (the host's agent detaches them, then they are
     freed) or, with ``fence``, FENCING (the broker revokes them at the box side without
     waiting for the agent); its attachments leave the host's allocation, so the agent
-    stops wanting them. ``node`` must be the record the view read. Returns the new node.
+    stops wanting them; a charged node leaves its tenant's usage
+    (:func:`~dxpool.broker.tenants.discharge`). ``node`` must be the record the view
+    read. Returns the new node.
     """
     updated = lifecycle.node_letting_go(node, state, message, now)
+    discharge(view, node)
     view.put(k.NODES, node.name.removeprefix("nodes/"), updated)
     for binding in node.gpus:
         gpu_key = gpu_id(binding.gpu)

@@ -4,7 +4,7 @@ Every function raises :class:`~dxpool.errors.InvalidArgument` with a message tha
 the field and says what to change. The limits (``dxpool.limits``) protect etcd (keys,
 record sizes), placement (loop bounds) and the people reading the output.
 
-Free text (labels, reasons, tenants, locations, endpoints) must be printable; see
+Free text (labels, reasons, locations, endpoints) must be printable; see
 :mod:`dxpool.text`, which host agents use too.
 """
 
@@ -31,7 +31,7 @@ from dxpool.limits import (
     MAX_TENANT,
     MAX_TEXT,
 )
-from dxpool.names import check_id, parse_host
+from dxpool.names import ID_PATTERN, ID_RULE, check_id, parse_host
 from dxpool.request import validate_gpu_request
 from dxpool.text import check_labels, check_text
 
@@ -99,6 +99,12 @@ def check_node_spec(spec: pb.NodeSpec) -> None:
     check_text(spec.workload, "spec.workload")
     check_slowdown(spec.max_slowdown, spec.workload, "spec.max_slowdown")
     check_text(spec.tenant, "spec.tenant", MAX_TENANT)
+    if spec.tenant and not ID_PATTERN.fullmatch(spec.tenant):
+        raise InvalidArgument(
+            f"invalid spec.tenant {spec.tenant!r}: a tenant id is {ID_RULE}, or leave it "
+            "empty to charge the node to no tenant",
+            reason="INVALID_NAME",
+        )
     check_labels(spec.labels, "spec.labels")
 
 

@@ -28,6 +28,7 @@ from dxpool.cli.commands import (
     host,
     node,
     status,
+    tenant,
     up,
 )
 from dxpool.cli.context import CliContext, SecurityFlags
@@ -176,6 +177,7 @@ for _command in (
     node.node,
     fabric.fabric,
     status.status,
+    tenant.tenant,
     completion.completion,
     up.up,
 ):

@@ -16,7 +16,14 @@ from dxpool import client
 from dxpool.errors import InvalidArgument
 from dxpool.fabric.overhead import WORKLOAD_GRAMMAR, parse_slowdown, parse_workload
 from dxpool.limits import MAX_DURATION_NS
-from dxpool.request import GPU_GRAMMAR, GpuSpec, parse_duration_ns, parse_gpus, parse_memory_mib
+from dxpool.request import (
+    GPU_GRAMMAR,
+    GpuSpec,
+    check_model,
+    parse_duration_ns,
+    parse_gpus,
+    parse_memory_mib,
+)
 
 _T = TypeVar("_T")
 
@@ -74,6 +81,19 @@ def _workload(value: str) -> str:
     return value.strip()
 
 
+def _model_limit(value: str) -> tuple[str, int]:
+    model, sep, count = value.partition("=")
+    model, count = model.strip(), count.strip()
+    if not sep or not count.isascii() or not count.isdigit() or len(count) > 7:
+        raise InvalidArgument(
+            f"cannot parse {value!r}: expected MODEL=COUNT, e.g. H100=8 (COUNT a whole "
+            "number, 0 allows none)"
+        )
+    if not model:
+        raise InvalidArgument(f"cannot parse {value!r}: name a GPU model, e.g. H100=8")
+    return check_model(model), int(count)
+
+
 GPUS = _GrammarType("MODEL:COUNT", _gpus, GPU_GRAMMAR)
 """``H100:4``, ``A100``, ``8`` or ``*:2`` -> :class:`~dxpool.request.GpuSpec`."""
 LATENCY = _GrammarType("DURATION", parse_duration_ns)
@@ -99,6 +119,10 @@ NODE = _GrammarType("NODE", client.node_name)
 """``n1`` or ``nodes/n1`` -> ``nodes/n1``."""
 GPU = _GrammarType("GPU", client.gpu_name)
 """``box1/3`` or ``boxes/box1/gpus/3`` -> ``boxes/box1/gpus/3``."""
+TENANT = _GrammarType("TENANT", client.tenant_name)
+"""``team-a`` or ``tenants/team-a`` -> ``tenants/team-a``."""
+MODEL_LIMIT = _GrammarType("MODEL=COUNT", _model_limit)
+"""``H100=8`` -> ``("H100", 8)``."""
 GPU_STATE = _GrammarType("STATE", client.gpu_state)
 """``free`` -> ``GpuState.GPU_STATE_FREE``."""
 

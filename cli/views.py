@@ -187,3 +187,43 @@ CANDIDATE_VIEW: View[nodes_pb2.PlanCandidate] = View(
         Column("reasons", lambda c: "; ".join(c.reasons) or NONE),
     ],
 )
+
+
+def _limited(used: int, limit: int | None) -> str:
+    """``3/16``; ``3/unlimited`` without a limit."""
+    return f"{used}/{'unlimited' if limit is None else limit}"
+
+
+def tenant_gpus(tenant: resources_pb2.Tenant) -> str:
+    quota = tenant.quota if tenant.HasField("quota") else None
+    limit = quota.gpus if quota is not None and quota.HasField("gpus") else None
+    return _limited(tenant.usage.gpus, limit)
+
+
+def tenant_nodes(tenant: resources_pb2.Tenant) -> str:
+    quota = tenant.quota if tenant.HasField("quota") else None
+    limit = quota.nodes if quota is not None and quota.HasField("nodes") else None
+    return _limited(tenant.usage.nodes, limit)
+
+
+def tenant_models(tenant: resources_pb2.Tenant) -> str:
+    """``A100=1 H100=2/8``: GPUs held per model, with the model's limit where it has one."""
+    limits = dict(tenant.quota.gpus_by_model) if tenant.HasField("quota") else {}
+    used = dict(tenant.usage.gpus_by_model)
+    cells = []
+    for model in sorted({*limits, *used}):
+        count = used.get(model, 0)
+        cells.append(f"{model}={count}/{limits[model]}" if model in limits else f"{model}={count}")
+    return " ".join(cells) or NONE
+
+
+TENANT_VIEW: View[resources_pb2.Tenant] = View(
+    "tenants",
+    [
+        Column("name", lambda t: short(t.name)),
+        Column("nodes", tenant_nodes),
+        Column("gpus", tenant_gpus),
+        Column("by model", tenant_models),
+        Column("quota set", lambda t: age(t.quota_update_time), wide_only=True),
+    ],
+)

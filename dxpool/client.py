@@ -106,6 +106,7 @@ __all__ = [
     "node_name",
     "node_state",
     "node_state_name",
+    "tenant_name",
 ]
 
 _log = logging.getLogger(__name__)
@@ -192,6 +193,11 @@ def host_name(value: str) -> str:
 def node_name(value: str) -> str:
     """``"n1"`` or ``"nodes/n1"`` -> ``"nodes/n1"``; InvalidArgument if malformed."""
     return _simple_name(value, "nodes", "node")
+
+
+def tenant_name(value: str) -> str:
+    """``"team-a"`` or ``"tenants/team-a"`` -> ``"tenants/team-a"``, validated."""
+    return _simple_name(value, "tenants", "tenant")
 
 
 def gpu_name(value: str) -> str:
@@ -721,6 +727,40 @@ class Client:
         fences the GPUs at the box side, scrubs and frees them (for a dead or hung host)."""
         request = nodes_pb2.ReleaseNodeRequest(name=node_name(name), force=force)
         return self._unary(self._nodes.ReleaseNode, request)
+
+    # -- tenants -------------------------------------------------------------------------
+
+    def set_tenant_quota(
+        self,
+        name: str,
+        *,
+        gpus: int | None = None,
+        gpus_by_model: Mapping[str, int] | None = None,
+        nodes: int | None = None,
+    ) -> resources_pb2.Tenant:
+        """Replace tenant ``name``'s quota (``"team-a"`` or ``"tenants/team-a"``). A
+        limit left out (None, or a model not named) is no limit; 0 allows nothing.
+        Returns the tenant with its current usage. Operators only."""
+        quota = resources_pb2.TenantQuota(gpus_by_model=dict(gpus_by_model or {}))
+        if gpus is not None:
+            quota.gpus = gpus
+        if nodes is not None:
+            quota.nodes = nodes
+        request = nodes_pb2.SetTenantQuotaRequest(name=tenant_name(name), quota=quota)
+        return self._unary(self._nodes.SetTenantQuota, request)
+
+    def get_tenant(self, name: str) -> resources_pb2.Tenant:
+        """Tenant ``name``'s quota (absent: no limits) and current usage."""
+        request = nodes_pb2.GetTenantRequest(name=tenant_name(name))
+        return self._unary(self._nodes.GetTenant, request)
+
+    def list_tenants(self) -> list[resources_pb2.Tenant]:
+        """Every tenant with a quota or a charged node so far, by name. Operators only."""
+        return self._collect(
+            self._nodes.ListTenants,
+            lambda token: nodes_pb2.ListTenantsRequest(page_size=_PAGE_SIZE, page_token=token),
+            lambda response: (response.tenants, response.next_page_token),
+        )
 
     def watch_nodes(
         self,

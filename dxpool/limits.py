@@ -18,6 +18,8 @@ limit                    value          why
 ``MAX_PAGE_SIZE``        1000           one List response stays well under 4 MiB
 ``MAX_PAGE_TOKEN``       1024           next_page_token values are far shorter
 ``MAX_TEXT``             256            free text: reasons, endpoints, tenants
+``MAX_QUOTA``            1,000,000      a tenant limit (GPUs, nodes) above any pool's size
+``MAX_QUOTA_MODELS``     64             per-model limits of one tenant quota
 =======================  =============  ==================================================
 """
 
@@ -40,3 +42,5 @@ MAX_LABEL_KEY = 63
 MAX_LABEL_VALUE = 256
 MAX_MODEL_LENGTH = 64
 MAX_PCI_ID = 16
+MAX_QUOTA = 1_000_000
+MAX_QUOTA_MODELS = 64

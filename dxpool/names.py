@@ -1,6 +1,7 @@
 """Resource names and ids (Google AIP-122 style).
 
-Names: ``boxes/{box}``, ``boxes/{box}/gpus/{slot}``, ``hosts/{host}``, ``nodes/{node}``.
+Names: ``boxes/{box}``, ``boxes/{box}/gpus/{slot}``, ``hosts/{host}``, ``nodes/{node}``,
+``tenants/{tenant}``.
 Ids are 1-63 characters of lowercase letters, digits and ``-``, starting with a letter
 and not ending with ``-`` (a DNS label), so they are safe in etcd keys, file names and
 URLs. Every parser raises :class:`~dxpool.errors.InvalidArgument` with a message that
@@ -81,6 +82,10 @@ def node_name(node_id: str) -> str:
     return f"nodes/{node_id}"
 
 
+def tenant_name(tenant_id: str) -> str:
+    return f"tenants/{tenant_id}"
+
+
 def gpu_name(box_id: str, slot: int) -> str:
     return f"boxes/{box_id}/gpus/{slot}"
 
@@ -98,6 +103,11 @@ def parse_host(name: str) -> str:
 def parse_node(name: str) -> str:
     """``nodes/{node}`` -> node id."""
     return _parse_simple(name, "nodes", "node")
+
+
+def parse_tenant(name: str) -> str:
+    """``tenants/{tenant}`` -> tenant id."""
+    return _parse_simple(name, "tenants", "tenant")
 
 
 class GpuRef(NamedTuple):

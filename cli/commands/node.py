@@ -83,7 +83,12 @@ def _request_options(command: _F) -> _F:
         ),
         click.option("--min-memory", type=MEMORY, default=None, help="Least memory per GPU."),
         click.option("--vfio", is_flag=True, help="Bind the GPUs to vfio-pci for a VM."),
-        click.option("--tenant", default="", help="Tenant the node belongs to."),
+        click.option(
+            "--tenant",
+            default="",
+            help="Tenant the node is charged to (its quota applies); a tenant is always "
+            "charged itself.",
+        ),
         click.option("--label", "labels", type=LABEL, multiple=True, help="KEY=VALUE; repeatable."),
     ]
     for option in reversed(options):

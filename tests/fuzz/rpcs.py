@@ -58,6 +58,9 @@ EXPECTED: dict[str, frozenset[grpc.StatusCode]] = {
     "NodeService.ListNodes": _LIST,
     "NodeService.ReleaseNode": _LOOKUP,
     "NodeService.WatchNodes": _LOOKUP,
+    "NodeService.SetTenantQuota": _LIST,
+    "NodeService.GetTenant": _LIST,  # a tenant never seen has no quota and no usage
+    "NodeService.ListTenants": _LIST,
     "FabricService.GetLatency": _LOOKUP,
     "FabricService.Predict": _LOOKUP | {C.RESOURCE_EXHAUSTED},
 }
@@ -71,6 +74,7 @@ MUTATIONS = frozenset(
         "InventoryService.ReclaimGpu",
         "NodeService.ComposeNode",
         "NodeService.ReleaseNode",
+        "NodeService.SetTenantQuota",
     }
 )
 # Successful calls the node controller follows up on with writes of its own.
@@ -124,6 +128,11 @@ BASELINES: dict[str, Message] = {
     "NodeService.ListNodes": nodes_pb2.ListNodesRequest(host="hosts/h1", page_size=3),
     "NodeService.ReleaseNode": nodes_pb2.ReleaseNodeRequest(name="nodes/n1"),
     "NodeService.WatchNodes": nodes_pb2.WatchNodesRequest(name="nodes/n1"),
+    "NodeService.SetTenantQuota": nodes_pb2.SetTenantQuotaRequest(
+        name="tenants/ml", quota=pb.TenantQuota(gpus=8, nodes=2, gpus_by_model={"H100": 4})
+    ),
+    "NodeService.GetTenant": nodes_pb2.GetTenantRequest(name="tenants/ml"),
+    "NodeService.ListTenants": nodes_pb2.ListTenantsRequest(page_size=2),
     "FabricService.GetLatency": fabric_pb2.GetLatencyRequest(host="hosts/h1", box="boxes/box1"),
     "FabricService.Predict": fabric_pb2.PredictRequest(
         host="hosts/h1", gpus=pb.GpuRequest(model="H100", count=2), workload="400@5ms"

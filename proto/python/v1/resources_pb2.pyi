@@ -740,6 +740,11 @@ class NodeSpec(_message.Message):
     vfio: _builtins.bool
     """Bind GPUs to vfio-pci for hand-off to a VM."""
     tenant: _builtins.str
+    """The tenant the node is charged to (a tenant id, e.g. "team-a"): its GPUs and the
+    node count against tenants/{tenant}'s quota. A tenant caller's own name, always;
+    an operator may compose on behalf of a tenant by naming it; empty: charged to no
+    one.
+    """
     max_slowdown: _builtins.float
     """Upper bound on the predicted slowdown of `workload` on every GPU: the slowest
     acceptable step time over the native one, e.g. 1.05 for 5%; 0 for no bound.
@@ -833,6 +838,7 @@ class VirtualNode(_message.Message):
     READY_TIME_FIELD_NUMBER: _builtins.int
     ATTACH_DEADLINE_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
+    CHARGED_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name: "nodes/{node}"."""
     host: _builtins.str
@@ -844,6 +850,11 @@ class VirtualNode(_message.Message):
     owner: _builtins.str
     """Who composed the node ("dxpool://tenant/team-a"); empty when the broker runs
     without authentication. A tenant sees and releases only the nodes it owns.
+    """
+    charged: _builtins.bool
+    """The node counts in the usage of tenants/{spec.tenant}: set at compose for a node
+    with a tenant; the usage is lowered again in the transaction that moves the node
+    out of PENDING, ATTACHING or READY (RELEASING, FAILED or LOST).
     """
     @_builtins.property
     def spec(self) -> Global___NodeSpec: ...
@@ -874,11 +885,159 @@ class VirtualNode(_message.Message):
         ready_time: _timestamp_pb2.Timestamp | None = ...,
         attach_deadline: _timestamp_pb2.Timestamp | None = ...,
         owner: _builtins.str = ...,
+        charged: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["attach_deadline", b"attach_deadline", "create_time", b"create_time", "ready_time", b"ready_time", "spec", b"spec", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attach_deadline", b"attach_deadline", "create_time", b"create_time", "gpus", b"gpus", "host", b"host", "message", b"message", "name", b"name", "owner", b"owner", "ready_time", b"ready_time", "request_id", b"request_id", "spec", b"spec", "state", b"state", "update_time", b"update_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attach_deadline", b"attach_deadline", "charged", b"charged", "create_time", b"create_time", "gpus", b"gpus", "host", b"host", "message", b"message", "name", b"name", "owner", b"owner", "ready_time", b"ready_time", "request_id", b"request_id", "spec", b"spec", "state", b"state", "update_time", b"update_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___VirtualNode: _TypeAlias = VirtualNode  # noqa: Y015
+
+@_typing.final
+class TenantQuota(_message.Message):
+    """A tenant's limits. A limit that is not set is no limit; 0 allows nothing."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class GpusByModelEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    GPUS_FIELD_NUMBER: _builtins.int
+    GPUS_BY_MODEL_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
+    gpus: _builtins.int
+    """GPUs of every model together."""
+    nodes: _builtins.int
+    """Nodes."""
+    @_builtins.property
+    def gpus_by_model(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """GPUs per model ("H100" -> 8); models not named are limited by `gpus` only."""
+
+    def __init__(
+        self,
+        *,
+        gpus: _builtins.int | None = ...,
+        gpus_by_model: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        nodes: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_gpus", b"_gpus", "_nodes", b"_nodes", "gpus", b"gpus", "nodes", b"nodes"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_gpus", b"_gpus", "_nodes", b"_nodes", "gpus", b"gpus", "gpus_by_model", b"gpus_by_model", "nodes", b"nodes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__gpus: _TypeAlias = _typing.Literal["gpus"]  # noqa: Y015
+    _WhichOneofArgType__gpus: _TypeAlias = _typing.Literal["_gpus", b"_gpus"]  # noqa: Y015
+    _WhichOneofReturnType__nodes: _TypeAlias = _typing.Literal["nodes"]  # noqa: Y015
+    _WhichOneofArgType__nodes: _TypeAlias = _typing.Literal["_nodes", b"_nodes"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__gpus) -> _WhichOneofReturnType__gpus | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__nodes) -> _WhichOneofReturnType__nodes | None: ...
+
+Global___TenantQuota: _TypeAlias = TenantQuota  # noqa: Y015
+
+@_typing.final
+class TenantUsage(_message.Message):
+    """What a tenant's charged nodes (PENDING, ATTACHING, READY) hold now."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class GpusByModelEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    GPUS_FIELD_NUMBER: _builtins.int
+    GPUS_BY_MODEL_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
+    gpus: _builtins.int
+    nodes: _builtins.int
+    @_builtins.property
+    def gpus_by_model(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        gpus: _builtins.int = ...,
+        gpus_by_model: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        nodes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus", "gpus_by_model", b"gpus_by_model", "nodes", b"nodes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TenantUsage: _TypeAlias = TenantUsage  # noqa: Y015
+
+@_typing.final
+class Tenant(_message.Message):
+    """A tenant's quota and usage, stored at tenants/{tenant}. A tenant without a record
+    has no limits and no usage.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    QUOTA_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    QUOTA_UPDATE_TIME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Resource name: "tenants/{tenant}"."""
+    @_builtins.property
+    def quota(self) -> Global___TenantQuota:
+        """Absent: no limits."""
+
+    @_builtins.property
+    def usage(self) -> Global___TenantUsage: ...
+    @_builtins.property
+    def quota_update_time(self) -> _timestamp_pb2.Timestamp:
+        """When the quota was last set."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        quota: Global___TenantQuota | None = ...,
+        usage: Global___TenantUsage | None = ...,
+        quota_update_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["quota", b"quota", "quota_update_time", b"quota_update_time", "usage", b"usage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "quota", b"quota", "quota_update_time", b"quota_update_time", "usage", b"usage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Tenant: _TypeAlias = Tenant  # noqa: Y015
