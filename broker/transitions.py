@@ -30,15 +30,17 @@ def let_go(
     now: float,
     *,
     fence: bool = False,
+    reason: str = "",
 ) -> pb.VirtualNode:
     """Move ``node`` to ``state`` (FAILED, RELEASING or LOST) and let go of its GPUs.
 
     The GPUs it still owns go DETACHING (the host's agent detaches them, then they are
     freed) or, with ``fence``, FENCING (the broker revokes them at the box side without
     waiting for the agent); its attachments leave the host's allocation, so the agent
-    stops wanting them. ``node`` must be the record the view read. Returns the new node.
+    stops wanting them. ``node`` must be the record the view read. ``reason`` names the
+    node's event (default: the state's reason word). Returns the new node.
     """
-    updated = lifecycle.node_letting_go(node, state, message, now)
+    updated = lifecycle.node_letting_go(node, state, message, now, reason=reason)
     view.put(k.NODES, node.name.removeprefix("nodes/"), updated)
     for binding in node.gpus:
         gpu_key = gpu_id(binding.gpu)
