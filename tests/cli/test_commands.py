@@ -15,8 +15,11 @@ import pytest
 import yaml
 from click.testing import CliRunner, Result
 
+from dxpool.api.v1 import resources_pb2 as pb
+from dxpool.cli import picture
 from dxpool.cli.main import cli
 from dxpool.client import Client
+from dxpool.store.keys import KeySchema
 from tests.conftest import SimPool, Stubs, register_sim_box, wait_until
 
 if TYPE_CHECKING:
@@ -452,6 +455,85 @@ def test_node_list_watch_prints_the_table_then_changes_until_ctrl_c(
         watch.send_signal(signal.SIGINT)
         assert watch.wait(timeout=10) == 130
         assert watch.stderr is not None and "Traceback" not in watch.stderr.read()
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait()
+
+
+def test_status_picture_and_its_svg_count_what_etcd_holds(  # type: ignore[no-untyped-def]
+    run: Run, pool: SimPool, broker: BrokerServer, etcd_client, key_prefix: str, tmp_path
+) -> None:
+    ok(run("node", "create", "--gpus", "H100:2", "--name", "p1", "--host", "h1", "--wait"))
+    ok(run("box", "cordon", "box2"))
+    schema = KeySchema(key_prefix)
+    sick = pb.Gpu.FromString(etcd_client.get(schema.gpu("box1", 3))[0])
+    if sick.state == pb.GPU_STATE_FREE:  # out of service behind the broker's back
+        sick.state = pb.GPU_STATE_QUARANTINED
+        etcd_client.put(schema.gpu("box1", 3), sick.SerializeToString())
+
+    def from_etcd() -> dict[str, int]:
+        """Each category counted from the stored records, independently of the CLI."""
+        boxes = {
+            b.name: b.state
+            for b in (pb.Box.FromString(v) for v, _ in etcd_client.get_prefix(schema.box("")))
+        }
+        found: dict[str, int] = {}
+        for value, _ in etcd_client.get_prefix(f"{key_prefix}gpus/"):
+            gpu = pb.Gpu.FromString(value)
+            if gpu.state in (pb.GPU_STATE_QUARANTINED, pb.GPU_STATE_FAULTED):
+                key = "failing"
+            elif gpu.state == pb.GPU_STATE_FREE:
+                key = "free" if boxes[gpu.box] == pb.BOX_STATE_ACTIVE else "unavailable"
+            else:
+                key = pb.GpuState.Name(gpu.state).removeprefix("GPU_STATE_").lower()
+            found[key] = found.get(key, 0) + 1
+        return found
+
+    expected = from_etcd()
+    assert expected["attached"] == 2 and expected["unavailable"] >= 2
+    wait_until(
+        lambda: "✖" in ok(run("status", "--picture")).split("\n\n")[0],
+        message="the broker to see the quarantined GPU",
+    )
+    text = ok(run("status", "--picture"))
+    assert "rack s1/p1/r1" in text and "rack s1/p1/r2" in text
+    assert "cordoned" in text.splitlines()[3]
+
+    svg_path = tmp_path / "pool.svg"
+    saved = run("status", "--svg", str(svg_path))
+    assert saved.exit_code == 0 and "picture saved to" in saved.stderr
+    svg = svg_path.read_text()
+    assert from_etcd() == expected  # nothing moved while the picture was taken
+    for glyph in picture.GLYPHS:
+        assert svg.count(glyph.char) == expected.get(glyph.key, 0) + 1, glyph.key  # + legend
+
+
+def test_status_picture_flags_that_do_not_go_together_are_usage_errors(run: Run) -> None:
+    for args in (["--picture", "-o", "json"], ["--svg", "x.svg", "--watch"]):
+        result = run("status", *args)
+        assert result.exit_code == 2, args
+    assert run("status", "--watch", "--interval", "0s").exit_code == 2
+
+
+def test_status_watch_redraws_until_ctrl_c(broker: BrokerServer, pool: SimPool) -> None:
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "dxpool.cli", "--endpoint", broker.endpoint, "status",
+         "--picture", "--watch", "--interval", "200ms"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert watch.stdout is not None and watch.stderr is not None
+        frames = 0
+        while frames < 2:  # to a pipe, each redraw is printed after the last
+            line = watch.stdout.readline()
+            assert line, "the watch ended early"
+            frames += line.startswith("rack s1/p1/r1")
+        watch.send_signal(signal.SIGINT)
+        assert watch.wait(timeout=10) == 130
+        assert "Traceback" not in watch.stderr.read()
     finally:
         if watch.poll() is None:
             watch.kill()
