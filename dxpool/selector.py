@@ -24,6 +24,7 @@ from dxpool.errors import InvalidArgument
 SELECTOR_GRAMMAR = "KEY=VALUE, KEY!=VALUE, KEY or !KEY, comma-separated, e.g. team=ml,tier!=dev"
 MAX_SELECTOR_LENGTH = 4096
 _FORBIDDEN_IN_KEY = frozenset("=!, ")
+_SHOWN = 80
 
 
 class Operator(Enum):
@@ -64,9 +65,15 @@ class Selector:
         return bool(self.requirements)
 
 
+def _shown(text: str) -> str:
+    """``text`` quoted for a message, cut at 80 characters."""
+    return repr(text if len(text) <= _SHOWN else text[:_SHOWN] + "...")
+
+
 def _fail(text: str, part: str, why: str) -> InvalidArgument:
     return InvalidArgument(
-        f"invalid label selector {text!r}: {why} in {part!r}; expected {SELECTOR_GRAMMAR}",
+        f"invalid label selector {_shown(text)}: {why} in {_shown(part)}; "
+        f"expected {SELECTOR_GRAMMAR}",
         reason="INVALID_SELECTOR",
     )
 
@@ -76,7 +83,7 @@ def _key(text: str, part: str, key: str) -> str:
     if not key:
         raise _fail(text, part, "the key is empty")
     if any(c in _FORBIDDEN_IN_KEY for c in key):
-        raise _fail(text, part, f"the key {key!r} contains '=', '!', ',' or a blank")
+        raise _fail(text, part, f"the key {_shown(key)} contains '=', '!', ',' or a blank")
     return key
 
 
@@ -96,7 +103,7 @@ def _requirement(text: str, part: str) -> Requirement:
         return Requirement(_key(text, part, part), Operator.EXISTS)
     value = value.strip()
     if "=" in value or "!" in value:
-        raise _fail(text, part, f"the value {value!r} contains '=' or '!'")
+        raise _fail(text, part, f"the value {_shown(value)} contains '=' or '!'")
     return Requirement(_key(text, part, key), operator, value)
 
 
@@ -105,7 +112,7 @@ def parse_selector(text: str) -> Selector:
     shows the grammar. An empty or blank selector matches everything."""
     if len(text) > MAX_SELECTOR_LENGTH:
         raise InvalidArgument(
-            f"label selector is {len(text)} characters long; at most {MAX_SELECTOR_LENGTH}",
+            f"label selector is {len(text)} characters long; give at most {MAX_SELECTOR_LENGTH}",
             reason="INVALID_SELECTOR",
         )
     if not text.strip():
