@@ -75,7 +75,11 @@ def status(
         raise click.BadParameter("must be positive", param_hint="--interval")
     client = cli.client()
     if svg_path is not None:
-        picture.save_svg(_draw(client), svg_path)
+        drawn = _draw(client)
+        try:
+            picture.save_svg(drawn, svg_path)
+        except OSError as error:
+            raise click.FileError(svg_path, hint=error.strerror or str(error)) from None
         click.echo(f"picture saved to {svg_path}", err=True)
         return
     if output is not OutputFormat.TABLE:

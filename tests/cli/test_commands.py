@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 from xml.etree import ElementTree
 
@@ -514,6 +515,15 @@ def test_status_picture_flags_that_do_not_go_together_are_usage_errors(run: Run)
         result = run("status", *args)
         assert result.exit_code == 2, args
     assert run("status", "--watch", "--interval", "0s").exit_code == 2
+
+
+def test_status_svg_to_a_file_that_cannot_be_written_says_so(
+    run: Run, pool: SimPool, tmp_path: Path
+) -> None:
+    result = run("status", "--svg", str(tmp_path / "missing" / "pool.svg"))
+    assert result.exit_code == 1
+    assert "Could not open file" in result.stderr and "No such file" in result.stderr
+    assert "Traceback" not in result.output
 
 
 def test_status_watch_redraws_until_ctrl_c(broker: BrokerServer, pool: SimPool) -> None:
