@@ -321,6 +321,7 @@ class Composer:
             attach_deadline=timestamp(now + self._settings.attach_timeout_s),
             owner=owner,
         )
+        lifecycle.new_node_event(node, now)
         allocation_record = self._cache.get(k.HOST_ALLOCATIONS, host_id)
         allocation = (
             copy(allocation_record.value)

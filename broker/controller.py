@@ -278,7 +278,9 @@ class NodeController:
         failed = [a for a in current.values() if a.phase == pb.ATTACHMENT_PHASE_FAILED]
         if failed:
             detail = "; ".join(f"{a.gpu}: {a.message}" for a in failed)
-            return self._fail(view, node, f"attach failed on {node.host}: {detail}")
+            return self._fail(
+                view, node, f"attach failed on {node.host}: {detail}", reason="AttachFailed"
+            )
         now = self._clock()
         if len(current) == len(gpus) and all(
             a.phase == pb.ATTACHMENT_PHASE_ATTACHED for a in current.values()
@@ -303,8 +305,8 @@ class NodeController:
             return "ATTACHING"
         return None
 
-    def _fail(self, view: TxnView, node: pb.VirtualNode, message: str) -> str:
-        let_go(view, node, pb.NODE_STATE_FAILED, message, self._clock())
+    def _fail(self, view: TxnView, node: pb.VirtualNode, message: str, *, reason: str = "") -> str:
+        let_go(view, node, pb.NODE_STATE_FAILED, message, self._clock(), reason=reason)
         self._failures[node.name] = message
         return "FAILED"
 

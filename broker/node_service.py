@@ -35,6 +35,7 @@ from dxpool.broker.validation import check_page_size
 from dxpool.errors import InvalidArgument, NotFound
 from dxpool.identity import Identity, Role
 from dxpool.names import parse_host, parse_node
+from dxpool.selector import parse_selector
 from dxpool.store import keys as k
 from dxpool.store.typed import Versioned
 
@@ -139,6 +140,7 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
         self, request: nodes_pb2.ListNodesRequest, context: grpc.ServicerContext
     ) -> nodes_pb2.ListNodesResponse:
         host = f"hosts/{parse_host(request.host)}" if request.host else ""
+        selector = parse_selector(request.label_selector)
         scope = self._scope(context)
 
         def keep(record: Versioned[pb.VirtualNode]) -> bool:
@@ -147,6 +149,7 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
                 (request.show_released or node.state != pb.NODE_STATE_RELEASED)
                 and (not host or node.host == host)
                 and (scope is None or node.owner == scope)
+                and selector.matches(node.spec.labels)
             )
 
         chunk, token = cache_page(

@@ -31,6 +31,7 @@ def let_go(
     now: float,
     *,
     fence: bool = False,
+    reason: str = "",
 ) -> pb.VirtualNode:
     """Move ``node`` to ``state`` (FAILED, RELEASING or LOST) and let go of its GPUs.
 
@@ -39,9 +40,10 @@ def let_go(
     waiting for the agent); its attachments leave the host's allocation, so the agent
     stops wanting them; a charged node leaves its tenant's usage
     (:func:`~dxpool.broker.tenants.discharge`). ``node`` must be the record the view
-    read. Returns the new node.
+    read. ``reason`` names the node's event (default: the state's reason word). Returns
+    the new node.
     """
-    updated = lifecycle.node_letting_go(node, state, message, now)
+    updated = lifecycle.node_letting_go(node, state, message, now, reason=reason)
     discharge(view, node)
     view.put(k.NODES, node.name.removeprefix("nodes/"), updated)
     for binding in node.gpus:

@@ -24,6 +24,7 @@ from dxpool.request import (
     parse_gpus,
     parse_memory_mib,
 )
+from dxpool.selector import SELECTOR_GRAMMAR, parse_selector
 
 _T = TypeVar("_T")
 
@@ -76,6 +77,11 @@ def _label(value: str) -> tuple[str, str]:
     return key.strip(), text
 
 
+def _selector(value: str) -> str:
+    parse_selector(value)
+    return value.strip()
+
+
 def _workload(value: str) -> str:
     parse_workload(value)
     return value.strip()
@@ -111,6 +117,8 @@ MEMORY = _GrammarType("SIZE", parse_memory_mib)
 """``80GiB`` -> 81920 (MiB)."""
 LABEL = _GrammarType("KEY=VALUE", _label)
 """``team=ml`` -> ``("team", "ml")``."""
+SELECTOR = _GrammarType("SELECTOR", _selector, SELECTOR_GRAMMAR)
+"""``team=ml,tier!=dev`` -> the same text, once it parses as a label selector."""
 BOX = _GrammarType("BOX", client.box_name)
 """``box1`` or ``boxes/box1`` -> ``boxes/box1``."""
 HOST = _GrammarType("HOST", client.host_name)
@@ -131,6 +139,16 @@ def labels_dict(pairs: tuple[tuple[str, str], ...]) -> dict[str, str]:
     """The ``--label`` pairs of a command as a mapping (a later key wins)."""
     return dict(pairs)
 
+
+selector_option = click.option(
+    "-l",
+    "--selector",
+    "selector",
+    type=SELECTOR,
+    default="",
+    help="Only objects whose labels match: KEY=VALUE, KEY!=VALUE, KEY or !KEY, "
+    "comma-separated (all must hold), e.g. -l team=ml,tier!=dev.",
+)
 
 ignore_not_found_option = click.option(
     "--ignore-not-found",

@@ -95,7 +95,7 @@ BOX_VIEW: View[resources_pb2.Box] = View(
     [
         Column("name", lambda b: short(b.name)),
         Column("state", _box_state),
-        Column("gpus", lambda b: str(b.gpu_count)),
+        Column("gpus free/total", lambda b: f"{b.gpus_free}/{b.gpu_count}"),
         Column("location", lambda b: location(b.location)),
         Column("age", lambda b: age(b.create_time)),
         Column("fabric-endpoint", lambda b: b.fabric_endpoint or NONE, wide_only=True),
@@ -127,10 +127,11 @@ HOST_VIEW: View[resources_pb2.Host] = View(
     [
         Column("name", lambda h: short(h.name)),
         Column("alive", lambda h: "yes" if h.alive else "no"),
-        Column("slots", lambda h: f"{h.slots_used}/{h.slot_capacity}"),
+        Column("slots used/total", lambda h: f"{h.slots_used}/{h.slot_capacity}"),
         Column("location", lambda h: location(h.location)),
         Column("driver", lambda h: h.driver or NONE),
         Column("age", lambda h: age(h.register_time)),
+        Column("used-slots", lambda h: ",".join(map(str, h.used_slots)) or NONE, True),
         Column("agent", lambda h: h.agent_endpoint or NONE, wide_only=True),
         Column("labels", lambda h: labels(h.labels), wide_only=True),
     ],

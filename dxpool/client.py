@@ -477,10 +477,15 @@ class Client:
     def get_box(self, name: str) -> resources_pb2.Box:
         return self._unary(self._inventory.GetBox, inventory_pb2.GetBoxRequest(name=box_name(name)))
 
-    def list_boxes(self) -> list[resources_pb2.Box]:
+    def list_boxes(self, *, label_selector: str = "") -> list[resources_pb2.Box]:
+        """Every box, or those whose labels match ``label_selector`` (the grammar of
+        :mod:`dxpool.selector`; InvalidArgument for a malformed one), each with
+        ``gpus_free`` filled in."""
         return self._collect(
             self._inventory.ListBoxes,
-            lambda token: inventory_pb2.ListBoxesRequest(page_size=_PAGE_SIZE, page_token=token),
+            lambda token: inventory_pb2.ListBoxesRequest(
+                page_size=_PAGE_SIZE, page_token=token, label_selector=label_selector
+            ),
             lambda response: (response.boxes, response.next_page_token),
         )
 
@@ -551,10 +556,14 @@ class Client:
         request = inventory_pb2.GetHostRequest(name=host_name(name))
         return self._unary(self._inventory.GetHost, request)
 
-    def list_hosts(self) -> list[resources_pb2.Host]:
+    def list_hosts(self, *, label_selector: str = "") -> list[resources_pb2.Host]:
+        """Every host, or those whose labels match ``label_selector`` (see
+        :meth:`list_boxes`)."""
         return self._collect(
             self._inventory.ListHosts,
-            lambda token: inventory_pb2.ListHostsRequest(page_size=_PAGE_SIZE, page_token=token),
+            lambda token: inventory_pb2.ListHostsRequest(
+                page_size=_PAGE_SIZE, page_token=token, label_selector=label_selector
+            ),
             lambda response: (response.hosts, response.next_page_token),
         )
 
@@ -706,15 +715,18 @@ class Client:
         return self._unary(self._nodes.GetNodeHostdev, request)
 
     def list_nodes(
-        self, *, host: str | None = None, show_released: bool = False
+        self, *, host: str | None = None, show_released: bool = False, label_selector: str = ""
     ) -> list[resources_pb2.VirtualNode]:
-        """Nodes, optionally only those on ``host``; RELEASED ones only if asked."""
+        """Nodes, optionally only those on ``host`` and those whose ``spec.labels`` match
+        ``label_selector`` (the grammar of :mod:`dxpool.selector`; InvalidArgument for a
+        malformed one); RELEASED ones only if asked."""
         host_filter = host_name(host) if host else ""
         return self._collect(
             self._nodes.ListNodes,
             lambda token: nodes_pb2.ListNodesRequest(
                 host=host_filter,
                 show_released=show_released,
+                label_selector=label_selector,
                 page_size=_PAGE_SIZE,
                 page_token=token,
             ),

@@ -28,6 +28,11 @@ Node (``NodeState``)::
        │           │          │          ▲
        ├───────────┴──► FAILED ──────────┤
        └───────────┴──────────┴─► LOST ──┘
+
+Every node transition also appends an :class:`~dxpool.api.v1.resources_pb2.Event` to the
+node's own bounded ``events`` list (at most :data:`MAX_NODE_EVENTS`, oldest dropped):
+the history rides on the node writes that the transitions make anyway, so it costs no
+etcd write of its own.
 """
 
 from __future__ import annotations
@@ -74,6 +79,22 @@ GPU_TRANSITIONS: Mapping[int, frozenset[int]] = {
     pb.GPU_STATE_QUARANTINED: frozenset({pb.GPU_STATE_FENCING}),
     pb.GPU_STATE_FAULTED: frozenset({pb.GPU_STATE_FREE, pb.GPU_STATE_FENCING}),
 }
+
+# How many events a node keeps; the oldest is dropped when a new one arrives.
+MAX_NODE_EVENTS = 16
+EVENT_NORMAL = "Normal"
+EVENT_WARNING = "Warning"
+# The reason an event records for a node entering each state.
+NODE_STATE_REASONS: Mapping[int, str] = {
+    pb.NODE_STATE_PENDING: "Composed",
+    pb.NODE_STATE_ATTACHING: "Attaching",
+    pb.NODE_STATE_READY: "Ready",
+    pb.NODE_STATE_RELEASING: "Releasing",
+    pb.NODE_STATE_RELEASED: "Released",
+    pb.NODE_STATE_FAILED: "Failed",
+    pb.NODE_STATE_LOST: "Lost",
+}
+_WARNING_STATES = frozenset({pb.NODE_STATE_FAILED, pb.NODE_STATE_LOST})
 
 # Node states in which the host agent may still be asked to attach the node's GPUs.
 ATTACHING_NODE_STATES = frozenset({pb.NODE_STATE_PENDING, pb.NODE_STATE_ATTACHING})
@@ -204,15 +225,50 @@ def free(gpu: pb.Gpu) -> pb.Gpu:
 # -- nodes ---------------------------------------------------------------------------
 
 
+def add_event(
+    node: pb.VirtualNode, reason: str, message: str, now: float, *, warning: bool = False
+) -> None:
+    """Append an event to ``node`` (a record being built, never one from a cache),
+    dropping the oldest beyond :data:`MAX_NODE_EVENTS`."""
+    node.events.add(
+        time=timestamp(now),
+        type=EVENT_WARNING if warning else EVENT_NORMAL,
+        reason=reason,
+        message=message,
+    )
+    excess = len(node.events) - MAX_NODE_EVENTS
+    if excess > 0:
+        del node.events[:excess]
+
+
+def new_node_event(node: pb.VirtualNode, now: float) -> None:
+    """Record the event of a node just composed (PENDING) on ``node`` itself."""
+    add_event(node, NODE_STATE_REASONS[node.state], node.message, now)
+
+
 def node_to(
-    node: pb.VirtualNode, state: NodeStateValue, message: str, now: float
+    node: pb.VirtualNode,
+    state: NodeStateValue,
+    message: str,
+    now: float,
+    *,
+    reason: str = "",
 ) -> pb.VirtualNode:
-    """``node`` in ``state`` with ``message``, its update time set to ``now``."""
+    """``node`` in ``state`` with ``message``, its update time set to ``now``, and an
+    event recording the change (``reason``, or the state's own reason word; FAILED and
+    LOST are warnings)."""
     _check("node", NODE_TRANSITIONS, node.state, state, node.name)
     updated = copy(node)
     updated.state = state
     updated.message = message
     updated.update_time.CopyFrom(timestamp(now))
+    add_event(
+        updated,
+        reason or NODE_STATE_REASONS[state],
+        message,
+        now,
+        warning=state in _WARNING_STATES,
+    )
     return updated
 
 
@@ -239,14 +295,24 @@ def node_ready(
         binding.phase = pb.ATTACHMENT_PHASE_ATTACHED
         binding.bdf = seen.bdf
         binding.uuid = seen.uuid
+        if seen.health in (pb.GPU_HEALTH_DEGRADED, pb.GPU_HEALTH_UNHEALTHY):
+            unhealthy = seen.health == pb.GPU_HEALTH_UNHEALTHY
+            add_event(
+                updated,
+                "GpuUnhealthy" if unhealthy else "GpuDegraded",
+                f"{binding.gpu}: {seen.health_reason or 'no reason reported'}",
+                now,
+                warning=True,
+            )
     return updated
 
 
 def node_letting_go(
-    node: pb.VirtualNode, state: NodeStateValue, message: str, now: float
+    node: pb.VirtualNode, state: NodeStateValue, message: str, now: float, *, reason: str = ""
 ) -> pb.VirtualNode:
-    """-> ``state`` (FAILED, RELEASING or LOST), every binding not FAILED now DETACHING."""
-    updated = node_to(node, state, message, now)
+    """-> ``state`` (FAILED, RELEASING or LOST), every binding not FAILED now DETACHING;
+    ``reason`` as for :func:`node_to`."""
+    updated = node_to(node, state, message, now, reason=reason)
     for binding in updated.gpus:
         if binding.phase != pb.ATTACHMENT_PHASE_FAILED:
             binding.phase = pb.ATTACHMENT_PHASE_DETACHING
@@ -255,12 +321,17 @@ def node_letting_go(
 
 __all__ = [
     "ATTACHING_NODE_STATES",
+    "EVENT_NORMAL",
+    "EVENT_WARNING",
     "GPU_TRANSITIONS",
     "LOSABLE_NODE_STATES",
+    "MAX_NODE_EVENTS",
     "NODE_REACHABLE",
+    "NODE_STATE_REASONS",
     "NODE_TRANSITIONS",
     "ON_HOST_GPU_STATES",
     "IllegalTransitionError",
+    "add_event",
     "assign",
     "attach_confirmed",
     "begin_detach",
@@ -269,6 +340,7 @@ __all__ = [
     "free",
     "is_free",
     "is_terminal",
+    "new_node_event",
     "node_attaching",
     "node_letting_go",
     "node_ready",

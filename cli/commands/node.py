@@ -1,5 +1,5 @@
-"""``dxpool node create|plan|list|get|hostdev|delete|watch``: virtual nodes (a host plus
-GPUs)."""
+"""``dxpool node create|plan|list|get|describe|hostdev|delete|watch``: virtual nodes (a
+host plus GPUs)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import click
 
 from dxpool.api.v1 import nodes_pb2, resources_pb2
 from dxpool.cli.context import CliContext, pass_cli
+from dxpool.cli.describe import describe_node
 from dxpool.cli.errors import for_each
 from dxpool.cli.output import (
     DOCUMENT_FORMATS,
@@ -35,6 +36,7 @@ from dxpool.cli.params import (
     WORKLOAD,
     ignore_not_found_option,
     labels_dict,
+    selector_option,
 )
 from dxpool.cli.views import (
     BINDING_VIEW,
@@ -46,6 +48,7 @@ from dxpool.cli.views import (
 from dxpool.client import node_state_name
 from dxpool.fabric.overhead import known_profiles
 from dxpool.request import GpuSpec
+from dxpool.selector import parse_selector
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 NodeState = resources_pb2.NodeState
@@ -245,14 +248,76 @@ def _print_plan(result: nodes_pb2.NodePlan, *, wide: bool) -> None:
 @node.command("list")
 @click.option("--host", "host_name", type=HOST, default=None, help="Only nodes on this host.")
 @click.option("-a", "--all", "show_released", is_flag=True, help="Include RELEASED nodes.")
+@selector_option
+@click.option(
+    "-w",
+    "--watch",
+    is_flag=True,
+    help="After the list, print one line per change until Ctrl-C.",
+)
 @output_option()
 @pass_cli
 def list_(
-    cli: CliContext, host_name: str | None, show_released: bool, output: OutputFormat
+    cli: CliContext,
+    host_name: str | None,
+    show_released: bool,
+    selector: str,
+    watch: bool,
+    output: OutputFormat,
 ) -> None:
-    """List nodes (RELEASED ones only with --all)."""
-    found = cli.client().list_nodes(host=host_name, show_released=show_released)
+    """List nodes (RELEASED ones only with --all), e.g. `dxpool node list -l team=ml -w`."""
+    if watch:
+        _watch_list(cli, host_name, show_released, selector, output)
+        return
+    found = cli.client().list_nodes(
+        host=host_name, show_released=show_released, label_selector=selector
+    )
     print_many(found, NODE_VIEW, output)
+
+
+def _watch_list(
+    cli: CliContext, host_name: str | None, show_released: bool, selector: str, output: OutputFormat
+) -> None:
+    """``node list --watch``: the matching nodes, then one line (or document) per change
+    of a matching node, from one WatchNodes stream (so nothing between the list and the
+    first change is lost). Filters apply on this side: WatchNodes streams every node.
+    A node that stops matching (it was RELEASED, say) gets its last line; a deleted
+    node that was shown gets a line with its name."""
+    wanted = parse_selector(selector)
+    printer = StreamPrinter(NODE_VIEW, output, NODE_STREAM_WIDTHS)
+    shown: set[str] = set()
+    listing: list[resources_pb2.VirtualNode] = []
+    listed = False
+    event_type = nodes_pb2.NodeEvent
+
+    def matches(found: resources_pb2.VirtualNode) -> bool:
+        return (not host_name or found.host == host_name) and wanted.matches(found.spec.labels)
+
+    for event in cli.client().watch_nodes(include_synced=True):
+        if event.type == event_type.TYPE_SYNCED:
+            if not listed:
+                listed = True
+                for found in listing:
+                    printer.emit(found)
+                    shown.add(found.name)
+                if not listing and output is not OutputFormat.NAME:
+                    info("no nodes found; watching for changes")
+            continue
+        if event.type == event_type.TYPE_DELETED:
+            if event.node.name in shown:
+                shown.discard(event.node.name)
+                printer.emit(event.node, event)
+            continue
+        current = event.node
+        visible = matches(current) and (
+            show_released or current.state != NodeState.NODE_STATE_RELEASED
+        )
+        if not listed:
+            if visible:
+                listing.append(current)
+        elif visible or (current.name in shown and matches(current)):
+            shown.add(current.name)
+            printer.emit(current)
 
 
 @node.command("get")
@@ -266,6 +331,16 @@ def get(cli: CliContext, names: tuple[str, ...], output: OutputFormat) -> None:
         print_one(found[0], NODE_VIEW, output)
     else:
         print_many(found, NODE_VIEW, output)
+
+
+@node.command("describe")
+@click.argument("names", metavar="NODE...", type=NODE, nargs=-1, required=True)
+@pass_cli
+def describe(cli: CliContext, names: tuple[str, ...]) -> None:
+    """Show nodes in detail, with their recent events (state changes, attach errors,
+    unhealthy GPUs), oldest first."""
+    client = cli.client()
+    click.echo("\n\n".join(describe_node(client.get_node(name)) for name in names))
 
 
 @node.command("hostdev")

@@ -92,3 +92,48 @@ def test_a_gpu_still_reported_by_its_agent_is_not_freed(
     }
     assert states[3] == pb.GPU_STATE_DETACHING
     assert all(states[s] == pb.GPU_STATE_FREE for s in range(8) if s != 3)
+
+
+def test_an_attach_the_agent_reports_failed_fails_the_node_with_a_warning_event(
+    parts: tuple[Store, Cache, NodeController],
+) -> None:
+    store, cache, controller = parts
+    gpu = pb.Gpu(
+        name="boxes/b1/gpus/0",
+        box="boxes/b1",
+        model="H100",
+        state=pb.GPU_STATE_ATTACHING,
+        node="nodes/n1",
+        host="hosts/h1",
+        generation=3,
+    )
+    node = pb.VirtualNode(
+        name="nodes/n1",
+        host="hosts/h1",
+        state=pb.NODE_STATE_PENDING,
+        gpus=[pb.GpuBinding(gpu=gpu.name)],
+    )
+    node.attach_deadline.seconds = 2**40  # far away: only the agent's report can fail it
+    node.events.add(type="Normal", reason="Composed", message="composed")
+    status = pb.HostStatus(
+        host="hosts/h1",
+        attachments=[
+            pb.ObservedAttachment(
+                gpu=gpu.name,
+                generation=3,
+                phase=pb.ATTACHMENT_PHASE_FAILED,
+                message="proxy map refused",
+            )
+        ],
+    )
+    txn = Txn().put(store.keys.gpu("b1", 0), gpu).put(store.keys.node("n1"), node)
+    txn.put(store.keys.host_status("h1"), status)
+    assert cache.wait_for_revision(store.commit(txn).revision, 10)
+
+    controller.sweep()
+
+    stored = store.get(store.keys.node("n1"))
+    assert stored is not None and stored.value.state == pb.NODE_STATE_FAILED
+    events = [(e.type, e.reason) for e in stored.value.events]
+    assert events == [("Normal", "Composed"), ("Warning", "AttachFailed")]
+    assert "proxy map refused" in stored.value.events[-1].message

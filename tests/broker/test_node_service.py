@@ -435,3 +435,44 @@ def test_stalled_watcher_keeps_broker_memory_flat(  # type: ignore[no-untyped-de
             if broker.poll() is None:
                 broker.kill()
             log.close()
+
+
+# -- ListNodes with a label selector ----------------------------------------------------
+
+
+def test_list_nodes_filters_by_label_selector_across_pages(  # type: ignore[no-untyped-def]
+    broker: BrokerServer, nodes: nodes_pb2_grpc.NodeServiceStub, etcd_client, key_prefix: str
+) -> None:
+    records = []
+    for index in range(10):
+        record = node(f"n{index:02d}")
+        record.spec.labels["team"] = "ml" if index % 3 == 0 else "infra"
+        if index % 2 == 0:
+            record.spec.labels["tier"] = "prod"
+        records.append(record)
+    settle(broker, write_nodes(etcd_client, key_prefix, records))
+
+    def names(selector: str) -> list[str]:
+        found, token = [], ""
+        while True:
+            page = nodes.ListNodes(
+                nodes_pb2.ListNodesRequest(label_selector=selector, page_size=2, page_token=token)
+            )
+            assert len(page.nodes) <= 2
+            found += [n.name.removeprefix("nodes/") for n in page.nodes]
+            token = page.next_page_token
+            if not token:
+                return found
+
+    assert names("team=ml") == ["n00", "n03", "n06", "n09"]
+    assert names("team=ml,tier") == ["n00", "n06"]
+    assert names("team!=ml,!tier") == ["n01", "n05", "n07"]
+    assert len(names("")) == 10
+    assert names("owner=bob") == []
+
+
+def test_list_nodes_refuses_a_bad_selector(nodes: nodes_pb2_grpc.NodeServiceStub) -> None:
+    error = rpc_error(lambda: nodes.ListNodes(nodes_pb2.ListNodesRequest(label_selector="a=b=c")))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "invalid label selector 'a=b=c'" in (error.details() or "")
+    assert error_info(error).reason == "INVALID_SELECTOR"

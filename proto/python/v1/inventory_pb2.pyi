@@ -118,18 +118,22 @@ class ListBoxesRequest(_message.Message):
 
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    LABEL_SELECTOR_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
     """0 for the default (100); at most 1000"""
     page_token: _builtins.str
+    label_selector: _builtins.str
+    """Only boxes whose labels match; the grammar of ListNodesRequest.label_selector."""
     def __init__(
         self,
         *,
         page_size: _builtins.int = ...,
         page_token: _builtins.str = ...,
+        label_selector: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["label_selector", b"label_selector", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -360,17 +364,21 @@ class ListHostsRequest(_message.Message):
 
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    LABEL_SELECTOR_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
     page_token: _builtins.str
+    label_selector: _builtins.str
+    """Only hosts whose labels match; the grammar of ListNodesRequest.label_selector."""
     def __init__(
         self,
         *,
         page_size: _builtins.int = ...,
         page_token: _builtins.str = ...,
+        label_selector: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["label_selector", b"label_selector", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

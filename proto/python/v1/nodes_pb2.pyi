@@ -321,12 +321,18 @@ class ListNodesRequest(_message.Message):
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     HOST_FIELD_NUMBER: _builtins.int
     SHOW_RELEASED_FIELD_NUMBER: _builtins.int
+    LABEL_SELECTOR_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
     page_token: _builtins.str
     host: _builtins.str
     """Only nodes on this host; empty for all."""
     show_released: _builtins.bool
     """Include RELEASED nodes (hidden by default)."""
+    label_selector: _builtins.str
+    """Only nodes whose spec.labels match, kubectl-style: comma-separated requirements,
+    each `key=value` (or `key==value`), `key!=value`, `key` (has the label) or `!key`
+    (lacks it); all must hold. INVALID_ARGUMENT for a malformed selector.
+    """
     def __init__(
         self,
         *,
@@ -334,10 +340,11 @@ class ListNodesRequest(_message.Message):
         page_token: _builtins.str = ...,
         host: _builtins.str = ...,
         show_released: _builtins.bool = ...,
+        label_selector: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "page_size", b"page_size", "page_token", b"page_token", "show_released", b"show_released"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "label_selector", b"label_selector", "page_size", b"page_size", "page_token", b"page_token", "show_released", b"show_released"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

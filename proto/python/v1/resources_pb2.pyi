@@ -266,6 +266,7 @@ class Box(_message.Message):
     CREATE_TIME_FIELD_NUMBER: _builtins.int
     CORDON_REASON_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    GPUS_FREE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name: "boxes/{box}"."""
     fabric_endpoint: _builtins.str
@@ -280,6 +281,10 @@ class Box(_message.Message):
     request_id: _builtins.str
     """Output only: the request_id of the CreateBox call that registered the box, if any.
     Its idempotency key lives exactly as long as the box: DeleteBox removes both.
+    """
+    gpus_free: _builtins.int
+    """Output only, filled in by GetBox and ListBoxes (never stored): GPUs of the box a
+    compose may take now (FREE, not unhealthy, and the box ACTIVE).
     """
     @_builtins.property
     def location(self) -> Global___Location: ...
@@ -303,10 +308,11 @@ class Box(_message.Message):
         create_time: _timestamp_pb2.Timestamp | None = ...,
         cordon_reason: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        gpus_free: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "location", b"location"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cordon_reason", b"cordon_reason", "create_time", b"create_time", "fabric_endpoint", b"fabric_endpoint", "gpu_count", b"gpu_count", "labels", b"labels", "location", b"location", "name", b"name", "request_id", b"request_id", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cordon_reason", b"cordon_reason", "create_time", b"create_time", "fabric_endpoint", b"fabric_endpoint", "gpu_count", b"gpu_count", "gpus_free", b"gpus_free", "labels", b"labels", "location", b"location", "name", b"name", "request_id", b"request_id", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -425,6 +431,7 @@ class Host(_message.Message):
     SLOTS_USED_FIELD_NUMBER: _builtins.int
     DRIVER_FIELD_NUMBER: _builtins.int
     REGISTER_TIME_FIELD_NUMBER: _builtins.int
+    USED_SLOTS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name: "hosts/{host}"."""
     agent_endpoint: _builtins.str
@@ -443,6 +450,10 @@ class Host(_message.Message):
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     @_builtins.property
     def register_time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def used_slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Output only: the proxy slot numbers that desired attachments use, ascending."""
+
     def __init__(
         self,
         *,
@@ -455,10 +466,11 @@ class Host(_message.Message):
         slots_used: _builtins.int = ...,
         driver: _builtins.str = ...,
         register_time: _timestamp_pb2.Timestamp | None = ...,
+        used_slots: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["location", b"location", "register_time", b"register_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_endpoint", b"agent_endpoint", "alive", b"alive", "driver", b"driver", "labels", b"labels", "location", b"location", "name", b"name", "register_time", b"register_time", "slot_capacity", b"slot_capacity", "slots_used", b"slots_used"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_endpoint", b"agent_endpoint", "alive", b"alive", "driver", b"driver", "labels", b"labels", "location", b"location", "name", b"name", "register_time", b"register_time", "slot_capacity", b"slot_capacity", "slots_used", b"slots_used", "used_slots", b"used_slots"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -821,6 +833,44 @@ class GpuBinding(_message.Message):
 Global___GpuBinding: _TypeAlias = GpuBinding  # noqa: Y015
 
 @_typing.final
+class Event(_message.Message):
+    """One thing that happened to a node: a state change with its reason, an attach that
+    failed, a GPU that came up unhealthy. Kept on the node record itself (see
+    VirtualNode.events), so recording one costs no etcd write of its own.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIME_FIELD_NUMBER: _builtins.int
+    TYPE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    type: _builtins.str
+    """"Normal", or "Warning" for something an operator should look at."""
+    reason: _builtins.str
+    """Short CamelCase word: Composed, Attaching, Ready, Failed, AttachFailed, Releasing,
+    Released, Lost, GpuDegraded, GpuUnhealthy.
+    """
+    message: _builtins.str
+    @_builtins.property
+    def time(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        time: _timestamp_pb2.Timestamp | None = ...,
+        type: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "reason", b"reason", "time", b"time", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Event: _TypeAlias = Event  # noqa: Y015
+
+@_typing.final
 class VirtualNode(_message.Message):
     """A host plus GPUs drawn from any boxes."""
 
@@ -839,6 +889,7 @@ class VirtualNode(_message.Message):
     ATTACH_DEADLINE_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
     CHARGED_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name: "nodes/{node}"."""
     host: _builtins.str
@@ -870,6 +921,12 @@ class VirtualNode(_message.Message):
     def attach_deadline(self) -> _timestamp_pb2.Timestamp:
         """Deadline for reaching READY; past it the node fails."""
 
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___Event]:
+        """Output only: the node's most recent events, oldest first; at most 16 are kept
+        (older ones are dropped as new ones arrive).
+        """
+
     def __init__(
         self,
         *,
@@ -886,10 +943,11 @@ class VirtualNode(_message.Message):
         attach_deadline: _timestamp_pb2.Timestamp | None = ...,
         owner: _builtins.str = ...,
         charged: _builtins.bool = ...,
+        events: _abc.Iterable[Global___Event] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["attach_deadline", b"attach_deadline", "create_time", b"create_time", "ready_time", b"ready_time", "spec", b"spec", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attach_deadline", b"attach_deadline", "charged", b"charged", "create_time", b"create_time", "gpus", b"gpus", "host", b"host", "message", b"message", "name", b"name", "owner", b"owner", "ready_time", b"ready_time", "request_id", b"request_id", "spec", b"spec", "state", b"state", "update_time", b"update_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attach_deadline", b"attach_deadline", "charged", b"charged", "create_time", b"create_time", "events", b"events", "gpus", b"gpus", "host", b"host", "message", b"message", "name", b"name", "owner", b"owner", "ready_time", b"ready_time", "request_id", b"request_id", "spec", b"spec", "state", b"state", "update_time", b"update_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
