@@ -179,6 +179,7 @@ class Composer:
             model=request.spec.gpus.model,
             count=request.spec.gpus.count,
             min_memory_mib=request.spec.gpus.min_memory_mib,
+            mixed_models=request.spec.gpus.mixed_models,
             host=host,
             max_latency_ns=request.spec.max_latency_ns,
             max_slowdown=request.spec.max_slowdown,
@@ -409,6 +410,8 @@ def _bindings(result: PlacementResult) -> list[pb.GpuBinding]:
 
 def _unschedulable_message(spec: pb.NodeSpec, result: PlacementResult) -> str:
     wanted = f"{spec.gpus.model or 'any'}:{spec.gpus.count}"
+    if spec.gpus.mixed_models:
+        wanted += " (models mixed)"
     extra = []
     if spec.host:
         extra.append(f"on {spec.host}")

@@ -87,7 +87,9 @@ def check_pci_id(value: str, field: str) -> str:
 def check_node_spec(spec: pb.NodeSpec) -> None:
     """Validate a ComposeNode spec (GPU request, host pin, latency and slowdown bounds,
     tenant, labels)."""
-    validate_gpu_request(spec.gpus.model, spec.gpus.count, spec.gpus.min_memory_mib)
+    validate_gpu_request(
+        spec.gpus.model, spec.gpus.count, spec.gpus.min_memory_mib, spec.gpus.mixed_models
+    )
     if spec.host:
         parse_host(spec.host)
     if not 0 <= spec.max_latency_ns <= MAX_LATENCY_NS:

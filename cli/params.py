@@ -75,7 +75,7 @@ def _workload(value: str) -> str:
 
 
 GPUS = _GrammarType("MODEL:COUNT", _gpus, GPU_GRAMMAR)
-"""``H100:4``, ``A100``, ``8`` or ``*:2`` -> :class:`~dxpool.request.GpuSpec`."""
+"""``H100:4``, ``A100``, ``8``, ``*:2`` or ``H100|A100:4`` -> :class:`~dxpool.request.GpuSpec`."""
 LATENCY = _GrammarType("DURATION", parse_duration_ns)
 """``4us`` -> 4000 (nanoseconds)."""
 SECONDS = _GrammarType("DURATION", _seconds)

@@ -606,6 +606,7 @@ class Client:
                     model=spec.model,
                     count=spec.count,
                     min_memory_mib=_memory_mib(min_memory, spec.min_memory_mib),
+                    mixed_models=spec.mixed_models,
                 ),
                 host=host_name(host) if host else "",
                 max_latency_ns=_latency_ns(max_latency),
@@ -920,7 +921,10 @@ class Client:
             spec = parse_gpus(gpus)
             request.gpus.CopyFrom(
                 resources_pb2.GpuRequest(
-                    model=spec.model, count=spec.count, min_memory_mib=spec.min_memory_mib
+                    model=spec.model,
+                    count=spec.count,
+                    min_memory_mib=spec.min_memory_mib,
+                    mixed_models=spec.mixed_models,
                 )
             )
         return self._unary(self._fabric.Predict, request)

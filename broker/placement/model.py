@@ -15,7 +15,7 @@ from dxpool.errors import InvalidArgument
 from dxpool.fabric.latency import LatencyEstimate, LatencyModel, Place
 from dxpool.fabric.overhead import check_slowdown
 from dxpool.names import check_id, parse_gpu
-from dxpool.request import validate_gpu_request
+from dxpool.request import model_set, validate_gpu_request
 
 T = TypeVar("T")
 
@@ -163,7 +163,10 @@ class Snapshot:
 class PlacementRequest:
     """What a node asks of placement.
 
-    ``model`` "" matches any model and compares case-insensitively; ``host`` pins the node
+    ``model`` "" matches any model and compares case-insensitively; a set ``"H100|A100"``
+    matches any of its models, and :func:`~dxpool.broker.placement.placer.place` then
+    gives the node GPUs of one model (the first of the set, in order, that fits) unless
+    ``mixed_models``, when the pipeline takes any mix of them; ``host`` pins the node
     to that host id; ``max_latency_ns`` 0 means no latency bound; ``max_slowdown`` 0 means
     no slowdown bound, else the predicted slowdown of ``workload`` (a profile name or
     ``ROUND_TRIPS@STEP_TIME``, see :mod:`dxpool.fabric.overhead`) on every GPU must be at
@@ -180,9 +183,10 @@ class PlacementRequest:
     exclude_gpus: frozenset[str] = field(default_factory=frozenset)
     max_slowdown: float = 0.0
     workload: str = ""
+    mixed_models: bool = False
 
     def __post_init__(self) -> None:
-        validate_gpu_request(self.model, self.count, self.min_memory_mib)
+        validate_gpu_request(self.model, self.count, self.min_memory_mib, self.mixed_models)
         if self.host is not None:
             check_id(self.host, "host")
         if self.max_latency_ns < 0:
@@ -198,6 +202,11 @@ class PlacementRequest:
         for name in sorted(self.exclude_gpus):
             parse_gpu(name)
         check_slowdown(self.max_slowdown, self.workload)
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The models of ``model`` in the order written; () for any model."""
+        return model_set(self.model)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ GPUs)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import click
@@ -59,7 +60,14 @@ def _request_options(command: _F) -> _F:
             "--gpus",
             type=GPUS,
             required=True,
-            help="MODEL:COUNT (e.g. H100:4), MODEL (one GPU), or COUNT (any model).",
+            help="MODEL:COUNT (e.g. H100:4), MODEL (one GPU), COUNT (any model), or a "
+            "model set MODEL|MODEL:COUNT (quote it: 'H100|A100:4'): all GPUs of one model, "
+            "the first of the set that fits.",
+        ),
+        click.option(
+            "--mixed-models",
+            is_flag=True,
+            help="With a model set in --gpus: the node may mix the set's models.",
         ),
         click.option("--host", "host_name", type=HOST, default=None, help="Pin to this host."),
         click.option(
@@ -89,6 +97,18 @@ def _request_options(command: _F) -> _F:
     for option in reversed(options):
         command = option(command)
     return command
+
+
+def _gpu_request(gpus: GpuSpec, mixed_models: bool) -> GpuSpec:
+    """``gpus`` with ``--mixed-models`` applied; a usage error without a model set."""
+    if not mixed_models:
+        return gpus
+    if len(gpus.models) < 2:
+        raise click.UsageError(
+            f"--mixed-models needs a model set in --gpus, such as 'H100|A100:{gpus.count}'; "
+            f"got {gpus}",
+        )
+    return replace(gpus, mixed_models=True)
 
 
 def _request_kwargs(
@@ -142,6 +162,7 @@ def create(
     cli: CliContext,
     *,
     gpus: GpuSpec,
+    mixed_models: bool,
     host_name: str | None,
     max_latency: int | None,
     max_slowdown: float | None,
@@ -159,7 +180,7 @@ def create(
     """Compose a node, e.g. `dxpool node create --gpus H100:4 --max-latency 4us --wait`."""
     client = cli.client()
     created = client.compose_node(
-        gpus,
+        _gpu_request(gpus, mixed_models),
         node_id=node_id,
         request_id=request_id,
         **_request_kwargs(
@@ -188,6 +209,7 @@ def plan(
     cli: CliContext,
     *,
     gpus: GpuSpec,
+    mixed_models: bool,
     host_name: str | None,
     max_latency: int | None,
     max_slowdown: float | None,
@@ -200,7 +222,7 @@ def plan(
 ) -> None:
     """Show where `node create` with these flags would go, and why; commits nothing."""
     result = cli.client().plan_node(
-        gpus,
+        _gpu_request(gpus, mixed_models),
         **_request_kwargs(
             host_name=host_name,
             max_latency=max_latency,

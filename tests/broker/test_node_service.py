@@ -435,3 +435,38 @@ def test_stalled_watcher_keeps_broker_memory_flat(  # type: ignore[no-untyped-de
             if broker.poll() is None:
                 broker.kill()
             log.close()
+
+
+@pytest.mark.parametrize(
+    ("gpus", "message"),
+    [
+        (pb.GpuRequest(model="H100|h100", count=2), "h100 is named twice; name each model once"),
+        (pb.GpuRequest(model="H100||A100", count=2), "join several models with '|'"),
+        (pb.GpuRequest(model="H100", count=2, mixed_models=True), "mixed_models needs a model set"),
+    ],
+)
+def test_bad_model_sets_are_invalid_argument_saying_what_to_write(
+    stubs: Stubs, gpus: pb.GpuRequest, message: str
+) -> None:
+    request = nodes_pb2.ComposeNodeRequest(spec=pb.NodeSpec(gpus=gpus))
+    for call in (stubs.nodes.ComposeNode, stubs.nodes.PlanNode):
+        with pytest.raises(grpc.RpcError) as raised:
+            call(request)
+        error = raised.value
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+        assert message in error.details()  # type: ignore[attr-defined]
+        assert error_info(error).reason == "INVALID_GPU_MODEL"
+
+
+def test_a_model_set_composes_one_model_through_grpc(stubs: Stubs, sim_pool: SimPool) -> None:
+    register_sim_box(sim_pool, stubs, "hbox", gpus=2, model="H100")
+    register_sim_box(sim_pool, stubs, "abox", gpus=4, model="A100")
+    sim_pool.start_agent("h1")
+    wait_hosts_alive(stubs, 1)
+    spec = pb.NodeSpec(gpus=pb.GpuRequest(model="H100|A100", count=3))
+    node = stubs.nodes.ComposeNode(nodes_pb2.ComposeNodeRequest(spec=spec, node_id="n1"))
+    assert {binding.model for binding in node.gpus} == {"A100"}
+    mixed = pb.NodeSpec(gpus=pb.GpuRequest(model="H100|A100", count=3, mixed_models=True))
+    other = stubs.nodes.ComposeNode(nodes_pb2.ComposeNodeRequest(spec=mixed, node_id="n2"))
+    assert len(other.gpus) == 3
+    assert {binding.model for binding in [*node.gpus, *other.gpus]} == {"A100", "H100"}

@@ -348,3 +348,29 @@ def test_node_watch_streams_json_lines_until_ctrl_c(
         if watch.poll() is None:
             watch.kill()
             watch.wait()
+
+
+def test_node_plan_with_a_model_set_names_the_model_it_chose(run: Run, pool: SimPool) -> None:
+    plan = json.loads(ok(run("node", "plan", "--gpus", "A100|H100:3", "-o", "json")))
+    assert plan["host"] == "hosts/h1" and {g["model"] for g in plan["gpus"]} == {"H100"}
+    (kept,) = [h for h in plan["hosts"] if h.get("feasible")]
+    assert kept["reasons"][0] == "model H100 (no placement of A100)"
+    mixed = json.loads(
+        ok(run("node", "plan", "--gpus", "H100|A100:3", "--mixed-models", "-o", "json"))
+    )
+    assert mixed["host"] == "hosts/h1"
+
+
+def test_node_create_with_a_model_set_the_pool_lacks_is_unknown_model(
+    run: Run, pool: SimPool
+) -> None:
+    result = run("node", "create", "--gpus", "B200|A100:1")
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: FAILED_PRECONDITION: ")
+    assert "no GPU of any model of 'B200|A100' is in the pool" in result.stderr
+
+
+def test_mixed_models_without_a_model_set_is_a_usage_error(run: Run) -> None:
+    result = run("node", "plan", "--gpus", "H100:2", "--mixed-models")
+    assert result.exit_code == 2
+    assert "--mixed-models needs a model set in --gpus" in result.stderr

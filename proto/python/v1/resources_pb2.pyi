@@ -676,22 +676,31 @@ class GpuRequest(_message.Message):
     MODEL_FIELD_NUMBER: _builtins.int
     COUNT_FIELD_NUMBER: _builtins.int
     MIN_MEMORY_MIB_FIELD_NUMBER: _builtins.int
+    MIXED_MODELS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
-    """GPU model, e.g. "H100"; empty matches any model."""
+    """GPU model, e.g. "H100"; empty matches any model. A set of up to 8 models joined by
+    "|", e.g. "H100|A100", matches any of them: all GPUs of the node are then of one
+    model, tried in the order written, unless mixed_models is set.
+    """
     count: _builtins.int
     """Number of GPUs, 1..64."""
     min_memory_mib: _builtins.int
     """Minimum memory per GPU in MiB; 0 for no minimum."""
+    mixed_models: _builtins.bool
+    """With a model set: the node may mix GPUs of the set's models. Needs a set of two or
+    more models.
+    """
     def __init__(
         self,
         *,
         model: _builtins.str = ...,
         count: _builtins.int = ...,
         min_memory_mib: _builtins.int = ...,
+        mixed_models: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "min_memory_mib", b"min_memory_mib", "model", b"model"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "min_memory_mib", b"min_memory_mib", "mixed_models", b"mixed_models", "model", b"model"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -322,3 +322,52 @@ def test_unsatisfied_says_when_no_host_is_registered() -> None:
     assert result.placement is None
     assert result.candidates == ()
     assert result.unsatisfied == ("hosts: no host is registered",)
+
+
+# -- model sets --------------------------------------------------------------------------
+
+
+def mixed_pool() -> Pool:
+    return Pool().box("h", 2).box("a", 3, model="A100").host("h1")
+
+
+def test_a_model_set_gives_one_model_the_first_that_fits_in_the_order_written() -> None:
+    snapshot = Pool().box("h", 4).box("a", 4, model="A100").host("h1").snapshot()
+    first = place(PlacementRequest("H100|A100", 4), snapshot, TableLatency())
+    assert boxes_of(first) == ["h"] * 4
+    (kept,) = [c for c in first.candidates if c.feasible]
+    assert kept.reasons[0] == "model H100"
+    other = place(PlacementRequest("A100|H100", 4), snapshot, TableLatency())
+    assert boxes_of(other) == ["a"] * 4
+
+
+def test_a_model_set_falls_back_to_a_later_model_and_says_why() -> None:
+    snapshot = mixed_pool().snapshot()
+    result = place(PlacementRequest("H100|A100", 3), snapshot, TableLatency())
+    assert result.placement is not None
+    assert {b.model for b in result.placement.bindings} == {"A100"}
+    feasible, reasons = report(result, "h1")
+    assert feasible
+    assert reasons[0] == "model A100 (no placement of H100)"
+
+
+def test_a_model_set_never_mixes_models_unless_asked() -> None:
+    snapshot = mixed_pool().snapshot()
+    result = place(PlacementRequest("H100|A100", 5), snapshot, TableLatency())
+    assert result.placement is None
+    assert result.unsatisfied == (
+        "model H100: the pool holds 2 in all, 5 requested",
+        "model A100: the pool holds 3 in all, 5 requested",
+    )
+    feasible, reasons = report(result, "h1")
+    assert not feasible
+    assert [reason.split(":")[0] for reason in reasons] == ["model H100", "model A100"]
+    mixed = place(PlacementRequest("H100|A100", 5, mixed_models=True), snapshot, TableLatency())
+    assert mixed.placement is not None
+    assert sorted(b.model for b in mixed.placement.bindings) == ["A100"] * 3 + ["H100"] * 2
+
+
+def test_a_model_set_pinned_to_a_host_keeps_the_pin() -> None:
+    snapshot = mixed_pool().host("h2").snapshot()
+    result = place(PlacementRequest("H100|A100", 2, host="h2"), snapshot, TableLatency())
+    assert result.placement is not None and result.placement.host == "h2"
