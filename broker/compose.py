@@ -184,6 +184,8 @@ class Composer:
             max_latency_ns=request.spec.max_latency_ns,
             max_slowdown=request.spec.max_slowdown,
             workload=request.spec.workload,
+            same_box=request.spec.affinity == pb.GPU_AFFINITY_BOX,
+            max_gpus_per_box=request.spec.max_gpus_per_box,
         )
 
     def _node_for_request(
@@ -419,11 +421,16 @@ def _unschedulable_message(spec: pb.NodeSpec, result: PlacementResult) -> str:
         extra.append(f"within {format_duration_ns(spec.max_latency_ns)}")
     if spec.max_slowdown:
         extra.append(f"at most {spec.max_slowdown:g}x slower for {spec.workload}")
+    if spec.affinity == pb.GPU_AFFINITY_BOX:
+        extra.append("from one box")
+    if spec.max_gpus_per_box:
+        extra.append(f"at most {spec.max_gpus_per_box} per box")
     head = f"no placement for {wanted} GPUs" + (" " + " ".join(extra) if extra else "")
     reasons = "; ".join(result.unsatisfied) or "no host can take the node"
     return (
         f"{head}: {reasons}. Relax the request (fewer GPUs, another model, a larger "
-        "max_latency or max_slowdown, no host pin) or release nodes; `dxpool node plan` "
+        "max_latency or max_slowdown, no host pin, affinity or spread) or release nodes; "
+        "`dxpool node plan` "
         "shows every candidate"
     )
 

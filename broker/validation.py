@@ -32,7 +32,7 @@ from dxpool.limits import (
     MAX_TEXT,
 )
 from dxpool.names import check_id, parse_host
-from dxpool.request import validate_gpu_request
+from dxpool.request import check_box_spread, validate_gpu_request
 from dxpool.text import check_labels, check_text
 
 # Kept under their old names for callers that import them from here.
@@ -100,6 +100,12 @@ def check_node_spec(spec: pb.NodeSpec) -> None:
         )
     check_text(spec.workload, "spec.workload")
     check_slowdown(spec.max_slowdown, spec.workload, "spec.max_slowdown")
+    check_enum(spec.affinity, pb.GpuAffinity.DESCRIPTOR, "spec.affinity")
+    check_box_spread(
+        spec.max_gpus_per_box,
+        same_box=spec.affinity == pb.GPU_AFFINITY_BOX,
+        field="spec.max_gpus_per_box",
+    )
     check_text(spec.tenant, "spec.tenant", MAX_TENANT)
     check_labels(spec.labels, "spec.labels")
 

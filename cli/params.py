@@ -16,7 +16,15 @@ from dxpool import client
 from dxpool.errors import InvalidArgument
 from dxpool.fabric.overhead import WORKLOAD_GRAMMAR, parse_slowdown, parse_workload
 from dxpool.limits import MAX_DURATION_NS
-from dxpool.request import GPU_GRAMMAR, GpuSpec, parse_duration_ns, parse_gpus, parse_memory_mib
+from dxpool.request import (
+    GPU_GRAMMAR,
+    SPREAD_GRAMMAR,
+    GpuSpec,
+    parse_duration_ns,
+    parse_gpus,
+    parse_memory_mib,
+    parse_spread,
+)
 
 _T = TypeVar("_T")
 
@@ -82,6 +90,8 @@ SECONDS = _GrammarType("DURATION", _seconds)
 """``120s`` or ``500ms`` -> seconds as a float."""
 SLOWDOWN = _GrammarType("RATIO", parse_slowdown)
 """``1.05`` -> 1.05 (at most 5% slower)."""
+SPREAD = _GrammarType("boxes[:M]", parse_spread, SPREAD_GRAMMAR)
+"""``boxes`` -> 1, ``boxes:2`` -> 2: the most GPUs a node may take from one box."""
 WORKLOAD = _GrammarType("WORKLOAD", _workload, WORKLOAD_GRAMMAR)
 """``training`` or ``400@5ms`` -> the same text, once it parses as a workload."""
 DAEMON_SECONDS = _GrammarType("DURATION", _seconds_or_number)

@@ -89,6 +89,7 @@ from dxpool.request import (
     parse_duration_ns,
     parse_gpus,
     parse_memory_mib,
+    parse_spread,
 )
 from dxpool.tls import ClientTls
 
@@ -243,6 +244,37 @@ def _slowdown(max_slowdown: float | None, workload: str | None) -> float:
         )
     check_slowdown(float(value), workload or "")
     return float(value)
+
+
+_AFFINITIES = {"box": resources_pb2.GPU_AFFINITY_BOX}
+"""The affinities a request may require, by the name the client and CLI take."""
+
+
+def _affinity(value: str | None) -> resources_pb2.GpuAffinity.ValueType:
+    if not value:
+        return resources_pb2.GPU_AFFINITY_UNSPECIFIED
+    found = _AFFINITIES.get(value.strip().lower())
+    if found is None:
+        raise InvalidArgument(
+            f"invalid affinity {value!r}: use {', '.join(_AFFINITIES)} (every GPU from one box) "
+            "or leave it out",
+            reason="INVALID_AFFINITY",
+        )
+    return found
+
+
+def _spread(value: str | int | None) -> int:
+    """``"boxes"`` -> 1, ``"boxes:2"`` or 2 -> 2, None -> 0 (no limit)."""
+    if value is None:
+        return 0
+    if isinstance(value, str):
+        return parse_spread(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(
+            f"invalid spread {value!r}: give 'boxes', 'boxes:M' or M, the most GPUs per box",
+            reason="INVALID_SPREAD",
+        )
+    return value
 
 
 def _memory_mib(value: str | int | None, default: int) -> int:
@@ -594,6 +626,8 @@ class Client:
         vfio: bool,
         max_slowdown: float | None = None,
         workload: str | None = None,
+        affinity: str | None = None,
+        spread: str | int | None = None,
         node_id: str | None,
         tenant: str,
         labels: Mapping[str, str] | None,
@@ -615,6 +649,8 @@ class Client:
                 vfio=vfio,
                 tenant=tenant,
                 labels=dict(labels or {}),
+                affinity=_affinity(affinity),
+                max_gpus_per_box=_spread(spread),
             ),
             node_id=names.check_id(node_id.removeprefix("nodes/"), "node") if node_id else "",
             request_id=names.check_request_id(request_id or str(uuid.uuid4())),
@@ -631,6 +667,8 @@ class Client:
         vfio: bool = False,
         max_slowdown: float | None = None,
         workload: str | None = None,
+        affinity: str | None = None,
+        spread: str | int | None = None,
         node_id: str | None = None,
         tenant: str = "",
         labels: Mapping[str, str] | None = None,
@@ -642,7 +680,9 @@ class Client:
         ``max_latency`` is a duration ("4us") or nanoseconds; ``min_memory`` a size
         ("80GiB") or MiB; ``max_slowdown`` (e.g. 1.05) bounds the predicted slowdown of
         ``workload`` (a profile name or ``ROUND_TRIPS@STEP_TIME``, see
-        :mod:`dxpool.fabric.overhead`). Retrying with the same ``request_id`` returns the same node.
+        :mod:`dxpool.fabric.overhead`); ``affinity="box"`` requires every GPU from one box;
+        ``spread`` ("boxes", "boxes:M" or M) takes at most that many GPUs from any one box.
+        Retrying with the same ``request_id`` returns the same node.
         Raises ResourceExhausted when nothing fits, NotFound for an unknown host.
         """
         request = self._compose_request(
@@ -653,6 +693,8 @@ class Client:
             vfio=vfio,
             max_slowdown=max_slowdown,
             workload=workload,
+            affinity=affinity,
+            spread=spread,
             node_id=node_id,
             tenant=tenant,
             labels=labels,
@@ -670,6 +712,8 @@ class Client:
         vfio: bool = False,
         max_slowdown: float | None = None,
         workload: str | None = None,
+        affinity: str | None = None,
+        spread: str | int | None = None,
         node_id: str | None = None,
         tenant: str = "",
         labels: Mapping[str, str] | None = None,
@@ -684,6 +728,8 @@ class Client:
             vfio=vfio,
             max_slowdown=max_slowdown,
             workload=workload,
+            affinity=affinity,
+            spread=spread,
             node_id=node_id,
             tenant=tenant,
             labels=labels,

@@ -16,6 +16,13 @@ for any of its models. All GPUs of the node are then of one model, tried in the 
 written, unless the request also says ``mixed_models``: any mix of the set's models is
 then fine. The set travels as written in the ``model`` field of every form.
 
+Affinity and spread (where a node's GPUs come from together)::
+
+    --affinity box     every GPU from one box (a requirement; fewer boxes is otherwise
+                       only preferred)
+    --spread boxes     every GPU from a different box (at most 1 per box)
+    --spread boxes:M   at most M GPUs from any one box
+
 Durations: an integer or decimal followed by ``ns``, ``us`` (or ``µs``), ``ms`` or ``s``.
 Memory sizes: a number followed by ``MiB``, ``GiB`` (or ``M``/``G``, read as binary).
 Slowdown bounds (``1.05``) and workloads (a profile name, or ``ROUND_TRIPS@STEP_TIME``
@@ -35,6 +42,7 @@ from dxpool.errors import InvalidArgument
 from dxpool.limits import (
     MAX_DURATION_NS,
     MAX_GPU_MEMORY_MIB,
+    MAX_GPUS_PER_BOX,
     MAX_GPUS_PER_NODE,
     MAX_MODEL_LENGTH,
 )
@@ -285,3 +293,45 @@ def parse_memory_mib(value: str) -> int:
             reason="INVALID_MEMORY",
         )
     return mib
+
+
+SPREAD_GRAMMAR = "boxes (at most 1 GPU per box) or boxes:M (at most M GPUs per box)"
+_SPREAD = re.compile(r"\s*boxes(?::([0-9]{1,4}))?\s*", re.ASCII)
+
+
+def parse_spread(value: str) -> int:
+    """``"boxes"`` -> 1, ``"boxes:2"`` -> 2: the most GPUs a node may take from one box.
+    Raises :class:`InvalidArgument` on anything else."""
+    match = _SPREAD.fullmatch(value)
+    if not match:
+        raise InvalidArgument(
+            f"cannot parse spread {_shown(value)}: expected {SPREAD_GRAMMAR}",
+            reason="INVALID_SPREAD",
+        )
+    limit = int(match.group(1) or 1)
+    if limit < 1:
+        raise InvalidArgument(
+            f"spread {_shown(value)} is out of range: use boxes (1 per box) or boxes:M with "
+            f"M from 1 to {MAX_GPUS_PER_BOX}",
+            reason="INVALID_SPREAD",
+        )
+    return check_box_spread(limit, same_box=False)
+
+
+def check_box_spread(max_gpus_per_box: int, *, same_box: bool, field: str = "") -> int:
+    """Return ``max_gpus_per_box`` if it is 0 (no limit) or 1..MAX_GPUS_PER_BOX and does
+    not contradict ``same_box`` (every GPU from one box)."""
+    name = field or "max_gpus_per_box"
+    if not 0 <= max_gpus_per_box <= MAX_GPUS_PER_BOX:
+        raise InvalidArgument(
+            f"{name} {max_gpus_per_box} is out of range: use 0 (no limit) or 1 to "
+            f"{MAX_GPUS_PER_BOX} (--spread boxes or boxes:M)",
+            reason="INVALID_SPREAD",
+        )
+    if same_box and max_gpus_per_box:
+        raise InvalidArgument(
+            f"{name} {max_gpus_per_box} contradicts affinity box (every GPU from one box): "
+            "ask for one or the other",
+            reason="INVALID_SPREAD",
+        )
+    return max_gpus_per_box

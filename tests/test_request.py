@@ -9,6 +9,7 @@ from dxpool.request import (
     parse_duration_ns,
     parse_gpus,
     parse_memory_mib,
+    parse_spread,
 )
 
 
@@ -180,3 +181,21 @@ def test_mixed_models_needs_a_set(model: str) -> None:
 def test_mixed_models_must_be_a_boolean_in_a_mapping() -> None:
     with pytest.raises(InvalidArgument, match="true or false"):
         parse_gpus({"model": "H100|A100", "count": 2, "mixed_models": "yes"})
+
+
+@pytest.mark.parametrize(("text", "limit"), [("boxes", 1), ("boxes:2", 2), (" boxes:64 ", 64)])
+def test_spread_grammar(text: str, limit: int) -> None:
+    assert parse_spread(text) == limit
+
+
+@pytest.mark.parametrize("text", ["box", "boxes:", "boxes:x", "racks", "boxes:-1"])
+def test_bad_spreads_show_the_grammar(text: str) -> None:
+    with pytest.raises(InvalidArgument, match=r"expected boxes \(at most 1 GPU per box\)"):
+        parse_spread(text)
+
+
+@pytest.mark.parametrize("text", ["boxes:0", "boxes:65"])
+def test_spreads_out_of_range(text: str) -> None:
+    with pytest.raises(InvalidArgument, match="out of range") as error:
+        parse_spread(text)
+    assert error.value.reason == "INVALID_SPREAD"

@@ -15,7 +15,7 @@ from dxpool.errors import InvalidArgument
 from dxpool.fabric.latency import LatencyEstimate, LatencyModel, Place
 from dxpool.fabric.overhead import check_slowdown
 from dxpool.names import check_id, parse_gpu
-from dxpool.request import model_set, validate_gpu_request
+from dxpool.request import check_box_spread, model_set, validate_gpu_request
 
 T = TypeVar("T")
 
@@ -171,7 +171,9 @@ class PlacementRequest:
     no slowdown bound, else the predicted slowdown of ``workload`` (a profile name or
     ``ROUND_TRIPS@STEP_TIME``, see :mod:`dxpool.fabric.overhead`) on every GPU must be at
     most that; ``exclude_gpus`` holds
-    GPU names (``boxes/{box}/gpus/{slot}``) that must not be chosen. Construction raises
+    GPU names (``boxes/{box}/gpus/{slot}``) that must not be chosen; ``same_box`` requires
+    every GPU from one box; ``max_gpus_per_box`` (0: no limit) spreads the node so that no
+    box gives it more than that many GPUs. Construction raises
     :class:`~dxpool.errors.InvalidArgument` naming the field to fix.
     """
 
@@ -184,6 +186,8 @@ class PlacementRequest:
     max_slowdown: float = 0.0
     workload: str = ""
     mixed_models: bool = False
+    same_box: bool = False
+    max_gpus_per_box: int = 0
 
     def __post_init__(self) -> None:
         validate_gpu_request(self.model, self.count, self.min_memory_mib, self.mixed_models)
@@ -202,6 +206,7 @@ class PlacementRequest:
         for name in sorted(self.exclude_gpus):
             parse_gpu(name)
         check_slowdown(self.max_slowdown, self.workload)
+        check_box_spread(self.max_gpus_per_box, same_box=self.same_box)
 
     @property
     def models(self) -> tuple[str, ...]:

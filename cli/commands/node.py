@@ -33,6 +33,7 @@ from dxpool.cli.params import (
     NODE,
     SECONDS,
     SLOWDOWN,
+    SPREAD,
     WORKLOAD,
     ignore_not_found_option,
     labels_dict,
@@ -90,6 +91,19 @@ def _request_options(command: _F) -> _F:
             "...) or ROUND_TRIPS@STEP_TIME, e.g. 400@5ms.",
         ),
         click.option("--min-memory", type=MEMORY, default=None, help="Least memory per GPU."),
+        click.option(
+            "--affinity",
+            type=click.Choice(["box"]),
+            default=None,
+            help="Require every GPU from one box (peer-to-peer behind its PCIe switch).",
+        ),
+        click.option(
+            "--spread",
+            type=SPREAD,
+            default=None,
+            help="Spread over boxes: 'boxes' takes every GPU from a different box, "
+            "'boxes:M' at most M from any one box.",
+        ),
         click.option("--vfio", is_flag=True, help="Bind the GPUs to vfio-pci for a VM."),
         click.option("--tenant", default="", help="Tenant the node belongs to."),
         click.option("--label", "labels", type=LABEL, multiple=True, help="KEY=VALUE; repeatable."),
@@ -118,6 +132,8 @@ def _request_kwargs(
     max_slowdown: float | None,
     workload: str | None,
     min_memory: int | None,
+    affinity: str | None,
+    spread: int | None,
     vfio: bool,
     tenant: str,
     labels: tuple[tuple[str, str], ...],
@@ -127,7 +143,14 @@ def _request_kwargs(
             "--max-slowdown needs --workload: a profile name "
             f"({known_profiles()}) or ROUND_TRIPS@STEP_TIME, e.g. 400@5ms"
         )
+    if affinity and spread:
+        raise click.UsageError(
+            "--affinity box takes every GPU from one box and --spread spreads them over "
+            "boxes: give one or the other"
+        )
     return {
+        "affinity": affinity,
+        "spread": spread,
         "host": host_name,
         "max_latency": max_latency,
         "max_slowdown": max_slowdown,
@@ -168,6 +191,8 @@ def create(
     max_slowdown: float | None,
     workload: str | None,
     min_memory: int | None,
+    affinity: str | None,
+    spread: int | None,
     vfio: bool,
     tenant: str,
     labels: tuple[tuple[str, str], ...],
@@ -189,6 +214,8 @@ def create(
             max_slowdown=max_slowdown,
             workload=workload,
             min_memory=min_memory,
+            affinity=affinity,
+            spread=spread,
             vfio=vfio,
             tenant=tenant,
             labels=labels,
@@ -215,6 +242,8 @@ def plan(
     max_slowdown: float | None,
     workload: str | None,
     min_memory: int | None,
+    affinity: str | None,
+    spread: int | None,
     vfio: bool,
     tenant: str,
     labels: tuple[tuple[str, str], ...],
@@ -229,6 +258,8 @@ def plan(
             max_slowdown=max_slowdown,
             workload=workload,
             min_memory=min_memory,
+            affinity=affinity,
+            spread=spread,
             vfio=vfio,
             tenant=tenant,
             labels=labels,

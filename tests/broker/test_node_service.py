@@ -470,3 +470,25 @@ def test_a_model_set_composes_one_model_through_grpc(stubs: Stubs, sim_pool: Sim
     other = stubs.nodes.ComposeNode(nodes_pb2.ComposeNodeRequest(spec=mixed, node_id="n2"))
     assert len(other.gpus) == 3
     assert {binding.model for binding in [*node.gpus, *other.gpus]} == {"A100", "H100"}
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (pb.NodeSpec(affinity=7), "spec.affinity 7 is not a GpuAffinity"),
+        (pb.NodeSpec(max_gpus_per_box=-1), "spec.max_gpus_per_box -1 is out of range"),
+        (
+            pb.NodeSpec(affinity=pb.GPU_AFFINITY_BOX, max_gpus_per_box=1),
+            "contradicts affinity box",
+        ),
+    ],
+)
+def test_bad_affinity_or_spread_is_invalid_argument(
+    stubs: Stubs, spec: pb.NodeSpec, message: str
+) -> None:
+    spec.gpus.CopyFrom(pb.GpuRequest(model="H100", count=2))
+    with pytest.raises(grpc.RpcError) as raised:
+        stubs.nodes.ComposeNode(nodes_pb2.ComposeNodeRequest(spec=spec))
+    error = raised.value
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert message in error.details()  # type: ignore[attr-defined]

@@ -374,3 +374,36 @@ def test_mixed_models_without_a_model_set_is_a_usage_error(run: Run) -> None:
     result = run("node", "plan", "--gpus", "H100:2", "--mixed-models")
     assert result.exit_code == 2
     assert "--mixed-models needs a model set in --gpus" in result.stderr
+
+
+def test_node_plan_with_spread_and_affinity(run: Run, pool: SimPool) -> None:
+    spread = json.loads(
+        ok(run("node", "plan", "--gpus", "H100:2", "--spread", "boxes", "-o", "json"))
+    )
+    assert sorted(g["gpu"].split("/gpus/")[0] for g in spread["gpus"]) == [
+        "boxes/box1",
+        "boxes/box2",
+    ]
+    text = ok(run("node", "plan", "--gpus", "H100:5", "--affinity", "box"))
+    assert text.startswith("placement: nothing fits now\n")
+    assert "0 in a box holding 5 of them (affinity box)" in text
+    refused = run("node", "create", "--gpus", "H100:5", "--affinity", "box")
+    assert refused.exit_code == 1
+    assert "from one box" in refused.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--spread", "racks"), "cannot parse spread 'racks'"),
+        (("--spread", "boxes:0"), "out of range"),
+        (("--affinity", "box", "--spread", "boxes"), "give one or the other"),
+        (("--affinity", "rack"), "'rack' is not 'box'"),
+    ],
+)
+def test_bad_spread_or_affinity_is_a_usage_error(
+    run: Run, args: tuple[str, ...], message: str
+) -> None:
+    result = run("node", "plan", "--gpus", "H100:2", *args)
+    assert result.exit_code == 2
+    assert message in result.stderr

@@ -204,6 +204,30 @@ fenced at the box side, scrubbed and returned to the pool. Release it to remove 
 """
 Global___NodeState: _TypeAlias = NodeState  # noqa: Y015
 
+class _GpuAffinity:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _GpuAffinityEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_GpuAffinity.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    GPU_AFFINITY_UNSPECIFIED: _GpuAffinity.ValueType  # 0
+    """Anywhere: placement still prefers fewer boxes (a score, not a requirement)."""
+    GPU_AFFINITY_BOX: _GpuAffinity.ValueType  # 1
+    """Every GPU from one box, behind the box's own PCIe switch (peer-to-peer without the
+    fabric).
+    """
+
+class GpuAffinity(_GpuAffinity, metaclass=_GpuAffinityEnumTypeWrapper):
+    """Where the GPUs of one node must come from together."""
+
+GPU_AFFINITY_UNSPECIFIED: GpuAffinity.ValueType  # 0
+"""Anywhere: placement still prefers fewer boxes (a score, not a requirement)."""
+GPU_AFFINITY_BOX: GpuAffinity.ValueType  # 1
+"""Every GPU from one box, behind the box's own PCIe switch (peer-to-peer without the
+fabric).
+"""
+Global___GpuAffinity: _TypeAlias = GpuAffinity  # noqa: Y015
+
 @_typing.final
 class Location(_message.Message):
     """Where a host or box sits in the datacenter. Used by the fabric latency model."""
@@ -740,6 +764,8 @@ class NodeSpec(_message.Message):
     LABELS_FIELD_NUMBER: _builtins.int
     MAX_SLOWDOWN_FIELD_NUMBER: _builtins.int
     WORKLOAD_FIELD_NUMBER: _builtins.int
+    AFFINITY_FIELD_NUMBER: _builtins.int
+    MAX_GPUS_PER_BOX_FIELD_NUMBER: _builtins.int
     host: _builtins.str
     """Pin to this host ("hosts/{host}"); empty lets placement choose."""
     max_latency_ns: _builtins.int
@@ -758,6 +784,12 @@ class NodeSpec(_message.Message):
     "inference-online", ...) or ROUND_TRIPS@STEP_TIME, e.g. "400@5ms". Required with
     max_slowdown.
     """
+    affinity: Global___GpuAffinity.ValueType
+    """A requirement on where the GPUs come from together; see GpuAffinity."""
+    max_gpus_per_box: _builtins.int
+    """Spread over boxes for fault isolation: at most this many GPUs from any one box
+    (1: every GPU from a different box); 0 for no limit. Not with affinity BOX.
+    """
     @_builtins.property
     def gpus(self) -> Global___GpuRequest: ...
     @_builtins.property
@@ -773,10 +805,12 @@ class NodeSpec(_message.Message):
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         max_slowdown: _builtins.float = ...,
         workload: _builtins.str = ...,
+        affinity: Global___GpuAffinity.ValueType = ...,
+        max_gpus_per_box: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus", "host", b"host", "labels", b"labels", "max_latency_ns", b"max_latency_ns", "max_slowdown", b"max_slowdown", "tenant", b"tenant", "vfio", b"vfio", "workload", b"workload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["affinity", b"affinity", "gpus", b"gpus", "host", b"host", "labels", b"labels", "max_gpus_per_box", b"max_gpus_per_box", "max_latency_ns", b"max_latency_ns", "max_slowdown", b"max_slowdown", "tenant", b"tenant", "vfio", b"vfio", "workload", b"workload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -205,3 +205,35 @@ def test_decisions_run_on_a_snapshot_while_the_next_is_brought_forward_from_it()
         reader.join()
         sys.setswitchinterval(interval)
     assert failures == []
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_affinity_and_spread_brought_forward_answer_as_from_scratch(seed: int) -> None:
+    rng = random.Random(1000 + seed)
+    inventory = Inventory()
+    populate(rng, inventory)
+    model = TopologyLatencyModel(Topology.default())
+    pipeline = default_pipeline()
+    requests = [
+        PlacementRequest("H100", 4, same_box=True),
+        PlacementRequest("H100", 8, same_box=True, max_latency_ns=5_000),
+        PlacementRequest("H100", 3, max_gpus_per_box=1),
+        PlacementRequest("", 6, max_gpus_per_box=2),
+    ]
+    for _ in range(STEPS):
+        for _ in range(rng.randint(1, 3)):
+            step(rng, inventory)
+        snapshot = inventory.snapshot()
+        for request in requests:
+            live = pipeline.run(request, snapshot, model)
+            fresh = default_pipeline().run(request, inventory.alone(), model)
+            assert live.placement == fresh.placement
+            assert live.unsatisfied == fresh.unsatisfied
+            assert live.candidates == fresh.candidates
+            if live.placement is not None:
+                boxes = [binding.box for binding in live.placement.bindings]
+                most = max(boxes.count(box) for box in boxes)
+                if request.same_box:
+                    assert len(set(boxes)) == 1
+                if request.max_gpus_per_box:
+                    assert most <= request.max_gpus_per_box

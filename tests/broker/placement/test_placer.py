@@ -371,3 +371,40 @@ def test_a_model_set_pinned_to_a_host_keeps_the_pin() -> None:
     snapshot = mixed_pool().host("h2").snapshot()
     result = place(PlacementRequest("H100|A100", 2, host="h2"), snapshot, TableLatency())
     assert result.placement is not None and result.placement.host == "h2"
+
+
+# -- affinity and spread -----------------------------------------------------------------
+
+
+def test_affinity_box_takes_one_box_even_when_a_split_is_nearer() -> None:
+    snapshot = Pool().box("n1", 2).box("n2", 2).box("far", 4).host("h1").snapshot()
+    latency = TableLatency({("h1", "n1"): 1_000, ("h1", "n2"): 1_000, ("h1", "far"): 5_000})
+    assert sorted(boxes_of(place(PlacementRequest("H100", 4), snapshot, latency))) == [
+        "n1",
+        "n1",
+        "n2",
+        "n2",
+    ]
+    together = place(PlacementRequest("H100", 4, same_box=True), snapshot, latency)
+    assert boxes_of(together) == ["far"] * 4
+
+
+def test_affinity_box_that_no_box_can_hold_says_so() -> None:
+    snapshot = Pool().box("a", 3).box("b", 3).host("h1").snapshot()
+    result = place(PlacementRequest("H100", 4, same_box=True), snapshot, TableLatency())
+    assert result.placement is None
+    assert result.unsatisfied == (
+        "gpus: 6 in the pool, 0 in a box holding 4 of them (affinity box); 4 H100 requested",
+    )
+
+
+def test_spread_boxes_takes_every_gpu_from_a_different_box() -> None:
+    snapshot = Pool().box("a", 8).box("b", 2).box("c", 1).host("h1").snapshot()
+    spread = place(PlacementRequest("H100", 3, max_gpus_per_box=1), snapshot, TableLatency())
+    assert sorted(boxes_of(spread)) == ["a", "b", "c"]
+    two = place(PlacementRequest("H100", 4, max_gpus_per_box=2), snapshot, TableLatency())
+    assert sorted(boxes_of(two)) == ["a", "a", "b", "b"]
+    short = place(PlacementRequest("H100", 4, max_gpus_per_box=1), snapshot, TableLatency())
+    assert short.unsatisfied == (
+        "gpus: 11 in the pool, 3 usable at 1 per box (spread boxes:1); 4 H100 requested",
+    )
