@@ -186,6 +186,7 @@ class Composer:
             workload=request.spec.workload,
             same_box=request.spec.affinity == pb.GPU_AFFINITY_BOX,
             max_gpus_per_box=request.spec.max_gpus_per_box,
+            host_selector=frozenset(request.spec.host_selector.items()),
         )
 
     def _node_for_request(
@@ -425,6 +426,9 @@ def _unschedulable_message(spec: pb.NodeSpec, result: PlacementResult) -> str:
         extra.append("from one box")
     if spec.max_gpus_per_box:
         extra.append(f"at most {spec.max_gpus_per_box} per box")
+    if spec.host_selector:
+        pairs = ", ".join(f"{key}={value}" for key, value in sorted(spec.host_selector.items()))
+        extra.append(f"on hosts labelled {pairs}")
     head = f"no placement for {wanted} GPUs" + (" " + " ".join(extra) if extra else "")
     reasons = "; ".join(result.unsatisfied) or "no host can take the node"
     return (

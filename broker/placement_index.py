@@ -168,6 +168,7 @@ class PlacementIndex:
             slot_capacity=min(max(host.slot_capacity, 0), MAX_HOST_SLOTS),
             used_slots=self._used_slots.get(name, frozenset()),
             alive=name in self._alive,
+            labels=frozenset(host.labels.items()),
         )
         if info == self._hosts.get(name):
             return False

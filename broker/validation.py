@@ -108,6 +108,7 @@ def check_node_spec(spec: pb.NodeSpec) -> None:
     )
     check_text(spec.tenant, "spec.tenant", MAX_TENANT)
     check_labels(spec.labels, "spec.labels")
+    check_labels(spec.host_selector, "spec.host_selector")
 
 
 def check_box(box_id: str, box: pb.Box, gpu_count: int) -> None:

@@ -628,6 +628,7 @@ class Client:
         workload: str | None = None,
         affinity: str | None = None,
         spread: str | int | None = None,
+        host_selector: Mapping[str, str] | None = None,
         node_id: str | None,
         tenant: str,
         labels: Mapping[str, str] | None,
@@ -651,6 +652,7 @@ class Client:
                 labels=dict(labels or {}),
                 affinity=_affinity(affinity),
                 max_gpus_per_box=_spread(spread),
+                host_selector=dict(host_selector or {}),
             ),
             node_id=names.check_id(node_id.removeprefix("nodes/"), "node") if node_id else "",
             request_id=names.check_request_id(request_id or str(uuid.uuid4())),
@@ -669,6 +671,7 @@ class Client:
         workload: str | None = None,
         affinity: str | None = None,
         spread: str | int | None = None,
+        host_selector: Mapping[str, str] | None = None,
         node_id: str | None = None,
         tenant: str = "",
         labels: Mapping[str, str] | None = None,
@@ -681,7 +684,8 @@ class Client:
         ("80GiB") or MiB; ``max_slowdown`` (e.g. 1.05) bounds the predicted slowdown of
         ``workload`` (a profile name or ``ROUND_TRIPS@STEP_TIME``, see
         :mod:`dxpool.fabric.overhead`); ``affinity="box"`` requires every GPU from one box;
-        ``spread`` ("boxes", "boxes:M" or M) takes at most that many GPUs from any one box.
+        ``spread`` ("boxes", "boxes:M" or M) takes at most that many GPUs from any one box;
+        ``host_selector`` keeps hosts whose labels hold every key=value given.
         Retrying with the same ``request_id`` returns the same node.
         Raises ResourceExhausted when nothing fits, NotFound for an unknown host.
         """
@@ -695,6 +699,7 @@ class Client:
             workload=workload,
             affinity=affinity,
             spread=spread,
+            host_selector=host_selector,
             node_id=node_id,
             tenant=tenant,
             labels=labels,
@@ -714,6 +719,7 @@ class Client:
         workload: str | None = None,
         affinity: str | None = None,
         spread: str | int | None = None,
+        host_selector: Mapping[str, str] | None = None,
         node_id: str | None = None,
         tenant: str = "",
         labels: Mapping[str, str] | None = None,
@@ -730,6 +736,7 @@ class Client:
             workload=workload,
             affinity=affinity,
             spread=spread,
+            host_selector=host_selector,
             node_id=node_id,
             tenant=tenant,
             labels=labels,

@@ -16,6 +16,7 @@ from dxpool.fabric.latency import LatencyEstimate, LatencyModel, Place
 from dxpool.fabric.overhead import check_slowdown
 from dxpool.names import check_id, parse_gpu
 from dxpool.request import check_box_spread, model_set, validate_gpu_request
+from dxpool.text import check_labels
 
 T = TypeVar("T")
 
@@ -66,13 +67,15 @@ class BoxInfo:
 
 @dataclass(frozen=True, slots=True)
 class HostInfo:
-    """A host: its proxy slots ``0..slot_capacity-1``, those in use, and its liveness."""
+    """A host: its proxy slots ``0..slot_capacity-1``, those in use, its liveness, and
+    its labels as (key, value) pairs."""
 
     host: str  # host id
     place: Place
     slot_capacity: int
     used_slots: frozenset[int]
     alive: bool
+    labels: frozenset[tuple[str, str]] = frozenset()
 
     _free_count: int = field(init=False, repr=False, compare=False)  # read on every placement
 
@@ -173,7 +176,8 @@ class PlacementRequest:
     most that; ``exclude_gpus`` holds
     GPU names (``boxes/{box}/gpus/{slot}``) that must not be chosen; ``same_box`` requires
     every GPU from one box; ``max_gpus_per_box`` (0: no limit) spreads the node so that no
-    box gives it more than that many GPUs. Construction raises
+    box gives it more than that many GPUs; ``host_selector`` holds (key, value) pairs
+    every chosen host's labels must include. Construction raises
     :class:`~dxpool.errors.InvalidArgument` naming the field to fix.
     """
 
@@ -188,6 +192,7 @@ class PlacementRequest:
     mixed_models: bool = False
     same_box: bool = False
     max_gpus_per_box: int = 0
+    host_selector: frozenset[tuple[str, str]] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:
         validate_gpu_request(self.model, self.count, self.min_memory_mib, self.mixed_models)
@@ -207,6 +212,12 @@ class PlacementRequest:
             parse_gpu(name)
         check_slowdown(self.max_slowdown, self.workload)
         check_box_spread(self.max_gpus_per_box, same_box=self.same_box)
+        if not isinstance(self.host_selector, frozenset):
+            raise InvalidArgument(
+                "host_selector must be a frozenset of (key, value) pairs, got "
+                f"{type(self.host_selector).__name__}"
+            )
+        check_labels(dict(self.host_selector), "host_selector")
 
     @property
     def models(self) -> tuple[str, ...]:

@@ -72,6 +72,13 @@ def _request_options(command: _F) -> _F:
         ),
         click.option("--host", "host_name", type=HOST, default=None, help="Pin to this host."),
         click.option(
+            "--host-selector",
+            "host_selector",
+            type=LABEL,
+            multiple=True,
+            help="KEY=VALUE a host's labels must hold (agent --label); repeatable.",
+        ),
+        click.option(
             "--max-latency",
             type=LATENCY,
             default=None,
@@ -134,6 +141,7 @@ def _request_kwargs(
     min_memory: int | None,
     affinity: str | None,
     spread: int | None,
+    host_selector: tuple[tuple[str, str], ...],
     vfio: bool,
     tenant: str,
     labels: tuple[tuple[str, str], ...],
@@ -149,6 +157,7 @@ def _request_kwargs(
             "boxes: give one or the other"
         )
     return {
+        "host_selector": labels_dict(host_selector),
         "affinity": affinity,
         "spread": spread,
         "host": host_name,
@@ -193,6 +202,7 @@ def create(
     min_memory: int | None,
     affinity: str | None,
     spread: int | None,
+    host_selector: tuple[tuple[str, str], ...],
     vfio: bool,
     tenant: str,
     labels: tuple[tuple[str, str], ...],
@@ -216,6 +226,7 @@ def create(
             min_memory=min_memory,
             affinity=affinity,
             spread=spread,
+            host_selector=host_selector,
             vfio=vfio,
             tenant=tenant,
             labels=labels,
@@ -244,6 +255,7 @@ def plan(
     min_memory: int | None,
     affinity: str | None,
     spread: int | None,
+    host_selector: tuple[tuple[str, str], ...],
     vfio: bool,
     tenant: str,
     labels: tuple[tuple[str, str], ...],
@@ -260,6 +272,7 @@ def plan(
             min_memory=min_memory,
             affinity=affinity,
             spread=spread,
+            host_selector=host_selector,
             vfio=vfio,
             tenant=tenant,
             labels=labels,

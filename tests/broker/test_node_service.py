@@ -481,6 +481,7 @@ def test_a_model_set_composes_one_model_through_grpc(stubs: Stubs, sim_pool: Sim
             pb.NodeSpec(affinity=pb.GPU_AFFINITY_BOX, max_gpus_per_box=1),
             "contradicts affinity box",
         ),
+        (pb.NodeSpec(host_selector={"": "prod"}), "spec.host_selector has an empty key"),
     ],
 )
 def test_bad_affinity_or_spread_is_invalid_argument(

@@ -407,3 +407,23 @@ def test_bad_spread_or_affinity_is_a_usage_error(
     result = run("node", "plan", "--gpus", "H100:2", *args)
     assert result.exit_code == 2
     assert message in result.stderr
+
+
+def test_node_plan_with_a_host_selector_uses_the_agents_labels(
+    run: Run, broker: BrokerServer, pool: SimPool
+) -> None:
+    pool.start_agent("h2", rack="r2", extra=("--label", "env=prod"))
+    with Client(broker.endpoint) as client:
+        wait_until(lambda: sum(h.alive for h in client.list_hosts()) == 2, message="h2 alive")
+    plan = json.loads(
+        ok(run("node", "plan", "--gpus", "H100:2", "--host-selector", "env=prod", "-o", "json"))
+    )
+    assert plan["host"] == "hosts/h2"
+    (h1,) = [h for h in plan["hosts"] if h["name"] == "hosts/h1"]
+    assert h1["reasons"] == ["labels lack env=prod"]
+    refused = run("node", "create", "--gpus", "H100:2", "--host-selector", "env=dev")
+    assert refused.exit_code == 1
+    assert "on hosts labelled env=dev" in refused.stderr
+    assert "host labels: 2 of 2 hosts do not have env=dev" in refused.stderr
+    bad = run("node", "plan", "--gpus", "H100:2", "--host-selector", "env")
+    assert bad.exit_code == 2

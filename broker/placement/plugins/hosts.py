@@ -63,6 +63,49 @@ def _too_few_slots(free: int, needed: int) -> Status:
     )
 
 
+class HostLabels:
+    """With a ``host_selector``, keeps hosts whose labels hold every selected key=value.
+
+    It depends on the host itself, not its class, as every host filter may: the pipeline
+    filters hosts one by one (each once, then only the hosts that changed) and groups
+    only the hosts kept, so a selector costs one subset test per host."""
+
+    name = "host_labels"
+
+    def applies(self, request: PlacementRequest) -> bool:
+        return bool(request.host_selector)
+
+    def filter_host(self, request: PlacementRequest, host: HostInfo) -> Status:
+        missing = request.host_selector - host.labels
+        if not missing:
+            return SUCCESS
+        return Status.unschedulable(f"labels lack {_pairs(missing)}", plugin=self.name)
+
+    def explain(
+        self, request: PlacementRequest, failed: Sequence[HostInfo], reached: int
+    ) -> str | None:
+        if not failed:
+            return None
+        wanted = _pairs(request.host_selector)
+        if reached == 1:
+            return f"host labels: hosts/{failed[0].host} does not have {wanted}"
+        # the host that lacks the fewest pairs is the closest to what was asked
+        closest = min(
+            failed, key=lambda host: (len(request.host_selector - host.labels), host.host)
+        )
+        lacks = _pairs(request.host_selector - closest.labels)
+        return (
+            f"host labels: {len(failed)} of {reached} hosts do not have {wanted}; the closest, "
+            f"hosts/{closest.host}, lacks {lacks}; label hosts with the agent's --label "
+            "or change --host-selector"
+        )
+
+
+def _pairs(pairs: frozenset[tuple[str, str]]) -> str:
+    """``"env=prod, zone=a"``, sorted."""
+    return ", ".join(f"{key}={value}" for key, value in sorted(pairs))
+
+
 class HostSlots:
     """Keeps hosts with at least ``count`` free proxy slots."""
 

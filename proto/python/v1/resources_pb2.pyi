@@ -756,6 +756,26 @@ class NodeSpec(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class HostSelectorEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     GPUS_FIELD_NUMBER: _builtins.int
     HOST_FIELD_NUMBER: _builtins.int
     MAX_LATENCY_NS_FIELD_NUMBER: _builtins.int
@@ -766,6 +786,7 @@ class NodeSpec(_message.Message):
     WORKLOAD_FIELD_NUMBER: _builtins.int
     AFFINITY_FIELD_NUMBER: _builtins.int
     MAX_GPUS_PER_BOX_FIELD_NUMBER: _builtins.int
+    HOST_SELECTOR_FIELD_NUMBER: _builtins.int
     host: _builtins.str
     """Pin to this host ("hosts/{host}"); empty lets placement choose."""
     max_latency_ns: _builtins.int
@@ -794,6 +815,12 @@ class NodeSpec(_message.Message):
     def gpus(self) -> Global___GpuRequest: ...
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def host_selector(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Only hosts whose labels (Host.labels, set by the agent's --label) hold every one of
+        these key=value pairs.
+        """
+
     def __init__(
         self,
         *,
@@ -807,10 +834,11 @@ class NodeSpec(_message.Message):
         workload: _builtins.str = ...,
         affinity: Global___GpuAffinity.ValueType = ...,
         max_gpus_per_box: _builtins.int = ...,
+        host_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["affinity", b"affinity", "gpus", b"gpus", "host", b"host", "labels", b"labels", "max_gpus_per_box", b"max_gpus_per_box", "max_latency_ns", b"max_latency_ns", "max_slowdown", b"max_slowdown", "tenant", b"tenant", "vfio", b"vfio", "workload", b"workload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["affinity", b"affinity", "gpus", b"gpus", "host", b"host", "host_selector", b"host_selector", "labels", b"labels", "max_gpus_per_box", b"max_gpus_per_box", "max_latency_ns", b"max_latency_ns", "max_slowdown", b"max_slowdown", "tenant", b"tenant", "vfio", b"vfio", "workload", b"workload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -86,7 +86,8 @@ def populate(rng: random.Random, inventory: Inventory) -> None:
     for index in range(rng.randint(4, 24)):
         place = Place(f"hosts/h{index:02d}", *rng.choice(RACKS))
         used = frozenset(s for s in range(8) if rng.random() < 0.3)
-        inventory.put_host(HostInfo(f"h{index:02d}", place, 8, used, rng.random() > 0.1))
+        labels = frozenset({("pool", rng.choice("ab"))})
+        inventory.put_host(HostInfo(f"h{index:02d}", place, 8, used, rng.random() > 0.1, labels))
 
 
 def step(rng: random.Random, inventory: Inventory) -> None:
@@ -113,7 +114,8 @@ def step(rng: random.Random, inventory: Inventory) -> None:
     elif kind == 4 and host_ids:  # a host's slots change
         host = inventory.hosts[rng.choice(host_ids)]
         used = frozenset(s for s in range(8) if rng.random() < 0.4)
-        inventory.put_host(replace(host, used_slots=used))
+        labels = frozenset({("pool", rng.choice("ab"))})
+        inventory.put_host(replace(host, used_slots=used, labels=labels))
     elif host_ids:  # a host dies or comes back
         host = inventory.hosts[rng.choice(host_ids)]
         inventory.put_host(replace(host, alive=not host.alive))
@@ -219,6 +221,7 @@ def test_affinity_and_spread_brought_forward_answer_as_from_scratch(seed: int) -
         PlacementRequest("H100", 8, same_box=True, max_latency_ns=5_000),
         PlacementRequest("H100", 3, max_gpus_per_box=1),
         PlacementRequest("", 6, max_gpus_per_box=2),
+        PlacementRequest("H100", 2, host_selector=frozenset({("pool", "a")})),
     ]
     for _ in range(STEPS):
         for _ in range(rng.randint(1, 3)):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from dxpool.broker.placement import (
@@ -407,4 +409,27 @@ def test_spread_boxes_takes_every_gpu_from_a_different_box() -> None:
     short = place(PlacementRequest("H100", 4, max_gpus_per_box=1), snapshot, TableLatency())
     assert short.unsatisfied == (
         "gpus: 11 in the pool, 3 usable at 1 per box (spread boxes:1); 4 H100 requested",
+    )
+
+
+# -- host labels -------------------------------------------------------------------------
+
+
+def test_host_selector_keeps_labelled_hosts_and_explains_the_others() -> None:
+    pool = Pool().box("b1", 4).host("h1").host("h2")
+    pool.hosts["h2"] = replace(pool.hosts["h2"], labels=frozenset({("env", "prod")}))
+    snapshot = pool.snapshot()
+    selector = frozenset({("env", "prod")})
+    result = place(PlacementRequest("H100", 2, host_selector=selector), snapshot, TableLatency())
+    assert result.placement is not None and result.placement.host == "h2"
+    assert report(result, "h1") == (False, ("labels lack env=prod",))
+    none = place(
+        PlacementRequest("H100", 2, host_selector=frozenset({("env", "dev")})),
+        snapshot,
+        TableLatency(),
+    )
+    assert none.placement is None
+    assert none.unsatisfied == (
+        "host labels: 2 of 2 hosts do not have env=dev; the closest, hosts/h1, lacks env=dev; "
+        "label hosts with the agent's --label or change --host-selector",
     )
