@@ -187,6 +187,8 @@ class Composer:
             same_box=request.spec.affinity == pb.GPU_AFFINITY_BOX,
             max_gpus_per_box=request.spec.max_gpus_per_box,
             host_selector=frozenset(request.spec.host_selector.items()),
+            cpu_cores=request.spec.cpu_cores,
+            host_memory_mib=request.spec.host_memory_mib,
         )
 
     def _node_for_request(
@@ -263,6 +265,18 @@ class Composer:
             else pb.HostAllocation(host=host_name)
         )
         used = {a.host_slot for a in allocation.attachments}
+        spec = request.spec
+        if spec.cpu_cores or spec.host_memory_mib:
+            # Placement judged an older snapshot maybe: check the fit against the very
+            # allocation this transaction compares, so nothing is ever oversubscribed.
+            host_record = self._cache.get(k.HOSTS, host_id)
+            if host_record is None or not _fits(host_record.value, allocation, spec):
+                return None
+            allocation.reservations.append(
+                pb.HostReservation(
+                    node=name, cpu_cores=spec.cpu_cores, memory_mib=spec.host_memory_mib
+                )
+            )
         for binding in result.placement.bindings:
             gpu_record = self._cache.get(k.GPUS, f"{binding.box}/{binding.slot}")
             box_record = self._cache.get(k.BOXES, binding.box)
@@ -403,6 +417,16 @@ class Composer:
                 )
 
 
+def _fits(host: pb.Host, allocation: pb.HostAllocation, spec: pb.NodeSpec) -> bool:
+    """Whether ``host`` has ``spec``'s CPU cores and memory free beside ``allocation``'s
+    reservations."""
+    cores = sum(r.cpu_cores for r in allocation.reservations) + spec.cpu_cores
+    memory = sum(r.memory_mib for r in allocation.reservations) + spec.host_memory_mib
+    return (not spec.cpu_cores or cores <= host.cpu_cores) and (
+        not spec.host_memory_mib or memory <= host.memory_mib
+    )
+
+
 def _bindings(result: PlacementResult) -> list[pb.GpuBinding]:
     assert result.placement is not None
     return [
@@ -426,6 +450,10 @@ def _unschedulable_message(spec: pb.NodeSpec, result: PlacementResult) -> str:
         extra.append("from one box")
     if spec.max_gpus_per_box:
         extra.append(f"at most {spec.max_gpus_per_box} per box")
+    if spec.cpu_cores:
+        extra.append(f"with {spec.cpu_cores} CPU cores")
+    if spec.host_memory_mib:
+        extra.append(f"with {spec.host_memory_mib} MiB of host memory")
     if spec.host_selector:
         pairs = ", ".join(f"{key}={value}" for key, value in sorted(spec.host_selector.items()))
         extra.append(f"on hosts labelled {pairs}")

@@ -32,7 +32,7 @@ from dxpool.limits import (
     MAX_TEXT,
 )
 from dxpool.names import check_id, parse_host
-from dxpool.request import check_box_spread, validate_gpu_request
+from dxpool.request import check_box_spread, check_host_resources, validate_gpu_request
 from dxpool.text import check_labels, check_text
 
 # Kept under their old names for callers that import them from here.
@@ -109,6 +109,9 @@ def check_node_spec(spec: pb.NodeSpec) -> None:
     check_text(spec.tenant, "spec.tenant", MAX_TENANT)
     check_labels(spec.labels, "spec.labels")
     check_labels(spec.host_selector, "spec.host_selector")
+    check_host_resources(
+        spec.cpu_cores, spec.host_memory_mib, "spec.cpu_cores", "spec.host_memory_mib"
+    )
 
 
 def check_box(box_id: str, box: pb.Box, gpu_count: int) -> None:

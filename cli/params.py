@@ -22,6 +22,7 @@ from dxpool.request import (
     GpuSpec,
     parse_duration_ns,
     parse_gpus,
+    parse_host_memory_mib,
     parse_memory_mib,
     parse_spread,
 )
@@ -90,6 +91,8 @@ SECONDS = _GrammarType("DURATION", _seconds)
 """``120s`` or ``500ms`` -> seconds as a float."""
 SLOWDOWN = _GrammarType("RATIO", parse_slowdown)
 """``1.05`` -> 1.05 (at most 5% slower)."""
+HOST_MEMORY = _GrammarType("SIZE", parse_host_memory_mib)
+"""``64GiB`` -> 65536 (MiB): a host's memory or a node's need of it."""
 SPREAD = _GrammarType("boxes[:M]", parse_spread, SPREAD_GRAMMAR)
 """``boxes`` -> 1, ``boxes:2`` -> 2: the most GPUs a node may take from one box."""
 WORKLOAD = _GrammarType("WORKLOAD", _workload, WORKLOAD_GRAMMAR)

@@ -85,9 +85,11 @@ from dxpool.lifecycle import NODE_REACHABLE
 from dxpool.limits import MAX_GPU_MEMORY_MIB, MAX_GPUS_PER_BOX, MAX_LATENCY_NS
 from dxpool.request import (
     GpuSpec,
+    check_host_resources,
     check_model,
     parse_duration_ns,
     parse_gpus,
+    parse_host_memory_mib,
     parse_memory_mib,
     parse_spread,
 )
@@ -275,6 +277,28 @@ def _spread(value: str | int | None) -> int:
             reason="INVALID_SPREAD",
         )
     return value
+
+
+def _cpus(value: int | None) -> int:
+    cores = 0 if value is None else value
+    if isinstance(cores, bool) or not isinstance(cores, int):
+        raise InvalidArgument(
+            f"invalid cpus {value!r}: give a whole number of CPU cores",
+            reason="INVALID_HOST_RESOURCES",
+        )
+    check_host_resources(cores, 0, "cpus")
+    return cores
+
+
+def _host_memory_mib(value: str | int | None) -> int:
+    mib = 0 if value is None else parse_host_memory_mib(value) if isinstance(value, str) else value
+    if isinstance(mib, bool) or not isinstance(mib, int):
+        raise InvalidArgument(
+            f"invalid host_memory {value!r}: give MiB or a size such as '64GiB'",
+            reason="INVALID_HOST_RESOURCES",
+        )
+    check_host_resources(0, mib, memory_field="host_memory")
+    return mib
 
 
 def _memory_mib(value: str | int | None, default: int) -> int:
@@ -629,6 +653,8 @@ class Client:
         affinity: str | None = None,
         spread: str | int | None = None,
         host_selector: Mapping[str, str] | None = None,
+        cpus: int | None = None,
+        host_memory: str | int | None = None,
         node_id: str | None,
         tenant: str,
         labels: Mapping[str, str] | None,
@@ -653,6 +679,8 @@ class Client:
                 affinity=_affinity(affinity),
                 max_gpus_per_box=_spread(spread),
                 host_selector=dict(host_selector or {}),
+                cpu_cores=_cpus(cpus),
+                host_memory_mib=_host_memory_mib(host_memory),
             ),
             node_id=names.check_id(node_id.removeprefix("nodes/"), "node") if node_id else "",
             request_id=names.check_request_id(request_id or str(uuid.uuid4())),
@@ -672,6 +700,8 @@ class Client:
         affinity: str | None = None,
         spread: str | int | None = None,
         host_selector: Mapping[str, str] | None = None,
+        cpus: int | None = None,
+        host_memory: str | int | None = None,
         node_id: str | None = None,
         tenant: str = "",
         labels: Mapping[str, str] | None = None,
@@ -685,7 +715,8 @@ class Client:
         ``workload`` (a profile name or ``ROUND_TRIPS@STEP_TIME``, see
         :mod:`dxpool.fabric.overhead`); ``affinity="box"`` requires every GPU from one box;
         ``spread`` ("boxes", "boxes:M" or M) takes at most that many GPUs from any one box;
-        ``host_selector`` keeps hosts whose labels hold every key=value given.
+        ``host_selector`` keeps hosts whose labels hold every key=value given; ``cpus``
+        and ``host_memory`` (a size such as "64GiB", or MiB) must be free on the host.
         Retrying with the same ``request_id`` returns the same node.
         Raises ResourceExhausted when nothing fits, NotFound for an unknown host.
         """
@@ -700,6 +731,8 @@ class Client:
             affinity=affinity,
             spread=spread,
             host_selector=host_selector,
+            cpus=cpus,
+            host_memory=host_memory,
             node_id=node_id,
             tenant=tenant,
             labels=labels,
@@ -720,6 +753,8 @@ class Client:
         affinity: str | None = None,
         spread: str | int | None = None,
         host_selector: Mapping[str, str] | None = None,
+        cpus: int | None = None,
+        host_memory: str | int | None = None,
         node_id: str | None = None,
         tenant: str = "",
         labels: Mapping[str, str] | None = None,
@@ -737,6 +772,8 @@ class Client:
             affinity=affinity,
             spread=spread,
             host_selector=host_selector,
+            cpus=cpus,
+            host_memory=host_memory,
             node_id=node_id,
             tenant=tenant,
             labels=labels,

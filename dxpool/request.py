@@ -44,6 +44,8 @@ from dxpool.limits import (
     MAX_GPU_MEMORY_MIB,
     MAX_GPUS_PER_BOX,
     MAX_GPUS_PER_NODE,
+    MAX_HOST_CPUS,
+    MAX_HOST_MEMORY_MIB,
     MAX_MODEL_LENGTH,
 )
 
@@ -335,3 +337,43 @@ def check_box_spread(max_gpus_per_box: int, *, same_box: bool, field: str = "") 
             reason="INVALID_SPREAD",
         )
     return max_gpus_per_box
+
+
+def check_host_resources(
+    cpu_cores: int,
+    memory_mib: int,
+    cpu_field: str = "cpu_cores",
+    memory_field: str = "memory_mib",
+) -> None:
+    """Raise :class:`InvalidArgument` unless ``cpu_cores`` (0..MAX_HOST_CPUS) and
+    ``memory_mib`` (0..MAX_HOST_MEMORY_MIB) are a host's size or a node's need of it;
+    the message names the field as given."""
+    if not 0 <= cpu_cores <= MAX_HOST_CPUS:
+        raise InvalidArgument(
+            f"{cpu_field} {cpu_cores} is out of range: use 0 (none) up to {MAX_HOST_CPUS}",
+            reason="INVALID_HOST_RESOURCES",
+        )
+    if not 0 <= memory_mib <= MAX_HOST_MEMORY_MIB:
+        raise InvalidArgument(
+            f"{memory_field} {memory_mib} is out of range: use 0 (none) up to "
+            f"{MAX_HOST_MEMORY_MIB} (1 PiB)",
+            reason="INVALID_HOST_RESOURCES",
+        )
+
+
+def parse_host_memory_mib(value: str) -> int:
+    """``"512GiB"`` -> 524288: a host's memory, or a node's need of it."""
+    match = _MEMORY.fullmatch(value)
+    if not match:
+        raise InvalidArgument(
+            f"cannot parse memory size {_shown(value)}: expected a number and MiB, GiB or "
+            "TiB (e.g. 256GiB)",
+            reason="INVALID_MEMORY",
+        )
+    mib = round(float(match.group(1)) * _MIB_PER_UNIT[match.group(2).lower()])
+    if mib > MAX_HOST_MEMORY_MIB:
+        raise InvalidArgument(
+            f"memory size {_shown(value)} is larger than any host: use at most 1024TiB",
+            reason="INVALID_MEMORY",
+        )
+    return mib

@@ -15,7 +15,12 @@ from dxpool.errors import InvalidArgument
 from dxpool.fabric.latency import LatencyEstimate, LatencyModel, Place
 from dxpool.fabric.overhead import check_slowdown
 from dxpool.names import check_id, parse_gpu
-from dxpool.request import check_box_spread, model_set, validate_gpu_request
+from dxpool.request import (
+    check_box_spread,
+    check_host_resources,
+    model_set,
+    validate_gpu_request,
+)
 from dxpool.text import check_labels
 
 T = TypeVar("T")
@@ -67,8 +72,9 @@ class BoxInfo:
 
 @dataclass(frozen=True, slots=True)
 class HostInfo:
-    """A host: its proxy slots ``0..slot_capacity-1``, those in use, its liveness, and
-    its labels as (key, value) pairs."""
+    """A host: its proxy slots ``0..slot_capacity-1``, those in use, its liveness, its
+    labels as (key, value) pairs, and the CPU cores and memory it offers (0: not
+    declared) with how much of them its nodes hold."""
 
     host: str  # host id
     place: Place
@@ -76,6 +82,10 @@ class HostInfo:
     used_slots: frozenset[int]
     alive: bool
     labels: frozenset[tuple[str, str]] = frozenset()
+    cpu_cores: int = 0
+    memory_mib: int = 0
+    used_cpu_cores: int = 0
+    used_memory_mib: int = 0
 
     _free_count: int = field(init=False, repr=False, compare=False)  # read on every placement
 
@@ -177,7 +187,8 @@ class PlacementRequest:
     GPU names (``boxes/{box}/gpus/{slot}``) that must not be chosen; ``same_box`` requires
     every GPU from one box; ``max_gpus_per_box`` (0: no limit) spreads the node so that no
     box gives it more than that many GPUs; ``host_selector`` holds (key, value) pairs
-    every chosen host's labels must include. Construction raises
+    every chosen host's labels must include; ``cpu_cores`` and ``host_memory_mib`` (0:
+    none) must be free on the host. Construction raises
     :class:`~dxpool.errors.InvalidArgument` naming the field to fix.
     """
 
@@ -193,6 +204,8 @@ class PlacementRequest:
     same_box: bool = False
     max_gpus_per_box: int = 0
     host_selector: frozenset[tuple[str, str]] = field(default_factory=frozenset)
+    cpu_cores: int = 0
+    host_memory_mib: int = 0
 
     def __post_init__(self) -> None:
         validate_gpu_request(self.model, self.count, self.min_memory_mib, self.mixed_models)
@@ -218,6 +231,7 @@ class PlacementRequest:
                 f"{type(self.host_selector).__name__}"
             )
         check_labels(dict(self.host_selector), "host_selector")
+        check_host_resources(self.cpu_cores, self.host_memory_mib, memory_field="host_memory_mib")
 
     @property
     def models(self) -> tuple[str, ...]:

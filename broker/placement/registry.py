@@ -15,7 +15,13 @@ from dxpool.broker.placement.plugins.gpus import (
     GpuModel,
     GpuNotExcluded,
 )
-from dxpool.broker.placement.plugins.hosts import HostAlive, HostLabels, HostSlots, PinnedHost
+from dxpool.broker.placement.plugins.hosts import (
+    HostAlive,
+    HostLabels,
+    HostResources,
+    HostSlots,
+    PinnedHost,
+)
 from dxpool.broker.placement.plugins.inventory import HostCapacity, PoolInventory
 from dxpool.broker.placement.plugins.scores import BoxAffinity, BoxFit, HostFit, LatencyScore
 from dxpool.broker.placement.plugins.slowdown import SlowdownBound
@@ -65,7 +71,7 @@ def default_pipeline(weights: Mapping[str, float] = WEIGHTS) -> Pipeline:
             SpreadBoxes(),
         ),
         box_filters=(BoxSchedulable(),),
-        host_filters=(PinnedHost(), HostAlive(), HostLabels(), HostSlots()),
+        host_filters=(PinnedHost(), HostAlive(), HostLabels(), HostResources(), HostSlots()),
         link_filters=(LatencyBound(), SlowdownBound()),
         scores=tuple(WeightedScore(score, weights[score.name]) for score in scores),
     )

@@ -482,6 +482,8 @@ def test_a_model_set_composes_one_model_through_grpc(stubs: Stubs, sim_pool: Sim
             "contradicts affinity box",
         ),
         (pb.NodeSpec(host_selector={"": "prod"}), "spec.host_selector has an empty key"),
+        (pb.NodeSpec(cpu_cores=-1), "spec.cpu_cores -1 is out of range"),
+        (pb.NodeSpec(host_memory_mib=2**60), "spec.host_memory_mib 1152921504606846976 is out"),
     ],
 )
 def test_bad_affinity_or_spread_is_invalid_argument(

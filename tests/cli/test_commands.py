@@ -427,3 +427,17 @@ def test_node_plan_with_a_host_selector_uses_the_agents_labels(
     assert "host labels: 2 of 2 hosts do not have env=dev" in refused.stderr
     bad = run("node", "plan", "--gpus", "H100:2", "--host-selector", "env")
     assert bad.exit_code == 2
+
+
+def test_node_plan_with_cpus_and_host_memory(run: Run, broker: BrokerServer, pool: SimPool) -> None:
+    pool.start_agent("h2", rack="r2", extra=("--cpus", "16", "--memory", "128GiB"))
+    with Client(broker.endpoint) as client:
+        wait_until(lambda: sum(h.alive for h in client.list_hosts()) == 2, message="h2 alive")
+    args = ("--gpus", "H100:2", "--cpus", "8", "--host-memory", "64GiB")
+    plan = json.loads(ok(run("node", "plan", *args, "-o", "json")))
+    assert plan["host"] == "hosts/h2"
+    (h1,) = [h for h in plan["hosts"] if h["name"] == "hosts/h1"]
+    assert h1["reasons"] == ["declares no CPU cores; declares no memory"]
+    text = ok(run("node", "plan", "--gpus", "H100:2", "--cpus", "17"))
+    assert "host resources: 2 of 2 hosts lack 17 free CPU cores" in text
+    assert run("node", "plan", "--gpus", "H100:2", "--host-memory", "lots").exit_code == 2

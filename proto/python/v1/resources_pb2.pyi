@@ -449,6 +449,8 @@ class Host(_message.Message):
     SLOTS_USED_FIELD_NUMBER: _builtins.int
     DRIVER_FIELD_NUMBER: _builtins.int
     REGISTER_TIME_FIELD_NUMBER: _builtins.int
+    CPU_CORES_FIELD_NUMBER: _builtins.int
+    MEMORY_MIB_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name: "hosts/{host}"."""
     agent_endpoint: _builtins.str
@@ -461,6 +463,12 @@ class Host(_message.Message):
     """Output only: slots in use by desired attachments."""
     driver: _builtins.str
     """Fabric driver the agent runs, e.g. "sim"."""
+    cpu_cores: _builtins.int
+    """CPU cores and memory (MiB) the host offers to nodes, as its agent declares them
+    (--cpus, --memory); 0: not declared, and requests asking for CPUs or memory do not
+    go to the host.
+    """
+    memory_mib: _builtins.int
     @_builtins.property
     def location(self) -> Global___Location: ...
     @_builtins.property
@@ -479,10 +487,12 @@ class Host(_message.Message):
         slots_used: _builtins.int = ...,
         driver: _builtins.str = ...,
         register_time: _timestamp_pb2.Timestamp | None = ...,
+        cpu_cores: _builtins.int = ...,
+        memory_mib: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["location", b"location", "register_time", b"register_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_endpoint", b"agent_endpoint", "alive", b"alive", "driver", b"driver", "labels", b"labels", "location", b"location", "name", b"name", "register_time", b"register_time", "slot_capacity", b"slot_capacity", "slots_used", b"slots_used"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_endpoint", b"agent_endpoint", "alive", b"alive", "cpu_cores", b"cpu_cores", "driver", b"driver", "labels", b"labels", "location", b"location", "memory_mib", b"memory_mib", "name", b"name", "register_time", b"register_time", "slot_capacity", b"slot_capacity", "slots_used", b"slots_used"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -548,22 +558,58 @@ class HostAllocation(_message.Message):
 
     HOST_FIELD_NUMBER: _builtins.int
     ATTACHMENTS_FIELD_NUMBER: _builtins.int
+    RESERVATIONS_FIELD_NUMBER: _builtins.int
     host: _builtins.str
     @_builtins.property
     def attachments(self) -> _containers.RepeatedCompositeFieldContainer[Global___DesiredAttachment]: ...
+    @_builtins.property
+    def reservations(self) -> _containers.RepeatedCompositeFieldContainer[Global___HostReservation]:
+        """The CPU cores and memory each node on the host holds; written with its
+        attachments by the compose transaction, removed with them on release.
+        """
+
     def __init__(
         self,
         *,
         host: _builtins.str = ...,
         attachments: _abc.Iterable[Global___DesiredAttachment] | None = ...,
+        reservations: _abc.Iterable[Global___HostReservation] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attachments", b"attachments", "host", b"host"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attachments", b"attachments", "host", b"host", "reservations", b"reservations"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HostAllocation: _TypeAlias = HostAllocation  # noqa: Y015
+
+@_typing.final
+class HostReservation(_message.Message):
+    """What one node holds of its host besides proxy slots."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    CPU_CORES_FIELD_NUMBER: _builtins.int
+    MEMORY_MIB_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    """"nodes/{node}" """
+    cpu_cores: _builtins.int
+    memory_mib: _builtins.int
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        cpu_cores: _builtins.int = ...,
+        memory_mib: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu_cores", b"cpu_cores", "memory_mib", b"memory_mib", "node", b"node"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HostReservation: _TypeAlias = HostReservation  # noqa: Y015
 
 @_typing.final
 class ObservedAttachment(_message.Message):
@@ -787,6 +833,8 @@ class NodeSpec(_message.Message):
     AFFINITY_FIELD_NUMBER: _builtins.int
     MAX_GPUS_PER_BOX_FIELD_NUMBER: _builtins.int
     HOST_SELECTOR_FIELD_NUMBER: _builtins.int
+    CPU_CORES_FIELD_NUMBER: _builtins.int
+    HOST_MEMORY_MIB_FIELD_NUMBER: _builtins.int
     host: _builtins.str
     """Pin to this host ("hosts/{host}"); empty lets placement choose."""
     max_latency_ns: _builtins.int
@@ -811,6 +859,11 @@ class NodeSpec(_message.Message):
     """Spread over boxes for fault isolation: at most this many GPUs from any one box
     (1: every GPU from a different box); 0 for no limit. Not with affinity BOX.
     """
+    cpu_cores: _builtins.int
+    """CPU cores and memory (MiB) the node needs of its host; 0 for none. Only hosts that
+    declare them (Host.cpu_cores, Host.memory_mib) with that much not held by other nodes.
+    """
+    host_memory_mib: _builtins.int
     @_builtins.property
     def gpus(self) -> Global___GpuRequest: ...
     @_builtins.property
@@ -835,10 +888,12 @@ class NodeSpec(_message.Message):
         affinity: Global___GpuAffinity.ValueType = ...,
         max_gpus_per_box: _builtins.int = ...,
         host_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        cpu_cores: _builtins.int = ...,
+        host_memory_mib: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["affinity", b"affinity", "gpus", b"gpus", "host", b"host", "host_selector", b"host_selector", "labels", b"labels", "max_gpus_per_box", b"max_gpus_per_box", "max_latency_ns", b"max_latency_ns", "max_slowdown", b"max_slowdown", "tenant", b"tenant", "vfio", b"vfio", "workload", b"workload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["affinity", b"affinity", "cpu_cores", b"cpu_cores", "gpus", b"gpus", "host", b"host", "host_memory_mib", b"host_memory_mib", "host_selector", b"host_selector", "labels", b"labels", "max_gpus_per_box", b"max_gpus_per_box", "max_latency_ns", b"max_latency_ns", "max_slowdown", b"max_slowdown", "tenant", b"tenant", "vfio", b"vfio", "workload", b"workload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -87,7 +87,12 @@ def populate(rng: random.Random, inventory: Inventory) -> None:
         place = Place(f"hosts/h{index:02d}", *rng.choice(RACKS))
         used = frozenset(s for s in range(8) if rng.random() < 0.3)
         labels = frozenset({("pool", rng.choice("ab"))})
-        inventory.put_host(HostInfo(f"h{index:02d}", place, 8, used, rng.random() > 0.1, labels))
+        alive = rng.random() > 0.1
+        held = rng.choice((0, 8, 24))
+        host = HostInfo(
+            f"h{index:02d}", place, 8, used, alive, labels, 32, 65536, held, held * 1024
+        )
+        inventory.put_host(host)
 
 
 def step(rng: random.Random, inventory: Inventory) -> None:
@@ -115,7 +120,11 @@ def step(rng: random.Random, inventory: Inventory) -> None:
         host = inventory.hosts[rng.choice(host_ids)]
         used = frozenset(s for s in range(8) if rng.random() < 0.4)
         labels = frozenset({("pool", rng.choice("ab"))})
-        inventory.put_host(replace(host, used_slots=used, labels=labels))
+        held = rng.choice((0, 8, 24))
+        changed = replace(
+            host, used_slots=used, labels=labels, used_cpu_cores=held, used_memory_mib=held * 1024
+        )
+        inventory.put_host(changed)
     elif host_ids:  # a host dies or comes back
         host = inventory.hosts[rng.choice(host_ids)]
         inventory.put_host(replace(host, alive=not host.alive))
@@ -222,6 +231,7 @@ def test_affinity_and_spread_brought_forward_answer_as_from_scratch(seed: int) -
         PlacementRequest("H100", 3, max_gpus_per_box=1),
         PlacementRequest("", 6, max_gpus_per_box=2),
         PlacementRequest("H100", 2, host_selector=frozenset({("pool", "a")})),
+        PlacementRequest("H100", 2, cpu_cores=16, host_memory_mib=16384),
     ]
     for _ in range(STEPS):
         for _ in range(rng.randint(1, 3)):

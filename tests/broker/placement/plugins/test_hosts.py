@@ -5,7 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from dxpool.broker.placement.model import HostInfo, Place, PlacementRequest
-from dxpool.broker.placement.plugins.hosts import HostAlive, HostLabels, HostSlots, PinnedHost
+from dxpool.broker.placement.plugins.hosts import (
+    HostAlive,
+    HostLabels,
+    HostResources,
+    HostSlots,
+    PinnedHost,
+)
 from dxpool.broker.placement.status import Code
 
 
@@ -93,4 +99,43 @@ def test_labels_keep_hosts_holding_every_selected_pair() -> None:
     )
     assert plugin.explain(request, failed[:1], 1) == (
         "host labels: hosts/h2 does not have env=prod, zone=a"
+    )
+
+
+def sized(
+    name: str, cores: int, memory: int, used_cores: int = 0, used_memory: int = 0
+) -> HostInfo:
+    return HostInfo(
+        name,
+        Place(f"hosts/{name}"),
+        8,
+        frozenset(),
+        True,
+        frozenset(),
+        cores,
+        memory,
+        used_cores,
+        used_memory,
+    )
+
+
+def test_resources_keep_hosts_with_the_cpus_and_memory_free() -> None:
+    plugin = HostResources()
+    request = PlacementRequest("", 1, cpu_cores=8, host_memory_mib=32768)
+    assert plugin.applies(request) and not plugin.applies(PlacementRequest("", 1))
+    assert plugin.filter_host(request, sized("h1", 16, 65536, 8, 32768)).ok
+    assert plugin.filter_host(request, sized("h2", 16, 65536, 9, 40960)).reasons == (
+        "7 free CPU cores, 8 needed; 24GiB free memory, 32GiB needed",
+    )
+    assert plugin.filter_host(request, sized("h3", 0, 0)).reasons == (
+        "declares no CPU cores; declares no memory",
+    )
+    failed = [sized("h2", 16, 65536, 9, 40960), sized("h3", 0, 0)]
+    assert plugin.explain(request, failed, 2) == (
+        "host resources: 2 of 2 hosts lack 8 free CPU cores and 32GiB free memory; the "
+        "roomiest, hosts/h2, has 7 free CPU cores and 24GiB free memory; ask for less, or "
+        "declare more with the agent's --cpus and --memory"
+    )
+    assert plugin.explain(request, failed[1:], 1) == (
+        "host resources: hosts/h3: declares no CPU cores; declares no memory"
     )
