@@ -248,10 +248,16 @@ class Composer:
             model=request.spec.gpus.model,
             count=request.spec.gpus.count,
             min_memory_mib=request.spec.gpus.min_memory_mib,
+            mixed_models=request.spec.gpus.mixed_models,
             host=host,
             max_latency_ns=request.spec.max_latency_ns,
             max_slowdown=request.spec.max_slowdown,
             workload=request.spec.workload,
+            same_box=request.spec.affinity == pb.GPU_AFFINITY_BOX,
+            max_gpus_per_box=request.spec.max_gpus_per_box,
+            host_selector=frozenset(request.spec.host_selector.items()),
+            cpu_cores=request.spec.cpu_cores,
+            host_memory_mib=request.spec.host_memory_mib,
         )
 
     def _node_for_request(
@@ -294,6 +300,23 @@ class Composer:
             )
         return found
 
+    def _reserve_host_resources(
+        self, host_id: str, allocation: pb.HostAllocation, spec: pb.NodeSpec, name: str
+    ) -> bool:
+        """Add the CPU cores and memory ``spec`` asks of the host to ``allocation``; False
+        when they no longer fit. Placement may have judged an older snapshot, so the fit
+        is checked against the very allocation the commit compares: nothing is ever
+        oversubscribed."""
+        if not (spec.cpu_cores or spec.host_memory_mib):
+            return True
+        host_record = self._cache.get(k.HOSTS, host_id)
+        if host_record is None or not _fits(host_record.value, allocation, spec):
+            return False
+        allocation.reservations.append(
+            pb.HostReservation(node=name, cpu_cores=spec.cpu_cores, memory_mib=spec.host_memory_mib)
+        )
+        return True
+
     def _try_commit(
         self,
         request: nodes_pb2.ComposeNodeRequest,
@@ -329,6 +352,8 @@ class Composer:
             else pb.HostAllocation(host=host_name)
         )
         used = {a.host_slot for a in allocation.attachments}
+        if not self._reserve_host_resources(host_id, allocation, request.spec, name):
+            return None
         for binding in result.placement.bindings:
             gpu_record = self._cache.get(k.GPUS, f"{binding.box}/{binding.slot}")
             box_record = self._cache.get(k.BOXES, binding.box)
@@ -494,6 +519,16 @@ class Composer:
                 )
 
 
+def _fits(host: pb.Host, allocation: pb.HostAllocation, spec: pb.NodeSpec) -> bool:
+    """Whether ``host`` has ``spec``'s CPU cores and memory free beside ``allocation``'s
+    reservations."""
+    cores = sum(r.cpu_cores for r in allocation.reservations) + spec.cpu_cores
+    memory = sum(r.memory_mib for r in allocation.reservations) + spec.host_memory_mib
+    return (not spec.cpu_cores or cores <= host.cpu_cores) and (
+        not spec.host_memory_mib or memory <= host.memory_mib
+    )
+
+
 def _bindings(result: PlacementResult) -> list[pb.GpuBinding]:
     assert result.placement is not None
     return [
@@ -504,6 +539,8 @@ def _bindings(result: PlacementResult) -> list[pb.GpuBinding]:
 
 def _unschedulable_message(spec: pb.NodeSpec, result: PlacementResult) -> str:
     wanted = f"{spec.gpus.model or 'any'}:{spec.gpus.count}"
+    if spec.gpus.mixed_models:
+        wanted += " (models mixed)"
     extra = []
     if spec.host:
         extra.append(f"on {spec.host}")
@@ -511,11 +548,23 @@ def _unschedulable_message(spec: pb.NodeSpec, result: PlacementResult) -> str:
         extra.append(f"within {format_duration_ns(spec.max_latency_ns)}")
     if spec.max_slowdown:
         extra.append(f"at most {spec.max_slowdown:g}x slower for {spec.workload}")
+    if spec.affinity == pb.GPU_AFFINITY_BOX:
+        extra.append("from one box")
+    if spec.max_gpus_per_box:
+        extra.append(f"at most {spec.max_gpus_per_box} per box")
+    if spec.cpu_cores:
+        extra.append(f"with {spec.cpu_cores} CPU cores")
+    if spec.host_memory_mib:
+        extra.append(f"with {spec.host_memory_mib} MiB of host memory")
+    if spec.host_selector:
+        pairs = ", ".join(f"{key}={value}" for key, value in sorted(spec.host_selector.items()))
+        extra.append(f"on hosts labelled {pairs}")
     head = f"no placement for {wanted} GPUs" + (" " + " ".join(extra) if extra else "")
     reasons = "; ".join(result.unsatisfied) or "no host can take the node"
     return (
         f"{head}: {reasons}. Relax the request (fewer GPUs, another model, a larger "
-        "max_latency or max_slowdown, no host pin) or release nodes; `dxpool node plan` "
+        "max_latency or max_slowdown, no host pin, affinity or spread) or release nodes; "
+        "`dxpool node plan` "
         "shows every candidate"
     )
 

@@ -58,7 +58,10 @@ def let_go(
             view.put(k.GPUS, gpu_key, lifecycle.begin_detach(gpu))
     host_id = parse_host(node.host)
     allocation = view.get(k.HOST_ALLOCATIONS, host_id)
-    if allocation is not None and any(a.node == node.name for a in allocation.value.attachments):
+    if allocation is not None and (
+        any(a.node == node.name for a in allocation.value.attachments)
+        or any(r.node == node.name for r in allocation.value.reservations)
+    ):
         view.put(k.HOST_ALLOCATIONS, host_id, without_node(allocation.value, node.host, node.name))
     return updated
 

@@ -18,11 +18,14 @@ from dxpool.fabric.overhead import WORKLOAD_GRAMMAR, parse_slowdown, parse_workl
 from dxpool.limits import MAX_DURATION_NS
 from dxpool.request import (
     GPU_GRAMMAR,
+    SPREAD_GRAMMAR,
     GpuSpec,
     check_model,
     parse_duration_ns,
     parse_gpus,
+    parse_host_memory_mib,
     parse_memory_mib,
+    parse_spread,
 )
 from dxpool.selector import SELECTOR_GRAMMAR, parse_selector
 
@@ -101,13 +104,17 @@ def _model_limit(value: str) -> tuple[str, int]:
 
 
 GPUS = _GrammarType("MODEL:COUNT", _gpus, GPU_GRAMMAR)
-"""``H100:4``, ``A100``, ``8`` or ``*:2`` -> :class:`~dxpool.request.GpuSpec`."""
+"""``H100:4``, ``A100``, ``8``, ``*:2`` or ``H100|A100:4`` -> :class:`~dxpool.request.GpuSpec`."""
 LATENCY = _GrammarType("DURATION", parse_duration_ns)
 """``4us`` -> 4000 (nanoseconds)."""
 SECONDS = _GrammarType("DURATION", _seconds)
 """``120s`` or ``500ms`` -> seconds as a float."""
 SLOWDOWN = _GrammarType("RATIO", parse_slowdown)
 """``1.05`` -> 1.05 (at most 5% slower)."""
+HOST_MEMORY = _GrammarType("SIZE", parse_host_memory_mib)
+"""``64GiB`` -> 65536 (MiB): a host's memory or a node's need of it."""
+SPREAD = _GrammarType("boxes[:M]", parse_spread, SPREAD_GRAMMAR)
+"""``boxes`` -> 1, ``boxes:2`` -> 2: the most GPUs a node may take from one box."""
 WORKLOAD = _GrammarType("WORKLOAD", _workload, WORKLOAD_GRAMMAR)
 """``training`` or ``400@5ms`` -> the same text, once it parses as a workload."""
 DAEMON_SECONDS = _GrammarType("DURATION", _seconds_or_number)

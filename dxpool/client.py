@@ -85,10 +85,13 @@ from dxpool.lifecycle import NODE_REACHABLE
 from dxpool.limits import MAX_GPU_MEMORY_MIB, MAX_GPUS_PER_BOX, MAX_LATENCY_NS
 from dxpool.request import (
     GpuSpec,
+    check_host_resources,
     check_model,
     parse_duration_ns,
     parse_gpus,
+    parse_host_memory_mib,
     parse_memory_mib,
+    parse_spread,
 )
 from dxpool.tls import ClientTls
 
@@ -249,6 +252,59 @@ def _slowdown(max_slowdown: float | None, workload: str | None) -> float:
         )
     check_slowdown(float(value), workload or "")
     return float(value)
+
+
+_AFFINITIES = {"box": resources_pb2.GPU_AFFINITY_BOX}
+"""The affinities a request may require, by the name the client and CLI take."""
+
+
+def _affinity(value: str | None) -> resources_pb2.GpuAffinity.ValueType:
+    if not value:
+        return resources_pb2.GPU_AFFINITY_UNSPECIFIED
+    found = _AFFINITIES.get(value.strip().lower())
+    if found is None:
+        raise InvalidArgument(
+            f"invalid affinity {value!r}: use {', '.join(_AFFINITIES)} (every GPU from one box) "
+            "or leave it out",
+            reason="INVALID_AFFINITY",
+        )
+    return found
+
+
+def _spread(value: str | int | None) -> int:
+    """``"boxes"`` -> 1, ``"boxes:2"`` or 2 -> 2, None -> 0 (no limit)."""
+    if value is None:
+        return 0
+    if isinstance(value, str):
+        return parse_spread(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(
+            f"invalid spread {value!r}: give 'boxes', 'boxes:M' or M, the most GPUs per box",
+            reason="INVALID_SPREAD",
+        )
+    return value
+
+
+def _cpus(value: int | None) -> int:
+    cores = 0 if value is None else value
+    if isinstance(cores, bool) or not isinstance(cores, int):
+        raise InvalidArgument(
+            f"invalid cpus {value!r}: give a whole number of CPU cores",
+            reason="INVALID_HOST_RESOURCES",
+        )
+    check_host_resources(cores, 0, "cpus")
+    return cores
+
+
+def _host_memory_mib(value: str | int | None) -> int:
+    mib = 0 if value is None else parse_host_memory_mib(value) if isinstance(value, str) else value
+    if isinstance(mib, bool) or not isinstance(mib, int):
+        raise InvalidArgument(
+            f"invalid host_memory {value!r}: give MiB or a size such as '64GiB'",
+            reason="INVALID_HOST_RESOURCES",
+        )
+    check_host_resources(0, mib, memory_field="host_memory")
+    return mib
 
 
 def _memory_mib(value: str | int | None, default: int) -> int:
@@ -609,6 +665,11 @@ class Client:
         vfio: bool,
         max_slowdown: float | None = None,
         workload: str | None = None,
+        affinity: str | None = None,
+        spread: str | int | None = None,
+        host_selector: Mapping[str, str] | None = None,
+        cpus: int | None = None,
+        host_memory: str | int | None = None,
         node_id: str | None,
         tenant: str,
         labels: Mapping[str, str] | None,
@@ -621,6 +682,7 @@ class Client:
                     model=spec.model,
                     count=spec.count,
                     min_memory_mib=_memory_mib(min_memory, spec.min_memory_mib),
+                    mixed_models=spec.mixed_models,
                 ),
                 host=host_name(host) if host else "",
                 max_latency_ns=_latency_ns(max_latency),
@@ -629,6 +691,11 @@ class Client:
                 vfio=vfio,
                 tenant=tenant,
                 labels=dict(labels or {}),
+                affinity=_affinity(affinity),
+                max_gpus_per_box=_spread(spread),
+                host_selector=dict(host_selector or {}),
+                cpu_cores=_cpus(cpus),
+                host_memory_mib=_host_memory_mib(host_memory),
             ),
             node_id=names.check_id(node_id.removeprefix("nodes/"), "node") if node_id else "",
             request_id=names.check_request_id(request_id or str(uuid.uuid4())),
@@ -645,6 +712,11 @@ class Client:
         vfio: bool = False,
         max_slowdown: float | None = None,
         workload: str | None = None,
+        affinity: str | None = None,
+        spread: str | int | None = None,
+        host_selector: Mapping[str, str] | None = None,
+        cpus: int | None = None,
+        host_memory: str | int | None = None,
         node_id: str | None = None,
         tenant: str = "",
         labels: Mapping[str, str] | None = None,
@@ -656,7 +728,11 @@ class Client:
         ``max_latency`` is a duration ("4us") or nanoseconds; ``min_memory`` a size
         ("80GiB") or MiB; ``max_slowdown`` (e.g. 1.05) bounds the predicted slowdown of
         ``workload`` (a profile name or ``ROUND_TRIPS@STEP_TIME``, see
-        :mod:`dxpool.fabric.overhead`). Retrying with the same ``request_id`` returns the same node.
+        :mod:`dxpool.fabric.overhead`); ``affinity="box"`` requires every GPU from one box;
+        ``spread`` ("boxes", "boxes:M" or M) takes at most that many GPUs from any one box;
+        ``host_selector`` keeps hosts whose labels hold every key=value given; ``cpus``
+        and ``host_memory`` (a size such as "64GiB", or MiB) must be free on the host.
+        Retrying with the same ``request_id`` returns the same node.
         Raises ResourceExhausted when nothing fits, NotFound for an unknown host.
         """
         request = self._compose_request(
@@ -667,6 +743,11 @@ class Client:
             vfio=vfio,
             max_slowdown=max_slowdown,
             workload=workload,
+            affinity=affinity,
+            spread=spread,
+            host_selector=host_selector,
+            cpus=cpus,
+            host_memory=host_memory,
             node_id=node_id,
             tenant=tenant,
             labels=labels,
@@ -684,6 +765,11 @@ class Client:
         vfio: bool = False,
         max_slowdown: float | None = None,
         workload: str | None = None,
+        affinity: str | None = None,
+        spread: str | int | None = None,
+        host_selector: Mapping[str, str] | None = None,
+        cpus: int | None = None,
+        host_memory: str | int | None = None,
         node_id: str | None = None,
         tenant: str = "",
         labels: Mapping[str, str] | None = None,
@@ -698,6 +784,11 @@ class Client:
             vfio=vfio,
             max_slowdown=max_slowdown,
             workload=workload,
+            affinity=affinity,
+            spread=spread,
+            host_selector=host_selector,
+            cpus=cpus,
+            host_memory=host_memory,
             node_id=node_id,
             tenant=tenant,
             labels=labels,
@@ -972,7 +1063,10 @@ class Client:
             spec = parse_gpus(gpus)
             request.gpus.CopyFrom(
                 resources_pb2.GpuRequest(
-                    model=spec.model, count=spec.count, min_memory_mib=spec.min_memory_mib
+                    model=spec.model,
+                    count=spec.count,
+                    min_memory_mib=spec.min_memory_mib,
+                    mixed_models=spec.mixed_models,
                 )
             )
         return self._unary(self._fabric.Predict, request)

@@ -4,6 +4,7 @@ host plus GPUs)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import click
@@ -27,12 +28,14 @@ from dxpool.cli.output import (
 from dxpool.cli.params import (
     GPUS,
     HOST,
+    HOST_MEMORY,
     LABEL,
     LATENCY,
     MEMORY,
     NODE,
     SECONDS,
     SLOWDOWN,
+    SPREAD,
     WORKLOAD,
     ignore_not_found_option,
     labels_dict,
@@ -62,9 +65,23 @@ def _request_options(command: _F) -> _F:
             "--gpus",
             type=GPUS,
             required=True,
-            help="MODEL:COUNT (e.g. H100:4), MODEL (one GPU), or COUNT (any model).",
+            help="MODEL:COUNT (e.g. H100:4), MODEL (one GPU), COUNT (any model), or a "
+            "model set MODEL|MODEL:COUNT (quote it: 'H100|A100:4'): all GPUs of one model, "
+            "the first of the set that fits.",
+        ),
+        click.option(
+            "--mixed-models",
+            is_flag=True,
+            help="With a model set in --gpus: the node may mix the set's models.",
         ),
         click.option("--host", "host_name", type=HOST, default=None, help="Pin to this host."),
+        click.option(
+            "--host-selector",
+            "host_selector",
+            type=LABEL,
+            multiple=True,
+            help="KEY=VALUE a host's labels must hold (agent --label); repeatable.",
+        ),
         click.option(
             "--max-latency",
             type=LATENCY,
@@ -85,6 +102,31 @@ def _request_options(command: _F) -> _F:
             "...) or ROUND_TRIPS@STEP_TIME, e.g. 400@5ms.",
         ),
         click.option("--min-memory", type=MEMORY, default=None, help="Least memory per GPU."),
+        click.option(
+            "--cpus",
+            type=click.IntRange(min=1),
+            default=None,
+            help="CPU cores the node needs free on its host (agent --cpus).",
+        ),
+        click.option(
+            "--host-memory",
+            type=HOST_MEMORY,
+            default=None,
+            help="Memory the node needs free on its host, e.g. 64GiB (agent --memory).",
+        ),
+        click.option(
+            "--affinity",
+            type=click.Choice(["box"]),
+            default=None,
+            help="Require every GPU from one box (peer-to-peer behind its PCIe switch).",
+        ),
+        click.option(
+            "--spread",
+            type=SPREAD,
+            default=None,
+            help="Spread over boxes: 'boxes' takes every GPU from a different box, "
+            "'boxes:M' at most M from any one box.",
+        ),
         click.option("--vfio", is_flag=True, help="Bind the GPUs to vfio-pci for a VM."),
         click.option(
             "--tenant",
@@ -99,6 +141,18 @@ def _request_options(command: _F) -> _F:
     return command
 
 
+def _gpu_request(gpus: GpuSpec, mixed_models: bool) -> GpuSpec:
+    """``gpus`` with ``--mixed-models`` applied; a usage error without a model set."""
+    if not mixed_models:
+        return gpus
+    if len(gpus.models) < 2:
+        raise click.UsageError(
+            f"--mixed-models needs a model set in --gpus, such as 'H100|A100:{gpus.count}'; "
+            f"got {gpus}",
+        )
+    return replace(gpus, mixed_models=True)
+
+
 def _request_kwargs(
     *,
     host_name: str | None,
@@ -106,6 +160,11 @@ def _request_kwargs(
     max_slowdown: float | None,
     workload: str | None,
     min_memory: int | None,
+    affinity: str | None,
+    spread: int | None,
+    host_selector: tuple[tuple[str, str], ...],
+    cpus: int | None,
+    host_memory: int | None,
     vfio: bool,
     tenant: str,
     labels: tuple[tuple[str, str], ...],
@@ -115,7 +174,17 @@ def _request_kwargs(
             "--max-slowdown needs --workload: a profile name "
             f"({known_profiles()}) or ROUND_TRIPS@STEP_TIME, e.g. 400@5ms"
         )
+    if affinity and spread:
+        raise click.UsageError(
+            "--affinity box takes every GPU from one box and --spread spreads them over "
+            "boxes: give one or the other"
+        )
     return {
+        "host_selector": labels_dict(host_selector),
+        "cpus": cpus,
+        "host_memory": host_memory,
+        "affinity": affinity,
+        "spread": spread,
         "host": host_name,
         "max_latency": max_latency,
         "max_slowdown": max_slowdown,
@@ -150,11 +219,17 @@ def create(
     cli: CliContext,
     *,
     gpus: GpuSpec,
+    mixed_models: bool,
     host_name: str | None,
     max_latency: int | None,
     max_slowdown: float | None,
     workload: str | None,
     min_memory: int | None,
+    affinity: str | None,
+    spread: int | None,
+    host_selector: tuple[tuple[str, str], ...],
+    cpus: int | None,
+    host_memory: int | None,
     vfio: bool,
     tenant: str,
     labels: tuple[tuple[str, str], ...],
@@ -167,7 +242,7 @@ def create(
     """Compose a node, e.g. `dxpool node create --gpus H100:4 --max-latency 4us --wait`."""
     client = cli.client()
     created = client.compose_node(
-        gpus,
+        _gpu_request(gpus, mixed_models),
         node_id=node_id,
         request_id=request_id,
         **_request_kwargs(
@@ -176,6 +251,11 @@ def create(
             max_slowdown=max_slowdown,
             workload=workload,
             min_memory=min_memory,
+            affinity=affinity,
+            spread=spread,
+            host_selector=host_selector,
+            cpus=cpus,
+            host_memory=host_memory,
             vfio=vfio,
             tenant=tenant,
             labels=labels,
@@ -196,11 +276,17 @@ def plan(
     cli: CliContext,
     *,
     gpus: GpuSpec,
+    mixed_models: bool,
     host_name: str | None,
     max_latency: int | None,
     max_slowdown: float | None,
     workload: str | None,
     min_memory: int | None,
+    affinity: str | None,
+    spread: int | None,
+    host_selector: tuple[tuple[str, str], ...],
+    cpus: int | None,
+    host_memory: int | None,
     vfio: bool,
     tenant: str,
     labels: tuple[tuple[str, str], ...],
@@ -208,13 +294,18 @@ def plan(
 ) -> None:
     """Show where `node create` with these flags would go, and why; commits nothing."""
     result = cli.client().plan_node(
-        gpus,
+        _gpu_request(gpus, mixed_models),
         **_request_kwargs(
             host_name=host_name,
             max_latency=max_latency,
             max_slowdown=max_slowdown,
             workload=workload,
             min_memory=min_memory,
+            affinity=affinity,
+            spread=spread,
+            host_selector=host_selector,
+            cpus=cpus,
+            host_memory=host_memory,
             vfio=vfio,
             tenant=tenant,
             labels=labels,

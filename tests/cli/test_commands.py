@@ -548,3 +548,96 @@ def test_status_watch_redraws_until_ctrl_c(broker: BrokerServer, pool: SimPool) 
         if watch.poll() is None:
             watch.kill()
             watch.wait()
+
+
+def test_node_plan_with_a_model_set_names_the_model_it_chose(run: Run, pool: SimPool) -> None:
+    plan = json.loads(ok(run("node", "plan", "--gpus", "A100|H100:3", "-o", "json")))
+    assert plan["host"] == "hosts/h1" and {g["model"] for g in plan["gpus"]} == {"H100"}
+    (kept,) = [h for h in plan["hosts"] if h.get("feasible")]
+    assert kept["reasons"][0] == "model H100 (no placement of A100)"
+    mixed = json.loads(
+        ok(run("node", "plan", "--gpus", "H100|A100:3", "--mixed-models", "-o", "json"))
+    )
+    assert mixed["host"] == "hosts/h1"
+
+
+def test_node_create_with_a_model_set_the_pool_lacks_is_unknown_model(
+    run: Run, pool: SimPool
+) -> None:
+    result = run("node", "create", "--gpus", "B200|A100:1")
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: FAILED_PRECONDITION: ")
+    assert "no GPU of any model of 'B200|A100' is in the pool" in result.stderr
+
+
+def test_mixed_models_without_a_model_set_is_a_usage_error(run: Run) -> None:
+    result = run("node", "plan", "--gpus", "H100:2", "--mixed-models")
+    assert result.exit_code == 2
+    assert "--mixed-models needs a model set in --gpus" in result.stderr
+
+
+def test_node_plan_with_spread_and_affinity(run: Run, pool: SimPool) -> None:
+    spread = json.loads(
+        ok(run("node", "plan", "--gpus", "H100:2", "--spread", "boxes", "-o", "json"))
+    )
+    assert sorted(g["gpu"].split("/gpus/")[0] for g in spread["gpus"]) == [
+        "boxes/box1",
+        "boxes/box2",
+    ]
+    text = ok(run("node", "plan", "--gpus", "H100:5", "--affinity", "box"))
+    assert text.startswith("placement: nothing fits now\n")
+    assert "0 in a box holding 5 of them (affinity box)" in text
+    refused = run("node", "create", "--gpus", "H100:5", "--affinity", "box")
+    assert refused.exit_code == 1
+    assert "from one box" in refused.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--spread", "racks"), "cannot parse spread 'racks'"),
+        (("--spread", "boxes:0"), "out of range"),
+        (("--affinity", "box", "--spread", "boxes"), "give one or the other"),
+        (("--affinity", "rack"), "'rack' is not 'box'"),
+    ],
+)
+def test_bad_spread_or_affinity_is_a_usage_error(
+    run: Run, args: tuple[str, ...], message: str
+) -> None:
+    result = run("node", "plan", "--gpus", "H100:2", *args)
+    assert result.exit_code == 2
+    assert message in result.stderr
+
+
+def test_node_plan_with_a_host_selector_uses_the_agents_labels(
+    run: Run, broker: BrokerServer, pool: SimPool
+) -> None:
+    pool.start_agent("h2", rack="r2", extra=("--label", "env=prod"))
+    with Client(broker.endpoint) as client:
+        wait_until(lambda: sum(h.alive for h in client.list_hosts()) == 2, message="h2 alive")
+    plan = json.loads(
+        ok(run("node", "plan", "--gpus", "H100:2", "--host-selector", "env=prod", "-o", "json"))
+    )
+    assert plan["host"] == "hosts/h2"
+    (h1,) = [h for h in plan["hosts"] if h["name"] == "hosts/h1"]
+    assert h1["reasons"] == ["labels lack env=prod"]
+    refused = run("node", "create", "--gpus", "H100:2", "--host-selector", "env=dev")
+    assert refused.exit_code == 1
+    assert "on hosts labelled env=dev" in refused.stderr
+    assert "host labels: 2 of 2 hosts do not have env=dev" in refused.stderr
+    bad = run("node", "plan", "--gpus", "H100:2", "--host-selector", "env")
+    assert bad.exit_code == 2
+
+
+def test_node_plan_with_cpus_and_host_memory(run: Run, broker: BrokerServer, pool: SimPool) -> None:
+    pool.start_agent("h2", rack="r2", extra=("--cpus", "16", "--memory", "128GiB"))
+    with Client(broker.endpoint) as client:
+        wait_until(lambda: sum(h.alive for h in client.list_hosts()) == 2, message="h2 alive")
+    args = ("--gpus", "H100:2", "--cpus", "8", "--host-memory", "64GiB")
+    plan = json.loads(ok(run("node", "plan", *args, "-o", "json")))
+    assert plan["host"] == "hosts/h2"
+    (h1,) = [h for h in plan["hosts"] if h["name"] == "hosts/h1"]
+    assert h1["reasons"] == ["declares no CPU cores; declares no memory"]
+    text = ok(run("node", "plan", "--gpus", "H100:2", "--cpus", "17"))
+    assert "host resources: 2 of 2 hosts lack 17 free CPU cores" in text
+    assert run("node", "plan", "--gpus", "H100:2", "--host-memory", "lots").exit_code == 2

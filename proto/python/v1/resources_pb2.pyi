@@ -204,6 +204,30 @@ fenced at the box side, scrubbed and returned to the pool. Release it to remove 
 """
 Global___NodeState: _TypeAlias = NodeState  # noqa: Y015
 
+class _GpuAffinity:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _GpuAffinityEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_GpuAffinity.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    GPU_AFFINITY_UNSPECIFIED: _GpuAffinity.ValueType  # 0
+    """Anywhere: placement still prefers fewer boxes (a score, not a requirement)."""
+    GPU_AFFINITY_BOX: _GpuAffinity.ValueType  # 1
+    """Every GPU from one box, behind the box's own PCIe switch (peer-to-peer without the
+    fabric).
+    """
+
+class GpuAffinity(_GpuAffinity, metaclass=_GpuAffinityEnumTypeWrapper):
+    """Where the GPUs of one node must come from together."""
+
+GPU_AFFINITY_UNSPECIFIED: GpuAffinity.ValueType  # 0
+"""Anywhere: placement still prefers fewer boxes (a score, not a requirement)."""
+GPU_AFFINITY_BOX: GpuAffinity.ValueType  # 1
+"""Every GPU from one box, behind the box's own PCIe switch (peer-to-peer without the
+fabric).
+"""
+Global___GpuAffinity: _TypeAlias = GpuAffinity  # noqa: Y015
+
 @_typing.final
 class Location(_message.Message):
     """Where a host or box sits in the datacenter. Used by the fabric latency model."""
@@ -431,6 +455,8 @@ class Host(_message.Message):
     SLOTS_USED_FIELD_NUMBER: _builtins.int
     DRIVER_FIELD_NUMBER: _builtins.int
     REGISTER_TIME_FIELD_NUMBER: _builtins.int
+    CPU_CORES_FIELD_NUMBER: _builtins.int
+    MEMORY_MIB_FIELD_NUMBER: _builtins.int
     USED_SLOTS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name: "hosts/{host}"."""
@@ -444,6 +470,12 @@ class Host(_message.Message):
     """Output only: slots in use by desired attachments."""
     driver: _builtins.str
     """Fabric driver the agent runs, e.g. "sim"."""
+    cpu_cores: _builtins.int
+    """CPU cores and memory (MiB) the host offers to nodes, as its agent declares them
+    (--cpus, --memory); 0: not declared, and requests asking for CPUs or memory do not
+    go to the host.
+    """
+    memory_mib: _builtins.int
     @_builtins.property
     def location(self) -> Global___Location: ...
     @_builtins.property
@@ -466,11 +498,13 @@ class Host(_message.Message):
         slots_used: _builtins.int = ...,
         driver: _builtins.str = ...,
         register_time: _timestamp_pb2.Timestamp | None = ...,
+        cpu_cores: _builtins.int = ...,
+        memory_mib: _builtins.int = ...,
         used_slots: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["location", b"location", "register_time", b"register_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_endpoint", b"agent_endpoint", "alive", b"alive", "driver", b"driver", "labels", b"labels", "location", b"location", "name", b"name", "register_time", b"register_time", "slot_capacity", b"slot_capacity", "slots_used", b"slots_used", "used_slots", b"used_slots"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_endpoint", b"agent_endpoint", "alive", b"alive", "cpu_cores", b"cpu_cores", "driver", b"driver", "labels", b"labels", "location", b"location", "memory_mib", b"memory_mib", "name", b"name", "register_time", b"register_time", "slot_capacity", b"slot_capacity", "slots_used", b"slots_used", "used_slots", b"used_slots"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -536,22 +570,58 @@ class HostAllocation(_message.Message):
 
     HOST_FIELD_NUMBER: _builtins.int
     ATTACHMENTS_FIELD_NUMBER: _builtins.int
+    RESERVATIONS_FIELD_NUMBER: _builtins.int
     host: _builtins.str
     @_builtins.property
     def attachments(self) -> _containers.RepeatedCompositeFieldContainer[Global___DesiredAttachment]: ...
+    @_builtins.property
+    def reservations(self) -> _containers.RepeatedCompositeFieldContainer[Global___HostReservation]:
+        """The CPU cores and memory each node on the host holds; written with its
+        attachments by the compose transaction, removed with them on release.
+        """
+
     def __init__(
         self,
         *,
         host: _builtins.str = ...,
         attachments: _abc.Iterable[Global___DesiredAttachment] | None = ...,
+        reservations: _abc.Iterable[Global___HostReservation] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attachments", b"attachments", "host", b"host"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attachments", b"attachments", "host", b"host", "reservations", b"reservations"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HostAllocation: _TypeAlias = HostAllocation  # noqa: Y015
+
+@_typing.final
+class HostReservation(_message.Message):
+    """What one node holds of its host besides proxy slots."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    CPU_CORES_FIELD_NUMBER: _builtins.int
+    MEMORY_MIB_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    """"nodes/{node}" """
+    cpu_cores: _builtins.int
+    memory_mib: _builtins.int
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        cpu_cores: _builtins.int = ...,
+        memory_mib: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu_cores", b"cpu_cores", "memory_mib", b"memory_mib", "node", b"node"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HostReservation: _TypeAlias = HostReservation  # noqa: Y015
 
 @_typing.final
 class ObservedAttachment(_message.Message):
@@ -688,22 +758,31 @@ class GpuRequest(_message.Message):
     MODEL_FIELD_NUMBER: _builtins.int
     COUNT_FIELD_NUMBER: _builtins.int
     MIN_MEMORY_MIB_FIELD_NUMBER: _builtins.int
+    MIXED_MODELS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
-    """GPU model, e.g. "H100"; empty matches any model."""
+    """GPU model, e.g. "H100"; empty matches any model. A set of up to 8 models joined by
+    "|", e.g. "H100|A100", matches any of them: all GPUs of the node are then of one
+    model, tried in the order written, unless mixed_models is set.
+    """
     count: _builtins.int
     """Number of GPUs, 1..64."""
     min_memory_mib: _builtins.int
     """Minimum memory per GPU in MiB; 0 for no minimum."""
+    mixed_models: _builtins.bool
+    """With a model set: the node may mix GPUs of the set's models. Needs a set of two or
+    more models.
+    """
     def __init__(
         self,
         *,
         model: _builtins.str = ...,
         count: _builtins.int = ...,
         min_memory_mib: _builtins.int = ...,
+        mixed_models: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "min_memory_mib", b"min_memory_mib", "model", b"model"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "min_memory_mib", b"min_memory_mib", "mixed_models", b"mixed_models", "model", b"model"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -735,6 +814,26 @@ class NodeSpec(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class HostSelectorEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     GPUS_FIELD_NUMBER: _builtins.int
     HOST_FIELD_NUMBER: _builtins.int
     MAX_LATENCY_NS_FIELD_NUMBER: _builtins.int
@@ -743,6 +842,11 @@ class NodeSpec(_message.Message):
     LABELS_FIELD_NUMBER: _builtins.int
     MAX_SLOWDOWN_FIELD_NUMBER: _builtins.int
     WORKLOAD_FIELD_NUMBER: _builtins.int
+    AFFINITY_FIELD_NUMBER: _builtins.int
+    MAX_GPUS_PER_BOX_FIELD_NUMBER: _builtins.int
+    HOST_SELECTOR_FIELD_NUMBER: _builtins.int
+    CPU_CORES_FIELD_NUMBER: _builtins.int
+    HOST_MEMORY_MIB_FIELD_NUMBER: _builtins.int
     host: _builtins.str
     """Pin to this host ("hosts/{host}"); empty lets placement choose."""
     max_latency_ns: _builtins.int
@@ -766,10 +870,27 @@ class NodeSpec(_message.Message):
     "inference-online", ...) or ROUND_TRIPS@STEP_TIME, e.g. "400@5ms". Required with
     max_slowdown.
     """
+    affinity: Global___GpuAffinity.ValueType
+    """A requirement on where the GPUs come from together; see GpuAffinity."""
+    max_gpus_per_box: _builtins.int
+    """Spread over boxes for fault isolation: at most this many GPUs from any one box
+    (1: every GPU from a different box); 0 for no limit. Not with affinity BOX.
+    """
+    cpu_cores: _builtins.int
+    """CPU cores and memory (MiB) the node needs of its host; 0 for none. Only hosts that
+    declare them (Host.cpu_cores, Host.memory_mib) with that much not held by other nodes.
+    """
+    host_memory_mib: _builtins.int
     @_builtins.property
     def gpus(self) -> Global___GpuRequest: ...
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def host_selector(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Only hosts whose labels (Host.labels, set by the agent's --label) hold every one of
+        these key=value pairs.
+        """
+
     def __init__(
         self,
         *,
@@ -781,10 +902,15 @@ class NodeSpec(_message.Message):
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         max_slowdown: _builtins.float = ...,
         workload: _builtins.str = ...,
+        affinity: Global___GpuAffinity.ValueType = ...,
+        max_gpus_per_box: _builtins.int = ...,
+        host_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        cpu_cores: _builtins.int = ...,
+        host_memory_mib: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus", "host", b"host", "labels", b"labels", "max_latency_ns", b"max_latency_ns", "max_slowdown", b"max_slowdown", "tenant", b"tenant", "vfio", b"vfio", "workload", b"workload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["affinity", b"affinity", "cpu_cores", b"cpu_cores", "gpus", b"gpus", "host", b"host", "host_memory_mib", b"host_memory_mib", "host_selector", b"host_selector", "labels", b"labels", "max_gpus_per_box", b"max_gpus_per_box", "max_latency_ns", b"max_latency_ns", "max_slowdown", b"max_slowdown", "tenant", b"tenant", "vfio", b"vfio", "workload", b"workload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
