@@ -16,7 +16,12 @@ it simply looks again). Transitions:
   acted on is current, so the compare on the status record closes every race);
 * GPU DETACHING -> QUARANTINED when the agent reports the detach FAILED (it keeps
   failing); the GPU lets go of its node and is never handed out again;
-* RELEASING -> RELEASED once the node owns no GPU.
+* RELEASING -> RELEASED once the node owns no GPU;
+* READY/DEGRADED: the health the agent reports for each attached GPU (of the current
+  generation) is copied into the GPU record; a node with an UNHEALTHY GPU goes
+  DEGRADED, and back to READY when none is. The copy is a compare-and-swap on the GPU,
+  the node and the host's status together, so a release or a fence committed meanwhile
+  makes it look again instead of writing over them.
 
 Every transition is a :func:`~dxpool.broker.stm.transact` body built from
 :mod:`dxpool.lifecycle`.
@@ -73,6 +78,8 @@ class NodeController:
         self._clock = clock
         self._is_leader = is_leader
         self._failures: dict[str, str] = {}  # node -> why it failed, logged once committed
+        # Health changes the last health pass wrote, logged once committed.
+        self._health_changes: list[tuple[str, pb.Gpu]] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._dirty_nodes: set[str] = set()
@@ -239,6 +246,51 @@ class NodeController:
             self._run(lambda view: self._advance_attach(view, node_id), node_id)
         elif state == pb.NODE_STATE_RELEASING:
             self._run(lambda view: self._finish_release(view, node_id), node_id)
+        elif state in lifecycle.IN_USE_NODE_STATES:
+            self._run(lambda view: self._follow_health(view, node_id), node_id)
+
+    def _follow_health(self, view: TxnView, node_id: str) -> str | None:
+        """Copy the agent's health reports into the node's GPUs; READY <-> DEGRADED.
+        Returns the state the node moved to, if any."""
+        self._health_changes.clear()  # this attempt's, not a lost one's
+        record = view.get(k.NODES, node_id)
+        if record is None or record.value.state not in lifecycle.IN_USE_NODE_STATES:
+            return None
+        node: pb.VirtualNode = record.value
+        status_record = view.get(k.HOST_STATUSES, parse_host(node.host))
+        observed = {a.gpu: a for a in (status_record.value.attachments if status_record else ())}
+        unhealthy: list[str] = []
+        for binding in node.gpus:
+            key = gpu_id(binding.gpu)
+            gpu_record = view.get(k.GPUS, key)
+            if gpu_record is None or gpu_record.value.node != node.name:
+                continue
+            gpu: pb.Gpu = gpu_record.value
+            seen = observed.get(binding.gpu)
+            if (
+                seen is not None
+                and seen.generation == gpu.generation
+                and seen.phase == pb.ATTACHMENT_PHASE_ATTACHED
+            ):
+                updated = lifecycle.health_observed(gpu, seen)
+                if updated is not None:
+                    view.put(k.GPUS, key, updated)
+                    self._health_changes.append((binding.gpu, updated))
+                    gpu = updated
+            if gpu.health == pb.GPU_HEALTH_UNHEALTHY:
+                unhealthy.append(f"{binding.gpu}: {gpu.health_reason or 'unhealthy'}")
+        now = self._clock()
+        if unhealthy and node.state == pb.NODE_STATE_READY:
+            message = "GPU unhealthy: " + "; ".join(unhealthy)
+            view.put(
+                k.NODES, node_id, lifecycle.node_to(node, pb.NODE_STATE_DEGRADED, message, now)
+            )
+            return "DEGRADED"
+        if not unhealthy and node.state == pb.NODE_STATE_DEGRADED:
+            message = "all GPUs healthy again"
+            view.put(k.NODES, node_id, lifecycle.node_to(node, pb.NODE_STATE_READY, message, now))
+            return "READY"
+        return None
 
     def _finish_release(self, view: TxnView, node_id: str) -> str | None:
         record = view.get(k.NODES, node_id)
@@ -374,11 +426,24 @@ class NodeController:
     def _run(self, body: Callable[[TxnView], str | None], subject: str) -> str | None:
         """Commit one transition; a transition that keeps losing compares is left to the
         next pass (the records it read changed: it will be woken again)."""
+        self._health_changes.clear()
         try:
             state = transact(self._store, self._cache, body, attempts=3, what=subject)
         except Aborted:
             log.debug("controller transition kept losing compares", extra={"subject": subject})
             return None
+        for name, gpu in self._health_changes:
+            level = logging.INFO if gpu.health == pb.GPU_HEALTH_HEALTHY else logging.WARNING
+            log.log(
+                level,
+                "gpu health changed",
+                extra={
+                    "gpu": name,
+                    "health": pb.GpuHealth.Name(gpu.health),
+                    "reason": gpu.health_reason,
+                },
+            )
+        self._health_changes.clear()
         if state is not None:
             metrics.NODE_TRANSITIONS.labels(state=state).inc()
             failure = self._failures.pop(f"nodes/{subject}", None)

@@ -28,6 +28,17 @@ Node (``NodeState``)::
        │           │          │          ▲
        ├───────────┴──► FAILED ──────────┤
        └───────────┴──────────┴─► LOST ──┘
+                          │          ▲   ▲
+                          ▼          │   │
+                       DEGRADED ─────┴───┘   (and back to READY)
+
+READY -> DEGRADED when one of the node's GPUs is reported UNHEALTHY after the attach;
+DEGRADED -> READY when none is any more (the agent reports it healthy again, or an
+operator cleared it). A DEGRADED node keeps its GPUs until it is released or lost.
+
+Health (``GpuHealth``) is apart from the scheduling state: an UNHEALTHY GPU is never
+handed out (:func:`is_free`), whatever its state, until an operator clears it
+(:func:`health_cleared`).
 """
 
 from __future__ import annotations
@@ -54,7 +65,12 @@ NODE_TRANSITIONS: Mapping[int, frozenset[int]] = {
     pb.NODE_STATE_ATTACHING: frozenset(
         {pb.NODE_STATE_READY, pb.NODE_STATE_FAILED, pb.NODE_STATE_RELEASING, pb.NODE_STATE_LOST}
     ),
-    pb.NODE_STATE_READY: frozenset({pb.NODE_STATE_RELEASING, pb.NODE_STATE_LOST}),
+    pb.NODE_STATE_READY: frozenset(
+        {pb.NODE_STATE_RELEASING, pb.NODE_STATE_LOST, pb.NODE_STATE_DEGRADED}
+    ),
+    pb.NODE_STATE_DEGRADED: frozenset(
+        {pb.NODE_STATE_READY, pb.NODE_STATE_RELEASING, pb.NODE_STATE_LOST}
+    ),
     pb.NODE_STATE_FAILED: frozenset({pb.NODE_STATE_RELEASING}),
     pb.NODE_STATE_LOST: frozenset({pb.NODE_STATE_RELEASING}),
     pb.NODE_STATE_RELEASING: frozenset({pb.NODE_STATE_RELEASED}),
@@ -79,8 +95,10 @@ GPU_TRANSITIONS: Mapping[int, frozenset[int]] = {
 ATTACHING_NODE_STATES = frozenset({pb.NODE_STATE_PENDING, pb.NODE_STATE_ATTACHING})
 # Node states a host loss turns into LOST (the others already let go of their GPUs).
 LOSABLE_NODE_STATES = frozenset(
-    {pb.NODE_STATE_PENDING, pb.NODE_STATE_ATTACHING, pb.NODE_STATE_READY}
+    {pb.NODE_STATE_PENDING, pb.NODE_STATE_ATTACHING, pb.NODE_STATE_READY, pb.NODE_STATE_DEGRADED}
 )
+# Node states whose GPUs are attached and in use: the agent's health reports count.
+IN_USE_NODE_STATES = frozenset({pb.NODE_STATE_READY, pb.NODE_STATE_DEGRADED})
 # GPU states in which a host may hold a mapping of the GPU.
 ON_HOST_GPU_STATES = frozenset(
     {
@@ -172,6 +190,30 @@ def attach_confirmed(gpu: pb.Gpu, seen: pb.ObservedAttachment) -> pb.Gpu:
     return updated
 
 
+def health_observed(gpu: pb.Gpu, seen: pb.ObservedAttachment) -> pb.Gpu | None:
+    """The GPU with the health its host's agent reports in ``seen``, or None when that
+    changes nothing (same health and reason, or the report says nothing about health).
+    The scheduling state is untouched."""
+    if seen.health == pb.GPU_HEALTH_UNSPECIFIED:
+        return None
+    if (gpu.health, gpu.health_reason) == (seen.health, seen.health_reason):
+        return None
+    updated = copy(gpu)
+    updated.health = seen.health
+    updated.health_reason = seen.health_reason
+    return updated
+
+
+def health_cleared(gpu: pb.Gpu, message: str) -> pb.Gpu:
+    """HEALTHY again by an operator's word, with ``message`` saying why; the scheduling
+    state is untouched (a FREE GPU can be handed out again)."""
+    updated = copy(gpu)
+    updated.health = pb.GPU_HEALTH_HEALTHY
+    updated.health_reason = ""
+    updated.message = message
+    return updated
+
+
 def begin_detach(gpu: pb.Gpu) -> pb.Gpu:
     """-> DETACHING: the owner let go; the host's agent must detach it."""
     return _gpu_to(gpu, pb.GPU_STATE_DETACHING)
@@ -256,6 +298,7 @@ def node_letting_go(
 __all__ = [
     "ATTACHING_NODE_STATES",
     "GPU_TRANSITIONS",
+    "IN_USE_NODE_STATES",
     "LOSABLE_NODE_STATES",
     "NODE_REACHABLE",
     "NODE_TRANSITIONS",
@@ -267,6 +310,8 @@ __all__ = [
     "begin_fence",
     "can_become",
     "free",
+    "health_cleared",
+    "health_observed",
     "is_free",
     "is_terminal",
     "node_attaching",

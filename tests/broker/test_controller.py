@@ -92,3 +92,120 @@ def test_a_gpu_still_reported_by_its_agent_is_not_freed(
     }
     assert states[3] == pb.GPU_STATE_DETACHING
     assert all(states[s] == pb.GPU_STATE_FREE for s in range(8) if s != 3)
+
+
+def in_use_node(store: Store, health: pb.GpuHealth.ValueType) -> int:
+    """Node n1 READY on h1 with GPU b1/0 ATTACHED (generation 1), whose agent reports
+    ``health`` for it; returns the revision of the write."""
+    gpu = pb.Gpu(
+        name="boxes/b1/gpus/0",
+        model="H100",
+        state=pb.GPU_STATE_ATTACHED,
+        health=pb.GPU_HEALTH_HEALTHY,
+        node="nodes/n1",
+        host="hosts/h1",
+        generation=1,
+    )
+    node = pb.VirtualNode(
+        name="nodes/n1",
+        host="hosts/h1",
+        state=pb.NODE_STATE_READY,
+        gpus=[pb.GpuBinding(gpu=gpu.name, phase=pb.ATTACHMENT_PHASE_ATTACHED)],
+    )
+    status = pb.HostStatus(
+        host="hosts/h1",
+        attachments=[
+            pb.ObservedAttachment(
+                gpu=gpu.name,
+                generation=1,
+                phase=pb.ATTACHMENT_PHASE_ATTACHED,
+                health=health,
+                health_reason="XID 79: GPU has fallen off the bus",
+            )
+        ],
+    )
+    txn = Txn().put(store.keys.gpu("b1", 0), gpu).put(store.keys.node("n1"), node)
+    return store.commit(txn.put(store.keys.host_status("h1"), status)).revision
+
+
+def test_an_unhealthy_report_degrades_the_node_and_marks_the_gpu(
+    parts: tuple[Store, Cache, NodeController],
+) -> None:
+    store, cache, controller = parts
+    assert cache.wait_for_revision(in_use_node(store, pb.GPU_HEALTH_UNHEALTHY), 10)
+
+    controller._reconcile_node("n1")
+
+    gpu = store.get(store.keys.gpu("b1", 0))
+    node = store.get(store.keys.node("n1"))
+    assert gpu is not None and node is not None
+    assert (gpu.value.health, gpu.value.health_reason) == (
+        pb.GPU_HEALTH_UNHEALTHY,
+        "XID 79: GPU has fallen off the bus",
+    )
+    assert gpu.value.state == pb.GPU_STATE_ATTACHED
+    assert node.value.state == pb.NODE_STATE_DEGRADED
+    assert "boxes/b1/gpus/0: XID 79" in node.value.message
+    assert gpu.mod_revision == node.mod_revision  # one transaction
+
+
+def test_a_release_between_the_health_read_and_its_commit_is_not_lost(
+    parts: tuple[Store, Cache, NodeController],
+) -> None:
+    """The health pass reads the GPU and node, then a release commits (GPU DETACHING,
+    node RELEASING) before the pass commits. Its compare fails; it reads again, finds
+    the node RELEASING and writes nothing: the release stands."""
+    store, cache, controller = parts
+    assert cache.wait_for_revision(in_use_node(store, pb.GPU_HEALTH_UNHEALTHY), 10)
+    commit = store.commit
+    released: list[int] = []
+
+    def release_first(txn: Txn) -> object:
+        if not released:
+            gpu = store.get(store.keys.gpu("b1", 0))
+            node = store.get(store.keys.node("n1"))
+            assert gpu is not None and node is not None
+            detaching = pb.Gpu()
+            detaching.CopyFrom(gpu.value)
+            detaching.state = pb.GPU_STATE_DETACHING
+            releasing = pb.VirtualNode()
+            releasing.CopyFrom(node.value)
+            releasing.state = pb.NODE_STATE_RELEASING
+            competing = Txn().put(store.keys.gpu("b1", 0), detaching)
+            released.append(commit(competing.put(store.keys.node("n1"), releasing)).revision)
+        return commit(txn)
+
+    store.commit = release_first  # type: ignore[method-assign]
+    controller._reconcile_node("n1")
+
+    assert released, "the health pass never tried to commit"
+    gpu = store.get(store.keys.gpu("b1", 0))
+    node = store.get(store.keys.node("n1"))
+    assert gpu is not None and node is not None
+    assert gpu.value.state == pb.GPU_STATE_DETACHING
+    assert node.value.state == pb.NODE_STATE_RELEASING
+    assert gpu.mod_revision == released[0]  # nothing written over the release
+
+
+def test_a_recovered_gpu_makes_a_degraded_node_ready(
+    parts: tuple[Store, Cache, NodeController],
+) -> None:
+    store, cache, controller = parts
+    assert cache.wait_for_revision(in_use_node(store, pb.GPU_HEALTH_UNHEALTHY), 10)
+    controller._reconcile_node("n1")
+    status = store.get(store.keys.host_status("h1"))
+    assert status is not None
+    healthy = pb.HostStatus()
+    healthy.CopyFrom(status.value)
+    healthy.attachments[0].health = pb.GPU_HEALTH_HEALTHY
+    healthy.attachments[0].health_reason = ""
+    revision = store.commit(Txn().put(store.keys.host_status("h1"), healthy)).revision
+    assert cache.wait_for_revision(revision, 10)
+
+    controller._reconcile_node("n1")
+
+    gpu = store.get(store.keys.gpu("b1", 0))
+    node = store.get(store.keys.node("n1"))
+    assert gpu is not None and node is not None
+    assert gpu.value.health == pb.GPU_HEALTH_HEALTHY
+    assert node.value.state == pb.NODE_STATE_READY

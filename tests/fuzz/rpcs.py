@@ -47,6 +47,7 @@ EXPECTED: dict[str, frozenset[grpc.StatusCode]] = {
     "InventoryService.GetGpu": _LOOKUP,
     "InventoryService.ListGpus": _LOOKUP,
     "InventoryService.ReclaimGpu": _LOOKUP | {C.FAILED_PRECONDITION},
+    "InventoryService.ClearGpuHealth": _LOOKUP | {C.FAILED_PRECONDITION},
     "InventoryService.GetHost": _LOOKUP,
     "InventoryService.GetPoolStatus": _LIST,
     "InventoryService.ListHosts": _LIST,
@@ -69,6 +70,7 @@ MUTATIONS = frozenset(
         "InventoryService.UncordonBox",
         "InventoryService.DeleteBox",
         "InventoryService.ReclaimGpu",
+        "InventoryService.ClearGpuHealth",
         "NodeService.ComposeNode",
         "NodeService.ReleaseNode",
     }

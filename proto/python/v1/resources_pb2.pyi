@@ -174,6 +174,10 @@ class _NodeStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_NodeState.V
     """Its host was lost (agent lease expired) or it was force-released: its GPUs are
     fenced at the box side, scrubbed and returned to the pool. Release it to remove it.
     """
+    NODE_STATE_DEGRADED: _NodeState.ValueType  # 8
+    """Was READY; one of its GPUs is now reported unhealthy (see `message` and the GPU's
+    `health_reason`). It keeps its GPUs; it goes back to READY when no GPU is unhealthy.
+    """
 
 class NodeState(_NodeState, metaclass=_NodeStateEnumTypeWrapper):
     """Lifecycle of a virtual node.
@@ -183,6 +187,7 @@ class NodeState(_NodeState, metaclass=_NodeStateEnumTypeWrapper):
          +-----------+--> FAILED ---------+ (its GPUs are detached and freed)
          |           |          |         |
          +-----------+----------+--> LOST +  (its host's lease expired: GPUs fenced, freed)
+      READY <-> DEGRADED (a GPU reported unhealthy / cleared); DEGRADED -> RELEASING, LOST
     """
 
 NODE_STATE_UNSPECIFIED: NodeState.ValueType  # 0
@@ -201,6 +206,10 @@ NODE_STATE_FAILED: NodeState.ValueType  # 6
 NODE_STATE_LOST: NodeState.ValueType  # 7
 """Its host was lost (agent lease expired) or it was force-released: its GPUs are
 fenced at the box side, scrubbed and returned to the pool. Release it to remove it.
+"""
+NODE_STATE_DEGRADED: NodeState.ValueType  # 8
+"""Was READY; one of its GPUs is now reported unhealthy (see `message` and the GPU's
+`health_reason`). It keeps its GPUs; it goes back to READY when no GPU is unhealthy.
 """
 Global___NodeState: _TypeAlias = NodeState  # noqa: Y015
 
