@@ -11,11 +11,14 @@ it simply looks again). Transitions:
 * PENDING/ATTACHING -> FAILED when the agent reports an attach FAILED, or the attach
   deadline passes (checked by the leader only); the node's GPUs go DETACHING and leave
   the host's allocation;
-* GPU DETACHING -> FREE once its host's status no longer lists it (the agent removes an
-  entry only after the detach succeeded, and writes an entry only while the spec it
-  acted on is current, so the compare on the status record closes every race);
-* GPU DETACHING -> QUARANTINED when the agent reports the detach FAILED (it keeps
-  failing); the GPU lets go of its node and is never handed out again;
+* GPU DETACHING -> FREE only when its host's agent reports it RELEASED for the GPU's
+  generation: drained, reset and found healthy, then detached (or it never reached the
+  host). No entry, or any other phase, frees nothing;
+* GPU DETACHING -> QUARANTINED when the agent reports SCRUB_FAILED (the scrub or the
+  detach failed); the GPU lets go of its node and is never handed out again.
+  Either way the GPU's ``release`` attachment leaves the host's allocation in the same
+  transaction, and only then does the agent drop its entry (and, after a failed scrub,
+  the mapping), so the broker cannot miss the outcome;
 * RELEASING -> RELEASED once the node owns no GPU;
 * READY/DEGRADED: the health the agent reports for each attached GPU (of the current
   generation) is copied into the GPU record; a node with an UNHEALTHY GPU goes
@@ -45,7 +48,7 @@ from dxpool.broker import metrics
 from dxpool.broker.cache import Cache
 from dxpool.broker.records import seconds
 from dxpool.broker.stm import TxnView, transact
-from dxpool.broker.transitions import gpu_id, let_go, owned_gpus
+from dxpool.broker.transitions import drop_release, gpu_id, let_go, owned_gpus
 from dxpool.errors import Aborted, Unavailable
 from dxpool.names import parse_host, parse_node
 from dxpool.store import keys as k
@@ -411,14 +414,18 @@ class NodeController:
         entry = next(
             (a for a in (status.value.attachments if status else ()) if a.gpu == gpu.name), None
         )
-        if entry is None:
+        if entry is None or entry.generation != gpu.generation:
+            return None  # the agent has not reported the outcome of this release yet
+        if entry.phase == pb.ATTACHMENT_PHASE_RELEASED:
+            drop_release(view, gpu)
             view.put(k.GPUS, name, lifecycle.free(gpu))
             return "FREE"
-        if entry.phase == pb.ATTACHMENT_PHASE_FAILED:
+        if entry.phase == pb.ATTACHMENT_PHASE_SCRUB_FAILED:
+            drop_release(view, gpu)
             view.put(
                 k.GPUS,
                 name,
-                lifecycle.quarantine(gpu, f"detach keeps failing on {gpu.host}: {entry.message}"),
+                lifecycle.quarantine(gpu, f"release failed on {gpu.host}: {entry.message}"),
             )
             return "QUARANTINED"
         return None

@@ -26,6 +26,7 @@ from dxpool.hostagent.errors import (
     DriverError,
     GpuBusyError,
     IdentityMismatchError,
+    ScrubError,
 )
 from dxpool.hostagent.nvml import NO_HEALTH_REPORT, NO_HEALTH_SIGNAL, GpuIdentity, GpuInspector
 from dxpool.names import GpuRef
@@ -201,6 +202,17 @@ class FabricDriver(Protocol):
         """
         ...
 
+    def scrub(self, gpu: GpuRef, *, force: bool = False) -> None:
+        """Reset ``gpu`` on this host and check that it is healthy, so nothing of its last
+        tenant reaches the next one; the GPU stays attached (bound to the native driver).
+
+        Raises :class:`GpuBusyError`, touching nothing, while compute processes run on
+        it, unless ``force``; :class:`ScrubError` when it is not healthy after the reset;
+        :class:`DriverError` when it is not mapped here, its device is not on the bus, or
+        the reset failed. Safe to call again after any failure.
+        """
+        ...
+
     def observe(self) -> dict[GpuRef, AttachedGpu]:
         """Every GPU mapped to this host, read from the hardware (not from memory of past
         calls), including partial attachments whose device is not present."""
@@ -268,6 +280,12 @@ class PciBus(Protocol):
     def bind(self, bdf: str, driver: str | None) -> None:
         """Bind the device at ``bdf`` to ``driver`` ("nvidia", "vfio-pci"), or unbind it
         with None. Binding the driver it already has is a no-op."""
+        ...
+
+    def reset(self, bdf: str) -> None:
+        """Reset the device at ``bdf`` (function-level or bus reset, as the kernel
+        chooses); it must be unbound. :class:`DriverError` when it is absent or the reset
+        failed."""
         ...
 
 
@@ -365,6 +383,29 @@ class StepDriver:
                 self._bus.remove(device.bdf)
             self._proxy.unmap(gpu)
         self._forget(gpu)
+
+    def scrub(self, gpu: GpuRef, *, force: bool = False) -> None:
+        host_slot = next((slot for slot, ref in self._proxy.mappings().items() if ref == gpu), None)
+        if host_slot is None:
+            raise DriverError(f"{gpu.name} is not mapped to this host; nothing to scrub")
+        device = next((d for d in self._bus.devices() if d.host_slot == host_slot), None)
+        if device is None:
+            raise DriverError(
+                f"{gpu.name} is mapped at host slot {host_slot} but its device is not on the "
+                "bus; it cannot be reset from this host"
+            )
+        if not force and device.driver == NATIVE_DRIVER:
+            self._refuse_if_busy(gpu, device.bdf)
+        if device.driver is not None:
+            self._bus.bind(device.bdf, None)
+        self._bus.reset(device.bdf)
+        self._bus.bind(device.bdf, NATIVE_DRIVER)
+        health = self._inspector.health(device.bdf)
+        if health.state == resources_pb2.GPU_HEALTH_UNHEALTHY:
+            raise ScrubError(
+                f"{gpu.name} at {device.bdf} is unhealthy after a reset: "
+                f"{health.reason or 'no reason given'}"
+            )
 
     def _refuse_if_busy(self, gpu: GpuRef, bdf: str) -> None:
         try:

@@ -13,13 +13,22 @@ yes                       not attached, or partially    status ATTACHING, attach
 yes                       other host slot or binding    status ATTACHING, detach, then attach
 yes, FAILED this          anything                      nothing: FAILED is terminal for a
 generation                                              generation; a new generation retries
+release                   attached (even partially)     status DETACHING, drain, scrub (reset,
+                                                        check healthy), detach; RELEASED, or
+                                                        SCRUB_FAILED (mapping kept)
+release                   not attached                  RELEASED, unless it was handed out here
+                                                        and left unscrubbed: SCRUB_FAILED
+release, outcome written  anything                      nothing: wait for the broker
 no                        attached (even partially)     status DETACHING, detach, remove entry;
                                                         detach errors retry indefinitely
 no                        not attached                  remove any status entry
 ========================  ============================  ========================================
 
-Status is written before hardware is touched (ATTACHING, DETACHING), and an entry is
-removed only after the detach succeeded: the broker reads "no entry" as "detached".
+Status is written before hardware is touched (ATTACHING, DETACHING). A GPU its node let
+go of stays in the spec marked ``release`` until the broker has recorded the outcome the
+agent reports (RELEASED: free it; SCRUB_FAILED: quarantine it), and the agent keeps that
+entry while the spec still lists the GPU: so the broker never has to read meaning into
+a missing entry, and cannot free a GPU whose failure it has not seen yet.
 Every entry that claims a GPU for the spec is written conditionally on the spec revision
 it was decided from (:class:`~dxpool.hostagent.status.StatusStore`): when the spec changed
 in between, the write fails, no hardware is touched, and the GPU is reconciled again
@@ -55,6 +64,8 @@ ATTACHING = resources_pb2.ATTACHMENT_PHASE_ATTACHING
 ATTACHED = resources_pb2.ATTACHMENT_PHASE_ATTACHED
 DETACHING = resources_pb2.ATTACHMENT_PHASE_DETACHING
 FAILED = resources_pb2.ATTACHMENT_PHASE_FAILED
+RELEASED = resources_pb2.ATTACHMENT_PHASE_RELEASED
+SCRUB_FAILED = resources_pb2.ATTACHMENT_PHASE_SCRUB_FAILED
 STALE_WAIT_S = 1.0
 DEFAULT_DRAIN_TIMEOUT_S = 300.0
 
@@ -126,6 +137,8 @@ class Reconciler:
         try:
             if want is None:
                 return self._ensure_detached(gpu, actual.get(gpu))
+            if want.release:
+                return self._release(gpu, want, actual.get(gpu), spec_revision)
             return self._ensure_attached(gpu, want, actual, spec_revision)
         except StaleSpecError:
             log.info("spec changed under a decision; reconciling again", extra={"gpu": gpu.name})
@@ -208,7 +221,7 @@ class Reconciler:
         """The host slot still holds another GPU: wait for its detach, or fail when the spec
         itself gives the slot to both."""
         other = self._desired.get(occupant)
-        if other is not None and other.host_slot == want.host_slot:
+        if other is not None and not other.release and other.host_slot == want.host_slot:
             message = (
                 f"host slot {want.host_slot} is assigned to both {gpu.name} and {occupant.name}"
             )
@@ -256,6 +269,112 @@ class Reconciler:
         with self._lock:
             self._failed_attempts.pop(gpu, None)
 
+    # -- released: scrub, detach, report ---------------------------------------------------
+
+    def _release(
+        self,
+        gpu: GpuRef,
+        want: resources_pb2.DesiredAttachment,
+        have: AttachedGpu | None,
+        spec_revision: int,
+    ) -> Outcome:
+        """Drain, scrub and detach a GPU its node let go of, and report the outcome; the
+        entry stays until the broker drops the GPU from the spec."""
+        self._clear_failures(gpu)
+        previous = self._status.get(gpu)
+        ours = previous if previous is not None and previous.generation == want.generation else None
+        if ours is not None and ours.phase in (RELEASED, SCRUB_FAILED):
+            return Outcome.DONE  # reported; the broker records it and drops the GPU
+        entry = resources_pb2.ObservedAttachment(
+            gpu=gpu.name,
+            generation=want.generation,
+            phase=DETACHING,
+            host_slot=want.host_slot,
+            bdf=have.bdf if have is not None else "",
+            uuid=ours.uuid if ours is not None else "",
+            serial=ours.serial if ours is not None else "",
+            health=ours.health if ours is not None else resources_pb2.GPU_HEALTH_UNSPECIFIED,
+            health_reason=ours.health_reason if ours is not None else "",
+            scrubbed=ours.scrubbed if ours is not None else False,
+            message="releasing",
+        )
+        if have is None:
+            handed_out = ours is not None and ours.phase in (ATTACHED, DETACHING)
+            if handed_out and not entry.scrubbed:
+                return self._release_failed(
+                    gpu, entry, "it left this host before it could be scrubbed", spec_revision
+                )
+            entry.phase = RELEASED
+            entry.message = "scrubbed and detached" if entry.scrubbed else "never attached here"
+            self._status.put(entry, spec_revision=spec_revision)
+            self._forget_release(gpu)
+            log.info("gpu released", extra={"gpu": gpu.name, "scrubbed": entry.scrubbed})
+            return Outcome.DONE
+        self._status.put(entry, spec_revision=spec_revision)
+        with self._lock:
+            refused_at = self._draining.get(gpu)
+        force = refused_at is not None and self._clock() - refused_at >= self._drain_timeout_s
+        try:
+            if not entry.scrubbed:
+                self._driver.scrub(gpu, force=force)
+                entry.scrubbed = True
+                entry.message = "scrubbed; detaching"
+                self._status.put(entry, spec_revision=spec_revision)
+            self._driver.detach(gpu, force=True)  # drained and scrubbed: nothing runs on it
+        except GpuBusyError as error:
+            now = self._clock()
+            with self._lock:
+                refused_at = self._draining.setdefault(gpu, now)
+            left = max(0.0, self._drain_timeout_s - (now - refused_at))
+            entry.message = f"draining: {error}; scrubbing anyway in {left:.0f}s"
+            self._status.put(entry, spec_revision=spec_revision)
+            log.info("gpu draining", extra={"gpu": gpu.name, "pids": list(error.pids)})
+            return Outcome.RETRY
+        except DriverError as error:
+            with self._lock:
+                count = self._failed_detaches.get(gpu, 0) + 1
+                self._failed_detaches[gpu] = count
+            what = "detach" if entry.scrubbed else "scrub"
+            if not error.retryable or count >= self._detach_attempts:
+                return self._release_failed(
+                    gpu, entry, f"{what} failed ({count} attempt(s)): {error}", spec_revision
+                )
+            entry.message = f"{what} failed: {error}; retrying"
+            self._status.put(entry, spec_revision=spec_revision)
+            log.warning(
+                "gpu release step failed",
+                extra={"gpu": gpu.name, "step": what, "attempt": count, "error": str(error)},
+            )
+            return Outcome.RETRY
+        entry.phase = RELEASED
+        entry.bdf = ""
+        entry.message = "scrubbed and detached"
+        self._status.put(entry, spec_revision=spec_revision)
+        self._forget_release(gpu)
+        log.info("gpu released", extra={"gpu": gpu.name, "scrubbed": True})
+        return Outcome.DONE
+
+    def _release_failed(
+        self,
+        gpu: GpuRef,
+        entry: resources_pb2.ObservedAttachment,
+        message: str,
+        spec_revision: int,
+    ) -> Outcome:
+        """Report SCRUB_FAILED and leave the GPU as it is (mapped, if it still is): the
+        broker quarantines it, drops it from the spec, and only then is it detached."""
+        entry.phase = SCRUB_FAILED
+        entry.message = message
+        self._status.put(entry, spec_revision=spec_revision)
+        self._forget_release(gpu)
+        log.warning("gpu release failed", extra={"gpu": gpu.name, "reason": message})
+        return Outcome.DONE
+
+    def _forget_release(self, gpu: GpuRef) -> None:
+        with self._lock:
+            self._failed_detaches.pop(gpu, None)
+            self._draining.pop(gpu, None)
+
     # -- not desired: detach --------------------------------------------------------------
 
     def _ensure_detached(self, gpu: GpuRef, have: AttachedGpu | None) -> Outcome:
@@ -281,10 +400,10 @@ class Reconciler:
         )
         if (
             previous is not None
-            and previous.phase == FAILED
+            and previous.phase in (FAILED, SCRUB_FAILED)
             and previous.generation == (entry.generation)
         ):
-            entry.phase = FAILED  # keep telling the broker; quarantine stands
+            entry.phase = FAILED  # quarantine stands; say why
             entry.message = previous.message
         self._status.put(entry)
         with self._lock:

@@ -24,10 +24,26 @@ def parts(etcd_client, key_prefix: str) -> Iterator[tuple[Store, Cache, NodeCont
     store.health.close()
 
 
-def detaching(store: Store, host: str, slots: range) -> int:
-    """GPUs of box b1 DETACHING from ``host`` (its agent reports none of them any more),
-    written in one transaction; returns its revision."""
+def detaching(
+    store: Store,
+    host: str,
+    slots: range,
+    *,
+    phase: pb.AttachmentPhase.ValueType = pb.ATTACHMENT_PHASE_RELEASED,
+    reported: range | None = None,
+) -> int:
+    """GPUs of box b1 DETACHING from ``host``, each with its ``release`` attachment in the
+    host's spec; the agent reports ``phase`` for the ``reported`` ones (default: all).
+    Written in one transaction; returns its revision."""
     txn = Txn()
+    spec = pb.HostAllocation(host=f"hosts/{host}")
+    status = pb.HostStatus(host=f"hosts/{host}")
+    for slot in slots:
+        name = f"boxes/b1/gpus/{slot}"
+        spec.attachments.add(gpu=name, host_slot=slot, node="nodes/n1", generation=1, release=True)
+        if reported is None or slot in reported:
+            status.attachments.add(gpu=name, generation=1, phase=phase, host_slot=slot)
+    txn.put(store.keys.host_allocation(host), spec).put(store.keys.host_status(host), status)
     for slot in slots:
         gpu = pb.Gpu(
             name=f"boxes/b1/gpus/{slot}",
@@ -52,6 +68,9 @@ def test_a_hosts_detached_gpus_are_freed_in_one_transaction(
     records = [store.get(store.keys.gpu("b1", slot)) for slot in range(8)]
     assert all(r is not None and r.value.state == pb.GPU_STATE_FREE for r in records)
     assert len({r.mod_revision for r in records if r is not None}) == 1
+    spec = store.get(store.keys.host_allocation("h1"))
+    assert spec is not None and list(spec.value.attachments) == []
+    assert spec.mod_revision == records[0].mod_revision  # the outcome and the spec together
 
 
 def test_more_gpus_than_one_transaction_holds_are_freed_in_chunks(
@@ -68,20 +87,19 @@ def test_more_gpus_than_one_transaction_holds_are_freed_in_chunks(
     assert len({r.mod_revision for r in records if r is not None}) == 2
 
 
-def test_a_gpu_still_reported_by_its_agent_is_not_freed(
+def test_a_gpu_still_detaching_is_not_freed(
     parts: tuple[Store, Cache, NodeController],
 ) -> None:
     store, cache, controller = parts
-    status = pb.HostStatus(
-        host="hosts/h1",
-        attachments=[
-            pb.ObservedAttachment(
-                gpu="boxes/b1/gpus/3", phase=pb.ATTACHMENT_PHASE_DETACHING, generation=1
-            )
-        ],
-    )
-    store.commit(Txn().put(store.keys.host_status("h1"), status))
     assert cache.wait_for_revision(detaching(store, "h1", range(8)), 10)
+    status = store.get(store.keys.host_status("h1"))
+    assert status is not None
+    updated = pb.HostStatus()
+    updated.CopyFrom(status.value)
+    updated.attachments[3].phase = pb.ATTACHMENT_PHASE_DETACHING
+    assert cache.wait_for_revision(
+        store.commit(Txn().put(store.keys.host_status("h1"), updated)).revision, 10
+    )
 
     controller.sweep()
 
@@ -209,3 +227,39 @@ def test_a_recovered_gpu_makes_a_degraded_node_ready(
     assert gpu is not None and node is not None
     assert gpu.value.health == pb.GPU_HEALTH_HEALTHY
     assert node.value.state == pb.NODE_STATE_READY
+
+
+def test_a_gpu_without_a_reported_outcome_is_never_freed(
+    parts: tuple[Store, Cache, NodeController],
+) -> None:
+    """No entry is no outcome: an agent that reported a failure and then dropped the
+    entry (the old protocol) must not get the GPU freed."""
+    store, cache, controller = parts
+    assert cache.wait_for_revision(detaching(store, "h1", range(2), reported=range(0)), 10)
+
+    controller.sweep()
+
+    for slot in range(2):
+        record = store.get(store.keys.gpu("b1", slot))
+        assert record is not None and record.value.state == pb.GPU_STATE_DETACHING
+    spec = store.get(store.keys.host_allocation("h1"))
+    assert spec is not None and len(spec.value.attachments) == 2
+
+
+def test_a_failed_scrub_quarantines_the_gpu_and_drops_it_from_the_spec(
+    parts: tuple[Store, Cache, NodeController],
+) -> None:
+    store, cache, controller = parts
+    revision = detaching(store, "h1", range(2), phase=pb.ATTACHMENT_PHASE_SCRUB_FAILED)
+    assert cache.wait_for_revision(revision, 10)
+
+    controller.sweep()
+
+    for slot in range(2):
+        record = store.get(store.keys.gpu("b1", slot))
+        assert record is not None
+        assert record.value.state == pb.GPU_STATE_QUARANTINED
+        assert record.value.host == "hosts/h1"  # it may still be mapped there
+        assert "release failed on hosts/h1" in record.value.message
+    spec = store.get(store.keys.host_allocation("h1"))
+    assert spec is not None and list(spec.value.attachments) == []

@@ -8,6 +8,8 @@ clears it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import grpc
 import pytest
 
@@ -27,15 +29,27 @@ def clear(stubs: Stubs, name: str) -> pb.Gpu:
     return stubs.inventory.ClearGpuHealth(request)
 
 
+@pytest.fixture
+def fencing_stubs(broker_factory: Callable[..., object], sim_pool: SimPool) -> Iterator[Stubs]:
+    """A broker that can fence and scrub at the box side, so a quarantined GPU can be
+    reclaimed."""
+    broker = broker_factory(fabric=f"sim:{sim_pool.state_dir / 'fabric'}", leader_ttl_s=2.0)
+    channel = grpc.insecure_channel(broker.endpoint)  # type: ignore[attr-defined]
+    yield Stubs(channel)
+    channel.close()
+
+
 def test_a_gpu_failing_mid_life_degrades_its_node_and_is_not_handed_out_again(
-    stubs: Stubs, sim_pool: SimPool
+    fencing_stubs: Stubs, sim_pool: SimPool
 ) -> None:
+    stubs = fencing_stubs
     register_sim_box(sim_pool, stubs, "box1", gpus=2)
     sim_pool.start_agent("h1")
     wait_hosts_alive(stubs)
     node = compose(stubs, "H100:2")
     ready = wait_state(stubs, node.name, pb.NODE_STATE_READY)
     sick = parse_gpu(ready.gpus[0].gpu)
+    well = ready.gpus[1].gpu
     assert gpu_record(stubs, sick.name).health == pb.GPU_HEALTH_HEALTHY
 
     sim_pool.fabric.set_health(sick.box, sick.slot, healthy=False)
@@ -53,26 +67,33 @@ def test_a_gpu_failing_mid_life_degrades_its_node_and_is_not_handed_out_again(
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "still reported unhealthy" in (refused.value.details() or "")
 
+    # Released: the healthy GPU is scrubbed and freed; the sick one fails its scrub (it is
+    # still unhealthy after the reset) and is quarantined, never FREE.
     stubs.nodes.ReleaseNode(nodes_pb2.ReleaseNodeRequest(name=node.name))
     wait_state(stubs, node.name, pb.NODE_STATE_RELEASED)
+    assert gpu_record(stubs, well).state == pb.GPU_STATE_FREE
+    quarantined = gpu_record(stubs, sick.name)
+    assert quarantined.state == pb.GPU_STATE_QUARANTINED
+    assert "unhealthy after a reset" in quarantined.message
+
+    # The operator fixes it and reclaims it: fenced and scrubbed at the box side, then
+    # FREE, but still marked unhealthy, so it is not handed out yet.
+    sim_pool.fabric.set_health(sick.box, sick.slot, healthy=True)
+    stubs.inventory.ReclaimGpu(inventory_pb2.ReclaimGpuRequest(name=sick.name))
     wait_until(
         lambda: gpu_record(stubs, sick.name).state == pb.GPU_STATE_FREE,
-        message="the unhealthy GPU to be detached",
+        message="the reclaimed GPU to be FREE",
     )
     assert gpu_record(stubs, sick.name).health == pb.GPU_HEALTH_UNHEALTHY
-
-    # Two GPUs in the pool, one unhealthy: a 2-GPU node cannot be had, a 1-GPU node gets
-    # the healthy one.
     with pytest.raises(grpc.RpcError) as exhausted:
         compose(stubs, "H100:2")
     assert exhausted.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     single = wait_state(stubs, compose(stubs, "H100:1").name, pb.NODE_STATE_READY)
-    assert [b.gpu for b in single.gpus] != [sick.name]
+    assert [b.gpu for b in single.gpus] == [well]
     stubs.nodes.ReleaseNode(nodes_pb2.ReleaseNodeRequest(name=single.name))
     wait_state(stubs, single.name, pb.NODE_STATE_RELEASED)
 
-    # The operator fixes it and clears it; it is handed out again.
-    sim_pool.fabric.set_health(sick.box, sick.slot, healthy=True)
+    # Cleared, it is handed out again.
     cleared = clear(stubs, sick.name)
     assert (cleared.health, cleared.health_reason) == (pb.GPU_HEALTH_HEALTHY, "")
     assert "replaced the riser" in cleared.message

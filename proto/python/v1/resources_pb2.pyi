@@ -140,6 +140,14 @@ class _AttachmentPhaseEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Attac
     ATTACHMENT_PHASE_DETACHING: _AttachmentPhase.ValueType  # 3
     ATTACHMENT_PHASE_FAILED: _AttachmentPhase.ValueType  # 4
     """Attaching failed and will not be retried for this generation."""
+    ATTACHMENT_PHASE_RELEASED: _AttachmentPhase.ValueType  # 5
+    """Released: detached and scrubbed clean (or never reached the host); the broker may
+    free the GPU.
+    """
+    ATTACHMENT_PHASE_SCRUB_FAILED: _AttachmentPhase.ValueType  # 6
+    """Released, but the scrub or the detach failed: the broker quarantines the GPU. The
+    agent keeps the entry (and the mapping, when the scrub failed) until it has.
+    """
 
 class AttachmentPhase(_AttachmentPhase, metaclass=_AttachmentPhaseEnumTypeWrapper): ...
 
@@ -149,6 +157,14 @@ ATTACHMENT_PHASE_ATTACHED: AttachmentPhase.ValueType  # 2
 ATTACHMENT_PHASE_DETACHING: AttachmentPhase.ValueType  # 3
 ATTACHMENT_PHASE_FAILED: AttachmentPhase.ValueType  # 4
 """Attaching failed and will not be retried for this generation."""
+ATTACHMENT_PHASE_RELEASED: AttachmentPhase.ValueType  # 5
+"""Released: detached and scrubbed clean (or never reached the host); the broker may
+free the GPU.
+"""
+ATTACHMENT_PHASE_SCRUB_FAILED: AttachmentPhase.ValueType  # 6
+"""Released, but the scrub or the detach failed: the broker quarantines the GPU. The
+agent keeps the entry (and the mapping, when the scrub failed) until it has.
+"""
 Global___AttachmentPhase: _TypeAlias = AttachmentPhase  # noqa: Y015
 
 class _NodeState:
@@ -487,6 +503,8 @@ class DesiredAttachment(_message.Message):
     EXPECTED_UUID_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     PCI_ID_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
+    EXPECTED_SERIAL_FIELD_NUMBER: _builtins.int
     gpu: _builtins.str
     """"boxes/{box}/gpus/{slot}" """
     host_slot: _builtins.int
@@ -503,6 +521,15 @@ class DesiredAttachment(_message.Message):
     """PCI vendor and device id the GPU must show, e.g. "10de:2330" (Gpu.pci_id); checked
     against the device's configuration space when not empty.
     """
+    release: _builtins.bool
+    """The node let go of the GPU: the agent drains it, resets it and checks it healthy
+    (scrub), detaches it, and reports RELEASED (clean) or SCRUB_FAILED. The broker frees
+    or quarantines the GPU on that report and drops this entry in the same transaction.
+    """
+    expected_serial: _builtins.str
+    """Serial number learned on the GPU's first attach, if any; the agent verifies it (and
+    the bus checks it against the Device Serial Number where it can read one).
+    """
     def __init__(
         self,
         *,
@@ -514,10 +541,12 @@ class DesiredAttachment(_message.Message):
         expected_uuid: _builtins.str = ...,
         model: _builtins.str = ...,
         pci_id: _builtins.str = ...,
+        release: _builtins.bool = ...,
+        expected_serial: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_uuid", b"expected_uuid", "generation", b"generation", "gpu", b"gpu", "host_slot", b"host_slot", "model", b"model", "node", b"node", "pci_id", b"pci_id", "vfio", b"vfio"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_serial", b"expected_serial", "expected_uuid", b"expected_uuid", "generation", b"generation", "gpu", b"gpu", "host_slot", b"host_slot", "model", b"model", "node", b"node", "pci_id", b"pci_id", "release", b"release", "vfio", b"vfio"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -567,6 +596,7 @@ class ObservedAttachment(_message.Message):
     MESSAGE_FIELD_NUMBER: _builtins.int
     UPDATE_TIME_FIELD_NUMBER: _builtins.int
     HEALTH_REASON_FIELD_NUMBER: _builtins.int
+    SCRUBBED_FIELD_NUMBER: _builtins.int
     gpu: _builtins.str
     generation: _builtins.int
     phase: Global___AttachmentPhase.ValueType
@@ -582,6 +612,8 @@ class ObservedAttachment(_message.Message):
     """
     health_reason: _builtins.str
     """Why `health` is not HEALTHY (e.g. "2 volatile uncorrected ECC errors")."""
+    scrubbed: _builtins.bool
+    """The GPU was reset and found healthy since the node let go of it."""
     @_builtins.property
     def update_time(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -598,10 +630,11 @@ class ObservedAttachment(_message.Message):
         message: _builtins.str = ...,
         update_time: _timestamp_pb2.Timestamp | None = ...,
         health_reason: _builtins.str = ...,
+        scrubbed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bdf", b"bdf", "generation", b"generation", "gpu", b"gpu", "health", b"health", "health_reason", b"health_reason", "host_slot", b"host_slot", "message", b"message", "phase", b"phase", "serial", b"serial", "update_time", b"update_time", "uuid", b"uuid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bdf", b"bdf", "generation", b"generation", "gpu", b"gpu", "health", b"health", "health_reason", b"health_reason", "host_slot", b"host_slot", "message", b"message", "phase", b"phase", "scrubbed", b"scrubbed", "serial", b"serial", "update_time", b"update_time", "uuid", b"uuid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
