@@ -9,8 +9,10 @@ it simply looks again). Transitions:
 * PENDING/ATTACHING -> READY when every GPU is ATTACHED for the node's generation
   (GPUs go ATTACHED and learn their UUID and serial);
 * PENDING/ATTACHING -> FAILED when the agent reports an attach FAILED, or the attach
-  deadline passes (checked by the leader only); the node's GPUs go DETACHING and leave
-  the host's allocation;
+  deadline passes (checked by the leader only); the node's GPUs go DETACHING (released
+  through the agent, see below). A GPU whose identity is not the one recorded on its
+  first attach (the agent found another UUID, serial, PCI id or model, or reports a
+  UUID or serial other than the recorded one) is QUARANTINED as suspect instead;
 * GPU DETACHING -> FREE only when its host's agent reports it RELEASED for the GPU's
   generation: drained, reset and found healthy, then detached (or it never reached the
   host). No entry, or any other phase, frees nothing;
@@ -39,7 +41,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from dxpool import lifecycle
@@ -48,7 +50,7 @@ from dxpool.broker import metrics
 from dxpool.broker.cache import Cache
 from dxpool.broker.records import seconds
 from dxpool.broker.stm import TxnView, transact
-from dxpool.broker.transitions import drop_release, gpu_id, let_go, owned_gpus
+from dxpool.broker.transitions import drop_release, gpu_id, identity_changed, let_go, owned_gpus
 from dxpool.errors import Aborted, Unavailable
 from dxpool.names import parse_host, parse_node
 from dxpool.store import keys as k
@@ -333,11 +335,20 @@ class NodeController:
         failed = [a for a in current.values() if a.phase == pb.ATTACHMENT_PHASE_FAILED]
         if failed:
             detail = "; ".join(f"{a.gpu}: {a.message}" for a in failed)
-            return self._fail(view, node, f"attach failed on {node.host}: {detail}")
+            suspects = {a.gpu: a.message for a in failed if a.identity_mismatch}
+            return self._fail(view, node, f"attach failed on {node.host}: {detail}", suspects)
         now = self._clock()
         if len(current) == len(gpus) and all(
             a.phase == pb.ATTACHMENT_PHASE_ATTACHED for a in current.values()
         ):
+            suspects = {
+                name: problem
+                for name, gpu in gpus.items()
+                if (problem := identity_changed(gpu.value, current[name])) is not None
+            }
+            if suspects:
+                detail = "; ".join(f"{name}: {problem}" for name, problem in suspects.items())
+                return self._fail(view, node, f"attach failed on {node.host}: {detail}", suspects)
             for name, gpu in gpus.items():
                 view.put(k.GPUS, gpu_id(name), lifecycle.attach_confirmed(gpu.value, current[name]))
             view.put(k.NODES, node_id, lifecycle.node_ready(node, current, now))
@@ -358,8 +369,23 @@ class NodeController:
             return "ATTACHING"
         return None
 
-    def _fail(self, view: TxnView, node: pb.VirtualNode, message: str) -> str:
+    def _fail(
+        self,
+        view: TxnView,
+        node: pb.VirtualNode,
+        message: str,
+        suspects: Mapping[str, str] | None = None,
+    ) -> str:
+        """Fail the node and let go of its GPUs; ``suspects`` (GPU name -> why) are GPUs
+        whose identity is not the one the inventory knows: quarantined, not released."""
         let_go(view, node, pb.NODE_STATE_FAILED, message, self._clock())
+        for name, problem in sorted((suspects or {}).items()):
+            key = gpu_id(name)
+            gpu: pb.Gpu | None = view.latest(k.GPUS, key)
+            if gpu is None or gpu.node != node.name or gpu.state != pb.GPU_STATE_DETACHING:
+                continue
+            drop_release(view, gpu)
+            view.put(k.GPUS, key, lifecycle.quarantine(gpu, f"suspect identity: {problem}"))
         self._failures[node.name] = message
         return "FAILED"
 

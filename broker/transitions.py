@@ -67,6 +67,16 @@ def let_go(
     return updated
 
 
+def identity_changed(gpu: pb.Gpu, seen: pb.ObservedAttachment) -> str | None:
+    """Why the identity the agent reports in ``seen`` is not the one recorded for ``gpu``
+    on its first attach, or None when it is (or nothing was recorded or reported)."""
+    if gpu.uuid and seen.uuid and seen.uuid != gpu.uuid:
+        return f"reports UUID {seen.uuid}, recorded {gpu.uuid} on its first attach"
+    if gpu.serial and seen.serial and seen.serial != gpu.serial:
+        return f"reports serial {seen.serial}, recorded {gpu.serial} on its first attach"
+    return None
+
+
 def drop_release(view: TxnView, gpu: pb.Gpu) -> None:
     """Take the GPU's ``release`` attachment (any generation up to the GPU's own) out of
     its host's allocation: the outcome of the release is being recorded (the GPU freed or
@@ -98,4 +108,4 @@ def owned_gpus(view: TxnView, node: pb.VirtualNode) -> list[str]:
     return owned
 
 
-__all__ = ["drop_release", "gpu_id", "let_go", "owned_gpus"]
+__all__ = ["drop_release", "gpu_id", "identity_changed", "let_go", "owned_gpus"]

@@ -37,6 +37,8 @@ NATIVE_DRIVER = "nvidia"
 VFIO_DRIVER = "vfio-pci"
 DEFAULT_DEVICE_TIMEOUT_S = 30.0
 BDF_PATTERN = re.compile(r"\A[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]\Z")  # as sysfs writes it
+# A PCIe Device Serial Number as the bus shows it: eight bytes, "01-23-45-67-89-ab-cd-ef".
+DSN_PATTERN = re.compile(r"\A[0-9a-fA-F]{2}(?:-[0-9a-fA-F]{2}){7}\Z")
 
 
 @dataclass(frozen=True)
@@ -63,9 +65,11 @@ class DriverCapabilities:
 class AttachRequest:
     """One GPU wanted at one host slot.
 
-    ``expected_uuid`` and ``model`` are verified against NVML when not empty; ``pci_id``
-    (``"10de:2330"``) against the device's configuration space when not empty; ``vfio``
-    asks for the device bound to ``vfio-pci`` instead of the native driver.
+    ``expected_uuid``, ``expected_serial`` and ``model`` are verified against NVML when
+    not empty; ``pci_id`` (``"10de:2330"``) against the device's configuration space when
+    not empty, and so is ``expected_serial`` when it has the form of a PCIe Device Serial
+    Number (``"01-23-45-67-89-ab-cd-ef"``); ``vfio`` asks for the device bound to
+    ``vfio-pci`` instead of the native driver.
     """
 
     gpu: GpuRef
@@ -75,10 +79,17 @@ class AttachRequest:
     model: str = ""
     generation: int = 0  # the assignment's fencing token, carried by the mapping
     pci_id: str = ""
+    expected_serial: str = ""
 
     def __post_init__(self) -> None:
         if self.host_slot < 0:
             raise ValueError(f"host_slot must be >= 0, got {self.host_slot}")
+
+    @property
+    def expected_device(self) -> ExpectedDevice:
+        """What the bus checks in the device's configuration space."""
+        dsn = self.expected_serial if DSN_PATTERN.fullmatch(self.expected_serial) else ""
+        return ExpectedDevice(pci_id=self.pci_id, dsn=dsn)
 
     @property
     def kernel_driver(self) -> str:
@@ -163,6 +174,17 @@ def identity_problem(request: AttachRequest, identity: GpuIdentity) -> str | Non
         return (
             f"{request.gpu.name} reports UUID {identity.uuid}, expected {request.expected_uuid}; "
             "the box slot holds a different GPU than the inventory says"
+        )
+    if (
+        request.expected_serial
+        and identity.serial
+        and not DSN_PATTERN.fullmatch(request.expected_serial)
+        and identity.serial != request.expected_serial
+    ):
+        return (
+            f"{request.gpu.name} reports serial {identity.serial}, expected "
+            f"{request.expected_serial}; the box slot holds a different GPU than the one "
+            "first attached there"
         )
     if request.model and not model_matches(request.model, identity.model):
         return (
@@ -339,7 +361,7 @@ class StepDriver:
         self._bus.rescan()
         try:
             device = self._bus.wait_for_device(
-                request.host_slot, self._device_timeout_s, ExpectedDevice(pci_id=request.pci_id)
+                request.host_slot, self._device_timeout_s, request.expected_device
             )
         except IdentityMismatchError:
             self._roll_back(request.gpu)
@@ -486,6 +508,7 @@ class StepDriver:
 
 __all__ = [
     "BDF_PATTERN",
+    "DSN_PATTERN",
     "NATIVE_DRIVER",
     "VFIO_DRIVER",
     "AttachRequest",

@@ -54,7 +54,7 @@ from collections.abc import Callable
 from dxpool.api.v1 import resources_pb2
 from dxpool.hostagent.desired import DesiredState
 from dxpool.hostagent.driver import AttachedGpu, AttachRequest, FabricDriver
-from dxpool.hostagent.errors import DriverError, GpuBusyError
+from dxpool.hostagent.errors import DriverError, GpuBusyError, IdentityMismatchError
 from dxpool.hostagent.status import StaleSpecError, StatusStore
 from dxpool.names import GpuRef
 
@@ -87,6 +87,7 @@ def attach_request(gpu: GpuRef, want: resources_pb2.DesiredAttachment) -> Attach
         model=want.model,
         generation=want.generation,
         pci_id=want.pci_id,
+        expected_serial=want.expected_serial,
     )
 
 
@@ -250,9 +251,9 @@ class Reconciler:
         if not error.retryable or count >= self._attach_attempts:
             self._clear_failures(gpu)
             message = f"attach failed after {count} attempt(s): {error}"
-            self._status.put(
-                self._entry(gpu, want, FAILED, message=message), spec_revision=spec_revision
-            )
+            entry = self._entry(gpu, want, FAILED, message=message)
+            entry.identity_mismatch = isinstance(error, IdentityMismatchError)
+            self._status.put(entry, spec_revision=spec_revision)
             log.warning(
                 "gpu attach failed",
                 extra={"gpu": gpu.name, "generation": want.generation, "error": str(error)},

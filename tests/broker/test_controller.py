@@ -263,3 +263,95 @@ def test_a_failed_scrub_quarantines_the_gpu_and_drops_it_from_the_spec(
         assert "release failed on hosts/h1" in record.value.message
     spec = store.get(store.keys.host_allocation("h1"))
     assert spec is not None and list(spec.value.attachments) == []
+
+
+def attaching_node(store: Store, seen: pb.ObservedAttachment) -> int:
+    """Node n1 ATTACHING on h1 with GPU b1/0 (generation 1, recorded UUID GPU-a and
+    serial 111), its agent reporting ``seen``; returns the revision of the write."""
+    gpu = pb.Gpu(
+        name="boxes/b1/gpus/0",
+        model="H100",
+        state=pb.GPU_STATE_ATTACHING,
+        uuid="GPU-a",
+        serial="111",
+        node="nodes/n1",
+        host="hosts/h1",
+        generation=1,
+    )
+    node = pb.VirtualNode(
+        name="nodes/n1",
+        host="hosts/h1",
+        state=pb.NODE_STATE_ATTACHING,
+        gpus=[pb.GpuBinding(gpu=gpu.name)],
+    )
+    node.attach_deadline.seconds = 2**40
+    spec = pb.HostAllocation(host="hosts/h1")
+    spec.attachments.add(gpu=gpu.name, host_slot=0, node="nodes/n1", generation=1)
+    status = pb.HostStatus(host="hosts/h1", attachments=[seen])
+    txn = Txn().put(store.keys.gpu("b1", 0), gpu).put(store.keys.node("n1"), node)
+    txn.put(store.keys.host_allocation("h1"), spec)
+    return store.commit(txn.put(store.keys.host_status("h1"), status)).revision
+
+
+@pytest.mark.parametrize(
+    ("seen", "why"),
+    [
+        (
+            pb.ObservedAttachment(
+                phase=pb.ATTACHMENT_PHASE_ATTACHED, uuid="GPU-b", serial="111", bdf="0000:41:00.0"
+            ),
+            "reports UUID GPU-b, recorded GPU-a",
+        ),
+        (
+            pb.ObservedAttachment(
+                phase=pb.ATTACHMENT_PHASE_ATTACHED, uuid="GPU-a", serial="222", bdf="0000:41:00.0"
+            ),
+            "reports serial 222, recorded 111",
+        ),
+        (
+            pb.ObservedAttachment(
+                phase=pb.ATTACHMENT_PHASE_FAILED,
+                identity_mismatch=True,
+                message="reports UUID GPU-c, expected GPU-a",
+            ),
+            "reports UUID GPU-c, expected GPU-a",
+        ),
+    ],
+)
+def test_a_gpu_with_another_identity_fails_its_node_and_is_quarantined_as_suspect(
+    parts: tuple[Store, Cache, NodeController], seen: pb.ObservedAttachment, why: str
+) -> None:
+    store, cache, controller = parts
+    seen.gpu, seen.generation = "boxes/b1/gpus/0", 1
+    assert cache.wait_for_revision(attaching_node(store, seen), 10)
+
+    controller._reconcile_node("n1")
+
+    node = store.get(store.keys.node("n1"))
+    gpu = store.get(store.keys.gpu("b1", 0))
+    spec = store.get(store.keys.host_allocation("h1"))
+    assert node is not None and gpu is not None and spec is not None
+    assert node.value.state == pb.NODE_STATE_FAILED
+    assert why in node.value.message
+    assert gpu.value.state == pb.GPU_STATE_QUARANTINED
+    assert gpu.value.message.startswith(f"suspect identity: {why}")
+    assert (gpu.value.uuid, gpu.value.serial) == ("GPU-a", "111")  # the record stands
+    assert list(spec.value.attachments) == []
+
+
+def test_an_attach_failure_of_another_kind_releases_the_gpu(
+    parts: tuple[Store, Cache, NodeController],
+) -> None:
+    store, cache, controller = parts
+    seen = pb.ObservedAttachment(
+        gpu="boxes/b1/gpus/0", generation=1, phase=pb.ATTACHMENT_PHASE_FAILED, message="timeout"
+    )
+    assert cache.wait_for_revision(attaching_node(store, seen), 10)
+
+    controller._reconcile_node("n1")
+
+    gpu = store.get(store.keys.gpu("b1", 0))
+    spec = store.get(store.keys.host_allocation("h1"))
+    assert gpu is not None and spec is not None
+    assert gpu.value.state == pb.GPU_STATE_DETACHING
+    assert [a.release for a in spec.value.attachments] == [True]

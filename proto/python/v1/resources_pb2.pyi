@@ -597,6 +597,7 @@ class ObservedAttachment(_message.Message):
     UPDATE_TIME_FIELD_NUMBER: _builtins.int
     HEALTH_REASON_FIELD_NUMBER: _builtins.int
     SCRUBBED_FIELD_NUMBER: _builtins.int
+    IDENTITY_MISMATCH_FIELD_NUMBER: _builtins.int
     gpu: _builtins.str
     generation: _builtins.int
     phase: Global___AttachmentPhase.ValueType
@@ -614,6 +615,10 @@ class ObservedAttachment(_message.Message):
     """Why `health` is not HEALTHY (e.g. "2 volatile uncorrected ECC errors")."""
     scrubbed: _builtins.bool
     """The GPU was reset and found healthy since the node let go of it."""
+    identity_mismatch: _builtins.bool
+    """FAILED because the device at the GPU's place is not the GPU the inventory knows
+    (UUID, serial, PCI id or model differ): the broker quarantines the GPU as suspect.
+    """
     @_builtins.property
     def update_time(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -631,10 +636,11 @@ class ObservedAttachment(_message.Message):
         update_time: _timestamp_pb2.Timestamp | None = ...,
         health_reason: _builtins.str = ...,
         scrubbed: _builtins.bool = ...,
+        identity_mismatch: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bdf", b"bdf", "generation", b"generation", "gpu", b"gpu", "health", b"health", "health_reason", b"health_reason", "host_slot", b"host_slot", "message", b"message", "phase", b"phase", "scrubbed", b"scrubbed", "serial", b"serial", "update_time", b"update_time", "uuid", b"uuid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bdf", b"bdf", "generation", b"generation", "gpu", b"gpu", "health", b"health", "health_reason", b"health_reason", "host_slot", b"host_slot", "identity_mismatch", b"identity_mismatch", "message", b"message", "phase", b"phase", "scrubbed", b"scrubbed", "serial", b"serial", "update_time", b"update_time", "uuid", b"uuid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
