@@ -52,6 +52,7 @@ import time
 from collections.abc import Callable
 
 from dxpool.api.v1 import resources_pb2
+from dxpool.hostagent import metrics
 from dxpool.hostagent.desired import DesiredState
 from dxpool.hostagent.driver import AttachedGpu, AttachRequest, FabricDriver
 from dxpool.hostagent.errors import DriverError, GpuBusyError, IdentityMismatchError
@@ -185,6 +186,7 @@ class Reconciler:
         self._status.put(
             self._entry(gpu, want, ATTACHING, message="attaching"), spec_revision=spec_revision
         )
+        started = time.monotonic()
         try:
             if have is not None and self._needs_detach(have, request):
                 log.info(
@@ -194,7 +196,9 @@ class Reconciler:
                 self._driver.detach(gpu)
             attached = self._driver.attach(request)
         except DriverError as error:
+            metrics.ATTACH_FAILURES.labels(reason=metrics.failure_reason(error)).inc()
             return self._attach_failed(gpu, want, error, spec_revision)
+        metrics.ATTACH_SECONDS.observe(time.monotonic() - started)
         self._clear_failures(gpu)
         self._status.put(
             self._attached_entry(want, attached, previous), spec_revision=spec_revision
@@ -305,16 +309,13 @@ class Reconciler:
                 return self._release_failed(
                     gpu, entry, "it left this host before it could be scrubbed", spec_revision
                 )
-            entry.phase = RELEASED
-            entry.message = "scrubbed and detached" if entry.scrubbed else "never attached here"
-            self._status.put(entry, spec_revision=spec_revision)
-            self._forget_release(gpu)
-            log.info("gpu released", extra={"gpu": gpu.name, "scrubbed": entry.scrubbed})
-            return Outcome.DONE
+            message = "scrubbed and detached" if entry.scrubbed else "never attached here"
+            return self._released(gpu, entry, message, spec_revision)
         self._status.put(entry, spec_revision=spec_revision)
         with self._lock:
             refused_at = self._draining.get(gpu)
         force = refused_at is not None and self._clock() - refused_at >= self._drain_timeout_s
+        started = time.monotonic()
         try:
             if not entry.scrubbed:
                 self._driver.scrub(gpu, force=force)
@@ -323,6 +324,7 @@ class Reconciler:
                 self._status.put(entry, spec_revision=spec_revision)
             self._driver.detach(gpu, force=True)  # drained and scrubbed: nothing runs on it
         except GpuBusyError as error:
+            metrics.DETACH_FAILURES.labels(reason=metrics.failure_reason(error)).inc()
             now = self._clock()
             with self._lock:
                 refused_at = self._draining.setdefault(gpu, now)
@@ -332,6 +334,7 @@ class Reconciler:
             log.info("gpu draining", extra={"gpu": gpu.name, "pids": list(error.pids)})
             return Outcome.RETRY
         except DriverError as error:
+            metrics.DETACH_FAILURES.labels(reason=metrics.failure_reason(error)).inc()
             with self._lock:
                 count = self._failed_detaches.get(gpu, 0) + 1
                 self._failed_detaches[gpu] = count
@@ -347,12 +350,23 @@ class Reconciler:
                 extra={"gpu": gpu.name, "step": what, "attempt": count, "error": str(error)},
             )
             return Outcome.RETRY
-        entry.phase = RELEASED
+        metrics.DETACH_SECONDS.observe(time.monotonic() - started)
         entry.bdf = ""
-        entry.message = "scrubbed and detached"
+        return self._released(gpu, entry, "scrubbed and detached", spec_revision)
+
+    def _released(
+        self,
+        gpu: GpuRef,
+        entry: resources_pb2.ObservedAttachment,
+        message: str,
+        spec_revision: int,
+    ) -> Outcome:
+        """Report RELEASED: the broker may free the GPU."""
+        entry.phase = RELEASED
+        entry.message = message
         self._status.put(entry, spec_revision=spec_revision)
         self._forget_release(gpu)
-        log.info("gpu released", extra={"gpu": gpu.name, "scrubbed": True})
+        log.info("gpu released", extra={"gpu": gpu.name, "scrubbed": entry.scrubbed})
         return Outcome.DONE
 
     def _release_failed(
@@ -410,9 +424,11 @@ class Reconciler:
         with self._lock:
             refused_at = self._draining.get(gpu)
         force = refused_at is not None and self._clock() - refused_at >= self._drain_timeout_s
+        started = time.monotonic()
         try:
             self._driver.detach(gpu, force=force)
         except GpuBusyError as error:
+            metrics.DETACH_FAILURES.labels(reason=metrics.failure_reason(error)).inc()
             now = self._clock()
             with self._lock:
                 refused_at = self._draining.setdefault(gpu, now)
@@ -422,6 +438,7 @@ class Reconciler:
             log.info("gpu draining", extra={"gpu": gpu.name, "pids": list(error.pids)})
             return Outcome.RETRY
         except DriverError as error:
+            metrics.DETACH_FAILURES.labels(reason=metrics.failure_reason(error)).inc()
             with self._lock:
                 count = self._failed_detaches.get(gpu, 0) + 1
                 self._failed_detaches[gpu] = count
@@ -435,6 +452,7 @@ class Reconciler:
                 "gpu detach failed", extra={"gpu": gpu.name, "attempt": count, "error": str(error)}
             )
             return Outcome.RETRY
+        metrics.DETACH_SECONDS.observe(time.monotonic() - started)
         with self._lock:
             self._failed_detaches.pop(gpu, None)
             self._draining.pop(gpu, None)
