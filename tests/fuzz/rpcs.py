@@ -77,7 +77,12 @@ MUTATIONS = frozenset(
 )
 # Successful calls the node controller follows up on with writes of its own.
 FOLLOWED_UP = frozenset(
-    {"NodeService.ComposeNode", "NodeService.ReleaseNode", "InventoryService.ReclaimGpu"}
+    {
+        "NodeService.ComposeNode",
+        "NodeService.ReleaseNode",
+        "InventoryService.ReclaimGpu",
+        "InventoryService.ClearGpuHealth",
+    }
 )
 
 _SPEC = pb.NodeSpec(
