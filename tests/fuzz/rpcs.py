@@ -121,6 +121,9 @@ BASELINES: dict[str, Message] = {
     "InventoryService.ReclaimGpu": inventory_pb2.ReclaimGpuRequest(
         name="boxes/box1/gpus/7", reason="proxy replaced"
     ),
+    "InventoryService.ClearGpuHealth": inventory_pb2.ClearGpuHealthRequest(
+        name="boxes/box1/gpus/7", reason="checked"
+    ),
     "InventoryService.GetHost": inventory_pb2.GetHostRequest(name="hosts/h1"),
     "InventoryService.GetPoolStatus": inventory_pb2.GetPoolStatusRequest(),
     "InventoryService.ListHosts": inventory_pb2.ListHostsRequest(page_size=5),
