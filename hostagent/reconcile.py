@@ -303,8 +303,18 @@ class Reconciler:
             scrubbed=ours.scrubbed if ours is not None else False,
             message="releasing",
         )
+        handed_out = ours is not None and ours.phase in (ATTACHED, DETACHING)
+        if have is not None and not have.present and not handed_out:
+            # Mapped, but its device never came up here: nothing ran on it, and nothing
+            # on this host can reset it. Unmapping it is the whole release.
+            entry.message = "never attached here; unmapping"
+            self._status.put(entry, spec_revision=spec_revision)
+            try:
+                self._driver.detach(gpu, force=True)
+            except DriverError as error:
+                return self._release_step_failed(gpu, entry, "detach", error, spec_revision)
+            return self._released(gpu, entry, "never attached here", spec_revision)
         if have is None:
-            handed_out = ours is not None and ours.phase in (ATTACHED, DETACHING)
             if handed_out and not entry.scrubbed:
                 return self._release_failed(
                     gpu, entry, "it left this host before it could be scrubbed", spec_revision
@@ -334,25 +344,37 @@ class Reconciler:
             log.info("gpu draining", extra={"gpu": gpu.name, "pids": list(error.pids)})
             return Outcome.RETRY
         except DriverError as error:
-            metrics.DETACH_FAILURES.labels(reason=metrics.failure_reason(error)).inc()
-            with self._lock:
-                count = self._failed_detaches.get(gpu, 0) + 1
-                self._failed_detaches[gpu] = count
             what = "detach" if entry.scrubbed else "scrub"
-            if not error.retryable or count >= self._detach_attempts:
-                return self._release_failed(
-                    gpu, entry, f"{what} failed ({count} attempt(s)): {error}", spec_revision
-                )
-            entry.message = f"{what} failed: {error}; retrying"
-            self._status.put(entry, spec_revision=spec_revision)
-            log.warning(
-                "gpu release step failed",
-                extra={"gpu": gpu.name, "step": what, "attempt": count, "error": str(error)},
-            )
-            return Outcome.RETRY
+            return self._release_step_failed(gpu, entry, what, error, spec_revision)
         metrics.DETACH_SECONDS.observe(time.monotonic() - started)
         entry.bdf = ""
         return self._released(gpu, entry, "scrubbed and detached", spec_revision)
+
+    def _release_step_failed(
+        self,
+        gpu: GpuRef,
+        entry: resources_pb2.ObservedAttachment,
+        what: str,
+        error: DriverError,
+        spec_revision: int,
+    ) -> Outcome:
+        """A scrub or detach of a release failed: retry, or report SCRUB_FAILED when the
+        error is not retryable or has happened ``detach_attempts`` times in a row."""
+        metrics.DETACH_FAILURES.labels(reason=metrics.failure_reason(error)).inc()
+        with self._lock:
+            count = self._failed_detaches.get(gpu, 0) + 1
+            self._failed_detaches[gpu] = count
+        if not error.retryable or count >= self._detach_attempts:
+            return self._release_failed(
+                gpu, entry, f"{what} failed ({count} attempt(s)): {error}", spec_revision
+            )
+        entry.message = f"{what} failed: {error}; retrying"
+        self._status.put(entry, spec_revision=spec_revision)
+        log.warning(
+            "gpu release step failed",
+            extra={"gpu": gpu.name, "step": what, "attempt": count, "error": str(error)},
+        )
+        return Outcome.RETRY
 
     def _released(
         self,

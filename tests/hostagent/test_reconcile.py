@@ -499,3 +499,16 @@ def test_a_busy_released_gpu_is_drained_then_reset_through_sysfs_and_detached(
         lease.revoke()
         client.close()
         host.close()
+
+
+def test_a_gpu_mapped_but_never_up_is_unmapped_and_released_without_a_scrub(
+    harness: Harness,
+) -> None:
+    harness.fabric.map("b1", 0, HOST, 0, generation=1)  # a partial attach: no rescan yet
+    harness.set_desired(want(GPU, host_slot=0, release=True))
+
+    assert harness.reconciler.reconcile(GPU) is Outcome.DONE
+
+    entry = harness.stored()[GPU.name]
+    assert (entry.phase, entry.scrubbed) == (Phase.ATTACHMENT_PHASE_RELEASED, False)
+    assert harness.fabric.mappings(HOST) == {}
