@@ -102,6 +102,7 @@ RULES: Mapping[str, Rule] = {
     f"/{_INVENTORY}/GetGpu": Rule(OPERATOR),
     f"/{_INVENTORY}/ListGpus": Rule(OPERATOR),
     f"/{_INVENTORY}/ReclaimGpu": Rule(OPERATOR),
+    f"/{_INVENTORY}/ClearGpuHealth": Rule(OPERATOR),
     f"/{_INVENTORY}/GetPoolStatus": Rule(OPERATOR),
     f"/{_INVENTORY}/ListHosts": Rule(OPERATOR),
     # An agent may read its own host's record.

@@ -380,6 +380,7 @@ class Composer:
                     generation=gpu.generation,
                     vfio=request.spec.vfio,
                     expected_uuid=gpu.uuid,
+                    expected_serial=gpu.serial,
                     model=gpu.model,
                     pci_id=gpu.pci_id,
                 )

@@ -9,14 +9,24 @@ it simply looks again). Transitions:
 * PENDING/ATTACHING -> READY when every GPU is ATTACHED for the node's generation
   (GPUs go ATTACHED and learn their UUID and serial);
 * PENDING/ATTACHING -> FAILED when the agent reports an attach FAILED, or the attach
-  deadline passes (checked by the leader only); the node's GPUs go DETACHING and leave
-  the host's allocation;
-* GPU DETACHING -> FREE once its host's status no longer lists it (the agent removes an
-  entry only after the detach succeeded, and writes an entry only while the spec it
-  acted on is current, so the compare on the status record closes every race);
-* GPU DETACHING -> QUARANTINED when the agent reports the detach FAILED (it keeps
-  failing); the GPU lets go of its node and is never handed out again;
-* RELEASING -> RELEASED once the node owns no GPU.
+  deadline passes (checked by the leader only); the node's GPUs go DETACHING (released
+  through the agent, see below). A GPU whose identity is not the one recorded on its
+  first attach (the agent found another UUID, serial, PCI id or model, or reports a
+  UUID or serial other than the recorded one) is QUARANTINED as suspect instead;
+* GPU DETACHING -> FREE only when its host's agent reports it RELEASED for the GPU's
+  generation: drained, reset and found healthy, then detached (or it never reached the
+  host). No entry, or any other phase, frees nothing;
+* GPU DETACHING -> QUARANTINED when the agent reports SCRUB_FAILED (the scrub or the
+  detach failed); the GPU lets go of its node and is never handed out again.
+  Either way the GPU's ``release`` attachment leaves the host's allocation in the same
+  transaction, and only then does the agent drop its entry (and, after a failed scrub,
+  the mapping), so the broker cannot miss the outcome;
+* RELEASING -> RELEASED once the node owns no GPU;
+* READY/DEGRADED: the health the agent reports for each attached GPU (of the current
+  generation) is copied into the GPU record; a node with an UNHEALTHY GPU goes
+  DEGRADED, and back to READY when none is. The copy is a compare-and-swap on the GPU,
+  the node and the host's status together, so a release or a fence committed meanwhile
+  makes it look again instead of writing over them.
 
 Every transition is a :func:`~dxpool.broker.stm.transact` body built from
 :mod:`dxpool.lifecycle`.
@@ -31,7 +41,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from dxpool import lifecycle
@@ -40,7 +50,7 @@ from dxpool.broker import metrics
 from dxpool.broker.cache import Cache
 from dxpool.broker.records import seconds
 from dxpool.broker.stm import TxnView, transact
-from dxpool.broker.transitions import gpu_id, let_go, owned_gpus
+from dxpool.broker.transitions import drop_release, gpu_id, identity_changed, let_go, owned_gpus
 from dxpool.errors import Aborted, Unavailable
 from dxpool.names import parse_host, parse_node
 from dxpool.store import keys as k
@@ -73,6 +83,8 @@ class NodeController:
         self._clock = clock
         self._is_leader = is_leader
         self._failures: dict[str, str] = {}  # node -> why it failed, logged once committed
+        # Health changes the last health pass wrote, logged once committed.
+        self._health_changes: list[tuple[str, pb.Gpu]] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._dirty_nodes: set[str] = set()
@@ -239,6 +251,51 @@ class NodeController:
             self._run(lambda view: self._advance_attach(view, node_id), node_id)
         elif state == pb.NODE_STATE_RELEASING:
             self._run(lambda view: self._finish_release(view, node_id), node_id)
+        elif state in lifecycle.IN_USE_NODE_STATES:
+            self._run(lambda view: self._follow_health(view, node_id), node_id)
+
+    def _follow_health(self, view: TxnView, node_id: str) -> str | None:
+        """Copy the agent's health reports into the node's GPUs; READY <-> DEGRADED.
+        Returns the state the node moved to, if any."""
+        self._health_changes.clear()  # this attempt's, not a lost one's
+        record = view.get(k.NODES, node_id)
+        if record is None or record.value.state not in lifecycle.IN_USE_NODE_STATES:
+            return None
+        node: pb.VirtualNode = record.value
+        status_record = view.get(k.HOST_STATUSES, parse_host(node.host))
+        observed = {a.gpu: a for a in (status_record.value.attachments if status_record else ())}
+        unhealthy: list[str] = []
+        for binding in node.gpus:
+            key = gpu_id(binding.gpu)
+            gpu_record = view.get(k.GPUS, key)
+            if gpu_record is None or gpu_record.value.node != node.name:
+                continue
+            gpu: pb.Gpu = gpu_record.value
+            seen = observed.get(binding.gpu)
+            if (
+                seen is not None
+                and seen.generation == gpu.generation
+                and seen.phase == pb.ATTACHMENT_PHASE_ATTACHED
+            ):
+                updated = lifecycle.health_observed(gpu, seen)
+                if updated is not None:
+                    view.put(k.GPUS, key, updated)
+                    self._health_changes.append((binding.gpu, updated))
+                    gpu = updated
+            if gpu.health == pb.GPU_HEALTH_UNHEALTHY:
+                unhealthy.append(f"{binding.gpu}: {gpu.health_reason or 'unhealthy'}")
+        now = self._clock()
+        if unhealthy and node.state == pb.NODE_STATE_READY:
+            message = "GPU unhealthy: " + "; ".join(unhealthy)
+            view.put(
+                k.NODES, node_id, lifecycle.node_to(node, pb.NODE_STATE_DEGRADED, message, now)
+            )
+            return "DEGRADED"
+        if not unhealthy and node.state == pb.NODE_STATE_DEGRADED:
+            message = "all GPUs healthy again"
+            view.put(k.NODES, node_id, lifecycle.node_to(node, pb.NODE_STATE_READY, message, now))
+            return "READY"
+        return None
 
     def _finish_release(self, view: TxnView, node_id: str) -> str | None:
         record = view.get(k.NODES, node_id)
@@ -278,13 +335,26 @@ class NodeController:
         failed = [a for a in current.values() if a.phase == pb.ATTACHMENT_PHASE_FAILED]
         if failed:
             detail = "; ".join(f"{a.gpu}: {a.message}" for a in failed)
+            suspects = {a.gpu: a.message for a in failed if a.identity_mismatch}
             return self._fail(
-                view, node, f"attach failed on {node.host}: {detail}", reason="AttachFailed"
+                view,
+                node,
+                f"attach failed on {node.host}: {detail}",
+                suspects,
+                reason="AttachFailed",
             )
         now = self._clock()
         if len(current) == len(gpus) and all(
             a.phase == pb.ATTACHMENT_PHASE_ATTACHED for a in current.values()
         ):
+            suspects = {
+                name: problem
+                for name, gpu in gpus.items()
+                if (problem := identity_changed(gpu.value, current[name])) is not None
+            }
+            if suspects:
+                detail = "; ".join(f"{name}: {problem}" for name, problem in suspects.items())
+                return self._fail(view, node, f"attach failed on {node.host}: {detail}", suspects)
             for name, gpu in gpus.items():
                 view.put(k.GPUS, gpu_id(name), lifecycle.attach_confirmed(gpu.value, current[name]))
             view.put(k.NODES, node_id, lifecycle.node_ready(node, current, now))
@@ -305,8 +375,26 @@ class NodeController:
             return "ATTACHING"
         return None
 
-    def _fail(self, view: TxnView, node: pb.VirtualNode, message: str, *, reason: str = "") -> str:
+    def _fail(
+        self,
+        view: TxnView,
+        node: pb.VirtualNode,
+        message: str,
+        suspects: Mapping[str, str] | None = None,
+        *,
+        reason: str = "",
+    ) -> str:
+        """Fail the node and let go of its GPUs; ``suspects`` (GPU name -> why) are GPUs
+        whose identity is not the one the inventory knows: quarantined, not released.
+        ``reason`` names the node's event (default: the state's reason word)."""
         let_go(view, node, pb.NODE_STATE_FAILED, message, self._clock(), reason=reason)
+        for name, problem in sorted((suspects or {}).items()):
+            key = gpu_id(name)
+            gpu: pb.Gpu | None = view.latest(k.GPUS, key)
+            if gpu is None or gpu.node != node.name or gpu.state != pb.GPU_STATE_DETACHING:
+                continue
+            drop_release(view, gpu)
+            view.put(k.GPUS, key, lifecycle.quarantine(gpu, f"suspect identity: {problem}"))
         self._failures[node.name] = message
         return "FAILED"
 
@@ -361,14 +449,18 @@ class NodeController:
         entry = next(
             (a for a in (status.value.attachments if status else ()) if a.gpu == gpu.name), None
         )
-        if entry is None:
+        if entry is None or entry.generation != gpu.generation:
+            return None  # the agent has not reported the outcome of this release yet
+        if entry.phase == pb.ATTACHMENT_PHASE_RELEASED:
+            drop_release(view, gpu)
             view.put(k.GPUS, name, lifecycle.free(gpu))
             return "FREE"
-        if entry.phase == pb.ATTACHMENT_PHASE_FAILED:
+        if entry.phase == pb.ATTACHMENT_PHASE_SCRUB_FAILED:
+            drop_release(view, gpu)
             view.put(
                 k.GPUS,
                 name,
-                lifecycle.quarantine(gpu, f"detach keeps failing on {gpu.host}: {entry.message}"),
+                lifecycle.quarantine(gpu, f"release failed on {gpu.host}: {entry.message}"),
             )
             return "QUARANTINED"
         return None
@@ -376,11 +468,24 @@ class NodeController:
     def _run(self, body: Callable[[TxnView], str | None], subject: str) -> str | None:
         """Commit one transition; a transition that keeps losing compares is left to the
         next pass (the records it read changed: it will be woken again)."""
+        self._health_changes.clear()
         try:
             state = transact(self._store, self._cache, body, attempts=3, what=subject)
         except Aborted:
             log.debug("controller transition kept losing compares", extra={"subject": subject})
             return None
+        for name, gpu in self._health_changes:
+            level = logging.INFO if gpu.health == pb.GPU_HEALTH_HEALTHY else logging.WARNING
+            log.log(
+                level,
+                "gpu health changed",
+                extra={
+                    "gpu": name,
+                    "health": pb.GpuHealth.Name(gpu.health),
+                    "reason": gpu.health_reason,
+                },
+            )
+        self._health_changes.clear()
         if state is not None:
             metrics.NODE_TRANSITIONS.labels(state=state).inc()
             failure = self._failures.pop(f"nodes/{subject}", None)

@@ -38,7 +38,7 @@ from dxpool.broker.box_fabric import BoxFabric, BoxFabricError
 from dxpool.broker.cache import Cache
 from dxpool.broker.records import copy, seconds
 from dxpool.broker.stm import TxnView, transact
-from dxpool.broker.transitions import let_go
+from dxpool.broker.transitions import drop_release, let_go
 from dxpool.errors import DxpoolError, Unavailable
 from dxpool.names import parse_gpu, parse_host
 from dxpool.store import keys as k
@@ -261,6 +261,7 @@ class SingletonDuties:
             record = view.get(k.GPUS, gpu_id)
             if record is None or record.value.state != pb.GPU_STATE_FENCING:
                 return None
+            drop_release(view, record.value)
             view.put(k.GPUS, gpu_id, lifecycle.quarantine(record.value, reason))
             return "QUARANTINED"
 
@@ -275,6 +276,7 @@ class SingletonDuties:
                 return None
             if record.value.generation != generation:
                 return None  # not the assignment that was fenced
+            drop_release(view, record.value)
             view.put(k.GPUS, gpu_id, lifecycle.free(record.value))
             return "FREE"
 

@@ -303,6 +303,50 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
 
         return transact(self._store, self._cache, body, what=f"reclaiming {request.name}")
 
+    @handler("InventoryService.ClearGpuHealth")
+    def ClearGpuHealth(
+        self, request: inv.ClearGpuHealthRequest, context: grpc.ServicerContext
+    ) -> pb.Gpu:
+        ref = parse_gpu(request.name)
+        reason = check_text(request.reason, "reason")
+        gpu_key = f"{ref.box}/{ref.slot}"
+        message = "health cleared by an operator" + (f": {reason}" if reason else "")
+
+        def body(view: TxnView) -> pb.Gpu:
+            record = view.get(k.GPUS, gpu_key)
+            if record is None:
+                raise NotFound(
+                    f"GPU {request.name} does not exist; list GPUs with `dxpool gpu list`",
+                    reason="GPU_NOT_FOUND",
+                )
+            gpu: pb.Gpu = record.value
+            if gpu.health == pb.GPU_HEALTH_HEALTHY:
+                return gpu
+            if gpu.host:
+                # Read even when absent: an agent report landing meanwhile fails the commit.
+                status = view.get(k.HOST_STATUSES, parse_host(gpu.host))
+                seen = next(
+                    (a for a in (status.value.attachments if status else ()) if a.gpu == gpu.name),
+                    None,
+                )
+                if (
+                    seen is not None
+                    and seen.generation == gpu.generation
+                    and seen.health == pb.GPU_HEALTH_UNHEALTHY
+                ):
+                    raise FailedPrecondition(
+                        f"GPU {request.name} is still reported unhealthy by the agent of "
+                        f"{gpu.host}: {seen.health_reason or 'no reason given'}; release its "
+                        f"node (`dxpool node release {gpu.node or 'NODE'}`) or fix the GPU, "
+                        "then clear it",
+                        reason="GPU_STILL_UNHEALTHY",
+                    )
+            updated = lifecycle.health_cleared(gpu, message)
+            view.put(k.GPUS, gpu_key, updated)
+            return updated
+
+        return transact(self._store, self._cache, body, what=f"clearing {request.name}")
+
     @handler("InventoryService.ListGpus")
     def ListGpus(
         self, request: inv.ListGpusRequest, context: grpc.ServicerContext

@@ -590,6 +590,12 @@ class Client:
         request = inventory_pb2.ReclaimGpuRequest(name=gpu_name(name), reason=reason)
         return self._unary(self._inventory.ReclaimGpu, request)
 
+    def clear_gpu_health(self, name: str, reason: str = "") -> resources_pb2.Gpu:
+        """Mark a GPU healthy again after checking it, so it can be handed out; idempotent.
+        FailedPrecondition while its host's agent still reports it unhealthy."""
+        request = inventory_pb2.ClearGpuHealthRequest(name=gpu_name(name), reason=reason)
+        return self._unary(self._inventory.ClearGpuHealth, request)
+
     def list_gpus(
         self, *, parent: str | None = None, state: int | str | None = None, model: str = ""
     ) -> list[resources_pb2.Gpu]:

@@ -28,6 +28,17 @@ Node (``NodeState``)::
        │           │          │          ▲
        ├───────────┴──► FAILED ──────────┤
        └───────────┴──────────┴─► LOST ──┘
+                          │          ▲   ▲
+                          ▼          │   │
+                       DEGRADED ─────┴───┘   (and back to READY)
+
+READY -> DEGRADED when one of the node's GPUs is reported UNHEALTHY after the attach;
+DEGRADED -> READY when none is any more (the agent reports it healthy again, or an
+operator cleared it). A DEGRADED node keeps its GPUs until it is released or lost.
+
+Health (``GpuHealth``) is apart from the scheduling state: an UNHEALTHY GPU is never
+handed out (:func:`is_free`), whatever its state, until an operator clears it
+(:func:`health_cleared`).
 
 Every node transition also appends an :class:`~dxpool.api.v1.resources_pb2.Event` to the
 node's own bounded ``events`` list (at most :data:`MAX_NODE_EVENTS`, oldest dropped):
@@ -59,7 +70,12 @@ NODE_TRANSITIONS: Mapping[int, frozenset[int]] = {
     pb.NODE_STATE_ATTACHING: frozenset(
         {pb.NODE_STATE_READY, pb.NODE_STATE_FAILED, pb.NODE_STATE_RELEASING, pb.NODE_STATE_LOST}
     ),
-    pb.NODE_STATE_READY: frozenset({pb.NODE_STATE_RELEASING, pb.NODE_STATE_LOST}),
+    pb.NODE_STATE_READY: frozenset(
+        {pb.NODE_STATE_RELEASING, pb.NODE_STATE_LOST, pb.NODE_STATE_DEGRADED}
+    ),
+    pb.NODE_STATE_DEGRADED: frozenset(
+        {pb.NODE_STATE_READY, pb.NODE_STATE_RELEASING, pb.NODE_STATE_LOST}
+    ),
     pb.NODE_STATE_FAILED: frozenset({pb.NODE_STATE_RELEASING}),
     pb.NODE_STATE_LOST: frozenset({pb.NODE_STATE_RELEASING}),
     pb.NODE_STATE_RELEASING: frozenset({pb.NODE_STATE_RELEASED}),
@@ -93,15 +109,18 @@ NODE_STATE_REASONS: Mapping[int, str] = {
     pb.NODE_STATE_RELEASED: "Released",
     pb.NODE_STATE_FAILED: "Failed",
     pb.NODE_STATE_LOST: "Lost",
+    pb.NODE_STATE_DEGRADED: "Degraded",
 }
-_WARNING_STATES = frozenset({pb.NODE_STATE_FAILED, pb.NODE_STATE_LOST})
+_WARNING_STATES = frozenset({pb.NODE_STATE_FAILED, pb.NODE_STATE_LOST, pb.NODE_STATE_DEGRADED})
 
 # Node states in which the host agent may still be asked to attach the node's GPUs.
 ATTACHING_NODE_STATES = frozenset({pb.NODE_STATE_PENDING, pb.NODE_STATE_ATTACHING})
 # Node states a host loss turns into LOST (the others already let go of their GPUs).
 LOSABLE_NODE_STATES = frozenset(
-    {pb.NODE_STATE_PENDING, pb.NODE_STATE_ATTACHING, pb.NODE_STATE_READY}
+    {pb.NODE_STATE_PENDING, pb.NODE_STATE_ATTACHING, pb.NODE_STATE_READY, pb.NODE_STATE_DEGRADED}
 )
+# Node states whose GPUs are attached and in use: the agent's health reports count.
+IN_USE_NODE_STATES = frozenset({pb.NODE_STATE_READY, pb.NODE_STATE_DEGRADED})
 # GPU states in which a host may hold a mapping of the GPU.
 ON_HOST_GPU_STATES = frozenset(
     {
@@ -190,6 +209,30 @@ def attach_confirmed(gpu: pb.Gpu, seen: pb.ObservedAttachment) -> pb.Gpu:
     if seen.health != pb.GPU_HEALTH_UNSPECIFIED:
         updated.health = seen.health
         updated.health_reason = seen.health_reason
+    return updated
+
+
+def health_observed(gpu: pb.Gpu, seen: pb.ObservedAttachment) -> pb.Gpu | None:
+    """The GPU with the health its host's agent reports in ``seen``, or None when that
+    changes nothing (same health and reason, or the report says nothing about health).
+    The scheduling state is untouched."""
+    if seen.health == pb.GPU_HEALTH_UNSPECIFIED:
+        return None
+    if (gpu.health, gpu.health_reason) == (seen.health, seen.health_reason):
+        return None
+    updated = copy(gpu)
+    updated.health = seen.health
+    updated.health_reason = seen.health_reason
+    return updated
+
+
+def health_cleared(gpu: pb.Gpu, message: str) -> pb.Gpu:
+    """HEALTHY again by an operator's word, with ``message`` saying why; the scheduling
+    state is untouched (a FREE GPU can be handed out again)."""
+    updated = copy(gpu)
+    updated.health = pb.GPU_HEALTH_HEALTHY
+    updated.health_reason = ""
+    updated.message = message
     return updated
 
 
@@ -324,6 +367,7 @@ __all__ = [
     "EVENT_NORMAL",
     "EVENT_WARNING",
     "GPU_TRANSITIONS",
+    "IN_USE_NODE_STATES",
     "LOSABLE_NODE_STATES",
     "MAX_NODE_EVENTS",
     "NODE_REACHABLE",
@@ -338,6 +382,8 @@ __all__ = [
     "begin_fence",
     "can_become",
     "free",
+    "health_cleared",
+    "health_observed",
     "is_free",
     "is_terminal",
     "new_node_event",

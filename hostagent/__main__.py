@@ -344,6 +344,19 @@ def run_agent(config: AgentConfig) -> int:
     "--agent-endpoint", env="ENDPOINT", default="", help="Address of this agent (informational)."
 )
 @_option(
+    "--metrics-port",
+    env="METRICS_PORT",
+    type=click.IntRange(0, 65535),
+    default=0,
+    help="Serve Prometheus metrics on this port (0: off).",
+)
+@_option(
+    "--metrics-address",
+    env="METRICS_ADDRESS",
+    default="127.0.0.1",
+    help="Address the metrics port binds (0.0.0.0 for every interface).",
+)
+@_option(
     "--log-level",
     env="LOG_LEVEL",
     default="INFO",
@@ -355,10 +368,16 @@ def agent_command(
     linux_ports: tuple[str, ...],
     log_level: str,
     memory_mib: str,
+    metrics_port: int,
+    metrics_address: str,
     **fields: Any,
 ) -> None:
     """Run a dxpool host agent: register the host, attach and detach its GPUs."""
     configure_logging(log_level)
+    if metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port, addr=metrics_address)
     try:
         config = AgentConfig(
             labels=_parse_labels(labels),

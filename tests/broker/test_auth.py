@@ -358,6 +358,9 @@ def test_two_tenants_racing_on_one_request_id_never_share_a_node(
         ((_, error),) = losers.items()
         assert "already used by another caller" in str(error)
         callers[winner].release_node(node.name)
+        # Its GPU returns to the pool once the agent reports it scrubbed: wait, so the
+        # next round's loser meets the taken request id, not an empty pool.
+        callers[winner].wait_for_node(node.name, until=["RELEASED"], timeout_s=30)
 
 
 def test_a_tenant_is_charged_for_its_own_nodes_only(

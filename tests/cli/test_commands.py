@@ -323,6 +323,18 @@ def test_gpu_reclaim_of_a_free_gpu_fails_and_says_why(run: Run, pool: SimPool) -
     assert "is FREE, not QUARANTINED" in result.stderr
 
 
+def test_gpu_clear_health_marks_a_gpu_healthy_and_refuses_unknown_ones(
+    run: Run, pool: SimPool
+) -> None:
+    assert ok(run("gpu", "clear-health", "box2/3", "--reason", "checked")).strip() == (
+        "boxes/box2/gpus/3 healthy"
+    )
+    missing = run("gpu", "clear-health", "nobox/0")
+    assert missing.exit_code == 1
+    assert missing.stderr.startswith("error: NOT_FOUND: ")
+    assert run("gpu", "clear-health").exit_code == 2  # usage: no GPU named
+
+
 def test_node_watch_streams_json_lines_until_ctrl_c(
     run: Run, pool: SimPool, broker: BrokerServer
 ) -> None:

@@ -47,6 +47,7 @@ EXPECTED: dict[str, frozenset[grpc.StatusCode]] = {
     "InventoryService.GetGpu": _LOOKUP,
     "InventoryService.ListGpus": _LOOKUP,
     "InventoryService.ReclaimGpu": _LOOKUP | {C.FAILED_PRECONDITION},
+    "InventoryService.ClearGpuHealth": _LOOKUP | {C.FAILED_PRECONDITION},
     "InventoryService.GetHost": _LOOKUP,
     "InventoryService.GetPoolStatus": _LIST,
     "InventoryService.ListHosts": _LIST,
@@ -72,6 +73,7 @@ MUTATIONS = frozenset(
         "InventoryService.UncordonBox",
         "InventoryService.DeleteBox",
         "InventoryService.ReclaimGpu",
+        "InventoryService.ClearGpuHealth",
         "NodeService.ComposeNode",
         "NodeService.ReleaseNode",
         "NodeService.SetTenantQuota",
@@ -79,7 +81,12 @@ MUTATIONS = frozenset(
 )
 # Successful calls the node controller follows up on with writes of its own.
 FOLLOWED_UP = frozenset(
-    {"NodeService.ComposeNode", "NodeService.ReleaseNode", "InventoryService.ReclaimGpu"}
+    {
+        "NodeService.ComposeNode",
+        "NodeService.ReleaseNode",
+        "InventoryService.ReclaimGpu",
+        "InventoryService.ClearGpuHealth",
+    }
 )
 
 _SPEC = pb.NodeSpec(
@@ -117,6 +124,9 @@ BASELINES: dict[str, Message] = {
     ),
     "InventoryService.ReclaimGpu": inventory_pb2.ReclaimGpuRequest(
         name="boxes/box1/gpus/7", reason="proxy replaced"
+    ),
+    "InventoryService.ClearGpuHealth": inventory_pb2.ClearGpuHealthRequest(
+        name="boxes/box1/gpus/7", reason="checked"
     ),
     "InventoryService.GetHost": inventory_pb2.GetHostRequest(name="hosts/h1"),
     "InventoryService.GetPoolStatus": inventory_pb2.GetPoolStatusRequest(),

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from dxpool.api.v1 import resources_pb2 as dxpool_dot_v1_dot_resources__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64xpool/v1/inventory.proto\x12\tdxpool.v1\x1a\x19\x64xpool/v1/resources.proto\"N\n\x0bGpuSlotSpec\x12\x0c\n\x04slot\x18\x01 \x01(\x05\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nmemory_mib\x18\x03 \x01(\x03\x12\x0e\n\x06pci_id\x18\x04 \x01(\t\"\xa4\x01\n\x10\x43reateBoxRequest\x12\x0e\n\x06\x62ox_id\x18\x01 \x01(\t\x12\x1b\n\x03\x62ox\x18\x02 \x01(\x0b\x32\x0e.dxpool.v1.Box\x12\x11\n\tgpu_model\x18\x03 \x01(\t\x12\x16\n\x0egpu_memory_mib\x18\x04 \x01(\x03\x12$\n\x04gpus\x18\x05 \x03(\x0b\x32\x16.dxpool.v1.GpuSlotSpec\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"\x1d\n\rGetBoxRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"Q\n\x10ListBoxesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x16\n\x0elabel_selector\x18\x03 \x01(\t\"K\n\x11ListBoxesResponse\x12\x1d\n\x05\x62oxes\x18\x01 \x03(\x0b\x32\x0e.dxpool.v1.Box\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"0\n\x10\x43ordonBoxRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\"\n\x12UncordonBoxRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\" \n\x10\x44\x65leteBoxRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x13\n\x11\x44\x65leteBoxResponse\"\x1d\n\rGetGpuRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"1\n\x11ReclaimGpuRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"{\n\x0fListGpusRequest\x12\x0e\n\x06parent\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\x12\"\n\x05state\x18\x04 \x01(\x0e\x32\x13.dxpool.v1.GpuState\x12\r\n\x05model\x18\x05 \x01(\t\"I\n\x10ListGpusResponse\x12\x1c\n\x04gpus\x18\x01 \x03(\x0b\x32\x0e.dxpool.v1.Gpu\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x1e\n\x0eGetHostRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"Q\n\x10ListHostsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x16\n\x0elabel_selector\x18\x03 \x01(\t\"L\n\x11ListHostsResponse\x12\x1e\n\x05hosts\x18\x01 \x03(\x0b\x32\x0f.dxpool.v1.Host\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x16\n\x14GetPoolStatusRequest\"\x84\x01\n\x0bModelStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05total\x18\x02 \x01(\x05\x12\x0c\n\x04\x66ree\x18\x03 \x01(\x05\x12\x0e\n\x06in_use\x18\x04 \x01(\x05\x12\x0f\n\x07\x66\x65ncing\x18\x05 \x01(\x05\x12\x13\n\x0bquarantined\x18\x06 \x01(\x05\x12\x13\n\x0bunavailable\x18\x07 \x01(\x05\"\'\n\x08\x46itCount\x12\x0c\n\x04gpus\x18\x01 \x01(\x05\x12\r\n\x05nodes\x18\x02 \x01(\x05\"\x8f\x02\n\nPoolStatus\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.dxpool.v1.ModelStatus\x12?\n\x0enodes_by_state\x18\x02 \x03(\x0b\x32\'.dxpool.v1.PoolStatus.NodesByStateEntry\x12\x13\n\x0bhosts_alive\x18\x03 \x01(\x05\x12\x12\n\nhosts_dead\x18\x04 \x01(\x05\x12\x17\n\x0f\x66ree_host_slots\x18\x05 \x01(\x05\x12!\n\x04\x66its\x18\x06 \x03(\x0b\x32\x13.dxpool.v1.FitCount\x1a\x33\n\x11NodesByStateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\x32\x85\x06\n\x10InventoryService\x12\x38\n\tCreateBox\x12\x1b.dxpool.v1.CreateBoxRequest\x1a\x0e.dxpool.v1.Box\x12\x32\n\x06GetBox\x12\x18.dxpool.v1.GetBoxRequest\x1a\x0e.dxpool.v1.Box\x12\x46\n\tListBoxes\x12\x1b.dxpool.v1.ListBoxesRequest\x1a\x1c.dxpool.v1.ListBoxesResponse\x12\x38\n\tCordonBox\x12\x1b.dxpool.v1.CordonBoxRequest\x1a\x0e.dxpool.v1.Box\x12<\n\x0bUncordonBox\x12\x1d.dxpool.v1.UncordonBoxRequest\x1a\x0e.dxpool.v1.Box\x12\x46\n\tDeleteBox\x12\x1b.dxpool.v1.DeleteBoxRequest\x1a\x1c.dxpool.v1.DeleteBoxResponse\x12\x32\n\x06GetGpu\x12\x18.dxpool.v1.GetGpuRequest\x1a\x0e.dxpool.v1.Gpu\x12\x43\n\x08ListGpus\x12\x1a.dxpool.v1.ListGpusRequest\x1a\x1b.dxpool.v1.ListGpusResponse\x12:\n\nReclaimGpu\x12\x1c.dxpool.v1.ReclaimGpuRequest\x1a\x0e.dxpool.v1.Gpu\x12\x35\n\x07GetHost\x12\x19.dxpool.v1.GetHostRequest\x1a\x0f.dxpool.v1.Host\x12G\n\rGetPoolStatus\x12\x1f.dxpool.v1.GetPoolStatusRequest\x1a\x15.dxpool.v1.PoolStatus\x12\x46\n\tListHosts\x12\x1b.dxpool.v1.ListHostsRequest\x1a\x1c.dxpool.v1.ListHostsResponseB*Z(github.com/dxpool/dxpool/api/v1;dxpoolv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64xpool/v1/inventory.proto\x12\tdxpool.v1\x1a\x19\x64xpool/v1/resources.proto\"N\n\x0bGpuSlotSpec\x12\x0c\n\x04slot\x18\x01 \x01(\x05\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nmemory_mib\x18\x03 \x01(\x03\x12\x0e\n\x06pci_id\x18\x04 \x01(\t\"\xa4\x01\n\x10\x43reateBoxRequest\x12\x0e\n\x06\x62ox_id\x18\x01 \x01(\t\x12\x1b\n\x03\x62ox\x18\x02 \x01(\x0b\x32\x0e.dxpool.v1.Box\x12\x11\n\tgpu_model\x18\x03 \x01(\t\x12\x16\n\x0egpu_memory_mib\x18\x04 \x01(\x03\x12$\n\x04gpus\x18\x05 \x03(\x0b\x32\x16.dxpool.v1.GpuSlotSpec\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"\x1d\n\rGetBoxRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"Q\n\x10ListBoxesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x16\n\x0elabel_selector\x18\x03 \x01(\t\"K\n\x11ListBoxesResponse\x12\x1d\n\x05\x62oxes\x18\x01 \x03(\x0b\x32\x0e.dxpool.v1.Box\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"0\n\x10\x43ordonBoxRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\"\n\x12UncordonBoxRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\" \n\x10\x44\x65leteBoxRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x13\n\x11\x44\x65leteBoxResponse\"\x1d\n\rGetGpuRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"1\n\x11ReclaimGpuRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"5\n\x15\x43learGpuHealthRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"{\n\x0fListGpusRequest\x12\x0e\n\x06parent\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\x12\"\n\x05state\x18\x04 \x01(\x0e\x32\x13.dxpool.v1.GpuState\x12\r\n\x05model\x18\x05 \x01(\t\"I\n\x10ListGpusResponse\x12\x1c\n\x04gpus\x18\x01 \x03(\x0b\x32\x0e.dxpool.v1.Gpu\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x1e\n\x0eGetHostRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"Q\n\x10ListHostsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x16\n\x0elabel_selector\x18\x03 \x01(\t\"L\n\x11ListHostsResponse\x12\x1e\n\x05hosts\x18\x01 \x03(\x0b\x32\x0f.dxpool.v1.Host\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x16\n\x14GetPoolStatusRequest\"\x84\x01\n\x0bModelStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05total\x18\x02 \x01(\x05\x12\x0c\n\x04\x66ree\x18\x03 \x01(\x05\x12\x0e\n\x06in_use\x18\x04 \x01(\x05\x12\x0f\n\x07\x66\x65ncing\x18\x05 \x01(\x05\x12\x13\n\x0bquarantined\x18\x06 \x01(\x05\x12\x13\n\x0bunavailable\x18\x07 \x01(\x05\"\'\n\x08\x46itCount\x12\x0c\n\x04gpus\x18\x01 \x01(\x05\x12\r\n\x05nodes\x18\x02 \x01(\x05\"\x8f\x02\n\nPoolStatus\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.dxpool.v1.ModelStatus\x12?\n\x0enodes_by_state\x18\x02 \x03(\x0b\x32\'.dxpool.v1.PoolStatus.NodesByStateEntry\x12\x13\n\x0bhosts_alive\x18\x03 \x01(\x05\x12\x12\n\nhosts_dead\x18\x04 \x01(\x05\x12\x17\n\x0f\x66ree_host_slots\x18\x05 \x01(\x05\x12!\n\x04\x66its\x18\x06 \x03(\x0b\x32\x13.dxpool.v1.FitCount\x1a\x33\n\x11NodesByStateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\x32\xc9\x06\n\x10InventoryService\x12\x38\n\tCreateBox\x12\x1b.dxpool.v1.CreateBoxRequest\x1a\x0e.dxpool.v1.Box\x12\x32\n\x06GetBox\x12\x18.dxpool.v1.GetBoxRequest\x1a\x0e.dxpool.v1.Box\x12\x46\n\tListBoxes\x12\x1b.dxpool.v1.ListBoxesRequest\x1a\x1c.dxpool.v1.ListBoxesResponse\x12\x38\n\tCordonBox\x12\x1b.dxpool.v1.CordonBoxRequest\x1a\x0e.dxpool.v1.Box\x12<\n\x0bUncordonBox\x12\x1d.dxpool.v1.UncordonBoxRequest\x1a\x0e.dxpool.v1.Box\x12\x46\n\tDeleteBox\x12\x1b.dxpool.v1.DeleteBoxRequest\x1a\x1c.dxpool.v1.DeleteBoxResponse\x12\x32\n\x06GetGpu\x12\x18.dxpool.v1.GetGpuRequest\x1a\x0e.dxpool.v1.Gpu\x12\x43\n\x08ListGpus\x12\x1a.dxpool.v1.ListGpusRequest\x1a\x1b.dxpool.v1.ListGpusResponse\x12:\n\nReclaimGpu\x12\x1c.dxpool.v1.ReclaimGpuRequest\x1a\x0e.dxpool.v1.Gpu\x12\x42\n\x0e\x43learGpuHealth\x12 .dxpool.v1.ClearGpuHealthRequest\x1a\x0e.dxpool.v1.Gpu\x12\x35\n\x07GetHost\x12\x19.dxpool.v1.GetHostRequest\x1a\x0f.dxpool.v1.Host\x12G\n\rGetPoolStatus\x12\x1f.dxpool.v1.GetPoolStatusRequest\x1a\x15.dxpool.v1.PoolStatus\x12\x46\n\tListHosts\x12\x1b.dxpool.v1.ListHostsRequest\x1a\x1c.dxpool.v1.ListHostsResponseB*Z(github.com/dxpool/dxpool/api/v1;dxpoolv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -58,26 +58,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETGPUREQUEST']._serialized_end=675
   _globals['_RECLAIMGPUREQUEST']._serialized_start=677
   _globals['_RECLAIMGPUREQUEST']._serialized_end=726
-  _globals['_LISTGPUSREQUEST']._serialized_start=728
-  _globals['_LISTGPUSREQUEST']._serialized_end=851
-  _globals['_LISTGPUSRESPONSE']._serialized_start=853
-  _globals['_LISTGPUSRESPONSE']._serialized_end=926
-  _globals['_GETHOSTREQUEST']._serialized_start=928
-  _globals['_GETHOSTREQUEST']._serialized_end=958
-  _globals['_LISTHOSTSREQUEST']._serialized_start=960
-  _globals['_LISTHOSTSREQUEST']._serialized_end=1041
-  _globals['_LISTHOSTSRESPONSE']._serialized_start=1043
-  _globals['_LISTHOSTSRESPONSE']._serialized_end=1119
-  _globals['_GETPOOLSTATUSREQUEST']._serialized_start=1121
-  _globals['_GETPOOLSTATUSREQUEST']._serialized_end=1143
-  _globals['_MODELSTATUS']._serialized_start=1146
-  _globals['_MODELSTATUS']._serialized_end=1278
-  _globals['_FITCOUNT']._serialized_start=1280
-  _globals['_FITCOUNT']._serialized_end=1319
-  _globals['_POOLSTATUS']._serialized_start=1322
-  _globals['_POOLSTATUS']._serialized_end=1593
-  _globals['_POOLSTATUS_NODESBYSTATEENTRY']._serialized_start=1542
-  _globals['_POOLSTATUS_NODESBYSTATEENTRY']._serialized_end=1593
-  _globals['_INVENTORYSERVICE']._serialized_start=1596
-  _globals['_INVENTORYSERVICE']._serialized_end=2369
+  _globals['_CLEARGPUHEALTHREQUEST']._serialized_start=728
+  _globals['_CLEARGPUHEALTHREQUEST']._serialized_end=781
+  _globals['_LISTGPUSREQUEST']._serialized_start=783
+  _globals['_LISTGPUSREQUEST']._serialized_end=906
+  _globals['_LISTGPUSRESPONSE']._serialized_start=908
+  _globals['_LISTGPUSRESPONSE']._serialized_end=981
+  _globals['_GETHOSTREQUEST']._serialized_start=983
+  _globals['_GETHOSTREQUEST']._serialized_end=1013
+  _globals['_LISTHOSTSREQUEST']._serialized_start=1015
+  _globals['_LISTHOSTSREQUEST']._serialized_end=1096
+  _globals['_LISTHOSTSRESPONSE']._serialized_start=1098
+  _globals['_LISTHOSTSRESPONSE']._serialized_end=1174
+  _globals['_GETPOOLSTATUSREQUEST']._serialized_start=1176
+  _globals['_GETPOOLSTATUSREQUEST']._serialized_end=1198
+  _globals['_MODELSTATUS']._serialized_start=1201
+  _globals['_MODELSTATUS']._serialized_end=1333
+  _globals['_FITCOUNT']._serialized_start=1335
+  _globals['_FITCOUNT']._serialized_end=1374
+  _globals['_POOLSTATUS']._serialized_start=1377
+  _globals['_POOLSTATUS']._serialized_end=1648
+  _globals['_POOLSTATUS_NODESBYSTATEENTRY']._serialized_start=1597
+  _globals['_POOLSTATUS_NODESBYSTATEENTRY']._serialized_end=1648
+  _globals['_INVENTORYSERVICE']._serialized_start=1651
+  _globals['_INVENTORYSERVICE']._serialized_end=2492
 # @@protoc_insertion_point(module_scope)

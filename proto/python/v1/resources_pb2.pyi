@@ -140,6 +140,14 @@ class _AttachmentPhaseEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Attac
     ATTACHMENT_PHASE_DETACHING: _AttachmentPhase.ValueType  # 3
     ATTACHMENT_PHASE_FAILED: _AttachmentPhase.ValueType  # 4
     """Attaching failed and will not be retried for this generation."""
+    ATTACHMENT_PHASE_RELEASED: _AttachmentPhase.ValueType  # 5
+    """Released: detached and scrubbed clean (or never reached the host); the broker may
+    free the GPU.
+    """
+    ATTACHMENT_PHASE_SCRUB_FAILED: _AttachmentPhase.ValueType  # 6
+    """Released, but the scrub or the detach failed: the broker quarantines the GPU. The
+    agent keeps the entry (and the mapping, when the scrub failed) until it has.
+    """
 
 class AttachmentPhase(_AttachmentPhase, metaclass=_AttachmentPhaseEnumTypeWrapper): ...
 
@@ -149,6 +157,14 @@ ATTACHMENT_PHASE_ATTACHED: AttachmentPhase.ValueType  # 2
 ATTACHMENT_PHASE_DETACHING: AttachmentPhase.ValueType  # 3
 ATTACHMENT_PHASE_FAILED: AttachmentPhase.ValueType  # 4
 """Attaching failed and will not be retried for this generation."""
+ATTACHMENT_PHASE_RELEASED: AttachmentPhase.ValueType  # 5
+"""Released: detached and scrubbed clean (or never reached the host); the broker may
+free the GPU.
+"""
+ATTACHMENT_PHASE_SCRUB_FAILED: AttachmentPhase.ValueType  # 6
+"""Released, but the scrub or the detach failed: the broker quarantines the GPU. The
+agent keeps the entry (and the mapping, when the scrub failed) until it has.
+"""
 Global___AttachmentPhase: _TypeAlias = AttachmentPhase  # noqa: Y015
 
 class _NodeState:
@@ -174,6 +190,10 @@ class _NodeStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_NodeState.V
     """Its host was lost (agent lease expired) or it was force-released: its GPUs are
     fenced at the box side, scrubbed and returned to the pool. Release it to remove it.
     """
+    NODE_STATE_DEGRADED: _NodeState.ValueType  # 8
+    """Was READY; one of its GPUs is now reported unhealthy (see `message` and the GPU's
+    `health_reason`). It keeps its GPUs; it goes back to READY when no GPU is unhealthy.
+    """
 
 class NodeState(_NodeState, metaclass=_NodeStateEnumTypeWrapper):
     """Lifecycle of a virtual node.
@@ -183,6 +203,7 @@ class NodeState(_NodeState, metaclass=_NodeStateEnumTypeWrapper):
          +-----------+--> FAILED ---------+ (its GPUs are detached and freed)
          |           |          |         |
          +-----------+----------+--> LOST +  (its host's lease expired: GPUs fenced, freed)
+      READY <-> DEGRADED (a GPU reported unhealthy / cleared); DEGRADED -> RELEASING, LOST
     """
 
 NODE_STATE_UNSPECIFIED: NodeState.ValueType  # 0
@@ -201,6 +222,10 @@ NODE_STATE_FAILED: NodeState.ValueType  # 6
 NODE_STATE_LOST: NodeState.ValueType  # 7
 """Its host was lost (agent lease expired) or it was force-released: its GPUs are
 fenced at the box side, scrubbed and returned to the pool. Release it to remove it.
+"""
+NODE_STATE_DEGRADED: NodeState.ValueType  # 8
+"""Was READY; one of its GPUs is now reported unhealthy (see `message` and the GPU's
+`health_reason`). It keeps its GPUs; it goes back to READY when no GPU is unhealthy.
 """
 Global___NodeState: _TypeAlias = NodeState  # noqa: Y015
 
@@ -524,6 +549,8 @@ class DesiredAttachment(_message.Message):
     EXPECTED_UUID_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     PCI_ID_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
+    EXPECTED_SERIAL_FIELD_NUMBER: _builtins.int
     gpu: _builtins.str
     """"boxes/{box}/gpus/{slot}" """
     host_slot: _builtins.int
@@ -540,6 +567,15 @@ class DesiredAttachment(_message.Message):
     """PCI vendor and device id the GPU must show, e.g. "10de:2330" (Gpu.pci_id); checked
     against the device's configuration space when not empty.
     """
+    release: _builtins.bool
+    """The node let go of the GPU: the agent drains it, resets it and checks it healthy
+    (scrub), detaches it, and reports RELEASED (clean) or SCRUB_FAILED. The broker frees
+    or quarantines the GPU on that report and drops this entry in the same transaction.
+    """
+    expected_serial: _builtins.str
+    """Serial number learned on the GPU's first attach, if any; the agent verifies it (and
+    the bus checks it against the Device Serial Number where it can read one).
+    """
     def __init__(
         self,
         *,
@@ -551,10 +587,12 @@ class DesiredAttachment(_message.Message):
         expected_uuid: _builtins.str = ...,
         model: _builtins.str = ...,
         pci_id: _builtins.str = ...,
+        release: _builtins.bool = ...,
+        expected_serial: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_uuid", b"expected_uuid", "generation", b"generation", "gpu", b"gpu", "host_slot", b"host_slot", "model", b"model", "node", b"node", "pci_id", b"pci_id", "vfio", b"vfio"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_serial", b"expected_serial", "expected_uuid", b"expected_uuid", "generation", b"generation", "gpu", b"gpu", "host_slot", b"host_slot", "model", b"model", "node", b"node", "pci_id", b"pci_id", "release", b"release", "vfio", b"vfio"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -640,6 +678,8 @@ class ObservedAttachment(_message.Message):
     MESSAGE_FIELD_NUMBER: _builtins.int
     UPDATE_TIME_FIELD_NUMBER: _builtins.int
     HEALTH_REASON_FIELD_NUMBER: _builtins.int
+    SCRUBBED_FIELD_NUMBER: _builtins.int
+    IDENTITY_MISMATCH_FIELD_NUMBER: _builtins.int
     gpu: _builtins.str
     generation: _builtins.int
     phase: Global___AttachmentPhase.ValueType
@@ -655,6 +695,12 @@ class ObservedAttachment(_message.Message):
     """
     health_reason: _builtins.str
     """Why `health` is not HEALTHY (e.g. "2 volatile uncorrected ECC errors")."""
+    scrubbed: _builtins.bool
+    """The GPU was reset and found healthy since the node let go of it."""
+    identity_mismatch: _builtins.bool
+    """FAILED because the device at the GPU's place is not the GPU the inventory knows
+    (UUID, serial, PCI id or model differ): the broker quarantines the GPU as suspect.
+    """
     @_builtins.property
     def update_time(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -671,10 +717,12 @@ class ObservedAttachment(_message.Message):
         message: _builtins.str = ...,
         update_time: _timestamp_pb2.Timestamp | None = ...,
         health_reason: _builtins.str = ...,
+        scrubbed: _builtins.bool = ...,
+        identity_mismatch: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bdf", b"bdf", "generation", b"generation", "gpu", b"gpu", "health", b"health", "health_reason", b"health_reason", "host_slot", b"host_slot", "message", b"message", "phase", b"phase", "serial", b"serial", "update_time", b"update_time", "uuid", b"uuid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bdf", b"bdf", "generation", b"generation", "gpu", b"gpu", "health", b"health", "health_reason", b"health_reason", "host_slot", b"host_slot", "identity_mismatch", b"identity_mismatch", "message", b"message", "phase", b"phase", "scrubbed", b"scrubbed", "serial", b"serial", "update_time", b"update_time", "uuid", b"uuid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
