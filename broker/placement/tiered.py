@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from itertools import chain
@@ -39,6 +39,10 @@ from dxpool.fabric.latency import Place, TieredLatencyModel, Tiers
 
 MAX_EXAMINED = 64
 """A choice whose walk looked at more box classes than this depends on every class."""
+
+MAX_NEAR_KEPT = 64
+"""Sets of tightest boxes whose nearest per host class is remembered (see
+:meth:`TieredChooser.tightest_near`); beyond that the record starts afresh."""
 
 FEW_TIGHTEST = 8
 """At most this many classes holding the tightest box: that rule asks the model for the
@@ -147,6 +151,11 @@ class TieredChooser:
         # round trip by (host class, box class), shared along advance(): by the model's
         # contract it depends on the two classes only, and a model never changes
         self._class_ns: dict[tuple[int, int], int] = {}
+        # the nearest of a set of tightest boxes per host class, by that set's (class,
+        # box id) pairs; shared along advance() like the round trips it is made from
+        self._near: dict[tuple[tuple[int, str], ...], dict[int, tuple[int, int]]] = {}
+        # host classes whose parts() may differ from the previous chooser's; None: any
+        self._changed: frozenset[int] | None = None
 
     def advance(self, removed: Iterable[BoxSupply], added: Iterable[BoxSupply]) -> TieredChooser:
         """The chooser of the supply that differs from this one's by ``removed`` boxes
@@ -182,6 +191,7 @@ class TieredChooser:
         following = TieredChooser.__new__(TieredChooser)
         following._setup(self._model, self._count, self._bound, classes, sizes)
         following._class_ns = self._class_ns
+        following._near = self._near
         following._keep_memos(self, frozenset(touched))
         return following
 
@@ -196,9 +206,75 @@ class TieredChooser:
         ):
             return
         # a copy taken at once: decisions on ``before`` may add to its memo meanwhile
+        dropped: list[int] = []
         for host_class, memo in list(before._chosen.items()):
             if memo.examined is not None and memo.examined.isdisjoint(touched):
                 self._chosen[host_class] = memo
+            else:
+                dropped.append(host_class)
+        if self._bound is None and (
+            self.few_tightest() != before.few_tightest()
+            # many classes hold the tightest box: choose() finds it again when it moved
+            or (not self.few_tightest() and self._fewest != before._fewest)
+        ):
+            return
+        self._changed = frozenset(dropped)
+
+    def changed_classes(self) -> frozenset[int] | None:
+        """The host classes whose :meth:`parts` (first part) may differ from what the
+        chooser this one was advanced from answered, as of that advance: the classes
+        whose memo was not carried over. None when any may differ (a chooser built from
+        scratch, a tightest box that every walk must find again). A class the previous
+        chooser never chose for is not named: the caller must know it was not asked."""
+        return self._changed
+
+    def few_tightest(self) -> bool:
+        """Whether :meth:`parts` answers the tightest single box apart (unbounded, and
+        at most ``FEW_TIGHTEST`` classes hold a box of the fewest usable GPUs)."""
+        return self._bound is None and self._tightest_classes() is not None
+
+    def tightest_near(
+        self, places: Mapping[int, Place]
+    ) -> tuple[dict[int, tuple[int, int]], tuple[tuple[int, BoxSupply], ...]] | None:
+        """The tightest single box :meth:`parts` gives each host class of ``places`` (a
+        place of a host of that class), as ``(round trip, index)`` into the second
+        element, the (class, tightest box) pairs; the mapping may name other classes
+        too. None unless :meth:`few_tightest` and some box holds the request.
+
+        Remembered per set of tightest boxes (their classes and ids), so while a 1-GPU
+        compose only moves the same box's count, no class is looked at again."""
+        if self._bound is not None:
+            return None
+        few = self._tightest_classes()
+        if not few:
+            return None
+        key = tuple((number, supply.box.box) for number, supply in few)
+        near = self._near.get(key)
+        if near is None:
+            if len(self._near) >= MAX_NEAR_KEPT:
+                self._near.clear()
+            near = self._near.setdefault(key, {})
+        class_ns = self._class_ns
+        round_trip = self._model.round_trip
+        for host_class, place in places.items():
+            if host_class in near:
+                continue
+            best: tuple[int, str, int] | None = None
+            for index, (number, supply) in enumerate(few):
+                ns = class_ns.get((host_class, number))
+                if ns is None:
+                    ns = round_trip(place, supply.box.place).round_trip_ns
+                    class_ns[(host_class, number)] = ns
+                if best is None or (ns, supply.box.box) < best[:2]:
+                    best = (ns, supply.box.box, index)
+            assert best is not None
+            near[host_class] = (best[0], best[2])
+        return near, few
+
+    @property
+    def model(self) -> TieredLatencyModel:
+        """The latency model the chooser ranks boxes with."""
+        return self._model
 
     def host_class(self, host: Place) -> int:
         """The class of a host's place: hosts of one class get the same choice."""
