@@ -21,11 +21,13 @@ every host is alive without running thousands of agents), then measures:
   releases would never finish: compose+release pairs/s are measured with agents by
   ``bench/compose_latency.py`` on a small pool.
 
-Prints one block per size and a summary table. Nothing is asserted; compare sizes
-within one run (these machines are shared and noisy). etcd runs with --unsafe-no-fsync
+Prints one block per size and a summary table, and with ``--png PATH`` draws the
+scaling curves (start, RSS, composes/s, placement p50/p99 against pool size, log-log)
+into PATH; that needs matplotlib (the ``bench`` extra). Nothing is asserted; compare
+sizes within one run (these machines are shared and noisy). etcd runs with --unsafe-no-fsync
 to load large pools quickly; the broker's own work is what is measured.
 
-Usage: python bench/scale.py [--sizes 1000,10000,100000] [--placements 200]
+Usage: python bench/scale.py [--sizes 1000,10000,100000] [--placements 200] [--png PATH]
 """
 
 from __future__ import annotations
@@ -408,6 +410,54 @@ def table(results: list[Figures]) -> None:
         )
 
 
+def plot(results: list[Figures], path: Path) -> bool:
+    """Draws the scaling curves of ``results`` into ``path`` (PNG). False, with a hint on
+    stderr, when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(
+            "matplotlib is not installed, so no figure was drawn: pip install 'dxpool[bench]'",
+            file=sys.stderr,
+        )
+        return False
+    sizes = [f.gpus for f in results]
+    figure, axes = plt.subplots(1, 4, figsize=(17, 4.2))
+    panels = [
+        (axes[0], "broker start to first compose (s)", [("start", [f.start_s for f in results])]),
+        (axes[1], "broker RSS (MiB)", [("RSS", [f.rss_mib for f in results])]),
+        (
+            axes[2],
+            "composes/s (8 clients)",
+            [("composes/s", [f.composes_per_s for f in results])],
+        ),
+    ]
+    for axis, title, series in panels:
+        for name, values in series:
+            axis.plot(sizes, values, marker="o", label=name)
+        axis.set_title(title)
+    placement = axes[3]
+    for count in (1, 8):
+        for column, style in ((0, "-"), (1, "--")):
+            name = "p50" if column == 0 else "p99"
+            values = [f.placement[(50, count)][column] for f in results]
+            placement.plot(sizes, values, style, marker="o", label=f"{count}-GPU {name}")
+    placement.set_title("placement at 50% fill (ms)")
+    placement.legend(fontsize="small")
+    for axis in axes:
+        axis.set_xscale("log")
+        axis.set_yscale("log")
+        axis.set_xlabel("GPUs in the pool")
+        axis.grid(True, which="both", alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1000,10000,100000", help="pool sizes in GPUs")
@@ -420,6 +470,9 @@ def main() -> None:
         action="store_false",
         help="time placement without gc.freeze() after the load (the broker freezes)",
     )
+    parser.add_argument(
+        "--png", type=Path, default=None, help="draw the scaling curves into this PNG file"
+    )
     args = parser.parse_args()
     results = []
     for size in (int(s) for s in args.sizes.split(",")):
@@ -427,6 +480,8 @@ def main() -> None:
         report(figures)
         results.append(figures)
     table(results)
+    if args.png is not None and plot(results, args.png):
+        print(f"\nscaling curves drawn into {args.png}")
 
 
 if __name__ == "__main__":
