@@ -415,7 +415,8 @@ class _GroupTable:
     first hosts proposing each distinct raw tuple, by id, and ``lowest`` the first of
     them. ``ranking`` is one class's ranking when the table was made: the model numbers
     a class for every new place, which changes every ranking, and the chooser then
-    chooses again. Nothing here changes once made; :meth:`made` makes the next.
+    chooses again for every class. Nothing here changes once made; :meth:`made` makes
+    the next.
     """
 
     few: bool  # the chooser answers the tightest box apart (see TieredChooser.parts)
@@ -438,32 +439,23 @@ class _GroupTable:
         scored: dict[tuple[object, ...], _Scored],
     ) -> _GroupTable | None:
         """The table of ``hosts`` and ``chooser``, from ``before`` (the table of the
-        groups and chooser they were advanced from) where the chooser says a class's
-        options did not change, judging again only the groups ``hosts`` touched and the
-        classes whose options moved. None when groups must be visited one by one (a host
-        whose class the model could not tell, a class with no options); raises what the
-        chooser or a score plugin raises."""
+        groups and chooser they were advanced from): the options of the classes whose
+        chooser memo was not carried over (every class when the chooser cannot say, or
+        the model numbered a class) are asked again, and only the groups ``hosts``
+        touched and those of the classes whose options differ are scored again. None
+        when groups must be visited one by one (a host whose class the model could not
+        tell, a class with no options); raises what the chooser or a score plugin
+        raises."""
         if None in hosts.groups:
             return None
         few = chooser.few_tightest()
-        model = chooser.model
         changed = chooser.changed_classes()
-        if (
-            before is None
-            or changed is None
-            or before.few != few
-            or (
-                before.ranking[1] is not None
-                and model.ranking(before.ranking[0]) is not before.ranking[1]
-            )
-        ):
-            before = None
-        ranking: tuple[int, object] = (-1, None)
-        if before is not None:
-            ranking = before.ranking
-        elif hosts.groups:
+        ranking = before.ranking if before is not None else (-1, None)
+        if ranking[1] is not None and chooser.model.ranking(ranking[0]) is not ranking[1]:
+            changed = None  # a class was numbered since: every walk may have missed it
+        if (ranking[1] is None or changed is None) and hosts.groups:
             probe = cast(tuple[int, int], next(iter(hosts.groups)))[0]
-            ranking = (probe, model.ranking(probe))
+            ranking = (probe, chooser.model.ranking(probe))
         table = before or _GroupTable(few, ranking, {}, {}, {}, {}, {}, {})
         options = dict(table.options)
         raws = dict(table.raws)
@@ -472,7 +464,15 @@ class _GroupTable:
         proposers = dict(table.proposers)
         lowest = dict(table.lowest)
         redo = {cast(tuple[int, int], key) for key in (hosts.touched if before else hosts.groups)}
-        moved = {c for c in changed or () if options.pop(c, None) is not None}
+        # the classes whose options may have moved, judged again; equal options (by
+        # value) propose the same takes, hence the same raw scores, so their groups stay
+        check = list(options) if changed is None else [c for c in changed if c in options]
+        moved: set[int] = set()
+        for host_class in check:
+            again, _ = chooser.parts(places[host_class])
+            if again != options[host_class]:
+                options[host_class] = again
+                moved.add(host_class)
         if moved:
             redo.update(key for key in firsts if key[0] in moved)
         for key in redo:  # what the groups judged again proposed before

@@ -351,18 +351,32 @@ class TieredChooser:
         return (self._fewest, self._tightest_classes())
 
     def _retighten(self, host: Place, host_class: int, memo: _Memo, stamp: _Stamp) -> _Memo | None:
-        """``memo`` with the tightest box found again from the few classes holding one;
-        None when they are many (the walk must find it)."""
+        """``memo`` with the tightest box found again: from the few classes holding one,
+        or, when they are many, by walking the ranking for that rule alone (the other
+        two rules' answers stand while the classes their walk looked at did not change);
+        the classes that walk looks at are added to what the memo rests on."""
+        examined = memo.examined
         if stamp[1] is None:
-            return None
-        tightest = self._nearest_tightest(host, host_class)
+            walked: list[int] = []
+            tightest: Link | None = None
+            for latency, tier in self._present(memo.ranking, walked):
+                tight = [
+                    c.fits for c in tier if c.fits is not None and c.fits.available == stamp[0]
+                ]
+                if tight:
+                    tightest = (latency, min(tight, key=supply_order))
+                    break
+            if examined is not None:
+                examined = examined.union(walked)
+                if len(examined) > MAX_EXAMINED:
+                    examined = None
+        else:
+            tightest = self._nearest_tightest(host, host_class)
         found = options(self._count, memo.nearest, memo.single, tightest)
         if found == memo.choice.options:
             found = memo.choice.options  # the same object: what was derived from it holds
         choice = Choice(found, self._usable, None)
-        return _Memo(
-            choice, memo.ranking, memo.examined, stamp, memo.nearest, memo.single, memo.base
-        )
+        return _Memo(choice, memo.ranking, examined, stamp, memo.nearest, memo.single, memo.base)
 
     def _choose(self, host: Place, ranking: Tiers) -> _Memo:
         examined: list[int] = []
