@@ -15,7 +15,10 @@ every host is alive without running thousands of agents), then measures:
   store), so an 8-GPU request still fits at 90%. p50/p99 over ``--placements`` calls on
   a settled index (the snapshot is shared, as between two composes with no change);
   ``snapshot after a change`` is the median time of the first snapshot after one GPU
-  changed, over 20 changes;
+  changed, over 20 changes; **placement after a commit** times the first 1-GPU
+  ``place()`` on each new snapshot while the placements are committed one after another
+  (each chosen GPU written ATTACHED with its host slot, as a compose would), which is
+  what a compose pays: the preparation brought forward by the change, then the decision;
 * **composes/s**: 8 client threads composing 1-GPU nodes for ``--compose-s`` seconds
   against the started broker. Hosts have no agent here, so nodes stay ATTACHING and
   releases would never finish: compose+release pairs/s are measured with agents by
@@ -85,6 +88,7 @@ class Figures:
     idle_cpu: float = 0.0
     placement: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
     snapshot_ms: float = 0.0
+    chained: tuple[float, float] = (0.0, 0.0)  # placement after a commit, p50/p99 ms
     composes_per_s: float = 0.0
     exhausted: int = 0
 
@@ -292,6 +296,48 @@ def time_placements(index: PlacementIndex, count: int, runs: int) -> tuple[float
     return percentile(samples, 0.5) * 1e3, percentile(samples, 0.99) * 1e3
 
 
+def place_after_commits(
+    store: Store, cache: Cache, index: PlacementIndex, runs: int
+) -> tuple[float, float]:
+    """p50/p99 ms of a 1-GPU ``place()`` on the first snapshot after each of ``runs``
+    placements was committed (its GPU ATTACHED, its host slot allocated)."""
+    latency = TopologyLatencyModel(Topology.default())
+    request = PlacementRequest("H100", 1)
+    place(request, index.snapshot(), latency)  # the first preparation, not timed
+    samples = []
+    for turn in range(runs):
+        snapshot = index.snapshot()
+        began = time.perf_counter()
+        result = place(request, snapshot, latency)
+        samples.append(time.perf_counter() - began)
+        assert result.placement is not None, result.unsatisfied
+        (binding,) = result.placement.bindings
+        host = result.placement.host
+        node = f"nodes/chain-{turn}"
+        record = cache.get(k.GPUS, f"{binding.box}/{binding.slot}")
+        assert record is not None
+        gpu = pb.Gpu()
+        gpu.CopyFrom(record.value)
+        gpu.state, gpu.node, gpu.host, gpu.host_slot = (
+            pb.GPU_STATE_ATTACHED,
+            node,
+            f"hosts/{host}",
+            binding.host_slot,
+        )
+        gpu.generation += 1
+        allocation = pb.HostAllocation(host=f"hosts/{host}")
+        held = cache.get(k.HOST_ALLOCATIONS, host)
+        if held is not None:
+            allocation.CopyFrom(held.value)
+        allocation.attachments.append(
+            pb.DesiredAttachment(gpu=gpu.name, host_slot=binding.host_slot, node=node)
+        )
+        txn = Txn().put(store.keys.gpu(binding.box, binding.slot), gpu)
+        txn.put(store.keys.host_allocation(host), allocation)
+        cache.wait_for_revision(store.commit(txn).revision, 60)
+    return percentile(samples, 0.5) * 1e3, percentile(samples, 0.99) * 1e3
+
+
 def run_size(gpus: int, args: argparse.Namespace) -> Figures:
     figures = Figures(gpus)
     boxes = gpus // GPUS_PER_BOX
@@ -372,6 +418,7 @@ def measure_placement(
             samples.append(time.perf_counter() - began)
             del index_snapshot
         figures.snapshot_ms = statistics.median(samples) * 1e3
+        figures.chained = place_after_commits(store, cache, index, runs)
     finally:
         index.close()
         cache.stop()
@@ -391,12 +438,14 @@ def report(figures: Figures) -> None:
     for (percent, count), (p50, p99) in sorted(figures.placement.items()):
         print(f"  placement {count}-GPU at {percent:2d}% fill: p50 {p50:.2f} ms, p99 {p99:.2f} ms")
     print(f"  snapshot after a change {figures.snapshot_ms:.2f} ms (median of {SNAPSHOT_SAMPLES})")
+    p50, p99 = figures.chained
+    print(f"  placement 1-GPU after a commit: p50 {p50:.2f} ms, p99 {p99:.2f} ms")
 
 
 def table(results: list[Figures]) -> None:
     print("\n| GPUs | start s | RSS MiB | idle CPU | composes/s | 1-GPU p50/p99 ms (0/50/90%) "
-          "| 8-GPU p50/p99 ms (0/50/90%) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+          "| 8-GPU p50/p99 ms (0/50/90%) | 1-GPU after a commit p50/p99 ms |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for f in results:
         cells = {}
         for count in (1, 8):
@@ -406,7 +455,8 @@ def table(results: list[Figures]) -> None:
             )
         print(
             f"| {f.gpus:,} | {f.start_s:.2f} | {f.rss_mib:.0f} | {f.idle_cpu * 100:.1f}% "
-            f"| {f.composes_per_s:.0f} | {cells[1]} | {cells[8]} |"
+            f"| {f.composes_per_s:.0f} | {cells[1]} | {cells[8]} "
+            f"| {f.chained[0]:.2f}/{f.chained[1]:.2f} |"
         )
 
 
@@ -445,7 +495,11 @@ def plot(results: list[Figures], path: Path) -> bool:
             name = "p50" if column == 0 else "p99"
             values = [f.placement[(50, count)][column] for f in results]
             placement.plot(sizes, values, style, marker="o", label=f"{count}-GPU {name}")
-    placement.set_title("placement at 50% fill (ms)")
+    for column, style in ((0, "-"), (1, "--")):
+        name = "p50" if column == 0 else "p99"
+        values = [f.chained[column] for f in results]
+        placement.plot(sizes, values, style, marker="s", label=f"1-GPU after a commit {name}")
+    placement.set_title("placement (ms): settled at 50% fill, after a commit")
     placement.legend(fontsize="small")
     for axis in axes:
         axis.set_xscale("log")
