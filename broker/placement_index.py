@@ -87,9 +87,31 @@ class PlacementIndex:
         self._snapshot: Snapshot | None = None  # the last one handed out, while current
         self._cache = cache
         self._unsubscribe = cache.subscribe(self._on_change)
-        for collection in (k.BOXES, k.GPUS, k.HOSTS, k.HOST_LEASES, k.HOST_ALLOCATIONS):
-            for name, record in cache.items(collection):
-                self._on_change(collection, name, record)
+        self._load(cache)
+
+    def _load(self, cache: Cache) -> None:
+        """Takes every record the cache holds: nothing has been derived from this index
+        yet, so the records are not journaled one by one, and each host is described
+        once, after all its records are in. Events arriving meanwhile are taken as
+        usual between collections (a record taken twice is taken once)."""
+        for name, record in cache.items(k.BOXES):  # the cache returns a copy
+            with self._lock:
+                self._on_box_change(name, record)
+        gpus = cache.items(k.GPUS)
+        with self._lock:
+            for name, record in gpus:
+                self._on_gpu_change(name, record)
+        for collection in (k.HOSTS, k.HOST_LEASES, k.HOST_ALLOCATIONS):
+            records = cache.items(collection)
+            with self._lock:
+                for name, record in records:
+                    self._note_host(collection, name, record)
+        with self._lock:
+            for name in self._host_records:
+                self._describe_host(name)
+            self._dirty_boxes.update(self._boxes, self._gpus)
+            self._dirty_hosts.update(self._hosts)
+            self._snapshot = None
 
     def close(self) -> None:
         self._unsubscribe()
@@ -141,6 +163,11 @@ class PlacementIndex:
         return True
 
     def _on_host_change(self, collection: str, name: str, record: Versioned[Any] | None) -> bool:
+        self._note_host(collection, name, record)
+        return self._describe_host(name)
+
+    def _note_host(self, collection: str, name: str, record: Versioned[Any] | None) -> None:
+        """Takes one of a host's records (host, lease or allocation)."""
         if collection == k.HOSTS:
             if record is None:
                 self._host_records.pop(name, None)
@@ -160,6 +187,9 @@ class PlacementIndex:
             self._used_slots[name] = frozenset(
                 a.host_slot for a in (allocation.attachments if allocation else ())
             )
+
+    def _describe_host(self, name: str) -> bool:
+        """Describes a host from its records as noted; whether placement sees a change."""
         host = self._host_records.get(name)
         if host is None:
             return self._hosts.pop(name, None) is not None
@@ -226,10 +256,7 @@ class PlacementIndex:
         for box_id in boxes:
             self._gpu_tuples.pop(box_id, None)
             self._changed(box_id, None)
-        record = self._host_records.get(placement.host)
-        if record is not None and self._on_host_change(
-            k.HOSTS, placement.host, Versioned(record, 0, 0)
-        ):
+        if self._describe_host(placement.host):
             self._changed(None, placement.host)
 
     def _changed(self, box: str | None, host: str | None) -> None:
