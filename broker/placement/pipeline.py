@@ -22,10 +22,12 @@ changes what it answers:
   at once.
 - for a snapshot with a journal (the broker's placement index), what it works out before
   looking at hosts is brought forward from the newest one made for an earlier version,
-  judging only the boxes and hosts changed since (:mod:`~dxpool.broker.placement.live`);
-  a decision then looks at the first host of each group of hosts alike (latency class,
-  free slot count) and totals each distinct tuple of raw scores once
-  (``_Run._result_by_host_group``).
+  judging only the boxes and hosts changed since (:mod:`~dxpool.broker.placement.live`),
+  with a table of the raw scores of the first host of each group of hosts alike
+  (latency class, free slot count; :class:`_GroupTable`); a decision reads that table,
+  adds the tightest single box, and totals each distinct tuple of raw scores once
+  (``_Run._result_from_table``; ``_Run._result_by_host_group`` visits the groups when
+  there is no table).
 
 Plugins must therefore be pure: the same request and candidate give the same verdict.
 """
@@ -224,6 +226,7 @@ class _Live:
     raw scores; an entry is used only while the chooser's options and the host are the
     very objects it was made from. ``scored`` keeps raw scores by takes and free slot
     count (see :func:`_propose`). Both are copied (not shared) into the next version.
+    ``table`` is the groups' raw scores for this version (None: visit the groups).
     """
 
     journal: ChangeJournal

@@ -21,7 +21,10 @@ without a bound, the fewest usable GPUs of a box that holds the request (the
 *tightest-single-box* rule's target) and whether the pool holds enough; it is kept when
 none of those changed. The tightest box is found from the few classes that hold a box of
 that size when there are few of them (the nearest of them, by the model's round trip),
-so that rule does not make every choice depend on far tiers.
+so that rule does not make every choice depend on far tiers; when many classes hold one,
+a change of that size is answered by walking the ranking for that rule alone. The
+nearest of the few tightest boxes is also handed out per host class at once
+(:meth:`TieredChooser.tightest_near`), for a caller that reads every class's choice.
 """
 
 from __future__ import annotations
