@@ -56,10 +56,10 @@ def main() -> None:
             composer: Any = broker.nodes._composer
             compose = composer.compose
 
-            def profiled(request: Any) -> Any:
+            def profiled(*args: Any, **kwargs: Any) -> Any:
                 profile.enable()
                 try:
-                    return compose(request)
+                    return compose(*args, **kwargs)
                 finally:
                     profile.disable()
 

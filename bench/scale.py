@@ -15,17 +15,22 @@ every host is alive without running thousands of agents), then measures:
   store), so an 8-GPU request still fits at 90%. p50/p99 over ``--placements`` calls on
   a settled index (the snapshot is shared, as between two composes with no change);
   ``snapshot after a change`` is the median time of the first snapshot after one GPU
-  changed, over 20 changes;
+  changed, over 20 changes; **placement after a commit** times the first 1-GPU
+  ``place()`` on each new snapshot while the placements are committed one after another
+  (each chosen GPU written ATTACHED with its host slot, as a compose would), which is
+  what a compose pays: the preparation brought forward by the change, then the decision;
 * **composes/s**: 8 client threads composing 1-GPU nodes for ``--compose-s`` seconds
   against the started broker. Hosts have no agent here, so nodes stay ATTACHING and
   releases would never finish: compose+release pairs/s are measured with agents by
   ``bench/compose_latency.py`` on a small pool.
 
-Prints one block per size and a summary table. Nothing is asserted; compare sizes
-within one run (these machines are shared and noisy). etcd runs with --unsafe-no-fsync
+Prints one block per size and a summary table, and with ``--png PATH`` draws the
+scaling curves (start, RSS, composes/s, placement p50/p99 against pool size, log-log)
+into PATH; that needs matplotlib (the ``bench`` extra). Nothing is asserted; compare
+sizes within one run (these machines are shared and noisy). etcd runs with --unsafe-no-fsync
 to load large pools quickly; the broker's own work is what is measured.
 
-Usage: python bench/scale.py [--sizes 1000,10000,100000] [--placements 200]
+Usage: python bench/scale.py [--sizes 1000,10000,100000] [--placements 200] [--png PATH]
 """
 
 from __future__ import annotations
@@ -83,6 +88,8 @@ class Figures:
     idle_cpu: float = 0.0
     placement: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
     snapshot_ms: float = 0.0
+    chained: tuple[float, float] = (0.0, 0.0)  # placement after a commit, p50/p99 ms
+    chained_gc: int = 0  # of those placements, how many a full collection ran within
     composes_per_s: float = 0.0
     exhausted: int = 0
 
@@ -290,6 +297,60 @@ def time_placements(index: PlacementIndex, count: int, runs: int) -> tuple[float
     return percentile(samples, 0.5) * 1e3, percentile(samples, 0.99) * 1e3
 
 
+def place_after_commits(
+    store: Store, cache: Cache, index: PlacementIndex, runs: int
+) -> tuple[tuple[float, float], int]:
+    """p50/p99 ms of a 1-GPU ``place()`` on the first snapshot after each of ``runs``
+    placements was committed (its GPU ATTACHED, its host slot allocated), and how many
+    of those calls a full (generation 2) garbage collection ran within."""
+    latency = TopologyLatencyModel(Topology.default())
+    request = PlacementRequest("H100", 1)
+    place(request, index.snapshot(), latency)  # the first preparation, not timed
+    samples = []
+    full = [0]
+
+    def count_full(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] == 2:
+            full[0] += 1
+
+    within = 0
+    for turn in range(runs):
+        snapshot = index.snapshot()
+        seen = full[0]
+        gc.callbacks.append(count_full)
+        began = time.perf_counter()
+        result = place(request, snapshot, latency)
+        samples.append(time.perf_counter() - began)
+        gc.callbacks.remove(count_full)
+        within += full[0] > seen
+        assert result.placement is not None, result.unsatisfied
+        (binding,) = result.placement.bindings
+        host = result.placement.host
+        node = f"nodes/chain-{turn}"
+        record = cache.get(k.GPUS, f"{binding.box}/{binding.slot}")
+        assert record is not None
+        gpu = pb.Gpu()
+        gpu.CopyFrom(record.value)
+        gpu.state, gpu.node, gpu.host, gpu.host_slot = (
+            pb.GPU_STATE_ATTACHED,
+            node,
+            f"hosts/{host}",
+            binding.host_slot,
+        )
+        gpu.generation += 1
+        allocation = pb.HostAllocation(host=f"hosts/{host}")
+        held = cache.get(k.HOST_ALLOCATIONS, host)
+        if held is not None:
+            allocation.CopyFrom(held.value)
+        allocation.attachments.append(
+            pb.DesiredAttachment(gpu=gpu.name, host_slot=binding.host_slot, node=node)
+        )
+        txn = Txn().put(store.keys.gpu(binding.box, binding.slot), gpu)
+        txn.put(store.keys.host_allocation(host), allocation)
+        cache.wait_for_revision(store.commit(txn).revision, 60)
+    return (percentile(samples, 0.5) * 1e3, percentile(samples, 0.99) * 1e3), within
+
+
 def run_size(gpus: int, args: argparse.Namespace) -> Figures:
     figures = Figures(gpus)
     boxes = gpus // GPUS_PER_BOX
@@ -370,6 +431,7 @@ def measure_placement(
             samples.append(time.perf_counter() - began)
             del index_snapshot
         figures.snapshot_ms = statistics.median(samples) * 1e3
+        figures.chained, figures.chained_gc = place_after_commits(store, cache, index, runs)
     finally:
         index.close()
         cache.stop()
@@ -389,12 +451,17 @@ def report(figures: Figures) -> None:
     for (percent, count), (p50, p99) in sorted(figures.placement.items()):
         print(f"  placement {count}-GPU at {percent:2d}% fill: p50 {p50:.2f} ms, p99 {p99:.2f} ms")
     print(f"  snapshot after a change {figures.snapshot_ms:.2f} ms (median of {SNAPSHOT_SAMPLES})")
+    p50, p99 = figures.chained
+    print(
+        f"  placement 1-GPU after a commit: p50 {p50:.2f} ms, p99 {p99:.2f} ms "
+        f"({figures.chained_gc} of them with a full garbage collection)"
+    )
 
 
 def table(results: list[Figures]) -> None:
     print("\n| GPUs | start s | RSS MiB | idle CPU | composes/s | 1-GPU p50/p99 ms (0/50/90%) "
-          "| 8-GPU p50/p99 ms (0/50/90%) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+          "| 8-GPU p50/p99 ms (0/50/90%) | 1-GPU after a commit p50/p99 ms |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for f in results:
         cells = {}
         for count in (1, 8):
@@ -404,8 +471,61 @@ def table(results: list[Figures]) -> None:
             )
         print(
             f"| {f.gpus:,} | {f.start_s:.2f} | {f.rss_mib:.0f} | {f.idle_cpu * 100:.1f}% "
-            f"| {f.composes_per_s:.0f} | {cells[1]} | {cells[8]} |"
+            f"| {f.composes_per_s:.0f} | {cells[1]} | {cells[8]} "
+            f"| {f.chained[0]:.2f}/{f.chained[1]:.2f} |"
         )
+
+
+def plot(results: list[Figures], path: Path) -> bool:
+    """Draws the scaling curves of ``results`` into ``path`` (PNG). False, with a hint on
+    stderr, when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(
+            "matplotlib is not installed, so no figure was drawn: pip install 'dxpool[bench]'",
+            file=sys.stderr,
+        )
+        return False
+    sizes = [f.gpus for f in results]
+    figure, axes = plt.subplots(1, 4, figsize=(17, 4.2))
+    panels = [
+        (axes[0], "broker start to first compose (s)", [("start", [f.start_s for f in results])]),
+        (axes[1], "broker RSS (MiB)", [("RSS", [f.rss_mib for f in results])]),
+        (
+            axes[2],
+            "composes/s (8 clients)",
+            [("composes/s", [f.composes_per_s for f in results])],
+        ),
+    ]
+    for axis, title, series in panels:
+        for name, values in series:
+            axis.plot(sizes, values, marker="o", label=name)
+        axis.set_title(title)
+    placement = axes[3]
+    for count in (1, 8):
+        for column, style in ((0, "-"), (1, "--")):
+            name = "p50" if column == 0 else "p99"
+            values = [f.placement[(50, count)][column] for f in results]
+            placement.plot(sizes, values, style, marker="o", label=f"{count}-GPU {name}")
+    for column, style in ((0, "-"), (1, "--")):
+        name = "p50" if column == 0 else "p99"
+        values = [f.chained[column] for f in results]
+        placement.plot(sizes, values, style, marker="s", label=f"1-GPU after a commit {name}")
+    placement.set_title("placement (ms)")
+    placement.legend(fontsize="small")
+    for axis in axes:
+        axis.set_xscale("log")
+        axis.set_yscale("log")
+        axis.set_xlabel("GPUs in the pool")
+        axis.grid(True, which="both", alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
 
 
 def main() -> None:
@@ -420,6 +540,9 @@ def main() -> None:
         action="store_false",
         help="time placement without gc.freeze() after the load (the broker freezes)",
     )
+    parser.add_argument(
+        "--png", type=Path, default=None, help="draw the scaling curves into this PNG file"
+    )
     args = parser.parse_args()
     results = []
     for size in (int(s) for s in args.sizes.split(",")):
@@ -427,6 +550,8 @@ def main() -> None:
         report(figures)
         results.append(figures)
     table(results)
+    if args.png is not None and plot(results, args.png):
+        print(f"\nscaling curves drawn into {args.png}")
 
 
 if __name__ == "__main__":

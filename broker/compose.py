@@ -157,21 +157,33 @@ class Composer:
                 raise ResourceExhausted(
                     _unschedulable_message(request.spec, result), reason="NO_CAPACITY"
                 )
-            host = result.placement.host
-            # Composes in this broker that chose the same host commit one at a time, so
-            # they never fail each other's compares; only other brokers can. One
-            # placement per compose: under the lock the choice is re-checked against the
-            # cache (GPUs still free, host slots unused, boxes schedulable) rather than
-            # placed again, and the commit compares every record it depends on.
-            with self._host_locks.lock(host), self._tenant_lock(tenant_id):
-                outcome = self._try_commit(request, node_id, result, owner)
-                if outcome is None:
-                    # Taken meanwhile (most often by a compose that held this lock
-                    # first): try this host again, which is cheaper than a full placement.
-                    pinned = replace(placement_request, host=host)
-                    result = place(pinned, self._index.snapshot(), self._latency.current())
-                    if result.placement is not None:
-                        outcome = self._try_commit(request, node_id, result, owner)
+            chosen = result.placement
+            host = chosen.host
+            # Composes placing while this one is on its way to commit see its GPUs and
+            # host slots taken, so they choose others. A choice a concurrent compose
+            # already holds (both placed on the same snapshot) is placed again at once
+            # on a newer snapshot, which shows that hold.
+            if not self._index.hold(chosen):
+                metrics.COMPOSE_CONFLICTS.inc()
+                continue
+            try:
+                # Composes in this broker that chose the same host commit one at a time,
+                # so they never fail each other's compares; only other brokers can.
+                # Under the lock the choice is re-checked against the cache (GPUs still
+                # free, host slots unused, boxes schedulable) rather than placed again,
+                # and the commit compares every record it depends on.
+                with self._host_locks.lock(host), self._tenant_lock(tenant_id):
+                    outcome = self._try_commit(request, node_id, result, owner)
+                    if outcome is None:
+                        # Taken meanwhile (by another broker, or by a compose that placed
+                        # before this one's hold): try this host again, which is cheaper
+                        # than a full placement.
+                        pinned = replace(placement_request, host=host)
+                        result = place(pinned, self._index.snapshot(), self._latency.current())
+                        if result.placement is not None:
+                            outcome = self._try_commit(request, node_id, result, owner)
+            finally:
+                self._index.let_go(chosen)
             if isinstance(outcome, pb.VirtualNode):
                 metrics.COMPOSE_TOTAL.labels(result="ok").inc()
                 return outcome

@@ -14,6 +14,12 @@ which box or host each recent version changed (:meth:`PlacementIndex.changed_sin
 snapshots carry their version and the journal, so placement brings what it derived from
 an earlier snapshot up to date by looking at those boxes and hosts only.
 
+A compose holds the GPUs and host slots it chose between its placement and its commit
+(:meth:`PlacementIndex.hold`): snapshots show them taken, so composes placing meanwhile
+choose other GPUs instead of all choosing the same one and all but one placing again
+after the first commits. A hold changes only what placement sees; the commit's
+compares in etcd are what keep a GPU from being allocated twice.
+
 What placement remembers between calls rests on object identity, so the index keeps
 every object it can: a snapshot holds the very same :class:`BoxInfo`, GPU tuple and
 :class:`Place` objects as the one before for every box and host whose records did not
@@ -24,14 +30,15 @@ change (placement then judges only the boxes that did), and while nothing change
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import Counter, deque
+from dataclasses import replace
 from typing import Any
 
 import immutables
 
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.cache import Cache
-from dxpool.broker.placement.model import BoxInfo, GpuInfo, HostInfo, Snapshot
+from dxpool.broker.placement.model import BoxInfo, GpuInfo, HostInfo, Placement, Snapshot
 from dxpool.fabric.latency import Place
 from dxpool.limits import MAX_HOST_SLOTS
 from dxpool.store import keys as k
@@ -75,13 +82,37 @@ class PlacementIndex:
         self._held: dict[str, tuple[int, int]] = {}  # (CPU cores, memory MiB) nodes hold
         self._alive: set[str] = set()
         self._hosts: dict[str, HostInfo] = {}
+        self._held_gpus: Counter[tuple[str, int]] = Counter()  # (box, slot) held
+        self._held_slots: dict[str, Counter[int]] = {}  # host -> its proxy slots held
         self._version = 0
         self._snapshot: Snapshot | None = None  # the last one handed out, while current
         self._cache = cache
         self._unsubscribe = cache.subscribe(self._on_change)
-        for collection in (k.BOXES, k.GPUS, k.HOSTS, k.HOST_LEASES, k.HOST_ALLOCATIONS):
-            for name, record in cache.items(collection):
-                self._on_change(collection, name, record)
+        self._load(cache)
+
+    def _load(self, cache: Cache) -> None:
+        """Takes every record the cache holds: nothing has been derived from this index
+        yet, so the records are not journaled one by one, and each host is described
+        once, after all its records are in. Events arriving meanwhile are taken as
+        usual between collections (a record taken twice is taken once)."""
+        for name, record in cache.items(k.BOXES):  # the cache returns a copy
+            with self._lock:
+                self._on_box_change(name, record)
+        gpus = cache.items(k.GPUS)
+        with self._lock:
+            for name, record in gpus:
+                self._on_gpu_change(name, record)
+        for collection in (k.HOSTS, k.HOST_LEASES, k.HOST_ALLOCATIONS):
+            records = cache.items(collection)
+            with self._lock:
+                for name, record in records:
+                    self._note_host(collection, name, record)
+        with self._lock:
+            for name in self._host_records:
+                self._describe_host(name)
+            self._dirty_boxes.update(self._boxes, self._gpus)
+            self._dirty_hosts.update(self._hosts)
+            self._snapshot = None
 
     def close(self) -> None:
         self._unsubscribe()
@@ -98,13 +129,7 @@ class PlacementIndex:
                 host = name if self._on_host_change(collection, name, record) else None
             if box is None and host is None:
                 return
-            self._version += 1
-            self._journal.append((box, host))
-            if box is not None:
-                self._dirty_boxes.add(box)
-            if host is not None:
-                self._dirty_hosts.add(host)
-            self._snapshot = None
+            self._changed(box, host)
 
     def _on_box_change(self, name: str, record: Versioned[Any] | None) -> bool:
         known = self._boxes.get(name)
@@ -139,6 +164,11 @@ class PlacementIndex:
         return True
 
     def _on_host_change(self, collection: str, name: str, record: Versioned[Any] | None) -> bool:
+        self._note_host(collection, name, record)
+        return self._describe_host(name)
+
+    def _note_host(self, collection: str, name: str, record: Versioned[Any] | None) -> None:
+        """Takes one of a host's records (host, lease or allocation)."""
         if collection == k.HOSTS:
             if record is None:
                 self._host_records.pop(name, None)
@@ -163,6 +193,9 @@ class PlacementIndex:
                 sum(r.cpu_cores for r in reservations),
                 sum(r.memory_mib for r in reservations),
             )
+
+    def _describe_host(self, name: str) -> bool:
+        """Describes a host from its records as noted; whether placement sees a change."""
         host = self._host_records.get(name)
         if host is None:
             return self._hosts.pop(name, None) is not None
@@ -173,7 +206,9 @@ class PlacementIndex:
             # The agent reports its capacity; placement walks range(slot_capacity), so a
             # misconfigured agent must not make that loop billions long.
             slot_capacity=min(max(host.slot_capacity, 0), MAX_HOST_SLOTS),
-            used_slots=self._used_slots.get(name, frozenset()),
+            used_slots=self._used_slots.get(name, frozenset()).union(
+                self._held_slots.get(name, ())
+            ),
             alive=name in self._alive,
             labels=frozenset(host.labels.items()),
             cpu_cores=host.cpu_cores,
@@ -185,6 +220,66 @@ class PlacementIndex:
             return False
         self._hosts[name] = info
         return True
+
+    def _as_seen(self, box_id: str, gpu: GpuInfo) -> GpuInfo:
+        """A GPU as placement sees it: taken while a compose holds it."""
+        if gpu.free and (box_id, gpu.slot) in self._held_gpus:
+            return replace(gpu, free=False)
+        return gpu
+
+    def hold(self, placement: Placement) -> bool:
+        """Shows ``placement``'s GPUs and host slots as taken in the snapshots from now
+        on, until :meth:`let_go` with the same placement; False (and nothing held) when
+        one of them is already held, by a compose that placed on an older snapshot.
+
+        A hold is advice to concurrent placements, not a lock: every hold must be let go
+        exactly once, whatever the commit did (after a successful commit the records
+        themselves show the GPUs and slots taken)."""
+        with self._lock:
+            held = self._held_slots.get(placement.host, Counter())
+            if any((b.box, b.slot) in self._held_gpus for b in placement.bindings) or any(
+                b.host_slot in held for b in placement.bindings
+            ):
+                return False
+            self._mark(placement, 1)
+            return True
+
+    def let_go(self, placement: Placement) -> None:
+        """Ends a :meth:`hold` of ``placement`` (call once per successful hold)."""
+        with self._lock:
+            self._mark(placement, -1)
+
+    def _mark(self, placement: Placement, step: int) -> None:
+        """Holds (``step`` 1) or lets go (-1) of ``placement``'s GPUs and host slots, and
+        records each box and the host as changed. Called with the lock held."""
+        slots = self._held_slots.setdefault(placement.host, Counter())
+        boxes: list[str] = []
+        for binding in placement.bindings:
+            self._held_gpus[(binding.box, binding.slot)] += step
+            slots[binding.host_slot] += step
+            if binding.box not in boxes:
+                boxes.append(binding.box)
+        self._held_gpus = +self._held_gpus  # drops what nobody holds any more
+        slots = +slots
+        if slots:
+            self._held_slots[placement.host] = slots
+        else:
+            self._held_slots.pop(placement.host, None)
+        for box_id in boxes:
+            self._gpu_tuples.pop(box_id, None)
+            self._changed(box_id, None)
+        if self._describe_host(placement.host):
+            self._changed(None, placement.host)
+
+    def _changed(self, box: str | None, host: str | None) -> None:
+        """A new version that changed ``box`` or ``host``. Called with the lock held."""
+        self._version += 1
+        self._journal.append((box, host))
+        if box is not None:
+            self._dirty_boxes.add(box)
+        if host is not None:
+            self._dirty_hosts.add(host)
+        self._snapshot = None
 
     @property
     def version(self) -> int:
@@ -231,7 +326,7 @@ class PlacementIndex:
                         if slots is None:
                             gpus.pop(box_id, None)
                         else:
-                            made = tuple(slots[s] for s in sorted(slots))
+                            made = tuple(self._as_seen(box_id, slots[s]) for s in sorted(slots))
                             self._gpu_tuples[box_id] = made
                             gpus[box_id] = made
                 self._box_map, self._gpu_map = boxes.finish(), gpus.finish()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -174,6 +175,66 @@ _NOWHERE = Place("")  # stands in for an endpoint whose name does not matter
 _UNPLACED = ResolvedPlace(Location(), None)
 
 
+class _ClassGroups:
+    """A set of classes (racks) grouped as :meth:`TopologyLatencyModel._grouped_ns` reads
+    them: the placed ones by pod, and by what the way down from their site switch costs;
+    every class by what the way up to its site switch costs (the worst case when
+    unplaced)."""
+
+    def __init__(self) -> None:
+        self.pods: dict[tuple[str, str], list[tuple[int, str, int]]] = {}
+        self.site_up: dict[int, list[int]] = {}  # every class by its way up to the site
+        self.sites: dict[str, dict[int, list[int]]] = {}  # placed classes by site, way up
+        self.downs: dict[str, dict[int, list[int]]] = {}  # by site, pod + rack way down
+        self._away_site: dict[str, dict[int, list[int]]] = {}
+        self._away_pod: dict[tuple[str, str], dict[int, list[int]]] = {}
+
+    @staticmethod
+    def of(sides: Sequence[ResolvedPlace], worst: SwitchLatencies) -> _ClassGroups:
+        groups = _ClassGroups()
+        for number, side in enumerate(sides):
+            up = side.switches or worst
+            total = up.rack_ns + up.pod_ns + up.site_ns
+            groups.site_up.setdefault(total, []).append(number)
+            switches = side.switches
+            if switches is None:
+                continue
+            loc = side.location
+            groups.sites.setdefault(loc.site, {}).setdefault(total, []).append(number)
+            down = switches.pod_ns + switches.rack_ns
+            groups.downs.setdefault(loc.site, {}).setdefault(down, []).append(number)
+            groups.pods.setdefault((loc.site, loc.pod), []).append(
+                (number, loc.rack, switches.rack_ns)
+            )
+        return groups
+
+    def away_from_site(self, site: str) -> dict[int, list[int]]:
+        """Classes not placed in ``site`` (unplaced ones included), by way up."""
+        found = self._away_site.get(site)
+        if found is None:
+            inside = {n for numbers in self.sites.get(site, {}).values() for n in numbers}
+            found = {}
+            for up, numbers in self.site_up.items():
+                rest = [n for n in numbers if n not in inside]
+                if rest:
+                    found[up] = rest
+            self._away_site[site] = found
+        return found
+
+    def away_from_pod(self, site: str, pod: str) -> dict[int, list[int]]:
+        """Classes placed in ``site`` but not in its ``pod``, by way down."""
+        found = self._away_pod.get((site, pod))
+        if found is None:
+            inside = {n for n, _, _ in self.pods.get((site, pod), ())}
+            found = {}
+            for down, numbers in self.downs.get(site, {}).items():
+                rest = [n for n in numbers if n not in inside]
+                if rest:
+                    found[down] = rest
+            self._away_pod[(site, pod)] = found
+        return found
+
+
 class TopologyLatencyModel:
     """The tree model of the module docstring, driven by a :class:`Topology`.
 
@@ -199,6 +260,8 @@ class TopologyLatencyModel:
         self._class_sides: list[ResolvedPlace] = []
         # host class -> (how many classes there were, the ranking of all of them)
         self._rankings: dict[int, tuple[int, Tiers]] = {}
+        # the classes grouped for rankings made without asking every pair (see _grouped)
+        self._groups: tuple[int, _ClassGroups] | None = None
 
     @property
     def topology(self) -> Topology:
@@ -224,11 +287,47 @@ class TopologyLatencyModel:
             return cached[1]
         host_side = self._class_sides[host_class]
         by_ns: dict[int, list[int]] = {}
-        for box_class, box_side in enumerate(self._class_sides[:known]):
-            by_ns.setdefault(self._sides_ns(host_side, box_side), []).append(box_class)
-        tiers = tuple((ns, tuple(by_ns[ns])) for ns in sorted(by_ns))
+        if type(self)._override is TopologyLatencyModel._override:
+            self._grouped_ns(host_side, known, by_ns)
+        else:  # an override may single out any pair of racks: ask each
+            for box_class, box_side in enumerate(self._class_sides[:known]):
+                by_ns.setdefault(self._sides_ns(host_side, box_side), []).append(box_class)
+        tiers = tuple((ns, tuple(sorted(by_ns[ns]))) for ns in sorted(by_ns))
         self._rankings[host_class] = (known, tiers)
         return tiers
+
+    def _grouped_ns(
+        self, host_side: ResolvedPlace, known: int, by_ns: dict[int, list[int]]
+    ) -> None:
+        """Adds every class below ``known`` to ``by_ns`` under its round trip from
+        ``host_side``, as :meth:`_sides_ns` gives it, without asking each pair: with no
+        override the tree's round trip from a rack depends on a class only through its
+        site and pod (and, in the host's pod, its rack), and the classes are grouped
+        by those once per set of classes."""
+        groups = self._groups
+        if groups is None or groups[0] != known:
+            groups = (known, _ClassGroups.of(self._class_sides[:known], self._worst))
+            self._groups = groups
+        grouped = groups[1]
+        proxies = 2 * self._proxy_ns
+        h, hs = host_side.location, host_side.switches
+        if hs is None:
+            site_up = self._site_ns(None) + self._inter_site_ns
+            for up, classes in grouped.site_up.items():
+                by_ns.setdefault(2 * (proxies + site_up + up), []).extend(classes)
+            return
+        site_up = self._site_ns(hs) + self._inter_site_ns
+        for up, classes in grouped.away_from_site(h.site).items():
+            by_ns.setdefault(2 * (proxies + site_up + up), []).extend(classes)
+        pod_up = hs.rack_ns + hs.pod_ns + hs.site_ns
+        for down, classes in grouped.away_from_pod(h.site, h.pod).items():
+            by_ns.setdefault(2 * (proxies + pod_up + down), []).extend(classes)
+        for number, rack, rack_ns in grouped.pods.get((h.site, h.pod), ()):
+            if rack == h.rack:
+                ns = 2 * (proxies + hs.rack_ns)
+            else:
+                ns = 2 * (proxies + hs.rack_ns + hs.pod_ns + rack_ns)
+            by_ns.setdefault(ns, []).append(number)
 
     def _estimate(self, host: Place, box: Place) -> LatencyEstimate:
         host_side = self._resolve(host, "hosts/", self._topology.host_place)

@@ -182,6 +182,7 @@ class HostClasses:
 
     groups: dict[HostKey, SortedList[str]]
     key_of: immutables.Map[str, HostKey]  # only the hosts kept
+    touched: frozenset[HostKey] = frozenset()  # the groups the last advance() changed
 
     @staticmethod
     def build(snapshot: Snapshot, dropped: HostDropped, class_of: HostClassOf) -> HostClasses:
@@ -203,7 +204,8 @@ class HostClasses:
         dropped: HostDropped,
         class_of: HostClassOf,
     ) -> HostClasses:
-        """These groups with the hosts ``changed`` placed again as ``snapshot`` has them."""
+        """These groups with the hosts ``changed`` placed again as ``snapshot`` has them;
+        the new one's ``touched`` names every group a changed host left or joined."""
         groups = dict(self.groups)
         copied: set[HostKey] = set()
         hosts = snapshot.hosts
@@ -235,7 +237,7 @@ class HostClasses:
                 group(key).add(host_id)
                 key_of[host_id] = key
             finished = key_of.finish()
-        return HostClasses(groups, finished)
+        return HostClasses(groups, finished, frozenset(copied))
 
     def firsts(self) -> Iterator[str]:
         """The host to look at for each group: its lowest id (every host of the None

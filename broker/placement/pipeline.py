@@ -22,10 +22,12 @@ changes what it answers:
   at once.
 - for a snapshot with a journal (the broker's placement index), what it works out before
   looking at hosts is brought forward from the newest one made for an earlier version,
-  judging only the boxes and hosts changed since (:mod:`~dxpool.broker.placement.live`);
-  a decision then looks at the first host of each group of hosts alike (latency class,
-  free slot count) and totals each distinct tuple of raw scores once
-  (``_Run._result_by_host_group``).
+  judging only the boxes and hosts changed since (:mod:`~dxpool.broker.placement.live`),
+  with a table of the raw scores of the first host of each group of hosts alike
+  (latency class, free slot count; :class:`_GroupTable`); a decision reads that table,
+  adds the tightest single box, and totals each distinct tuple of raw scores once
+  (``_Run._result_from_table``; ``_Run._result_by_host_group`` visits the groups when
+  there is no table).
 
 Plugins must therefore be pure: the same request and candidate give the same verdict.
 """
@@ -35,8 +37,9 @@ from __future__ import annotations
 import functools
 import math
 import threading
+from bisect import bisect_left
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import cast
 
@@ -82,7 +85,7 @@ from dxpool.broker.placement.plugins.hosts import PinnedHost
 from dxpool.broker.placement.status import SUCCESS, Code, Status
 from dxpool.broker.placement.supply import BoxVerdicts, Supply, build_supply
 from dxpool.broker.placement.tiered import TieredChooser
-from dxpool.fabric.latency import TieredLatencyModel
+from dxpool.fabric.latency import Place, TieredLatencyModel
 
 _SCORE_DIGITS = 6  # totals are compared rounded, so float noise never beats a name
 _MAX_SCORED = 65536  # raw scores kept by takes; beyond that a new version starts afresh
@@ -223,6 +226,7 @@ class _Live:
     raw scores; an entry is used only while the chooser's options and the host are the
     very objects it was made from. ``scored`` keeps raw scores by takes and free slot
     count (see :func:`_propose`). Both are copied (not shared) into the next version.
+    ``table`` is the groups' raw scores for this version (None: visit the groups).
     """
 
     journal: ChangeJournal
@@ -232,6 +236,7 @@ class _Live:
     chooser: TieredChooser
     proposals: dict[str, _Proposed]
     scored: dict[tuple[object, ...], _Scored]
+    table: _GroupTable | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,7 +326,10 @@ def _pinned_from_unpinned(
         )
     except Exception:
         return None
-    pinned = _Live(live.journal, live.version, live.supply, hosts, live.chooser, {}, {})
+    scored: dict[tuple[object, ...], _Scored] = {}
+    plugins = [weighted.plugin for weighted in pipeline.scores]
+    table = _GroupTable.made(None, request, snapshot, hosts, live.chooser, plugins, scored)
+    pinned = _Live(live.journal, live.version, live.supply, hosts, live.chooser, {}, scored, table)
     return _Prepared(
         base.owners,
         base.gpu_filters,
@@ -373,7 +381,18 @@ def _advance(
         return None  # made again from the snapshot, which finds and reports the failure
     scored = dict(live.scored) if len(live.scored) < _MAX_SCORED else {}
     proposals = dict(live.proposals)
-    following = _Live(live.journal, snapshot.version, supply, hosts, chooser, proposals, scored)
+    table = _GroupTable.made(
+        live.table,
+        request,
+        snapshot,
+        hosts,
+        chooser,
+        [weighted.plugin for weighted in pipeline.scores],
+        scored,
+    )
+    following = _Live(
+        live.journal, snapshot.version, supply, hosts, chooser, proposals, scored, table
+    )
     return _Prepared(
         base.owners,
         base.gpu_filters,
@@ -385,6 +404,136 @@ def _advance(
         chooser,
         following,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _GroupTable:
+    """The raw scores of every host group's proposals but the tightest single box's,
+    for one version: what a decision reads instead of visiting each group.
+
+    ``options`` is, per host class, the first part of the chooser's
+    :meth:`~dxpool.broker.placement.tiered.TieredChooser.parts` (the same for every
+    host of the class); ``raws`` the raw scores of those options for each group
+    (host class, free slot count), whose first host is ``firsts``; ``proposers`` the
+    first hosts proposing each distinct raw tuple, by id, and ``lowest`` the first of
+    them. ``ranking`` is one class's ranking when the table was made: the model numbers
+    a class for every new place, which changes every ranking, and the chooser then
+    chooses again for every class. Nothing here changes once made; :meth:`made` makes
+    the next.
+    """
+
+    few: bool  # the chooser answers the tightest box apart (see TieredChooser.parts)
+    ranking: tuple[int, object]
+    options: dict[int, list[selection.Option]]
+    raws: dict[tuple[int, int], tuple[tuple[float, ...], ...]]
+    firsts: dict[tuple[int, int], HostInfo]
+    places: dict[int, Place]  # a place of a host of each class
+    proposers: dict[tuple[float, ...], tuple[str, ...]]
+    lowest: dict[tuple[float, ...], str]
+
+    @staticmethod
+    def made(
+        before: _GroupTable | None,
+        request: PlacementRequest,
+        snapshot: Snapshot,
+        hosts: HostClasses,
+        chooser: TieredChooser,
+        plugins: Sequence[ScorePlugin],
+        scored: dict[tuple[object, ...], _Scored],
+    ) -> _GroupTable | None:
+        """The table of ``hosts`` and ``chooser``, from ``before`` (the table of the
+        groups and chooser they were advanced from): the options of the classes whose
+        chooser memo was not carried over (every class when the chooser cannot say, or
+        the model numbered a class) are asked again, and only the groups ``hosts``
+        touched and those of the classes whose options differ are scored again. None
+        when groups must be visited one by one (a host whose class the model could not
+        tell, a class with no options); raises what the chooser or a score plugin
+        raises."""
+        if None in hosts.groups:
+            return None
+        few = chooser.few_tightest()
+        changed = chooser.changed_classes()
+        ranking = before.ranking if before is not None else (-1, None)
+        if ranking[1] is not None and chooser.model.ranking(ranking[0]) is not ranking[1]:
+            changed = None  # a class was numbered since: every walk may have missed it
+        if (ranking[1] is None or changed is None) and hosts.groups:
+            probe = cast(tuple[int, int], next(iter(hosts.groups)))[0]
+            ranking = (probe, chooser.model.ranking(probe))
+        table = before or _GroupTable(few, ranking, {}, {}, {}, {}, {}, {})
+        options = dict(table.options)
+        raws = dict(table.raws)
+        firsts = dict(table.firsts)
+        places = dict(table.places)
+        proposers = dict(table.proposers)
+        lowest = dict(table.lowest)
+        redo = {cast(tuple[int, int], key) for key in (hosts.touched if before else hosts.groups)}
+        # the classes whose options may have moved, judged again; equal options (by
+        # value) propose the same takes, hence the same raw scores, so their groups stay
+        check = list(options) if changed is None else [c for c in changed if c in options]
+        moved: set[int] = set()
+        for host_class in check:
+            again, _ = chooser.parts(places[host_class])
+            if again != options[host_class]:
+                options[host_class] = again
+                moved.add(host_class)
+        if moved:
+            redo.update(key for key in firsts if key[0] in moved)
+        for key in redo:  # what the groups judged again proposed before
+            old = firsts.pop(key, None)
+            if old is not None:
+                _withdraw(proposers, lowest, old.host, raws.pop(key))
+        groups = hosts.groups
+        hosts_now = snapshot.hosts
+        for key in redo:
+            members = groups.get(key)
+            if not members:
+                continue
+            host = hosts_now[members[0]]
+            found = options.get(key[0])
+            if found is None:
+                found, _ = chooser.parts(host.place)
+                if not found:
+                    return None
+                options[key[0]] = found
+                places[key[0]] = host.place
+            raws[key] = tuple(_propose(request, host, found, plugins, scored).raws)
+            firsts[key] = host
+            _enter(proposers, lowest, host.host, raws[key])
+        return _GroupTable(few, ranking, options, raws, firsts, places, proposers, lowest)
+
+
+def _withdraw(
+    proposers: dict[tuple[float, ...], tuple[str, ...]],
+    lowest: dict[tuple[float, ...], str],
+    host_id: str,
+    raws: Iterable[tuple[float, ...]],
+) -> None:
+    """Takes ``host_id`` out of the proposers of each of ``raws``."""
+    for raw in set(raws):
+        ids = proposers[raw]
+        at = bisect_left(ids, host_id)
+        rest = ids[:at] + ids[at + 1 :]
+        if rest:
+            proposers[raw] = rest
+            lowest[raw] = rest[0]
+        else:
+            del proposers[raw]
+            del lowest[raw]
+
+
+def _enter(
+    proposers: dict[tuple[float, ...], tuple[str, ...]],
+    lowest: dict[tuple[float, ...], str],
+    host_id: str,
+    raws: Iterable[tuple[float, ...]],
+) -> None:
+    """Adds ``host_id`` to the proposers of each of ``raws``."""
+    for raw in set(raws):
+        ids = proposers.get(raw, ())
+        at = bisect_left(ids, host_id)
+        proposers[raw] = (*ids[:at], host_id, *ids[at:])
+        if at == 0:
+            lowest[raw] = host_id
 
 
 def _host_dropped(
@@ -452,7 +601,10 @@ def _prepare(
                 functools.partial(_host_dropped, host_filters, request),
                 _host_class_of(chooser),
             )
-            live = _Live(journal, snapshot.version, live_supply, hosts, chooser, {}, {})
+            scored: dict[tuple[object, ...], _Scored] = {}
+            plugins = [weighted.plugin for weighted in pipeline.scores]
+            table = _GroupTable.made(None, request, snapshot, hosts, chooser, plugins, scored)
+            live = _Live(journal, snapshot.version, live_supply, hosts, chooser, {}, scored, table)
         except Exception:
             live = None  # the runs below go host by host and report what failed
     return _Prepared(owners, *filters, (), supply, chooser, live)
@@ -517,7 +669,11 @@ class _Run:
         hosts = self.snapshot.hosts
         by_class = _by_host_class(self.pipeline)
         if self.share_classes and by_class and self.prepared.live is not None:
-            indexed = self._result_by_host_group(self.prepared.live)
+            live = self.prepared.live
+            if live.table is not None:
+                indexed = self._result_from_table(live.table, live.chooser)
+            else:
+                indexed = self._result_by_host_group(live)
             if indexed is not None:
                 return indexed
         if self.share_classes and by_class and self.chooser is not None:
@@ -604,6 +760,68 @@ class _Run:
         proposal = Proposal(made.host, made.host.free_slot_count(), takes, rule)
         placement = self.bind(proposal, best)
         return PlacementResult(placement, self._explain_every_host, ())
+
+    def _result_from_table(
+        self, table: _GroupTable, chooser: TieredChooser
+    ) -> PlacementResult | None:
+        """The decision of :meth:`_result_by_host_group`, read from ``table`` instead of
+        visiting each group: the raw scores of the groups' proposals are kept per version,
+        and only the tightest single box (which a 1-GPU compose moves every time) is
+        added here. Its proposal for a group depends only on the box, its round trip
+        from the group's class and the group's free slot count, so it is scored once per
+        distinct (round trip, box, free slots), for the lowest first host among the groups
+        that get it. :meth:`~dxpool.broker.placement.tiered.TieredChooser.parts` leaves
+        that box out for a host when it is already one of the host's single-box options,
+        which proposes the same takes, hence the same raw scores: counting it in changes
+        no lowest host. None when no group proposes anything."""
+        request = self.request
+        plugins = [weighted.plugin for weighted in self.pipeline.scores]
+        scored = self.prepared.live.scored if self.prepared.live is not None else {}
+        lowest = dict(table.lowest)
+        near = chooser.tightest_near(table.places) if table.few else None
+        hosts = self.snapshot.hosts
+        tight_raws: dict[tuple[int, int, int], tuple[float, ...]] = {}
+        if near is not None:
+            nearest, few = near
+            first_by: dict[tuple[tuple[int, int], int], str] = {}
+            for (host_class, free), host in table.firsts.items():
+                found = (nearest[host_class], free)
+                seen = first_by.get(found)
+                if seen is None or host.host < seen:
+                    first_by[found] = host.host
+            for ((ns, index), free), host_id in first_by.items():
+                option = self._tight_option(few[index][1], ns)
+                (raw,) = _propose(request, hosts[host_id], [option], plugins, scored).raws
+                tight_raws[(ns, index, free)] = raw
+                seen = lowest.get(raw)
+                if seen is None or host_id < seen:
+                    lowest[raw] = host_id
+        if not lowest:
+            return None
+        totals = self._totals_of(list(lowest))
+        best = max(totals.values())
+        winner = min(lowest[raw] for raw, total in totals.items() if total == best)
+        host = hosts[winner]
+        key = (chooser.host_class(host.place), host.free_slot_count())
+        options = list(table.options[key[0]])
+        raws = list(table.raws[key])
+        if near is not None:
+            ns, index = near[0][key[0]]
+            box = near[1][index][1]
+            if not any(
+                len(takes) == 1 and takes[0].supply.box.box == box.box.box for _, takes in options
+            ):  # options() puts the tightest box after the others
+                options.append(self._tight_option(box, ns))
+                raws.append(tight_raws[(ns, index, key[1])])
+        index = next(i for i, raw in enumerate(raws) if totals[raw] == best)
+        rule, takes = options[index]
+        proposal = Proposal(host, host.free_slot_count(), takes, rule)
+        placement = self.bind(proposal, best)
+        return PlacementResult(placement, self._explain_every_host, ())
+
+    def _tight_option(self, supply: BoxSupply, ns: int) -> selection.Option:
+        """The tightest-single-box option: every GPU requested from ``supply``."""
+        return (selection.TIGHTEST_SINGLE_BOX, (Take(supply, self.request.count, ns),))
 
     def _totals_of(self, raws: list[tuple[float, ...]]) -> dict[tuple[float, ...], float]:
         """The weighted total of each distinct raw score tuple, computed as

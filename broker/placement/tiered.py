@@ -21,14 +21,17 @@ without a bound, the fewest usable GPUs of a box that holds the request (the
 *tightest-single-box* rule's target) and whether the pool holds enough; it is kept when
 none of those changed. The tightest box is found from the few classes that hold a box of
 that size when there are few of them (the nearest of them, by the model's round trip),
-so that rule does not make every choice depend on far tiers.
+so that rule does not make every choice depend on far tiers; when many classes hold one,
+a change of that size is answered by walking the ranking for that rule alone. The
+nearest of the few tightest boxes is also handed out per host class at once
+(:meth:`TieredChooser.tightest_near`), for a caller that reads every class's choice.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from itertools import chain
@@ -39,6 +42,10 @@ from dxpool.fabric.latency import Place, TieredLatencyModel, Tiers
 
 MAX_EXAMINED = 64
 """A choice whose walk looked at more box classes than this depends on every class."""
+
+MAX_NEAR_KEPT = 64
+"""Sets of tightest boxes whose nearest per host class is remembered (see
+:meth:`TieredChooser.tightest_near`); beyond that the record starts afresh."""
 
 FEW_TIGHTEST = 8
 """At most this many classes holding the tightest box: that rule asks the model for the
@@ -147,6 +154,11 @@ class TieredChooser:
         # round trip by (host class, box class), shared along advance(): by the model's
         # contract it depends on the two classes only, and a model never changes
         self._class_ns: dict[tuple[int, int], int] = {}
+        # the nearest of a set of tightest boxes per host class, by that set's (class,
+        # box id) pairs; shared along advance() like the round trips it is made from
+        self._near: dict[tuple[tuple[int, str], ...], dict[int, tuple[int, int]]] = {}
+        # host classes whose parts() may differ from the previous chooser's; None: any
+        self._changed: frozenset[int] | None = None
 
     def advance(self, removed: Iterable[BoxSupply], added: Iterable[BoxSupply]) -> TieredChooser:
         """The chooser of the supply that differs from this one's by ``removed`` boxes
@@ -182,6 +194,7 @@ class TieredChooser:
         following = TieredChooser.__new__(TieredChooser)
         following._setup(self._model, self._count, self._bound, classes, sizes)
         following._class_ns = self._class_ns
+        following._near = self._near
         following._keep_memos(self, frozenset(touched))
         return following
 
@@ -196,9 +209,75 @@ class TieredChooser:
         ):
             return
         # a copy taken at once: decisions on ``before`` may add to its memo meanwhile
+        dropped: list[int] = []
         for host_class, memo in list(before._chosen.items()):
             if memo.examined is not None and memo.examined.isdisjoint(touched):
                 self._chosen[host_class] = memo
+            else:
+                dropped.append(host_class)
+        if self._bound is None and (
+            self.few_tightest() != before.few_tightest()
+            # many classes hold the tightest box: choose() finds it again when it moved
+            or (not self.few_tightest() and self._fewest != before._fewest)
+        ):
+            return
+        self._changed = frozenset(dropped)
+
+    def changed_classes(self) -> frozenset[int] | None:
+        """The host classes whose :meth:`parts` (first part) may differ from what the
+        chooser this one was advanced from answered, as of that advance: the classes
+        whose memo was not carried over. None when any may differ (a chooser built from
+        scratch, a tightest box that every walk must find again). A class the previous
+        chooser never chose for is not named: the caller must know it was not asked."""
+        return self._changed
+
+    def few_tightest(self) -> bool:
+        """Whether :meth:`parts` answers the tightest single box apart (unbounded, and
+        at most ``FEW_TIGHTEST`` classes hold a box of the fewest usable GPUs)."""
+        return self._bound is None and self._tightest_classes() is not None
+
+    def tightest_near(
+        self, places: Mapping[int, Place]
+    ) -> tuple[dict[int, tuple[int, int]], tuple[tuple[int, BoxSupply], ...]] | None:
+        """The tightest single box :meth:`parts` gives each host class of ``places`` (a
+        place of a host of that class), as ``(round trip, index)`` into the second
+        element, the (class, tightest box) pairs; the mapping may name other classes
+        too. None unless :meth:`few_tightest` and some box holds the request.
+
+        Remembered per set of tightest boxes (their classes and ids), so while a 1-GPU
+        compose only moves the same box's count, no class is looked at again."""
+        if self._bound is not None:
+            return None
+        few = self._tightest_classes()
+        if not few:
+            return None
+        key = tuple((number, supply.box.box) for number, supply in few)
+        near = self._near.get(key)
+        if near is None:
+            if len(self._near) >= MAX_NEAR_KEPT:
+                self._near.clear()
+            near = self._near.setdefault(key, {})
+        class_ns = self._class_ns
+        round_trip = self._model.round_trip
+        for host_class, place in places.items():
+            if host_class in near:
+                continue
+            best: tuple[int, str, int] | None = None
+            for index, (number, supply) in enumerate(few):
+                ns = class_ns.get((host_class, number))
+                if ns is None:
+                    ns = round_trip(place, supply.box.place).round_trip_ns
+                    class_ns[(host_class, number)] = ns
+                if best is None or (ns, supply.box.box) < best[:2]:
+                    best = (ns, supply.box.box, index)
+            assert best is not None
+            near[host_class] = (best[0], best[2])
+        return near, few
+
+    @property
+    def model(self) -> TieredLatencyModel:
+        """The latency model the chooser ranks boxes with."""
+        return self._model
 
     def host_class(self, host: Place) -> int:
         """The class of a host's place: hosts of one class get the same choice."""
@@ -275,18 +354,32 @@ class TieredChooser:
         return (self._fewest, self._tightest_classes())
 
     def _retighten(self, host: Place, host_class: int, memo: _Memo, stamp: _Stamp) -> _Memo | None:
-        """``memo`` with the tightest box found again from the few classes holding one;
-        None when they are many (the walk must find it)."""
+        """``memo`` with the tightest box found again: from the few classes holding one,
+        or, when they are many, by walking the ranking for that rule alone (the other
+        two rules' answers stand while the classes their walk looked at did not change);
+        the classes that walk looks at are added to what the memo rests on."""
+        examined = memo.examined
         if stamp[1] is None:
-            return None
-        tightest = self._nearest_tightest(host, host_class)
+            walked: list[int] = []
+            tightest: Link | None = None
+            for latency, tier in self._present(memo.ranking, walked):
+                tight = [
+                    c.fits for c in tier if c.fits is not None and c.fits.available == stamp[0]
+                ]
+                if tight:
+                    tightest = (latency, min(tight, key=supply_order))
+                    break
+            if examined is not None:
+                examined = examined.union(walked)
+                if len(examined) > MAX_EXAMINED:
+                    examined = None
+        else:
+            tightest = self._nearest_tightest(host, host_class)
         found = options(self._count, memo.nearest, memo.single, tightest)
         if found == memo.choice.options:
             found = memo.choice.options  # the same object: what was derived from it holds
         choice = Choice(found, self._usable, None)
-        return _Memo(
-            choice, memo.ranking, memo.examined, stamp, memo.nearest, memo.single, memo.base
-        )
+        return _Memo(choice, memo.ranking, examined, stamp, memo.nearest, memo.single, memo.base)
 
     def _choose(self, host: Place, ranking: Tiers) -> _Memo:
         examined: list[int] = []

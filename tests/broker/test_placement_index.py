@@ -211,3 +211,46 @@ def test_host_cpu_and_memory_come_from_the_host_and_its_reservations(
     assert result.placement is not None and result.placement.host == "h1"
     too_many = place(PlacementRequest("H100", 1, cpu_cores=21), index.snapshot(), model)
     assert too_many.placement is None
+
+
+def test_a_held_placement_looks_taken_until_let_go(feed: Feed, index: PlacementIndex) -> None:
+    model = TopologyLatencyModel(Topology.default())
+    request = PlacementRequest("H100", 1)
+    before = index.snapshot()
+    chosen = place(request, before, model).placement
+    assert chosen is not None
+    (binding,) = chosen.bindings
+    assert index.hold(chosen)
+    held = index.snapshot()
+    assert held.version > before.version
+    assert not held.gpus_by_box[binding.box][binding.slot].free
+    assert binding.host_slot in held.hosts[chosen.host].used_slots
+    assert not index.hold(chosen)  # a second compose with the same choice places again
+    other = place(request, held, model).placement
+    assert other is not None
+    assert (other.bindings[0].box, other.bindings[0].slot) != (binding.box, binding.slot)
+    assert index.hold(other)
+    index.let_go(chosen)
+    index.let_go(other)
+    after = index.snapshot()
+    assert after.gpus_by_box[binding.box][binding.slot].free
+    assert after.hosts[chosen.host].used_slots == before.hosts[chosen.host].used_slots
+    assert index.changed_since(before.version, after.version) == (
+        frozenset({binding.box, other.bindings[0].box}),
+        frozenset({chosen.host, other.host}),
+    )
+    assert place(request, after, model).placement == chosen
+
+
+def test_a_hold_outlives_the_records_changing_under_it(feed: Feed, index: PlacementIndex) -> None:
+    model = TopologyLatencyModel(Topology.default())
+    chosen = place(PlacementRequest("H100", 1), index.snapshot(), model).placement
+    assert chosen is not None
+    (binding,) = chosen.bindings
+    assert index.hold(chosen)
+    feed.gpu(binding.box, binding.slot, state=pb.GPU_STATE_ATTACHING, node="nodes/n1")
+    feed.allocate(chosen.host, (binding.host_slot,))
+    index.let_go(chosen)  # the commit landed: the records now say what the hold said
+    after = index.snapshot()
+    assert not after.gpus_by_box[binding.box][binding.slot].free
+    assert binding.host_slot in after.hosts[chosen.host].used_slots

@@ -232,6 +232,31 @@ def test_rankings_agree_with_round_trips(model: TopologyLatencyModel, seed: int)
             assert tier_of[number] == model.round_trip(host, box).round_trip_ns
 
 
+class _PairByPair(TopologyLatencyModel):
+    """The tree model made to rank by asking every pair of classes (an override, even
+    one that changes nothing, may single out any pair)."""
+
+    def _override(self, host_side: object, box_side: object) -> None:
+        return None
+
+
+@pytest.mark.parametrize("topology", [TOPOLOGY, None])
+@pytest.mark.parametrize("seed", range(6))
+def test_rankings_made_by_group_are_those_made_pair_by_pair(
+    topology: str | None, seed: int
+) -> None:
+    tree = Topology.from_yaml(topology) if topology else Topology.default()
+    grouped, pairwise = TopologyLatencyModel(tree), _PairByPair(tree)
+    rng = random.Random(seed)
+    for turn in range(40):  # classes keep appearing between rankings
+        place = random_place(rng, f"boxes/b{turn}")
+        assert grouped.box_class(place) == pairwise.box_class(place)
+        origin = random_place(rng, f"hosts/h{turn}")
+        number = grouped.host_class(origin)
+        assert number == pairwise.host_class(origin)
+        assert grouped.ranking(number) == pairwise.ranking(number)
+
+
 def test_classes_are_racks_and_every_unplaced_endpoint_shares_one(
     model: TopologyLatencyModel,
 ) -> None:

@@ -21,6 +21,7 @@ from dxpool.broker.placement import (
     BoxInfo,
     GpuInfo,
     HostInfo,
+    Placement,
     PlacementRequest,
     Snapshot,
     default_pipeline,
@@ -250,3 +251,48 @@ def test_affinity_and_spread_brought_forward_answer_as_from_scratch(seed: int) -
                     assert len(set(boxes)) == 1
                 if request.max_gpus_per_box:
                     assert most <= request.max_gpus_per_box
+
+
+def commit(inventory: Inventory, placement: Placement) -> None:
+    """What a compose's commit does to the records: the placement's GPUs taken, its host
+    slots used."""
+    taken = {(binding.box, binding.slot) for binding in placement.bindings}
+    for box_id in sorted({box for box, _ in taken}):
+        gpus = tuple(
+            replace(g, free=False) if (box_id, g.slot) in taken else g
+            for g in inventory.gpus[box_id]
+        )
+        inventory.put_box(inventory.boxes[box_id], box_id, gpus)
+    host = inventory.hosts[placement.host]
+    used = host.used_slots | {binding.host_slot for binding in placement.bindings}
+    inventory.put_host(replace(host, used_slots=frozenset(used)))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_composes_one_after_another_answer_as_placement_from_scratch(seed: int) -> None:
+    """Placements committed one after another (mostly 1-GPU, which moves the tightest
+    box every time), with a random event now and then: each decision, read from the
+    groups' kept scores, answers as a fresh pipeline, explanation included."""
+    rng = random.Random(100 + seed)
+    inventory = Inventory()
+    for index in range(rng.randint(12, 30)):
+        box, gpus = make_box(f"b{index:02d}", rng.choice(RACKS), [True] * 8)
+        inventory.put_box(box, box.box, gpus)
+    for index in range(rng.randint(8, 30)):
+        place = Place(f"hosts/h{index:02d}", *rng.choice(RACKS))
+        inventory.put_host(HostInfo(f"h{index:02d}", place, 8, frozenset(), True))
+    model = TopologyLatencyModel(Topology.default())
+    pipeline = default_pipeline()
+    for turn in range(60):
+        if rng.random() < 0.15:
+            step(rng, inventory)
+        count = rng.choice((1, 1, 1, 2, 3))
+        request = PlacementRequest("H100", count)
+        live = pipeline.run(request, inventory.snapshot(), model)
+        fresh = default_pipeline().run(request, inventory.alone(), model)
+        assert live.placement == fresh.placement, f"turn {turn}"
+        assert live.unsatisfied == fresh.unsatisfied
+        if turn % 10 == 0:
+            assert live.candidates == fresh.candidates
+        if live.placement is not None:
+            commit(inventory, live.placement)
