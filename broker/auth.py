@@ -111,6 +111,12 @@ RULES: Mapping[str, Rule] = {
         NODE_USERS, operator_only=lambda r: bool(r.force), operator_only_what="force release"
     ),
     f"/{_NODES}/WatchNodes": Rule(NODE_USERS),
+    # Gangs: as their member nodes (a tenant's own only).
+    f"/{_NODES}/ComposeGang": Rule(NODE_USERS),
+    f"/{_NODES}/GetGang": Rule(NODE_USERS),
+    f"/{_NODES}/ReleaseGang": Rule(
+        NODE_USERS, operator_only=lambda r: bool(r.force), operator_only_what="force release"
+    ),
     # Latency between a host and a box: anyone placing work; an agent for its own host.
     f"/{_FABRIC}/GetLatency": Rule(frozenset(Role), agent_host=lambda r: _host_id(r.host)),
     f"/{_FABRIC}/Predict": Rule(frozenset(Role), agent_host=lambda r: _host_id(r.host)),

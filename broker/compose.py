@@ -24,6 +24,7 @@ from dxpool.api.v1 import nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker import metrics
 from dxpool.broker.cache import Cache
+from dxpool.broker.gang import GangComposer
 from dxpool.broker.locks import KeyedLocks
 from dxpool.broker.model_check import check_model_known
 from dxpool.broker.placement import PlacementRequest, PlacementResult, place
@@ -67,6 +68,7 @@ class Composer:
         latency: LatencyModel | LatencySource,
         settings: ComposeSettings = ComposeSettings(),
         clock: Callable[[], float] = time.time,
+        host_locks: KeyedLocks | None = None,
     ) -> None:
         self._store = store
         self._cache = cache
@@ -74,7 +76,27 @@ class Composer:
         self._latency = as_source(latency)  # asked for its current model per placement
         self._settings = settings
         self._clock = clock
-        self._host_locks = KeyedLocks()
+        self._host_locks = host_locks if host_locks is not None else KeyedLocks()
+
+    @property
+    def host_locks(self) -> KeyedLocks:
+        """The per-host locks under which this broker changes a host's allocation:
+        composes and releases hold one, gangs (:mod:`dxpool.broker.gang`) several, in
+        sorted order."""
+        return self._host_locks
+
+    def gangs(self) -> GangComposer:
+        """A gang composer (ComposeGang, GetGang, ReleaseGang) over the same store,
+        cache, placement index, latency source, settings and host locks."""
+        return GangComposer(
+            self._store,
+            self._cache,
+            self._index,
+            self._latency,
+            self._host_locks,
+            self._settings,
+            self._clock,
+        )
 
     # -- compose ---------------------------------------------------------------------
 

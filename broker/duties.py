@@ -317,7 +317,11 @@ class SingletonDuties:
             view.delete(k.NODES, node_id)
             if node.request_id:
                 request = view.get(k.REQUESTS, node.request_id)
-                if request is not None and bytes(request.value).decode() == node.name:
+                # a gang's request id names the gang: it goes with the first member
+                if request is not None and bytes(request.value).decode() in (
+                    node.name,
+                    node.gang or node.name,
+                ):
                     view.delete(k.REQUESTS, node.request_id)
             return "DELETED"
 

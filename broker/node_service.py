@@ -55,6 +55,7 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
         identify: Identify | None = None,
     ) -> None:
         self._composer = composer
+        self._gangs = composer.gangs()
         self._cache = cache
         self._identify = identify
         self.feed = NodeFeed(cache, watch, lookup=composer.lookup)
@@ -131,6 +132,25 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
         self, request: nodes_pb2.ReleaseNodeRequest, context: grpc.ServicerContext
     ) -> pb.VirtualNode:
         return self._composer.release(request.name, force=request.force, owner=self._scope(context))
+
+    @handler("NodeService.ComposeGang")
+    def ComposeGang(
+        self, request: nodes_pb2.ComposeGangRequest, context: grpc.ServicerContext
+    ) -> nodes_pb2.Gang:
+        caller = self._caller(context)
+        return self._gangs.compose(request, owner=caller.uri if caller else "")
+
+    @handler("NodeService.GetGang")
+    def GetGang(
+        self, request: nodes_pb2.GetGangRequest, context: grpc.ServicerContext
+    ) -> nodes_pb2.Gang:
+        return self._gangs.get(request.name, owner=self._scope(context))
+
+    @handler("NodeService.ReleaseGang")
+    def ReleaseGang(
+        self, request: nodes_pb2.ReleaseGangRequest, context: grpc.ServicerContext
+    ) -> nodes_pb2.Gang:
+        return self._gangs.release(request.name, force=request.force, owner=self._scope(context))
 
     @stream_handler("NodeService.WatchNodes")
     def WatchNodes(

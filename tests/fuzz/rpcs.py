@@ -58,6 +58,10 @@ EXPECTED: dict[str, frozenset[grpc.StatusCode]] = {
     "NodeService.ListNodes": _LIST,
     "NodeService.ReleaseNode": _LOOKUP,
     "NodeService.WatchNodes": _LOOKUP,
+    "NodeService.ComposeGang": _LOOKUP
+    | {C.ALREADY_EXISTS, C.RESOURCE_EXHAUSTED, C.FAILED_PRECONDITION},
+    "NodeService.GetGang": _LOOKUP,
+    "NodeService.ReleaseGang": _LOOKUP,
     "FabricService.GetLatency": _LOOKUP,
     "FabricService.Predict": _LOOKUP | {C.RESOURCE_EXHAUSTED},
 }
@@ -71,11 +75,19 @@ MUTATIONS = frozenset(
         "InventoryService.ReclaimGpu",
         "NodeService.ComposeNode",
         "NodeService.ReleaseNode",
+        "NodeService.ComposeGang",
+        "NodeService.ReleaseGang",
     }
 )
 # Successful calls the node controller follows up on with writes of its own.
 FOLLOWED_UP = frozenset(
-    {"NodeService.ComposeNode", "NodeService.ReleaseNode", "InventoryService.ReclaimGpu"}
+    {
+        "NodeService.ComposeNode",
+        "NodeService.ReleaseNode",
+        "NodeService.ComposeGang",
+        "NodeService.ReleaseGang",
+        "InventoryService.ReclaimGpu",
+    }
 )
 
 _SPEC = pb.NodeSpec(
@@ -124,6 +136,11 @@ BASELINES: dict[str, Message] = {
     "NodeService.ListNodes": nodes_pb2.ListNodesRequest(host="hosts/h1", page_size=3),
     "NodeService.ReleaseNode": nodes_pb2.ReleaseNodeRequest(name="nodes/n1"),
     "NodeService.WatchNodes": nodes_pb2.WatchNodesRequest(name="nodes/n1"),
+    "NodeService.ComposeGang": nodes_pb2.ComposeGangRequest(
+        members=[_SPEC, _SPEC], gang_id="g2", request_id="r-gang"
+    ),
+    "NodeService.GetGang": nodes_pb2.GetGangRequest(name="gangs/g1"),
+    "NodeService.ReleaseGang": nodes_pb2.ReleaseGangRequest(name="gangs/g1"),
     "FabricService.GetLatency": fabric_pb2.GetLatencyRequest(host="hosts/h1", box="boxes/box1"),
     "FabricService.Predict": fabric_pb2.PredictRequest(
         host="hosts/h1", gpus=pb.GpuRequest(model="H100", count=2), workload="400@5ms"

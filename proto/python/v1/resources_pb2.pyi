@@ -833,6 +833,8 @@ class VirtualNode(_message.Message):
     READY_TIME_FIELD_NUMBER: _builtins.int
     ATTACH_DEADLINE_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
+    GANG_FIELD_NUMBER: _builtins.int
+    GANG_SIZE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name: "nodes/{node}"."""
     host: _builtins.str
@@ -844,6 +846,12 @@ class VirtualNode(_message.Message):
     owner: _builtins.str
     """Who composed the node ("dxpool://tenant/team-a"); empty when the broker runs
     without authentication. A tenant sees and releases only the nodes it owns.
+    """
+    gang: _builtins.str
+    """The gang this node is a member of ("gangs/{gang}"); empty for a node composed alone."""
+    gang_size: _builtins.int
+    """How many members the gang has (0 for a node composed alone); the members are
+    "nodes/{gang}-0" up to "nodes/{gang}-{gang_size - 1}".
     """
     @_builtins.property
     def spec(self) -> Global___NodeSpec: ...
@@ -874,10 +882,12 @@ class VirtualNode(_message.Message):
         ready_time: _timestamp_pb2.Timestamp | None = ...,
         attach_deadline: _timestamp_pb2.Timestamp | None = ...,
         owner: _builtins.str = ...,
+        gang: _builtins.str = ...,
+        gang_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["attach_deadline", b"attach_deadline", "create_time", b"create_time", "ready_time", b"ready_time", "spec", b"spec", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attach_deadline", b"attach_deadline", "create_time", b"create_time", "gpus", b"gpus", "host", b"host", "message", b"message", "name", b"name", "owner", b"owner", "ready_time", b"ready_time", "request_id", b"request_id", "spec", b"spec", "state", b"state", "update_time", b"update_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attach_deadline", b"attach_deadline", "create_time", b"create_time", "gang", b"gang", "gang_size", b"gang_size", "gpus", b"gpus", "host", b"host", "message", b"message", "name", b"name", "owner", b"owner", "ready_time", b"ready_time", "request_id", b"request_id", "spec", b"spec", "state", b"state", "update_time", b"update_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
