@@ -552,6 +552,7 @@ class GangComposer:
                 )
             if not released:
                 raise _gang_not_found(name)
+            _drop_from_allocations(view, released)
             return nodes_pb2.Gang(name=name, nodes=released)
 
         hosts = sorted({parse_host(node.host) for node in known if node.host})
@@ -559,6 +560,27 @@ class GangComposer:
             gang = transact(self._store, self._cache, body, what=f"releasing {name}")
         metrics.RELEASE_TOTAL.inc()
         return gang
+
+
+def _drop_from_allocations(view: TxnView, nodes: list[pb.VirtualNode]) -> None:
+    """Write each host's allocation without any of ``nodes``' attachments.
+
+    ``let_go`` writes the allocation it read minus its own node, and a view's reads do
+    not see its buffered writes: with two members on one host, the second member's
+    write would put the first one's attachments back. So the allocation each host ends
+    with is written once more here, from the record read, minus every member."""
+    by_host: dict[str, list[str]] = {}
+    for node in nodes:
+        if node.host:
+            by_host.setdefault(node.host, []).append(node.name)
+    for host, names in by_host.items():
+        host_id = parse_host(host)
+        record = view.get(k.HOST_ALLOCATIONS, host_id)
+        if record is None or not any(a.node in names for a in record.value.attachments):
+            continue
+        allocation = pb.HostAllocation(host=host)
+        allocation.attachments.extend(a for a in record.value.attachments if a.node not in names)
+        view.put(k.HOST_ALLOCATIONS, host_id, allocation)
 
 
 def _fence_detaching(view: TxnView, node: pb.VirtualNode) -> None:

@@ -133,8 +133,13 @@ def test_members_sharing_a_host_get_distinct_slots(
     assert {n.host for n in gang.nodes} == {"hosts/big"}
     slots = [b.host_slot for n in gang.nodes for b in n.gpus]
     assert sorted(slots) == list(range(8))
-    raw, _ = etcd_client.get(KeySchema(key_prefix).host_allocation("big"))
+    allocation_key = KeySchema(key_prefix).host_allocation("big")
+    raw, _ = etcd_client.get(allocation_key)
     assert len(pb.HostAllocation.FromString(raw).attachments) == 8
+    # Released together, every member leaves the one allocation they share.
+    stubs.nodes.ReleaseGang(nodes_pb2.ReleaseGangRequest(name=gang.name))
+    raw, _ = etcd_client.get(allocation_key)
+    assert list(pb.HostAllocation.FromString(raw).attachments) == []
 
 
 def test_the_same_request_id_returns_the_same_gang_and_a_different_request_is_refused(
