@@ -100,6 +100,7 @@ __all__ = [
     "NodeState",
     "NodeStateLike",
     "box_name",
+    "gang_name",
     "gpu_name",
     "gpu_state",
     "host_name",
@@ -192,6 +193,11 @@ def host_name(value: str) -> str:
 def node_name(value: str) -> str:
     """``"n1"`` or ``"nodes/n1"`` -> ``"nodes/n1"``; InvalidArgument if malformed."""
     return _simple_name(value, "nodes", "node")
+
+
+def gang_name(value: str) -> str:
+    """``"g1"`` or ``"gangs/g1"`` -> ``"gangs/g1"``; InvalidArgument if malformed."""
+    return _simple_name(value, "gangs", "gang")
 
 
 def gpu_name(value: str) -> str:
@@ -721,6 +727,99 @@ class Client:
         fences the GPUs at the box side, scrubs and frees them (for a dead or hung host)."""
         request = nodes_pb2.ReleaseNodeRequest(name=node_name(name), force=force)
         return self._unary(self._nodes.ReleaseNode, request)
+
+    # -- gangs ---------------------------------------------------------------------------
+
+    def compose_gang(
+        self,
+        gpus: str | Mapping[str, object] | GpuSpec,
+        count: int,
+        *,
+        host: str | None = None,
+        max_latency: str | int | None = None,
+        min_memory: str | int | None = None,
+        vfio: bool = False,
+        max_slowdown: float | None = None,
+        workload: str | None = None,
+        gang_id: str | None = None,
+        tenant: str = "",
+        labels: Mapping[str, str] | None = None,
+        request_id: str | None = None,
+    ) -> nodes_pb2.Gang:
+        """Compose ``count`` nodes of the same spec all or nothing; they come back
+        PENDING as ``nodes/{gang}-0`` ... (see :meth:`wait_for_gang`).
+
+        The spec arguments are :meth:`compose_node`'s. Retrying with the same
+        ``request_id`` returns the same gang. Raises ResourceExhausted when some member
+        does not fit (nothing is composed), InvalidArgument for a gang too large for one
+        etcd transaction (the message states the limit)."""
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise InvalidArgument(
+                f"count must be a whole number of members, 1 or more; got {count!r}"
+            )
+        one = self._compose_request(
+            gpus,
+            host=host,
+            max_latency=max_latency,
+            min_memory=min_memory,
+            vfio=vfio,
+            max_slowdown=max_slowdown,
+            workload=workload,
+            node_id=None,
+            tenant=tenant,
+            labels=labels,
+            request_id=request_id,
+        )
+        request = nodes_pb2.ComposeGangRequest(
+            members=[one.spec] * count,
+            gang_id=gang_name(gang_id).removeprefix("gangs/") if gang_id else "",
+            request_id=one.request_id,
+        )
+        return self._unary(self._nodes.ComposeGang, request)
+
+    def get_gang(self, name: str) -> nodes_pb2.Gang:
+        """The gang's members as they are now (``"g1"`` or ``"gangs/g1"``)."""
+        request = nodes_pb2.GetGangRequest(name=gang_name(name))
+        return self._unary(self._nodes.GetGang, request)
+
+    def release_gang(self, name: str, *, force: bool = False) -> nodes_pb2.Gang:
+        """Start releasing every member of a gang in one transaction; idempotent.
+        ``force`` as for :meth:`release_node`."""
+        request = nodes_pb2.ReleaseGangRequest(name=gang_name(name), force=force)
+        return self._unary(self._nodes.ReleaseGang, request)
+
+    def wait_for_gang(
+        self,
+        name: str,
+        *,
+        until: Iterable[NodeStateLike] = (NodeState.NODE_STATE_READY,),
+        timeout_s: float = DEFAULT_WAIT_TIMEOUT_S,
+    ) -> nodes_pb2.Gang:
+        """Block until every member is in one of the ``until`` states; the gang then.
+
+        Raises FailedPrecondition as soon as any member can no longer get there (e.g. its
+        host was lost: the message names the member; the others are left as they are,
+        release the gang), TimeoutError when ``timeout_s`` passes first for any member."""
+        gang = self.get_gang(name)
+        deadline = time.monotonic() + timeout_s
+        wanted = tuple(until)
+        members = []
+        for node in gang.nodes:
+            # every member is looked at at least once, even after the deadline
+            remaining = max(deadline - time.monotonic(), 0.1)
+            try:
+                members.append(self.wait_for_node(node.name, until=wanted, timeout_s=remaining))
+            except FailedPrecondition as error:
+                raise FailedPrecondition(
+                    f"gang {gang.name}: {error.message}; release the gang "
+                    f"(`dxpool gang delete {gang.name}`)",
+                    reason=error.reason,
+                ) from None
+            except TimeoutError as error:
+                raise TimeoutError(
+                    f"gang {gang.name} not ready after {timeout_s:g}s: {error}"
+                ) from None
+        return nodes_pb2.Gang(name=gang.name, nodes=members)
 
     def watch_nodes(
         self,
