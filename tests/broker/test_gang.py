@@ -467,3 +467,26 @@ def test_without_placement_takes_gpus_and_slots_out_of_a_copy(
     assert snapshot.hosts["h1"].used_slots == frozenset()
     assert after.gpus_by_box["box1"][0] is snapshot.gpus_by_box["box1"][0]
     assert after.hosts["h2"] is snapshot.hosts["h2"]
+
+
+def test_a_released_gang_and_its_request_id_are_collected_after_the_retention(
+    broker_factory: Callable[..., BrokerServer], etcd_client: Any, key_prefix: str
+) -> None:
+    broker = broker_factory(retention_s=0.5)
+    stubs = Stubs(grpc.insecure_channel(broker.endpoint))
+    add_host(etcd_client, key_prefix, "h1")
+    add_box(stubs, "box1", gpus=2)
+    wait_indexed(broker, ["h1"], 2)
+    gang = stubs.nodes.ComposeGang(gang_request(2, "H100:1", request_id="collect-me"))
+    stubs.nodes.ReleaseGang(nodes_pb2.ReleaseGangRequest(name=gang.name))
+
+    request_key = KeySchema(key_prefix).request("collect-me")
+    wait_until(
+        lambda: (
+            not stored_nodes(etcd_client, key_prefix) and etcd_client.get(request_key)[0] is None
+        ),
+        message="the members and the gang's request id to be collected",
+    )
+    # The request id may be used again, for a new gang.
+    again = stubs.nodes.ComposeGang(gang_request(2, "H100:1", request_id="collect-me"))
+    assert again.name != gang.name
