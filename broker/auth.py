@@ -111,6 +111,7 @@ RULES: Mapping[str, Rule] = {
         NODE_USERS, operator_only=lambda r: bool(r.force), operator_only_what="force release"
     ),
     f"/{_NODES}/WatchNodes": Rule(NODE_USERS),
+    f"/{_NODES}/ResizeNode": Rule(NODE_USERS),
     # Gangs: as their member nodes (a tenant's own only).
     f"/{_NODES}/ComposeGang": Rule(NODE_USERS),
     f"/{_NODES}/GetGang": Rule(NODE_USERS),

@@ -30,6 +30,7 @@ from dxpool.broker.model_check import check_model_known
 from dxpool.broker.placement import PlacementRequest, PlacementResult, place
 from dxpool.broker.placement_index import PlacementIndex
 from dxpool.broker.records import copy, timestamp
+from dxpool.broker.resize import Resizer
 from dxpool.broker.stm import TxnView, read_through, transact
 from dxpool.broker.transitions import gpu_id, let_go
 from dxpool.broker.validation import check_node_spec
@@ -89,6 +90,19 @@ class Composer:
         """A gang composer (ComposeGang, GetGang, ReleaseGang) over the same store,
         cache, placement index, latency source, settings and host locks."""
         return GangComposer(
+            self._store,
+            self._cache,
+            self._index,
+            self._latency,
+            self._host_locks,
+            self._settings,
+            self._clock,
+        )
+
+    def resizer(self) -> Resizer:
+        """A resizer (ResizeNode) over the same store, cache, placement index, latency
+        source, settings and host locks."""
+        return Resizer(
             self._store,
             self._cache,
             self._index,

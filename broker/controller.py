@@ -16,7 +16,11 @@ it simply looks again). Transitions:
   acted on is current, so the compare on the status record closes every race);
 * GPU DETACHING -> QUARANTINED when the agent reports the detach FAILED (it keeps
   failing); the GPU lets go of its node and is never handed out again;
-* RELEASING -> RELEASED once the node owns no GPU.
+* RELEASING -> RELEASED once the node owns no GPU;
+* RESIZING (a READY node growing, see ``broker/resize.py``) -> READY when every GPU is
+  ATTACHED (only the new ones are confirmed), or, when an added GPU's attach fails or
+  the deadline passes, -> READY without the added GPUs, which go DETACHING and leave the
+  host's allocation; the GPUs the node had are never touched.
 
 Every transition is a :func:`~dxpool.broker.stm.transact` body built from
 :mod:`dxpool.lifecycle`.
@@ -284,8 +288,14 @@ class NodeController:
             a.phase == pb.ATTACHMENT_PHASE_ATTACHED for a in current.values()
         ):
             for name, gpu in gpus.items():
-                view.put(k.GPUS, gpu_id(name), lifecycle.attach_confirmed(gpu.value, current[name]))
-            view.put(k.NODES, node_id, lifecycle.node_ready(node, current, now))
+                if gpu.value.state == pb.GPU_STATE_ATTACHING:  # a grown node's others are
+                    confirmed = lifecycle.attach_confirmed(gpu.value, current[name])
+                    view.put(k.GPUS, gpu_id(name), confirmed)
+            ready = lifecycle.node_ready(node, current, now)
+            if node.state == pb.NODE_STATE_RESIZING:
+                ready.ready_time.CopyFrom(node.ready_time)  # ready since it was composed
+                ready.message = f"grown to {len(node.gpus)} GPUs; all attached and verified"
+            view.put(k.NODES, node_id, ready)
             return "READY"
         if now > seconds(node.attach_deadline) and self._is_leader():
             alive = view.exists(k.HOST_LEASES, host_id)
@@ -304,9 +314,43 @@ class NodeController:
         return None
 
     def _fail(self, view: TxnView, node: pb.VirtualNode, message: str) -> str:
+        if node.state == pb.NODE_STATE_RESIZING:
+            return self._abandon_grow(view, node, message)
         let_go(view, node, pb.NODE_STATE_FAILED, message, self._clock())
         self._failures[node.name] = message
         return "FAILED"
+
+    def _abandon_grow(self, view: TxnView, node: pb.VirtualNode, message: str) -> str:
+        """RESIZING -> READY without the GPUs the grow added (those still ATTACHING):
+        they go DETACHING and leave the host's allocation; the node keeps the GPUs it
+        had, which stayed attached and in use throughout."""
+        dropped: set[str] = set()
+        for binding in node.gpus:
+            record = view.get(k.GPUS, gpu_id(binding.gpu))
+            if record is None or record.value.node != node.name:
+                dropped.add(binding.gpu)  # taken away: nothing of ours to detach
+            elif record.value.state == pb.GPU_STATE_ATTACHING:
+                dropped.add(binding.gpu)
+                view.put(k.GPUS, gpu_id(binding.gpu), lifecycle.begin_detach(record.value))
+        kept = [b for b in node.gpus if b.gpu not in dropped]
+        updated = lifecycle.node_to(
+            node,
+            pb.NODE_STATE_READY,
+            f"grow failed, the node keeps its {len(kept)} GPUs: {message}",
+            self._clock(),
+        )
+        del updated.gpus[:]
+        updated.gpus.extend(kept)
+        view.put(k.NODES, node.name.removeprefix("nodes/"), updated)
+        host_id = parse_host(node.host)
+        allocation = view.get(k.HOST_ALLOCATIONS, host_id)
+        if allocation is not None and any(a.gpu in dropped for a in allocation.value.attachments):
+            trimmed = pb.HostAllocation(host=node.host)
+            trimmed.attachments.extend(
+                a for a in allocation.value.attachments if a.gpu not in dropped
+            )
+            view.put(k.HOST_ALLOCATIONS, host_id, trimmed)
+        return "READY"
 
     # -- one GPU ---------------------------------------------------------------------
 

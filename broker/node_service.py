@@ -56,6 +56,7 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
     ) -> None:
         self._composer = composer
         self._gangs = composer.gangs()
+        self._resizer = composer.resizer()
         self._cache = cache
         self._identify = identify
         self.feed = NodeFeed(cache, watch, lookup=composer.lookup)
@@ -132,6 +133,12 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
         self, request: nodes_pb2.ReleaseNodeRequest, context: grpc.ServicerContext
     ) -> pb.VirtualNode:
         return self._composer.release(request.name, force=request.force, owner=self._scope(context))
+
+    @handler("NodeService.ResizeNode")
+    def ResizeNode(
+        self, request: nodes_pb2.ResizeNodeRequest, context: grpc.ServicerContext
+    ) -> pb.VirtualNode:
+        return self._resizer.resize(request, owner=self._scope(context))
 
     @handler("NodeService.ComposeGang")
     def ComposeGang(

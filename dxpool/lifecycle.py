@@ -25,9 +25,13 @@ generation (and the GPU was scrubbed): no path frees a GPU that a host may still
 Node (``NodeState``)::
 
     PENDING ─► ATTACHING ─► READY ─► RELEASING ─► RELEASED
-       │           │          │          ▲
-       ├───────────┴──► FAILED ──────────┤
-       └───────────┴──────────┴─► LOST ──┘
+       │           │        ▲ │ │        ▲ ▲
+       │           │        │ ▼ └────────┼─┼──────┐
+       │           │     RESIZING ───────┘ │      │
+       ├───────────┴──► FAILED ────────────┤      │
+       └───────────┴────────┴─► LOST ──────┘ ◄────┘
+
+RESIZING (a READY node growing) goes back to READY whether its new GPUs attach or not.
 """
 
 from __future__ import annotations
@@ -54,7 +58,12 @@ NODE_TRANSITIONS: Mapping[int, frozenset[int]] = {
     pb.NODE_STATE_ATTACHING: frozenset(
         {pb.NODE_STATE_READY, pb.NODE_STATE_FAILED, pb.NODE_STATE_RELEASING, pb.NODE_STATE_LOST}
     ),
-    pb.NODE_STATE_READY: frozenset({pb.NODE_STATE_RELEASING, pb.NODE_STATE_LOST}),
+    pb.NODE_STATE_READY: frozenset(
+        {pb.NODE_STATE_RESIZING, pb.NODE_STATE_RELEASING, pb.NODE_STATE_LOST}
+    ),
+    pb.NODE_STATE_RESIZING: frozenset(
+        {pb.NODE_STATE_READY, pb.NODE_STATE_RELEASING, pb.NODE_STATE_LOST}
+    ),
     pb.NODE_STATE_FAILED: frozenset({pb.NODE_STATE_RELEASING}),
     pb.NODE_STATE_LOST: frozenset({pb.NODE_STATE_RELEASING}),
     pb.NODE_STATE_RELEASING: frozenset({pb.NODE_STATE_RELEASED}),
@@ -76,10 +85,12 @@ GPU_TRANSITIONS: Mapping[int, frozenset[int]] = {
 }
 
 # Node states in which the host agent may still be asked to attach the node's GPUs.
-ATTACHING_NODE_STATES = frozenset({pb.NODE_STATE_PENDING, pb.NODE_STATE_ATTACHING})
+ATTACHING_NODE_STATES = frozenset(
+    {pb.NODE_STATE_PENDING, pb.NODE_STATE_ATTACHING, pb.NODE_STATE_RESIZING}
+)
 # Node states a host loss turns into LOST (the others already let go of their GPUs).
 LOSABLE_NODE_STATES = frozenset(
-    {pb.NODE_STATE_PENDING, pb.NODE_STATE_ATTACHING, pb.NODE_STATE_READY}
+    {pb.NODE_STATE_PENDING, pb.NODE_STATE_ATTACHING, pb.NODE_STATE_READY, pb.NODE_STATE_RESIZING}
 )
 # GPU states in which a host may hold a mapping of the GPU.
 ON_HOST_GPU_STATES = frozenset(

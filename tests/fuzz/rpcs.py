@@ -61,6 +61,8 @@ EXPECTED: dict[str, frozenset[grpc.StatusCode]] = {
     "NodeService.ComposeGang": _LOOKUP
     | {C.ALREADY_EXISTS, C.RESOURCE_EXHAUSTED, C.FAILED_PRECONDITION},
     "NodeService.GetGang": _LOOKUP,
+    "NodeService.ResizeNode": _LOOKUP
+    | {C.ALREADY_EXISTS, C.RESOURCE_EXHAUSTED, C.FAILED_PRECONDITION},
     "NodeService.ReleaseGang": _LOOKUP,
     "FabricService.GetLatency": _LOOKUP,
     "FabricService.Predict": _LOOKUP | {C.RESOURCE_EXHAUSTED},
@@ -77,6 +79,7 @@ MUTATIONS = frozenset(
         "NodeService.ReleaseNode",
         "NodeService.ComposeGang",
         "NodeService.ReleaseGang",
+        "NodeService.ResizeNode",
     }
 )
 # Successful calls the node controller follows up on with writes of its own.
@@ -86,6 +89,7 @@ FOLLOWED_UP = frozenset(
         "NodeService.ReleaseNode",
         "NodeService.ComposeGang",
         "NodeService.ReleaseGang",
+        "NodeService.ResizeNode",
         "InventoryService.ReclaimGpu",
     }
 )
@@ -140,6 +144,9 @@ BASELINES: dict[str, Message] = {
         members=[_SPEC, _SPEC], gang_id="g2", request_id="r-gang"
     ),
     "NodeService.GetGang": nodes_pb2.GetGangRequest(name="gangs/g1"),
+    "NodeService.ResizeNode": nodes_pb2.ResizeNodeRequest(
+        name="nodes/vm1", gpu_count=1, request_id="r-resize"
+    ),
     "NodeService.ReleaseGang": nodes_pb2.ReleaseGangRequest(name="gangs/g1"),
     "FabricService.GetLatency": fabric_pb2.GetLatencyRequest(host="hosts/h1", box="boxes/box1"),
     "FabricService.Predict": fabric_pb2.PredictRequest(

@@ -502,3 +502,39 @@ class ReleaseGangRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReleaseGangRequest: _TypeAlias = ReleaseGangRequest  # noqa: Y015
+
+@_typing.final
+class ResizeNodeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    GPU_COUNT_FIELD_NUMBER: _builtins.int
+    REMOVE_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """"nodes/{node}" """
+    gpu_count: _builtins.int
+    """How many GPUs the node should have (1 to 64): more grows it, fewer shrinks it.
+    With `remove`, 0 means "as many as are left".
+    """
+    request_id: _builtins.str
+    """Makes the call idempotent: up to 128 characters of [A-Za-z0-9._:-]."""
+    @_builtins.property
+    def remove(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Shrink by exactly these GPUs ("boxes/{box}/gpus/{slot}"), which must be the node's."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        gpu_count: _builtins.int = ...,
+        remove: _abc.Iterable[_builtins.str] | None = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_count", b"gpu_count", "name", b"name", "remove", b"remove", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResizeNodeRequest: _TypeAlias = ResizeNodeRequest  # noqa: Y015

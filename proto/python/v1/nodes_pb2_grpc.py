@@ -71,6 +71,11 @@ class NodeServiceStub:
                 request_serializer=dxpool_dot_v1_dot_nodes__pb2.GetNodeHostdevRequest.SerializeToString,
                 response_deserializer=dxpool_dot_v1_dot_nodes__pb2.NodeHostdev.FromString,
                 _registered_method=True)
+        self.ResizeNode = channel.unary_unary(
+                '/dxpool.v1.NodeService/ResizeNode',
+                request_serializer=dxpool_dot_v1_dot_nodes__pb2.ResizeNodeRequest.SerializeToString,
+                response_deserializer=dxpool_dot_v1_dot_resources__pb2.VirtualNode.FromString,
+                _registered_method=True)
         self.ComposeGang = channel.unary_unary(
                 '/dxpool.v1.NodeService/ComposeGang',
                 request_serializer=dxpool_dot_v1_dot_nodes__pb2.ComposeGangRequest.SerializeToString,
@@ -175,6 +180,24 @@ class NodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResizeNode(self, request, context):
+        """Grows or shrinks a READY node's GPUs in place, on its own host. Growing places
+        the extra GPUs pinned to the node's host and commits them in one transaction; the
+        node goes RESIZING until the agent has attached them, then READY (without them if
+        their attach fails). Shrinking detaches the GPUs named in `remove`, or else the
+        most recently added ones, through the ordinary detach path; the node stays READY.
+        Retrying with the same request_id returns the node without resizing again.
+
+        INVALID_ARGUMENT for a malformed request; NOT_FOUND for an unknown node;
+        FAILED_PRECONDITION when the node is not READY, or a GPU to remove is not the
+        node's; RESOURCE_EXHAUSTED when the host has too few free slots or no GPUs fit;
+        ALREADY_EXISTS when the request_id was used for something else; ABORTED when the
+        commit kept conflicting.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ComposeGang(self, request, context):
         """Composes several nodes (a gang, for a job larger than one host) all or nothing:
         placement chooses every member against one view of the pool, and one etcd
@@ -245,6 +268,11 @@ def add_NodeServiceServicer_to_server(servicer, server):
                     servicer.GetNodeHostdev,
                     request_deserializer=dxpool_dot_v1_dot_nodes__pb2.GetNodeHostdevRequest.FromString,
                     response_serializer=dxpool_dot_v1_dot_nodes__pb2.NodeHostdev.SerializeToString,
+            ),
+            'ResizeNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResizeNode,
+                    request_deserializer=dxpool_dot_v1_dot_nodes__pb2.ResizeNodeRequest.FromString,
+                    response_serializer=dxpool_dot_v1_dot_resources__pb2.VirtualNode.SerializeToString,
             ),
             'ComposeGang': grpc.unary_unary_rpc_method_handler(
                     servicer.ComposeGang,
@@ -451,6 +479,33 @@ class NodeService:
             '/dxpool.v1.NodeService/GetNodeHostdev',
             dxpool_dot_v1_dot_nodes__pb2.GetNodeHostdevRequest.SerializeToString,
             dxpool_dot_v1_dot_nodes__pb2.NodeHostdev.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResizeNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dxpool.v1.NodeService/ResizeNode',
+            dxpool_dot_v1_dot_nodes__pb2.ResizeNodeRequest.SerializeToString,
+            dxpool_dot_v1_dot_resources__pb2.VirtualNode.FromString,
             options,
             channel_credentials,
             insecure,

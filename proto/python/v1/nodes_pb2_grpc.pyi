@@ -87,6 +87,20 @@ class NodeServiceStub:
     not rebind them. NOT_FOUND for an unknown node; FAILED_PRECONDITION when the node
     is not READY or was not composed for vfio.
     """
+    ResizeNode: _grpc.UnaryUnaryMultiCallable[_nodes_pb2.ResizeNodeRequest, _resources_pb2.VirtualNode]
+    """Grows or shrinks a READY node's GPUs in place, on its own host. Growing places
+    the extra GPUs pinned to the node's host and commits them in one transaction; the
+    node goes RESIZING until the agent has attached them, then READY (without them if
+    their attach fails). Shrinking detaches the GPUs named in `remove`, or else the
+    most recently added ones, through the ordinary detach path; the node stays READY.
+    Retrying with the same request_id returns the node without resizing again.
+
+    INVALID_ARGUMENT for a malformed request; NOT_FOUND for an unknown node;
+    FAILED_PRECONDITION when the node is not READY, or a GPU to remove is not the
+    node's; RESOURCE_EXHAUSTED when the host has too few free slots or no GPUs fit;
+    ALREADY_EXISTS when the request_id was used for something else; ABORTED when the
+    commit kept conflicting.
+    """
     ComposeGang: _grpc.UnaryUnaryMultiCallable[_nodes_pb2.ComposeGangRequest, _nodes_pb2.Gang]
     """Composes several nodes (a gang, for a job larger than one host) all or nothing:
     placement chooses every member against one view of the pool, and one etcd
@@ -164,6 +178,20 @@ class NodeServiceAsyncStub(NodeServiceStub):
     (compose with spec.vfio) and stay bound: the XML says managed='no', so libvirt does
     not rebind them. NOT_FOUND for an unknown node; FAILED_PRECONDITION when the node
     is not READY or was not composed for vfio.
+    """
+    ResizeNode: _aio.UnaryUnaryMultiCallable[_nodes_pb2.ResizeNodeRequest, _resources_pb2.VirtualNode]  # type: ignore[assignment]
+    """Grows or shrinks a READY node's GPUs in place, on its own host. Growing places
+    the extra GPUs pinned to the node's host and commits them in one transaction; the
+    node goes RESIZING until the agent has attached them, then READY (without them if
+    their attach fails). Shrinking detaches the GPUs named in `remove`, or else the
+    most recently added ones, through the ordinary detach path; the node stays READY.
+    Retrying with the same request_id returns the node without resizing again.
+
+    INVALID_ARGUMENT for a malformed request; NOT_FOUND for an unknown node;
+    FAILED_PRECONDITION when the node is not READY, or a GPU to remove is not the
+    node's; RESOURCE_EXHAUSTED when the host has too few free slots or no GPUs fit;
+    ALREADY_EXISTS when the request_id was used for something else; ABORTED when the
+    commit kept conflicting.
     """
     ComposeGang: _aio.UnaryUnaryMultiCallable[_nodes_pb2.ComposeGangRequest, _nodes_pb2.Gang]  # type: ignore[assignment]
     """Composes several nodes (a gang, for a job larger than one host) all or nothing:
@@ -281,6 +309,26 @@ class NodeServiceServicer(metaclass=_abc_1.ABCMeta):
         (compose with spec.vfio) and stay bound: the XML says managed='no', so libvirt does
         not rebind them. NOT_FOUND for an unknown node; FAILED_PRECONDITION when the node
         is not READY or was not composed for vfio.
+        """
+
+    @_abc_1.abstractmethod
+    def ResizeNode(
+        self,
+        request: _nodes_pb2.ResizeNodeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_resources_pb2.VirtualNode, _abc.Awaitable[_resources_pb2.VirtualNode]]:
+        """Grows or shrinks a READY node's GPUs in place, on its own host. Growing places
+        the extra GPUs pinned to the node's host and commits them in one transaction; the
+        node goes RESIZING until the agent has attached them, then READY (without them if
+        their attach fails). Shrinking detaches the GPUs named in `remove`, or else the
+        most recently added ones, through the ordinary detach path; the node stays READY.
+        Retrying with the same request_id returns the node without resizing again.
+
+        INVALID_ARGUMENT for a malformed request; NOT_FOUND for an unknown node;
+        FAILED_PRECONDITION when the node is not READY, or a GPU to remove is not the
+        node's; RESOURCE_EXHAUSTED when the host has too few free slots or no GPUs fit;
+        ALREADY_EXISTS when the request_id was used for something else; ABORTED when the
+        commit kept conflicting.
         """
 
     @_abc_1.abstractmethod

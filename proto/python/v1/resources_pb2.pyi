@@ -174,6 +174,11 @@ class _NodeStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_NodeState.V
     """Its host was lost (agent lease expired) or it was force-released: its GPUs are
     fenced at the box side, scrubbed and returned to the pool. Release it to remove it.
     """
+    NODE_STATE_RESIZING: _NodeState.ValueType  # 8
+    """Growing (ResizeNode): the host agent is attaching the GPUs just added; the GPUs
+    the node had stay attached and in use. Back to READY when the new GPUs are
+    attached, or, if their attach fails or times out, without them (see `message`).
+    """
 
 class NodeState(_NodeState, metaclass=_NodeStateEnumTypeWrapper):
     """Lifecycle of a virtual node.
@@ -201,6 +206,11 @@ NODE_STATE_FAILED: NodeState.ValueType  # 6
 NODE_STATE_LOST: NodeState.ValueType  # 7
 """Its host was lost (agent lease expired) or it was force-released: its GPUs are
 fenced at the box side, scrubbed and returned to the pool. Release it to remove it.
+"""
+NODE_STATE_RESIZING: NodeState.ValueType  # 8
+"""Growing (ResizeNode): the host agent is attaching the GPUs just added; the GPUs
+the node had stay attached and in use. Back to READY when the new GPUs are
+attached, or, if their attach fails or times out, without them (see `message`).
 """
 Global___NodeState: _TypeAlias = NodeState  # noqa: Y015
 
@@ -835,6 +845,7 @@ class VirtualNode(_message.Message):
     OWNER_FIELD_NUMBER: _builtins.int
     GANG_FIELD_NUMBER: _builtins.int
     GANG_SIZE_FIELD_NUMBER: _builtins.int
+    RESIZE_REQUEST_ID_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name: "nodes/{node}"."""
     host: _builtins.str
@@ -852,6 +863,10 @@ class VirtualNode(_message.Message):
     gang_size: _builtins.int
     """How many members the gang has (0 for a node composed alone); the members are
     "nodes/{gang}-0" up to "nodes/{gang}-{gang_size - 1}".
+    """
+    resize_request_id: _builtins.str
+    """The request id of the last ResizeNode call that changed the node, if it had one:
+    a retry with it returns the node without resizing again.
     """
     @_builtins.property
     def spec(self) -> Global___NodeSpec: ...
@@ -884,10 +899,11 @@ class VirtualNode(_message.Message):
         owner: _builtins.str = ...,
         gang: _builtins.str = ...,
         gang_size: _builtins.int = ...,
+        resize_request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["attach_deadline", b"attach_deadline", "create_time", b"create_time", "ready_time", b"ready_time", "spec", b"spec", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attach_deadline", b"attach_deadline", "create_time", b"create_time", "gang", b"gang", "gang_size", b"gang_size", "gpus", b"gpus", "host", b"host", "message", b"message", "name", b"name", "owner", b"owner", "ready_time", b"ready_time", "request_id", b"request_id", "spec", b"spec", "state", b"state", "update_time", b"update_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attach_deadline", b"attach_deadline", "create_time", b"create_time", "gang", b"gang", "gang_size", b"gang_size", "gpus", b"gpus", "host", b"host", "message", b"message", "name", b"name", "owner", b"owner", "ready_time", b"ready_time", "request_id", b"request_id", "resize_request_id", b"resize_request_id", "spec", b"spec", "state", b"state", "update_time", b"update_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

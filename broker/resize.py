@@ -1,0 +1,337 @@
+"""ResizeNode: grow or shrink a READY node's GPUs in place, on its own host.
+
+**Grow** places the extra GPUs with the public placement API pinned to the node's host
+(so the host needs free proxy slots), then commits one transaction that compares the
+node, each chosen GPU (still FREE), the host's allocation and its lease, and writes the
+GPUs (ATTACHING, owner, slot, generation+1), the allocation with the new attachments,
+and the node in RESIZING with the new bindings and a fresh attach deadline. The agent
+attaches the new GPUs as it attaches any; the node controller turns RESIZING into READY
+once every GPU is ATTACHED, or, if an added GPU's attach fails or the deadline passes,
+into READY without the added GPUs (they are detached and freed). The GPUs the node had
+stay attached and in use throughout: a failed grow never costs the node what it had.
+
+**Shrink** takes out the GPUs named in ``remove``, or else the last bindings (bindings
+are kept in the order they were added, so those are the most recently added GPUs), in
+one transaction: the bindings leave the node (which stays READY), the attachments leave
+the host's allocation and the GPUs go DETACHING. From there it is the ordinary detach
+path: the agent detaches them and the controller frees them once the agent confirms.
+
+Both compare the node record, so a resize and a release (or two resizes) that race
+commit one after the other: the second sees the first's result (or loses its compare
+and runs again on it). A resize of a node that is no longer READY is
+FAILED_PRECONDITION and writes nothing.
+
+The size asked for is the size wanted (``gpu_count``), not a difference, so running a
+resize twice leaves the node as once. A request id makes a retry return the node
+without looking at sizes at all; a node remembers the request id of its last resize
+(``VirtualNode.resize_request_id``) and its request key is replaced by the next
+resize's and deleted with the node.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from dxpool import lifecycle
+from dxpool.api.v1 import nodes_pb2
+from dxpool.api.v1 import resources_pb2 as pb
+from dxpool.broker.cache import Cache
+from dxpool.broker.locks import KeyedLocks
+from dxpool.broker.placement import PlacementRequest, place
+from dxpool.broker.records import copy, timestamp
+from dxpool.broker.stm import TxnView, read_through, transact
+from dxpool.broker.transitions import gpu_id
+from dxpool.errors import (
+    Aborted,
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
+from dxpool.fabric.latency import LatencyModel, LatencySource, as_source
+from dxpool.limits import MAX_GPUS_PER_NODE
+from dxpool.names import check_request_id, parse_gpu, parse_host, parse_node
+from dxpool.store import keys as k
+from dxpool.store.typed import Store
+
+if TYPE_CHECKING:
+    from dxpool.broker.compose import ComposeSettings
+    from dxpool.broker.placement_index import PlacementIndex
+
+__all__ = ["Resizer", "resize_request_value"]
+
+PLACE_ATTEMPTS = 8
+
+
+def resize_request_value(node: str) -> str:
+    """What a resize's request key holds: ``resize/nodes/{node}`` (not a resource name,
+    so ComposeNode and ComposeGang treat the id as used for something else)."""
+    return f"resize/{node}"
+
+
+class _StaleSnapshotError(Exception):
+    """The snapshot placement used is older than the cache the commit reads."""
+
+
+class Resizer:
+    """Grows and shrinks nodes. Thread-safe; no state of its own. Made by
+    :meth:`Composer.resizer`, sharing its host locks: a resize holds its node's host
+    lock, as composes and releases on that host do."""
+
+    def __init__(
+        self,
+        store: Store,
+        cache: Cache,
+        index: PlacementIndex,
+        latency: LatencyModel | LatencySource,
+        host_locks: KeyedLocks,
+        settings: ComposeSettings,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._store = store
+        self._cache = cache
+        self._index = index
+        self._latency = as_source(latency)
+        self._host_locks = host_locks
+        self._settings = settings
+        self._clock = clock
+
+    def resize(
+        self, request: nodes_pb2.ResizeNodeRequest, *, owner: str | None = None
+    ) -> pb.VirtualNode:
+        """Grow or shrink; see the module docstring. ``owner`` set (a tenant's call):
+        another owner's node is NOT_FOUND, judged in the resize's own transaction.
+
+        Raises InvalidArgument, NotFound, FailedPrecondition (not READY; a GPU to remove
+        that is not the node's; a shrink to no GPU), ResourceExhausted (the host cannot
+        take more), AlreadyExists (request id used for something else), Aborted."""
+        node_id = parse_node(request.name)
+        check_request_id(request.request_id)
+        removes = [parse_gpu(name).name for name in request.remove]
+        if len(set(removes)) != len(removes):
+            raise InvalidArgument(
+                "remove names a GPU more than once; give each GPU once", reason="INVALID_GPUS"
+            )
+        if not removes and not 1 <= request.gpu_count <= MAX_GPUS_PER_NODE:
+            raise InvalidArgument(
+                f"invalid gpu_count {request.gpu_count}: a node has 1 to {MAX_GPUS_PER_NODE} "
+                "GPUs; give the count the node should have, or the GPUs to remove",
+                reason="INVALID_GPU_COUNT",
+            )
+        known = read_through(self._store, self._cache, k.NODES, node_id)
+        if known is None or (owner is not None and known.value.owner != owner):
+            raise _not_found(request.name)
+        host = parse_host(known.value.host) if known.value.host else ""
+        for _ in range(PLACE_ATTEMPTS):
+            try:
+                with self._host_locks.lock(host):
+                    return transact(
+                        self._store,
+                        self._cache,
+                        lambda view: self._body(view, request, node_id, removes, owner),
+                        what=f"resizing {request.name}",
+                    )
+            except _StaleSnapshotError:
+                continue
+        raise Aborted(
+            f"resizing {request.name} kept conflicting with concurrent requests; retry the "
+            "call (with the same request_id)",
+            reason="COMMIT_CONFLICT",
+        )
+
+    def _body(
+        self,
+        view: TxnView,
+        request: nodes_pb2.ResizeNodeRequest,
+        node_id: str,
+        removes: list[str],
+        owner: str | None,
+    ) -> pb.VirtualNode:
+        record = view.get(k.NODES, node_id)
+        if record is None or (owner is not None and record.value.owner != owner):
+            raise _not_found(request.name)
+        node: pb.VirtualNode = record.value
+        if request.request_id:
+            used = view.get(k.REQUESTS, request.request_id)
+            if used is not None:
+                if (
+                    bytes(used.value).decode() == resize_request_value(node.name)
+                    and node.resize_request_id == request.request_id
+                ):
+                    return node  # a retry: this resize was made
+                raise AlreadyExists(
+                    f"request_id {request.request_id!r} was already used for another "
+                    "request; use a new request_id",
+                    reason="REQUEST_ID_REUSED",
+                )
+        if node.state != pb.NODE_STATE_READY:
+            raise FailedPrecondition(
+                f"node {node.name} is {pb.NodeState.Name(node.state)}: only a READY node can "
+                "be resized; wait for it to be READY (`dxpool node get`) and retry",
+                reason="NODE_NOT_READY",
+            )
+        current = len(node.gpus)
+        if removes:
+            owned = {b.gpu for b in node.gpus}
+            foreign = [name for name in removes if name not in owned]
+            if foreign:
+                raise FailedPrecondition(
+                    f"{', '.join(foreign)} not in node {node.name}; remove only its own GPUs "
+                    f"({', '.join(sorted(owned))})",
+                    reason="NOT_NODE_GPU",
+                )
+            target = current - len(removes)
+            if request.gpu_count and request.gpu_count != target:
+                raise InvalidArgument(
+                    f"gpu_count {request.gpu_count} disagrees with removing {len(removes)} of "
+                    f"{current} GPUs; give 0 or {target}",
+                    reason="INVALID_GPU_COUNT",
+                )
+        else:
+            target = request.gpu_count
+            removes = [b.gpu for b in node.gpus[target:]]
+        if target < 1:
+            raise FailedPrecondition(
+                f"a node keeps at least one GPU; release {node.name} instead",
+                reason="NODE_WOULD_BE_EMPTY",
+            )
+        if target == current:
+            return node
+        if target < current:
+            updated = self._shrink(view, node, removes)
+        else:
+            updated = self._grow(view, node, target - current)
+        self._remember(view, node, updated, request.request_id)
+        return updated
+
+    def _remember(
+        self, view: TxnView, node: pb.VirtualNode, updated: pb.VirtualNode, request_id: str
+    ) -> None:
+        """Record ``request_id`` as the node's last resize; forget the one before."""
+        previous = node.resize_request_id
+        if previous and previous != request_id:
+            record = view.get(k.REQUESTS, previous)
+            if record is not None and bytes(record.value).decode() == resize_request_value(
+                node.name
+            ):
+                view.delete(k.REQUESTS, previous)
+        updated.resize_request_id = request_id
+        if request_id:
+            view.put(k.REQUESTS, request_id, resize_request_value(node.name))
+        view.put(k.NODES, node.name.removeprefix("nodes/"), updated)
+
+    def _shrink(self, view: TxnView, node: pb.VirtualNode, removes: list[str]) -> pb.VirtualNode:
+        gone = set(removes)
+        updated = copy(node)
+        del updated.gpus[:]
+        updated.gpus.extend(b for b in node.gpus if b.gpu not in gone)
+        updated.message = f"shrunk to {len(updated.gpus)} GPUs; detaching {', '.join(removes)}"
+        updated.update_time.CopyFrom(timestamp(self._clock()))
+        for name in removes:
+            record = view.get(k.GPUS, gpu_id(name))
+            if (
+                record is not None
+                and record.value.node == node.name
+                and record.value.state in (pb.GPU_STATE_ATTACHING, pb.GPU_STATE_ATTACHED)
+            ):
+                view.put(k.GPUS, gpu_id(name), lifecycle.begin_detach(record.value))
+        host_id = parse_host(node.host)
+        allocation = view.get(k.HOST_ALLOCATIONS, host_id)
+        if allocation is not None:
+            trimmed = pb.HostAllocation(host=node.host)
+            trimmed.attachments.extend(a for a in allocation.value.attachments if a.gpu not in gone)
+            view.put(k.HOST_ALLOCATIONS, host_id, trimmed)
+        return updated
+
+    def _grow(self, view: TxnView, node: pb.VirtualNode, extra: int) -> pb.VirtualNode:
+        host_id = parse_host(node.host)
+        spec = node.spec
+        wanted = PlacementRequest(
+            model=spec.gpus.model,
+            count=extra,
+            min_memory_mib=spec.gpus.min_memory_mib,
+            host=host_id,
+            max_latency_ns=spec.max_latency_ns,
+            max_slowdown=spec.max_slowdown,
+            workload=spec.workload,
+        )
+        result = place(wanted, self._index.snapshot(), self._latency.current())
+        if result.placement is None:
+            reasons = "; ".join(result.unsatisfied) or f"{node.host} cannot take them"
+            raise ResourceExhausted(
+                f"cannot grow {node.name} by {extra} GPUs on {node.host}: {reasons}. A node "
+                "grows on its own host only: free proxy slots there (release or shrink "
+                "nodes on it) or ask for fewer GPUs",
+                reason="NO_CAPACITY",
+            )
+        if not view.exists(k.HOST_LEASES, host_id):
+            raise ResourceExhausted(
+                f"{node.host} is not alive; a node grows on its own host only",
+                reason="NO_CAPACITY",
+            )
+        now = self._clock()
+        updated = lifecycle.node_to(
+            node,
+            pb.NODE_STATE_RESIZING,
+            f"growing from {len(node.gpus)} to {len(node.gpus) + extra} GPUs; the host agent "
+            "is attaching the new ones",
+            now,
+        )
+        updated.attach_deadline.CopyFrom(timestamp(now + self._settings.attach_timeout_s))
+        allocation_record = view.get(k.HOST_ALLOCATIONS, host_id)
+        allocation = (
+            copy(allocation_record.value)
+            if allocation_record
+            else pb.HostAllocation(host=node.host)
+        )
+        used = {a.host_slot for a in allocation.attachments}
+        for binding in result.placement.bindings:
+            gpu_record = view.get(k.GPUS, f"{binding.box}/{binding.slot}")
+            box_record = view.get(k.BOXES, binding.box)
+            if (
+                gpu_record is None
+                or not lifecycle.is_free(gpu_record.value)
+                or binding.host_slot in used
+                or box_record is None
+                or box_record.value.state != pb.BOX_STATE_ACTIVE
+            ):
+                raise _StaleSnapshotError
+            used.add(binding.host_slot)
+            gpu = lifecycle.assign(
+                gpu_record.value, node=node.name, host=node.host, host_slot=binding.host_slot
+            )
+            view.put(k.GPUS, f"{binding.box}/{binding.slot}", gpu)
+            allocation.attachments.append(
+                pb.DesiredAttachment(
+                    gpu=gpu.name,
+                    host_slot=binding.host_slot,
+                    node=node.name,
+                    generation=gpu.generation,
+                    vfio=spec.vfio,
+                    expected_uuid=gpu.uuid,
+                    model=gpu.model,
+                    pci_id=gpu.pci_id,
+                )
+            )
+            updated.gpus.append(
+                pb.GpuBinding(
+                    gpu=gpu.name,
+                    model=gpu.model,
+                    host_slot=binding.host_slot,
+                    latency_ns=binding.latency_ns,
+                    uuid=gpu.uuid,
+                    phase=pb.ATTACHMENT_PHASE_ATTACHING,
+                )
+            )
+        view.put(k.HOST_ALLOCATIONS, host_id, allocation)
+        return updated
+
+
+def _not_found(name: str) -> NotFound:
+    return NotFound(
+        f"node {name} does not exist; list nodes with `dxpool node list`",
+        reason="NODE_NOT_FOUND",
+    )
