@@ -289,3 +289,32 @@ def test_a_release_waiting_while_a_grow_commits_releases_the_grown_node_whole(
     assert len(released.gpus) == 4
     wait_state(stubs, ready.name, pb.NODE_STATE_RELEASED)
     wait_until(lambda: all_free_but(stubs, set()), message="every GPU free")
+
+
+def test_a_collected_node_takes_its_last_resize_request_id_with_it(
+    broker_factory: Callable[..., BrokerServer],
+    sim_pool: SimPool,
+    etcd_client: Any,
+    key_prefix: str,
+) -> None:
+    broker = broker_factory(retention_s=0.5)
+    stubs = Stubs(grpc.insecure_channel(broker.endpoint))
+    register_sim_box(sim_pool, stubs, "box1", gpus=2)
+    sim_pool.start_agent("h1", slots=2)
+    wait_until(
+        lambda: any(
+            h.alive for h in stubs.inventory.ListHosts(inventory_pb2.ListHostsRequest()).hosts
+        ),
+        message="h1 alive",
+    )
+    node = wait_state(stubs, compose(stubs, "H100:1").name, pb.NODE_STATE_READY)
+    resize(stubs, node.name, 2, request_id="grow-then-go")
+    wait_state(stubs, node.name, pb.NODE_STATE_READY)
+    stubs.nodes.ReleaseNode(nodes_pb2.ReleaseNodeRequest(name=node.name))
+    request_key = KeySchema(key_prefix).request("grow-then-go")
+    assert etcd_client.get(request_key)[0] == b"resize/" + node.name.encode()
+    wait_until(
+        lambda: etcd_client.get(request_key)[0] is None,
+        timeout_s=20,
+        message="the resize's request id to be collected with the node",
+    )
