@@ -728,6 +728,29 @@ class Client:
         request = nodes_pb2.ReleaseNodeRequest(name=node_name(name), force=force)
         return self._unary(self._nodes.ReleaseNode, request)
 
+    def resize_node(
+        self,
+        name: str,
+        gpus: int = 0,
+        *,
+        remove: Iterable[str] = (),
+        request_id: str | None = None,
+    ) -> resources_pb2.VirtualNode:
+        """Grow or shrink a READY node's GPUs in place, on its host: ``gpus`` is the
+        count it should have; ``remove`` names the GPUs to take out (``"box1/3"`` or
+        ``"boxes/box1/gpus/3"``) instead of the most recently added ones. A grown node
+        comes back RESIZING (see :meth:`wait_for_node`); a shrunk one READY. Retrying
+        with the same ``request_id`` returns the node without resizing again.
+        Raises FailedPrecondition when the node is not READY, ResourceExhausted when
+        its host cannot take more GPUs."""
+        request = nodes_pb2.ResizeNodeRequest(
+            name=node_name(name),
+            gpu_count=gpus,
+            remove=[gpu_name(g) for g in remove],
+            request_id=names.check_request_id(request_id or str(uuid.uuid4())),
+        )
+        return self._unary(self._nodes.ResizeNode, request)
+
     # -- gangs ---------------------------------------------------------------------------
 
     def compose_gang(
