@@ -25,11 +25,11 @@ generation (and the GPU was scrubbed): no path frees a GPU that a host may still
 Node (``NodeState``)::
 
     PENDING ─► ATTACHING ─► READY ─► RELEASING ─► RELEASED
-       │           │        ▲ │ │        ▲ ▲
-       │           │        │ ▼ └────────┼─┼──────┐
-       │           │     RESIZING ───────┘ │      │
-       ├───────────┴──► FAILED ────────────┤      │
-       └───────────┴────────┴─► LOST ──────┘ ◄────┘
+       │           │         │ ▲         ▲  ▲
+       │           │    grow ▼ │ done    │  │
+       │           │       RESIZING ─────┤  │
+       ├───────────┴──► FAILED ──────────┘  │
+       └───────────┴──────┴──────┴─► LOST ──┘
 
 RESIZING (a READY node growing) goes back to READY whether its new GPUs attach or not.
 """
