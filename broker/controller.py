@@ -17,10 +17,12 @@ it simply looks again). Transitions:
 * GPU DETACHING -> QUARANTINED when the agent reports the detach FAILED (it keeps
   failing); the GPU lets go of its node and is never handed out again;
 * RELEASING -> RELEASED once the node owns no GPU;
-* RESIZING (a READY node growing, see ``broker/resize.py``) -> READY when every GPU is
-  ATTACHED (only the new ones are confirmed), or, when an added GPU's attach fails or
-  the deadline passes, -> READY without the added GPUs, which go DETACHING and leave the
-  host's allocation; the GPUs the node had are never touched.
+* RESIZING (a READY node growing or shrinking, see ``broker/resize.py``), growing ->
+  READY when every GPU is ATTACHED (only the new ones are confirmed), or, when an added
+  GPU's attach fails or the deadline passes, -> READY without the added GPUs, which go
+  DETACHING and leave the host's allocation; shrinking -> READY without the leaving
+  bindings once none of their GPUs names the node any more. The GPUs the node keeps
+  are never touched.
 
 Every transition is a :func:`~dxpool.broker.stm.transact` body built from
 :mod:`dxpool.lifecycle`.
@@ -265,6 +267,9 @@ class NodeController:
         if record is None or record.value.state not in lifecycle.ATTACHING_NODE_STATES:
             return None
         node: pb.VirtualNode = record.value
+        leaving = [b for b in node.gpus if b.phase == pb.ATTACHMENT_PHASE_DETACHING]
+        if node.state == pb.NODE_STATE_RESIZING and leaving:
+            return self._advance_shrink(view, node, leaving)
         host_id = parse_host(node.host)
         status_record = view.get(k.HOST_STATUSES, host_id)
         observed = {a.gpu: a for a in (status_record.value.attachments if status_record else ())}
@@ -319,6 +324,28 @@ class NodeController:
         let_go(view, node, pb.NODE_STATE_FAILED, message, self._clock())
         self._failures[node.name] = message
         return "FAILED"
+
+    def _advance_shrink(
+        self, view: TxnView, node: pb.VirtualNode, leaving: list[pb.GpuBinding]
+    ) -> str | None:
+        """A shrinking node: READY again, without the leaving bindings, once none of
+        their GPUs names the node any more (freed, or quarantined)."""
+        for binding in leaving:
+            record = view.get(k.GPUS, gpu_id(binding.gpu))
+            if record is not None and record.value.node == node.name:
+                return None  # still detaching
+        gone = {b.gpu for b in leaving}
+        updated = lifecycle.node_to(
+            node,
+            pb.NODE_STATE_READY,
+            f"shrunk to {len(node.gpus) - len(gone)} GPUs",
+            self._clock(),
+        )
+        kept = [b for b in updated.gpus if b.gpu not in gone]
+        del updated.gpus[:]
+        updated.gpus.extend(kept)
+        view.put(k.NODES, node.name.removeprefix("nodes/"), updated)
+        return "READY"
 
     def _abandon_grow(self, view: TxnView, node: pb.VirtualNode, message: str) -> str:
         """RESIZING -> READY without the GPUs the grow added (those still ATTACHING):

@@ -12,9 +12,13 @@ stay attached and in use throughout: a failed grow never costs the node what it 
 
 **Shrink** takes out the GPUs named in ``remove``, or else the last bindings (bindings
 are kept in the order they were added, so those are the most recently added GPUs), in
-one transaction: the bindings leave the node (which stays READY), the attachments leave
-the host's allocation and the GPUs go DETACHING. From there it is the ordinary detach
-path: the agent detaches them and the controller frees them once the agent confirms.
+one transaction: the node goes RESIZING with those bindings DETACHING, their attachments
+leave the host's allocation and the GPUs go DETACHING (still owned by the node). From
+there it is the ordinary detach path: the agent detaches them and the controller frees
+them once the agent confirms; when the node owns none of them any more the controller
+drops their bindings and the node is READY again. The other GPUs stay in use
+throughout. (A GPU always names an owner that lists it, so the node keeps the bindings
+until the GPUs are freed.)
 
 Both compare the node record, so a resize and a release (or two resizes) that race
 commit one after the other: the second sees the first's result (or loses its compare
@@ -225,11 +229,16 @@ class Resizer:
 
     def _shrink(self, view: TxnView, node: pb.VirtualNode, removes: list[str]) -> pb.VirtualNode:
         gone = set(removes)
-        updated = copy(node)
-        del updated.gpus[:]
-        updated.gpus.extend(b for b in node.gpus if b.gpu not in gone)
-        updated.message = f"shrunk to {len(updated.gpus)} GPUs; detaching {', '.join(removes)}"
-        updated.update_time.CopyFrom(timestamp(self._clock()))
+        updated = lifecycle.node_to(
+            node,
+            pb.NODE_STATE_RESIZING,
+            f"shrinking from {len(node.gpus)} to {len(node.gpus) - len(gone)} GPUs; the host "
+            f"agent is detaching {', '.join(removes)}",
+            self._clock(),
+        )
+        for binding in updated.gpus:
+            if binding.gpu in gone:
+                binding.phase = pb.ATTACHMENT_PHASE_DETACHING
         for name in removes:
             record = view.get(k.GPUS, gpu_id(name))
             if (

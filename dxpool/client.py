@@ -738,8 +738,9 @@ class Client:
     ) -> resources_pb2.VirtualNode:
         """Grow or shrink a READY node's GPUs in place, on its host: ``gpus`` is the
         count it should have; ``remove`` names the GPUs to take out (``"box1/3"`` or
-        ``"boxes/box1/gpus/3"``) instead of the most recently added ones. A grown node
-        comes back RESIZING (see :meth:`wait_for_node`); a shrunk one READY. Retrying
+        ``"boxes/box1/gpus/3"``) instead of the most recently added ones. The node comes
+        back RESIZING until the GPUs are attached or freed (see :meth:`wait_for_node`;
+        a grow whose GPUs cannot be attached ends READY without them). Retrying
         with the same ``request_id`` returns the node without resizing again.
         Raises FailedPrecondition when the node is not READY, ResourceExhausted when
         its host cannot take more GPUs."""

@@ -31,7 +31,8 @@ Node (``NodeState``)::
        ├───────────┴──► FAILED ──────────┘  │
        └───────────┴──────┴──────┴─► LOST ──┘
 
-RESIZING (a READY node growing) goes back to READY whether its new GPUs attach or not.
+RESIZING (a READY node growing or shrinking) goes back to READY whether new GPUs attach
+or not, and once removed GPUs are freed.
 """
 
 from __future__ import annotations

@@ -350,7 +350,9 @@ def delete(
     help="Shrink by this GPU (BOX/SLOT); repeatable.",
 )
 @click.option("--request-id", default=None, help="Idempotency key; a retry resizes once.")
-@click.option("--wait", is_flag=True, help="Wait until the node is READY again.")
+@click.option(
+    "--wait", is_flag=True, help="Wait until the node is READY again (GPUs attached or freed)."
+)
 @click.option(
     "--timeout",
     type=SECONDS,

@@ -77,14 +77,19 @@ def test_shrink_detaches_the_most_recently_added_or_the_named_gpus(
     grown = wait_state(stubs, ready.name, pb.NODE_STATE_READY)
     order = [b.gpu for b in grown.gpus]
 
-    shrunk = resize(stubs, ready.name, 3)
-    assert shrunk.state == pb.NODE_STATE_READY
+    shrinking = resize(stubs, ready.name, 3)
+    assert shrinking.state == pb.NODE_STATE_RESIZING
+    assert [b.phase for b in shrinking.gpus] == [pb.ATTACHMENT_PHASE_ATTACHED] * 3 + [
+        pb.ATTACHMENT_PHASE_DETACHING
+    ]
+    shrunk = wait_state(stubs, ready.name, pb.NODE_STATE_READY)
     assert [b.gpu for b in shrunk.gpus] == order[:3]
-    wait_until(lambda: all_free_but(stubs, set(order[:3])), message="the last GPU freed")
+    assert all_free_but(stubs, set(order[:3]))  # READY again only once it was freed
 
-    named = resize(stubs, ready.name, remove=[order[0]])
+    resize(stubs, ready.name, remove=[order[0]])
+    named = wait_state(stubs, ready.name, pb.NODE_STATE_READY)
     assert [b.gpu for b in named.gpus] == order[1:3]
-    wait_until(lambda: all_free_but(stubs, set(order[1:3])), message="the named GPU freed")
+    assert all_free_but(stubs, set(order[1:3]))
     with pytest.raises(grpc.RpcError) as foreign:
         resize(stubs, ready.name, remove=[order[0]])
     assert foreign.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -103,6 +108,7 @@ def test_a_resize_retried_with_its_request_id_is_made_once(
     first = resize(stubs, ready.name, 3, request_id="grow-1")
     wait_state(stubs, ready.name, pb.NODE_STATE_READY)
     resize(stubs, ready.name, 2)  # someone shrinks it meanwhile (no request id)
+    wait_state(stubs, ready.name, pb.NODE_STATE_READY)
     # The first request's key went with the next resize: a retry resizes to 3 again,
     # which is what was asked; with a key kept, it returns at once.
     keys = KeySchema(key_prefix)

@@ -21,10 +21,10 @@ def test_node_resize_grows_with_wait_then_shrinks_by_count_and_by_name(
     assert "nodes/n1 resizing with 3 GPUs" in grown.stderr
     assert "waiting up to 120s for nodes/n1 to be READY again" in grown.stderr
 
-    shrunk = json.loads(ok(run(*shlex.split("node resize n1 --gpus 2 -o json"))))
+    shrunk = json.loads(ok(run(*shlex.split("node resize n1 --gpus 2 --wait -o json"))))
     assert [g["gpu"] for g in shrunk["gpus"]] == [g["gpu"] for g in node["gpus"][:2]]
     first = node["gpus"][0]["gpu"].removeprefix("boxes/").replace("/gpus/", "/")
-    named = json.loads(ok(run("node", "resize", "n1", "--remove", first, "-o", "json")))
+    named = json.loads(ok(run("node", "resize", "n1", "--remove", first, "--wait", "-o", "json")))
     assert [g["gpu"] for g in named["gpus"]] == [node["gpus"][1]["gpu"]]
 
 

@@ -92,7 +92,8 @@ class NodeServiceStub:
     the extra GPUs pinned to the node's host and commits them in one transaction; the
     node goes RESIZING until the agent has attached them, then READY (without them if
     their attach fails). Shrinking detaches the GPUs named in `remove`, or else the
-    most recently added ones, through the ordinary detach path; the node stays READY.
+    most recently added ones, through the ordinary detach path; the node is RESIZING
+    until they are freed, then READY without them.
     Retrying with the same request_id returns the node without resizing again.
 
     INVALID_ARGUMENT for a malformed request; NOT_FOUND for an unknown node;
@@ -184,7 +185,8 @@ class NodeServiceAsyncStub(NodeServiceStub):
     the extra GPUs pinned to the node's host and commits them in one transaction; the
     node goes RESIZING until the agent has attached them, then READY (without them if
     their attach fails). Shrinking detaches the GPUs named in `remove`, or else the
-    most recently added ones, through the ordinary detach path; the node stays READY.
+    most recently added ones, through the ordinary detach path; the node is RESIZING
+    until they are freed, then READY without them.
     Retrying with the same request_id returns the node without resizing again.
 
     INVALID_ARGUMENT for a malformed request; NOT_FOUND for an unknown node;
@@ -321,7 +323,8 @@ class NodeServiceServicer(metaclass=_abc_1.ABCMeta):
         the extra GPUs pinned to the node's host and commits them in one transaction; the
         node goes RESIZING until the agent has attached them, then READY (without them if
         their attach fails). Shrinking detaches the GPUs named in `remove`, or else the
-        most recently added ones, through the ordinary detach path; the node stays READY.
+        most recently added ones, through the ordinary detach path; the node is RESIZING
+        until they are freed, then READY without them.
         Retrying with the same request_id returns the node without resizing again.
 
         INVALID_ARGUMENT for a malformed request; NOT_FOUND for an unknown node;

@@ -175,9 +175,11 @@ class _NodeStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_NodeState.V
     fenced at the box side, scrubbed and returned to the pool. Release it to remove it.
     """
     NODE_STATE_RESIZING: _NodeState.ValueType  # 8
-    """Growing (ResizeNode): the host agent is attaching the GPUs just added; the GPUs
-    the node had stay attached and in use. Back to READY when the new GPUs are
-    attached, or, if their attach fails or times out, without them (see `message`).
+    """Growing or shrinking (ResizeNode): the host agent is attaching the GPUs just
+    added, or detaching those removed (bindings in phase DETACHING); the node's other
+    GPUs stay attached and in use. Back to READY when the new GPUs are attached, or,
+    if their attach fails or times out, without them (see `message`); or when the
+    removed GPUs are detached and freed.
     """
 
 class NodeState(_NodeState, metaclass=_NodeStateEnumTypeWrapper):
@@ -208,9 +210,11 @@ NODE_STATE_LOST: NodeState.ValueType  # 7
 fenced at the box side, scrubbed and returned to the pool. Release it to remove it.
 """
 NODE_STATE_RESIZING: NodeState.ValueType  # 8
-"""Growing (ResizeNode): the host agent is attaching the GPUs just added; the GPUs
-the node had stay attached and in use. Back to READY when the new GPUs are
-attached, or, if their attach fails or times out, without them (see `message`).
+"""Growing or shrinking (ResizeNode): the host agent is attaching the GPUs just
+added, or detaching those removed (bindings in phase DETACHING); the node's other
+GPUs stay attached and in use. Back to READY when the new GPUs are attached, or,
+if their attach fails or times out, without them (see `message`); or when the
+removed GPUs are detached and freed.
 """
 Global___NodeState: _TypeAlias = NodeState  # noqa: Y015
 
