@@ -348,3 +348,27 @@ def test_two_tenants_racing_on_one_request_id_never_share_a_node(
         ((_, error),) = losers.items()
         assert "already used by another caller" in str(error)
         callers[winner].release_node(node.name)
+
+
+def test_tenants_compose_and_resize_their_own_gangs_and_nodes_only(
+    connect: Callable[..., Client], pool: SimPool, etcd_client: object, key_prefix: str
+) -> None:
+    team_a, team_b = connect("tenant", "team-a"), connect("tenant", "team-b")
+    gang = team_a.compose_gang("H100:1", 2, gang_id="ga")
+    assert {n.owner for n in gang.nodes} == {"dxpool://tenant/team-a"}
+    team_a.wait_for_gang("ga", timeout_s=20)
+    grown = team_a.resize_node("ga-0", 2)
+    assert grown.state == resources_pb2.NODE_STATE_RESIZING
+    team_a.wait_for_node("ga-0", timeout_s=20)
+    before = pool_records(etcd_client, key_prefix)
+    with pytest.raises(NotFound):
+        team_b.get_gang("ga")
+    with pytest.raises(NotFound):
+        team_b.release_gang("ga")
+    with pytest.raises(NotFound):
+        team_b.resize_node("ga-0", 1)
+    with pytest.raises(PermissionDenied, match="force release needs the role operator"):
+        team_a.release_gang("ga", force=True)
+    assert pool_records(etcd_client, key_prefix) == before
+    released = team_a.release_gang("ga")
+    assert [n.state for n in released.nodes] == [resources_pb2.NODE_STATE_RELEASING] * 2
