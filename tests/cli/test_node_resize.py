@@ -20,6 +20,7 @@ def test_node_resize_grows_with_wait_then_shrinks_by_count_and_by_name(
     assert node["state"] == "NODE_STATE_READY" and len(node["gpus"]) == 3
     assert "nodes/n1 resizing with 3 GPUs" in grown.stderr
     assert "waiting up to 120s for nodes/n1 to be READY again" in grown.stderr
+    assert ok(run("node", "list")).splitlines()[1].split()[:4] == ["n1", "Ready", "h1", "H100:3"]
 
     shrunk = json.loads(ok(run(*shlex.split("node resize n1 --gpus 2 --wait -o json"))))
     assert [g["gpu"] for g in shrunk["gpus"]] == [g["gpu"] for g in node["gpus"][:2]]
