@@ -57,6 +57,7 @@ MUTATIONS: Mapping[str, Target] = {
     f"/{_INVENTORY}/UncordonBox": lambda req, _: str(req.name),
     f"/{_INVENTORY}/DeleteBox": lambda req, _: str(req.name),
     f"/{_INVENTORY}/ReclaimGpu": lambda req, _: str(req.name),
+    f"/{_INVENTORY}/ClearGpuHealth": lambda req, _: str(req.name),
     f"/{_NODES}/ComposeNode": lambda req, resp: (
         str(resp.name) if resp is not None else (f"nodes/{req.node_id}" if req.node_id else "")
     ),
@@ -66,6 +67,7 @@ MUTATIONS: Mapping[str, Target] = {
         str(resp.name) if resp is not None else (f"gangs/{req.gang_id}" if req.gang_id else "")
     ),
     f"/{_NODES}/ReleaseGang": lambda req, _: str(req.name),
+    f"/{_NODES}/SetTenantQuota": lambda req, _: str(req.name),
 }
 
 DEFAULT_RETENTION_S = 30 * 24 * 3600.0

@@ -14,8 +14,9 @@ service against :data:`RULES`, the only place that says which roles may call eac
 
 * no identity: UNAUTHENTICATED (say how to authenticate);
 * a role the RPC does not allow: PERMISSION_DENIED naming the roles that may;
-* an agent naming a host other than its own, or a tenant asking for what only an
-  operator may do (``ReleaseNode`` with ``force``): PERMISSION_DENIED.
+* an agent naming a host other than its own, a tenant naming another tenant (a
+  compose charged to it, its quota), or a tenant asking for what only an operator may
+  do (``ReleaseNode`` with ``force``): PERMISSION_DENIED.
 
 A denied call never reaches the servicer, so it changes nothing. Which *nodes* a tenant
 sees is data, not method: NodeService scopes to the owner (:func:`owner_scope`). Health
@@ -69,19 +70,33 @@ class Rule:
     """Who may call one RPC.
 
     ``roles``: the roles allowed at all. ``agent_host``: for an agent, the host the
-    request names (it must be the agent's own). ``operator_only``: a predicate on the
-    request that makes this call an operator's alone, with ``operator_only_what`` saying
-    what it is for the message.
+    request names (it must be the agent's own). ``tenant_named``: for a tenant, the
+    tenant id the request names (empty names none; otherwise it must be the caller's
+    own). ``operator_only``: a predicate on the request that makes this call an
+    operator's alone, with ``operator_only_what`` saying what it is for the message.
     """
 
     roles: frozenset[Role]
     agent_host: Callable[[Any], str] | None = None
+    tenant_named: Callable[[Any], str] | None = None
     operator_only: Callable[[Any], bool] | None = None
     operator_only_what: str = ""
 
 
 def _host_id(name: str) -> str:
     return name.removeprefix("hosts/")
+
+
+def _tenant_id(name: str) -> str:
+    return name.removeprefix("tenants/")
+
+
+def _gang_tenant(request: Any) -> str:
+    """The tenant a ComposeGang request's members name: empty when none names one, the
+    one they name, or, when they name several, all of them joined (which is no single
+    caller's own, so a tenant caller is refused)."""
+    named = sorted({str(spec.tenant) for spec in request.members if spec.tenant})
+    return ",".join(named)
 
 
 RULES: Mapping[str, Rule] = {
@@ -95,6 +110,7 @@ RULES: Mapping[str, Rule] = {
     f"/{_INVENTORY}/GetGpu": Rule(OPERATOR),
     f"/{_INVENTORY}/ListGpus": Rule(OPERATOR),
     f"/{_INVENTORY}/ReclaimGpu": Rule(OPERATOR),
+    f"/{_INVENTORY}/ClearGpuHealth": Rule(OPERATOR),
     f"/{_INVENTORY}/GetPoolStatus": Rule(OPERATOR),
     f"/{_INVENTORY}/ListHosts": Rule(OPERATOR),
     # An agent may read its own host's record.
@@ -102,8 +118,9 @@ RULES: Mapping[str, Rule] = {
         frozenset({Role.OPERATOR, Role.AGENT}), agent_host=lambda r: _host_id(r.name)
     ),
     # Nodes: operators and tenants; NodeService scopes a tenant to its own nodes.
-    f"/{_NODES}/ComposeNode": Rule(NODE_USERS),
-    f"/{_NODES}/PlanNode": Rule(NODE_USERS),
+    # A tenant composes for itself only (spec.tenant empty or its own name).
+    f"/{_NODES}/ComposeNode": Rule(NODE_USERS, tenant_named=lambda r: str(r.spec.tenant)),
+    f"/{_NODES}/PlanNode": Rule(NODE_USERS, tenant_named=lambda r: str(r.spec.tenant)),
     f"/{_NODES}/GetNode": Rule(NODE_USERS),
     f"/{_NODES}/GetNodeHostdev": Rule(NODE_USERS),
     f"/{_NODES}/ListNodes": Rule(NODE_USERS),
@@ -113,11 +130,15 @@ RULES: Mapping[str, Rule] = {
     f"/{_NODES}/WatchNodes": Rule(NODE_USERS),
     f"/{_NODES}/ResizeNode": Rule(NODE_USERS),
     # Gangs: as their member nodes (a tenant's own only).
-    f"/{_NODES}/ComposeGang": Rule(NODE_USERS),
+    f"/{_NODES}/ComposeGang": Rule(NODE_USERS, tenant_named=_gang_tenant),
     f"/{_NODES}/GetGang": Rule(NODE_USERS),
     f"/{_NODES}/ReleaseGang": Rule(
         NODE_USERS, operator_only=lambda r: bool(r.force), operator_only_what="force release"
     ),
+    # Quotas: operators set and list them; a tenant may read its own.
+    f"/{_NODES}/SetTenantQuota": Rule(OPERATOR),
+    f"/{_NODES}/GetTenant": Rule(NODE_USERS, tenant_named=lambda r: _tenant_id(r.name)),
+    f"/{_NODES}/ListTenants": Rule(OPERATOR),
     # Latency between a host and a box: anyone placing work; an agent for its own host.
     f"/{_FABRIC}/GetLatency": Rule(frozenset(Role), agent_host=lambda r: _host_id(r.host)),
     f"/{_FABRIC}/Predict": Rule(frozenset(Role), agent_host=lambda r: _host_id(r.host)),
@@ -270,6 +291,15 @@ def check(rule: Rule, identity: Identity, method: str, request: Any) -> None:
                 f"{rpc}: agent {identity.uri} may only name its own host hosts/"
                 f"{identity.name}, not {host or 'no host'}",
                 reason="NOT_OWN_HOST",
+            )
+    if identity.role is Role.TENANT and rule.tenant_named is not None:
+        tenant = rule.tenant_named(request)
+        if tenant and tenant != identity.name:
+            raise PermissionDenied(
+                f"{rpc}: tenant {identity.uri} may only name its own tenant "
+                f"{identity.name}, not {tenant}",
+                reason="NOT_OWN_TENANT",
+                metadata={"rpc": rpc, "tenant": identity.name},
             )
     if (
         identity.role is not Role.OPERATOR

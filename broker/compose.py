@@ -7,6 +7,11 @@ the host's lease (the agent is alive), the node name and the request id (both un
 A failed compare returns the current values in the same round trip; the cache takes
 them and placement runs again, a bounded number of times. So two composes, in one
 broker or in several, can never take the same GPU or the same host slot.
+
+A node with a tenant (``spec.tenant``) is charged to it in the same transaction: the
+tenant's record (``tenants/{tenant}``) is compared too, its quota checked against the
+usage read and the raised usage written (:mod:`dxpool.broker.tenants`), so concurrent
+composes of one tenant can never exceed its quota either.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import random
 import secrets
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -24,6 +30,7 @@ from dxpool.api.v1 import nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker import metrics
 from dxpool.broker.cache import Cache
+from dxpool.broker.fit import placement_request, reserve_host_resources
 from dxpool.broker.gang import GangComposer
 from dxpool.broker.locks import KeyedLocks
 from dxpool.broker.model_check import check_model_known
@@ -32,6 +39,7 @@ from dxpool.broker.placement_index import PlacementIndex
 from dxpool.broker.records import copy, timestamp
 from dxpool.broker.resize import Resizer
 from dxpool.broker.stm import TxnView, read_through, transact
+from dxpool.broker.tenants import charged, confirmed_breach
 from dxpool.broker.transitions import gpu_id, let_go
 from dxpool.broker.validation import check_node_spec
 from dxpool.errors import (
@@ -42,7 +50,14 @@ from dxpool.errors import (
     ResourceExhausted,
 )
 from dxpool.fabric.latency import LatencyModel, LatencySource, as_source
-from dxpool.names import check_id, check_request_id, node_name, parse_host, parse_node
+from dxpool.names import (
+    check_id,
+    check_request_id,
+    node_name,
+    parse_host,
+    parse_node,
+    tenant_name,
+)
 from dxpool.request import format_duration_ns
 from dxpool.store import keys as k
 from dxpool.store.typed import Store, Txn, Versioned
@@ -78,6 +93,12 @@ class Composer:
         self._settings = settings
         self._clock = clock
         self._host_locks = host_locks if host_locks is not None else KeyedLocks()
+        self._tenant_locks = KeyedLocks()
+
+    @property
+    def store(self) -> Store:
+        """The etcd store this composer commits to."""
+        return self._store
 
     @property
     def host_locks(self) -> KeyedLocks:
@@ -85,6 +106,13 @@ class Composer:
         composes and releases hold one, gangs (:mod:`dxpool.broker.gang`) several, in
         sorted order."""
         return self._host_locks
+
+    @property
+    def tenant_locks(self) -> KeyedLocks:
+        """The per-tenant locks under which this broker charges a tenant's usage, taken
+        inside the host locks: a compose or resize holds one, a gang those of its
+        members' tenants, in sorted order."""
+        return self._tenant_locks
 
     def gangs(self) -> GangComposer:
         """A gang composer (ComposeGang, GetGang, ReleaseGang) over the same store,
@@ -95,6 +123,7 @@ class Composer:
             self._index,
             self._latency,
             self._host_locks,
+            self._tenant_locks,
             self._settings,
             self._clock,
         )
@@ -108,6 +137,7 @@ class Composer:
             self._index,
             self._latency,
             self._host_locks,
+            self._tenant_locks,
             self._settings,
             self._clock,
         )
@@ -119,7 +149,24 @@ class Composer:
 
         ``owner`` (the caller's identity URI; empty without authentication) is recorded
         on the node. A request id is the owner's own: another owner's id answers
-        ALREADY_EXISTS without naming the node it made."""
+        ALREADY_EXISTS without naming the node it made.
+
+        A request whose node was already committed gets that node, also when the
+        tenant's quota is full by now (that node is what fills it): a quota refusal of
+        a call with a request id first looks the id up in etcd, since this broker's
+        cache may not have seen another broker commit it yet."""
+        try:
+            return self._compose(request, owner)
+        except ResourceExhausted as error:
+            if error.reason != "QUOTA_EXCEEDED" or not request.request_id:
+                raise
+            record = self.lookup(k.REQUESTS, request.request_id)
+            existing = self._node_for_request(request.request_id, request.spec, record, owner)
+            if existing is None:
+                raise
+            return existing
+
+    def _compose(self, request: nodes_pb2.ComposeNodeRequest, owner: str) -> pb.VirtualNode:
         placement_request = self._check(request)
         request_id = request.request_id
         if request_id:
@@ -134,6 +181,15 @@ class Composer:
                 f"node nodes/{node_id} already exists; pick another node_id or omit it",
                 reason="NODE_EXISTS",
             )
+        tenant_id = request.spec.tenant
+        if tenant_id:
+            # Before placement, refuse what the quota refuses whatever GPUs are chosen
+            # (a model placement picks is checked at the commit, against fresh usage).
+            wanted = [request.spec.gpus.model] * request.spec.gpus.count
+            error = self._quota_breach(tenant_id, wanted)
+            if error is not None:
+                metrics.COMPOSE_TOTAL.labels(result="quota_exceeded").inc()
+                raise error
         for attempt in range(self._settings.max_attempts):
             with metrics.COMPOSE_STAGE_SECONDS.labels(stage="placement").time():
                 result = place(placement_request, self._index.snapshot(), self._latency.current())
@@ -153,7 +209,7 @@ class Composer:
             # placement per compose: under the lock the choice is re-checked against the
             # cache (GPUs still free, host slots unused, boxes schedulable) rather than
             # placed again, and the commit compares every record it depends on.
-            with self._host_locks.lock(host):
+            with self._host_locks.lock(host), self._tenant_lock(tenant_id):
                 outcome = self._try_commit(request, node_id, result, owner)
                 if outcome is None:
                     # Taken meanwhile (most often by a compose that held this lock
@@ -175,6 +231,20 @@ class Composer:
             "request_id)",
             reason="COMMIT_CONFLICT",
         )
+
+    def _tenant_lock(self, tenant_id: str) -> AbstractContextManager[None]:
+        """Composes of one tenant in this broker commit one at a time (inside their host
+        locks), so they do not fail each other's compares on the tenant's record."""
+        return self._tenant_locks.lock(tenant_id) if tenant_id else nullcontext()
+
+    def _quota_breach(self, tenant_id: str, models: list[str]) -> ResourceExhausted | None:
+        """The QUOTA_EXCEEDED error a node of GPUs ``models`` would cause, judged on the
+        tenant's record as etcd holds it now; None if it fits.
+
+        The cache's record is tried first; a refusal is confirmed by a linearizable read
+        (the cache may lag behind a release another broker committed), which the cache
+        takes. A pass is never final: the commit compares the record it was based on."""
+        return confirmed_breach(self._store, self._cache, tenant_id, models)
 
     def lookup(self, collection: str, name: str) -> Versioned[Any] | None:
         """A record from the cache, or from etcd when the cache lacks it (see
@@ -211,15 +281,7 @@ class Composer:
                 "`dxpool host list` or leave the host out to let placement choose",
                 reason="HOST_NOT_FOUND",
             )
-        return PlacementRequest(
-            model=request.spec.gpus.model,
-            count=request.spec.gpus.count,
-            min_memory_mib=request.spec.gpus.min_memory_mib,
-            host=host,
-            max_latency_ns=request.spec.max_latency_ns,
-            max_slowdown=request.spec.max_slowdown,
-            workload=request.spec.workload,
-        )
+        return placement_request(request.spec, host)
 
     def _node_for_request(
         self, request_id: str, spec: pb.NodeSpec, record: Versioned[Any] | None, owner: str
@@ -261,6 +323,16 @@ class Composer:
             )
         return found
 
+    def _reserve_host_resources(
+        self, host_id: str, allocation: pb.HostAllocation, spec: pb.NodeSpec, name: str
+    ) -> bool:
+        """Reserve ``spec``'s CPU cores and memory on the host in ``allocation`` (see
+        :func:`~dxpool.broker.fit.reserve_host_resources`); False when they no longer fit."""
+        host_record = self._cache.get(k.HOSTS, host_id)
+        return reserve_host_resources(
+            host_record.value if host_record else None, allocation, spec, name
+        )
+
     def _try_commit(
         self,
         request: nodes_pb2.ComposeNodeRequest,
@@ -288,6 +360,7 @@ class Composer:
             attach_deadline=timestamp(now + self._settings.attach_timeout_s),
             owner=owner,
         )
+        lifecycle.new_node_event(node, now)
         allocation_record = self._cache.get(k.HOST_ALLOCATIONS, host_id)
         allocation = (
             copy(allocation_record.value)
@@ -295,6 +368,8 @@ class Composer:
             else pb.HostAllocation(host=host_name)
         )
         used = {a.host_slot for a in allocation.attachments}
+        if not self._reserve_host_resources(host_id, allocation, request.spec, name):
+            return None
         for binding in result.placement.bindings:
             gpu_record = self._cache.get(k.GPUS, f"{binding.box}/{binding.slot}")
             box_record = self._cache.get(k.BOXES, binding.box)
@@ -321,6 +396,7 @@ class Composer:
                     generation=gpu.generation,
                     vfio=request.spec.vfio,
                     expected_uuid=gpu.uuid,
+                    expected_serial=gpu.serial,
                     model=gpu.model,
                     pci_id=gpu.pci_id,
                 )
@@ -335,6 +411,7 @@ class Composer:
                     phase=pb.ATTACHMENT_PHASE_ATTACHING,
                 )
             )
+        tenant_key = self._charge(txn, request.spec.tenant, node)
         allocation_key = keys.host_allocation(host_id)
         txn.expect_revision(
             allocation_key, allocation_record.mod_revision if allocation_record else 0
@@ -350,6 +427,8 @@ class Composer:
             committed = self._store.commit(txn)
         if committed.succeeded:
             created = {node_key} | ({request_key} if request_key else set())
+            if tenant_key is not None and tenant_key[1]:
+                created.add(tenant_key[0])
             self._cache.apply_commit(committed.revision, txn.writes, created=created)
             return node
         self._refresh(committed.current)
@@ -365,6 +444,28 @@ class Composer:
                 reason="NODE_EXISTS",
             )
         return None
+
+    def _charge(self, txn: Txn, tenant_id: str, node: pb.VirtualNode) -> tuple[str, bool] | None:
+        """Charge ``node`` (its GPUs bound) to ``tenant_id`` in ``txn``: compare the
+        tenant's record as the cache holds it and write it with the node added to its
+        usage. Raises QUOTA_EXCEEDED when the node does not fit the quota (confirmed
+        against etcd). Returns the record's key and whether the commit creates it;
+        None for a node with no tenant."""
+        if not tenant_id:
+            return None
+        models = [binding.model for binding in node.gpus]
+        error = self._quota_breach(tenant_id, models)
+        if error is not None:
+            metrics.COMPOSE_TOTAL.labels(result="quota_exceeded").inc()
+            raise error
+        record = self._cache.get(k.TENANTS, tenant_id)
+        tenant = copy(record.value) if record else pb.Tenant(name=tenant_name(tenant_id))
+        tenant.usage.CopyFrom(charged(tenant.usage, models))
+        key = self._store.keys.tenant(tenant_id)
+        txn.expect_revision(key, record.mod_revision if record else 0).put(key, tenant)
+        txn.read_on_failure(key)
+        node.charged = True
+        return key, record is None
 
     def _refresh(self, current: dict[str, Versioned[Any] | None]) -> None:
         revision = self._cache.revision
@@ -445,6 +546,8 @@ def _bindings(result: PlacementResult) -> list[pb.GpuBinding]:
 
 def _unschedulable_message(spec: pb.NodeSpec, result: PlacementResult) -> str:
     wanted = f"{spec.gpus.model or 'any'}:{spec.gpus.count}"
+    if spec.gpus.mixed_models:
+        wanted += " (models mixed)"
     extra = []
     if spec.host:
         extra.append(f"on {spec.host}")
@@ -452,11 +555,23 @@ def _unschedulable_message(spec: pb.NodeSpec, result: PlacementResult) -> str:
         extra.append(f"within {format_duration_ns(spec.max_latency_ns)}")
     if spec.max_slowdown:
         extra.append(f"at most {spec.max_slowdown:g}x slower for {spec.workload}")
+    if spec.affinity == pb.GPU_AFFINITY_BOX:
+        extra.append("from one box")
+    if spec.max_gpus_per_box:
+        extra.append(f"at most {spec.max_gpus_per_box} per box")
+    if spec.cpu_cores:
+        extra.append(f"with {spec.cpu_cores} CPU cores")
+    if spec.host_memory_mib:
+        extra.append(f"with {spec.host_memory_mib} MiB of host memory")
+    if spec.host_selector:
+        pairs = ", ".join(f"{key}={value}" for key, value in sorted(spec.host_selector.items()))
+        extra.append(f"on hosts labelled {pairs}")
     head = f"no placement for {wanted} GPUs" + (" " + " ".join(extra) if extra else "")
     reasons = "; ".join(result.unsatisfied) or "no host can take the node"
     return (
         f"{head}: {reasons}. Relax the request (fewer GPUs, another model, a larger "
-        "max_latency or max_slowdown, no host pin) or release nodes; `dxpool node plan` "
+        "max_latency or max_slowdown, no host pin, affinity or spread) or release nodes; "
+        "`dxpool node plan` "
         "shows every candidate"
     )
 

@@ -9,20 +9,33 @@ it simply looks again). Transitions:
 * PENDING/ATTACHING -> READY when every GPU is ATTACHED for the node's generation
   (GPUs go ATTACHED and learn their UUID and serial);
 * PENDING/ATTACHING -> FAILED when the agent reports an attach FAILED, or the attach
-  deadline passes (checked by the leader only); the node's GPUs go DETACHING and leave
-  the host's allocation;
-* GPU DETACHING -> FREE once its host's status no longer lists it (the agent removes an
-  entry only after the detach succeeded, and writes an entry only while the spec it
-  acted on is current, so the compare on the status record closes every race);
-* GPU DETACHING -> QUARANTINED when the agent reports the detach FAILED (it keeps
-  failing); the GPU lets go of its node and is never handed out again;
+  deadline passes (checked by the leader only); the node's GPUs go DETACHING (released
+  through the agent, see below). A GPU whose identity is not the one recorded on its
+  first attach (the agent found another UUID, serial, PCI id or model, or reports a
+  UUID or serial other than the recorded one) is QUARANTINED as suspect instead;
+* GPU DETACHING -> FREE only when its host's agent reports it RELEASED for the GPU's
+  generation: drained, reset and found healthy, then detached (or it never reached the
+  host). No entry, or any other phase, frees nothing;
+* GPU DETACHING -> QUARANTINED when the agent reports SCRUB_FAILED (the scrub or the
+  detach failed); the GPU lets go of its node and is never handed out again.
+  Either way the GPU's ``release`` attachment leaves the host's allocation in the same
+  transaction, and only then does the agent drop its entry (and, after a failed scrub,
+  the mapping), so the broker cannot miss the outcome;
 * RELEASING -> RELEASED once the node owns no GPU;
+* READY/DEGRADED: the health the agent reports for each attached GPU (of the current
+  generation) is copied into the GPU record; a node with an UNHEALTHY GPU goes
+  DEGRADED, and back to READY when none is. The copy is a compare-and-swap on the GPU,
+  the node and the host's status together, so a release or a fence committed meanwhile
+  makes it look again instead of writing over them;
 * RESIZING (a READY node growing or shrinking, see ``broker/resize.py``), growing ->
   READY when every GPU is ATTACHED (only the new ones are confirmed), or, when an added
   GPU's attach fails or the deadline passes, -> READY without the added GPUs, which go
-  DETACHING and leave the host's allocation; shrinking -> READY without the leaving
-  bindings once none of their GPUs names the node any more. The GPUs the node keeps
-  are never touched.
+  DETACHING and are released through the agent as above (suspects quarantined);
+  shrinking -> READY without the leaving bindings once none of their GPUs names the node
+  any more (the agent reported them RELEASED, or SCRUB_FAILED). The GPUs the node keeps
+  are never touched. A charged node's usage loses the GPUs dropped from it in the
+  transaction that drops their bindings. Health reports of a RESIZING node's GPUs are
+  copied once it is READY again.
 
 Every transition is a :func:`~dxpool.broker.stm.transact` body built from
 :mod:`dxpool.lifecycle`.
@@ -37,7 +50,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from dxpool import lifecycle
@@ -46,7 +59,8 @@ from dxpool.broker import metrics
 from dxpool.broker.cache import Cache
 from dxpool.broker.records import seconds
 from dxpool.broker.stm import TxnView, transact
-from dxpool.broker.transitions import gpu_id, let_go, owned_gpus
+from dxpool.broker.tenants import discharge_gpus
+from dxpool.broker.transitions import drop_release, gpu_id, identity_changed, let_go, owned_gpus
 from dxpool.errors import Aborted, Unavailable
 from dxpool.names import parse_host, parse_node
 from dxpool.store import keys as k
@@ -79,6 +93,8 @@ class NodeController:
         self._clock = clock
         self._is_leader = is_leader
         self._failures: dict[str, str] = {}  # node -> why it failed, logged once committed
+        # Health changes the last health pass wrote, logged once committed.
+        self._health_changes: list[tuple[str, pb.Gpu]] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._dirty_nodes: set[str] = set()
@@ -245,6 +261,51 @@ class NodeController:
             self._run(lambda view: self._advance_attach(view, node_id), node_id)
         elif state == pb.NODE_STATE_RELEASING:
             self._run(lambda view: self._finish_release(view, node_id), node_id)
+        elif state in lifecycle.IN_USE_NODE_STATES:
+            self._run(lambda view: self._follow_health(view, node_id), node_id)
+
+    def _follow_health(self, view: TxnView, node_id: str) -> str | None:
+        """Copy the agent's health reports into the node's GPUs; READY <-> DEGRADED.
+        Returns the state the node moved to, if any."""
+        self._health_changes.clear()  # this attempt's, not a lost one's
+        record = view.get(k.NODES, node_id)
+        if record is None or record.value.state not in lifecycle.IN_USE_NODE_STATES:
+            return None
+        node: pb.VirtualNode = record.value
+        status_record = view.get(k.HOST_STATUSES, parse_host(node.host))
+        observed = {a.gpu: a for a in (status_record.value.attachments if status_record else ())}
+        unhealthy: list[str] = []
+        for binding in node.gpus:
+            key = gpu_id(binding.gpu)
+            gpu_record = view.get(k.GPUS, key)
+            if gpu_record is None or gpu_record.value.node != node.name:
+                continue
+            gpu: pb.Gpu = gpu_record.value
+            seen = observed.get(binding.gpu)
+            if (
+                seen is not None
+                and seen.generation == gpu.generation
+                and seen.phase == pb.ATTACHMENT_PHASE_ATTACHED
+            ):
+                updated = lifecycle.health_observed(gpu, seen)
+                if updated is not None:
+                    view.put(k.GPUS, key, updated)
+                    self._health_changes.append((binding.gpu, updated))
+                    gpu = updated
+            if gpu.health == pb.GPU_HEALTH_UNHEALTHY:
+                unhealthy.append(f"{binding.gpu}: {gpu.health_reason or 'unhealthy'}")
+        now = self._clock()
+        if unhealthy and node.state == pb.NODE_STATE_READY:
+            message = "GPU unhealthy: " + "; ".join(unhealthy)
+            view.put(
+                k.NODES, node_id, lifecycle.node_to(node, pb.NODE_STATE_DEGRADED, message, now)
+            )
+            return "DEGRADED"
+        if not unhealthy and node.state == pb.NODE_STATE_DEGRADED:
+            message = "all GPUs healthy again"
+            view.put(k.NODES, node_id, lifecycle.node_to(node, pb.NODE_STATE_READY, message, now))
+            return "READY"
+        return None
 
     def _finish_release(self, view: TxnView, node_id: str) -> str | None:
         record = view.get(k.NODES, node_id)
@@ -287,11 +348,26 @@ class NodeController:
         failed = [a for a in current.values() if a.phase == pb.ATTACHMENT_PHASE_FAILED]
         if failed:
             detail = "; ".join(f"{a.gpu}: {a.message}" for a in failed)
-            return self._fail(view, node, f"attach failed on {node.host}: {detail}")
+            suspects = {a.gpu: a.message for a in failed if a.identity_mismatch}
+            return self._fail(
+                view,
+                node,
+                f"attach failed on {node.host}: {detail}",
+                suspects,
+                reason="AttachFailed",
+            )
         now = self._clock()
         if len(current) == len(gpus) and all(
             a.phase == pb.ATTACHMENT_PHASE_ATTACHED for a in current.values()
         ):
+            suspects = {
+                name: problem
+                for name, gpu in gpus.items()
+                if (problem := identity_changed(gpu.value, current[name])) is not None
+            }
+            if suspects:
+                detail = "; ".join(f"{name}: {problem}" for name, problem in suspects.items())
+                return self._fail(view, node, f"attach failed on {node.host}: {detail}", suspects)
             for name, gpu in gpus.items():
                 if gpu.value.state == pb.GPU_STATE_ATTACHING:  # a grown node's others are
                     confirmed = lifecycle.attach_confirmed(gpu.value, current[name])
@@ -318,10 +394,24 @@ class NodeController:
             return "ATTACHING"
         return None
 
-    def _fail(self, view: TxnView, node: pb.VirtualNode, message: str) -> str:
+    def _fail(
+        self,
+        view: TxnView,
+        node: pb.VirtualNode,
+        message: str,
+        suspects: Mapping[str, str] | None = None,
+        *,
+        reason: str = "",
+    ) -> str:
+        """Fail the node and let go of its GPUs; ``suspects`` (GPU name -> why) are GPUs
+        whose identity is not the one the inventory knows: quarantined, not released.
+        ``reason`` names the node's event (default: the state's reason word). A RESIZING
+        (growing) node is not failed: it goes back to READY without the GPUs the grow
+        added (:meth:`_abandon_grow`)."""
         if node.state == pb.NODE_STATE_RESIZING:
-            return self._abandon_grow(view, node, message)
-        let_go(view, node, pb.NODE_STATE_FAILED, message, self._clock())
+            return self._abandon_grow(view, node, message, suspects)
+        let_go(view, node, pb.NODE_STATE_FAILED, message, self._clock(), reason=reason)
+        _quarantine_suspects(view, node, suspects)
         self._failures[node.name] = message
         return "FAILED"
 
@@ -345,19 +435,30 @@ class NodeController:
         del updated.gpus[:]
         updated.gpus.extend(kept)
         view.put(k.NODES, node.name.removeprefix("nodes/"), updated)
+        discharge_gpus(view, node, [b.model for b in leaving])
         return "READY"
 
-    def _abandon_grow(self, view: TxnView, node: pb.VirtualNode, message: str) -> str:
+    def _abandon_grow(
+        self,
+        view: TxnView,
+        node: pb.VirtualNode,
+        message: str,
+        suspects: Mapping[str, str] | None = None,
+    ) -> str:
         """RESIZING -> READY without the GPUs the grow added (those still ATTACHING):
-        they go DETACHING and leave the host's allocation; the node keeps the GPUs it
-        had, which stayed attached and in use throughout."""
+        they go DETACHING and are released through the agent (their attachments stay in
+        the host's allocation marked ``release`` until it reports them scrubbed), or, for
+        ``suspects``, are quarantined. The node keeps the GPUs it had, which stayed
+        attached and in use throughout; a charged node's usage loses the dropped GPUs."""
         dropped: set[str] = set()
+        releasing: set[str] = set()
         for binding in node.gpus:
             record = view.get(k.GPUS, gpu_id(binding.gpu))
             if record is None or record.value.node != node.name:
                 dropped.add(binding.gpu)  # taken away: nothing of ours to detach
             elif record.value.state == pb.GPU_STATE_ATTACHING:
                 dropped.add(binding.gpu)
+                releasing.add(binding.gpu)
                 view.put(k.GPUS, gpu_id(binding.gpu), lifecycle.begin_detach(record.value))
         kept = [b for b in node.gpus if b.gpu not in dropped]
         updated = lifecycle.node_to(
@@ -365,18 +466,31 @@ class NodeController:
             pb.NODE_STATE_READY,
             f"grow failed, the node keeps its {len(kept)} GPUs: {message}",
             self._clock(),
+            reason="GrowFailed",
         )
         del updated.gpus[:]
         updated.gpus.extend(kept)
         view.put(k.NODES, node.name.removeprefix("nodes/"), updated)
+        discharge_gpus(view, node, [b.model for b in node.gpus if b.gpu in dropped])
         host_id = parse_host(node.host)
-        allocation = view.get(k.HOST_ALLOCATIONS, host_id)
-        if allocation is not None and any(a.gpu in dropped for a in allocation.value.attachments):
-            trimmed = pb.HostAllocation(host=node.host)
-            trimmed.attachments.extend(
-                a for a in allocation.value.attachments if a.gpu not in dropped
-            )
+        allocation: pb.HostAllocation | None = view.latest(k.HOST_ALLOCATIONS, host_id)
+        if allocation is not None and any(
+            a.node == node.name and a.gpu in dropped and not a.release
+            for a in allocation.attachments
+        ):
+            trimmed = pb.HostAllocation()
+            trimmed.CopyFrom(allocation)
+            del trimmed.attachments[:]
+            for attachment in allocation.attachments:
+                ours = attachment.node == node.name and not attachment.release
+                if not ours or attachment.gpu not in dropped:
+                    trimmed.attachments.append(attachment)
+                elif attachment.gpu in releasing:
+                    kept_attachment = trimmed.attachments.add()
+                    kept_attachment.CopyFrom(attachment)
+                    kept_attachment.release = True
             view.put(k.HOST_ALLOCATIONS, host_id, trimmed)
+        _quarantine_suspects(view, node, suspects)
         return "READY"
 
     # -- one GPU ---------------------------------------------------------------------
@@ -430,14 +544,18 @@ class NodeController:
         entry = next(
             (a for a in (status.value.attachments if status else ()) if a.gpu == gpu.name), None
         )
-        if entry is None:
+        if entry is None or entry.generation != gpu.generation:
+            return None  # the agent has not reported the outcome of this release yet
+        if entry.phase == pb.ATTACHMENT_PHASE_RELEASED:
+            drop_release(view, gpu)
             view.put(k.GPUS, name, lifecycle.free(gpu))
             return "FREE"
-        if entry.phase == pb.ATTACHMENT_PHASE_FAILED:
+        if entry.phase == pb.ATTACHMENT_PHASE_SCRUB_FAILED:
+            drop_release(view, gpu)
             view.put(
                 k.GPUS,
                 name,
-                lifecycle.quarantine(gpu, f"detach keeps failing on {gpu.host}: {entry.message}"),
+                lifecycle.quarantine(gpu, f"release failed on {gpu.host}: {entry.message}"),
             )
             return "QUARANTINED"
         return None
@@ -445,14 +563,42 @@ class NodeController:
     def _run(self, body: Callable[[TxnView], str | None], subject: str) -> str | None:
         """Commit one transition; a transition that keeps losing compares is left to the
         next pass (the records it read changed: it will be woken again)."""
+        self._health_changes.clear()
         try:
             state = transact(self._store, self._cache, body, attempts=3, what=subject)
         except Aborted:
             log.debug("controller transition kept losing compares", extra={"subject": subject})
             return None
+        for name, gpu in self._health_changes:
+            level = logging.INFO if gpu.health == pb.GPU_HEALTH_HEALTHY else logging.WARNING
+            log.log(
+                level,
+                "gpu health changed",
+                extra={
+                    "gpu": name,
+                    "health": pb.GpuHealth.Name(gpu.health),
+                    "reason": gpu.health_reason,
+                },
+            )
+        self._health_changes.clear()
         if state is not None:
             metrics.NODE_TRANSITIONS.labels(state=state).inc()
             failure = self._failures.pop(f"nodes/{subject}", None)
             if failure is not None:
                 log.warning("node failed", extra={"node": subject, "reason": failure})
         return state
+
+
+def _quarantine_suspects(
+    view: TxnView, node: pb.VirtualNode, suspects: Mapping[str, str] | None
+) -> None:
+    """Quarantine ``suspects`` (GPU name -> why its identity is not the one recorded)
+    that this view just moved to DETACHING for ``node``, instead of releasing them:
+    their ``release`` attachments leave the host's allocation."""
+    for name, problem in sorted((suspects or {}).items()):
+        key = gpu_id(name)
+        gpu: pb.Gpu | None = view.latest(k.GPUS, key)
+        if gpu is None or gpu.node != node.name or gpu.state != pb.GPU_STATE_DETACHING:
+            continue
+        drop_release(view, gpu)
+        view.put(k.GPUS, key, lifecycle.quarantine(gpu, f"suspect identity: {problem}"))

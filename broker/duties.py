@@ -39,7 +39,7 @@ from dxpool.broker.cache import Cache
 from dxpool.broker.records import copy, seconds
 from dxpool.broker.resize import resize_request_value
 from dxpool.broker.stm import TxnView, transact
-from dxpool.broker.transitions import let_go
+from dxpool.broker.transitions import drop_release, let_go
 from dxpool.errors import DxpoolError, Unavailable
 from dxpool.names import parse_gpu, parse_host
 from dxpool.store import keys as k
@@ -262,6 +262,7 @@ class SingletonDuties:
             record = view.get(k.GPUS, gpu_id)
             if record is None or record.value.state != pb.GPU_STATE_FENCING:
                 return None
+            drop_release(view, record.value)
             view.put(k.GPUS, gpu_id, lifecycle.quarantine(record.value, reason))
             return "QUARANTINED"
 
@@ -276,6 +277,7 @@ class SingletonDuties:
                 return None
             if record.value.generation != generation:
                 return None  # not the assignment that was fenced
+            drop_release(view, record.value)
             view.put(k.GPUS, gpu_id, lifecycle.free(record.value))
             return "FREE"
 

@@ -67,7 +67,7 @@ class FabricService(fabric_pb2_grpc.FabricServiceServicer):
             )
         if wants_gpus:
             gpus = request.gpus
-            validate_gpu_request(gpus.model, gpus.count, gpus.min_memory_mib)
+            validate_gpu_request(gpus.model, gpus.count, gpus.min_memory_mib, gpus.mixed_models)
         host = self._host(request.host)
         model = self._latency.current()  # one model for the whole answer
         host_place = Place.of(host.value)
@@ -110,7 +110,11 @@ class FabricService(fabric_pb2_grpc.FabricServiceServicer):
         host_id = parse_host(request.host)
         gpus = request.gpus
         placement_request = PlacementRequest(
-            model=gpus.model, count=gpus.count, min_memory_mib=gpus.min_memory_mib, host=host_id
+            model=gpus.model,
+            count=gpus.count,
+            min_memory_mib=gpus.min_memory_mib,
+            mixed_models=gpus.mixed_models,
+            host=host_id,
         )
         result = place(placement_request, snapshot, model)
         if result.placement is None:

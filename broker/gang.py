@@ -27,7 +27,20 @@ member broke, and the caller releases the gang. We do not tear the other members
 ourselves: the caller may prefer to keep them (a job that restarts from a checkpoint on
 a replacement) and a release is one call away.
 
-Releasing a gang releases every member in one transaction.
+Members charged to a tenant (``spec.tenant``; a tenant caller's own, see
+``broker/node_service.py``) are charged in the same transaction, as ComposeNode charges
+one node: each tenant's record is compared, its quota checked against the usage read
+plus every member charged to it (all GPUs and all member nodes together), and the raised
+usage written. A gang that does not fit its tenant's quota as a whole is refused with
+QUOTA_EXCEEDED and nothing is written. Each tenant adds one compare to the bound above.
+
+CPU cores and memory the member specs ask of their hosts are reserved in the hosts'
+allocations, each member's on top of those before it (members may share a host), and
+checked against the very allocation the transaction compares.
+
+Releasing a gang releases every member in one transaction, each as ReleaseNode does
+(its GPUs kept in the host's allocation marked ``release`` until the agent reports them
+scrubbed, its tenant's usage lowered).
 """
 
 from __future__ import annotations
@@ -38,6 +51,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import immutables
@@ -47,11 +61,10 @@ from dxpool.api.v1 import nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker import metrics
 from dxpool.broker.cache import Cache
+from dxpool.broker.fit import placement_request, reserve_host_resources
 from dxpool.broker.locks import KeyedLocks
 from dxpool.broker.model_check import check_model_known
 from dxpool.broker.placement import (
-    GpuInfo,
-    HostInfo,
     Placement,
     PlacementRequest,
     Snapshot,
@@ -59,6 +72,7 @@ from dxpool.broker.placement import (
 )
 from dxpool.broker.records import copy, timestamp
 from dxpool.broker.stm import TxnView, read_through, transact
+from dxpool.broker.tenants import charged, confirmed_breach
 from dxpool.broker.transitions import gpu_id, let_go
 from dxpool.broker.validation import check_node_spec
 from dxpool.errors import (
@@ -79,6 +93,7 @@ from dxpool.names import (
     node_name,
     parse_gang,
     parse_host,
+    tenant_name,
 )
 from dxpool.request import format_duration_ns
 from dxpool.store import keys as k
@@ -101,9 +116,13 @@ allocation and lease."""
 
 
 def gang_ops(members: list[pb.NodeSpec] | Any) -> int:
-    """The most compares the gang's transaction needs: every GPU, 3 per member, and the
-    request id. A bound, since members sharing a host share its two compares."""
-    return sum(spec.gpus.count for spec in members) + OPS_PER_MEMBER * len(members) + 1
+    """The most compares the gang's transaction needs: every GPU, 3 per member, one per
+    tenant charged, and the request id. A bound, since members sharing a host share its
+    two compares."""
+    tenants = {spec.tenant for spec in members if spec.tenant}
+    return (
+        sum(spec.gpus.count for spec in members) + OPS_PER_MEMBER * len(members) + len(tenants) + 1
+    )
 
 
 def _replaced(mapping: Mapping[_K, _V], key: _K, value: _V) -> Mapping[_K, _V]:
@@ -113,8 +132,11 @@ def _replaced(mapping: Mapping[_K, _V], key: _K, value: _V) -> Mapping[_K, _V]:
     return {**mapping, key: value}
 
 
-def without_placement(snapshot: Snapshot, placement: Placement) -> Snapshot:
-    """``snapshot`` with ``placement``'s GPUs no longer free and its host slots in use.
+def without_placement(
+    snapshot: Snapshot, placement: Placement, cpu_cores: int = 0, memory_mib: int = 0
+) -> Snapshot:
+    """``snapshot`` with ``placement``'s GPUs no longer free, its host slots in use and
+    ``cpu_cores`` and ``memory_mib`` of its host reserved.
 
     The result stands alone (no journal), so placement judges it from scratch; the
     snapshot given is left as it was."""
@@ -124,12 +146,11 @@ def without_placement(snapshot: Snapshot, placement: Placement) -> Snapshot:
     hosts = _replaced(
         hosts,
         placement.host,
-        HostInfo(
-            host=host.host,
-            place=host.place,
-            slot_capacity=host.slot_capacity,
+        replace(
+            host,
             used_slots=host.used_slots | slots,
-            alive=host.alive,
+            used_cpu_cores=host.used_cpu_cores + cpu_cores,
+            used_memory_mib=host.used_memory_mib + memory_mib,
         ),
     )
     taken: dict[str, set[int]] = {}
@@ -137,20 +158,7 @@ def without_placement(snapshot: Snapshot, placement: Placement) -> Snapshot:
         taken.setdefault(binding.box, set()).add(binding.slot)
     gpus_by_box = snapshot.gpus_by_box
     for box, box_slots in taken.items():
-        gpus = tuple(
-            GpuInfo(
-                name=g.name,
-                box=g.box,
-                slot=g.slot,
-                model=g.model,
-                memory_mib=g.memory_mib,
-                free=False,
-                healthy=g.healthy,
-            )
-            if g.slot in box_slots
-            else g
-            for g in gpus_by_box[box]
-        )
+        gpus = tuple(replace(g, free=False) if g.slot in box_slots else g for g in gpus_by_box[box])
         gpus_by_box = _replaced(gpus_by_box, box, gpus)
     return Snapshot(boxes=snapshot.boxes, hosts=hosts, gpus_by_box=gpus_by_box)
 
@@ -158,10 +166,12 @@ def without_placement(snapshot: Snapshot, placement: Placement) -> Snapshot:
 class GangComposer:
     """Composes, reads and releases gangs. Thread-safe; no state of its own.
 
-    Made by :meth:`Composer.gangs`. ``host_locks`` must be the composer's, so that composes,
-    releases and gangs that touch one host in this broker change its allocation one at
-    a time. A gang takes the locks of all its hosts in sorted order; everything else
-    holds one host lock at a time, so no two callers can wait for each other."""
+    Made by :meth:`Composer.gangs`. ``host_locks`` and ``tenant_locks`` must be the
+    composer's, so that composes, releases and gangs that touch one host in this broker
+    change its allocation one at a time, and those of one tenant its usage. A gang takes
+    the locks of all its hosts in sorted order, then those of its tenants in sorted
+    order; everything else holds at most one host lock and then one tenant lock, so no
+    two callers can wait for each other."""
 
     def __init__(
         self,
@@ -170,6 +180,7 @@ class GangComposer:
         index: PlacementIndex,
         latency: LatencyModel | LatencySource,
         host_locks: KeyedLocks,
+        tenant_locks: KeyedLocks,
         settings: ComposeSettings,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -178,6 +189,7 @@ class GangComposer:
         self._index = index
         self._latency = as_source(latency)
         self._host_locks = host_locks
+        self._tenant_locks = tenant_locks
         self._settings = settings
         self._clock = clock
 
@@ -187,10 +199,27 @@ class GangComposer:
         """Place and commit every member, or none; see the module docstring.
 
         Raises InvalidArgument (malformed, or too large for one transaction),
-        ResourceExhausted (some member does not fit; nothing written),
-        FailedPrecondition (a model the pool does not have), AlreadyExists (member names
-        taken, request id used for something else), NotFound (unknown pinned host),
-        Aborted (the commit kept conflicting)."""
+        ResourceExhausted (some member does not fit, or QUOTA_EXCEEDED: the gang does
+        not fit its tenant's quota; nothing written), FailedPrecondition (a model the
+        pool does not have), AlreadyExists (member names taken, request id used for
+        something else), NotFound (unknown pinned host), Aborted (the commit kept
+        conflicting).
+
+        A request whose gang was already committed gets that gang, also when the
+        tenant's quota is full by now (that gang is what fills it): a quota refusal of a
+        call with a request id first looks the id up in etcd."""
+        try:
+            return self._compose(request, owner)
+        except ResourceExhausted as error:
+            if error.reason != "QUOTA_EXCEEDED" or not request.request_id:
+                raise
+            record = read_through(self._store, self._cache, k.REQUESTS, request.request_id)
+            existing = self._gang_for_request(request, record, owner)
+            if existing is None:
+                raise
+            return existing
+
+    def _compose(self, request: nodes_pb2.ComposeGangRequest, owner: str) -> nodes_pb2.Gang:
         requests = self._check(request)
         if request.request_id:
             existing = self._gang_for_request(
@@ -201,10 +230,21 @@ class GangComposer:
         gang_id = request.gang_id or f"gang-{secrets.token_hex(4)}"
         if request.gang_id and self._cache.get(k.NODES, gang_member_id(gang_id, 0)) is not None:
             raise _gang_exists(gang_id)
+        # Before placement, refuse what the quota refuses whatever GPUs are chosen (the
+        # models placement picks are checked at the commit, against fresh usage).
+        for tenant_id, members in sorted(_by_tenant(list(request.members), _spec_tenant).items()):
+            wanted = [spec.gpus.model for spec in members for _ in range(spec.gpus.count)]
+            error = confirmed_breach(
+                self._store, self._cache, tenant_id, wanted, nodes=len(members)
+            )
+            if error is not None:
+                metrics.COMPOSE_TOTAL.labels(result="quota_exceeded").inc()
+                raise error
+        tenants = sorted({spec.tenant for spec in request.members if spec.tenant})
         for attempt in range(self._settings.max_attempts):
             placements = self._place(request, requests)
             hosts = sorted({p.host for p in placements})
-            with self._locked(hosts):
+            with self._locked(hosts), self._locked_tenants(tenants):
                 outcome = self._try_commit(request, gang_id, placements, owner)
             if outcome is not None:
                 metrics.COMPOSE_TOTAL.labels(result="ok").inc()
@@ -244,7 +284,8 @@ class GangComposer:
             total = sum(spec.gpus.count for spec in members)
             raise InvalidArgument(
                 f"gang too large for one etcd transaction: it needs up to {ops} compares "
-                f"({total} GPUs + {OPS_PER_MEMBER} per member x {len(members)} members + 1), "
+                f"({total} GPUs + {OPS_PER_MEMBER} per member x {len(members)} members + 1 "
+                "per tenant + 1), "
                 f"and etcd allows at most {MAX_TXN_OPS}; use fewer members or fewer GPUs "
                 "per member",
                 reason="GANG_TOO_LARGE",
@@ -264,17 +305,7 @@ class GangComposer:
                     "`dxpool host list` or leave the host out to let placement choose",
                     reason="HOST_NOT_FOUND",
                 )
-            placement_requests.append(
-                PlacementRequest(
-                    model=spec.gpus.model,
-                    count=spec.gpus.count,
-                    min_memory_mib=spec.gpus.min_memory_mib,
-                    host=host,
-                    max_latency_ns=spec.max_latency_ns,
-                    max_slowdown=spec.max_slowdown,
-                    workload=spec.workload,
-                )
-            )
+            placement_requests.append(placement_request(spec, host))
         return placement_requests
 
     def _place(
@@ -299,7 +330,10 @@ class GangComposer:
                         reason="NO_CAPACITY",
                     )
                 placements.append(result.placement)
-                snapshot = without_placement(snapshot, result.placement)
+                spec = request.members[i]
+                snapshot = without_placement(
+                    snapshot, result.placement, spec.cpu_cores, spec.host_memory_mib
+                )
         return placements
 
     @contextmanager
@@ -309,6 +343,14 @@ class GangComposer:
         with ExitStack() as stack:
             for host in hosts:
                 stack.enter_context(self._host_locks.lock(host))
+            yield
+
+    @contextmanager
+    def _locked_tenants(self, tenants: list[str]) -> Iterator[None]:
+        """Hold the locks of ``tenants`` (sorted), inside the host locks."""
+        with ExitStack() as stack:
+            for tenant in tenants:
+                stack.enter_context(self._tenant_locks.lock(tenant))
             yield
 
     def _try_commit(
@@ -345,7 +387,9 @@ class GangComposer:
                 return None  # the snapshot was older than the cache; place again
             node.request_id = request.request_id
             node.gang_size = len(request.members)
+            lifecycle.new_node_event(node, now)
             nodes.append(node)
+        created_tenants = self._charge(txn, nodes)
         for host_id, (allocation, revision) in sorted(allocations.items()):
             allocation_key = keys.host_allocation(host_id)
             txn.expect_revision(allocation_key, revision).put(allocation_key, allocation)
@@ -365,6 +409,7 @@ class GangComposer:
             committed = self._store.commit(txn)
         if committed.succeeded:
             created = set(node_keys) | ({request_key} if request_key else set())
+            created |= created_tenants
             self._cache.apply_commit(committed.revision, txn.writes, created=created)
             return nodes_pb2.Gang(name=gang, nodes=nodes)
         revision = self._cache.revision
@@ -395,6 +440,11 @@ class GangComposer:
         placement no longer holds."""
         host_name = f"hosts/{placement.host}"
         keys = self._store.keys
+        host_record = self._cache.get(k.HOSTS, placement.host)
+        if not reserve_host_resources(
+            host_record.value if host_record else None, allocation, spec, name
+        ):
+            return None
         node = pb.VirtualNode(
             name=name,
             spec=spec,
@@ -433,6 +483,7 @@ class GangComposer:
                     generation=gpu.generation,
                     vfio=spec.vfio,
                     expected_uuid=gpu.uuid,
+                    expected_serial=gpu.serial,
                     model=gpu.model,
                     pci_id=gpu.pci_id,
                 )
@@ -448,6 +499,32 @@ class GangComposer:
                 )
             )
         return node
+
+    def _charge(self, txn: Txn, nodes: list[pb.VirtualNode]) -> set[str]:
+        """Charge every member with a tenant to it in ``txn``: per tenant, compare its
+        record as the cache holds it and write it with all its members added to its
+        usage. Raises QUOTA_EXCEEDED when they do not fit its quota together (confirmed
+        against etcd). Returns the keys of the tenant records the commit creates."""
+        created: set[str] = set()
+        for tenant_id, members in sorted(_by_tenant(nodes, _node_tenant).items()):
+            models = [binding.model for node in members for binding in node.gpus]
+            error = confirmed_breach(
+                self._store, self._cache, tenant_id, models, nodes=len(members)
+            )
+            if error is not None:
+                metrics.COMPOSE_TOTAL.labels(result="quota_exceeded").inc()
+                raise error
+            record = self._cache.get(k.TENANTS, tenant_id)
+            tenant = copy(record.value) if record else pb.Tenant(name=tenant_name(tenant_id))
+            tenant.usage.CopyFrom(charged(tenant.usage, models, nodes=len(members)))
+            key = self._store.keys.tenant(tenant_id)
+            txn.expect_revision(key, record.mod_revision if record else 0).put(key, tenant)
+            txn.read_on_failure(key)
+            if record is None:
+                created.add(key)
+            for node in members:
+                node.charged = True
+        return created
 
     def _gang_for_request(
         self,
@@ -519,7 +596,9 @@ class GangComposer:
         self, name: str, *, force: bool = False, owner: str | None = None
     ) -> nodes_pb2.Gang:
         """Start releasing every member in one transaction (as ``Composer.release`` does
-        for one node: RELEASING, GPUs detached, or with ``force`` fenced). Members
+        for one node: RELEASING, tenant discharged, GPUs DETACHING with their attachments
+        kept in the host's allocation marked ``release`` until the agent reports them
+        scrubbed, or with ``force`` fenced). Members
         already RELEASING or RELEASED stay as they are (with ``force``, a RELEASING
         member's detaching GPUs go FENCING). Idempotent. NotFound for an unknown gang or,
         with ``owner`` set, one owned by someone else (judged in the same transaction)."""
@@ -552,7 +631,6 @@ class GangComposer:
                 )
             if not released:
                 raise _gang_not_found(name)
-            _drop_from_allocations(view, released)
             return nodes_pb2.Gang(name=name, nodes=released)
 
         hosts = sorted({parse_host(node.host) for node in known if node.host})
@@ -560,27 +638,6 @@ class GangComposer:
             gang = transact(self._store, self._cache, body, what=f"releasing {name}")
         metrics.RELEASE_TOTAL.inc()
         return gang
-
-
-def _drop_from_allocations(view: TxnView, nodes: list[pb.VirtualNode]) -> None:
-    """Write each host's allocation without any of ``nodes``' attachments.
-
-    ``let_go`` writes the allocation it read minus its own node, and a view's reads do
-    not see its buffered writes: with two members on one host, the second member's
-    write would put the first one's attachments back. So the allocation each host ends
-    with is written once more here, from the record read, minus every member."""
-    by_host: dict[str, list[str]] = {}
-    for node in nodes:
-        if node.host:
-            by_host.setdefault(node.host, []).append(node.name)
-    for host, names in by_host.items():
-        host_id = parse_host(host)
-        record = view.get(k.HOST_ALLOCATIONS, host_id)
-        if record is None or not any(a.node in names for a in record.value.attachments):
-            continue
-        allocation = pb.HostAllocation(host=host)
-        allocation.attachments.extend(a for a in record.value.attachments if a.node not in names)
-        view.put(k.HOST_ALLOCATIONS, host_id, allocation)
 
 
 def _fence_detaching(view: TxnView, node: pb.VirtualNode) -> None:
@@ -598,6 +655,25 @@ def _fence_detaching(view: TxnView, node: pb.VirtualNode) -> None:
                 ref,
                 lifecycle.begin_fence(record.value, "fencing: force release requested"),
             )
+
+
+def _by_tenant(items: list[_V], tenant_of: Callable[[_V], str]) -> dict[str, list[_V]]:
+    """``items`` (member specs, or nodes with ``tenant_of``) grouped by the tenant they
+    are charged to; those charged to no one are left out."""
+    grouped: dict[str, list[_V]] = {}
+    for item in items:
+        tenant = tenant_of(item)
+        if tenant:
+            grouped.setdefault(tenant, []).append(item)
+    return grouped
+
+
+def _spec_tenant(spec: pb.NodeSpec) -> str:
+    return spec.tenant
+
+
+def _node_tenant(node: pb.VirtualNode) -> str:
+    return node.spec.tenant
 
 
 def _gang_exists(gang_id: str) -> AlreadyExists:

@@ -38,6 +38,7 @@ from dxpool.names import (
     parse_host,
 )
 from dxpool.request import check_gpu_memory_mib, check_model
+from dxpool.selector import parse_selector
 from dxpool.store import keys as k
 from dxpool.store.typed import Store, Txn, Versioned
 
@@ -67,7 +68,7 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
             create_time=timestamp(),
             request_id=request.request_id,
         )
-        return self._create_box(box_id, box, gpus)
+        return self._box_view(self._create_box(box_id, box, gpus))
 
     def _create_box(self, box_id: str, box: pb.Box, gpus: list[pb.Gpu]) -> pb.Box:
         """Commit ``box``, its GPUs and its request key in one transaction.
@@ -147,8 +148,22 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
 
     @handler("InventoryService.GetBox")
     def GetBox(self, request: inv.GetBoxRequest, context: grpc.ServicerContext) -> pb.Box:
-        box: pb.Box = self._box_record(request.name).value
-        return box
+        return self._box_view(self._box_record(request.name).value)
+
+    def _box_view(self, box: pb.Box) -> pb.Box:
+        """``box`` as the API answers it: ``gpus_free`` filled in from the cache, on a
+        copy (cache records are shared, and the stored record never holds it).
+        O(log n + the box's GPUs)."""
+        box_id = parse_box(box.name)
+        view = copy(box)
+        chunk, _ = self._cache.scan(k.GPUS, f"{box_id}/", MAX_GPUS_PER_BOX)
+        if box.state == pb.BOX_STATE_ACTIVE:
+            view.gpus_free = sum(
+                1
+                for name, record in chunk
+                if name.startswith(f"{box_id}/") and lifecycle.is_free(record.value)
+            )
+        return view
 
     def _box_record(self, name: str):  # type: ignore[no-untyped-def]
         record = self._cache.get(k.BOXES, parse_box(name))
@@ -163,19 +178,27 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
     def ListBoxes(
         self, request: inv.ListBoxesRequest, context: grpc.ServicerContext
     ) -> inv.ListBoxesResponse:
+        selector = parse_selector(request.label_selector)
         chunk, token = cache_page(
-            self._cache, k.BOXES, check_page_size(request.page_size), request.page_token
+            self._cache,
+            k.BOXES,
+            check_page_size(request.page_size),
+            request.page_token,
+            lambda record: selector.matches(record.value.labels),
         )
-        return inv.ListBoxesResponse(boxes=[r.value for _, r in chunk], next_page_token=token)
+        boxes = [self._box_view(r.value) for _, r in chunk]
+        return inv.ListBoxesResponse(boxes=boxes, next_page_token=token)
 
     @handler("InventoryService.CordonBox")
     def CordonBox(self, request: inv.CordonBoxRequest, context: grpc.ServicerContext) -> pb.Box:
         check_text(request.reason, "reason")
-        return self._set_box_state(request.name, pb.BOX_STATE_CORDONED, request.reason)
+        return self._box_view(
+            self._set_box_state(request.name, pb.BOX_STATE_CORDONED, request.reason)
+        )
 
     @handler("InventoryService.UncordonBox")
     def UncordonBox(self, request: inv.UncordonBoxRequest, context: grpc.ServicerContext) -> pb.Box:
-        return self._set_box_state(request.name, pb.BOX_STATE_ACTIVE, "")
+        return self._box_view(self._set_box_state(request.name, pb.BOX_STATE_ACTIVE, ""))
 
     def _set_box_state(self, name: str, state: pb.BoxState.ValueType, reason: str) -> pb.Box:
         for _ in range(MAX_ATTEMPTS):
@@ -280,6 +303,50 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
 
         return transact(self._store, self._cache, body, what=f"reclaiming {request.name}")
 
+    @handler("InventoryService.ClearGpuHealth")
+    def ClearGpuHealth(
+        self, request: inv.ClearGpuHealthRequest, context: grpc.ServicerContext
+    ) -> pb.Gpu:
+        ref = parse_gpu(request.name)
+        reason = check_text(request.reason, "reason")
+        gpu_key = f"{ref.box}/{ref.slot}"
+        message = "health cleared by an operator" + (f": {reason}" if reason else "")
+
+        def body(view: TxnView) -> pb.Gpu:
+            record = view.get(k.GPUS, gpu_key)
+            if record is None:
+                raise NotFound(
+                    f"GPU {request.name} does not exist; list GPUs with `dxpool gpu list`",
+                    reason="GPU_NOT_FOUND",
+                )
+            gpu: pb.Gpu = record.value
+            if gpu.health == pb.GPU_HEALTH_HEALTHY:
+                return gpu
+            if gpu.host:
+                # Read even when absent: an agent report landing meanwhile fails the commit.
+                status = view.get(k.HOST_STATUSES, parse_host(gpu.host))
+                seen = next(
+                    (a for a in (status.value.attachments if status else ()) if a.gpu == gpu.name),
+                    None,
+                )
+                if (
+                    seen is not None
+                    and seen.generation == gpu.generation
+                    and seen.health == pb.GPU_HEALTH_UNHEALTHY
+                ):
+                    raise FailedPrecondition(
+                        f"GPU {request.name} is still reported unhealthy by the agent of "
+                        f"{gpu.host}: {seen.health_reason or 'no reason given'}; release its "
+                        f"node (`dxpool node release {gpu.node or 'NODE'}`) or fix the GPU, "
+                        "then clear it",
+                        reason="GPU_STILL_UNHEALTHY",
+                    )
+            updated = lifecycle.health_cleared(gpu, message)
+            view.put(k.GPUS, gpu_key, updated)
+            return updated
+
+        return transact(self._store, self._cache, body, what=f"clearing {request.name}")
+
     @handler("InventoryService.ListGpus")
     def ListGpus(
         self, request: inv.ListGpusRequest, context: grpc.ServicerContext
@@ -334,8 +401,13 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
     def ListHosts(
         self, request: inv.ListHostsRequest, context: grpc.ServicerContext
     ) -> inv.ListHostsResponse:
+        selector = parse_selector(request.label_selector)
         chunk, token = cache_page(
-            self._cache, k.HOSTS, check_page_size(request.page_size), request.page_token
+            self._cache,
+            k.HOSTS,
+            check_page_size(request.page_size),
+            request.page_token,
+            lambda record: selector.matches(record.value.labels),
         )
         hosts = [self._host_view(name, r.value) for name, r in chunk]
         return inv.ListHostsResponse(hosts=hosts, next_page_token=token)
@@ -344,7 +416,9 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
         view = copy(host)
         view.alive = self._cache.get(k.HOST_LEASES, host_id) is not None
         allocation = self._cache.get(k.HOST_ALLOCATIONS, host_id)
+        used = sorted({a.host_slot for a in allocation.value.attachments} if allocation else ())
         view.slots_used = len(allocation.value.attachments) if allocation else 0
+        view.used_slots.extend(used)
         return view
 
 

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 from dxpool.broker.cache import Cache
 from dxpool.errors import FailedPrecondition, Unavailable
+from dxpool.request import model_set
 from dxpool.store import keys as k
 from dxpool.store.typed import Store
 
@@ -36,8 +37,9 @@ def _gpu_models(cache: Cache) -> Iterator[str]:
 
 
 def _has_model(cache: Cache, model: str) -> bool:
-    wanted = model.casefold()
-    return any(found.casefold() == wanted for found in _gpu_models(cache))
+    """Whether a cached GPU is of ``model``, or of any model of a set ``"H100|A100"``."""
+    wanted = {part.casefold() for part in model_set(model)}
+    return any(found.casefold() in wanted for found in _gpu_models(cache))
 
 
 def models_in_pool(cache: Cache) -> list[str]:
@@ -50,8 +52,9 @@ def models_in_pool(cache: Cache) -> list[str]:
 
 def check_model_known(store: Store, cache: Cache, model: str) -> None:
     """Raise :class:`FailedPrecondition` (``UNKNOWN_MODEL``) if no GPU in the pool is of
-    ``model`` (compared case-insensitively); return otherwise, and also when ``model`` is
-    empty (any model) or the absence cannot be confirmed with etcd in time."""
+    ``model`` (compared case-insensitively), or, for a set ``"H100|A100"``, of any model
+    of the set; return otherwise, and also when ``model`` is empty (any model) or the
+    absence cannot be confirmed with etcd in time."""
     if not model or _has_model(cache, model):
         return
     try:
@@ -71,8 +74,11 @@ def check_model_known(store: Store, cache: Cache, model: str) -> None:
         have = f"the pool has {', '.join(known)}: ask for one of those"
     else:
         have = "the pool has no GPUs yet"
+    several = len(model_set(model)) > 1
+    what = f"of any model of {model!r}" if several else f"of model {model!r}"
+    register = f"one of {model.replace('|', ', ')}" if several else model
     raise FailedPrecondition(
-        f"no GPU of model {model!r} is in the pool; {have}, or register boxes of {model} "
+        f"no GPU {what} is in the pool; {have}, or register boxes of {register} "
         "with `dxpool box add`",
         reason="UNKNOWN_MODEL",
         metadata={"model": model, "models": ",".join(known)},

@@ -9,6 +9,12 @@ With authentication on, a tenant is scoped to its own nodes (``VirtualNode.owner
 at compose): another owner's node is NOT_FOUND to it (Get, Release, a named Watch),
 missing from its listings, and absent from its watch. Operators see every node. Which
 roles may call at all is ``broker/auth.py``'s table.
+
+A tenant's nodes are charged to it: ComposeNode sets ``spec.tenant`` to the caller's
+tenant name (naming another is refused by the table), so its quota applies whatever the
+request said; an operator may charge a node to a tenant by naming it. SetTenantQuota,
+GetTenant and ListTenants read and set quotas and usage (:mod:`dxpool.broker.tenants`).
+ComposeGang charges every member to the caller's tenant the same way.
 """
 
 from __future__ import annotations
@@ -24,11 +30,13 @@ from dxpool.broker.cache import Cache
 from dxpool.broker.compose import Composer
 from dxpool.broker.hostdev import node_hostdev
 from dxpool.broker.node_watch import NodeFeed, WatchSettings
-from dxpool.broker.rpc import cache_page, handler, stream_handler
+from dxpool.broker.rpc import cache_page, check_page_token, handler, stream_handler
+from dxpool.broker.tenants import Tenants
 from dxpool.broker.validation import check_page_size
 from dxpool.errors import InvalidArgument, NotFound
-from dxpool.identity import Identity
+from dxpool.identity import Identity, Role
 from dxpool.names import parse_host, parse_node
+from dxpool.selector import parse_selector
 from dxpool.store import keys as k
 from dxpool.store.typed import Versioned
 
@@ -53,10 +61,12 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
         watch: WatchSettings | None = None,
         *,
         identify: Identify | None = None,
+        tenants: Tenants | None = None,
     ) -> None:
         self._composer = composer
         self._gangs = composer.gangs()
         self._resizer = composer.resizer()
+        self._tenants = tenants if tenants is not None else Tenants(composer.store, cache)
         self._cache = cache
         self._identify = identify
         self.feed = NodeFeed(cache, watch, lookup=composer.lookup)
@@ -77,13 +87,34 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
         self, request: nodes_pb2.ComposeNodeRequest, context: grpc.ServicerContext
     ) -> pb.VirtualNode:
         caller = self._caller(context)
-        return self._composer.compose(request, owner=caller.uri if caller else "")
+        return self._composer.compose(
+            _charged_to_caller(request, caller), owner=caller.uri if caller else ""
+        )
 
     @handler("NodeService.PlanNode")
     def PlanNode(
         self, request: nodes_pb2.ComposeNodeRequest, context: grpc.ServicerContext
     ) -> nodes_pb2.NodePlan:
-        return self._composer.plan(request)
+        return self._composer.plan(_charged_to_caller(request, self._caller(context)))
+
+    @handler("NodeService.SetTenantQuota")
+    def SetTenantQuota(
+        self, request: nodes_pb2.SetTenantQuotaRequest, context: grpc.ServicerContext
+    ) -> pb.Tenant:
+        return self._tenants.set_quota(request.name, request.quota)
+
+    @handler("NodeService.GetTenant")
+    def GetTenant(
+        self, request: nodes_pb2.GetTenantRequest, context: grpc.ServicerContext
+    ) -> pb.Tenant:
+        return self._tenants.get(request.name)
+
+    @handler("NodeService.ListTenants")
+    def ListTenants(
+        self, request: nodes_pb2.ListTenantsRequest, context: grpc.ServicerContext
+    ) -> nodes_pb2.ListTenantsResponse:
+        tenants, token = self._tenants.list(request.page_size, check_page_token(request.page_token))
+        return nodes_pb2.ListTenantsResponse(tenants=tenants, next_page_token=token)
 
     @handler("NodeService.GetNode")
     def GetNode(
@@ -112,6 +143,7 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
         self, request: nodes_pb2.ListNodesRequest, context: grpc.ServicerContext
     ) -> nodes_pb2.ListNodesResponse:
         host = f"hosts/{parse_host(request.host)}" if request.host else ""
+        selector = parse_selector(request.label_selector)
         scope = self._scope(context)
 
         def keep(record: Versioned[pb.VirtualNode]) -> bool:
@@ -120,6 +152,7 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
                 (request.show_released or node.state != pb.NODE_STATE_RELEASED)
                 and (not host or node.host == host)
                 and (scope is None or node.owner == scope)
+                and selector.matches(node.spec.labels)
             )
 
         chunk, token = cache_page(
@@ -145,7 +178,9 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
         self, request: nodes_pb2.ComposeGangRequest, context: grpc.ServicerContext
     ) -> nodes_pb2.Gang:
         caller = self._caller(context)
-        return self._gangs.compose(request, owner=caller.uri if caller else "")
+        return self._gangs.compose(
+            _gang_charged_to_caller(request, caller), owner=caller.uri if caller else ""
+        )
 
     @handler("NodeService.GetGang")
     def GetGang(
@@ -179,6 +214,36 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
             if record is not None and record.value.owner != scope:
                 raise _not_found(request.name)
         yield from _owned_events(self.feed.watch(only, request.start_revision, context), scope)
+
+
+def _charged_to_caller(
+    request: nodes_pb2.ComposeNodeRequest, caller: Identity | None
+) -> nodes_pb2.ComposeNodeRequest:
+    """``request`` charged to the caller's tenant when the caller is a tenant (the
+    authorization table has refused a request naming another); unchanged otherwise."""
+    if caller is None or caller.role is not Role.TENANT or request.spec.tenant == caller.name:
+        return request
+    charged = nodes_pb2.ComposeNodeRequest()
+    charged.CopyFrom(request)
+    charged.spec.tenant = caller.name
+    return charged
+
+
+def _gang_charged_to_caller(
+    request: nodes_pb2.ComposeGangRequest, caller: Identity | None
+) -> nodes_pb2.ComposeGangRequest:
+    """``request`` with every member charged to the caller's tenant when the caller is a
+    tenant (the authorization table has refused a request naming another), as
+    :func:`_charged_to_caller` does for one node; unchanged otherwise."""
+    if caller is None or caller.role is not Role.TENANT:
+        return request
+    if all(spec.tenant == caller.name for spec in request.members):
+        return request
+    charged = nodes_pb2.ComposeGangRequest()
+    charged.CopyFrom(request)
+    for spec in charged.members:
+        spec.tenant = caller.name
+    return charged
 
 
 def _owned_events(

@@ -72,6 +72,7 @@ class PlacementIndex:
         self._host_records: dict[str, pb.Host] = {}
         self._host_places: dict[str, Place] = {}
         self._used_slots: dict[str, frozenset[int]] = {}
+        self._held: dict[str, tuple[int, int]] = {}  # (CPU cores, memory MiB) nodes hold
         self._alive: set[str] = set()
         self._hosts: dict[str, HostInfo] = {}
         self._version = 0
@@ -157,9 +158,15 @@ class PlacementIndex:
             self._used_slots[name] = frozenset(
                 a.host_slot for a in (allocation.attachments if allocation else ())
             )
+            reservations = allocation.reservations if allocation else ()
+            self._held[name] = (
+                sum(r.cpu_cores for r in reservations),
+                sum(r.memory_mib for r in reservations),
+            )
         host = self._host_records.get(name)
         if host is None:
             return self._hosts.pop(name, None) is not None
+        held = self._held.get(name, (0, 0))
         info = HostInfo(
             host=name,
             place=self._host_places[name],
@@ -168,6 +175,11 @@ class PlacementIndex:
             slot_capacity=min(max(host.slot_capacity, 0), MAX_HOST_SLOTS),
             used_slots=self._used_slots.get(name, frozenset()),
             alive=name in self._alive,
+            labels=frozenset(host.labels.items()),
+            cpu_cores=host.cpu_cores,
+            memory_mib=host.memory_mib,
+            used_cpu_cores=held[0],
+            used_memory_mib=held[1],
         )
         if info == self._hosts.get(name):
             return False

@@ -12,13 +12,30 @@ stay attached and in use throughout: a failed grow never costs the node what it 
 
 **Shrink** takes out the GPUs named in ``remove``, or else the last bindings (bindings
 are kept in the order they were added, so those are the most recently added GPUs), in
-one transaction: the node goes RESIZING with those bindings DETACHING, their attachments
-leave the host's allocation and the GPUs go DETACHING (still owned by the node). From
-there it is the ordinary detach path: the agent detaches them and the controller frees
-them once the agent confirms; when the node owns none of them any more the controller
-drops their bindings and the node is READY again. The other GPUs stay in use
-throughout. (A GPU always names an owner that lists it, so the node keeps the bindings
-until the GPUs are freed.)
+one transaction: the node goes RESIZING with those bindings DETACHING, the GPUs go
+DETACHING (still owned by the node) and their attachments stay in the host's allocation
+marked ``release``, as a released node's do. From there it is the ordinary release
+path: the agent scrubs and detaches them and reports RELEASED (the controller frees
+them) or SCRUB_FAILED (quarantined); a GPU is never freed otherwise. When the node owns
+none of them any more the controller drops their bindings and the node is READY again.
+The other GPUs stay in use throughout. (A GPU always names an owner that lists it, so
+the node keeps the bindings until the GPUs are freed.)
+
+**Tenants.** A charged node's GPUs count in its tenant's usage for as long as the node
+lists them. A grow checks the tenant's quota against the usage plus the added GPUs and
+writes the raised usage in its own transaction, comparing the tenant's record (under the
+tenant's lock, inside the host's, as a compose does); QUOTA_EXCEEDED writes nothing. The
+controller lowers the usage in the transaction that drops bindings from the node (a
+shrink done, a grow abandoned).
+
+**Only READY nodes.** A DEGRADED node (a GPU reported unhealthy) is refused with
+FAILED_PRECONDITION like any node that is not READY: growing it would hide the health
+problem behind a RESIZING state, and shrinking it is no way to drop the unhealthy GPU
+(that GPU is quarantined only through release or an operator's ClearGpuHealth). Clear or
+release it first. A node composed with box affinity or a per-box spread limit is not
+grown (FAILED_PRECONDITION): the added GPUs would have to be placed against the boxes the
+node already uses, which placement does not do; shrinking it is allowed. A grow takes
+GPUs of the model the node already has unless it was composed with mixed models.
 
 Both compare the node record, so a resize and a release (or two resizes) that race
 commit one after the other: the second sees the first's result (or loses its compare
@@ -36,16 +53,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from dxpool import lifecycle
 from dxpool.api.v1 import nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.cache import Cache
+from dxpool.broker.fit import placement_request
 from dxpool.broker.locks import KeyedLocks
-from dxpool.broker.placement import PlacementRequest, place
+from dxpool.broker.placement import place
 from dxpool.broker.records import copy, timestamp
 from dxpool.broker.stm import TxnView, read_through, transact
+from dxpool.broker.tenants import charged, confirmed_breach
 from dxpool.broker.transitions import gpu_id
 from dxpool.errors import (
     Aborted,
@@ -57,7 +78,7 @@ from dxpool.errors import (
 )
 from dxpool.fabric.latency import LatencyModel, LatencySource, as_source
 from dxpool.limits import MAX_GPUS_PER_NODE
-from dxpool.names import check_request_id, parse_gpu, parse_host, parse_node
+from dxpool.names import check_request_id, parse_gpu, parse_host, parse_node, tenant_name
 from dxpool.store import keys as k
 from dxpool.store.typed import Store
 
@@ -82,8 +103,9 @@ class _StaleSnapshotError(Exception):
 
 class Resizer:
     """Grows and shrinks nodes. Thread-safe; no state of its own. Made by
-    :meth:`Composer.resizer`, sharing its host locks: a resize holds its node's host
-    lock, as composes and releases on that host do."""
+    :meth:`Composer.resizer`, sharing its host and tenant locks: a resize holds its
+    node's host lock, as composes and releases on that host do, and inside it, for a
+    charged node, its tenant's lock, as composes of that tenant do."""
 
     def __init__(
         self,
@@ -92,6 +114,7 @@ class Resizer:
         index: PlacementIndex,
         latency: LatencyModel | LatencySource,
         host_locks: KeyedLocks,
+        tenant_locks: KeyedLocks,
         settings: ComposeSettings,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -100,6 +123,7 @@ class Resizer:
         self._index = index
         self._latency = as_source(latency)
         self._host_locks = host_locks
+        self._tenant_locks = tenant_locks
         self._settings = settings
         self._clock = clock
 
@@ -109,9 +133,11 @@ class Resizer:
         """Grow or shrink; see the module docstring. ``owner`` set (a tenant's call):
         another owner's node is NOT_FOUND, judged in the resize's own transaction.
 
-        Raises InvalidArgument, NotFound, FailedPrecondition (not READY; a GPU to remove
-        that is not the node's; a shrink to no GPU), ResourceExhausted (the host cannot
-        take more), AlreadyExists (request id used for something else), Aborted."""
+        Raises InvalidArgument, NotFound, FailedPrecondition (not READY, DEGRADED
+        included; a GPU to remove that is not the node's; a shrink to no GPU; a grow of a
+        node with box affinity or spread), ResourceExhausted (the host cannot take more;
+        QUOTA_EXCEEDED: the tenant's quota cannot), AlreadyExists (request id used for
+        something else), Aborted."""
         node_id = parse_node(request.name)
         check_request_id(request.request_id)
         removes = [parse_gpu(name).name for name in request.remove]
@@ -129,9 +155,10 @@ class Resizer:
         if known is None or (owner is not None and known.value.owner != owner):
             raise _not_found(request.name)
         host = parse_host(known.value.host) if known.value.host else ""
+        tenant = known.value.spec.tenant if known.value.charged else ""
         for _ in range(PLACE_ATTEMPTS):
             try:
-                with self._host_locks.lock(host):
+                with self._host_locks.lock(host), self._tenant_lock(tenant):
                     return transact(
                         self._store,
                         self._cache,
@@ -145,6 +172,9 @@ class Resizer:
             "call (with the same request_id)",
             reason="COMMIT_CONFLICT",
         )
+
+    def _tenant_lock(self, tenant_id: str) -> AbstractContextManager[None]:
+        return self._tenant_locks.lock(tenant_id) if tenant_id else nullcontext()
 
     def _body(
         self,
@@ -171,6 +201,13 @@ class Resizer:
                     "request; use a new request_id",
                     reason="REQUEST_ID_REUSED",
                 )
+        if node.state == pb.NODE_STATE_DEGRADED:
+            raise FailedPrecondition(
+                f"node {node.name} is DEGRADED ({node.message}): a node with an unhealthy GPU "
+                "is not resized; release it, or resize it once its GPUs are healthy again "
+                "(an operator may clear a GPU with `dxpool gpu clear-health`)",
+                reason="NODE_NOT_READY",
+            )
         if node.state != pb.NODE_STATE_READY:
             raise FailedPrecondition(
                 f"node {node.name} is {pb.NodeState.Name(node.state)}: only a READY node can "
@@ -239,6 +276,7 @@ class Resizer:
         for binding in updated.gpus:
             if binding.gpu in gone:
                 binding.phase = pb.ATTACHMENT_PHASE_DETACHING
+        releasing: set[str] = set()
         for name in removes:
             record = view.get(k.GPUS, gpu_id(name))
             if (
@@ -247,26 +285,47 @@ class Resizer:
                 and record.value.state in (pb.GPU_STATE_ATTACHING, pb.GPU_STATE_ATTACHED)
             ):
                 view.put(k.GPUS, gpu_id(name), lifecycle.begin_detach(record.value))
+                releasing.add(name)
         host_id = parse_host(node.host)
         allocation = view.get(k.HOST_ALLOCATIONS, host_id)
         if allocation is not None:
-            trimmed = pb.HostAllocation(host=node.host)
-            trimmed.attachments.extend(a for a in allocation.value.attachments if a.gpu not in gone)
+            # A GPU going DETACHING keeps its attachment, marked release: the agent scrubs
+            # and detaches it and reports the outcome, and only that report frees it.
+            trimmed = pb.HostAllocation()
+            trimmed.CopyFrom(allocation.value)
+            del trimmed.attachments[:]
+            for attachment in allocation.value.attachments:
+                if attachment.node != node.name or attachment.gpu not in gone:
+                    trimmed.attachments.append(attachment)
+                elif attachment.gpu in releasing:
+                    kept = trimmed.attachments.add()
+                    kept.CopyFrom(attachment)
+                    kept.release = True
             view.put(k.HOST_ALLOCATIONS, host_id, trimmed)
         return updated
 
     def _grow(self, view: TxnView, node: pb.VirtualNode, extra: int) -> pb.VirtualNode:
         host_id = parse_host(node.host)
         spec = node.spec
-        wanted = PlacementRequest(
-            model=spec.gpus.model,
+        if spec.affinity == pb.GPU_AFFINITY_BOX or spec.max_gpus_per_box:
+            raise FailedPrecondition(
+                f"node {node.name} was composed with box affinity or a per-box spread limit: "
+                "it cannot be grown in place (the new GPUs would not be placed against the "
+                "boxes it uses); compose a new node, or shrink this one",
+                reason="RESIZE_NOT_SUPPORTED",
+            )
+        # The host's CPU cores and memory were reserved at compose and do not change;
+        # the host selector was met by the host the node is on.
+        wanted = replace(
+            placement_request(spec, host_id),
             count=extra,
-            min_memory_mib=spec.gpus.min_memory_mib,
-            host=host_id,
-            max_latency_ns=spec.max_latency_ns,
-            max_slowdown=spec.max_slowdown,
-            workload=spec.workload,
+            host_selector=frozenset(),
+            cpu_cores=0,
+            host_memory_mib=0,
         )
+        if node.gpus and not spec.gpus.mixed_models:
+            # one model per node: the model the node already has
+            wanted = replace(wanted, model=node.gpus[0].model)
         result = place(wanted, self._index.snapshot(), self._latency.current())
         if result.placement is None:
             reasons = "; ".join(result.unsatisfied) or f"{node.host} cannot take them"
@@ -321,6 +380,7 @@ class Resizer:
                     generation=gpu.generation,
                     vfio=spec.vfio,
                     expected_uuid=gpu.uuid,
+                    expected_serial=gpu.serial,
                     model=gpu.model,
                     pci_id=gpu.pci_id,
                 )
@@ -336,7 +396,23 @@ class Resizer:
                 )
             )
         view.put(k.HOST_ALLOCATIONS, host_id, allocation)
+        self._charge(view, node, [b.model for b in updated.gpus[len(node.gpus) :]])
         return updated
+
+    def _charge(self, view: TxnView, node: pb.VirtualNode, models: list[str]) -> None:
+        """Add the GPUs of ``models`` a grow gives ``node`` to its tenant's usage, if the
+        node is charged; QUOTA_EXCEEDED when they do not fit (confirmed against etcd).
+        The view compares the tenant's record."""
+        tenant_id = node.spec.tenant
+        if not node.charged or not tenant_id:
+            return
+        error = confirmed_breach(self._store, self._cache, tenant_id, models, nodes=0)
+        if error is not None:
+            raise error
+        record = view.get(k.TENANTS, tenant_id)
+        tenant = copy(record.value) if record else pb.Tenant(name=tenant_name(tenant_id))
+        tenant.usage.CopyFrom(charged(tenant.usage, models, nodes=0))
+        view.put(k.TENANTS, tenant_id, tenant)
 
 
 def _not_found(name: str) -> NotFound:

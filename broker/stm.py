@@ -56,6 +56,16 @@ class TxnView:
         self._reads.setdefault(self.key(collection, name), record.mod_revision if record else 0)
         return record
 
+    def latest(self, collection: str, name: str) -> Any | None:
+        """The value this view will write for the record if it wrote one already, else the
+        cached value (read as :meth:`get` does); None when absent or deleted. For bodies
+        that change one record more than once (e.g. a host's allocation, per GPU)."""
+        key = self.key(collection, name)
+        record = self.get(collection, name)
+        if key in self._writes:
+            return self._writes[key]
+        return record.value if record is not None else None
+
     def exists(self, collection: str, name: str) -> bool:
         """Whether the record exists; the commit requires the same answer, whatever
         else changes in the record (e.g. a lease key refreshed in place)."""

@@ -4,7 +4,7 @@ Every function raises :class:`~dxpool.errors.InvalidArgument` with a message tha
 the field and says what to change. The limits (``dxpool.limits``) protect etcd (keys,
 record sizes), placement (loop bounds) and the people reading the output.
 
-Free text (labels, reasons, tenants, locations, endpoints) must be printable; see
+Free text (labels, reasons, locations, endpoints) must be printable; see
 :mod:`dxpool.text`, which host agents use too.
 """
 
@@ -31,8 +31,8 @@ from dxpool.limits import (
     MAX_TENANT,
     MAX_TEXT,
 )
-from dxpool.names import check_id, parse_host
-from dxpool.request import validate_gpu_request
+from dxpool.names import ID_PATTERN, ID_RULE, check_id, parse_host
+from dxpool.request import check_box_spread, check_host_resources, validate_gpu_request
 from dxpool.text import check_labels, check_text
 
 # Kept under their old names for callers that import them from here.
@@ -87,7 +87,9 @@ def check_pci_id(value: str, field: str) -> str:
 def check_node_spec(spec: pb.NodeSpec) -> None:
     """Validate a ComposeNode spec (GPU request, host pin, latency and slowdown bounds,
     tenant, labels)."""
-    validate_gpu_request(spec.gpus.model, spec.gpus.count, spec.gpus.min_memory_mib)
+    validate_gpu_request(
+        spec.gpus.model, spec.gpus.count, spec.gpus.min_memory_mib, spec.gpus.mixed_models
+    )
     if spec.host:
         parse_host(spec.host)
     if not 0 <= spec.max_latency_ns <= MAX_LATENCY_NS:
@@ -98,8 +100,24 @@ def check_node_spec(spec: pb.NodeSpec) -> None:
         )
     check_text(spec.workload, "spec.workload")
     check_slowdown(spec.max_slowdown, spec.workload, "spec.max_slowdown")
+    check_enum(spec.affinity, pb.GpuAffinity.DESCRIPTOR, "spec.affinity")
+    check_box_spread(
+        spec.max_gpus_per_box,
+        same_box=spec.affinity == pb.GPU_AFFINITY_BOX,
+        field="spec.max_gpus_per_box",
+    )
     check_text(spec.tenant, "spec.tenant", MAX_TENANT)
+    if spec.tenant and not ID_PATTERN.fullmatch(spec.tenant):
+        raise InvalidArgument(
+            f"invalid spec.tenant {spec.tenant!r}: a tenant id is {ID_RULE}, or leave it "
+            "empty to charge the node to no tenant",
+            reason="INVALID_NAME",
+        )
     check_labels(spec.labels, "spec.labels")
+    check_labels(spec.host_selector, "spec.host_selector")
+    check_host_resources(
+        spec.cpu_cores, spec.host_memory_mib, "spec.cpu_cores", "spec.host_memory_mib"
+    )
 
 
 def check_box(box_id: str, box: pb.Box, gpu_count: int) -> None:

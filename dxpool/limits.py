@@ -16,9 +16,13 @@ limit                    value          why
 ``MAX_LATENCY_NS``       10 s           a latency bound above that bounds nothing
 ``MAX_DURATION_NS``      366 days       any duration the request grammar reads
 ``MAX_HOST_SLOTS``       256            proxy slots of one host (PCIe buses behind a port)
+``MAX_HOST_CPUS``        65536          CPU cores of one host, far above any server
+``MAX_HOST_MEMORY_MIB``  1 PiB in MiB   memory of one host, far above any server
 ``MAX_PAGE_SIZE``        1000           one List response stays well under 4 MiB
 ``MAX_PAGE_TOKEN``       1024           next_page_token values are far shorter
 ``MAX_TEXT``             256            free text: reasons, endpoints, tenants
+``MAX_QUOTA``            1,000,000      a tenant limit (GPUs, nodes) above any pool's size
+``MAX_QUOTA_MODELS``     64             per-model limits of one tenant quota
 =======================  =============  ==================================================
 """
 
@@ -31,6 +35,8 @@ MAX_GPU_MEMORY_MIB = 16 * 1024 * 1024
 MAX_LATENCY_NS = 10_000_000_000
 MAX_DURATION_NS = 366 * 24 * 3600 * 1_000_000_000
 MAX_HOST_SLOTS = 256
+MAX_HOST_CPUS = 65536
+MAX_HOST_MEMORY_MIB = 1024 * 1024 * 1024
 MAX_PAGE_SIZE = 1000
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_TOKEN = 1024
@@ -42,3 +48,5 @@ MAX_LABEL_KEY = 63
 MAX_LABEL_VALUE = 256
 MAX_MODEL_LENGTH = 64
 MAX_PCI_ID = 16
+MAX_QUOTA = 1_000_000
+MAX_QUOTA_MODELS = 64

@@ -1,6 +1,7 @@
 """Resource names and ids (Google AIP-122 style).
 
-Names: ``boxes/{box}``, ``boxes/{box}/gpus/{slot}``, ``hosts/{host}``, ``nodes/{node}``.
+Names: ``boxes/{box}``, ``boxes/{box}/gpus/{slot}``, ``hosts/{host}``, ``nodes/{node}``,
+``tenants/{tenant}``.
 Ids are 1-63 characters of lowercase letters, digits and ``-``, starting with a letter
 and not ending with ``-`` (a DNS label), so they are safe in etcd keys, file names and
 URLs. Every parser raises :class:`~dxpool.errors.InvalidArgument` with a message that
@@ -90,6 +91,10 @@ def gang_member_id(gang_id: str, index: int) -> str:
     return f"{gang_id}-{index}"
 
 
+def tenant_name(tenant_id: str) -> str:
+    return f"tenants/{tenant_id}"
+
+
 def gpu_name(box_id: str, slot: int) -> str:
     return f"boxes/{box_id}/gpus/{slot}"
 
@@ -112,6 +117,11 @@ def parse_node(name: str) -> str:
 def parse_gang(name: str) -> str:
     """``gangs/{gang}`` -> gang id."""
     return _parse_simple(name, "gangs", "gang")
+
+
+def parse_tenant(name: str) -> str:
+    """``tenants/{tenant}`` -> tenant id."""
+    return _parse_simple(name, "tenants", "tenant")
 
 
 class GpuRef(NamedTuple):

@@ -64,7 +64,7 @@ __all__ = [
 
 STATE_FILE = "fabric.json"
 LOCK_FILE = "fabric.lock"
-FAULT_OPS = frozenset({"map", "unmap", "rescan", "bind", "identity", "fence", "scrub"})
+FAULT_OPS = frozenset({"map", "unmap", "rescan", "bind", "identity", "fence", "scrub", "reset"})
 
 
 class SimFabric:
@@ -350,6 +350,18 @@ class SimFabric:
             if fault is None:
                 record.driver = driver
         _raise_injected(fault)
+
+    def reset(self, host: str, bdf: str) -> None:
+        """Reset the device from the host side (its memory is cleared); it must be
+        unbound. Raises :class:`UnknownTarget` if the host has no such device."""
+        self._sleep(self.delays.bind_s)
+        with self._transaction() as state:
+            record = _require_device(state, host, bdf)
+            fault = state.take_fault("reset", box=record.box, slot=record.slot, host=host)
+            bound = record.driver if fault is None else None
+        _raise_injected(fault)
+        if bound is not None:
+            raise SimFabricError(f"device {bdf} is bound to {bound}; unbind it before a reset")
 
     def identity(self, host: str, bdf: str) -> SimIdentity:
         """What NVML reports for the device. NVML sees only devices bound to "nvidia": a

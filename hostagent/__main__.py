@@ -26,6 +26,7 @@ from dxpool.hostagent.agent import Agent
 from dxpool.hostagent.config import DEFAULT_ETCD_ENDPOINTS, AgentConfig
 from dxpool.hostagent.drivers import DRIVERS, build_driver
 from dxpool.logs import configure_logging
+from dxpool.request import parse_host_memory_mib
 from dxpool.store.client import connect
 from dxpool.store.keys import DEFAULT_PREFIX
 
@@ -153,6 +154,22 @@ def run_agent(config: AgentConfig) -> int:
     multiple=True,
     metavar="KEY=VALUE",
     help="Host label; repeat for several (environment: space-separated).",
+)
+@_option(
+    "--cpus",
+    "cpu_cores",
+    env="CPUS",
+    type=click.IntRange(min=0),
+    default=0,
+    help="CPU cores the host offers to nodes (0: not declared; --cpus requests skip it).",
+)
+@_option(
+    "--memory",
+    "memory_mib",
+    env="MEMORY",
+    default="0",
+    metavar="SIZE",
+    help="Memory the host offers to nodes, e.g. 512GiB (0: not declared).",
 )
 @_option(
     "--driver",
@@ -327,6 +344,19 @@ def run_agent(config: AgentConfig) -> int:
     "--agent-endpoint", env="ENDPOINT", default="", help="Address of this agent (informational)."
 )
 @_option(
+    "--metrics-port",
+    env="METRICS_PORT",
+    type=click.IntRange(0, 65535),
+    default=0,
+    help="Serve Prometheus metrics on this port (0: off).",
+)
+@_option(
+    "--metrics-address",
+    env="METRICS_ADDRESS",
+    default="127.0.0.1",
+    help="Address the metrics port binds (0.0.0.0 for every interface).",
+)
+@_option(
     "--log-level",
     env="LOG_LEVEL",
     default="INFO",
@@ -334,13 +364,26 @@ def run_agent(config: AgentConfig) -> int:
     help="Log level (logs go to stderr).",
 )
 def agent_command(
-    labels: tuple[str, ...], linux_ports: tuple[str, ...], log_level: str, **fields: Any
+    labels: tuple[str, ...],
+    linux_ports: tuple[str, ...],
+    log_level: str,
+    memory_mib: str,
+    metrics_port: int,
+    metrics_address: str,
+    **fields: Any,
 ) -> None:
     """Run a dxpool host agent: register the host, attach and detach its GPUs."""
     configure_logging(log_level)
+    if metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port, addr=metrics_address)
     try:
         config = AgentConfig(
-            labels=_parse_labels(labels), linux_ports=_parse_ports(linux_ports), **fields
+            labels=_parse_labels(labels),
+            linux_ports=_parse_ports(linux_ports),
+            memory_mib=0 if memory_mib.strip() == "0" else parse_host_memory_mib(memory_mib),
+            **fields,
         )
     except InvalidArgument as error:
         raise click.UsageError(error.message) from error

@@ -30,6 +30,7 @@ import tenacity
 
 from dxpool.api.v1 import resources_pb2
 from dxpool.errors import FailedPrecondition, Unavailable
+from dxpool.hostagent import metrics
 from dxpool.hostagent.config import AgentConfig
 from dxpool.hostagent.desired import DesiredState
 from dxpool.hostagent.driver import FabricDriver
@@ -73,6 +74,7 @@ class Agent:
         # One typed store for every etcd call the agent makes (the spec watch aside).
         self._store = Store(client, config.keys, name="agent-store")
         self._registration = HostRegistration(self._store, config, self._identity.token)
+        self._detach_metrics: Callable[[], None] = lambda: None
         self._status = StatusStore(
             self._store, config.keys, config.host_id, lambda: self._registration.lease_id
         )
@@ -115,6 +117,7 @@ class Agent:
             before_sleep=self._log_startup_retry,
             reraise=True,
         )
+        self._detach_metrics = metrics.COLLECTOR.attach(self._status)
         try:
             for attempt in retrying:
                 with attempt:
@@ -204,6 +207,7 @@ class Agent:
             thread.join()
         self._store.health.close()
         self._identity.close()
+        self._detach_metrics()
         log.info("agent stopped", extra={"host": self._config.host_id})
 
     # -- spec: list, then watch -----------------------------------------------------------

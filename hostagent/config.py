@@ -11,6 +11,7 @@ from dxpool.errors import InvalidArgument
 from dxpool.hostagent.driver import BDF_PATTERN
 from dxpool.limits import MAX_HOST_SLOTS
 from dxpool.names import check_id
+from dxpool.request import check_host_resources
 from dxpool.store.client import parse_endpoints
 from dxpool.store.keys import DEFAULT_PREFIX, KeySchema
 from dxpool.text import check_labels
@@ -25,7 +26,8 @@ class AgentConfig:
 
     Raises :class:`~dxpool.errors.InvalidArgument` naming the field to fix.
 
-    ``labels`` is copied into a read-only mapping. The ``sim_*`` fields configure the
+    ``labels`` is copied into a read-only mapping. ``cpu_cores`` and ``memory_mib`` are
+    what the host offers to nodes (0: not declared). The ``sim_*`` fields configure the
     simulated fabric (``driver="sim"``): its state directory and per-operation delays.
     ``driver="linux"`` uses ``linux_ports`` (host slot -> the PCIe downstream port the
     proxy presents that slot behind, ``"0000:40:01.0"``; read-only copy),
@@ -45,6 +47,8 @@ class AgentConfig:
     rack: str = ""
     slot_capacity: int = 8
     labels: Mapping[str, str] = field(default_factory=dict)
+    cpu_cores: int = 0
+    memory_mib: int = 0
     driver: str = "sim"
     sim_state_dir: Path | None = None
     sim_map_delay_s: float = 0.0
@@ -100,6 +104,7 @@ class AgentConfig:
                     f"invalid label key {key!r}: use a non-empty key without '=' (key=value)"
                 )
         check_labels(self.labels)
+        check_host_resources(self.cpu_cores, self.memory_mib)
         object.__setattr__(self, "linux_ports", MappingProxyType(dict(self.linux_ports)))
         for host_slot, bridge in self.linux_ports.items():
             if not 0 <= host_slot < self.slot_capacity:

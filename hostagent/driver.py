@@ -26,6 +26,7 @@ from dxpool.hostagent.errors import (
     DriverError,
     GpuBusyError,
     IdentityMismatchError,
+    ScrubError,
 )
 from dxpool.hostagent.nvml import NO_HEALTH_REPORT, NO_HEALTH_SIGNAL, GpuIdentity, GpuInspector
 from dxpool.names import GpuRef
@@ -36,6 +37,8 @@ NATIVE_DRIVER = "nvidia"
 VFIO_DRIVER = "vfio-pci"
 DEFAULT_DEVICE_TIMEOUT_S = 30.0
 BDF_PATTERN = re.compile(r"\A[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]\Z")  # as sysfs writes it
+# A PCIe Device Serial Number as the bus shows it: eight bytes, "01-23-45-67-89-ab-cd-ef".
+DSN_PATTERN = re.compile(r"\A[0-9a-fA-F]{2}(?:-[0-9a-fA-F]{2}){7}\Z")
 
 
 @dataclass(frozen=True)
@@ -62,9 +65,11 @@ class DriverCapabilities:
 class AttachRequest:
     """One GPU wanted at one host slot.
 
-    ``expected_uuid`` and ``model`` are verified against NVML when not empty; ``pci_id``
-    (``"10de:2330"``) against the device's configuration space when not empty; ``vfio``
-    asks for the device bound to ``vfio-pci`` instead of the native driver.
+    ``expected_uuid``, ``expected_serial`` and ``model`` are verified against NVML when
+    not empty; ``pci_id`` (``"10de:2330"``) against the device's configuration space when
+    not empty, and so is ``expected_serial`` when it has the form of a PCIe Device Serial
+    Number (``"01-23-45-67-89-ab-cd-ef"``); ``vfio`` asks for the device bound to
+    ``vfio-pci`` instead of the native driver.
     """
 
     gpu: GpuRef
@@ -74,10 +79,17 @@ class AttachRequest:
     model: str = ""
     generation: int = 0  # the assignment's fencing token, carried by the mapping
     pci_id: str = ""
+    expected_serial: str = ""
 
     def __post_init__(self) -> None:
         if self.host_slot < 0:
             raise ValueError(f"host_slot must be >= 0, got {self.host_slot}")
+
+    @property
+    def expected_device(self) -> ExpectedDevice:
+        """What the bus checks in the device's configuration space."""
+        dsn = self.expected_serial if DSN_PATTERN.fullmatch(self.expected_serial) else ""
+        return ExpectedDevice(pci_id=self.pci_id, dsn=dsn)
 
     @property
     def kernel_driver(self) -> str:
@@ -163,6 +175,17 @@ def identity_problem(request: AttachRequest, identity: GpuIdentity) -> str | Non
             f"{request.gpu.name} reports UUID {identity.uuid}, expected {request.expected_uuid}; "
             "the box slot holds a different GPU than the inventory says"
         )
+    if (
+        request.expected_serial
+        and identity.serial
+        and not DSN_PATTERN.fullmatch(request.expected_serial)
+        and identity.serial != request.expected_serial
+    ):
+        return (
+            f"{request.gpu.name} reports serial {identity.serial}, expected "
+            f"{request.expected_serial}; the box slot holds a different GPU than the one "
+            "first attached there"
+        )
     if request.model and not model_matches(request.model, identity.model):
         return (
             f"{request.gpu.name} reports model {identity.model!r}, expected {request.model!r}; "
@@ -198,6 +221,17 @@ class FabricDriver(Protocol):
         left by a crash is completed. Raises :class:`GpuBusyError`, touching nothing,
         while compute processes run on the GPU, unless ``force``; a GPU whose processes
         cannot be read (NVML cannot see it) is detached.
+        """
+        ...
+
+    def scrub(self, gpu: GpuRef, *, force: bool = False) -> None:
+        """Reset ``gpu`` on this host and check that it is healthy, so nothing of its last
+        tenant reaches the next one; the GPU stays attached (bound to the native driver).
+
+        Raises :class:`GpuBusyError`, touching nothing, while compute processes run on
+        it, unless ``force``; :class:`ScrubError` when it is not healthy after the reset;
+        :class:`DriverError` when it is not mapped here, its device is not on the bus, or
+        the reset failed. Safe to call again after any failure.
         """
         ...
 
@@ -270,6 +304,12 @@ class PciBus(Protocol):
         with None. Binding the driver it already has is a no-op."""
         ...
 
+    def reset(self, bdf: str) -> None:
+        """Reset the device at ``bdf`` (function-level or bus reset, as the kernel
+        chooses); it must be unbound. :class:`DriverError` when it is absent or the reset
+        failed."""
+        ...
+
 
 class StepDriver:
     """:class:`FabricDriver` from a proxy mapper, a PCI bus and a GPU inspector.
@@ -321,7 +361,7 @@ class StepDriver:
         self._bus.rescan()
         try:
             device = self._bus.wait_for_device(
-                request.host_slot, self._device_timeout_s, ExpectedDevice(pci_id=request.pci_id)
+                request.host_slot, self._device_timeout_s, request.expected_device
             )
         except IdentityMismatchError:
             self._roll_back(request.gpu)
@@ -365,6 +405,29 @@ class StepDriver:
                 self._bus.remove(device.bdf)
             self._proxy.unmap(gpu)
         self._forget(gpu)
+
+    def scrub(self, gpu: GpuRef, *, force: bool = False) -> None:
+        host_slot = next((slot for slot, ref in self._proxy.mappings().items() if ref == gpu), None)
+        if host_slot is None:
+            raise DriverError(f"{gpu.name} is not mapped to this host; nothing to scrub")
+        device = next((d for d in self._bus.devices() if d.host_slot == host_slot), None)
+        if device is None:
+            raise DriverError(
+                f"{gpu.name} is mapped at host slot {host_slot} but its device is not on the "
+                "bus; it cannot be reset from this host"
+            )
+        if not force and device.driver == NATIVE_DRIVER:
+            self._refuse_if_busy(gpu, device.bdf)
+        if device.driver is not None:
+            self._bus.bind(device.bdf, None)
+        self._bus.reset(device.bdf)
+        self._bus.bind(device.bdf, NATIVE_DRIVER)
+        health = self._inspector.health(device.bdf)
+        if health.state == resources_pb2.GPU_HEALTH_UNHEALTHY:
+            raise ScrubError(
+                f"{gpu.name} at {device.bdf} is unhealthy after a reset: "
+                f"{health.reason or 'no reason given'}"
+            )
 
     def _refuse_if_busy(self, gpu: GpuRef, bdf: str) -> None:
         try:
@@ -445,6 +508,7 @@ class StepDriver:
 
 __all__ = [
     "BDF_PATTERN",
+    "DSN_PATTERN",
     "NATIVE_DRIVER",
     "VFIO_DRIVER",
     "AttachRequest",

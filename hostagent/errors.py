@@ -49,10 +49,18 @@ class IdentityMismatchError(DriverError):
         super().__init__(message, retryable=False)
 
 
+class ScrubError(DriverError):
+    """The GPU is not healthy after its reset: it must not reach another tenant."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retryable=False)
+
+
 __all__ = [
     "AttachConflictError",
     "DeviceTimeoutError",
     "DriverError",
     "GpuBusyError",
     "IdentityMismatchError",
+    "ScrubError",
 ]

@@ -13,13 +13,22 @@ yes                       not attached, or partially    status ATTACHING, attach
 yes                       other host slot or binding    status ATTACHING, detach, then attach
 yes, FAILED this          anything                      nothing: FAILED is terminal for a
 generation                                              generation; a new generation retries
+release                   attached (even partially)     status DETACHING, drain, scrub (reset,
+                                                        check healthy), detach; RELEASED, or
+                                                        SCRUB_FAILED (mapping kept)
+release                   not attached                  RELEASED, unless it was handed out here
+                                                        and left unscrubbed: SCRUB_FAILED
+release, outcome written  anything                      nothing: wait for the broker
 no                        attached (even partially)     status DETACHING, detach, remove entry;
                                                         detach errors retry indefinitely
 no                        not attached                  remove any status entry
 ========================  ============================  ========================================
 
-Status is written before hardware is touched (ATTACHING, DETACHING), and an entry is
-removed only after the detach succeeded: the broker reads "no entry" as "detached".
+Status is written before hardware is touched (ATTACHING, DETACHING). A GPU its node let
+go of stays in the spec marked ``release`` until the broker has recorded the outcome the
+agent reports (RELEASED: free it; SCRUB_FAILED: quarantine it), and the agent keeps that
+entry while the spec still lists the GPU: so the broker never has to read meaning into
+a missing entry, and cannot free a GPU whose failure it has not seen yet.
 Every entry that claims a GPU for the spec is written conditionally on the spec revision
 it was decided from (:class:`~dxpool.hostagent.status.StatusStore`): when the spec changed
 in between, the write fails, no hardware is touched, and the GPU is reconciled again
@@ -43,9 +52,10 @@ import time
 from collections.abc import Callable
 
 from dxpool.api.v1 import resources_pb2
+from dxpool.hostagent import metrics
 from dxpool.hostagent.desired import DesiredState
 from dxpool.hostagent.driver import AttachedGpu, AttachRequest, FabricDriver
-from dxpool.hostagent.errors import DriverError, GpuBusyError
+from dxpool.hostagent.errors import DriverError, GpuBusyError, IdentityMismatchError
 from dxpool.hostagent.status import StaleSpecError, StatusStore
 from dxpool.names import GpuRef
 
@@ -55,6 +65,8 @@ ATTACHING = resources_pb2.ATTACHMENT_PHASE_ATTACHING
 ATTACHED = resources_pb2.ATTACHMENT_PHASE_ATTACHED
 DETACHING = resources_pb2.ATTACHMENT_PHASE_DETACHING
 FAILED = resources_pb2.ATTACHMENT_PHASE_FAILED
+RELEASED = resources_pb2.ATTACHMENT_PHASE_RELEASED
+SCRUB_FAILED = resources_pb2.ATTACHMENT_PHASE_SCRUB_FAILED
 STALE_WAIT_S = 1.0
 DEFAULT_DRAIN_TIMEOUT_S = 300.0
 
@@ -76,6 +88,7 @@ def attach_request(gpu: GpuRef, want: resources_pb2.DesiredAttachment) -> Attach
         model=want.model,
         generation=want.generation,
         pci_id=want.pci_id,
+        expected_serial=want.expected_serial,
     )
 
 
@@ -126,6 +139,8 @@ class Reconciler:
         try:
             if want is None:
                 return self._ensure_detached(gpu, actual.get(gpu))
+            if want.release:
+                return self._release(gpu, want, actual.get(gpu), spec_revision)
             return self._ensure_attached(gpu, want, actual, spec_revision)
         except StaleSpecError:
             log.info("spec changed under a decision; reconciling again", extra={"gpu": gpu.name})
@@ -171,6 +186,7 @@ class Reconciler:
         self._status.put(
             self._entry(gpu, want, ATTACHING, message="attaching"), spec_revision=spec_revision
         )
+        started = time.monotonic()
         try:
             if have is not None and self._needs_detach(have, request):
                 log.info(
@@ -180,7 +196,9 @@ class Reconciler:
                 self._driver.detach(gpu)
             attached = self._driver.attach(request)
         except DriverError as error:
+            metrics.ATTACH_FAILURES.labels(reason=metrics.failure_reason(error)).inc()
             return self._attach_failed(gpu, want, error, spec_revision)
+        metrics.ATTACH_SECONDS.observe(time.monotonic() - started)
         self._clear_failures(gpu)
         self._status.put(
             self._attached_entry(want, attached, previous), spec_revision=spec_revision
@@ -208,7 +226,7 @@ class Reconciler:
         """The host slot still holds another GPU: wait for its detach, or fail when the spec
         itself gives the slot to both."""
         other = self._desired.get(occupant)
-        if other is not None and other.host_slot == want.host_slot:
+        if other is not None and not other.release and other.host_slot == want.host_slot:
             message = (
                 f"host slot {want.host_slot} is assigned to both {gpu.name} and {occupant.name}"
             )
@@ -237,9 +255,9 @@ class Reconciler:
         if not error.retryable or count >= self._attach_attempts:
             self._clear_failures(gpu)
             message = f"attach failed after {count} attempt(s): {error}"
-            self._status.put(
-                self._entry(gpu, want, FAILED, message=message), spec_revision=spec_revision
-            )
+            entry = self._entry(gpu, want, FAILED, message=message)
+            entry.identity_mismatch = isinstance(error, IdentityMismatchError)
+            self._status.put(entry, spec_revision=spec_revision)
             log.warning(
                 "gpu attach failed",
                 extra={"gpu": gpu.name, "generation": want.generation, "error": str(error)},
@@ -255,6 +273,144 @@ class Reconciler:
     def _clear_failures(self, gpu: GpuRef) -> None:
         with self._lock:
             self._failed_attempts.pop(gpu, None)
+
+    # -- released: scrub, detach, report ---------------------------------------------------
+
+    def _release(
+        self,
+        gpu: GpuRef,
+        want: resources_pb2.DesiredAttachment,
+        have: AttachedGpu | None,
+        spec_revision: int,
+    ) -> Outcome:
+        """Drain, scrub and detach a GPU its node let go of, and report the outcome; the
+        entry stays until the broker drops the GPU from the spec."""
+        self._clear_failures(gpu)
+        previous = self._status.get(gpu)
+        ours = previous if previous is not None and previous.generation == want.generation else None
+        if ours is not None and ours.phase in (RELEASED, SCRUB_FAILED):
+            return Outcome.DONE  # reported; the broker records it and drops the GPU
+        entry = resources_pb2.ObservedAttachment(
+            gpu=gpu.name,
+            generation=want.generation,
+            phase=DETACHING,
+            host_slot=want.host_slot,
+            bdf=have.bdf if have is not None else "",
+            uuid=ours.uuid if ours is not None else "",
+            serial=ours.serial if ours is not None else "",
+            health=ours.health if ours is not None else resources_pb2.GPU_HEALTH_UNSPECIFIED,
+            health_reason=ours.health_reason if ours is not None else "",
+            scrubbed=ours.scrubbed if ours is not None else False,
+            message="releasing",
+        )
+        handed_out = ours is not None and ours.phase in (ATTACHED, DETACHING)
+        if have is not None and not have.present and not handed_out:
+            # Mapped, but its device never came up here: nothing ran on it, and nothing
+            # on this host can reset it. Unmapping it is the whole release.
+            entry.message = "never attached here; unmapping"
+            self._status.put(entry, spec_revision=spec_revision)
+            try:
+                self._driver.detach(gpu, force=True)
+            except DriverError as error:
+                return self._release_step_failed(gpu, entry, "detach", error, spec_revision)
+            return self._released(gpu, entry, "never attached here", spec_revision)
+        if have is None:
+            if handed_out and not entry.scrubbed:
+                return self._release_failed(
+                    gpu, entry, "it left this host before it could be scrubbed", spec_revision
+                )
+            message = "scrubbed and detached" if entry.scrubbed else "never attached here"
+            return self._released(gpu, entry, message, spec_revision)
+        self._status.put(entry, spec_revision=spec_revision)
+        with self._lock:
+            refused_at = self._draining.get(gpu)
+        force = refused_at is not None and self._clock() - refused_at >= self._drain_timeout_s
+        started = time.monotonic()
+        try:
+            if not entry.scrubbed:
+                self._driver.scrub(gpu, force=force)
+                entry.scrubbed = True
+                entry.message = "scrubbed; detaching"
+                self._status.put(entry, spec_revision=spec_revision)
+            self._driver.detach(gpu, force=True)  # drained and scrubbed: nothing runs on it
+        except GpuBusyError as error:
+            metrics.DETACH_FAILURES.labels(reason=metrics.failure_reason(error)).inc()
+            now = self._clock()
+            with self._lock:
+                refused_at = self._draining.setdefault(gpu, now)
+            left = max(0.0, self._drain_timeout_s - (now - refused_at))
+            entry.message = f"draining: {error}; scrubbing anyway in {left:.0f}s"
+            self._status.put(entry, spec_revision=spec_revision)
+            log.info("gpu draining", extra={"gpu": gpu.name, "pids": list(error.pids)})
+            return Outcome.RETRY
+        except DriverError as error:
+            what = "detach" if entry.scrubbed else "scrub"
+            return self._release_step_failed(gpu, entry, what, error, spec_revision)
+        metrics.DETACH_SECONDS.observe(time.monotonic() - started)
+        entry.bdf = ""
+        return self._released(gpu, entry, "scrubbed and detached", spec_revision)
+
+    def _release_step_failed(
+        self,
+        gpu: GpuRef,
+        entry: resources_pb2.ObservedAttachment,
+        what: str,
+        error: DriverError,
+        spec_revision: int,
+    ) -> Outcome:
+        """A scrub or detach of a release failed: retry, or report SCRUB_FAILED when the
+        error is not retryable or has happened ``detach_attempts`` times in a row."""
+        metrics.DETACH_FAILURES.labels(reason=metrics.failure_reason(error)).inc()
+        with self._lock:
+            count = self._failed_detaches.get(gpu, 0) + 1
+            self._failed_detaches[gpu] = count
+        if not error.retryable or count >= self._detach_attempts:
+            return self._release_failed(
+                gpu, entry, f"{what} failed ({count} attempt(s)): {error}", spec_revision
+            )
+        entry.message = f"{what} failed: {error}; retrying"
+        self._status.put(entry, spec_revision=spec_revision)
+        log.warning(
+            "gpu release step failed",
+            extra={"gpu": gpu.name, "step": what, "attempt": count, "error": str(error)},
+        )
+        return Outcome.RETRY
+
+    def _released(
+        self,
+        gpu: GpuRef,
+        entry: resources_pb2.ObservedAttachment,
+        message: str,
+        spec_revision: int,
+    ) -> Outcome:
+        """Report RELEASED: the broker may free the GPU."""
+        entry.phase = RELEASED
+        entry.message = message
+        self._status.put(entry, spec_revision=spec_revision)
+        self._forget_release(gpu)
+        log.info("gpu released", extra={"gpu": gpu.name, "scrubbed": entry.scrubbed})
+        return Outcome.DONE
+
+    def _release_failed(
+        self,
+        gpu: GpuRef,
+        entry: resources_pb2.ObservedAttachment,
+        message: str,
+        spec_revision: int,
+    ) -> Outcome:
+        """Report SCRUB_FAILED and leave the GPU as it is (mapped, if it still is): the
+        broker quarantines it, drops it from the spec, and only then is it detached."""
+        entry.phase = SCRUB_FAILED
+        entry.message = message
+        self._status.put(entry, spec_revision=spec_revision)
+        self._forget_release(gpu)
+        log.warning("gpu release failed", extra={"gpu": gpu.name, "reason": message})
+        return Outcome.DONE
+
+    def _forget_release(self, gpu: GpuRef) -> None:
+        with self._lock:
+            self._failed_detaches.pop(gpu, None)
+            self._draining.pop(gpu, None)
 
     # -- not desired: detach --------------------------------------------------------------
 
@@ -281,18 +437,20 @@ class Reconciler:
         )
         if (
             previous is not None
-            and previous.phase == FAILED
+            and previous.phase in (FAILED, SCRUB_FAILED)
             and previous.generation == (entry.generation)
         ):
-            entry.phase = FAILED  # keep telling the broker; quarantine stands
+            entry.phase = FAILED  # quarantine stands; say why
             entry.message = previous.message
         self._status.put(entry)
         with self._lock:
             refused_at = self._draining.get(gpu)
         force = refused_at is not None and self._clock() - refused_at >= self._drain_timeout_s
+        started = time.monotonic()
         try:
             self._driver.detach(gpu, force=force)
         except GpuBusyError as error:
+            metrics.DETACH_FAILURES.labels(reason=metrics.failure_reason(error)).inc()
             now = self._clock()
             with self._lock:
                 refused_at = self._draining.setdefault(gpu, now)
@@ -302,6 +460,7 @@ class Reconciler:
             log.info("gpu draining", extra={"gpu": gpu.name, "pids": list(error.pids)})
             return Outcome.RETRY
         except DriverError as error:
+            metrics.DETACH_FAILURES.labels(reason=metrics.failure_reason(error)).inc()
             with self._lock:
                 count = self._failed_detaches.get(gpu, 0) + 1
                 self._failed_detaches[gpu] = count
@@ -315,6 +474,7 @@ class Reconciler:
                 "gpu detach failed", extra={"gpu": gpu.name, "attempt": count, "error": str(error)}
             )
             return Outcome.RETRY
+        metrics.DETACH_SECONDS.observe(time.monotonic() - started)
         with self._lock:
             self._failed_detaches.pop(gpu, None)
             self._draining.pop(gpu, None)

@@ -56,6 +56,8 @@ def host_record(config: AgentConfig) -> resources_pb2.Host:
         slot_capacity=config.slot_capacity,
         labels=dict(config.labels),
         driver=config.driver,
+        cpu_cores=config.cpu_cores,
+        memory_mib=config.memory_mib,
         register_time=now_timestamp(),
     )
 

@@ -132,6 +132,17 @@ class StatusStore:
         with self._lock:
             return set(self._entries)
 
+    def entries(self) -> list[resources_pb2.ObservedAttachment]:
+        """Copies of every entry, in GPU order."""
+        with self._lock:
+            found = [self._entries[gpu] for gpu in sorted(self._entries)]
+        copies = []
+        for entry in found:
+            copy = resources_pb2.ObservedAttachment()
+            copy.CopyFrom(entry)
+            copies.append(copy)
+        return copies
+
     def put(
         self, entry: resources_pb2.ObservedAttachment, *, spec_revision: int | None = None
     ) -> None:

@@ -555,6 +555,7 @@ PUBLIC_NAMES = {
     "node_name",
     "node_state",
     "node_state_name",
+    "tenant_name",
 }
 
 

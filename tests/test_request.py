@@ -9,6 +9,7 @@ from dxpool.request import (
     parse_duration_ns,
     parse_gpus,
     parse_memory_mib,
+    parse_spread,
 )
 
 
@@ -122,3 +123,79 @@ def test_memory_is_bounded_to_16_tib() -> None:
 def test_models_must_match_whole() -> None:
     with pytest.raises(InvalidArgument, match="invalid GPU model"):
         GpuSpec("H100\n", 1)
+
+
+# -- model sets --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "models"),
+    [
+        ("H100|A100:4", ("H100", "A100")),
+        ("H100|A100", ("H100", "A100")),
+        ("a100|H100|B200:2", ("a100", "H100", "B200")),
+        ("H100:4", ("H100",)),
+        ("*:4", ()),
+    ],
+)
+def test_model_sets_keep_the_order_written(text: str, models: tuple[str, ...]) -> None:
+    assert parse_gpus(text).models == models
+
+
+def test_a_model_set_in_every_form_means_the_same() -> None:
+    typed = GpuSpec("H100|A100", 4, mixed_models=True)
+    mapping = {"model": ["H100", "A100"], "count": 4, "mixed_models": True}
+    assert parse_gpus(mapping) == typed
+    assert parse_gpus({"model": "H100|A100", "count": 4, "mixed_models": True}) == typed
+    assert str(parse_gpus("H100|A100:4")) == "H100|A100:4"
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("H100|h100", "named twice"),
+        ("H100||A100", "invalid GPU model ''"),
+        ("H100|", "invalid GPU model ''"),
+        ("|".join(f"M{i}" for i in range(9)), "at most 8 models"),
+        ("H100|A 100", "invalid GPU model 'A 100'"),
+    ],
+)
+def test_bad_model_sets_say_what_to_write(model: str, message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message) as error:
+        GpuSpec(model, 1)
+    assert error.value.reason == "INVALID_GPU_MODEL"
+
+
+@pytest.mark.parametrize("text", ["H100||A100:4", "*|A100:2", "|A100:1"])
+def test_malformed_set_strings_show_the_grammar(text: str) -> None:
+    with pytest.raises(InvalidArgument, match=r"MODEL\|MODEL:COUNT"):
+        parse_gpus(text)
+
+
+@pytest.mark.parametrize("model", ["", "H100"])
+def test_mixed_models_needs_a_set(model: str) -> None:
+    with pytest.raises(InvalidArgument, match="mixed_models needs a model set"):
+        GpuSpec(model, 2, mixed_models=True)
+
+
+def test_mixed_models_must_be_a_boolean_in_a_mapping() -> None:
+    with pytest.raises(InvalidArgument, match="true or false"):
+        parse_gpus({"model": "H100|A100", "count": 2, "mixed_models": "yes"})
+
+
+@pytest.mark.parametrize(("text", "limit"), [("boxes", 1), ("boxes:2", 2), (" boxes:64 ", 64)])
+def test_spread_grammar(text: str, limit: int) -> None:
+    assert parse_spread(text) == limit
+
+
+@pytest.mark.parametrize("text", ["box", "boxes:", "boxes:x", "racks", "boxes:-1"])
+def test_bad_spreads_show_the_grammar(text: str) -> None:
+    with pytest.raises(InvalidArgument, match=r"expected boxes \(at most 1 GPU per box\)"):
+        parse_spread(text)
+
+
+@pytest.mark.parametrize("text", ["boxes:0", "boxes:65"])
+def test_spreads_out_of_range(text: str) -> None:
+    with pytest.raises(InvalidArgument, match="out of range") as error:
+        parse_spread(text)
+    assert error.value.reason == "INVALID_SPREAD"

@@ -238,6 +238,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT)
     args = parser.parse_args(argv)
+    for size in args.sizes:
+        if size % 8:
+            parser.error(f"--sizes: cluster sizes are positive multiples of 8 GPUs, got {size}")
     try:
         jobs = philly_jobs(traces_dir(args.traces))
         sizes_clusters = [

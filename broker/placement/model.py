@@ -15,7 +15,13 @@ from dxpool.errors import InvalidArgument
 from dxpool.fabric.latency import LatencyEstimate, LatencyModel, Place
 from dxpool.fabric.overhead import check_slowdown
 from dxpool.names import check_id, parse_gpu
-from dxpool.request import validate_gpu_request
+from dxpool.request import (
+    check_box_spread,
+    check_host_resources,
+    model_set,
+    validate_gpu_request,
+)
+from dxpool.text import check_labels
 
 T = TypeVar("T")
 
@@ -66,13 +72,20 @@ class BoxInfo:
 
 @dataclass(frozen=True, slots=True)
 class HostInfo:
-    """A host: its proxy slots ``0..slot_capacity-1``, those in use, and its liveness."""
+    """A host: its proxy slots ``0..slot_capacity-1``, those in use, its liveness, its
+    labels as (key, value) pairs, and the CPU cores and memory it offers (0: not
+    declared) with how much of them its nodes hold."""
 
     host: str  # host id
     place: Place
     slot_capacity: int
     used_slots: frozenset[int]
     alive: bool
+    labels: frozenset[tuple[str, str]] = frozenset()
+    cpu_cores: int = 0
+    memory_mib: int = 0
+    used_cpu_cores: int = 0
+    used_memory_mib: int = 0
 
     _free_count: int = field(init=False, repr=False, compare=False)  # read on every placement
 
@@ -163,12 +176,19 @@ class Snapshot:
 class PlacementRequest:
     """What a node asks of placement.
 
-    ``model`` "" matches any model and compares case-insensitively; ``host`` pins the node
+    ``model`` "" matches any model and compares case-insensitively; a set ``"H100|A100"``
+    matches any of its models, and :func:`~dxpool.broker.placement.placer.place` then
+    gives the node GPUs of one model (the first of the set, in order, that fits) unless
+    ``mixed_models``, when the pipeline takes any mix of them; ``host`` pins the node
     to that host id; ``max_latency_ns`` 0 means no latency bound; ``max_slowdown`` 0 means
     no slowdown bound, else the predicted slowdown of ``workload`` (a profile name or
     ``ROUND_TRIPS@STEP_TIME``, see :mod:`dxpool.fabric.overhead`) on every GPU must be at
     most that; ``exclude_gpus`` holds
-    GPU names (``boxes/{box}/gpus/{slot}``) that must not be chosen. Construction raises
+    GPU names (``boxes/{box}/gpus/{slot}``) that must not be chosen; ``same_box`` requires
+    every GPU from one box; ``max_gpus_per_box`` (0: no limit) spreads the node so that no
+    box gives it more than that many GPUs; ``host_selector`` holds (key, value) pairs
+    every chosen host's labels must include; ``cpu_cores`` and ``host_memory_mib`` (0:
+    none) must be free on the host. Construction raises
     :class:`~dxpool.errors.InvalidArgument` naming the field to fix.
     """
 
@@ -180,9 +200,15 @@ class PlacementRequest:
     exclude_gpus: frozenset[str] = field(default_factory=frozenset)
     max_slowdown: float = 0.0
     workload: str = ""
+    mixed_models: bool = False
+    same_box: bool = False
+    max_gpus_per_box: int = 0
+    host_selector: frozenset[tuple[str, str]] = field(default_factory=frozenset)
+    cpu_cores: int = 0
+    host_memory_mib: int = 0
 
     def __post_init__(self) -> None:
-        validate_gpu_request(self.model, self.count, self.min_memory_mib)
+        validate_gpu_request(self.model, self.count, self.min_memory_mib, self.mixed_models)
         if self.host is not None:
             check_id(self.host, "host")
         if self.max_latency_ns < 0:
@@ -198,6 +224,19 @@ class PlacementRequest:
         for name in sorted(self.exclude_gpus):
             parse_gpu(name)
         check_slowdown(self.max_slowdown, self.workload)
+        check_box_spread(self.max_gpus_per_box, same_box=self.same_box)
+        if not isinstance(self.host_selector, frozenset):
+            raise InvalidArgument(
+                "host_selector must be a frozenset of (key, value) pairs, got "
+                f"{type(self.host_selector).__name__}"
+            )
+        check_labels(dict(self.host_selector), "host_selector")
+        check_host_resources(self.cpu_cores, self.host_memory_mib, memory_field="host_memory_mib")
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The models of ``model`` in the order written; () for any model."""
+        return model_set(self.model)
 
 
 @dataclass(frozen=True, slots=True)

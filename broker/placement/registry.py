@@ -15,10 +15,17 @@ from dxpool.broker.placement.plugins.gpus import (
     GpuModel,
     GpuNotExcluded,
 )
-from dxpool.broker.placement.plugins.hosts import HostAlive, HostSlots, PinnedHost
+from dxpool.broker.placement.plugins.hosts import (
+    HostAlive,
+    HostLabels,
+    HostResources,
+    HostSlots,
+    PinnedHost,
+)
 from dxpool.broker.placement.plugins.inventory import HostCapacity, PoolInventory
 from dxpool.broker.placement.plugins.scores import BoxAffinity, BoxFit, HostFit, LatencyScore
 from dxpool.broker.placement.plugins.slowdown import SlowdownBound
+from dxpool.broker.placement.plugins.spread import SameBox, SpreadBoxes
 
 WEIGHTS: Mapping[str, float] = MappingProxyType(
     {
@@ -37,7 +44,8 @@ WEIGHTS: Mapping[str, float] = MappingProxyType(
 
 def default_pipeline(weights: Mapping[str, float] = WEIGHTS) -> Pipeline:
     """The pipeline every compose and plan runs. Filters run in the order listed; the
-    GPU filters' order is also the order a failed placement counts the supply in.
+    GPU filters' order is also the order a failed placement counts the supply in;
+    ``SameBox`` and ``SpreadBoxes`` judge a box's usable GPUs together, so they come last.
 
     ``weights`` may override the score weights by plugin name; every score plugin needs
     one (``ValueError`` names a missing or unknown one).
@@ -53,9 +61,17 @@ def default_pipeline(weights: Mapping[str, float] = WEIGHTS) -> Pipeline:
         )
     return Pipeline(
         pre_filters=(PoolInventory(), HostCapacity()),
-        gpu_filters=(GpuModel(), GpuMemory(), GpuFree(), GpuHealthy(), GpuNotExcluded()),
+        gpu_filters=(
+            GpuModel(),
+            GpuMemory(),
+            GpuFree(),
+            GpuHealthy(),
+            GpuNotExcluded(),
+            SameBox(),
+            SpreadBoxes(),
+        ),
         box_filters=(BoxSchedulable(),),
-        host_filters=(PinnedHost(), HostAlive(), HostSlots()),
+        host_filters=(PinnedHost(), HostAlive(), HostLabels(), HostResources(), HostSlots()),
         link_filters=(LatencyBound(), SlowdownBound()),
         scores=tuple(WeightedScore(score, weights[score.name]) for score in scores),
     )

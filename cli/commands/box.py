@@ -1,13 +1,22 @@
-"""``dxpool box add|list|get|cordon|uncordon|delete``: the GPU boxes of the pool."""
+"""``dxpool box add|list|get|describe|cordon|uncordon|delete``: the GPU boxes of the pool."""
 
 from __future__ import annotations
 
 import click
 
 from dxpool.cli.context import CliContext, pass_cli
+from dxpool.cli.describe import describe_box
 from dxpool.cli.errors import for_each
 from dxpool.cli.output import OutputFormat, output_option, print_many, print_one
-from dxpool.cli.params import BOX, GPUS, LABEL, MEMORY, ignore_not_found_option, labels_dict
+from dxpool.cli.params import (
+    BOX,
+    GPUS,
+    LABEL,
+    MEMORY,
+    ignore_not_found_option,
+    labels_dict,
+    selector_option,
+)
 from dxpool.cli.views import BOX_VIEW
 from dxpool.request import GpuSpec
 
@@ -76,11 +85,28 @@ def add(
 
 
 @box.command("list")
+@selector_option
 @output_option()
 @pass_cli
-def list_(cli: CliContext, output: OutputFormat) -> None:
-    """List every box."""
-    print_many(cli.client().list_boxes(), BOX_VIEW, output)
+def list_(cli: CliContext, selector: str, output: OutputFormat) -> None:
+    """List boxes with their free and total GPUs (free: what a compose may take now)."""
+    print_many(cli.client().list_boxes(label_selector=selector), BOX_VIEW, output)
+
+
+@box.command("describe")
+@click.argument("names", metavar="BOX...", type=BOX, nargs=-1, required=True)
+@pass_cli
+def describe(cli: CliContext, names: tuple[str, ...]) -> None:
+    """Show boxes in detail: their GPUs, and the recent events of the nodes using them."""
+    client = cli.client()
+    texts = []
+    for name in names:
+        found = client.get_box(name)
+        gpus = client.list_gpus(parent=name)
+        owners = sorted({gpu.node for gpu in gpus if gpu.node})
+        nodes = [client.get_node(owner) for owner in owners]
+        texts.append(describe_box(found, gpus, nodes))
+    click.echo("\n\n".join(texts))
 
 
 @box.command("get")

@@ -5,7 +5,12 @@ from __future__ import annotations
 import click
 
 from dxpool.api.v1 import nodes_pb2, resources_pb2
-from dxpool.cli.commands.node import DEFAULT_WAIT, _request_kwargs, _request_options
+from dxpool.cli.commands.node import (
+    DEFAULT_WAIT,
+    _gpu_request,
+    _request_kwargs,
+    _request_options,
+)
 from dxpool.cli.context import CliContext, pass_cli
 from dxpool.cli.errors import for_each
 from dxpool.cli.output import (
@@ -62,12 +67,18 @@ def create(
     cli: CliContext,
     *,
     gpus: GpuSpec,
+    mixed_models: bool,
     count: int,
     host_name: str | None,
     max_latency: int | None,
     max_slowdown: float | None,
     workload: str | None,
     min_memory: int | None,
+    affinity: str | None,
+    spread: int | None,
+    host_selector: tuple[tuple[str, str], ...],
+    cpus: int | None,
+    host_memory: int | None,
     vfio: bool,
     tenant: str,
     labels: tuple[tuple[str, str], ...],
@@ -83,7 +94,7 @@ def create(
     `dxpool gang create --count 4 --gpus H100:8 --wait`."""
     client = cli.client()
     created = client.compose_gang(
-        gpus,
+        _gpu_request(gpus, mixed_models),
         count,
         gang_id=gang_id,
         request_id=request_id,
@@ -93,6 +104,11 @@ def create(
             max_slowdown=max_slowdown,
             workload=workload,
             min_memory=min_memory,
+            affinity=affinity,
+            spread=spread,
+            host_selector=host_selector,
+            cpus=cpus,
+            host_memory=host_memory,
             vfio=vfio,
             tenant=tenant,
             labels=labels,

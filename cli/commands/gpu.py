@@ -1,4 +1,4 @@
-"""``dxpool gpu list|get|reclaim``: the GPUs of every box."""
+"""``dxpool gpu list|get|reclaim|clear-health``: the GPUs of every box."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dxpool.cli.views import GPU_VIEW
 
 @click.group()
 def gpu() -> None:
-    """List GPUs and their state; reclaim quarantined ones."""
+    """List GPUs and their state; reclaim quarantined ones, clear unhealthy ones."""
 
 
 @gpu.command("list")
@@ -49,3 +49,16 @@ def reclaim(cli: CliContext, name: str, reason: str) -> None:
     """
     gpu = cli.client().reclaim_gpu(name, reason)
     click.echo(f"{gpu.name} reclaimed: fencing, then free")
+
+
+@gpu.command("clear-health")
+@click.argument("name", metavar="GPU", type=GPU)
+@click.option("--reason", default="", help="What was checked, for the next operator.")
+@pass_cli
+def clear_health(cli: CliContext, name: str, reason: str) -> None:
+    """Mark an unhealthy GPU (BOX/SLOT) healthy again, so it can be handed out.
+
+    Refused while its host's agent still reports it unhealthy: release its node first.
+    """
+    gpu = cli.client().clear_gpu_health(name, reason)
+    click.echo(f"{gpu.name} healthy")

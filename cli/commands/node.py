@@ -1,15 +1,17 @@
-"""``dxpool node create|plan|list|get|hostdev|delete|watch``: virtual nodes (a host plus
-GPUs)."""
+"""``dxpool node create|plan|list|get|describe|hostdev|delete|watch``: virtual nodes (a
+host plus GPUs)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import click
 
 from dxpool.api.v1 import nodes_pb2, resources_pb2
 from dxpool.cli.context import CliContext, pass_cli
+from dxpool.cli.describe import describe_node
 from dxpool.cli.errors import for_each
 from dxpool.cli.output import (
     DOCUMENT_FORMATS,
@@ -27,15 +29,18 @@ from dxpool.cli.params import (
     GPU,
     GPUS,
     HOST,
+    HOST_MEMORY,
     LABEL,
     LATENCY,
     MEMORY,
     NODE,
     SECONDS,
     SLOWDOWN,
+    SPREAD,
     WORKLOAD,
     ignore_not_found_option,
     labels_dict,
+    selector_option,
 )
 from dxpool.cli.views import (
     BINDING_VIEW,
@@ -48,6 +53,7 @@ from dxpool.client import node_state_name
 from dxpool.errors import FailedPrecondition
 from dxpool.fabric.overhead import known_profiles
 from dxpool.request import GpuSpec
+from dxpool.selector import parse_selector
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 NodeState = resources_pb2.NodeState
@@ -61,9 +67,23 @@ def _request_options(command: _F) -> _F:
             "--gpus",
             type=GPUS,
             required=True,
-            help="MODEL:COUNT (e.g. H100:4), MODEL (one GPU), or COUNT (any model).",
+            help="MODEL:COUNT (e.g. H100:4), MODEL (one GPU), COUNT (any model), or a "
+            "model set MODEL|MODEL:COUNT (quote it: 'H100|A100:4'): all GPUs of one model, "
+            "the first of the set that fits.",
+        ),
+        click.option(
+            "--mixed-models",
+            is_flag=True,
+            help="With a model set in --gpus: the node may mix the set's models.",
         ),
         click.option("--host", "host_name", type=HOST, default=None, help="Pin to this host."),
+        click.option(
+            "--host-selector",
+            "host_selector",
+            type=LABEL,
+            multiple=True,
+            help="KEY=VALUE a host's labels must hold (agent --label); repeatable.",
+        ),
         click.option(
             "--max-latency",
             type=LATENCY,
@@ -84,13 +104,55 @@ def _request_options(command: _F) -> _F:
             "...) or ROUND_TRIPS@STEP_TIME, e.g. 400@5ms.",
         ),
         click.option("--min-memory", type=MEMORY, default=None, help="Least memory per GPU."),
+        click.option(
+            "--cpus",
+            type=click.IntRange(min=1),
+            default=None,
+            help="CPU cores the node needs free on its host (agent --cpus).",
+        ),
+        click.option(
+            "--host-memory",
+            type=HOST_MEMORY,
+            default=None,
+            help="Memory the node needs free on its host, e.g. 64GiB (agent --memory).",
+        ),
+        click.option(
+            "--affinity",
+            type=click.Choice(["box"]),
+            default=None,
+            help="Require every GPU from one box (peer-to-peer behind its PCIe switch).",
+        ),
+        click.option(
+            "--spread",
+            type=SPREAD,
+            default=None,
+            help="Spread over boxes: 'boxes' takes every GPU from a different box, "
+            "'boxes:M' at most M from any one box.",
+        ),
         click.option("--vfio", is_flag=True, help="Bind the GPUs to vfio-pci for a VM."),
-        click.option("--tenant", default="", help="Tenant the node belongs to."),
+        click.option(
+            "--tenant",
+            default="",
+            help="Tenant the node is charged to (its quota applies); a tenant is always "
+            "charged itself.",
+        ),
         click.option("--label", "labels", type=LABEL, multiple=True, help="KEY=VALUE; repeatable."),
     ]
     for option in reversed(options):
         command = option(command)
     return command
+
+
+def _gpu_request(gpus: GpuSpec, mixed_models: bool) -> GpuSpec:
+    """``gpus`` with ``--mixed-models`` applied; a usage error without a model set."""
+    if not mixed_models:
+        return gpus
+    if len(gpus.models) < 2:
+        raise click.UsageError(
+            f"--mixed-models needs a model set in --gpus, such as 'H100|A100:{gpus.count}'; "
+            f"got {gpus}",
+        )
+    return replace(gpus, mixed_models=True)
 
 
 def _request_kwargs(
@@ -100,6 +162,11 @@ def _request_kwargs(
     max_slowdown: float | None,
     workload: str | None,
     min_memory: int | None,
+    affinity: str | None,
+    spread: int | None,
+    host_selector: tuple[tuple[str, str], ...],
+    cpus: int | None,
+    host_memory: int | None,
     vfio: bool,
     tenant: str,
     labels: tuple[tuple[str, str], ...],
@@ -109,7 +176,17 @@ def _request_kwargs(
             "--max-slowdown needs --workload: a profile name "
             f"({known_profiles()}) or ROUND_TRIPS@STEP_TIME, e.g. 400@5ms"
         )
+    if affinity and spread:
+        raise click.UsageError(
+            "--affinity box takes every GPU from one box and --spread spreads them over "
+            "boxes: give one or the other"
+        )
     return {
+        "host_selector": labels_dict(host_selector),
+        "cpus": cpus,
+        "host_memory": host_memory,
+        "affinity": affinity,
+        "spread": spread,
         "host": host_name,
         "max_latency": max_latency,
         "max_slowdown": max_slowdown,
@@ -144,11 +221,17 @@ def create(
     cli: CliContext,
     *,
     gpus: GpuSpec,
+    mixed_models: bool,
     host_name: str | None,
     max_latency: int | None,
     max_slowdown: float | None,
     workload: str | None,
     min_memory: int | None,
+    affinity: str | None,
+    spread: int | None,
+    host_selector: tuple[tuple[str, str], ...],
+    cpus: int | None,
+    host_memory: int | None,
     vfio: bool,
     tenant: str,
     labels: tuple[tuple[str, str], ...],
@@ -161,7 +244,7 @@ def create(
     """Compose a node, e.g. `dxpool node create --gpus H100:4 --max-latency 4us --wait`."""
     client = cli.client()
     created = client.compose_node(
-        gpus,
+        _gpu_request(gpus, mixed_models),
         node_id=node_id,
         request_id=request_id,
         **_request_kwargs(
@@ -170,6 +253,11 @@ def create(
             max_slowdown=max_slowdown,
             workload=workload,
             min_memory=min_memory,
+            affinity=affinity,
+            spread=spread,
+            host_selector=host_selector,
+            cpus=cpus,
+            host_memory=host_memory,
             vfio=vfio,
             tenant=tenant,
             labels=labels,
@@ -190,11 +278,17 @@ def plan(
     cli: CliContext,
     *,
     gpus: GpuSpec,
+    mixed_models: bool,
     host_name: str | None,
     max_latency: int | None,
     max_slowdown: float | None,
     workload: str | None,
     min_memory: int | None,
+    affinity: str | None,
+    spread: int | None,
+    host_selector: tuple[tuple[str, str], ...],
+    cpus: int | None,
+    host_memory: int | None,
     vfio: bool,
     tenant: str,
     labels: tuple[tuple[str, str], ...],
@@ -202,13 +296,18 @@ def plan(
 ) -> None:
     """Show where `node create` with these flags would go, and why; commits nothing."""
     result = cli.client().plan_node(
-        gpus,
+        _gpu_request(gpus, mixed_models),
         **_request_kwargs(
             host_name=host_name,
             max_latency=max_latency,
             max_slowdown=max_slowdown,
             workload=workload,
             min_memory=min_memory,
+            affinity=affinity,
+            spread=spread,
+            host_selector=host_selector,
+            cpus=cpus,
+            host_memory=host_memory,
             vfio=vfio,
             tenant=tenant,
             labels=labels,
@@ -242,14 +341,76 @@ def _print_plan(result: nodes_pb2.NodePlan, *, wide: bool) -> None:
 @node.command("list")
 @click.option("--host", "host_name", type=HOST, default=None, help="Only nodes on this host.")
 @click.option("-a", "--all", "show_released", is_flag=True, help="Include RELEASED nodes.")
+@selector_option
+@click.option(
+    "-w",
+    "--watch",
+    is_flag=True,
+    help="After the list, print one line per change until Ctrl-C.",
+)
 @output_option()
 @pass_cli
 def list_(
-    cli: CliContext, host_name: str | None, show_released: bool, output: OutputFormat
+    cli: CliContext,
+    host_name: str | None,
+    show_released: bool,
+    selector: str,
+    watch: bool,
+    output: OutputFormat,
 ) -> None:
-    """List nodes (RELEASED ones only with --all)."""
-    found = cli.client().list_nodes(host=host_name, show_released=show_released)
+    """List nodes (RELEASED ones only with --all), e.g. `dxpool node list -l team=ml -w`."""
+    if watch:
+        _watch_list(cli, host_name, show_released, selector, output)
+        return
+    found = cli.client().list_nodes(
+        host=host_name, show_released=show_released, label_selector=selector
+    )
     print_many(found, NODE_VIEW, output)
+
+
+def _watch_list(
+    cli: CliContext, host_name: str | None, show_released: bool, selector: str, output: OutputFormat
+) -> None:
+    """``node list --watch``: the matching nodes, then one line (or document) per change
+    of a matching node, from one WatchNodes stream (so nothing between the list and the
+    first change is lost). Filters apply on this side: WatchNodes streams every node.
+    A node that stops matching (it was RELEASED, say) gets its last line; a deleted
+    node that was shown gets a line with its name."""
+    wanted = parse_selector(selector)
+    printer = StreamPrinter(NODE_VIEW, output, NODE_STREAM_WIDTHS)
+    shown: set[str] = set()
+    listing: list[resources_pb2.VirtualNode] = []
+    listed = False
+    event_type = nodes_pb2.NodeEvent
+
+    def matches(found: resources_pb2.VirtualNode) -> bool:
+        return (not host_name or found.host == host_name) and wanted.matches(found.spec.labels)
+
+    for event in cli.client().watch_nodes(include_synced=True):
+        if event.type == event_type.TYPE_SYNCED:
+            if not listed:
+                listed = True
+                for found in listing:
+                    printer.emit(found)
+                    shown.add(found.name)
+                if not listing and output is not OutputFormat.NAME:
+                    info("no nodes found; watching for changes")
+            continue
+        if event.type == event_type.TYPE_DELETED:
+            if event.node.name in shown:
+                shown.discard(event.node.name)
+                printer.emit(event.node, event)
+            continue
+        current = event.node
+        visible = matches(current) and (
+            show_released or current.state != NodeState.NODE_STATE_RELEASED
+        )
+        if not listed:
+            if visible:
+                listing.append(current)
+        elif visible or (current.name in shown and matches(current)):
+            shown.add(current.name)
+            printer.emit(current)
 
 
 @node.command("get")
@@ -263,6 +424,16 @@ def get(cli: CliContext, names: tuple[str, ...], output: OutputFormat) -> None:
         print_one(found[0], NODE_VIEW, output)
     else:
         print_many(found, NODE_VIEW, output)
+
+
+@node.command("describe")
+@click.argument("names", metavar="NODE...", type=NODE, nargs=-1, required=True)
+@pass_cli
+def describe(cli: CliContext, names: tuple[str, ...]) -> None:
+    """Show nodes in detail, with their recent events (state changes, attach errors,
+    unhealthy GPUs), oldest first."""
+    client = cli.client()
+    click.echo("\n\n".join(describe_node(client.get_node(name)) for name in names))
 
 
 @node.command("hostdev")

@@ -254,10 +254,15 @@ class EmbeddedEtcd:
             process.wait()
 
     def pause(self) -> None:
-        """SIGSTOP the member: connections stay open but nothing answers (a hung host)."""
+        """SIGSTOP the member: connections stay open but nothing answers (a hung host).
+        Returns once the kernel shows it stopped (a signal is delivered asynchronously),
+        so nothing sent after this call is answered."""
         if self._process is None or self._process.poll() is not None:
             raise RuntimeError(f"etcd member {self.name} is not running")
         os.kill(self._process.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5.0
+        while not self._paused(self._process) and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def resume(self) -> None:
         """SIGCONT a paused member."""

@@ -17,6 +17,8 @@ key (below the prefix)                 value                 written by   lifeti
 ``nodes/{node}``                       VirtualNode           broker       until deleted
 ``requests/{request_id}``              node or box name      broker       with its node
                                        (utf-8)                            or box
+``tenants/{tenant}``                   Tenant (quota +       broker       persistent
+                                       usage)
 ``elections/{duty}``                   broker id (utf-8)     broker       etcd lease: the leader
                                                                           of a singleton duty
 =====================================  ====================  ===========  ===============
@@ -40,8 +42,19 @@ HOST_STATUSES = "hoststatus"
 NODES = "nodes"
 REQUESTS = "requests"
 ELECTIONS = "elections"
+TENANTS = "tenants"
 
-COLLECTIONS = (BOXES, GPUS, HOSTS, HOST_LEASES, HOST_ALLOCATIONS, HOST_STATUSES, NODES, REQUESTS)
+COLLECTIONS = (
+    BOXES,
+    GPUS,
+    HOSTS,
+    HOST_LEASES,
+    HOST_ALLOCATIONS,
+    HOST_STATUSES,
+    NODES,
+    REQUESTS,
+    TENANTS,
+)
 
 
 @dataclass(frozen=True)
@@ -88,6 +101,9 @@ class KeySchema:
 
     def request(self, request_id: str) -> str:
         return f"{self.prefix}{REQUESTS}/{request_id}"
+
+    def tenant(self, tenant_id: str) -> str:
+        return f"{self.prefix}{TENANTS}/{tenant_id}"
 
     def election(self, duty: str) -> str:
         """The key a broker holds (on its lease) while it performs a singleton ``duty``.

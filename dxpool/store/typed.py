@@ -37,6 +37,7 @@ MESSAGE_TYPES: dict[str, type[Message] | None] = {
     k.HOST_STATUSES: pb.HostStatus,
     k.NODES: pb.VirtualNode,
     k.REQUESTS: None,
+    k.TENANTS: pb.Tenant,
 }
 
 M = TypeVar("M")

@@ -453,6 +453,26 @@ class SysfsPciBus(PciSysfsReader):
                 "check dmesg"
             ) from error
 
+    # -- scrub ----------------------------------------------------------------------------
+
+    def reset(self, bdf: str) -> None:
+        """Reset the device at ``bdf`` through its ``reset`` attribute (the kernel picks
+        function-level, power-management or bus reset). The device must be unbound, so
+        no driver holds state across the reset."""
+        bdf = check_bdf(bdf, "device")
+        base = self._device_dir(bdf)
+        if not self._sysfs.exists(base):
+            raise DriverError(f"no PCI device at {bdf} to reset; it was removed or never appeared")
+        current = self.driver_of(bdf)
+        if current is not None:
+            raise DriverError(f"{bdf} is bound to {current}; unbind it before a reset")
+        if not self._sysfs.exists(f"{base}/reset"):
+            raise DriverError(
+                f"{bdf} has no reset attribute: the kernel knows no reset method for it",
+                retryable=False,
+            )
+        self._write(f"{base}/reset", "1", f"resetting {bdf}")
+
     # -- detach ---------------------------------------------------------------------------
 
     def remove(self, bdf: str) -> None:

@@ -113,6 +113,10 @@ class SimPciBus:
         with fabric_errors():
             self._fabric.bind(self._host, bdf, driver)
 
+    def reset(self, bdf: str) -> None:
+        with fabric_errors():
+            self._fabric.reset(self._host, bdf)
+
 
 class SimNvml:
     """:class:`~dxpool.hostagent.nvml.GpuInspector` of ``host`` on a simulated fabric.

@@ -56,7 +56,7 @@ def test_quick_run(module: str, expected: str, tmp_path: Path) -> None:
         (["--traces", "/nonexistent/traces"], 1, "pass --traces DIR or set DXPOOL_TRACES"),
         (["--racks", "0"], 2, "--racks: expected a positive whole number, got '0'"),
         (["--sizes", "512,x"], 2, "--sizes: expected positive whole numbers"),
-        (["--sizes", "12"], 1, "cluster sizes are positive multiples of 8 GPUs, got 12"),
+        (["--sizes", "12"], 2, "cluster sizes are positive multiples of 8 GPUs, got 12"),
     ],
 )
 def test_bad_input_is_a_clear_error(arguments: list[str], code: int, message: str) -> None:

@@ -17,7 +17,13 @@ from dxpool.api.v1 import audit_pb2, nodes_pb2, resources_pb2
 from dxpool.broker.auth import GUARDED_PREFIXES, RULES, TokenTable
 from dxpool.broker.server import BrokerServer
 from dxpool.client import Client
-from dxpool.errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated
+from dxpool.errors import (
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+)
 from dxpool.fabric.sim import SimGpuSpec
 from dxpool.identity import Identity, Role
 from dxpool.tls import ClientTls, ServerTls
@@ -110,6 +116,10 @@ def test_operator_may_manage_the_inventory(connect: Callable[..., Client]) -> No
         ("agent", lambda c: c.compose_node("H100:1"), "operator or tenant"),
         ("agent", lambda c: c.release_node("n1"), "operator or tenant"),
         ("agent", lambda c: c.delete_box("box1"), "operator"),
+        ("tenant", lambda c: c.set_tenant_quota("team-a", gpus=100), "operator"),
+        ("tenant", lambda c: c.list_tenants(), "operator"),
+        ("agent", lambda c: c.set_tenant_quota("team-a", gpus=1), "operator"),
+        ("agent", lambda c: c.get_tenant("team-a"), "operator or tenant"),
     ],
 )
 def test_wrong_role_is_permission_denied_and_changes_nothing(
@@ -348,6 +358,46 @@ def test_two_tenants_racing_on_one_request_id_never_share_a_node(
         ((_, error),) = losers.items()
         assert "already used by another caller" in str(error)
         callers[winner].release_node(node.name)
+        # Its GPU returns to the pool once the agent reports it scrubbed: wait, so the
+        # next round's loser meets the taken request id, not an empty pool.
+        callers[winner].wait_for_node(node.name, until=["RELEASED"], timeout_s=30)
+
+
+def test_a_tenant_is_charged_for_its_own_nodes_only(
+    connect: Callable[..., Client], pool: SimPool, etcd_client: object, key_prefix: str
+) -> None:
+    team_a, team_b = connect("tenant", "team-a"), connect("tenant", "team-b")
+    operator = connect("operator", "alice")
+    operator.set_tenant_quota("team-a", gpus=1)
+    # A tenant's node is charged to it whatever the request leaves out...
+    node = team_a.compose_node("H100:1", node_id="a1")
+    assert node.spec.tenant == "team-a" and node.charged
+    assert team_a.get_tenant("team-a").usage.gpus == 1
+    team_a.wait_for_node("a1", timeout_s=20)  # the agent is done writing
+    before = pool_records(etcd_client, key_prefix)
+    # ... so its quota holds, and naming another tenant is refused.
+    with pytest.raises(ResourceExhausted) as over:
+        team_a.compose_node("H100:1")
+    assert over.value.reason == "QUOTA_EXCEEDED"
+    for call in (
+        lambda: team_a.compose_node("H100:1", tenant="team-b"),
+        lambda: team_a.plan_node("H100:1", tenant="team-b"),
+        lambda: team_a.get_tenant("team-b"),
+        lambda: team_b.get_tenant("team-a"),
+    ):
+        with pytest.raises(PermissionDenied) as denied:
+            call()
+        assert denied.value.reason == "NOT_OWN_TENANT"
+        assert "may only name its own tenant" in denied.value.message
+    assert pool_records(etcd_client, key_prefix) == before
+    # An operator may charge a node to a tenant, and sees every tenant.
+    on_behalf = operator.compose_node("H100:1", tenant="team-b")
+    assert on_behalf.spec.tenant == "team-b" and on_behalf.charged
+    assert team_b.get_tenant("team-b").usage.nodes == 1
+    assert [t.name for t in operator.list_tenants()] == ["tenants/team-a", "tenants/team-b"]
+    # Releasing the node gives the quota back.
+    team_a.release_node("a1")
+    assert team_a.get_tenant("team-a").usage == resources_pb2.TenantUsage()
 
 
 def test_tenants_compose_and_resize_their_own_gangs_and_nodes_only(
@@ -356,6 +406,13 @@ def test_tenants_compose_and_resize_their_own_gangs_and_nodes_only(
     team_a, team_b = connect("tenant", "team-a"), connect("tenant", "team-b")
     gang = team_a.compose_gang("H100:1", 2, gang_id="ga")
     assert {n.owner for n in gang.nodes} == {"dxpool://tenant/team-a"}
+    # Its members are charged to it whatever the request leaves out, and naming another
+    # tenant is refused.
+    assert all(n.spec.tenant == "team-a" and n.charged for n in gang.nodes)
+    assert team_a.get_tenant("team-a").usage.nodes == 2
+    with pytest.raises(PermissionDenied) as other_tenant:
+        team_a.compose_gang("H100:1", 1, tenant="team-b")
+    assert other_tenant.value.reason == "NOT_OWN_TENANT"
     team_a.wait_for_gang("ga", timeout_s=20)
     grown = team_a.resize_node("ga-0", 2)
     assert grown.state == resources_pb2.NODE_STATE_RESIZING

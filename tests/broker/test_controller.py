@@ -24,10 +24,26 @@ def parts(etcd_client, key_prefix: str) -> Iterator[tuple[Store, Cache, NodeCont
     store.health.close()
 
 
-def detaching(store: Store, host: str, slots: range) -> int:
-    """GPUs of box b1 DETACHING from ``host`` (its agent reports none of them any more),
-    written in one transaction; returns its revision."""
+def detaching(
+    store: Store,
+    host: str,
+    slots: range,
+    *,
+    phase: pb.AttachmentPhase.ValueType = pb.ATTACHMENT_PHASE_RELEASED,
+    reported: range | None = None,
+) -> int:
+    """GPUs of box b1 DETACHING from ``host``, each with its ``release`` attachment in the
+    host's spec; the agent reports ``phase`` for the ``reported`` ones (default: all).
+    Written in one transaction; returns its revision."""
     txn = Txn()
+    spec = pb.HostAllocation(host=f"hosts/{host}")
+    status = pb.HostStatus(host=f"hosts/{host}")
+    for slot in slots:
+        name = f"boxes/b1/gpus/{slot}"
+        spec.attachments.add(gpu=name, host_slot=slot, node="nodes/n1", generation=1, release=True)
+        if reported is None or slot in reported:
+            status.attachments.add(gpu=name, generation=1, phase=phase, host_slot=slot)
+    txn.put(store.keys.host_allocation(host), spec).put(store.keys.host_status(host), status)
     for slot in slots:
         gpu = pb.Gpu(
             name=f"boxes/b1/gpus/{slot}",
@@ -52,6 +68,9 @@ def test_a_hosts_detached_gpus_are_freed_in_one_transaction(
     records = [store.get(store.keys.gpu("b1", slot)) for slot in range(8)]
     assert all(r is not None and r.value.state == pb.GPU_STATE_FREE for r in records)
     assert len({r.mod_revision for r in records if r is not None}) == 1
+    spec = store.get(store.keys.host_allocation("h1"))
+    assert spec is not None and list(spec.value.attachments) == []
+    assert spec.mod_revision == records[0].mod_revision  # the outcome and the spec together
 
 
 def test_more_gpus_than_one_transaction_holds_are_freed_in_chunks(
@@ -68,20 +87,19 @@ def test_more_gpus_than_one_transaction_holds_are_freed_in_chunks(
     assert len({r.mod_revision for r in records if r is not None}) == 2
 
 
-def test_a_gpu_still_reported_by_its_agent_is_not_freed(
+def test_a_gpu_still_detaching_is_not_freed(
     parts: tuple[Store, Cache, NodeController],
 ) -> None:
     store, cache, controller = parts
-    status = pb.HostStatus(
-        host="hosts/h1",
-        attachments=[
-            pb.ObservedAttachment(
-                gpu="boxes/b1/gpus/3", phase=pb.ATTACHMENT_PHASE_DETACHING, generation=1
-            )
-        ],
-    )
-    store.commit(Txn().put(store.keys.host_status("h1"), status))
     assert cache.wait_for_revision(detaching(store, "h1", range(8)), 10)
+    status = store.get(store.keys.host_status("h1"))
+    assert status is not None
+    updated = pb.HostStatus()
+    updated.CopyFrom(status.value)
+    updated.attachments[3].phase = pb.ATTACHMENT_PHASE_DETACHING
+    assert cache.wait_for_revision(
+        store.commit(Txn().put(store.keys.host_status("h1"), updated)).revision, 10
+    )
 
     controller.sweep()
 
@@ -92,3 +110,293 @@ def test_a_gpu_still_reported_by_its_agent_is_not_freed(
     }
     assert states[3] == pb.GPU_STATE_DETACHING
     assert all(states[s] == pb.GPU_STATE_FREE for s in range(8) if s != 3)
+
+
+def in_use_node(store: Store, health: pb.GpuHealth.ValueType) -> int:
+    """Node n1 READY on h1 with GPU b1/0 ATTACHED (generation 1), whose agent reports
+    ``health`` for it; returns the revision of the write."""
+    gpu = pb.Gpu(
+        name="boxes/b1/gpus/0",
+        model="H100",
+        state=pb.GPU_STATE_ATTACHED,
+        health=pb.GPU_HEALTH_HEALTHY,
+        node="nodes/n1",
+        host="hosts/h1",
+        generation=1,
+    )
+    node = pb.VirtualNode(
+        name="nodes/n1",
+        host="hosts/h1",
+        state=pb.NODE_STATE_READY,
+        gpus=[pb.GpuBinding(gpu=gpu.name, phase=pb.ATTACHMENT_PHASE_ATTACHED)],
+    )
+    status = pb.HostStatus(
+        host="hosts/h1",
+        attachments=[
+            pb.ObservedAttachment(
+                gpu=gpu.name,
+                generation=1,
+                phase=pb.ATTACHMENT_PHASE_ATTACHED,
+                health=health,
+                health_reason="XID 79: GPU has fallen off the bus",
+            )
+        ],
+    )
+    txn = Txn().put(store.keys.gpu("b1", 0), gpu).put(store.keys.node("n1"), node)
+    return store.commit(txn.put(store.keys.host_status("h1"), status)).revision
+
+
+def test_an_unhealthy_report_degrades_the_node_and_marks_the_gpu(
+    parts: tuple[Store, Cache, NodeController],
+) -> None:
+    store, cache, controller = parts
+    assert cache.wait_for_revision(in_use_node(store, pb.GPU_HEALTH_UNHEALTHY), 10)
+
+    controller._reconcile_node("n1")
+
+    gpu = store.get(store.keys.gpu("b1", 0))
+    node = store.get(store.keys.node("n1"))
+    assert gpu is not None and node is not None
+    assert (gpu.value.health, gpu.value.health_reason) == (
+        pb.GPU_HEALTH_UNHEALTHY,
+        "XID 79: GPU has fallen off the bus",
+    )
+    assert gpu.value.state == pb.GPU_STATE_ATTACHED
+    assert node.value.state == pb.NODE_STATE_DEGRADED
+    assert "boxes/b1/gpus/0: XID 79" in node.value.message
+    assert gpu.mod_revision == node.mod_revision  # one transaction
+
+
+def test_a_release_between_the_health_read_and_its_commit_is_not_lost(
+    parts: tuple[Store, Cache, NodeController],
+) -> None:
+    """The health pass reads the GPU and node, then a release commits (GPU DETACHING,
+    node RELEASING) before the pass commits. Its compare fails; it reads again, finds
+    the node RELEASING and writes nothing: the release stands."""
+    store, cache, controller = parts
+    assert cache.wait_for_revision(in_use_node(store, pb.GPU_HEALTH_UNHEALTHY), 10)
+    commit = store.commit
+    released: list[int] = []
+
+    def release_first(txn: Txn) -> object:
+        if not released:
+            gpu = store.get(store.keys.gpu("b1", 0))
+            node = store.get(store.keys.node("n1"))
+            assert gpu is not None and node is not None
+            detaching = pb.Gpu()
+            detaching.CopyFrom(gpu.value)
+            detaching.state = pb.GPU_STATE_DETACHING
+            releasing = pb.VirtualNode()
+            releasing.CopyFrom(node.value)
+            releasing.state = pb.NODE_STATE_RELEASING
+            competing = Txn().put(store.keys.gpu("b1", 0), detaching)
+            released.append(commit(competing.put(store.keys.node("n1"), releasing)).revision)
+        return commit(txn)
+
+    store.commit = release_first  # type: ignore[method-assign]
+    controller._reconcile_node("n1")
+
+    assert released, "the health pass never tried to commit"
+    gpu = store.get(store.keys.gpu("b1", 0))
+    node = store.get(store.keys.node("n1"))
+    assert gpu is not None and node is not None
+    assert gpu.value.state == pb.GPU_STATE_DETACHING
+    assert node.value.state == pb.NODE_STATE_RELEASING
+    assert gpu.mod_revision == released[0]  # nothing written over the release
+
+
+def test_a_recovered_gpu_makes_a_degraded_node_ready(
+    parts: tuple[Store, Cache, NodeController],
+) -> None:
+    store, cache, controller = parts
+    assert cache.wait_for_revision(in_use_node(store, pb.GPU_HEALTH_UNHEALTHY), 10)
+    controller._reconcile_node("n1")
+    status = store.get(store.keys.host_status("h1"))
+    assert status is not None
+    healthy = pb.HostStatus()
+    healthy.CopyFrom(status.value)
+    healthy.attachments[0].health = pb.GPU_HEALTH_HEALTHY
+    healthy.attachments[0].health_reason = ""
+    revision = store.commit(Txn().put(store.keys.host_status("h1"), healthy)).revision
+    assert cache.wait_for_revision(revision, 10)
+
+    controller._reconcile_node("n1")
+
+    gpu = store.get(store.keys.gpu("b1", 0))
+    node = store.get(store.keys.node("n1"))
+    assert gpu is not None and node is not None
+    assert gpu.value.health == pb.GPU_HEALTH_HEALTHY
+    assert node.value.state == pb.NODE_STATE_READY
+
+
+def test_a_gpu_without_a_reported_outcome_is_never_freed(
+    parts: tuple[Store, Cache, NodeController],
+) -> None:
+    """No entry is no outcome: an agent that reported a failure and then dropped the
+    entry (the old protocol) must not get the GPU freed."""
+    store, cache, controller = parts
+    assert cache.wait_for_revision(detaching(store, "h1", range(2), reported=range(0)), 10)
+
+    controller.sweep()
+
+    for slot in range(2):
+        record = store.get(store.keys.gpu("b1", slot))
+        assert record is not None and record.value.state == pb.GPU_STATE_DETACHING
+    spec = store.get(store.keys.host_allocation("h1"))
+    assert spec is not None and len(spec.value.attachments) == 2
+
+
+def test_a_failed_scrub_quarantines_the_gpu_and_drops_it_from_the_spec(
+    parts: tuple[Store, Cache, NodeController],
+) -> None:
+    store, cache, controller = parts
+    revision = detaching(store, "h1", range(2), phase=pb.ATTACHMENT_PHASE_SCRUB_FAILED)
+    assert cache.wait_for_revision(revision, 10)
+
+    controller.sweep()
+
+    for slot in range(2):
+        record = store.get(store.keys.gpu("b1", slot))
+        assert record is not None
+        assert record.value.state == pb.GPU_STATE_QUARANTINED
+        assert record.value.host == "hosts/h1"  # it may still be mapped there
+        assert "release failed on hosts/h1" in record.value.message
+    spec = store.get(store.keys.host_allocation("h1"))
+    assert spec is not None and list(spec.value.attachments) == []
+
+
+def attaching_node(store: Store, seen: pb.ObservedAttachment) -> int:
+    """Node n1 ATTACHING on h1 with GPU b1/0 (generation 1, recorded UUID GPU-a and
+    serial 111), its agent reporting ``seen``; returns the revision of the write."""
+    gpu = pb.Gpu(
+        name="boxes/b1/gpus/0",
+        model="H100",
+        state=pb.GPU_STATE_ATTACHING,
+        uuid="GPU-a",
+        serial="111",
+        node="nodes/n1",
+        host="hosts/h1",
+        generation=1,
+    )
+    node = pb.VirtualNode(
+        name="nodes/n1",
+        host="hosts/h1",
+        state=pb.NODE_STATE_ATTACHING,
+        gpus=[pb.GpuBinding(gpu=gpu.name)],
+    )
+    node.attach_deadline.seconds = 2**40
+    spec = pb.HostAllocation(host="hosts/h1")
+    spec.attachments.add(gpu=gpu.name, host_slot=0, node="nodes/n1", generation=1)
+    status = pb.HostStatus(host="hosts/h1", attachments=[seen])
+    txn = Txn().put(store.keys.gpu("b1", 0), gpu).put(store.keys.node("n1"), node)
+    txn.put(store.keys.host_allocation("h1"), spec)
+    return store.commit(txn.put(store.keys.host_status("h1"), status)).revision
+
+
+@pytest.mark.parametrize(
+    ("seen", "why"),
+    [
+        (
+            pb.ObservedAttachment(
+                phase=pb.ATTACHMENT_PHASE_ATTACHED, uuid="GPU-b", serial="111", bdf="0000:41:00.0"
+            ),
+            "reports UUID GPU-b, recorded GPU-a",
+        ),
+        (
+            pb.ObservedAttachment(
+                phase=pb.ATTACHMENT_PHASE_ATTACHED, uuid="GPU-a", serial="222", bdf="0000:41:00.0"
+            ),
+            "reports serial 222, recorded 111",
+        ),
+        (
+            pb.ObservedAttachment(
+                phase=pb.ATTACHMENT_PHASE_FAILED,
+                identity_mismatch=True,
+                message="reports UUID GPU-c, expected GPU-a",
+            ),
+            "reports UUID GPU-c, expected GPU-a",
+        ),
+    ],
+)
+def test_a_gpu_with_another_identity_fails_its_node_and_is_quarantined_as_suspect(
+    parts: tuple[Store, Cache, NodeController], seen: pb.ObservedAttachment, why: str
+) -> None:
+    store, cache, controller = parts
+    seen.gpu, seen.generation = "boxes/b1/gpus/0", 1
+    assert cache.wait_for_revision(attaching_node(store, seen), 10)
+
+    controller._reconcile_node("n1")
+
+    node = store.get(store.keys.node("n1"))
+    gpu = store.get(store.keys.gpu("b1", 0))
+    spec = store.get(store.keys.host_allocation("h1"))
+    assert node is not None and gpu is not None and spec is not None
+    assert node.value.state == pb.NODE_STATE_FAILED
+    assert why in node.value.message
+    assert gpu.value.state == pb.GPU_STATE_QUARANTINED
+    assert gpu.value.message.startswith(f"suspect identity: {why}")
+    assert (gpu.value.uuid, gpu.value.serial) == ("GPU-a", "111")  # the record stands
+    assert list(spec.value.attachments) == []
+
+
+def test_an_attach_failure_of_another_kind_releases_the_gpu(
+    parts: tuple[Store, Cache, NodeController],
+) -> None:
+    store, cache, controller = parts
+    seen = pb.ObservedAttachment(
+        gpu="boxes/b1/gpus/0", generation=1, phase=pb.ATTACHMENT_PHASE_FAILED, message="timeout"
+    )
+    assert cache.wait_for_revision(attaching_node(store, seen), 10)
+
+    controller._reconcile_node("n1")
+
+    gpu = store.get(store.keys.gpu("b1", 0))
+    spec = store.get(store.keys.host_allocation("h1"))
+    assert gpu is not None and spec is not None
+    assert gpu.value.state == pb.GPU_STATE_DETACHING
+    assert [a.release for a in spec.value.attachments] == [True]
+
+
+def test_an_attach_the_agent_reports_failed_fails_the_node_with_a_warning_event(
+    parts: tuple[Store, Cache, NodeController],
+) -> None:
+    store, cache, controller = parts
+    gpu = pb.Gpu(
+        name="boxes/b1/gpus/0",
+        box="boxes/b1",
+        model="H100",
+        state=pb.GPU_STATE_ATTACHING,
+        node="nodes/n1",
+        host="hosts/h1",
+        generation=3,
+    )
+    node = pb.VirtualNode(
+        name="nodes/n1",
+        host="hosts/h1",
+        state=pb.NODE_STATE_PENDING,
+        gpus=[pb.GpuBinding(gpu=gpu.name)],
+    )
+    node.attach_deadline.seconds = 2**40  # far away: only the agent's report can fail it
+    node.events.add(type="Normal", reason="Composed", message="composed")
+    status = pb.HostStatus(
+        host="hosts/h1",
+        attachments=[
+            pb.ObservedAttachment(
+                gpu=gpu.name,
+                generation=3,
+                phase=pb.ATTACHMENT_PHASE_FAILED,
+                message="proxy map refused",
+            )
+        ],
+    )
+    txn = Txn().put(store.keys.gpu("b1", 0), gpu).put(store.keys.node("n1"), node)
+    txn.put(store.keys.host_status("h1"), status)
+    assert cache.wait_for_revision(store.commit(txn).revision, 10)
+
+    controller.sweep()
+
+    stored = store.get(store.keys.node("n1"))
+    assert stored is not None and stored.value.state == pb.NODE_STATE_FAILED
+    events = [(e.type, e.reason) for e in stored.value.events]
+    assert events == [("Normal", "Composed"), ("Warning", "AttachFailed")]
+    assert "proxy map refused" in stored.value.events[-1].message

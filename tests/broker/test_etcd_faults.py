@@ -11,6 +11,7 @@ three stops composes and releases no longer than etcd's own election.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import time
 import uuid
@@ -142,6 +143,14 @@ def rpc_tracebacks(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
 
 def health_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "dxpool.store.health"]
+
+
+def assert_one_line_per_change(lines: list[str]) -> None:
+    """The health log opens with the outage, ends with its end, and alternates: never two
+    lines for one change."""
+    assert lines[:1] == ["etcd unreachable"], lines
+    assert lines[-1:] == ["etcd reachable again"], lines
+    assert all(a != b for a, b in itertools.pairwise(lines)), lines
 
 
 # -- one member: killed, paused ---------------------------------------------------------
@@ -408,5 +417,7 @@ def test_long_outage_under_load_never_answers_internal(
     assert time.monotonic() - back_at < 1.5
     assert codes["INTERNAL"] == 0, codes
     assert codes["UNAVAILABLE"] > 0, codes
-    assert health_lines(caplog) == ["etcd unreachable", "etcd reachable again"]
+    # One line per change: the outage, then its end. On a loaded machine a call after
+    # the resume may also miss its deadline; that is a real change, logged as such.
+    assert_one_line_per_change(health_lines(caplog))
     assert rpc_tracebacks(caplog) == []

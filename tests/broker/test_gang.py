@@ -87,6 +87,27 @@ def gpu_owners(etcd_client: Any, key_prefix: str) -> dict[str, str]:
     return {g.name: g.node for g in gpus if g.node}
 
 
+def report_released(etcd_client: Any, key_prefix: str, hosts: list[str]) -> None:
+    """Act as the hosts' agents (these tests run none): report every GPU their
+    allocations mark ``release`` as scrubbed and detached (RELEASED), so the broker
+    frees it."""
+    keys = KeySchema(key_prefix)
+    for host in hosts:
+        raw, _ = etcd_client.get(keys.host_allocation(host))
+        allocation = pb.HostAllocation.FromString(raw) if raw else pb.HostAllocation()
+        status = pb.HostStatus(host=f"hosts/{host}")
+        for attachment in allocation.attachments:
+            if attachment.release:
+                status.attachments.add(
+                    gpu=attachment.gpu,
+                    generation=attachment.generation,
+                    phase=pb.ATTACHMENT_PHASE_RELEASED,
+                    host_slot=attachment.host_slot,
+                    scrubbed=True,
+                )
+        etcd_client.put(keys.host_status(host), status.SerializeToString())
+
+
 def stored_nodes(etcd_client: Any, key_prefix: str) -> list[pb.VirtualNode]:
     return [pb.VirtualNode.FromString(v) for v, _ in etcd_client.get_prefix(key_prefix + "nodes/")]
 
@@ -136,8 +157,19 @@ def test_members_sharing_a_host_get_distinct_slots(
     allocation_key = KeySchema(key_prefix).host_allocation("big")
     raw, _ = etcd_client.get(allocation_key)
     assert len(pb.HostAllocation.FromString(raw).attachments) == 8
-    # Released together, every member leaves the one allocation they share.
+    # Released together, every member's GPUs stay in the one allocation they share,
+    # each marked release (scrub, detach, report) until the agent reports it: the
+    # second member's write does not drop the first one's entries.
     stubs.nodes.ReleaseGang(nodes_pb2.ReleaseGangRequest(name=gang.name))
+    raw, _ = etcd_client.get(allocation_key)
+    left = pb.HostAllocation.FromString(raw).attachments
+    assert all(a.release for a in left)
+    assert sorted((a.node, a.gpu) for a in left) == sorted(
+        (n.name, b.gpu) for n in gang.nodes for b in n.gpus
+    )
+    # Once the agent reports them RELEASED, they are freed and leave the allocation.
+    report_released(etcd_client, key_prefix, ["big"])
+    wait_until(lambda: not gpu_owners(etcd_client, key_prefix), message="GPUs freed")
     raw, _ = etcd_client.get(allocation_key)
     assert list(pb.HostAllocation.FromString(raw).attachments) == []
 
@@ -361,6 +393,7 @@ def test_a_gang_that_loses_its_compare_to_another_broker_writes_nothing(
 def _release_and_free(stubs: Stubs, name: str, etcd_client: Any, key_prefix: str) -> None:
     released = stubs.nodes.ReleaseGang(nodes_pb2.ReleaseGangRequest(name=name))
     assert all(n.state == pb.NODE_STATE_RELEASING for n in released.nodes)
+    report_released(etcd_client, key_prefix, sorted({n.host[6:] for n in released.nodes}))
     wait_until(
         lambda: not gpu_owners(etcd_client, key_prefix), message="the gang's GPUs to be freed"
     )
@@ -384,6 +417,8 @@ def test_releasing_a_gang_releases_every_member_in_one_transaction(
     assert len(revisions) == 1, "members released by more than one transaction"
     again = pool.nodes.ReleaseGang(nodes_pb2.ReleaseGangRequest(name=gang.name))
     assert {n.name for n in again.nodes} == {n.name for n in gang.nodes}
+    # Freed only once the agent reports them scrubbed and detached.
+    report_released(etcd_client, key_prefix, sorted({n.host[6:] for n in gang.nodes}))
     wait_until(lambda: not gpu_owners(etcd_client, key_prefix), message="GPUs freed")
     wait_until(
         lambda: all(
@@ -440,6 +475,7 @@ def test_a_gang_release_racing_a_member_release_leaves_every_member_releasing(
         released = releasing.result(timeout=30)
     assert [n.state for n in released.nodes] == [pb.NODE_STATE_RELEASING] * 2
     assert released.nodes[0].message == alone.message  # left as the first release made it
+    report_released(etcd_client, key_prefix, sorted({n.host[6:] for n in gang.nodes}))
     wait_until(lambda: not gpu_owners(etcd_client, key_prefix), message="GPUs freed")
 
 
@@ -479,6 +515,7 @@ def test_a_released_gang_and_its_request_id_are_collected_after_the_retention(
     wait_indexed(broker, ["h1"], 2)
     gang = stubs.nodes.ComposeGang(gang_request(2, "H100:1", request_id="collect-me"))
     stubs.nodes.ReleaseGang(nodes_pb2.ReleaseGangRequest(name=gang.name))
+    report_released(etcd_client, key_prefix, ["h1"])  # scrubbed: the members go RELEASED
 
     request_key = KeySchema(key_prefix).request("collect-me")
     wait_until(

@@ -148,3 +148,16 @@ def test_a_model_last_in_listing_order_is_found(
     assert models_in_pool(cache) == ["B200", "H100"]
     with pytest.raises(FailedPrecondition, match="the pool has B200, H100"):
         check_model_known(store, cache, "A100")
+
+
+def test_a_model_set_is_known_when_any_of_its_models_is_in_the_pool(
+    etcd_client: Any, schema: KeySchema, store: Store, cache: Cache
+) -> None:
+    put_gpu(etcd_client, schema, "abox", 0, "A100")
+    assert cache.wait_for_revision(store.current_revision(), 5)
+    check_model_known(store, cache, "H100|a100")
+    with pytest.raises(FailedPrecondition) as error:
+        check_model_known(store, cache, "H100|B200")
+    assert error.value.reason == "UNKNOWN_MODEL"
+    assert "no GPU of any model of 'H100|B200' is in the pool" in error.value.message
+    assert "register boxes of one of H100, B200" in error.value.message

@@ -435,3 +435,104 @@ def test_stalled_watcher_keeps_broker_memory_flat(  # type: ignore[no-untyped-de
             if broker.poll() is None:
                 broker.kill()
             log.close()
+
+
+# -- ListNodes with a label selector ----------------------------------------------------
+
+
+def test_list_nodes_filters_by_label_selector_across_pages(  # type: ignore[no-untyped-def]
+    broker: BrokerServer, nodes: nodes_pb2_grpc.NodeServiceStub, etcd_client, key_prefix: str
+) -> None:
+    records = []
+    for index in range(10):
+        record = node(f"n{index:02d}")
+        record.spec.labels["team"] = "ml" if index % 3 == 0 else "infra"
+        if index % 2 == 0:
+            record.spec.labels["tier"] = "prod"
+        records.append(record)
+    settle(broker, write_nodes(etcd_client, key_prefix, records))
+
+    def names(selector: str) -> list[str]:
+        found, token = [], ""
+        while True:
+            page = nodes.ListNodes(
+                nodes_pb2.ListNodesRequest(label_selector=selector, page_size=2, page_token=token)
+            )
+            assert len(page.nodes) <= 2
+            found += [n.name.removeprefix("nodes/") for n in page.nodes]
+            token = page.next_page_token
+            if not token:
+                return found
+
+    assert names("team=ml") == ["n00", "n03", "n06", "n09"]
+    assert names("team=ml,tier") == ["n00", "n06"]
+    assert names("team!=ml,!tier") == ["n01", "n05", "n07"]
+    assert len(names("")) == 10
+    assert names("owner=bob") == []
+
+
+def test_list_nodes_refuses_a_bad_selector(nodes: nodes_pb2_grpc.NodeServiceStub) -> None:
+    error = rpc_error(lambda: nodes.ListNodes(nodes_pb2.ListNodesRequest(label_selector="a=b=c")))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "invalid label selector 'a=b=c'" in (error.details() or "")
+    assert error_info(error).reason == "INVALID_SELECTOR"
+
+
+@pytest.mark.parametrize(
+    ("gpus", "message"),
+    [
+        (pb.GpuRequest(model="H100|h100", count=2), "h100 is named twice; name each model once"),
+        (pb.GpuRequest(model="H100||A100", count=2), "join several models with '|'"),
+        (pb.GpuRequest(model="H100", count=2, mixed_models=True), "mixed_models needs a model set"),
+    ],
+)
+def test_bad_model_sets_are_invalid_argument_saying_what_to_write(
+    stubs: Stubs, gpus: pb.GpuRequest, message: str
+) -> None:
+    request = nodes_pb2.ComposeNodeRequest(spec=pb.NodeSpec(gpus=gpus))
+    for call in (stubs.nodes.ComposeNode, stubs.nodes.PlanNode):
+        with pytest.raises(grpc.RpcError) as raised:
+            call(request)
+        error = raised.value
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+        assert message in error.details()  # type: ignore[attr-defined]
+        assert error_info(error).reason == "INVALID_GPU_MODEL"
+
+
+def test_a_model_set_composes_one_model_through_grpc(stubs: Stubs, sim_pool: SimPool) -> None:
+    register_sim_box(sim_pool, stubs, "hbox", gpus=2, model="H100")
+    register_sim_box(sim_pool, stubs, "abox", gpus=4, model="A100")
+    sim_pool.start_agent("h1")
+    wait_hosts_alive(stubs, 1)
+    spec = pb.NodeSpec(gpus=pb.GpuRequest(model="H100|A100", count=3))
+    node = stubs.nodes.ComposeNode(nodes_pb2.ComposeNodeRequest(spec=spec, node_id="n1"))
+    assert {binding.model for binding in node.gpus} == {"A100"}
+    mixed = pb.NodeSpec(gpus=pb.GpuRequest(model="H100|A100", count=3, mixed_models=True))
+    other = stubs.nodes.ComposeNode(nodes_pb2.ComposeNodeRequest(spec=mixed, node_id="n2"))
+    assert len(other.gpus) == 3
+    assert {binding.model for binding in [*node.gpus, *other.gpus]} == {"A100", "H100"}
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (pb.NodeSpec(affinity=7), "spec.affinity 7 is not a GpuAffinity"),
+        (pb.NodeSpec(max_gpus_per_box=-1), "spec.max_gpus_per_box -1 is out of range"),
+        (
+            pb.NodeSpec(affinity=pb.GPU_AFFINITY_BOX, max_gpus_per_box=1),
+            "contradicts affinity box",
+        ),
+        (pb.NodeSpec(host_selector={"": "prod"}), "spec.host_selector has an empty key"),
+        (pb.NodeSpec(cpu_cores=-1), "spec.cpu_cores -1 is out of range"),
+        (pb.NodeSpec(host_memory_mib=2**60), "spec.host_memory_mib 1152921504606846976 is out"),
+    ],
+)
+def test_bad_affinity_or_spread_is_invalid_argument(
+    stubs: Stubs, spec: pb.NodeSpec, message: str
+) -> None:
+    spec.gpus.CopyFrom(pb.GpuRequest(model="H100", count=2))
+    with pytest.raises(grpc.RpcError) as raised:
+        stubs.nodes.ComposeNode(nodes_pb2.ComposeNodeRequest(spec=spec))
+    error = raised.value
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert message in error.details()  # type: ignore[attr-defined]

@@ -185,3 +185,29 @@ def test_the_journal_forgets_beyond_its_length(feed: Feed) -> None:
         assert index.changed_since(now - 2, now) == (frozenset({"b2"}), frozenset())
     finally:
         index.close()
+
+
+def test_host_cpu_and_memory_come_from_the_host_and_its_reservations(
+    feed: Feed, index: PlacementIndex
+) -> None:
+    feed.put(
+        feed.schema.host("h1"),
+        pb.Host(name="hosts/h1", location=RACK, slot_capacity=8, cpu_cores=32, memory_mib=65536),
+    )
+    reservations = [
+        pb.HostReservation(node="nodes/a", cpu_cores=8, memory_mib=16384),
+        pb.HostReservation(node="nodes/b", cpu_cores=4, memory_mib=1024),
+    ]
+    feed.put(
+        feed.schema.host_allocation("h1"),
+        pb.HostAllocation(host="hosts/h1", reservations=reservations),
+    )
+    host = index.snapshot().hosts["h1"]
+    assert (host.cpu_cores, host.memory_mib) == (32, 65536)
+    assert (host.used_cpu_cores, host.used_memory_mib) == (12, 17408)
+    request = PlacementRequest("H100", 1, cpu_cores=20, host_memory_mib=48128)
+    model = TopologyLatencyModel(Topology.default())
+    result = place(request, index.snapshot(), model)
+    assert result.placement is not None and result.placement.host == "h1"
+    too_many = place(PlacementRequest("H100", 1, cpu_cores=21), index.snapshot(), model)
+    assert too_many.placement is None

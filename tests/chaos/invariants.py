@@ -46,7 +46,9 @@ Safety, at every revision (:func:`check_records`):
 * ``ALLOCATION_MISMATCH`` — an attachment in ``hostalloc/{host}`` whose GPU is not owned
   by that node on that host, slot and generation, or is FREE, FENCING, QUARANTINED...; or
   an ATTACHING/ATTACHED GPU missing from its host's allocation. The allocation is what an
-  agent acts on: an entry for a GPU the host must not have makes the agent attach it.
+  agent acts on: an entry for a GPU the host must not have makes the agent attach it. An
+  entry marked ``release`` (scrub and detach) must be for a GPU DETACHING or FENCING on
+  that host at that generation: the broker drops it when it records the outcome.
 * ``ACCOUNTING`` — every slot of every box has exactly one GPU record with a known
   state, and no GPU record lies outside a box: free + owned + fencing + quarantined +
   faulted = total.
@@ -121,6 +123,8 @@ OWNED_GPU_STATES = frozenset(
     {pb.GPU_STATE_ATTACHING, pb.GPU_STATE_ATTACHED, pb.GPU_STATE_DETACHING}
 )
 DESIRED_GPU_STATES = frozenset({pb.GPU_STATE_ATTACHING, pb.GPU_STATE_ATTACHED})
+# States of a GPU whose host's allocation may list it for release (scrub, detach, report).
+RELEASE_GPU_STATES = frozenset({pb.GPU_STATE_DETACHING, pb.GPU_STATE_FENCING})
 TRANSIENT_GPU_STATES = frozenset(
     {pb.GPU_STATE_ATTACHING, pb.GPU_STATE_DETACHING, pb.GPU_STATE_FENCING}
 )
@@ -607,9 +611,10 @@ def _check_allocations(snap: EtcdSnapshot) -> list[Violation]:
                     )
                 )
                 continue
+            wanted_states = RELEASE_GPU_STATES if attachment.release else DESIRED_GPU_STATES
             if (
-                target.state not in DESIRED_GPU_STATES
-                or target.node != attachment.node
+                target.state not in wanted_states
+                or (not attachment.release and target.node != attachment.node)
                 or target.host != host
                 or target.host_slot != attachment.host_slot
                 or target.generation != attachment.generation
@@ -631,7 +636,7 @@ def _check_allocations(snap: EtcdSnapshot) -> list[Violation]:
         wanted = [
             a
             for where, a in desired.get(name, [])
-            if where == gpu.host and a.generation == gpu.generation
+            if where == gpu.host and a.generation == gpu.generation and not a.release
         ]
         if not wanted:
             found.append(

@@ -125,7 +125,15 @@ class PoolState:
                 self.allocate(host, node_id, box, slot, host_slot, generation)
 
     def allocate(
-        self, host: str, node_id: str, box: str, slot: int, host_slot: int, generation: int = 1
+        self,
+        host: str,
+        node_id: str,
+        box: str,
+        slot: int,
+        host_slot: int,
+        generation: int = 1,
+        *,
+        release: bool = False,
     ) -> None:
         entries = self.allocations.setdefault(host, [])
         entries.append(
@@ -134,6 +142,7 @@ class PoolState:
                 host_slot=host_slot,
                 node=f"nodes/{node_id}",
                 generation=generation,
+                release=release,
             )
         )
         self.put(
@@ -315,6 +324,23 @@ def test_gpu_in_two_hosts_allocations(state: PoolState) -> None:
     state.allocate("h1", "n1", "b0", 0, 0)  # h1 is told to attach it too
     found = kinds(check_records(state.snapshot()))
     assert ("ALLOCATION_MISMATCH", gname("b0", 0)) in found
+
+
+def test_a_release_entry_is_allowed_only_while_its_gpu_is_let_go(state: PoolState) -> None:
+    state.node(
+        "n1",
+        "h0",
+        [("b0", 0, 0), ("b0", 1, 1)],
+        pb.NODE_STATE_RELEASING,
+        gpu_state=pb.GPU_STATE_DETACHING,
+        allocate=False,
+    )
+    state.allocate("h0", "n1", "b0", 0, 0, release=True)  # scrub and detach: fine
+    state.gpu("b0", 2)  # FREE
+    state.allocate("h0", "n1", "b0", 2, 2, release=True)  # freed, yet still listed
+    found = kinds(check_records(state.snapshot()))
+    assert ("ALLOCATION_MISMATCH", gname("b0", 0)) not in found
+    assert ("ALLOCATION_MISMATCH", gname("b0", 2)) in found
 
 
 def test_attaching_gpu_missing_from_allocation(state: PoolState) -> None:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 from xml.etree import ElementTree
 
@@ -15,8 +16,11 @@ import pytest
 import yaml
 from click.testing import CliRunner, Result
 
+from dxpool.api.v1 import resources_pb2 as pb
+from dxpool.cli import picture
 from dxpool.cli.main import cli
 from dxpool.client import Client
+from dxpool.store.keys import KeySchema
 from tests.conftest import SimPool, Stubs, register_sim_box, wait_until
 
 if TYPE_CHECKING:
@@ -56,7 +60,7 @@ def ok(result: Result) -> str:
 def test_box_add_list_cordon_delete(run: Run) -> None:
     args = shlex.split("box add box1 --gpus H100:8 --memory 80GiB --site dc1 --pod p1 --rack r1")
     added = ok(run(*args))
-    assert added.splitlines()[1].split()[:4] == ["box1", "Active", "8", "dc1/p1/r1"]
+    assert added.splitlines()[1].split()[:4] == ["box1", "Active", "8/8", "dc1/p1/r1"]
     ok(run(*shlex.split("box add box2 --gpus 4 --model A100 --memory 40GiB --label row=2 -o name")))
 
     listed = json.loads(ok(run("box", "list", "-o", "json")))
@@ -319,6 +323,18 @@ def test_gpu_reclaim_of_a_free_gpu_fails_and_says_why(run: Run, pool: SimPool) -
     assert "is FREE, not QUARANTINED" in result.stderr
 
 
+def test_gpu_clear_health_marks_a_gpu_healthy_and_refuses_unknown_ones(
+    run: Run, pool: SimPool
+) -> None:
+    assert ok(run("gpu", "clear-health", "box2/3", "--reason", "checked")).strip() == (
+        "boxes/box2/gpus/3 healthy"
+    )
+    missing = run("gpu", "clear-health", "nobox/0")
+    assert missing.exit_code == 1
+    assert missing.stderr.startswith("error: NOT_FOUND: ")
+    assert run("gpu", "clear-health").exit_code == 2  # usage: no GPU named
+
+
 def test_node_watch_streams_json_lines_until_ctrl_c(
     run: Run, pool: SimPool, broker: BrokerServer
 ) -> None:
@@ -348,3 +364,292 @@ def test_node_watch_streams_json_lines_until_ctrl_c(
         if watch.poll() is None:
             watch.kill()
             watch.wait()
+
+
+def test_node_describe_shows_the_node_and_its_events(run: Run, pool: SimPool) -> None:
+    ok(run("node", "create", "--gpus", "H100:2", "--name", "d1", "--label", "team=ml", "--wait"))
+    ok(run("node", "delete", "d1", "--wait"))
+    text = ok(run("node", "describe", "d1"))
+    lines = text.splitlines()
+    assert lines[0].split() == ["Name:", "d1"]
+    assert "State:" in lines[1] and lines[1].split()[-1] == "Released"
+    assert any(line.split()[:2] == ["Labels:", "team=ml"] for line in lines)
+    assert "Bindings:" in lines and "Events:" in lines
+    events = lines[lines.index("Events:") + 1 :]
+    assert events[0].split() == ["TYPE", "REASON", "AGE", "OBJECT", "MESSAGE"]
+    reasons = [line.split()[1] for line in events[1:]]
+    assert reasons[0] == "Composed" and reasons[-2:] == ["Releasing", "Released"]
+    assert "Ready" in reasons
+    assert all(line.split()[0] == "Normal" for line in events[1:])
+
+
+def test_node_describe_of_an_unknown_node_is_not_found(run: Run, pool: SimPool) -> None:
+    result = run("node", "describe", "nope")
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: NOT_FOUND: ")
+
+
+def test_box_and_host_describe_show_the_events_of_their_nodes(run: Run, pool: SimPool) -> None:
+    created = json.loads(ok(run("node", "create", "--gpus", "H100:1", "--name", "d2", "--host",
+                                "h1", "--wait", "-o", "json")))  # fmt: skip
+    box = created["gpus"][0]["gpu"].split("/")[1]
+    box_text = ok(run("box", "describe", box)).splitlines()
+    assert box_text[0].split() == ["Name:", box]
+    assert any(line.split()[:3] == ["GPUs", "free/total:", "3/4"] for line in box_text)
+    events = box_text[box_text.index("Events:") + 2 :]
+    assert {line.split()[3] for line in events} == {"node/d2"}
+    assert "Ready" in [line.split()[1] for line in events]
+
+    host_text = ok(run("host", "describe", "h1")).splitlines()
+    assert any(line.split()[:3] == ["Slots", "used/total:", "1/8"] for line in host_text)
+    nodes = host_text[host_text.index("Nodes:") + 1 :]
+    assert nodes[1].split()[:3] == ["d2", "Ready", "H100:1"]
+    assert "node/d2" in host_text[-1]
+
+
+def test_list_with_a_label_selector(run: Run, pool: SimPool) -> None:
+    ok(run("node", "create", "--gpus", "H100:1", "--name", "s1", "--label", "team=ml"))
+    ok(run("node", "create", "--gpus", "H100:1", "--name", "s2", "--label", "team=infra"))
+    ok(run("node", "create", "--gpus", "H100:1", "--name", "s3"))
+    assert ok(run("node", "list", "-l", "team=ml", "-o", "name")) == "nodes/s1\n"
+    assert ok(run("node", "list", "-l", "team!=ml", "-o", "name")).split() == [
+        "nodes/s2",
+        "nodes/s3",
+    ]
+    assert ok(run("node", "list", "--selector", "!team", "-o", "name")) == "nodes/s3\n"
+    assert ok(run("box", "list", "-l", "row", "-o", "name")) == ""
+    assert ok(run("host", "list", "-l", "!row", "-o", "name")) == "hosts/h1\n"
+
+
+@pytest.mark.parametrize("noun", ["node", "box", "host"])
+def test_a_bad_selector_is_a_usage_error(run: Run, noun: str) -> None:
+    result = run(noun, "list", "-l", "team=a=b")
+    assert result.exit_code == 2
+    assert "invalid label selector 'team=a=b'" in result.stderr
+    assert "KEY=VALUE, KEY!=VALUE, KEY or !KEY" in result.stderr
+
+
+def test_box_list_shows_free_of_total(run: Run, pool: SimPool) -> None:
+    ok(run("node", "create", "--gpus", "H100:3", "--name", "f1", "--max-latency", "50us",
+           "--host", "h1"))  # fmt: skip
+    table = ok(run("box", "list")).splitlines()
+    assert table[0].split()[:4] == ["NAME", "STATE", "GPUS", "FREE/TOTAL"]
+    free = {row.split()[0]: row.split()[2] for row in table[1:]}
+    assert sorted(free.values()) in (["1/4", "4/4"], ["2/4", "3/4"])
+    host = ok(run("host", "list", "-o", "wide")).splitlines()
+    assert host[0].split()[2:4] == ["SLOTS", "USED/TOTAL"]
+    assert host[1].split()[2] == "3/8"
+    assert "0,1,2" in host[1].split()
+
+
+def test_node_list_watch_prints_the_table_then_changes_until_ctrl_c(
+    run: Run, pool: SimPool, broker: BrokerServer
+) -> None:
+    ok(run("node", "create", "--gpus", "H100:1", "--name", "w2", "--label", "team=ml", "--wait"))
+    ok(run("node", "create", "--gpus", "H100:1", "--name", "w3", "--wait"))
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "dxpool.cli", "--endpoint", broker.endpoint, "node", "list",
+         "-l", "team=ml", "-w"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert watch.stdout is not None
+        assert watch.stdout.readline().split()[:3] == ["NAME", "STATE", "HOST"]
+        assert watch.stdout.readline().split()[:2] == ["w2", "Ready"]
+        ok(run("node", "delete", "w3", "w2"))
+        states = []
+        while "Released" not in states:
+            row = watch.stdout.readline().split()
+            assert row[0] == "w2"  # w3 does not match the selector
+            states.append(row[1])
+        assert states[0] == "Releasing"
+        watch.send_signal(signal.SIGINT)
+        assert watch.wait(timeout=10) == 130
+        assert watch.stderr is not None and "Traceback" not in watch.stderr.read()
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait()
+
+
+def test_status_picture_and_its_svg_count_what_etcd_holds(  # type: ignore[no-untyped-def]
+    run: Run, pool: SimPool, broker: BrokerServer, etcd_client, key_prefix: str, tmp_path
+) -> None:
+    ok(run("node", "create", "--gpus", "H100:2", "--name", "p1", "--host", "h1", "--wait"))
+    ok(run("box", "cordon", "box2"))
+    schema = KeySchema(key_prefix)
+    sick = pb.Gpu.FromString(etcd_client.get(schema.gpu("box1", 3))[0])
+    if sick.state == pb.GPU_STATE_FREE:  # out of service behind the broker's back
+        sick.state = pb.GPU_STATE_QUARANTINED
+        etcd_client.put(schema.gpu("box1", 3), sick.SerializeToString())
+
+    def from_etcd() -> dict[str, int]:
+        """Each category counted from the stored records, independently of the CLI."""
+        boxes = {
+            b.name: b.state
+            for b in (pb.Box.FromString(v) for v, _ in etcd_client.get_prefix(schema.box("")))
+        }
+        found: dict[str, int] = {}
+        for value, _ in etcd_client.get_prefix(f"{key_prefix}gpus/"):
+            gpu = pb.Gpu.FromString(value)
+            if gpu.state in (pb.GPU_STATE_QUARANTINED, pb.GPU_STATE_FAULTED):
+                key = "failing"
+            elif gpu.state == pb.GPU_STATE_FREE:
+                key = "free" if boxes[gpu.box] == pb.BOX_STATE_ACTIVE else "unavailable"
+            else:
+                key = pb.GpuState.Name(gpu.state).removeprefix("GPU_STATE_").lower()
+            found[key] = found.get(key, 0) + 1
+        return found
+
+    expected = from_etcd()
+    assert expected["attached"] == 2 and expected["unavailable"] >= 2
+    wait_until(
+        lambda: "✖" in ok(run("status", "--picture")).split("\n\n")[0],
+        message="the broker to see the quarantined GPU",
+    )
+    text = ok(run("status", "--picture"))
+    assert "rack s1/p1/r1" in text and "rack s1/p1/r2" in text
+    assert "cordoned" in text.splitlines()[3]
+
+    svg_path = tmp_path / "pool.svg"
+    saved = run("status", "--svg", str(svg_path))
+    assert saved.exit_code == 0 and "picture saved to" in saved.stderr
+    svg = svg_path.read_text()
+    assert from_etcd() == expected  # nothing moved while the picture was taken
+    for glyph in picture.GLYPHS:
+        assert svg.count(glyph.char) == expected.get(glyph.key, 0) + 1, glyph.key  # + legend
+
+
+def test_status_picture_flags_that_do_not_go_together_are_usage_errors(run: Run) -> None:
+    for args in (["--picture", "-o", "json"], ["--svg", "x.svg", "--watch"]):
+        result = run("status", *args)
+        assert result.exit_code == 2, args
+    assert run("status", "--watch", "--interval", "0s").exit_code == 2
+
+
+def test_status_svg_to_a_file_that_cannot_be_written_says_so(
+    run: Run, pool: SimPool, tmp_path: Path
+) -> None:
+    result = run("status", "--svg", str(tmp_path / "missing" / "pool.svg"))
+    assert result.exit_code == 1
+    assert "Could not open file" in result.stderr and "No such file" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_status_watch_redraws_until_ctrl_c(broker: BrokerServer, pool: SimPool) -> None:
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "dxpool.cli", "--endpoint", broker.endpoint, "status",
+         "--picture", "--watch", "--interval", "200ms"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert watch.stdout is not None and watch.stderr is not None
+        frames = 0
+        while frames < 2:  # to a pipe, each redraw is printed after the last
+            line = watch.stdout.readline()
+            assert line, "the watch ended early"
+            frames += line.startswith("rack s1/p1/r1")
+        watch.send_signal(signal.SIGINT)
+        assert watch.wait(timeout=10) == 130
+        assert "Traceback" not in watch.stderr.read()
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait()
+
+
+def test_node_plan_with_a_model_set_names_the_model_it_chose(run: Run, pool: SimPool) -> None:
+    plan = json.loads(ok(run("node", "plan", "--gpus", "A100|H100:3", "-o", "json")))
+    assert plan["host"] == "hosts/h1" and {g["model"] for g in plan["gpus"]} == {"H100"}
+    (kept,) = [h for h in plan["hosts"] if h.get("feasible")]
+    assert kept["reasons"][0] == "model H100 (no placement of A100)"
+    mixed = json.loads(
+        ok(run("node", "plan", "--gpus", "H100|A100:3", "--mixed-models", "-o", "json"))
+    )
+    assert mixed["host"] == "hosts/h1"
+
+
+def test_node_create_with_a_model_set_the_pool_lacks_is_unknown_model(
+    run: Run, pool: SimPool
+) -> None:
+    result = run("node", "create", "--gpus", "B200|A100:1")
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: FAILED_PRECONDITION: ")
+    assert "no GPU of any model of 'B200|A100' is in the pool" in result.stderr
+
+
+def test_mixed_models_without_a_model_set_is_a_usage_error(run: Run) -> None:
+    result = run("node", "plan", "--gpus", "H100:2", "--mixed-models")
+    assert result.exit_code == 2
+    assert "--mixed-models needs a model set in --gpus" in result.stderr
+
+
+def test_node_plan_with_spread_and_affinity(run: Run, pool: SimPool) -> None:
+    spread = json.loads(
+        ok(run("node", "plan", "--gpus", "H100:2", "--spread", "boxes", "-o", "json"))
+    )
+    assert sorted(g["gpu"].split("/gpus/")[0] for g in spread["gpus"]) == [
+        "boxes/box1",
+        "boxes/box2",
+    ]
+    text = ok(run("node", "plan", "--gpus", "H100:5", "--affinity", "box"))
+    assert text.startswith("placement: nothing fits now\n")
+    assert "0 in a box holding 5 of them (affinity box)" in text
+    refused = run("node", "create", "--gpus", "H100:5", "--affinity", "box")
+    assert refused.exit_code == 1
+    assert "from one box" in refused.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--spread", "racks"), "cannot parse spread 'racks'"),
+        (("--spread", "boxes:0"), "out of range"),
+        (("--affinity", "box", "--spread", "boxes"), "give one or the other"),
+        (("--affinity", "rack"), "'rack' is not 'box'"),
+    ],
+)
+def test_bad_spread_or_affinity_is_a_usage_error(
+    run: Run, args: tuple[str, ...], message: str
+) -> None:
+    result = run("node", "plan", "--gpus", "H100:2", *args)
+    assert result.exit_code == 2
+    assert message in result.stderr
+
+
+def test_node_plan_with_a_host_selector_uses_the_agents_labels(
+    run: Run, broker: BrokerServer, pool: SimPool
+) -> None:
+    pool.start_agent("h2", rack="r2", extra=("--label", "env=prod"))
+    with Client(broker.endpoint) as client:
+        wait_until(lambda: sum(h.alive for h in client.list_hosts()) == 2, message="h2 alive")
+    plan = json.loads(
+        ok(run("node", "plan", "--gpus", "H100:2", "--host-selector", "env=prod", "-o", "json"))
+    )
+    assert plan["host"] == "hosts/h2"
+    (h1,) = [h for h in plan["hosts"] if h["name"] == "hosts/h1"]
+    assert h1["reasons"] == ["labels lack env=prod"]
+    refused = run("node", "create", "--gpus", "H100:2", "--host-selector", "env=dev")
+    assert refused.exit_code == 1
+    assert "on hosts labelled env=dev" in refused.stderr
+    assert "host labels: 2 of 2 hosts do not have env=dev" in refused.stderr
+    bad = run("node", "plan", "--gpus", "H100:2", "--host-selector", "env")
+    assert bad.exit_code == 2
+
+
+def test_node_plan_with_cpus_and_host_memory(run: Run, broker: BrokerServer, pool: SimPool) -> None:
+    pool.start_agent("h2", rack="r2", extra=("--cpus", "16", "--memory", "128GiB"))
+    with Client(broker.endpoint) as client:
+        wait_until(lambda: sum(h.alive for h in client.list_hosts()) == 2, message="h2 alive")
+    args = ("--gpus", "H100:2", "--cpus", "8", "--host-memory", "64GiB")
+    plan = json.loads(ok(run("node", "plan", *args, "-o", "json")))
+    assert plan["host"] == "hosts/h2"
+    (h1,) = [h for h in plan["hosts"] if h["name"] == "hosts/h1"]
+    assert h1["reasons"] == ["declares no CPU cores; declares no memory"]
+    text = ok(run("node", "plan", "--gpus", "H100:2", "--cpus", "17"))
+    assert "host resources: 2 of 2 hosts lack 17 free CPU cores" in text
+    assert run("node", "plan", "--gpus", "H100:2", "--host-memory", "lots").exit_code == 2

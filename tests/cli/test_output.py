@@ -19,6 +19,7 @@ from dxpool.cli.output import (
 )
 from dxpool.cli.views import (
     BOX_VIEW,
+    HOST_VIEW,
     NODE_STREAM_WIDTHS,
     NODE_VIEW,
     age,
@@ -67,10 +68,10 @@ def test_table_never_squeezes_wide_rows() -> None:
 
 
 def test_box_table_and_wide(capsys: pytest.CaptureFixture[str]) -> None:
-    print_many([make_box(labels={"team": "ml"})], BOX_VIEW, OutputFormat.TABLE)
+    print_many([make_box(labels={"team": "ml"}, gpus_free=5)], BOX_VIEW, OutputFormat.TABLE)
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split() == ["NAME", "STATE", "GPUS", "LOCATION", "AGE"]
-    assert table[1].split() == ["box1", "Active", "8", "dc1/p1/r1", "<none>"]
+    assert table[0].split() == ["NAME", "STATE", "GPUS", "FREE/TOTAL", "LOCATION", "AGE"]
+    assert table[1].split() == ["box1", "Active", "5/8", "dc1/p1/r1", "<none>"]
 
     print_many([make_box(labels={"team": "ml"})], BOX_VIEW, OutputFormat.WIDE)
     wide = capsys.readouterr().out.splitlines()
@@ -165,3 +166,18 @@ def test_cell_formatters() -> None:
     assert location(pb.Location(site="dc1")) == "dc1"
     assert location(pb.Location()) == "<none>"
     assert gpu_request(pb.GpuRequest(count=2, min_memory_mib=40960)) == "*:2(>=40GiB)"
+
+
+def test_host_table_says_slots_used_of_total_and_wide_names_them(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    host = pb.Host(name="hosts/h1", alive=True, slot_capacity=8, slots_used=2)
+    host.used_slots.extend([0, 3])
+    print_many([host], HOST_VIEW, OutputFormat.TABLE)
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:4] == ["NAME", "ALIVE", "SLOTS", "USED/TOTAL"]
+    assert table[1].split()[:3] == ["h1", "yes", "2/8"]
+    print_many([host], HOST_VIEW, OutputFormat.WIDE)
+    wide = capsys.readouterr().out.splitlines()
+    column = wide[0].index("USED-SLOTS")
+    assert wide[1][column:].split()[0] == "0,3"

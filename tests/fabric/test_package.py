@@ -52,4 +52,13 @@ def test_exported_names_are_pinned() -> None:
 def test_sim_errors_form_one_tree() -> None:
     for error in (sim.MappingConflict, sim.UnknownTarget, sim.InjectedFault, sim.Fenced):
         assert issubclass(error, sim.SimFabricError)
-    assert sorted(sim.FAULT_OPS) == ["bind", "fence", "identity", "map", "rescan", "scrub", "unmap"]
+    assert sorted(sim.FAULT_OPS) == [
+        "bind",
+        "fence",
+        "identity",
+        "map",
+        "rescan",
+        "reset",
+        "scrub",
+        "unmap",
+    ]

@@ -47,6 +47,7 @@ EXPECTED: dict[str, frozenset[grpc.StatusCode]] = {
     "InventoryService.GetGpu": _LOOKUP,
     "InventoryService.ListGpus": _LOOKUP,
     "InventoryService.ReclaimGpu": _LOOKUP | {C.FAILED_PRECONDITION},
+    "InventoryService.ClearGpuHealth": _LOOKUP | {C.FAILED_PRECONDITION},
     "InventoryService.GetHost": _LOOKUP,
     "InventoryService.GetPoolStatus": _LIST,
     "InventoryService.ListHosts": _LIST,
@@ -64,6 +65,9 @@ EXPECTED: dict[str, frozenset[grpc.StatusCode]] = {
     "NodeService.ResizeNode": _LOOKUP
     | {C.ALREADY_EXISTS, C.RESOURCE_EXHAUSTED, C.FAILED_PRECONDITION},
     "NodeService.ReleaseGang": _LOOKUP,
+    "NodeService.SetTenantQuota": _LIST,
+    "NodeService.GetTenant": _LIST,  # a tenant never seen has no quota and no usage
+    "NodeService.ListTenants": _LIST,
     "FabricService.GetLatency": _LOOKUP,
     "FabricService.Predict": _LOOKUP | {C.RESOURCE_EXHAUSTED},
 }
@@ -75,11 +79,13 @@ MUTATIONS = frozenset(
         "InventoryService.UncordonBox",
         "InventoryService.DeleteBox",
         "InventoryService.ReclaimGpu",
+        "InventoryService.ClearGpuHealth",
         "NodeService.ComposeNode",
         "NodeService.ReleaseNode",
         "NodeService.ComposeGang",
         "NodeService.ReleaseGang",
         "NodeService.ResizeNode",
+        "NodeService.SetTenantQuota",
     }
 )
 # Successful calls the node controller follows up on with writes of its own.
@@ -91,6 +97,7 @@ FOLLOWED_UP = frozenset(
         "NodeService.ReleaseGang",
         "NodeService.ResizeNode",
         "InventoryService.ReclaimGpu",
+        "InventoryService.ClearGpuHealth",
     }
 )
 
@@ -130,6 +137,9 @@ BASELINES: dict[str, Message] = {
     "InventoryService.ReclaimGpu": inventory_pb2.ReclaimGpuRequest(
         name="boxes/box1/gpus/7", reason="proxy replaced"
     ),
+    "InventoryService.ClearGpuHealth": inventory_pb2.ClearGpuHealthRequest(
+        name="boxes/box1/gpus/7", reason="checked"
+    ),
     "InventoryService.GetHost": inventory_pb2.GetHostRequest(name="hosts/h1"),
     "InventoryService.GetPoolStatus": inventory_pb2.GetPoolStatusRequest(),
     "InventoryService.ListHosts": inventory_pb2.ListHostsRequest(page_size=5),
@@ -148,6 +158,11 @@ BASELINES: dict[str, Message] = {
         name="nodes/vm1", gpu_count=1, request_id="r-resize"
     ),
     "NodeService.ReleaseGang": nodes_pb2.ReleaseGangRequest(name="gangs/g1"),
+    "NodeService.SetTenantQuota": nodes_pb2.SetTenantQuotaRequest(
+        name="tenants/ml", quota=pb.TenantQuota(gpus=8, nodes=2, gpus_by_model={"H100": 4})
+    ),
+    "NodeService.GetTenant": nodes_pb2.GetTenantRequest(name="tenants/ml"),
+    "NodeService.ListTenants": nodes_pb2.ListTenantsRequest(page_size=2),
     "FabricService.GetLatency": fabric_pb2.GetLatencyRequest(host="hosts/h1", box="boxes/box1"),
     "FabricService.Predict": fabric_pb2.PredictRequest(
         host="hosts/h1", gpus=pb.GpuRequest(model="H100", count=2), workload="400@5ms"

@@ -80,6 +80,7 @@ class FakeKernel(Sysfs):
         self._lock = threading.RLock()
         self._timers: list[threading.Timer] = []
         self.writes: list[tuple[str, str]] = []
+        self.resets: list[str] = []  # devices reset through their reset attribute
         self.failing_writes: dict[str, int] = {}  # relative path -> errno the write fails with
         for relative in ("bus/pci/devices", "bus/pci/slots", "kernel/iommu_groups"):
             self.path(relative).mkdir(parents=True, exist_ok=True)
@@ -200,6 +201,10 @@ class FakeKernel(Sysfs):
             self._bring_up(self._ports[bdf])
         elif attribute == "remove":
             self._take_down(bdf)
+        elif attribute == "reset":
+            if self.path(f"bus/pci/devices/{bdf}/driver").is_symlink():
+                raise OSError(errno.EBUSY, "Device or resource busy")  # the fake's rule
+            self.resets.append(bdf)
         elif attribute == "driver_override":
             self._plain(
                 f"bus/pci/devices/{bdf}/driver_override", (value.strip() or "(null)") + "\n"
@@ -329,7 +334,7 @@ class FakeKernel(Sysfs):
         self._plain(f"{base}/max_link_width", f"{link[1]}\n")
         self._plain(f"{base}/current_link_speed", "32.0 GT/s PCIe\n")
         self._plain(f"{base}/max_link_speed", "32.0 GT/s PCIe\n")
-        for attribute in ("remove", "rescan"):
+        for attribute in ("remove", "rescan", "reset"):
             self._plain(f"{base}/{attribute}", "")
         if iommu_group is not None:
             group_dir = self.path(f"kernel/iommu_groups/{iommu_group}/devices")

@@ -64,6 +64,8 @@ def test_labels_are_read_only_copies() -> None:
         ({"labels": {"z\u202e": "a"}}, "contains the non-printable character U+202E"),
         ({"labels": {"zone": "x" * 257}}, "the limit is 256"),
         ({"labels": {f"k{i}": "v" for i in range(33)}}, "the limit is 32"),
+        ({"cpu_cores": -1}, "cpu_cores -1 is out of range"),
+        ({"memory_mib": 2**62}, "memory_mib 4611686018427387904 is out of range"),
     ],
 )
 def test_bad_values_name_what_to_fix(fields: dict[str, object], message: str) -> None:

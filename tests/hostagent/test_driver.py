@@ -18,6 +18,7 @@ from dxpool.hostagent.errors import (
     DeviceTimeoutError,
     DriverError,
     IdentityMismatchError,
+    ScrubError,
 )
 from dxpool.names import GpuRef
 
@@ -306,3 +307,63 @@ def test_sim_driver_declares_its_capabilities(sim_driver: StepDriver) -> None:
 def test_attach_request_rejects_a_negative_host_slot() -> None:
     with pytest.raises(ValueError, match="host_slot"):
         AttachRequest(GPU, host_slot=-1)
+
+
+def test_scrub_resets_the_unbound_device_and_leaves_it_bound_to_nvidia(
+    sim_fabric: SimFabric, sim_driver: StepDriver
+) -> None:
+    sim_driver.attach(AttachRequest(GPU, host_slot=0, vfio=False))
+    sim_fabric.inject_fault("reset", box="b1", slot=0, message="first reset fails")
+
+    with pytest.raises(DriverError, match="first reset fails"):
+        sim_driver.scrub(GPU)
+    sim_driver.scrub(GPU)  # safe to call again
+
+    [device] = sim_fabric.devices(HOST)
+    assert device.driver == "nvidia"
+    assert sim_fabric.mappings(HOST) == {0: ("b1", 0)}
+
+
+def test_scrub_of_a_gpu_unhealthy_after_its_reset_is_a_scrub_error(
+    sim_fabric: SimFabric, sim_driver: StepDriver
+) -> None:
+    sim_driver.attach(AttachRequest(GPU, host_slot=0))
+    sim_fabric.set_health("b1", 0, healthy=False)
+
+    with pytest.raises(ScrubError, match="unhealthy after a reset") as caught:
+        sim_driver.scrub(GPU)
+    assert not caught.value.retryable
+
+
+def test_scrub_of_a_gpu_not_mapped_here_is_a_driver_error(sim_driver: StepDriver) -> None:
+    with pytest.raises(DriverError, match="not mapped to this host"):
+        sim_driver.scrub(GPU)
+
+
+def test_attach_of_a_gpu_with_another_serial_is_refused_and_rolled_back(
+    sim_fabric: SimFabric, sim_driver: StepDriver
+) -> None:
+    request = AttachRequest(GPU, host_slot=0, expected_serial="1650000000001")
+
+    with pytest.raises(IdentityMismatchError, match="expected 1650000000001") as caught:
+        sim_driver.attach(request)
+
+    assert not caught.value.retryable
+    assert sim_fabric.mappings(HOST) == {}
+
+
+def test_the_recorded_serial_is_accepted(sim_driver: StepDriver) -> None:
+    from dxpool.fabric._sim_types import gpu_serial
+
+    request = AttachRequest(GPU, host_slot=0, expected_serial=gpu_serial("b1", 0))
+    assert request.expected_device.dsn == ""  # a board serial is NVML's to check
+
+    attached = sim_driver.attach(request)
+
+    assert attached.identity is not None and attached.identity.serial == gpu_serial("b1", 0)
+
+
+def test_a_serial_in_device_serial_number_form_goes_to_the_bus() -> None:
+    request = AttachRequest(GPU, host_slot=0, expected_serial="01-23-45-67-89-ab-cd-ef")
+
+    assert request.expected_device.dsn == "01-23-45-67-89-ab-cd-ef"

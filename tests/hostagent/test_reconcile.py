@@ -216,6 +216,7 @@ def test_identity_mismatch_fails_at_once_and_leaves_nothing_mapped(harness: Harn
     assert entry.phase == Phase.ATTACHMENT_PHASE_FAILED
     assert "after 1 attempt(s)" in entry.message
     assert "expected 'A100'" in entry.message
+    assert entry.identity_mismatch
     assert harness.fabric.mappings(HOST) == {}
 
 
@@ -374,3 +375,140 @@ def test_a_busy_gpu_is_drained_then_detached_after_the_drain_timeout(
         lease.revoke()
         client.close()
         host.close()
+
+
+def test_a_released_gpu_is_scrubbed_detached_and_reported_released(harness: Harness) -> None:
+    harness.set_desired(want(GPU, host_slot=0))
+    assert harness.reconciler.reconcile(GPU) is Outcome.DONE
+    harness.set_desired(want(GPU, host_slot=0, release=True))
+
+    assert harness.reconciler.reconcile(GPU) is Outcome.DONE
+
+    entry = harness.stored()[GPU.name]
+    assert (entry.phase, entry.scrubbed, entry.generation) == (
+        Phase.ATTACHMENT_PHASE_RELEASED,
+        True,
+        1,
+    )
+    assert harness.fabric.mappings(HOST) == {}
+    assert harness.reconciler.reconcile(GPU) is Outcome.DONE  # reported: nothing more
+    harness.set_desired()  # the broker recorded it
+    assert harness.reconciler.reconcile(GPU) is Outcome.DONE
+    assert harness.stored() == {}
+
+
+def test_an_agent_restarted_after_the_scrub_does_not_scrub_again(harness: Harness) -> None:
+    """The scrub is recorded in the entry before the detach: a crash between them is
+    resumed with the detach, and the GPU still counts as scrubbed."""
+    harness.set_desired(want(GPU, host_slot=0))
+    assert harness.reconciler.reconcile(GPU) is Outcome.DONE
+    harness.set_desired(want(GPU, host_slot=0, release=True))
+    harness.fabric.inject_fault("unmap", box="b1", slot=0, message="proxy busy")
+    assert harness.reconciler.reconcile(GPU) is Outcome.RETRY  # scrubbed, detach failed
+    assert harness.stored()[GPU.name].scrubbed
+
+    restarted = harness.restart()
+    restarted.set_desired(want(GPU, host_slot=0, release=True))
+    harness.fabric.inject_fault("reset", box="b1", slot=0, message="a second reset")
+    assert restarted.reconciler.reconcile(GPU) is Outcome.DONE
+
+    entry = restarted.stored()[GPU.name]
+    assert entry.phase == Phase.ATTACHMENT_PHASE_RELEASED and entry.scrubbed
+
+
+def test_a_gpu_that_was_attached_and_vanished_unscrubbed_fails_its_release(
+    harness: Harness,
+) -> None:
+    harness.set_desired(want(GPU, host_slot=0))
+    assert harness.reconciler.reconcile(GPU) is Outcome.DONE
+    harness.fabric.unmap("b1", 0, HOST)  # gone from under the agent, never scrubbed
+    harness.set_desired(want(GPU, host_slot=0, release=True))
+
+    assert harness.reconciler.reconcile(GPU) is Outcome.DONE
+
+    entry = harness.stored()[GPU.name]
+    assert entry.phase == Phase.ATTACHMENT_PHASE_SCRUB_FAILED
+    assert "before it could be scrubbed" in entry.message
+
+
+def test_a_gpu_released_before_it_reached_the_host_is_released_without_a_scrub(
+    harness: Harness,
+) -> None:
+    harness.set_desired(want(GPU, host_slot=0, release=True))
+
+    assert harness.reconciler.reconcile(GPU) is Outcome.DONE
+
+    entry = harness.stored()[GPU.name]
+    assert (entry.phase, entry.scrubbed) == (Phase.ATTACHMENT_PHASE_RELEASED, False)
+    assert entry.message == "never attached here"
+
+
+def test_a_busy_released_gpu_is_drained_then_reset_through_sysfs_and_detached(
+    tmp_path: Path, etcd_server: EmbeddedEtcd, key_prefix: str
+) -> None:
+    host = LinuxHost(tmp_path / "host", host=HOST)
+    client = connect(etcd_server.endpoint)
+    keys = KeySchema(key_prefix)
+    lease = client.lease(60)
+    client.put(keys.host_lease(HOST), b"", lease=lease)
+    status = StatusStore(client, keys, HOST, lambda: int(lease.id))
+    desired = DesiredState(HOST)
+    now = [0.0]
+    reconciler = Reconciler(
+        driver=host.driver(),
+        desired=desired,
+        status=status,
+        attach_attempts=1,
+        detach_attempts=2,
+        drain_timeout_s=60,
+        clock=lambda: now[0],
+    )
+
+    def set_desired(*attachments: resources_pb2.DesiredAttachment) -> None:
+        allocation = resources_pb2.HostAllocation(host=f"hosts/{HOST}", attachments=attachments)
+        response = client.put(keys.host_allocation(HOST), allocation.SerializeToString())
+        revision = int(response.header.revision)
+        desired.replace(allocation, revision, revision)
+
+    def stored() -> dict[str, resources_pb2.ObservedAttachment]:
+        value, _ = client.get(keys.host_status(HOST))
+        record = resources_pb2.HostStatus.FromString(value or b"")
+        return {entry.gpu: entry for entry in record.attachments}
+
+    try:
+        set_desired(want(GPU, host_slot=0))
+        assert reconciler.reconcile(GPU) is Outcome.DONE
+        gpu = host.nvml.nvmlDeviceGetHandleByPciBusId(device_for(0))
+        gpu.processes = [SimpleNamespace(pid=4242)]
+        set_desired(want(GPU, host_slot=0, release=True))
+
+        for _ in range(3):  # more refusals than detach_attempts: draining is not failing
+            assert reconciler.reconcile(GPU) is Outcome.RETRY
+        entry = stored()[GPU.name]
+        assert entry.phase == Phase.ATTACHMENT_PHASE_DETACHING
+        assert "pids 4242" in entry.message and "scrubbing anyway in 60s" in entry.message
+        assert host.kernel.resets == []
+
+        now[0] = 61.0
+        assert reconciler.reconcile(GPU) is Outcome.DONE
+        assert host.kernel.resets == [device_for(0)]
+        entry = stored()[GPU.name]
+        assert (entry.phase, entry.scrubbed) == (Phase.ATTACHMENT_PHASE_RELEASED, True)
+        assert host.mapped() == {}
+    finally:
+        lease.revoke()
+        client.close()
+        host.close()
+
+
+def test_a_gpu_mapped_but_never_up_is_unmapped_and_released_without_a_scrub(
+    harness: Harness,
+) -> None:
+    harness.fabric.map("b1", 0, HOST, 0, generation=1)  # a partial attach: no rescan yet
+    harness.set_desired(want(GPU, host_slot=0, release=True))
+
+    assert harness.reconciler.reconcile(GPU) is Outcome.DONE
+
+    entry = harness.stored()[GPU.name]
+    assert (entry.phase, entry.scrubbed) == (Phase.ATTACHMENT_PHASE_RELEASED, False)
+    assert harness.fabric.mappings(HOST) == {}

@@ -109,8 +109,13 @@ def test_compose_and_release_through_the_linux_driver(
         20,
         message="every GPU FREE again",
     )
-    assert stubs.nodes.GetNode(nodes_pb2.GetNodeRequest(name=node.name)).state == (
-        pb.NODE_STATE_RELEASED
+    wait_until(  # the controller's next pass, after the GPUs it waited for are free
+        lambda: (
+            stubs.nodes.GetNode(nodes_pb2.GetNodeRequest(name=node.name)).state
+            == pb.NODE_STATE_RELEASED
+        ),
+        10,
+        message="the node to be RELEASED",
     )
     assert host.mapped() == {}
     assert not any(host.kernel.present(b.bdf) for b in ready.gpus)

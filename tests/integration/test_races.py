@@ -8,10 +8,12 @@ the agent is between its read of the desired state and its first write.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 import pytest
 
 from dxpool.api.v1 import nodes_pb2
@@ -55,6 +57,9 @@ class HeldDriver:
     def detach(self, gpu: GpuRef, *, force: bool = False) -> None:
         self.inner.detach(gpu, force=force)
 
+    def scrub(self, gpu: GpuRef, *, force: bool = False) -> None:
+        self.inner.scrub(gpu, force=force)
+
 
 @pytest.fixture
 def held_agent(sim_pool: SimPool) -> Iterator[tuple[Agent, HeldDriver]]:
@@ -91,7 +96,8 @@ def test_a_gpu_released_while_its_agent_is_held_is_never_mapped(
 ) -> None:
     """Defect: the agent read its spec, stalled in observe(), the node was released and
     the GPU freed; the agent then wrote ATTACHING from its stale view and mapped a FREE
-    GPU. Now the claim compares the spec revision, fails, and nothing is mapped."""
+    GPU. Now the claim compares the spec revision, fails, and nothing is mapped; and the
+    GPU is not freed at all until the agent reports the release's outcome."""
     _agent, driver = held_agent
     register_sim_box(sim_pool, stubs, "box1", gpus=1)
     wait_hosts_alive(stubs)
@@ -100,10 +106,9 @@ def test_a_gpu_released_while_its_agent_is_held_is_never_mapped(
     node = compose(stubs, "H100:1")
     assert driver.arrived.wait(10), "the agent never picked up the GPU"
     stubs.nodes.ReleaseNode(nodes_pb2.ReleaseNodeRequest(name=node.name))
-    wait_until(
-        lambda: gpu_record(stubs, GPU).state == pb.GPU_STATE_FREE,
-        message="the released GPU to be FREE while the agent is held",
-    )
+    wait_state(stubs, node.name, pb.NODE_STATE_RELEASING)
+    time.sleep(1.0)  # the controller has had passes enough to free it, were it going to
+    assert gpu_record(stubs, GPU).state == pb.GPU_STATE_DETACHING
 
     driver.armed = False
     driver.go.set()
@@ -119,8 +124,9 @@ def test_a_gpu_released_while_its_agent_is_held_is_never_mapped(
 def test_a_gpu_reassigned_while_its_old_agent_is_held_stays_with_the_new_host(
     stubs: Stubs, sim_pool: SimPool, held_agent: tuple[Agent, HeldDriver]
 ) -> None:
-    """The same race, but the freed GPU goes to another host before the held agent
-    resumes: the held agent must neither map it nor claim it."""
+    """The same race, with another host asking for the GPU: it cannot have it while the
+    held agent has not reported the release, and gets it once the agent resumes and
+    reports; the held agent neither maps it nor claims it."""
     _agent, driver = held_agent
     register_sim_box(sim_pool, stubs, "box1", gpus=1)
     sim_pool.start_agent("h2")
@@ -130,14 +136,17 @@ def test_a_gpu_reassigned_while_its_old_agent_is_held_stays_with_the_new_host(
     first = compose(stubs, "H100:1", host="hosts/h1")
     assert driver.arrived.wait(10)
     stubs.nodes.ReleaseNode(nodes_pb2.ReleaseNodeRequest(name=first.name))
-    wait_until(lambda: gpu_record(stubs, GPU).state == pb.GPU_STATE_FREE, message="GPU FREE")
-    second = compose(stubs, "H100:1", host="hosts/h2")
-    wait_state(stubs, second.name, pb.NODE_STATE_READY)
+    wait_state(stubs, first.name, pb.NODE_STATE_RELEASING)
+    with pytest.raises(grpc.RpcError) as taken:
+        compose(stubs, "H100:1", host="hosts/h2")
+    assert taken.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
     driver.armed = False
     driver.go.set()
     wait_state(stubs, first.name, pb.NODE_STATE_RELEASED)
     wait_until(held_agent[0].idle, message="the agent to go idle")
+    second = compose(stubs, "H100:1", host="hosts/h2")
+    wait_state(stubs, second.name, pb.NODE_STATE_READY)
 
     assert driver.attaches == []
     assert sim_pool.fabric.mapping("box1", 0)[0] == "h2"  # type: ignore[index]

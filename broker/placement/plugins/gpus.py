@@ -9,16 +9,24 @@ runs them on every GPU of the pool, so this is the hot loop of placement.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Sequence
 
 from dxpool.broker.placement.model import GpuInfo, PlacementRequest
 from dxpool.broker.placement.status import SUCCESS, Status
 from dxpool.broker.placement.text import format_memory
+from dxpool.request import model_set
+
+
+@functools.lru_cache(maxsize=256)
+def _folded_models(model: str) -> frozenset[str]:
+    return frozenset(part.casefold() for part in model_set(model))
 
 
 class GpuModel:
-    """Keeps GPUs of the requested model (case-insensitive); any model when it is ""."""
+    """Keeps GPUs of the requested model, or of any model of a set (``H100|A100``),
+    compared case-insensitively; any model when it is ""."""
 
     name = "gpu_model"
 
@@ -26,12 +34,17 @@ class GpuModel:
         return bool(request.model)
 
     def filter_gpu(self, request: PlacementRequest, gpu: GpuInfo) -> Status:
-        if gpu.model.casefold() == request.model.casefold():
+        if gpu.model.casefold() in _folded_models(request.model):
             return SUCCESS
-        return Status.unschedulable(f"model {gpu.model}, not {request.model}", plugin=self.name)
+        wanted = request.model
+        what = f"not {wanted}" if "|" not in wanted else f"not one of {wanted}"
+        return Status.unschedulable(f"model {gpu.model}, {what}", plugin=self.name)
 
     def filter_gpus(self, request: PlacementRequest, gpus: Sequence[GpuInfo]) -> list[GpuInfo]:
         wanted = request.model
+        if "|" in wanted:
+            folded_set = _folded_models(wanted)
+            return [gpu for gpu in gpus if gpu.model.casefold() in folded_set]
         folded = wanted.casefold()
         return [gpu for gpu in gpus if gpu.model == wanted or gpu.model.casefold() == folded]
 

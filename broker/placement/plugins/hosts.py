@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from dxpool.broker.placement.model import HostInfo, PlacementRequest
 from dxpool.broker.placement.status import SUCCESS, Status
-from dxpool.broker.placement.text import plural, sample_names
+from dxpool.broker.placement.text import format_memory, plural, sample_names
 
 
 class PinnedHost:
@@ -61,6 +61,126 @@ def _too_few_slots(free: int, needed: int) -> Status:
     return Status.unschedulable(
         f"{plural(free, 'free proxy slot')}, {needed} needed", plugin=HostSlots.name
     )
+
+
+class HostLabels:
+    """With a ``host_selector``, keeps hosts whose labels hold every selected key=value.
+
+    It depends on the host itself, not its class, as every host filter may: the pipeline
+    filters hosts one by one (each once, then only the hosts that changed) and groups
+    only the hosts kept, so a selector costs one subset test per host."""
+
+    name = "host_labels"
+
+    def applies(self, request: PlacementRequest) -> bool:
+        return bool(request.host_selector)
+
+    def filter_host(self, request: PlacementRequest, host: HostInfo) -> Status:
+        missing = request.host_selector - host.labels
+        if not missing:
+            return SUCCESS
+        return Status.unschedulable(f"labels lack {_pairs(missing)}", plugin=self.name)
+
+    def explain(
+        self, request: PlacementRequest, failed: Sequence[HostInfo], reached: int
+    ) -> str | None:
+        if not failed:
+            return None
+        wanted = _pairs(request.host_selector)
+        if reached == 1:
+            return f"host labels: hosts/{failed[0].host} does not have {wanted}"
+        # the host that lacks the fewest pairs is the closest to what was asked
+        closest = min(
+            failed, key=lambda host: (len(request.host_selector - host.labels), host.host)
+        )
+        lacks = _pairs(request.host_selector - closest.labels)
+        return (
+            f"host labels: {len(failed)} of {reached} hosts do not have {wanted}; the closest, "
+            f"hosts/{closest.host}, lacks {lacks}; label hosts with the agent's --label "
+            "or change --host-selector"
+        )
+
+
+def _pairs(pairs: frozenset[tuple[str, str]]) -> str:
+    """``"env=prod, zone=a"``, sorted."""
+    return ", ".join(f"{key}={value}" for key, value in sorted(pairs))
+
+
+class HostResources:
+    """With ``cpu_cores`` or ``host_memory_mib`` asked for, keeps hosts that declare CPU
+    cores and memory and have that much not held by their nodes. Like every host filter
+    it judges the host itself; hosts kept are grouped as before."""
+
+    name = "host_resources"
+
+    def applies(self, request: PlacementRequest) -> bool:
+        return request.cpu_cores > 0 or request.host_memory_mib > 0
+
+    def filter_host(self, request: PlacementRequest, host: HostInfo) -> Status:
+        short = _short_of(request, host)
+        if not short:
+            return SUCCESS
+        return Status.unschedulable("; ".join(short), plugin=self.name)
+
+    def explain(
+        self, request: PlacementRequest, failed: Sequence[HostInfo], reached: int
+    ) -> str | None:
+        if not failed:
+            return None
+        wanted = _wanted(request)
+        if reached == 1:
+            short = "; ".join(_short_of(request, failed[0]))
+            return f"host resources: hosts/{failed[0].host}: {short}"
+        roomiest = min(
+            failed,
+            key=lambda host: (
+                -(host.cpu_cores - host.used_cpu_cores),
+                -(host.memory_mib - host.used_memory_mib),
+                host.host,
+            ),
+        )
+        return (
+            f"host resources: {len(failed)} of {reached} hosts lack {wanted}; the roomiest, "
+            f"hosts/{roomiest.host}, has {_free(roomiest)}; ask for less, or declare more "
+            "with the agent's --cpus and --memory"
+        )
+
+
+def _wanted(request: PlacementRequest) -> str:
+    parts = []
+    if request.cpu_cores:
+        parts.append(plural(request.cpu_cores, "free CPU core"))
+    if request.host_memory_mib:
+        parts.append(f"{format_memory(request.host_memory_mib)} free memory")
+    return " and ".join(parts)
+
+
+def _free(host: HostInfo) -> str:
+    cores = host.cpu_cores - host.used_cpu_cores
+    memory = host.memory_mib - host.used_memory_mib
+    shown = format_memory(memory) if memory else "0MiB"
+    return f"{plural(cores, 'free CPU core')} and {shown} free memory"
+
+
+def _short_of(request: PlacementRequest, host: HostInfo) -> list[str]:
+    """What ``host`` lacks for ``request``, one phrase per resource; empty if nothing."""
+    short = []
+    if request.cpu_cores:
+        free = host.cpu_cores - host.used_cpu_cores
+        if not host.cpu_cores:
+            short.append("declares no CPU cores")
+        elif free < request.cpu_cores:
+            short.append(f"{plural(free, 'free CPU core')}, {request.cpu_cores} needed")
+    if request.host_memory_mib:
+        free = host.memory_mib - host.used_memory_mib
+        if not host.memory_mib:
+            short.append("declares no memory")
+        elif free < request.host_memory_mib:
+            short.append(
+                f"{format_memory(free) if free else '0MiB'} free memory, "
+                f"{format_memory(request.host_memory_mib)} needed"
+            )
+    return short
 
 
 class HostSlots:

@@ -10,25 +10,31 @@ from dxpool.broker.placement.text import format_memory, plural
 
 
 class PoolInventory:
-    """UNRESOLVABLE when the pool holds fewer than ``count`` GPUs of the model and memory
-    asked for, counting every GPU whatever its state: only new boxes can help."""
+    """UNRESOLVABLE when the pool holds fewer than ``count`` GPUs of the model (any model
+    of a set) and memory asked for, counting every GPU whatever its state: only new boxes
+    can help."""
 
     name = "pool_inventory"
 
     def pre_filter(self, request: PlacementRequest, snapshot: Snapshot) -> Status:
         if self._holds(request, snapshot):
             return SUCCESS
-        model = request.model.casefold()
+        wanted = {model.casefold() for model in request.models}
         memory = request.min_memory_mib
         held = 0
         models: dict[str, int] = {}
         for gpus in snapshot.gpus_by_box.values():
             for gpu in gpus:
-                if model and gpu.model.casefold() != model:
+                if wanted and gpu.model.casefold() not in wanted:
                     models[gpu.model] = models.get(gpu.model, 0) + 1
                 elif gpu.memory_mib >= memory:
                     held += 1
-        what = f"model {request.model}" if request.model else "gpus"
+        if not request.model:
+            what = "gpus"
+        elif len(wanted) > 1:
+            what = f"models {request.model}"
+        else:
+            what = f"model {request.model}"
         if memory:
             what += f" with >= {format_memory(memory)}"
         reason = f"{what}: the pool holds {held} in all, {request.count} requested"
@@ -42,11 +48,16 @@ class PoolInventory:
         """Whether the pool holds ``count`` such GPUs; stops counting once it does."""
         wanted = request.model
         model = wanted.casefold()
+        folded = {part.casefold() for part in request.models}
+        one = len(folded) <= 1
         memory = request.min_memory_mib
         needed = request.count
         for gpus in snapshot.gpus_by_box.values():
             for gpu in gpus:
-                if model and gpu.model != wanted and gpu.model.casefold() != model:
+                if one:
+                    if model and gpu.model != wanted and gpu.model.casefold() != model:
+                        continue
+                elif gpu.model.casefold() not in folded:
                     continue
                 if gpu.memory_mib >= memory:
                     needed -= 1

@@ -81,6 +81,11 @@ class InventoryServiceStub:
                 request_serializer=dxpool_dot_v1_dot_inventory__pb2.ReclaimGpuRequest.SerializeToString,
                 response_deserializer=dxpool_dot_v1_dot_resources__pb2.Gpu.FromString,
                 _registered_method=True)
+        self.ClearGpuHealth = channel.unary_unary(
+                '/dxpool.v1.InventoryService/ClearGpuHealth',
+                request_serializer=dxpool_dot_v1_dot_inventory__pb2.ClearGpuHealthRequest.SerializeToString,
+                response_deserializer=dxpool_dot_v1_dot_resources__pb2.Gpu.FromString,
+                _registered_method=True)
         self.GetHost = channel.unary_unary(
                 '/dxpool.v1.InventoryService/GetHost',
                 request_serializer=dxpool_dot_v1_dot_inventory__pb2.GetHostRequest.SerializeToString,
@@ -164,6 +169,15 @@ class InventoryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClearGpuHealth(self, request, context):
+        """Marks a GPU healthy again after an operator checked it (its health was UNHEALTHY or
+        DEGRADED); an unhealthy GPU is never handed out until then. FAILED_PRECONDITION
+        while its host's agent still reports it unhealthy. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetHost(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -230,6 +244,11 @@ def add_InventoryServiceServicer_to_server(servicer, server):
             'ReclaimGpu': grpc.unary_unary_rpc_method_handler(
                     servicer.ReclaimGpu,
                     request_deserializer=dxpool_dot_v1_dot_inventory__pb2.ReclaimGpuRequest.FromString,
+                    response_serializer=dxpool_dot_v1_dot_resources__pb2.Gpu.SerializeToString,
+            ),
+            'ClearGpuHealth': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClearGpuHealth,
+                    request_deserializer=dxpool_dot_v1_dot_inventory__pb2.ClearGpuHealthRequest.FromString,
                     response_serializer=dxpool_dot_v1_dot_resources__pb2.Gpu.SerializeToString,
             ),
             'GetHost': grpc.unary_unary_rpc_method_handler(
@@ -490,6 +509,33 @@ class InventoryService:
             target,
             '/dxpool.v1.InventoryService/ReclaimGpu',
             dxpool_dot_v1_dot_inventory__pb2.ReclaimGpuRequest.SerializeToString,
+            dxpool_dot_v1_dot_resources__pb2.Gpu.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClearGpuHealth(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dxpool.v1.InventoryService/ClearGpuHealth',
+            dxpool_dot_v1_dot_inventory__pb2.ClearGpuHealthRequest.SerializeToString,
             dxpool_dot_v1_dot_resources__pb2.Gpu.FromString,
             options,
             channel_credentials,

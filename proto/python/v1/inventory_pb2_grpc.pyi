@@ -53,6 +53,11 @@ class InventoryServiceStub:
     again if that keeps failing). Idempotent for a GPU already FENCING;
     FAILED_PRECONDITION for any other state.
     """
+    ClearGpuHealth: _grpc.UnaryUnaryMultiCallable[_inventory_pb2.ClearGpuHealthRequest, _resources_pb2.Gpu]
+    """Marks a GPU healthy again after an operator checked it (its health was UNHEALTHY or
+    DEGRADED); an unhealthy GPU is never handed out until then. FAILED_PRECONDITION
+    while its host's agent still reports it unhealthy. Idempotent.
+    """
     GetHost: _grpc.UnaryUnaryMultiCallable[_inventory_pb2.GetHostRequest, _resources_pb2.Host]
     GetPoolStatus: _grpc.UnaryUnaryMultiCallable[_inventory_pb2.GetPoolStatusRequest, _inventory_pb2.PoolStatus]
     """The pool at a glance: GPUs by model and state, nodes by state, live and dead hosts,
@@ -82,6 +87,11 @@ class InventoryServiceAsyncStub(InventoryServiceStub):
     broker revokes it at the box side and scrubs it, then it is FREE (or QUARANTINED
     again if that keeps failing). Idempotent for a GPU already FENCING;
     FAILED_PRECONDITION for any other state.
+    """
+    ClearGpuHealth: _aio.UnaryUnaryMultiCallable[_inventory_pb2.ClearGpuHealthRequest, _resources_pb2.Gpu]  # type: ignore[assignment]
+    """Marks a GPU healthy again after an operator checked it (its health was UNHEALTHY or
+    DEGRADED); an unhealthy GPU is never handed out until then. FAILED_PRECONDITION
+    while its host's agent still reports it unhealthy. Idempotent.
     """
     GetHost: _aio.UnaryUnaryMultiCallable[_inventory_pb2.GetHostRequest, _resources_pb2.Host]  # type: ignore[assignment]
     GetPoolStatus: _aio.UnaryUnaryMultiCallable[_inventory_pb2.GetPoolStatusRequest, _inventory_pb2.PoolStatus]  # type: ignore[assignment]
@@ -163,6 +173,17 @@ class InventoryServiceServicer(metaclass=_abc_1.ABCMeta):
         broker revokes it at the box side and scrubs it, then it is FREE (or QUARANTINED
         again if that keeps failing). Idempotent for a GPU already FENCING;
         FAILED_PRECONDITION for any other state.
+        """
+
+    @_abc_1.abstractmethod
+    def ClearGpuHealth(
+        self,
+        request: _inventory_pb2.ClearGpuHealthRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_resources_pb2.Gpu, _abc.Awaitable[_resources_pb2.Gpu]]:
+        """Marks a GPU healthy again after an operator checked it (its health was UNHEALTHY or
+        DEGRADED); an unhealthy GPU is never handed out until then. FAILED_PRECONDITION
+        while its host's agent still reports it unhealthy. Idempotent.
         """
 
     @_abc_1.abstractmethod

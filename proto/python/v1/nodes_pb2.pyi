@@ -22,6 +22,95 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class SetTenantQuotaRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    QUOTA_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """"tenants/{tenant}" """
+    @_builtins.property
+    def quota(self) -> _resources_pb2.TenantQuota: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        quota: _resources_pb2.TenantQuota | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["quota", b"quota"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "quota", b"quota"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetTenantQuotaRequest: _TypeAlias = SetTenantQuotaRequest  # noqa: Y015
+
+@_typing.final
+class GetTenantRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """"tenants/{tenant}" """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetTenantRequest: _TypeAlias = GetTenantRequest  # noqa: Y015
+
+@_typing.final
+class ListTenantsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    page_size: _builtins.int
+    page_token: _builtins.str
+    def __init__(
+        self,
+        *,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListTenantsRequest: _TypeAlias = ListTenantsRequest  # noqa: Y015
+
+@_typing.final
+class ListTenantsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANTS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    @_builtins.property
+    def tenants(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.Tenant]: ...
+    def __init__(
+        self,
+        *,
+        tenants: _abc.Iterable[_resources_pb2.Tenant] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "tenants", b"tenants"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListTenantsResponse: _TypeAlias = ListTenantsResponse  # noqa: Y015
+
+@_typing.final
 class ComposeNodeRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -232,12 +321,18 @@ class ListNodesRequest(_message.Message):
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     HOST_FIELD_NUMBER: _builtins.int
     SHOW_RELEASED_FIELD_NUMBER: _builtins.int
+    LABEL_SELECTOR_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
     page_token: _builtins.str
     host: _builtins.str
     """Only nodes on this host; empty for all."""
     show_released: _builtins.bool
     """Include RELEASED nodes (hidden by default)."""
+    label_selector: _builtins.str
+    """Only nodes whose spec.labels match, kubectl-style: comma-separated requirements,
+    each `key=value` (or `key==value`), `key!=value`, `key` (has the label) or `!key`
+    (lacks it); all must hold. INVALID_ARGUMENT for a malformed selector.
+    """
     def __init__(
         self,
         *,
@@ -245,10 +340,11 @@ class ListNodesRequest(_message.Message):
         page_token: _builtins.str = ...,
         host: _builtins.str = ...,
         show_released: _builtins.bool = ...,
+        label_selector: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "page_size", b"page_size", "page_token", b"page_token", "show_released", b"show_released"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "label_selector", b"label_selector", "page_size", b"page_size", "page_token", b"page_token", "show_released", b"show_released"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -91,6 +91,21 @@ class NodeServiceStub:
                 request_serializer=dxpool_dot_v1_dot_nodes__pb2.ReleaseGangRequest.SerializeToString,
                 response_deserializer=dxpool_dot_v1_dot_nodes__pb2.Gang.FromString,
                 _registered_method=True)
+        self.SetTenantQuota = channel.unary_unary(
+                '/dxpool.v1.NodeService/SetTenantQuota',
+                request_serializer=dxpool_dot_v1_dot_nodes__pb2.SetTenantQuotaRequest.SerializeToString,
+                response_deserializer=dxpool_dot_v1_dot_resources__pb2.Tenant.FromString,
+                _registered_method=True)
+        self.GetTenant = channel.unary_unary(
+                '/dxpool.v1.NodeService/GetTenant',
+                request_serializer=dxpool_dot_v1_dot_nodes__pb2.GetTenantRequest.SerializeToString,
+                response_deserializer=dxpool_dot_v1_dot_resources__pb2.Tenant.FromString,
+                _registered_method=True)
+        self.ListTenants = channel.unary_unary(
+                '/dxpool.v1.NodeService/ListTenants',
+                request_serializer=dxpool_dot_v1_dot_nodes__pb2.ListTenantsRequest.SerializeToString,
+                response_deserializer=dxpool_dot_v1_dot_nodes__pb2.ListTenantsResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServiceServicer:
@@ -106,7 +121,9 @@ class NodeServiceServicer:
         UNKNOWN_MODEL, when no GPU of the requested model is in the pool at all (retrying
         will not help; the message lists the models there are); INVALID_ARGUMENT for a
         malformed request; NOT_FOUND for an unknown host; ABORTED when the commit kept
-        conflicting.
+        conflicting; RESOURCE_EXHAUSTED, reason QUOTA_EXCEEDED, when the node would take
+        its tenant (spec.tenant) past a limit of its quota (the message names the limit
+        and the usage); PERMISSION_DENIED when a tenant names another tenant.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -232,6 +249,30 @@ class NodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetTenantQuota(self, request, context):
+        """Sets (replaces) a tenant's quota; limits left out are no limits. A quota below
+        the current usage stops new composes of the tenant until its usage falls below
+        it; running nodes are not touched. Operators only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTenant(self, request, context):
+        """A tenant's quota and current usage; a tenant never seen has neither. A tenant
+        caller may read its own only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListTenants(self, request, context):
+        """Every tenant with a quota or a charged node so far, by name. Operators only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -289,6 +330,21 @@ def add_NodeServiceServicer_to_server(servicer, server):
                     servicer.ReleaseGang,
                     request_deserializer=dxpool_dot_v1_dot_nodes__pb2.ReleaseGangRequest.FromString,
                     response_serializer=dxpool_dot_v1_dot_nodes__pb2.Gang.SerializeToString,
+            ),
+            'SetTenantQuota': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetTenantQuota,
+                    request_deserializer=dxpool_dot_v1_dot_nodes__pb2.SetTenantQuotaRequest.FromString,
+                    response_serializer=dxpool_dot_v1_dot_resources__pb2.Tenant.SerializeToString,
+            ),
+            'GetTenant': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTenant,
+                    request_deserializer=dxpool_dot_v1_dot_nodes__pb2.GetTenantRequest.FromString,
+                    response_serializer=dxpool_dot_v1_dot_resources__pb2.Tenant.SerializeToString,
+            ),
+            'ListTenants': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTenants,
+                    request_deserializer=dxpool_dot_v1_dot_nodes__pb2.ListTenantsRequest.FromString,
+                    response_serializer=dxpool_dot_v1_dot_nodes__pb2.ListTenantsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -588,6 +644,87 @@ class NodeService:
             '/dxpool.v1.NodeService/ReleaseGang',
             dxpool_dot_v1_dot_nodes__pb2.ReleaseGangRequest.SerializeToString,
             dxpool_dot_v1_dot_nodes__pb2.Gang.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetTenantQuota(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dxpool.v1.NodeService/SetTenantQuota',
+            dxpool_dot_v1_dot_nodes__pb2.SetTenantQuotaRequest.SerializeToString,
+            dxpool_dot_v1_dot_resources__pb2.Tenant.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTenant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dxpool.v1.NodeService/GetTenant',
+            dxpool_dot_v1_dot_nodes__pb2.GetTenantRequest.SerializeToString,
+            dxpool_dot_v1_dot_resources__pb2.Tenant.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTenants(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dxpool.v1.NodeService/ListTenants',
+            dxpool_dot_v1_dot_nodes__pb2.ListTenantsRequest.SerializeToString,
+            dxpool_dot_v1_dot_nodes__pb2.ListTenantsResponse.FromString,
             options,
             channel_credentials,
             insecure,

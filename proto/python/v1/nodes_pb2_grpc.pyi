@@ -43,7 +43,9 @@ class NodeServiceStub:
     UNKNOWN_MODEL, when no GPU of the requested model is in the pool at all (retrying
     will not help; the message lists the models there are); INVALID_ARGUMENT for a
     malformed request; NOT_FOUND for an unknown host; ABORTED when the commit kept
-    conflicting.
+    conflicting; RESOURCE_EXHAUSTED, reason QUOTA_EXCEEDED, when the node would take
+    its tenant (spec.tenant) past a limit of its quota (the message names the limit
+    and the usage); PERMISSION_DENIED when a tenant names another tenant.
     """
     PlanNode: _grpc.UnaryUnaryMultiCallable[_nodes_pb2.ComposeNodeRequest, _nodes_pb2.NodePlan]
     """Explains where a ComposeNode request would go, without committing anything.
@@ -122,6 +124,17 @@ class NodeServiceStub:
     """Starts releasing every member in one transaction (as ReleaseNode does for each).
     Idempotent. NOT_FOUND for an unknown gang.
     """
+    SetTenantQuota: _grpc.UnaryUnaryMultiCallable[_nodes_pb2.SetTenantQuotaRequest, _resources_pb2.Tenant]
+    """Sets (replaces) a tenant's quota; limits left out are no limits. A quota below
+    the current usage stops new composes of the tenant until its usage falls below
+    it; running nodes are not touched. Operators only.
+    """
+    GetTenant: _grpc.UnaryUnaryMultiCallable[_nodes_pb2.GetTenantRequest, _resources_pb2.Tenant]
+    """A tenant's quota and current usage; a tenant never seen has neither. A tenant
+    caller may read its own only.
+    """
+    ListTenants: _grpc.UnaryUnaryMultiCallable[_nodes_pb2.ListTenantsRequest, _nodes_pb2.ListTenantsResponse]
+    """Every tenant with a quota or a charged node so far, by name. Operators only."""
 
 @_typing.type_check_only
 class NodeServiceAsyncStub(NodeServiceStub):
@@ -136,7 +149,9 @@ class NodeServiceAsyncStub(NodeServiceStub):
     UNKNOWN_MODEL, when no GPU of the requested model is in the pool at all (retrying
     will not help; the message lists the models there are); INVALID_ARGUMENT for a
     malformed request; NOT_FOUND for an unknown host; ABORTED when the commit kept
-    conflicting.
+    conflicting; RESOURCE_EXHAUSTED, reason QUOTA_EXCEEDED, when the node would take
+    its tenant (spec.tenant) past a limit of its quota (the message names the limit
+    and the usage); PERMISSION_DENIED when a tenant names another tenant.
     """
     PlanNode: _aio.UnaryUnaryMultiCallable[_nodes_pb2.ComposeNodeRequest, _nodes_pb2.NodePlan]  # type: ignore[assignment]
     """Explains where a ComposeNode request would go, without committing anything.
@@ -215,6 +230,17 @@ class NodeServiceAsyncStub(NodeServiceStub):
     """Starts releasing every member in one transaction (as ReleaseNode does for each).
     Idempotent. NOT_FOUND for an unknown gang.
     """
+    SetTenantQuota: _aio.UnaryUnaryMultiCallable[_nodes_pb2.SetTenantQuotaRequest, _resources_pb2.Tenant]  # type: ignore[assignment]
+    """Sets (replaces) a tenant's quota; limits left out are no limits. A quota below
+    the current usage stops new composes of the tenant until its usage falls below
+    it; running nodes are not touched. Operators only.
+    """
+    GetTenant: _aio.UnaryUnaryMultiCallable[_nodes_pb2.GetTenantRequest, _resources_pb2.Tenant]  # type: ignore[assignment]
+    """A tenant's quota and current usage; a tenant never seen has neither. A tenant
+    caller may read its own only.
+    """
+    ListTenants: _aio.UnaryUnaryMultiCallable[_nodes_pb2.ListTenantsRequest, _nodes_pb2.ListTenantsResponse]  # type: ignore[assignment]
+    """Every tenant with a quota or a charged node so far, by name. Operators only."""
 
 class NodeServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -232,7 +258,9 @@ class NodeServiceServicer(metaclass=_abc_1.ABCMeta):
         UNKNOWN_MODEL, when no GPU of the requested model is in the pool at all (retrying
         will not help; the message lists the models there are); INVALID_ARGUMENT for a
         malformed request; NOT_FOUND for an unknown host; ABORTED when the commit kept
-        conflicting.
+        conflicting; RESOURCE_EXHAUSTED, reason QUOTA_EXCEEDED, when the node would take
+        its tenant (spec.tenant) past a limit of its quota (the message names the limit
+        and the usage); PERMISSION_DENIED when a tenant names another tenant.
         """
 
     @_abc_1.abstractmethod
@@ -371,5 +399,34 @@ class NodeServiceServicer(metaclass=_abc_1.ABCMeta):
         """Starts releasing every member in one transaction (as ReleaseNode does for each).
         Idempotent. NOT_FOUND for an unknown gang.
         """
+
+    @_abc_1.abstractmethod
+    def SetTenantQuota(
+        self,
+        request: _nodes_pb2.SetTenantQuotaRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_resources_pb2.Tenant, _abc.Awaitable[_resources_pb2.Tenant]]:
+        """Sets (replaces) a tenant's quota; limits left out are no limits. A quota below
+        the current usage stops new composes of the tenant until its usage falls below
+        it; running nodes are not touched. Operators only.
+        """
+
+    @_abc_1.abstractmethod
+    def GetTenant(
+        self,
+        request: _nodes_pb2.GetTenantRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_resources_pb2.Tenant, _abc.Awaitable[_resources_pb2.Tenant]]:
+        """A tenant's quota and current usage; a tenant never seen has neither. A tenant
+        caller may read its own only.
+        """
+
+    @_abc_1.abstractmethod
+    def ListTenants(
+        self,
+        request: _nodes_pb2.ListTenantsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_nodes_pb2.ListTenantsResponse, _abc.Awaitable[_nodes_pb2.ListTenantsResponse]]:
+        """Every tenant with a quota or a charged node so far, by name. Operators only."""
 
 def add_NodeServiceServicer_to_server(servicer: NodeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

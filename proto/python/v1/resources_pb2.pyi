@@ -140,6 +140,14 @@ class _AttachmentPhaseEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Attac
     ATTACHMENT_PHASE_DETACHING: _AttachmentPhase.ValueType  # 3
     ATTACHMENT_PHASE_FAILED: _AttachmentPhase.ValueType  # 4
     """Attaching failed and will not be retried for this generation."""
+    ATTACHMENT_PHASE_RELEASED: _AttachmentPhase.ValueType  # 5
+    """Released: detached and scrubbed clean (or never reached the host); the broker may
+    free the GPU.
+    """
+    ATTACHMENT_PHASE_SCRUB_FAILED: _AttachmentPhase.ValueType  # 6
+    """Released, but the scrub or the detach failed: the broker quarantines the GPU. The
+    agent keeps the entry (and the mapping, when the scrub failed) until it has.
+    """
 
 class AttachmentPhase(_AttachmentPhase, metaclass=_AttachmentPhaseEnumTypeWrapper): ...
 
@@ -149,6 +157,14 @@ ATTACHMENT_PHASE_ATTACHED: AttachmentPhase.ValueType  # 2
 ATTACHMENT_PHASE_DETACHING: AttachmentPhase.ValueType  # 3
 ATTACHMENT_PHASE_FAILED: AttachmentPhase.ValueType  # 4
 """Attaching failed and will not be retried for this generation."""
+ATTACHMENT_PHASE_RELEASED: AttachmentPhase.ValueType  # 5
+"""Released: detached and scrubbed clean (or never reached the host); the broker may
+free the GPU.
+"""
+ATTACHMENT_PHASE_SCRUB_FAILED: AttachmentPhase.ValueType  # 6
+"""Released, but the scrub or the detach failed: the broker quarantines the GPU. The
+agent keeps the entry (and the mapping, when the scrub failed) until it has.
+"""
 Global___AttachmentPhase: _TypeAlias = AttachmentPhase  # noqa: Y015
 
 class _NodeState:
@@ -174,7 +190,11 @@ class _NodeStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_NodeState.V
     """Its host was lost (agent lease expired) or it was force-released: its GPUs are
     fenced at the box side, scrubbed and returned to the pool. Release it to remove it.
     """
-    NODE_STATE_RESIZING: _NodeState.ValueType  # 8
+    NODE_STATE_DEGRADED: _NodeState.ValueType  # 8
+    """Was READY; one of its GPUs is now reported unhealthy (see `message` and the GPU's
+    `health_reason`). It keeps its GPUs; it goes back to READY when no GPU is unhealthy.
+    """
+    NODE_STATE_RESIZING: _NodeState.ValueType  # 9
     """Growing or shrinking (ResizeNode): the host agent is attaching the GPUs just
     added, or detaching those removed (bindings in phase DETACHING); the node's other
     GPUs stay attached and in use. Back to READY when the new GPUs are attached, or,
@@ -190,6 +210,7 @@ class NodeState(_NodeState, metaclass=_NodeStateEnumTypeWrapper):
          +-----------+--> FAILED ---------+ (its GPUs are detached and freed)
          |           |          |         |
          +-----------+----------+--> LOST +  (its host's lease expired: GPUs fenced, freed)
+      READY <-> DEGRADED (a GPU reported unhealthy / cleared); DEGRADED -> RELEASING, LOST
     """
 
 NODE_STATE_UNSPECIFIED: NodeState.ValueType  # 0
@@ -209,7 +230,11 @@ NODE_STATE_LOST: NodeState.ValueType  # 7
 """Its host was lost (agent lease expired) or it was force-released: its GPUs are
 fenced at the box side, scrubbed and returned to the pool. Release it to remove it.
 """
-NODE_STATE_RESIZING: NodeState.ValueType  # 8
+NODE_STATE_DEGRADED: NodeState.ValueType  # 8
+"""Was READY; one of its GPUs is now reported unhealthy (see `message` and the GPU's
+`health_reason`). It keeps its GPUs; it goes back to READY when no GPU is unhealthy.
+"""
+NODE_STATE_RESIZING: NodeState.ValueType  # 9
 """Growing or shrinking (ResizeNode): the host agent is attaching the GPUs just
 added, or detaching those removed (bindings in phase DETACHING); the node's other
 GPUs stay attached and in use. Back to READY when the new GPUs are attached, or,
@@ -217,6 +242,30 @@ if their attach fails or times out, without them (see `message`); or when the
 removed GPUs are detached and freed.
 """
 Global___NodeState: _TypeAlias = NodeState  # noqa: Y015
+
+class _GpuAffinity:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _GpuAffinityEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_GpuAffinity.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    GPU_AFFINITY_UNSPECIFIED: _GpuAffinity.ValueType  # 0
+    """Anywhere: placement still prefers fewer boxes (a score, not a requirement)."""
+    GPU_AFFINITY_BOX: _GpuAffinity.ValueType  # 1
+    """Every GPU from one box, behind the box's own PCIe switch (peer-to-peer without the
+    fabric).
+    """
+
+class GpuAffinity(_GpuAffinity, metaclass=_GpuAffinityEnumTypeWrapper):
+    """Where the GPUs of one node must come from together."""
+
+GPU_AFFINITY_UNSPECIFIED: GpuAffinity.ValueType  # 0
+"""Anywhere: placement still prefers fewer boxes (a score, not a requirement)."""
+GPU_AFFINITY_BOX: GpuAffinity.ValueType  # 1
+"""Every GPU from one box, behind the box's own PCIe switch (peer-to-peer without the
+fabric).
+"""
+Global___GpuAffinity: _TypeAlias = GpuAffinity  # noqa: Y015
 
 @_typing.final
 class Location(_message.Message):
@@ -280,6 +329,7 @@ class Box(_message.Message):
     CREATE_TIME_FIELD_NUMBER: _builtins.int
     CORDON_REASON_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    GPUS_FREE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name: "boxes/{box}"."""
     fabric_endpoint: _builtins.str
@@ -294,6 +344,10 @@ class Box(_message.Message):
     request_id: _builtins.str
     """Output only: the request_id of the CreateBox call that registered the box, if any.
     Its idempotency key lives exactly as long as the box: DeleteBox removes both.
+    """
+    gpus_free: _builtins.int
+    """Output only, filled in by GetBox and ListBoxes (never stored): GPUs of the box a
+    compose may take now (FREE, not unhealthy, and the box ACTIVE).
     """
     @_builtins.property
     def location(self) -> Global___Location: ...
@@ -317,10 +371,11 @@ class Box(_message.Message):
         create_time: _timestamp_pb2.Timestamp | None = ...,
         cordon_reason: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        gpus_free: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "location", b"location"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cordon_reason", b"cordon_reason", "create_time", b"create_time", "fabric_endpoint", b"fabric_endpoint", "gpu_count", b"gpu_count", "labels", b"labels", "location", b"location", "name", b"name", "request_id", b"request_id", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cordon_reason", b"cordon_reason", "create_time", b"create_time", "fabric_endpoint", b"fabric_endpoint", "gpu_count", b"gpu_count", "gpus_free", b"gpus_free", "labels", b"labels", "location", b"location", "name", b"name", "request_id", b"request_id", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -439,6 +494,9 @@ class Host(_message.Message):
     SLOTS_USED_FIELD_NUMBER: _builtins.int
     DRIVER_FIELD_NUMBER: _builtins.int
     REGISTER_TIME_FIELD_NUMBER: _builtins.int
+    CPU_CORES_FIELD_NUMBER: _builtins.int
+    MEMORY_MIB_FIELD_NUMBER: _builtins.int
+    USED_SLOTS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name: "hosts/{host}"."""
     agent_endpoint: _builtins.str
@@ -451,12 +509,22 @@ class Host(_message.Message):
     """Output only: slots in use by desired attachments."""
     driver: _builtins.str
     """Fabric driver the agent runs, e.g. "sim"."""
+    cpu_cores: _builtins.int
+    """CPU cores and memory (MiB) the host offers to nodes, as its agent declares them
+    (--cpus, --memory); 0: not declared, and requests asking for CPUs or memory do not
+    go to the host.
+    """
+    memory_mib: _builtins.int
     @_builtins.property
     def location(self) -> Global___Location: ...
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     @_builtins.property
     def register_time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def used_slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Output only: the proxy slot numbers that desired attachments use, ascending."""
+
     def __init__(
         self,
         *,
@@ -469,10 +537,13 @@ class Host(_message.Message):
         slots_used: _builtins.int = ...,
         driver: _builtins.str = ...,
         register_time: _timestamp_pb2.Timestamp | None = ...,
+        cpu_cores: _builtins.int = ...,
+        memory_mib: _builtins.int = ...,
+        used_slots: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["location", b"location", "register_time", b"register_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_endpoint", b"agent_endpoint", "alive", b"alive", "driver", b"driver", "labels", b"labels", "location", b"location", "name", b"name", "register_time", b"register_time", "slot_capacity", b"slot_capacity", "slots_used", b"slots_used"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_endpoint", b"agent_endpoint", "alive", b"alive", "cpu_cores", b"cpu_cores", "driver", b"driver", "labels", b"labels", "location", b"location", "memory_mib", b"memory_mib", "name", b"name", "register_time", b"register_time", "slot_capacity", b"slot_capacity", "slots_used", b"slots_used", "used_slots", b"used_slots"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -492,6 +563,8 @@ class DesiredAttachment(_message.Message):
     EXPECTED_UUID_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     PCI_ID_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
+    EXPECTED_SERIAL_FIELD_NUMBER: _builtins.int
     gpu: _builtins.str
     """"boxes/{box}/gpus/{slot}" """
     host_slot: _builtins.int
@@ -508,6 +581,15 @@ class DesiredAttachment(_message.Message):
     """PCI vendor and device id the GPU must show, e.g. "10de:2330" (Gpu.pci_id); checked
     against the device's configuration space when not empty.
     """
+    release: _builtins.bool
+    """The node let go of the GPU: the agent drains it, resets it and checks it healthy
+    (scrub), detaches it, and reports RELEASED (clean) or SCRUB_FAILED. The broker frees
+    or quarantines the GPU on that report and drops this entry in the same transaction.
+    """
+    expected_serial: _builtins.str
+    """Serial number learned on the GPU's first attach, if any; the agent verifies it (and
+    the bus checks it against the Device Serial Number where it can read one).
+    """
     def __init__(
         self,
         *,
@@ -519,10 +601,12 @@ class DesiredAttachment(_message.Message):
         expected_uuid: _builtins.str = ...,
         model: _builtins.str = ...,
         pci_id: _builtins.str = ...,
+        release: _builtins.bool = ...,
+        expected_serial: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_uuid", b"expected_uuid", "generation", b"generation", "gpu", b"gpu", "host_slot", b"host_slot", "model", b"model", "node", b"node", "pci_id", b"pci_id", "vfio", b"vfio"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_serial", b"expected_serial", "expected_uuid", b"expected_uuid", "generation", b"generation", "gpu", b"gpu", "host_slot", b"host_slot", "model", b"model", "node", b"node", "pci_id", b"pci_id", "release", b"release", "vfio", b"vfio"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -538,22 +622,58 @@ class HostAllocation(_message.Message):
 
     HOST_FIELD_NUMBER: _builtins.int
     ATTACHMENTS_FIELD_NUMBER: _builtins.int
+    RESERVATIONS_FIELD_NUMBER: _builtins.int
     host: _builtins.str
     @_builtins.property
     def attachments(self) -> _containers.RepeatedCompositeFieldContainer[Global___DesiredAttachment]: ...
+    @_builtins.property
+    def reservations(self) -> _containers.RepeatedCompositeFieldContainer[Global___HostReservation]:
+        """The CPU cores and memory each node on the host holds; written with its
+        attachments by the compose transaction, removed with them on release.
+        """
+
     def __init__(
         self,
         *,
         host: _builtins.str = ...,
         attachments: _abc.Iterable[Global___DesiredAttachment] | None = ...,
+        reservations: _abc.Iterable[Global___HostReservation] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attachments", b"attachments", "host", b"host"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attachments", b"attachments", "host", b"host", "reservations", b"reservations"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HostAllocation: _TypeAlias = HostAllocation  # noqa: Y015
+
+@_typing.final
+class HostReservation(_message.Message):
+    """What one node holds of its host besides proxy slots."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    CPU_CORES_FIELD_NUMBER: _builtins.int
+    MEMORY_MIB_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    """"nodes/{node}" """
+    cpu_cores: _builtins.int
+    memory_mib: _builtins.int
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        cpu_cores: _builtins.int = ...,
+        memory_mib: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu_cores", b"cpu_cores", "memory_mib", b"memory_mib", "node", b"node"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HostReservation: _TypeAlias = HostReservation  # noqa: Y015
 
 @_typing.final
 class ObservedAttachment(_message.Message):
@@ -572,6 +692,8 @@ class ObservedAttachment(_message.Message):
     MESSAGE_FIELD_NUMBER: _builtins.int
     UPDATE_TIME_FIELD_NUMBER: _builtins.int
     HEALTH_REASON_FIELD_NUMBER: _builtins.int
+    SCRUBBED_FIELD_NUMBER: _builtins.int
+    IDENTITY_MISMATCH_FIELD_NUMBER: _builtins.int
     gpu: _builtins.str
     generation: _builtins.int
     phase: Global___AttachmentPhase.ValueType
@@ -587,6 +709,12 @@ class ObservedAttachment(_message.Message):
     """
     health_reason: _builtins.str
     """Why `health` is not HEALTHY (e.g. "2 volatile uncorrected ECC errors")."""
+    scrubbed: _builtins.bool
+    """The GPU was reset and found healthy since the node let go of it."""
+    identity_mismatch: _builtins.bool
+    """FAILED because the device at the GPU's place is not the GPU the inventory knows
+    (UUID, serial, PCI id or model differ): the broker quarantines the GPU as suspect.
+    """
     @_builtins.property
     def update_time(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -603,10 +731,12 @@ class ObservedAttachment(_message.Message):
         message: _builtins.str = ...,
         update_time: _timestamp_pb2.Timestamp | None = ...,
         health_reason: _builtins.str = ...,
+        scrubbed: _builtins.bool = ...,
+        identity_mismatch: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bdf", b"bdf", "generation", b"generation", "gpu", b"gpu", "health", b"health", "health_reason", b"health_reason", "host_slot", b"host_slot", "message", b"message", "phase", b"phase", "serial", b"serial", "update_time", b"update_time", "uuid", b"uuid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bdf", b"bdf", "generation", b"generation", "gpu", b"gpu", "health", b"health", "health_reason", b"health_reason", "host_slot", b"host_slot", "identity_mismatch", b"identity_mismatch", "message", b"message", "phase", b"phase", "scrubbed", b"scrubbed", "serial", b"serial", "update_time", b"update_time", "uuid", b"uuid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -690,22 +820,31 @@ class GpuRequest(_message.Message):
     MODEL_FIELD_NUMBER: _builtins.int
     COUNT_FIELD_NUMBER: _builtins.int
     MIN_MEMORY_MIB_FIELD_NUMBER: _builtins.int
+    MIXED_MODELS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
-    """GPU model, e.g. "H100"; empty matches any model."""
+    """GPU model, e.g. "H100"; empty matches any model. A set of up to 8 models joined by
+    "|", e.g. "H100|A100", matches any of them: all GPUs of the node are then of one
+    model, tried in the order written, unless mixed_models is set.
+    """
     count: _builtins.int
     """Number of GPUs, 1..64."""
     min_memory_mib: _builtins.int
     """Minimum memory per GPU in MiB; 0 for no minimum."""
+    mixed_models: _builtins.bool
+    """With a model set: the node may mix GPUs of the set's models. Needs a set of two or
+    more models.
+    """
     def __init__(
         self,
         *,
         model: _builtins.str = ...,
         count: _builtins.int = ...,
         min_memory_mib: _builtins.int = ...,
+        mixed_models: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "min_memory_mib", b"min_memory_mib", "model", b"model"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "min_memory_mib", b"min_memory_mib", "mixed_models", b"mixed_models", "model", b"model"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -737,6 +876,26 @@ class NodeSpec(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class HostSelectorEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     GPUS_FIELD_NUMBER: _builtins.int
     HOST_FIELD_NUMBER: _builtins.int
     MAX_LATENCY_NS_FIELD_NUMBER: _builtins.int
@@ -745,6 +904,11 @@ class NodeSpec(_message.Message):
     LABELS_FIELD_NUMBER: _builtins.int
     MAX_SLOWDOWN_FIELD_NUMBER: _builtins.int
     WORKLOAD_FIELD_NUMBER: _builtins.int
+    AFFINITY_FIELD_NUMBER: _builtins.int
+    MAX_GPUS_PER_BOX_FIELD_NUMBER: _builtins.int
+    HOST_SELECTOR_FIELD_NUMBER: _builtins.int
+    CPU_CORES_FIELD_NUMBER: _builtins.int
+    HOST_MEMORY_MIB_FIELD_NUMBER: _builtins.int
     host: _builtins.str
     """Pin to this host ("hosts/{host}"); empty lets placement choose."""
     max_latency_ns: _builtins.int
@@ -754,6 +918,11 @@ class NodeSpec(_message.Message):
     vfio: _builtins.bool
     """Bind GPUs to vfio-pci for hand-off to a VM."""
     tenant: _builtins.str
+    """The tenant the node is charged to (a tenant id, e.g. "team-a"): its GPUs and the
+    node count against tenants/{tenant}'s quota. A tenant caller's own name, always;
+    an operator may compose on behalf of a tenant by naming it; empty: charged to no
+    one.
+    """
     max_slowdown: _builtins.float
     """Upper bound on the predicted slowdown of `workload` on every GPU: the slowest
     acceptable step time over the native one, e.g. 1.05 for 5%; 0 for no bound.
@@ -763,10 +932,27 @@ class NodeSpec(_message.Message):
     "inference-online", ...) or ROUND_TRIPS@STEP_TIME, e.g. "400@5ms". Required with
     max_slowdown.
     """
+    affinity: Global___GpuAffinity.ValueType
+    """A requirement on where the GPUs come from together; see GpuAffinity."""
+    max_gpus_per_box: _builtins.int
+    """Spread over boxes for fault isolation: at most this many GPUs from any one box
+    (1: every GPU from a different box); 0 for no limit. Not with affinity BOX.
+    """
+    cpu_cores: _builtins.int
+    """CPU cores and memory (MiB) the node needs of its host; 0 for none. Only hosts that
+    declare them (Host.cpu_cores, Host.memory_mib) with that much not held by other nodes.
+    """
+    host_memory_mib: _builtins.int
     @_builtins.property
     def gpus(self) -> Global___GpuRequest: ...
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def host_selector(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Only hosts whose labels (Host.labels, set by the agent's --label) hold every one of
+        these key=value pairs.
+        """
+
     def __init__(
         self,
         *,
@@ -778,10 +964,15 @@ class NodeSpec(_message.Message):
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         max_slowdown: _builtins.float = ...,
         workload: _builtins.str = ...,
+        affinity: Global___GpuAffinity.ValueType = ...,
+        max_gpus_per_box: _builtins.int = ...,
+        host_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        cpu_cores: _builtins.int = ...,
+        host_memory_mib: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus", "host", b"host", "labels", b"labels", "max_latency_ns", b"max_latency_ns", "max_slowdown", b"max_slowdown", "tenant", b"tenant", "vfio", b"vfio", "workload", b"workload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["affinity", b"affinity", "cpu_cores", b"cpu_cores", "gpus", b"gpus", "host", b"host", "host_memory_mib", b"host_memory_mib", "host_selector", b"host_selector", "labels", b"labels", "max_gpus_per_box", b"max_gpus_per_box", "max_latency_ns", b"max_latency_ns", "max_slowdown", b"max_slowdown", "tenant", b"tenant", "vfio", b"vfio", "workload", b"workload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -830,6 +1021,44 @@ class GpuBinding(_message.Message):
 Global___GpuBinding: _TypeAlias = GpuBinding  # noqa: Y015
 
 @_typing.final
+class Event(_message.Message):
+    """One thing that happened to a node: a state change with its reason, an attach that
+    failed, a GPU that came up unhealthy. Kept on the node record itself (see
+    VirtualNode.events), so recording one costs no etcd write of its own.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIME_FIELD_NUMBER: _builtins.int
+    TYPE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    type: _builtins.str
+    """"Normal", or "Warning" for something an operator should look at."""
+    reason: _builtins.str
+    """Short CamelCase word: Composed, Attaching, Ready, Failed, AttachFailed, Releasing,
+    Released, Lost, GpuDegraded, GpuUnhealthy.
+    """
+    message: _builtins.str
+    @_builtins.property
+    def time(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        time: _timestamp_pb2.Timestamp | None = ...,
+        type: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "reason", b"reason", "time", b"time", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Event: _TypeAlias = Event  # noqa: Y015
+
+@_typing.final
 class VirtualNode(_message.Message):
     """A host plus GPUs drawn from any boxes."""
 
@@ -847,6 +1076,8 @@ class VirtualNode(_message.Message):
     READY_TIME_FIELD_NUMBER: _builtins.int
     ATTACH_DEADLINE_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
+    CHARGED_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
     GANG_FIELD_NUMBER: _builtins.int
     GANG_SIZE_FIELD_NUMBER: _builtins.int
     RESIZE_REQUEST_ID_FIELD_NUMBER: _builtins.int
@@ -861,6 +1092,11 @@ class VirtualNode(_message.Message):
     owner: _builtins.str
     """Who composed the node ("dxpool://tenant/team-a"); empty when the broker runs
     without authentication. A tenant sees and releases only the nodes it owns.
+    """
+    charged: _builtins.bool
+    """The node counts in the usage of tenants/{spec.tenant}: set at compose for a node
+    with a tenant; the usage is lowered again in the transaction that moves the node
+    out of PENDING, ATTACHING or READY (RELEASING, FAILED or LOST).
     """
     gang: _builtins.str
     """The gang this node is a member of ("gangs/{gang}"); empty for a node composed alone."""
@@ -886,6 +1122,12 @@ class VirtualNode(_message.Message):
     def attach_deadline(self) -> _timestamp_pb2.Timestamp:
         """Deadline for reaching READY; past it the node fails."""
 
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___Event]:
+        """Output only: the node's most recent events, oldest first; at most 16 are kept
+        (older ones are dropped as new ones arrive).
+        """
+
     def __init__(
         self,
         *,
@@ -901,14 +1143,163 @@ class VirtualNode(_message.Message):
         ready_time: _timestamp_pb2.Timestamp | None = ...,
         attach_deadline: _timestamp_pb2.Timestamp | None = ...,
         owner: _builtins.str = ...,
+        charged: _builtins.bool = ...,
+        events: _abc.Iterable[Global___Event] | None = ...,
         gang: _builtins.str = ...,
         gang_size: _builtins.int = ...,
         resize_request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["attach_deadline", b"attach_deadline", "create_time", b"create_time", "ready_time", b"ready_time", "spec", b"spec", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attach_deadline", b"attach_deadline", "create_time", b"create_time", "gang", b"gang", "gang_size", b"gang_size", "gpus", b"gpus", "host", b"host", "message", b"message", "name", b"name", "owner", b"owner", "ready_time", b"ready_time", "request_id", b"request_id", "resize_request_id", b"resize_request_id", "spec", b"spec", "state", b"state", "update_time", b"update_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attach_deadline", b"attach_deadline", "charged", b"charged", "create_time", b"create_time", "events", b"events", "gang", b"gang", "gang_size", b"gang_size", "gpus", b"gpus", "host", b"host", "message", b"message", "name", b"name", "owner", b"owner", "ready_time", b"ready_time", "request_id", b"request_id", "resize_request_id", b"resize_request_id", "spec", b"spec", "state", b"state", "update_time", b"update_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___VirtualNode: _TypeAlias = VirtualNode  # noqa: Y015
+
+@_typing.final
+class TenantQuota(_message.Message):
+    """A tenant's limits. A limit that is not set is no limit; 0 allows nothing."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class GpusByModelEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    GPUS_FIELD_NUMBER: _builtins.int
+    GPUS_BY_MODEL_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
+    gpus: _builtins.int
+    """GPUs of every model together."""
+    nodes: _builtins.int
+    """Nodes."""
+    @_builtins.property
+    def gpus_by_model(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """GPUs per model ("H100" -> 8); models not named are limited by `gpus` only."""
+
+    def __init__(
+        self,
+        *,
+        gpus: _builtins.int | None = ...,
+        gpus_by_model: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        nodes: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_gpus", b"_gpus", "_nodes", b"_nodes", "gpus", b"gpus", "nodes", b"nodes"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_gpus", b"_gpus", "_nodes", b"_nodes", "gpus", b"gpus", "gpus_by_model", b"gpus_by_model", "nodes", b"nodes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__gpus: _TypeAlias = _typing.Literal["gpus"]  # noqa: Y015
+    _WhichOneofArgType__gpus: _TypeAlias = _typing.Literal["_gpus", b"_gpus"]  # noqa: Y015
+    _WhichOneofReturnType__nodes: _TypeAlias = _typing.Literal["nodes"]  # noqa: Y015
+    _WhichOneofArgType__nodes: _TypeAlias = _typing.Literal["_nodes", b"_nodes"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__gpus) -> _WhichOneofReturnType__gpus | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__nodes) -> _WhichOneofReturnType__nodes | None: ...
+
+Global___TenantQuota: _TypeAlias = TenantQuota  # noqa: Y015
+
+@_typing.final
+class TenantUsage(_message.Message):
+    """What a tenant's charged nodes (PENDING, ATTACHING, READY) hold now."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class GpusByModelEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    GPUS_FIELD_NUMBER: _builtins.int
+    GPUS_BY_MODEL_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
+    gpus: _builtins.int
+    nodes: _builtins.int
+    @_builtins.property
+    def gpus_by_model(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        gpus: _builtins.int = ...,
+        gpus_by_model: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        nodes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus", "gpus_by_model", b"gpus_by_model", "nodes", b"nodes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TenantUsage: _TypeAlias = TenantUsage  # noqa: Y015
+
+@_typing.final
+class Tenant(_message.Message):
+    """A tenant's quota and usage, stored at tenants/{tenant}. A tenant without a record
+    has no limits and no usage.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    QUOTA_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    QUOTA_UPDATE_TIME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Resource name: "tenants/{tenant}"."""
+    @_builtins.property
+    def quota(self) -> Global___TenantQuota:
+        """Absent: no limits."""
+
+    @_builtins.property
+    def usage(self) -> Global___TenantUsage: ...
+    @_builtins.property
+    def quota_update_time(self) -> _timestamp_pb2.Timestamp:
+        """When the quota was last set."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        quota: Global___TenantQuota | None = ...,
+        usage: Global___TenantUsage | None = ...,
+        quota_update_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["quota", b"quota", "quota_update_time", b"quota_update_time", "usage", b"usage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "quota", b"quota", "quota_update_time", b"quota_update_time", "usage", b"usage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Tenant: _TypeAlias = Tenant  # noqa: Y015

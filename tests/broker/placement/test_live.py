@@ -86,7 +86,13 @@ def populate(rng: random.Random, inventory: Inventory) -> None:
     for index in range(rng.randint(4, 24)):
         place = Place(f"hosts/h{index:02d}", *rng.choice(RACKS))
         used = frozenset(s for s in range(8) if rng.random() < 0.3)
-        inventory.put_host(HostInfo(f"h{index:02d}", place, 8, used, rng.random() > 0.1))
+        labels = frozenset({("pool", rng.choice("ab"))})
+        alive = rng.random() > 0.1
+        held = rng.choice((0, 8, 24))
+        host = HostInfo(
+            f"h{index:02d}", place, 8, used, alive, labels, 32, 65536, held, held * 1024
+        )
+        inventory.put_host(host)
 
 
 def step(rng: random.Random, inventory: Inventory) -> None:
@@ -113,7 +119,12 @@ def step(rng: random.Random, inventory: Inventory) -> None:
     elif kind == 4 and host_ids:  # a host's slots change
         host = inventory.hosts[rng.choice(host_ids)]
         used = frozenset(s for s in range(8) if rng.random() < 0.4)
-        inventory.put_host(replace(host, used_slots=used))
+        labels = frozenset({("pool", rng.choice("ab"))})
+        held = rng.choice((0, 8, 24))
+        changed = replace(
+            host, used_slots=used, labels=labels, used_cpu_cores=held, used_memory_mib=held * 1024
+        )
+        inventory.put_host(changed)
     elif host_ids:  # a host dies or comes back
         host = inventory.hosts[rng.choice(host_ids)]
         inventory.put_host(replace(host, alive=not host.alive))
@@ -205,3 +216,37 @@ def test_decisions_run_on_a_snapshot_while_the_next_is_brought_forward_from_it()
         reader.join()
         sys.setswitchinterval(interval)
     assert failures == []
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_affinity_and_spread_brought_forward_answer_as_from_scratch(seed: int) -> None:
+    rng = random.Random(1000 + seed)
+    inventory = Inventory()
+    populate(rng, inventory)
+    model = TopologyLatencyModel(Topology.default())
+    pipeline = default_pipeline()
+    requests = [
+        PlacementRequest("H100", 4, same_box=True),
+        PlacementRequest("H100", 8, same_box=True, max_latency_ns=5_000),
+        PlacementRequest("H100", 3, max_gpus_per_box=1),
+        PlacementRequest("", 6, max_gpus_per_box=2),
+        PlacementRequest("H100", 2, host_selector=frozenset({("pool", "a")})),
+        PlacementRequest("H100", 2, cpu_cores=16, host_memory_mib=16384),
+    ]
+    for _ in range(STEPS):
+        for _ in range(rng.randint(1, 3)):
+            step(rng, inventory)
+        snapshot = inventory.snapshot()
+        for request in requests:
+            live = pipeline.run(request, snapshot, model)
+            fresh = default_pipeline().run(request, inventory.alone(), model)
+            assert live.placement == fresh.placement
+            assert live.unsatisfied == fresh.unsatisfied
+            assert live.candidates == fresh.candidates
+            if live.placement is not None:
+                boxes = [binding.box for binding in live.placement.bindings]
+                most = max(boxes.count(box) for box in boxes)
+                if request.same_box:
+                    assert len(set(boxes)) == 1
+                if request.max_gpus_per_box:
+                    assert most <= request.max_gpus_per_box

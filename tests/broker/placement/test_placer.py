@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from dxpool.broker.placement import (
@@ -322,3 +324,112 @@ def test_unsatisfied_says_when_no_host_is_registered() -> None:
     assert result.placement is None
     assert result.candidates == ()
     assert result.unsatisfied == ("hosts: no host is registered",)
+
+
+# -- model sets --------------------------------------------------------------------------
+
+
+def mixed_pool() -> Pool:
+    return Pool().box("h", 2).box("a", 3, model="A100").host("h1")
+
+
+def test_a_model_set_gives_one_model_the_first_that_fits_in_the_order_written() -> None:
+    snapshot = Pool().box("h", 4).box("a", 4, model="A100").host("h1").snapshot()
+    first = place(PlacementRequest("H100|A100", 4), snapshot, TableLatency())
+    assert boxes_of(first) == ["h"] * 4
+    (kept,) = [c for c in first.candidates if c.feasible]
+    assert kept.reasons[0] == "model H100"
+    other = place(PlacementRequest("A100|H100", 4), snapshot, TableLatency())
+    assert boxes_of(other) == ["a"] * 4
+
+
+def test_a_model_set_falls_back_to_a_later_model_and_says_why() -> None:
+    snapshot = mixed_pool().snapshot()
+    result = place(PlacementRequest("H100|A100", 3), snapshot, TableLatency())
+    assert result.placement is not None
+    assert {b.model for b in result.placement.bindings} == {"A100"}
+    feasible, reasons = report(result, "h1")
+    assert feasible
+    assert reasons[0] == "model A100 (no placement of H100)"
+
+
+def test_a_model_set_never_mixes_models_unless_asked() -> None:
+    snapshot = mixed_pool().snapshot()
+    result = place(PlacementRequest("H100|A100", 5), snapshot, TableLatency())
+    assert result.placement is None
+    assert result.unsatisfied == (
+        "model H100: the pool holds 2 in all, 5 requested",
+        "model A100: the pool holds 3 in all, 5 requested",
+    )
+    feasible, reasons = report(result, "h1")
+    assert not feasible
+    assert [reason.split(":")[0] for reason in reasons] == ["model H100", "model A100"]
+    mixed = place(PlacementRequest("H100|A100", 5, mixed_models=True), snapshot, TableLatency())
+    assert mixed.placement is not None
+    assert sorted(b.model for b in mixed.placement.bindings) == ["A100"] * 3 + ["H100"] * 2
+
+
+def test_a_model_set_pinned_to_a_host_keeps_the_pin() -> None:
+    snapshot = mixed_pool().host("h2").snapshot()
+    result = place(PlacementRequest("H100|A100", 2, host="h2"), snapshot, TableLatency())
+    assert result.placement is not None and result.placement.host == "h2"
+
+
+# -- affinity and spread -----------------------------------------------------------------
+
+
+def test_affinity_box_takes_one_box_even_when_a_split_is_nearer() -> None:
+    snapshot = Pool().box("n1", 2).box("n2", 2).box("far", 4).host("h1").snapshot()
+    latency = TableLatency({("h1", "n1"): 1_000, ("h1", "n2"): 1_000, ("h1", "far"): 5_000})
+    assert sorted(boxes_of(place(PlacementRequest("H100", 4), snapshot, latency))) == [
+        "n1",
+        "n1",
+        "n2",
+        "n2",
+    ]
+    together = place(PlacementRequest("H100", 4, same_box=True), snapshot, latency)
+    assert boxes_of(together) == ["far"] * 4
+
+
+def test_affinity_box_that_no_box_can_hold_says_so() -> None:
+    snapshot = Pool().box("a", 3).box("b", 3).host("h1").snapshot()
+    result = place(PlacementRequest("H100", 4, same_box=True), snapshot, TableLatency())
+    assert result.placement is None
+    assert result.unsatisfied == (
+        "gpus: 6 in the pool, 0 in a box holding 4 of them (affinity box); 4 H100 requested",
+    )
+
+
+def test_spread_boxes_takes_every_gpu_from_a_different_box() -> None:
+    snapshot = Pool().box("a", 8).box("b", 2).box("c", 1).host("h1").snapshot()
+    spread = place(PlacementRequest("H100", 3, max_gpus_per_box=1), snapshot, TableLatency())
+    assert sorted(boxes_of(spread)) == ["a", "b", "c"]
+    two = place(PlacementRequest("H100", 4, max_gpus_per_box=2), snapshot, TableLatency())
+    assert sorted(boxes_of(two)) == ["a", "a", "b", "b"]
+    short = place(PlacementRequest("H100", 4, max_gpus_per_box=1), snapshot, TableLatency())
+    assert short.unsatisfied == (
+        "gpus: 11 in the pool, 3 usable at 1 per box (spread boxes:1); 4 H100 requested",
+    )
+
+
+# -- host labels -------------------------------------------------------------------------
+
+
+def test_host_selector_keeps_labelled_hosts_and_explains_the_others() -> None:
+    pool = Pool().box("b1", 4).host("h1").host("h2")
+    pool.hosts["h2"] = replace(pool.hosts["h2"], labels=frozenset({("env", "prod")}))
+    snapshot = pool.snapshot()
+    selector = frozenset({("env", "prod")})
+    result = place(PlacementRequest("H100", 2, host_selector=selector), snapshot, TableLatency())
+    assert result.placement is not None and result.placement.host == "h2"
+    assert report(result, "h1") == (False, ("labels lack env=prod",))
+    none = place(
+        PlacementRequest("H100", 2, host_selector=frozenset({("env", "dev")})),
+        snapshot,
+        TableLatency(),
+    )
+    assert none.placement is None
+    assert none.unsatisfied == (
+        "host labels: 2 of 2 hosts do not have env=dev; the closest, hosts/h1, lacks env=dev; "
+        "label hosts with the agent's --label or change --host-selector",
+    )

@@ -407,3 +407,35 @@ def test_a_slot_already_powered_without_a_device_is_rescanned_below_its_bridge(
 
     assert (f"bus/pci/devices/{BRIDGE2}/rescan", "1") in kernel.writes
     assert bus.wait_for_device(1, 1.0).bdf == GPU2_BDF
+
+
+def test_reset_writes_the_reset_attribute_of_an_unbound_device(kernel: FakeKernel) -> None:
+    kernel.insert(BRIDGE, FakeCard())
+    bus = make_bus(kernel)
+    bus.rescan()
+    bus.wait_for_device(0, 1.0)
+    bus.bind(GPU_BDF, None)
+
+    bus.reset(GPU_BDF)
+
+    assert kernel.resets == [GPU_BDF]
+    assert kernel.writes[-1] == (f"bus/pci/devices/{GPU_BDF}/reset", "1")
+
+
+def test_reset_of_a_bound_device_is_refused_before_any_write(kernel: FakeKernel) -> None:
+    kernel.insert(BRIDGE, FakeCard())
+    bus = make_bus(kernel)
+    bus.rescan()
+    bus.wait_for_device(0, 1.0)
+    writes = len(kernel.writes)
+
+    with pytest.raises(DriverError, match="bound to nvidia; unbind it before a reset"):
+        bus.reset(GPU_BDF)
+
+    assert kernel.resets == []
+    assert len(kernel.writes) == writes
+
+
+def test_reset_of_an_absent_device_is_a_driver_error(kernel: FakeKernel) -> None:
+    with pytest.raises(DriverError, match=r"no PCI device at .* to reset"):
+        make_bus(kernel).reset(GPU_BDF)

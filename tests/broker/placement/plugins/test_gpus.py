@@ -84,3 +84,15 @@ def test_not_excluded_drops_the_named_gpus_only() -> None:
     assert plugin.filter_gpu(request, gpu(1)).code is Code.UNSCHEDULABLE
     assert plugin.filter_gpu(request, gpu(1, box="b2")).ok
     assert not plugin.applies(PlacementRequest("", 1))
+
+
+def test_model_set_keeps_any_model_of_the_set() -> None:
+    plugin = GpuModel()
+    request = PlacementRequest("H100|a100", 2, mixed_models=True)
+    gpus = [gpu(0, "H100"), gpu(1, "A100"), gpu(2, "L40S"), gpu(3, "h100")]
+    assert [g.slot for g in plugin.filter_gpus(request, gpus)] == [0, 1, 3]
+    assert [g.slot for g in gpus if plugin.filter_gpu(request, g).ok] == [0, 1, 3]
+    assert plugin.filter_gpu(request, gpu(2, "L40S")).reasons == (
+        "model L40S, not one of H100|a100",
+    )
+    assert plugin.label(request) == "H100|a100"

@@ -5,7 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from dxpool.broker.placement.model import HostInfo, Place, PlacementRequest
-from dxpool.broker.placement.plugins.hosts import HostAlive, HostSlots, PinnedHost
+from dxpool.broker.placement.plugins.hosts import (
+    HostAlive,
+    HostLabels,
+    HostResources,
+    HostSlots,
+    PinnedHost,
+)
 from dxpool.broker.placement.status import Code
 
 
@@ -72,3 +78,64 @@ def test_slots_explain_names_the_roomiest_host() -> None:
     full = [host("h1", 2, used=[0, 1]), host("h2", 1, used=[0])]
     assert plugin.explain(request, full, 2) == "hosts: no alive host has a free slot"
     assert plugin.explain(request, [], 2) is None
+
+
+def labelled(name: str, **labels: str) -> HostInfo:
+    return HostInfo(name, Place(f"hosts/{name}"), 8, frozenset(), True, frozenset(labels.items()))
+
+
+def test_labels_keep_hosts_holding_every_selected_pair() -> None:
+    plugin = HostLabels()
+    request = PlacementRequest("", 1, host_selector=frozenset({("env", "prod"), ("zone", "a")}))
+    assert plugin.applies(request) and not plugin.applies(PlacementRequest("", 1))
+    assert plugin.filter_host(request, labelled("h1", env="prod", zone="a", extra="x")).ok
+    dropped = plugin.filter_host(request, labelled("h2", env="prod", zone="b"))
+    assert dropped.code is Code.UNSCHEDULABLE
+    assert dropped.reasons == ("labels lack zone=a",)
+    failed = [labelled("h2", env="prod", zone="b"), labelled("h3")]
+    assert plugin.explain(request, failed, 3) == (
+        "host labels: 2 of 3 hosts do not have env=prod, zone=a; the closest, hosts/h2, "
+        "lacks zone=a; label hosts with the agent's --label or change --host-selector"
+    )
+    assert plugin.explain(request, failed[:1], 1) == (
+        "host labels: hosts/h2 does not have env=prod, zone=a"
+    )
+
+
+def sized(
+    name: str, cores: int, memory: int, used_cores: int = 0, used_memory: int = 0
+) -> HostInfo:
+    return HostInfo(
+        name,
+        Place(f"hosts/{name}"),
+        8,
+        frozenset(),
+        True,
+        frozenset(),
+        cores,
+        memory,
+        used_cores,
+        used_memory,
+    )
+
+
+def test_resources_keep_hosts_with_the_cpus_and_memory_free() -> None:
+    plugin = HostResources()
+    request = PlacementRequest("", 1, cpu_cores=8, host_memory_mib=32768)
+    assert plugin.applies(request) and not plugin.applies(PlacementRequest("", 1))
+    assert plugin.filter_host(request, sized("h1", 16, 65536, 8, 32768)).ok
+    assert plugin.filter_host(request, sized("h2", 16, 65536, 9, 40960)).reasons == (
+        "7 free CPU cores, 8 needed; 24GiB free memory, 32GiB needed",
+    )
+    assert plugin.filter_host(request, sized("h3", 0, 0)).reasons == (
+        "declares no CPU cores; declares no memory",
+    )
+    failed = [sized("h2", 16, 65536, 9, 40960), sized("h3", 0, 0)]
+    assert plugin.explain(request, failed, 2) == (
+        "host resources: 2 of 2 hosts lack 8 free CPU cores and 32GiB free memory; the "
+        "roomiest, hosts/h2, has 7 free CPU cores and 24GiB free memory; ask for less, or "
+        "declare more with the agent's --cpus and --memory"
+    )
+    assert plugin.explain(request, failed[1:], 1) == (
+        "host resources: hosts/h3: declares no CPU cores; declares no memory"
+    )

@@ -52,3 +52,16 @@ def test_host_capacity_waits_for_hosts_to_register() -> None:
     status = HostCapacity().pre_filter(PlacementRequest("", 1), Pool().snapshot())
     assert status.code is Code.UNSCHEDULABLE
     assert status.reasons == ("hosts: no host is registered",)
+
+
+def test_pool_inventory_counts_every_model_of_a_set() -> None:
+    snapshot = Pool().box("b1", 2).box("b2", 2, model="A100").box("b3", 1, model="L4").snapshot()
+    plugin = PoolInventory()
+    assert plugin.pre_filter(PlacementRequest("H100|a100", 4, mixed_models=True), snapshot).ok
+    status = plugin.pre_filter(PlacementRequest("H100|A100", 5, mixed_models=True), snapshot)
+    assert status.reasons == ("models H100|A100: the pool holds 4 in all, 5 requested",)
+    none = plugin.pre_filter(PlacementRequest("B200|GH200", 1), snapshot)
+    assert none.reasons == (
+        "models B200|GH200: the pool holds 0 in all, 1 requested; "
+        "models in the pool: A100 2, H100 2, L4 1",
+    )

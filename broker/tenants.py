@@ -1,0 +1,272 @@
+"""Tenants: per-tenant quotas and the usage they are checked against.
+
+A node is charged to the tenant its ``spec.tenant`` names (a tenant caller's own name;
+an operator may name one; empty charges no one). ``tenants/{tenant}`` holds the
+tenant's :class:`~dxpool.api.v1.resources_pb2.Tenant`: its quota (absent: no limits;
+in a quota, an unset limit is no limit) and its usage, the GPUs (in all and per model)
+and the nodes of its charged nodes that are PENDING, ATTACHING or READY.
+
+Usage changes only in the transactions that change those nodes, so it cannot drift:
+
+* compose reads the tenant record with the GPUs and the host it chose, checks the quota
+  against the usage plus the new node, and writes the raised usage in its one
+  transaction, which compares the record's revision. Two composes of one tenant cannot
+  both pass a check made on the same usage: the second one's compare fails, it reads
+  the new usage and checks again.
+* :func:`discharge` lowers it in the transaction that lets the node go (release,
+  force release, failed attach, host loss: every path out of PENDING, ATTACHING and
+  READY is :func:`~dxpool.broker.transitions.let_go`), compared the same way.
+
+A node's GPUs stop counting when the node lets go of them, not when they are FREE
+again: GPUs that are detaching or fencing are handed to no one, so counting them
+against the tenant would only delay its next node without protecting anybody.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+from dxpool.api.v1 import resources_pb2 as pb
+from dxpool.broker import records
+from dxpool.broker.cache import Cache
+from dxpool.broker.rpc import cache_page
+from dxpool.broker.stm import TxnView, read_through, transact
+from dxpool.broker.validation import check_page_size
+from dxpool.errors import InvalidArgument, ResourceExhausted
+from dxpool.limits import MAX_QUOTA, MAX_QUOTA_MODELS
+from dxpool.names import parse_tenant, tenant_name
+from dxpool.request import check_model
+from dxpool.store import keys as k
+from dxpool.store.typed import Store, Versioned
+
+CHARGED_NODE_STATES = frozenset(
+    {
+        pb.NODE_STATE_PENDING,
+        pb.NODE_STATE_ATTACHING,
+        pb.NODE_STATE_READY,
+        pb.NODE_STATE_RESIZING,
+        pb.NODE_STATE_DEGRADED,
+    }
+)
+"""The states in which a charged node counts in its tenant's usage: every state that
+holds GPUs (a RESIZING or DEGRADED node keeps the GPUs it had while READY)."""
+
+
+def check_quota(quota: pb.TenantQuota) -> None:
+    """INVALID_ARGUMENT unless every limit is 0..MAX_QUOTA and every model name valid."""
+    for field in ("gpus", "nodes"):
+        if quota.HasField(field) and not 0 <= getattr(quota, field) <= MAX_QUOTA:
+            raise InvalidArgument(
+                f"quota.{field} {getattr(quota, field)} is out of range: use 0 (nothing "
+                f"allowed) up to {MAX_QUOTA}, or leave it unset for no limit",
+                reason="INVALID_QUOTA",
+            )
+    if len(quota.gpus_by_model) > MAX_QUOTA_MODELS:
+        raise InvalidArgument(
+            f"quota.gpus_by_model has {len(quota.gpus_by_model)} models: at most "
+            f"{MAX_QUOTA_MODELS} may be limited; remove some, or limit them together with "
+            "quota.gpus",
+            reason="INVALID_QUOTA",
+        )
+    for model, limit in quota.gpus_by_model.items():
+        if not model:
+            raise InvalidArgument(
+                "quota.gpus_by_model has an empty model name: use a GPU model, e.g. H100, "
+                "or limit every model together with quota.gpus",
+                reason="INVALID_QUOTA",
+            )
+        check_model(model)
+        if not 0 <= limit <= MAX_QUOTA:
+            raise InvalidArgument(
+                f"quota.gpus_by_model[{model}] {limit} is out of range: use 0 up to "
+                f"{MAX_QUOTA}, or leave the model out for no limit of its own",
+                reason="INVALID_QUOTA",
+            )
+
+
+def charged(
+    usage: pb.TenantUsage, models: Iterable[str], sign: int = 1, *, nodes: int = 1
+) -> pb.TenantUsage:
+    """``usage`` with ``nodes`` nodes of GPUs of ``models`` (one entry per GPU, all nodes
+    together) added (``sign`` 1) or taken away (-1); ``nodes`` 0 changes GPUs only (a
+    resize). Models whose count reaches 0 are dropped."""
+    updated = pb.TenantUsage()
+    updated.CopyFrom(usage)
+    counted = Counter(models)
+    updated.nodes += sign * nodes
+    updated.gpus += sign * sum(counted.values())
+    for model, count in counted.items():
+        left = updated.gpus_by_model.get(model, 0) + sign * count
+        if left:
+            updated.gpus_by_model[model] = left
+        else:
+            updated.gpus_by_model.pop(model, None)
+    return updated
+
+
+def breach(
+    tenant_id: str, record: pb.Tenant | None, models: list[str], *, nodes: int = 1
+) -> ResourceExhausted | None:
+    """The QUOTA_EXCEEDED error ``nodes`` new nodes with GPUs ``models`` (all of them
+    together) would cause for the tenant whose record is ``record`` (None: no record, no
+    limits), or None if it fits. ``nodes`` 0: GPUs added to a node that is counted
+    already (a resize); several: the members of a gang.
+
+    ``models`` may hold empty strings for GPUs whose model is not known yet (before
+    placement): they count against the total only.
+    """
+    if record is None or not record.HasField("quota"):
+        return None
+    quota, usage = record.quota, record.usage
+    wanted = len(models)
+    if nodes and quota.HasField("nodes") and usage.nodes + nodes > quota.nodes:
+        return _exceeded(tenant_id, "nodes", quota.nodes, usage.nodes, nodes, "nodes")
+    if quota.HasField("gpus") and usage.gpus + wanted > quota.gpus:
+        return _exceeded(tenant_id, "gpus", quota.gpus, usage.gpus, wanted, "GPUs")
+    for model, count in sorted(Counter(m for m in models if m).items()):
+        if model in quota.gpus_by_model:
+            limit, used = quota.gpus_by_model[model], usage.gpus_by_model.get(model, 0)
+            if used + count > limit:
+                return _exceeded(
+                    tenant_id, f"gpus_by_model[{model}]", limit, used, count, f"{model} GPUs"
+                )
+    return None
+
+
+def _exceeded(
+    tenant_id: str, limit: str, quota: int, usage: int, requested: int, what: str
+) -> ResourceExhausted:
+    return ResourceExhausted(
+        f"tenant {tenant_id} would exceed its quota of {quota} {what} (quota.{limit}): it "
+        f"holds {usage} and the request needs {requested} more. Release nodes of the tenant "
+        "(`dxpool node delete`) or have an operator raise the quota (`dxpool tenant "
+        "set-quota`)",
+        reason="QUOTA_EXCEEDED",
+        metadata={
+            "tenant": tenant_id,
+            "limit": limit,
+            "quota": str(quota),
+            "usage": str(usage),
+            "requested": str(requested),
+        },
+    )
+
+
+def node_models(node: pb.VirtualNode) -> list[str]:
+    """One model per GPU of ``node``, as it was charged."""
+    return [binding.model for binding in node.gpus]
+
+
+def discharge(view: TxnView, node: pb.VirtualNode) -> None:
+    """Take ``node`` (the record the view read) out of its tenant's usage, if it counts
+    there: it is charged and still in a charged state. Call it in the transaction that
+    moves the node out of those states."""
+    if not node.charged or not node.spec.tenant or node.state not in CHARGED_NODE_STATES:
+        return
+    # what this view writes already (another node of the tenant let go in this
+    # transaction, e.g. a gang's members), else the record read
+    current: pb.Tenant | None = view.latest(k.TENANTS, node.spec.tenant)
+    if current is None:
+        # Tenant records are never deleted, so a charged node's record exists; a
+        # missing one means it was removed by hand, and there is nothing to lower.
+        return
+    tenant = records.copy(current)
+    tenant.usage.CopyFrom(charged(tenant.usage, node_models(node), sign=-1))
+    view.put(k.TENANTS, node.spec.tenant, tenant)
+
+
+def discharge_gpus(view: TxnView, node: pb.VirtualNode, models: list[str]) -> None:
+    """Take GPUs of ``models`` that ``node`` (the record the view read) no longer holds
+    out of its tenant's usage, if the node counts there; the node itself still counts.
+    Call it in the transaction that drops the GPUs' bindings from the node (a shrink
+    done, a grow abandoned)."""
+    if not models or not node.charged or not node.spec.tenant:
+        return
+    if node.state not in CHARGED_NODE_STATES:
+        return
+    current: pb.Tenant | None = view.latest(k.TENANTS, node.spec.tenant)
+    if current is None:
+        return
+    tenant = records.copy(current)
+    tenant.usage.CopyFrom(charged(tenant.usage, models, sign=-1, nodes=0))
+    view.put(k.TENANTS, node.spec.tenant, tenant)
+
+
+def confirmed_breach(
+    store: Store, cache: Cache, tenant_id: str, models: list[str], *, nodes: int = 1
+) -> ResourceExhausted | None:
+    """The QUOTA_EXCEEDED error ``nodes`` nodes of GPUs ``models`` would cause, judged on
+    the tenant's record as etcd holds it now; None if they fit.
+
+    The cache's record is tried first; a refusal is confirmed by a linearizable read
+    (the cache may lag behind a release another broker committed), which the cache
+    takes. A pass is never final: the commit compares the record it was based on."""
+    cached = cache.get(k.TENANTS, tenant_id)
+    error = breach(tenant_id, cached.value if cached else None, models, nodes=nodes)
+    if error is None:
+        return None
+    key = store.keys.tenant(tenant_id)
+    current = store.read([key]).get(key)
+    if current is None:
+        return None
+    cache.apply_read(key, current, cache.revision)
+    return breach(tenant_id, current.value, models, nodes=nodes)
+
+
+class Tenants:
+    """SetTenantQuota, GetTenant and ListTenants over the cache and etcd."""
+
+    def __init__(self, store: Store, cache: Cache, clock: Callable[[], float] = time.time) -> None:
+        self._store = store
+        self._cache = cache
+        self._clock = clock
+
+    def set_quota(self, name: str, quota: pb.TenantQuota) -> pb.Tenant:
+        """Replace the quota of tenant ``name``; its usage is kept. Returns the record."""
+        tenant_id = parse_tenant(name)
+        check_quota(quota)
+
+        def body(view: TxnView) -> pb.Tenant:
+            record = view.get(k.TENANTS, tenant_id)
+            tenant = (
+                records.copy(record.value)
+                if record is not None
+                else pb.Tenant(name=tenant_name(tenant_id))
+            )
+            tenant.quota.CopyFrom(quota)
+            tenant.quota_update_time.CopyFrom(records.timestamp(self._clock()))
+            view.put(k.TENANTS, tenant_id, tenant)
+            return tenant
+
+        return transact(self._store, self._cache, body, what=f"setting the quota of {name}")
+
+    def get(self, name: str) -> pb.Tenant:
+        """The record of tenant ``name``, read through to etcd on a cache miss; a
+        tenant without one has no quota and no usage."""
+        tenant_id = parse_tenant(name)
+        record: Versioned[pb.Tenant] | None = read_through(
+            self._store, self._cache, k.TENANTS, tenant_id
+        )
+        if record is None:
+            return pb.Tenant(name=tenant_name(tenant_id))
+        return record.value
+
+    def list(self, page_size: int, page_token: str) -> tuple[list[pb.Tenant], str]:
+        """One page of tenant records, by name, and the next page token."""
+        chunk, token = cache_page(self._cache, k.TENANTS, check_page_size(page_size), page_token)
+        return [record.value for _, record in chunk], token
+
+
+__all__ = [
+    "CHARGED_NODE_STATES",
+    "Tenants",
+    "breach",
+    "charged",
+    "check_quota",
+    "confirmed_breach",
+    "discharge",
+    "discharge_gpus",
+    "node_models",
+]
