@@ -62,6 +62,11 @@ MUTATIONS: Mapping[str, Target] = {
         str(resp.name) if resp is not None else (f"nodes/{req.node_id}" if req.node_id else "")
     ),
     f"/{_NODES}/ReleaseNode": lambda req, _: str(req.name),
+    f"/{_NODES}/ResizeNode": lambda req, _: str(req.name),
+    f"/{_NODES}/ComposeGang": lambda req, resp: (
+        str(resp.name) if resp is not None else (f"gangs/{req.gang_id}" if req.gang_id else "")
+    ),
+    f"/{_NODES}/ReleaseGang": lambda req, _: str(req.name),
     f"/{_NODES}/SetTenantQuota": lambda req, _: str(req.name),
 }
 

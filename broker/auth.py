@@ -91,6 +91,14 @@ def _tenant_id(name: str) -> str:
     return name.removeprefix("tenants/")
 
 
+def _gang_tenant(request: Any) -> str:
+    """The tenant a ComposeGang request's members name: empty when none names one, the
+    one they name, or, when they name several, all of them joined (which is no single
+    caller's own, so a tenant caller is refused)."""
+    named = sorted({str(spec.tenant) for spec in request.members if spec.tenant})
+    return ",".join(named)
+
+
 RULES: Mapping[str, Rule] = {
     # Inventory: the operator's.
     f"/{_INVENTORY}/CreateBox": Rule(OPERATOR),
@@ -120,6 +128,13 @@ RULES: Mapping[str, Rule] = {
         NODE_USERS, operator_only=lambda r: bool(r.force), operator_only_what="force release"
     ),
     f"/{_NODES}/WatchNodes": Rule(NODE_USERS),
+    f"/{_NODES}/ResizeNode": Rule(NODE_USERS),
+    # Gangs: as their member nodes (a tenant's own only).
+    f"/{_NODES}/ComposeGang": Rule(NODE_USERS, tenant_named=_gang_tenant),
+    f"/{_NODES}/GetGang": Rule(NODE_USERS),
+    f"/{_NODES}/ReleaseGang": Rule(
+        NODE_USERS, operator_only=lambda r: bool(r.force), operator_only_what="force release"
+    ),
     # Quotas: operators set and list them; a tenant may read its own.
     f"/{_NODES}/SetTenantQuota": Rule(OPERATOR),
     f"/{_NODES}/GetTenant": Rule(NODE_USERS, tenant_named=lambda r: _tenant_id(r.name)),

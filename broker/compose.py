@@ -30,13 +30,16 @@ from dxpool.api.v1 import nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker import metrics
 from dxpool.broker.cache import Cache
+from dxpool.broker.fit import placement_request, reserve_host_resources
+from dxpool.broker.gang import GangComposer
 from dxpool.broker.locks import KeyedLocks
 from dxpool.broker.model_check import check_model_known
 from dxpool.broker.placement import PlacementRequest, PlacementResult, place
 from dxpool.broker.placement_index import PlacementIndex
 from dxpool.broker.records import copy, timestamp
+from dxpool.broker.resize import Resizer
 from dxpool.broker.stm import TxnView, read_through, transact
-from dxpool.broker.tenants import breach, charged
+from dxpool.broker.tenants import charged, confirmed_breach
 from dxpool.broker.transitions import gpu_id, let_go
 from dxpool.broker.validation import check_node_spec
 from dxpool.errors import (
@@ -81,6 +84,7 @@ class Composer:
         latency: LatencyModel | LatencySource,
         settings: ComposeSettings = ComposeSettings(),
         clock: Callable[[], float] = time.time,
+        host_locks: KeyedLocks | None = None,
     ) -> None:
         self._store = store
         self._cache = cache
@@ -88,13 +92,55 @@ class Composer:
         self._latency = as_source(latency)  # asked for its current model per placement
         self._settings = settings
         self._clock = clock
-        self._host_locks = KeyedLocks()
+        self._host_locks = host_locks if host_locks is not None else KeyedLocks()
         self._tenant_locks = KeyedLocks()
 
     @property
     def store(self) -> Store:
         """The etcd store this composer commits to."""
         return self._store
+
+    @property
+    def host_locks(self) -> KeyedLocks:
+        """The per-host locks under which this broker changes a host's allocation:
+        composes and releases hold one, gangs (:mod:`dxpool.broker.gang`) several, in
+        sorted order."""
+        return self._host_locks
+
+    @property
+    def tenant_locks(self) -> KeyedLocks:
+        """The per-tenant locks under which this broker charges a tenant's usage, taken
+        inside the host locks: a compose or resize holds one, a gang those of its
+        members' tenants, in sorted order."""
+        return self._tenant_locks
+
+    def gangs(self) -> GangComposer:
+        """A gang composer (ComposeGang, GetGang, ReleaseGang) over the same store,
+        cache, placement index, latency source, settings and host locks."""
+        return GangComposer(
+            self._store,
+            self._cache,
+            self._index,
+            self._latency,
+            self._host_locks,
+            self._tenant_locks,
+            self._settings,
+            self._clock,
+        )
+
+    def resizer(self) -> Resizer:
+        """A resizer (ResizeNode) over the same store, cache, placement index, latency
+        source, settings and host locks."""
+        return Resizer(
+            self._store,
+            self._cache,
+            self._index,
+            self._latency,
+            self._host_locks,
+            self._tenant_locks,
+            self._settings,
+            self._clock,
+        )
 
     # -- compose ---------------------------------------------------------------------
 
@@ -210,16 +256,7 @@ class Composer:
         The cache's record is tried first; a refusal is confirmed by a linearizable read
         (the cache may lag behind a release another broker committed), which the cache
         takes. A pass is never final: the commit compares the record it was based on."""
-        cached = self._cache.get(k.TENANTS, tenant_id)
-        error = breach(tenant_id, cached.value if cached else None, models)
-        if error is None:
-            return None
-        key = self._store.keys.tenant(tenant_id)
-        current = self._store.read([key]).get(key)
-        if current is None:
-            return None
-        self._cache.apply_read(key, current, self._cache.revision)
-        return breach(tenant_id, current.value, models)
+        return confirmed_breach(self._store, self._cache, tenant_id, models)
 
     def lookup(self, collection: str, name: str) -> Versioned[Any] | None:
         """A record from the cache, or from etcd when the cache lacks it (see
@@ -256,21 +293,7 @@ class Composer:
                 "`dxpool host list` or leave the host out to let placement choose",
                 reason="HOST_NOT_FOUND",
             )
-        return PlacementRequest(
-            model=request.spec.gpus.model,
-            count=request.spec.gpus.count,
-            min_memory_mib=request.spec.gpus.min_memory_mib,
-            mixed_models=request.spec.gpus.mixed_models,
-            host=host,
-            max_latency_ns=request.spec.max_latency_ns,
-            max_slowdown=request.spec.max_slowdown,
-            workload=request.spec.workload,
-            same_box=request.spec.affinity == pb.GPU_AFFINITY_BOX,
-            max_gpus_per_box=request.spec.max_gpus_per_box,
-            host_selector=frozenset(request.spec.host_selector.items()),
-            cpu_cores=request.spec.cpu_cores,
-            host_memory_mib=request.spec.host_memory_mib,
-        )
+        return placement_request(request.spec, host)
 
     def _node_for_request(
         self, request_id: str, spec: pb.NodeSpec, record: Versioned[Any] | None, owner: str
@@ -315,19 +338,12 @@ class Composer:
     def _reserve_host_resources(
         self, host_id: str, allocation: pb.HostAllocation, spec: pb.NodeSpec, name: str
     ) -> bool:
-        """Add the CPU cores and memory ``spec`` asks of the host to ``allocation``; False
-        when they no longer fit. Placement may have judged an older snapshot, so the fit
-        is checked against the very allocation the commit compares: nothing is ever
-        oversubscribed."""
-        if not (spec.cpu_cores or spec.host_memory_mib):
-            return True
+        """Reserve ``spec``'s CPU cores and memory on the host in ``allocation`` (see
+        :func:`~dxpool.broker.fit.reserve_host_resources`); False when they no longer fit."""
         host_record = self._cache.get(k.HOSTS, host_id)
-        if host_record is None or not _fits(host_record.value, allocation, spec):
-            return False
-        allocation.reservations.append(
-            pb.HostReservation(node=name, cpu_cores=spec.cpu_cores, memory_mib=spec.host_memory_mib)
+        return reserve_host_resources(
+            host_record.value if host_record else None, allocation, spec, name
         )
-        return True
 
     def _try_commit(
         self,
@@ -530,16 +546,6 @@ class Composer:
                     gpu_key,
                     lifecycle.begin_fence(record.value, "fencing: force release requested"),
                 )
-
-
-def _fits(host: pb.Host, allocation: pb.HostAllocation, spec: pb.NodeSpec) -> bool:
-    """Whether ``host`` has ``spec``'s CPU cores and memory free beside ``allocation``'s
-    reservations."""
-    cores = sum(r.cpu_cores for r in allocation.reservations) + spec.cpu_cores
-    memory = sum(r.memory_mib for r in allocation.reservations) + spec.host_memory_mib
-    return (not spec.cpu_cores or cores <= host.cpu_cores) and (
-        not spec.host_memory_mib or memory <= host.memory_mib
-    )
 
 
 def _bindings(result: PlacementResult) -> list[pb.GpuBinding]:

@@ -26,7 +26,16 @@ it simply looks again). Transitions:
   generation) is copied into the GPU record; a node with an UNHEALTHY GPU goes
   DEGRADED, and back to READY when none is. The copy is a compare-and-swap on the GPU,
   the node and the host's status together, so a release or a fence committed meanwhile
-  makes it look again instead of writing over them.
+  makes it look again instead of writing over them;
+* RESIZING (a READY node growing or shrinking, see ``broker/resize.py``), growing ->
+  READY when every GPU is ATTACHED (only the new ones are confirmed), or, when an added
+  GPU's attach fails or the deadline passes, -> READY without the added GPUs, which go
+  DETACHING and are released through the agent as above (suspects quarantined);
+  shrinking -> READY without the leaving bindings once none of their GPUs names the node
+  any more (the agent reported them RELEASED, or SCRUB_FAILED). The GPUs the node keeps
+  are never touched. A charged node's usage loses the GPUs dropped from it in the
+  transaction that drops their bindings. Health reports of a RESIZING node's GPUs are
+  copied once it is READY again.
 
 Every transition is a :func:`~dxpool.broker.stm.transact` body built from
 :mod:`dxpool.lifecycle`.
@@ -50,6 +59,7 @@ from dxpool.broker import metrics
 from dxpool.broker.cache import Cache
 from dxpool.broker.records import seconds
 from dxpool.broker.stm import TxnView, transact
+from dxpool.broker.tenants import discharge_gpus
 from dxpool.broker.transitions import drop_release, gpu_id, identity_changed, let_go, owned_gpus
 from dxpool.errors import Aborted, Unavailable
 from dxpool.names import parse_host, parse_node
@@ -318,6 +328,9 @@ class NodeController:
         if record is None or record.value.state not in lifecycle.ATTACHING_NODE_STATES:
             return None
         node: pb.VirtualNode = record.value
+        leaving = [b for b in node.gpus if b.phase == pb.ATTACHMENT_PHASE_DETACHING]
+        if node.state == pb.NODE_STATE_RESIZING and leaving:
+            return self._advance_shrink(view, node, leaving)
         host_id = parse_host(node.host)
         status_record = view.get(k.HOST_STATUSES, host_id)
         observed = {a.gpu: a for a in (status_record.value.attachments if status_record else ())}
@@ -356,8 +369,14 @@ class NodeController:
                 detail = "; ".join(f"{name}: {problem}" for name, problem in suspects.items())
                 return self._fail(view, node, f"attach failed on {node.host}: {detail}", suspects)
             for name, gpu in gpus.items():
-                view.put(k.GPUS, gpu_id(name), lifecycle.attach_confirmed(gpu.value, current[name]))
-            view.put(k.NODES, node_id, lifecycle.node_ready(node, current, now))
+                if gpu.value.state == pb.GPU_STATE_ATTACHING:  # a grown node's others are
+                    confirmed = lifecycle.attach_confirmed(gpu.value, current[name])
+                    view.put(k.GPUS, gpu_id(name), confirmed)
+            ready = lifecycle.node_ready(node, current, now)
+            if node.state == pb.NODE_STATE_RESIZING:
+                ready.ready_time.CopyFrom(node.ready_time)  # ready since it was composed
+                ready.message = f"grown to {len(node.gpus)} GPUs; all attached and verified"
+            view.put(k.NODES, node_id, ready)
             return "READY"
         if now > seconds(node.attach_deadline) and self._is_leader():
             alive = view.exists(k.HOST_LEASES, host_id)
@@ -386,17 +405,93 @@ class NodeController:
     ) -> str:
         """Fail the node and let go of its GPUs; ``suspects`` (GPU name -> why) are GPUs
         whose identity is not the one the inventory knows: quarantined, not released.
-        ``reason`` names the node's event (default: the state's reason word)."""
+        ``reason`` names the node's event (default: the state's reason word). A RESIZING
+        (growing) node is not failed: it goes back to READY without the GPUs the grow
+        added (:meth:`_abandon_grow`)."""
+        if node.state == pb.NODE_STATE_RESIZING:
+            return self._abandon_grow(view, node, message, suspects)
         let_go(view, node, pb.NODE_STATE_FAILED, message, self._clock(), reason=reason)
-        for name, problem in sorted((suspects or {}).items()):
-            key = gpu_id(name)
-            gpu: pb.Gpu | None = view.latest(k.GPUS, key)
-            if gpu is None or gpu.node != node.name or gpu.state != pb.GPU_STATE_DETACHING:
-                continue
-            drop_release(view, gpu)
-            view.put(k.GPUS, key, lifecycle.quarantine(gpu, f"suspect identity: {problem}"))
+        _quarantine_suspects(view, node, suspects)
         self._failures[node.name] = message
         return "FAILED"
+
+    def _advance_shrink(
+        self, view: TxnView, node: pb.VirtualNode, leaving: list[pb.GpuBinding]
+    ) -> str | None:
+        """A shrinking node: READY again, without the leaving bindings, once none of
+        their GPUs names the node any more (freed, or quarantined)."""
+        for binding in leaving:
+            record = view.get(k.GPUS, gpu_id(binding.gpu))
+            if record is not None and record.value.node == node.name:
+                return None  # still detaching
+        gone = {b.gpu for b in leaving}
+        updated = lifecycle.node_to(
+            node,
+            pb.NODE_STATE_READY,
+            f"shrunk to {len(node.gpus) - len(gone)} GPUs",
+            self._clock(),
+        )
+        kept = [b for b in updated.gpus if b.gpu not in gone]
+        del updated.gpus[:]
+        updated.gpus.extend(kept)
+        view.put(k.NODES, node.name.removeprefix("nodes/"), updated)
+        discharge_gpus(view, node, [b.model for b in leaving])
+        return "READY"
+
+    def _abandon_grow(
+        self,
+        view: TxnView,
+        node: pb.VirtualNode,
+        message: str,
+        suspects: Mapping[str, str] | None = None,
+    ) -> str:
+        """RESIZING -> READY without the GPUs the grow added (those still ATTACHING):
+        they go DETACHING and are released through the agent (their attachments stay in
+        the host's allocation marked ``release`` until it reports them scrubbed), or, for
+        ``suspects``, are quarantined. The node keeps the GPUs it had, which stayed
+        attached and in use throughout; a charged node's usage loses the dropped GPUs."""
+        dropped: set[str] = set()
+        releasing: set[str] = set()
+        for binding in node.gpus:
+            record = view.get(k.GPUS, gpu_id(binding.gpu))
+            if record is None or record.value.node != node.name:
+                dropped.add(binding.gpu)  # taken away: nothing of ours to detach
+            elif record.value.state == pb.GPU_STATE_ATTACHING:
+                dropped.add(binding.gpu)
+                releasing.add(binding.gpu)
+                view.put(k.GPUS, gpu_id(binding.gpu), lifecycle.begin_detach(record.value))
+        kept = [b for b in node.gpus if b.gpu not in dropped]
+        updated = lifecycle.node_to(
+            node,
+            pb.NODE_STATE_READY,
+            f"grow failed, the node keeps its {len(kept)} GPUs: {message}",
+            self._clock(),
+            reason="GrowFailed",
+        )
+        del updated.gpus[:]
+        updated.gpus.extend(kept)
+        view.put(k.NODES, node.name.removeprefix("nodes/"), updated)
+        discharge_gpus(view, node, [b.model for b in node.gpus if b.gpu in dropped])
+        host_id = parse_host(node.host)
+        allocation: pb.HostAllocation | None = view.latest(k.HOST_ALLOCATIONS, host_id)
+        if allocation is not None and any(
+            a.node == node.name and a.gpu in dropped and not a.release
+            for a in allocation.attachments
+        ):
+            trimmed = pb.HostAllocation()
+            trimmed.CopyFrom(allocation)
+            del trimmed.attachments[:]
+            for attachment in allocation.attachments:
+                ours = attachment.node == node.name and not attachment.release
+                if not ours or attachment.gpu not in dropped:
+                    trimmed.attachments.append(attachment)
+                elif attachment.gpu in releasing:
+                    kept_attachment = trimmed.attachments.add()
+                    kept_attachment.CopyFrom(attachment)
+                    kept_attachment.release = True
+            view.put(k.HOST_ALLOCATIONS, host_id, trimmed)
+        _quarantine_suspects(view, node, suspects)
+        return "READY"
 
     # -- one GPU ---------------------------------------------------------------------
 
@@ -492,3 +587,18 @@ class NodeController:
             if failure is not None:
                 log.warning("node failed", extra={"node": subject, "reason": failure})
         return state
+
+
+def _quarantine_suspects(
+    view: TxnView, node: pb.VirtualNode, suspects: Mapping[str, str] | None
+) -> None:
+    """Quarantine ``suspects`` (GPU name -> why its identity is not the one recorded)
+    that this view just moved to DETACHING for ``node``, instead of releasing them:
+    their ``release`` attachments leave the host's allocation."""
+    for name, problem in sorted((suspects or {}).items()):
+        key = gpu_id(name)
+        gpu: pb.Gpu | None = view.latest(k.GPUS, key)
+        if gpu is None or gpu.node != node.name or gpu.state != pb.GPU_STATE_DETACHING:
+            continue
+        drop_release(view, gpu)
+        view.put(k.GPUS, key, lifecycle.quarantine(gpu, f"suspect identity: {problem}"))

@@ -37,6 +37,7 @@ from dxpool.broker import metrics
 from dxpool.broker.box_fabric import BoxFabric, BoxFabricError
 from dxpool.broker.cache import Cache
 from dxpool.broker.records import copy, seconds
+from dxpool.broker.resize import resize_request_value
 from dxpool.broker.stm import TxnView, transact
 from dxpool.broker.transitions import drop_release, let_go
 from dxpool.errors import DxpoolError, Unavailable
@@ -319,8 +320,18 @@ class SingletonDuties:
             view.delete(k.NODES, node_id)
             if node.request_id:
                 request = view.get(k.REQUESTS, node.request_id)
-                if request is not None and bytes(request.value).decode() == node.name:
+                # a gang's request id names the gang: it goes with the first member
+                if request is not None and bytes(request.value).decode() in (
+                    node.name,
+                    node.gang or node.name,
+                ):
                     view.delete(k.REQUESTS, node.request_id)
+            if node.resize_request_id:
+                request = view.get(k.REQUESTS, node.resize_request_id)
+                if request is not None and bytes(request.value).decode() == (
+                    resize_request_value(node.name)
+                ):
+                    view.delete(k.REQUESTS, node.resize_request_id)
             return "DELETED"
 
         return body

@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 from xml.etree import ElementTree
 
+from dxpool import lifecycle
 from dxpool.api.v1 import nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.errors import FailedPrecondition
@@ -69,7 +70,7 @@ def node_hostdev(node: pb.VirtualNode) -> nodes_pb2.NodeHostdev:
     longer), was composed without ``vfio`` (its GPUs are on the host's driver), or a
     binding lacks a valid PCI address.
     """
-    if node.state in (pb.NODE_STATE_PENDING, pb.NODE_STATE_ATTACHING):
+    if node.state in lifecycle.ATTACHING_NODE_STATES:
         raise FailedPrecondition(
             f"node {node.name} is {_state_name(node.state)}, not READY: its GPUs are not "
             "bound on its host yet; retry once it is READY (see `dxpool node watch`)",

@@ -14,6 +14,7 @@ A tenant's nodes are charged to it: ComposeNode sets ``spec.tenant`` to the call
 tenant name (naming another is refused by the table), so its quota applies whatever the
 request said; an operator may charge a node to a tenant by naming it. SetTenantQuota,
 GetTenant and ListTenants read and set quotas and usage (:mod:`dxpool.broker.tenants`).
+ComposeGang charges every member to the caller's tenant the same way.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
         tenants: Tenants | None = None,
     ) -> None:
         self._composer = composer
+        self._gangs = composer.gangs()
+        self._resizer = composer.resizer()
         self._tenants = tenants if tenants is not None else Tenants(composer.store, cache)
         self._cache = cache
         self._identify = identify
@@ -164,6 +167,33 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
     ) -> pb.VirtualNode:
         return self._composer.release(request.name, force=request.force, owner=self._scope(context))
 
+    @handler("NodeService.ResizeNode")
+    def ResizeNode(
+        self, request: nodes_pb2.ResizeNodeRequest, context: grpc.ServicerContext
+    ) -> pb.VirtualNode:
+        return self._resizer.resize(request, owner=self._scope(context))
+
+    @handler("NodeService.ComposeGang")
+    def ComposeGang(
+        self, request: nodes_pb2.ComposeGangRequest, context: grpc.ServicerContext
+    ) -> nodes_pb2.Gang:
+        caller = self._caller(context)
+        return self._gangs.compose(
+            _gang_charged_to_caller(request, caller), owner=caller.uri if caller else ""
+        )
+
+    @handler("NodeService.GetGang")
+    def GetGang(
+        self, request: nodes_pb2.GetGangRequest, context: grpc.ServicerContext
+    ) -> nodes_pb2.Gang:
+        return self._gangs.get(request.name, owner=self._scope(context))
+
+    @handler("NodeService.ReleaseGang")
+    def ReleaseGang(
+        self, request: nodes_pb2.ReleaseGangRequest, context: grpc.ServicerContext
+    ) -> nodes_pb2.Gang:
+        return self._gangs.release(request.name, force=request.force, owner=self._scope(context))
+
     @stream_handler("NodeService.WatchNodes")
     def WatchNodes(
         self, request: nodes_pb2.WatchNodesRequest, context: grpc.ServicerContext
@@ -196,6 +226,23 @@ def _charged_to_caller(
     charged = nodes_pb2.ComposeNodeRequest()
     charged.CopyFrom(request)
     charged.spec.tenant = caller.name
+    return charged
+
+
+def _gang_charged_to_caller(
+    request: nodes_pb2.ComposeGangRequest, caller: Identity | None
+) -> nodes_pb2.ComposeGangRequest:
+    """``request`` with every member charged to the caller's tenant when the caller is a
+    tenant (the authorization table has refused a request naming another), as
+    :func:`_charged_to_caller` does for one node; unchanged otherwise."""
+    if caller is None or caller.role is not Role.TENANT:
+        return request
+    if all(spec.tenant == caller.name for spec in request.members):
+        return request
+    charged = nodes_pb2.ComposeGangRequest()
+    charged.CopyFrom(request)
+    for spec in charged.members:
+        spec.tenant = caller.name
     return charged
 
 

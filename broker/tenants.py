@@ -42,9 +42,16 @@ from dxpool.store import keys as k
 from dxpool.store.typed import Store, Versioned
 
 CHARGED_NODE_STATES = frozenset(
-    {pb.NODE_STATE_PENDING, pb.NODE_STATE_ATTACHING, pb.NODE_STATE_READY}
+    {
+        pb.NODE_STATE_PENDING,
+        pb.NODE_STATE_ATTACHING,
+        pb.NODE_STATE_READY,
+        pb.NODE_STATE_RESIZING,
+        pb.NODE_STATE_DEGRADED,
+    }
 )
-"""The states in which a charged node counts in its tenant's usage."""
+"""The states in which a charged node counts in its tenant's usage: every state that
+holds GPUs (a RESIZING or DEGRADED node keeps the GPUs it had while READY)."""
 
 
 def check_quota(quota: pb.TenantQuota) -> None:
@@ -79,13 +86,16 @@ def check_quota(quota: pb.TenantQuota) -> None:
             )
 
 
-def charged(usage: pb.TenantUsage, models: Iterable[str], sign: int = 1) -> pb.TenantUsage:
-    """``usage`` with one node of GPUs of ``models`` (one entry per GPU) added
-    (``sign`` 1) or taken away (-1). Models whose count reaches 0 are dropped."""
+def charged(
+    usage: pb.TenantUsage, models: Iterable[str], sign: int = 1, *, nodes: int = 1
+) -> pb.TenantUsage:
+    """``usage`` with ``nodes`` nodes of GPUs of ``models`` (one entry per GPU, all nodes
+    together) added (``sign`` 1) or taken away (-1); ``nodes`` 0 changes GPUs only (a
+    resize). Models whose count reaches 0 are dropped."""
     updated = pb.TenantUsage()
     updated.CopyFrom(usage)
     counted = Counter(models)
-    updated.nodes += sign
+    updated.nodes += sign * nodes
     updated.gpus += sign * sum(counted.values())
     for model, count in counted.items():
         left = updated.gpus_by_model.get(model, 0) + sign * count
@@ -96,9 +106,13 @@ def charged(usage: pb.TenantUsage, models: Iterable[str], sign: int = 1) -> pb.T
     return updated
 
 
-def breach(tenant_id: str, record: pb.Tenant | None, models: list[str]) -> ResourceExhausted | None:
-    """The QUOTA_EXCEEDED error a new node of GPUs ``models`` would cause for the
-    tenant whose record is ``record`` (None: no record, no limits), or None if it fits.
+def breach(
+    tenant_id: str, record: pb.Tenant | None, models: list[str], *, nodes: int = 1
+) -> ResourceExhausted | None:
+    """The QUOTA_EXCEEDED error ``nodes`` new nodes with GPUs ``models`` (all of them
+    together) would cause for the tenant whose record is ``record`` (None: no record, no
+    limits), or None if it fits. ``nodes`` 0: GPUs added to a node that is counted
+    already (a resize); several: the members of a gang.
 
     ``models`` may hold empty strings for GPUs whose model is not known yet (before
     placement): they count against the total only.
@@ -107,8 +121,8 @@ def breach(tenant_id: str, record: pb.Tenant | None, models: list[str]) -> Resou
         return None
     quota, usage = record.quota, record.usage
     wanted = len(models)
-    if quota.HasField("nodes") and usage.nodes + 1 > quota.nodes:
-        return _exceeded(tenant_id, "nodes", quota.nodes, usage.nodes, 1, "nodes")
+    if nodes and quota.HasField("nodes") and usage.nodes + nodes > quota.nodes:
+        return _exceeded(tenant_id, "nodes", quota.nodes, usage.nodes, nodes, "nodes")
     if quota.HasField("gpus") and usage.gpus + wanted > quota.gpus:
         return _exceeded(tenant_id, "gpus", quota.gpus, usage.gpus, wanted, "GPUs")
     for model, count in sorted(Counter(m for m in models if m).items()):
@@ -126,7 +140,7 @@ def _exceeded(
 ) -> ResourceExhausted:
     return ResourceExhausted(
         f"tenant {tenant_id} would exceed its quota of {quota} {what} (quota.{limit}): it "
-        f"holds {usage} and the node needs {requested} more. Release nodes of the tenant "
+        f"holds {usage} and the request needs {requested} more. Release nodes of the tenant "
         "(`dxpool node delete`) or have an operator raise the quota (`dxpool tenant "
         "set-quota`)",
         reason="QUOTA_EXCEEDED",
@@ -151,14 +165,54 @@ def discharge(view: TxnView, node: pb.VirtualNode) -> None:
     moves the node out of those states."""
     if not node.charged or not node.spec.tenant or node.state not in CHARGED_NODE_STATES:
         return
-    record = view.get(k.TENANTS, node.spec.tenant)
-    if record is None:
+    # what this view writes already (another node of the tenant let go in this
+    # transaction, e.g. a gang's members), else the record read
+    current: pb.Tenant | None = view.latest(k.TENANTS, node.spec.tenant)
+    if current is None:
         # Tenant records are never deleted, so a charged node's record exists; a
         # missing one means it was removed by hand, and there is nothing to lower.
         return
-    tenant = records.copy(record.value)
+    tenant = records.copy(current)
     tenant.usage.CopyFrom(charged(tenant.usage, node_models(node), sign=-1))
     view.put(k.TENANTS, node.spec.tenant, tenant)
+
+
+def discharge_gpus(view: TxnView, node: pb.VirtualNode, models: list[str]) -> None:
+    """Take GPUs of ``models`` that ``node`` (the record the view read) no longer holds
+    out of its tenant's usage, if the node counts there; the node itself still counts.
+    Call it in the transaction that drops the GPUs' bindings from the node (a shrink
+    done, a grow abandoned)."""
+    if not models or not node.charged or not node.spec.tenant:
+        return
+    if node.state not in CHARGED_NODE_STATES:
+        return
+    current: pb.Tenant | None = view.latest(k.TENANTS, node.spec.tenant)
+    if current is None:
+        return
+    tenant = records.copy(current)
+    tenant.usage.CopyFrom(charged(tenant.usage, models, sign=-1, nodes=0))
+    view.put(k.TENANTS, node.spec.tenant, tenant)
+
+
+def confirmed_breach(
+    store: Store, cache: Cache, tenant_id: str, models: list[str], *, nodes: int = 1
+) -> ResourceExhausted | None:
+    """The QUOTA_EXCEEDED error ``nodes`` nodes of GPUs ``models`` would cause, judged on
+    the tenant's record as etcd holds it now; None if they fit.
+
+    The cache's record is tried first; a refusal is confirmed by a linearizable read
+    (the cache may lag behind a release another broker committed), which the cache
+    takes. A pass is never final: the commit compares the record it was based on."""
+    cached = cache.get(k.TENANTS, tenant_id)
+    error = breach(tenant_id, cached.value if cached else None, models, nodes=nodes)
+    if error is None:
+        return None
+    key = store.keys.tenant(tenant_id)
+    current = store.read([key]).get(key)
+    if current is None:
+        return None
+    cache.apply_read(key, current, cache.revision)
+    return breach(tenant_id, current.value, models, nodes=nodes)
 
 
 class Tenants:
@@ -211,6 +265,8 @@ __all__ = [
     "breach",
     "charged",
     "check_quota",
+    "confirmed_breach",
     "discharge",
+    "discharge_gpus",
     "node_models",
 ]

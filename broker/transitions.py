@@ -39,7 +39,8 @@ def let_go(
     them at the box side without waiting for the agent). A DETACHING GPU's attachment
     stays in the host's allocation marked ``release``: the agent scrubs and detaches the
     GPU and reports the outcome, and the GPU is freed or quarantined on that report only
-    (:func:`drop_release` goes with it). Every other attachment of the node, and its CPU
+    (:func:`drop_release` goes with it); so does a ``release`` attachment the node had
+    already (a GPU a shrink took out). Every other attachment of the node, and its CPU
     and memory reservation, leave the allocation. A charged node leaves its tenant's
     usage (:func:`~dxpool.broker.tenants.discharge`). ``node`` must be the record the
     view read. ``reason`` names the node's event (default: the state's reason word).
@@ -61,14 +62,18 @@ def let_go(
             view.put(k.GPUS, gpu_key, lifecycle.begin_detach(gpu))
             releasing.add(binding.gpu)
     host_id = parse_host(node.host)
-    allocation = view.get(k.HOST_ALLOCATIONS, host_id)
+    # what this view writes already (another node let go on the same host in this
+    # transaction, e.g. a gang's members), else the record read
+    allocation: pb.HostAllocation | None = view.latest(k.HOST_ALLOCATIONS, host_id)
     if allocation is not None and (
-        any(a.node == node.name for a in allocation.value.attachments)
-        or any(r.node == node.name for r in allocation.value.reservations)
+        any(a.node == node.name for a in allocation.attachments)
+        or any(r.node == node.name for r in allocation.reservations)
     ):
-        spec = without_node(allocation.value, node.host, node.name)
-        for attachment in allocation.value.attachments:
-            if attachment.node == node.name and attachment.gpu in releasing:
+        spec = without_node(allocation, node.host, node.name)
+        for attachment in allocation.attachments:
+            # a release already under way (a GPU a resize took out) stays until its
+            # outcome is reported, as the GPUs let go of now do
+            if attachment.node == node.name and (attachment.release or attachment.gpu in releasing):
                 kept = spec.attachments.add()
                 kept.CopyFrom(attachment)
                 kept.release = True

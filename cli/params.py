@@ -132,6 +132,8 @@ HOST = _GrammarType("HOST", client.host_name)
 """``h1`` or ``hosts/h1`` -> ``hosts/h1``."""
 NODE = _GrammarType("NODE", client.node_name)
 """``n1`` or ``nodes/n1`` -> ``nodes/n1``."""
+GANG = _GrammarType("GANG", client.gang_name)
+"""``g1`` or ``gangs/g1`` -> ``gangs/g1``."""
 GPU = _GrammarType("GPU", client.gpu_name)
 """``box1/3`` or ``boxes/box1/gpus/3`` -> ``boxes/box1/gpus/3``."""
 TENANT = _GrammarType("TENANT", client.tenant_name)

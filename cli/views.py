@@ -86,6 +86,15 @@ def _node_state(node: resources_pb2.VirtualNode) -> str:
     return enum_label(resources_pb2.NodeState.Name(node.state), "NODE_STATE_")
 
 
+def _node_gpus(node: resources_pb2.VirtualNode) -> str:
+    """What the node asked for, with the count it has now (a resize changes that)."""
+    request = resources_pb2.GpuRequest()
+    request.CopyFrom(node.spec.gpus)
+    if node.gpus:
+        request.count = len(node.gpus)
+    return gpu_request(request)
+
+
 def _node_latency(node: resources_pb2.VirtualNode) -> str:
     return latency(max((g.latency_ns for g in node.gpus), default=0))
 
@@ -143,7 +152,7 @@ NODE_VIEW: View[resources_pb2.VirtualNode] = View(
         Column("name", lambda n: short(n.name)),
         Column("state", _node_state),
         Column("host", lambda n: short(n.host)),
-        Column("gpus", lambda n: gpu_request(n.spec.gpus)),
+        Column("gpus", _node_gpus),
         Column("latency", _node_latency),
         Column("age", lambda n: age(n.create_time)),
         Column("tenant", lambda n: n.spec.tenant or NONE, wide_only=True),

@@ -103,6 +103,7 @@ __all__ = [
     "NodeState",
     "NodeStateLike",
     "box_name",
+    "gang_name",
     "gpu_name",
     "gpu_state",
     "host_name",
@@ -196,6 +197,11 @@ def host_name(value: str) -> str:
 def node_name(value: str) -> str:
     """``"n1"`` or ``"nodes/n1"`` -> ``"nodes/n1"``; InvalidArgument if malformed."""
     return _simple_name(value, "nodes", "node")
+
+
+def gang_name(value: str) -> str:
+    """``"g1"`` or ``"gangs/g1"`` -> ``"gangs/g1"``; InvalidArgument if malformed."""
+    return _simple_name(value, "gangs", "gang")
 
 
 def tenant_name(value: str) -> str:
@@ -836,6 +842,134 @@ class Client:
         fences the GPUs at the box side, scrubs and frees them (for a dead or hung host)."""
         request = nodes_pb2.ReleaseNodeRequest(name=node_name(name), force=force)
         return self._unary(self._nodes.ReleaseNode, request)
+
+    def resize_node(
+        self,
+        name: str,
+        gpus: int = 0,
+        *,
+        remove: Iterable[str] = (),
+        request_id: str | None = None,
+    ) -> resources_pb2.VirtualNode:
+        """Grow or shrink a READY node's GPUs in place, on its host: ``gpus`` is the
+        count it should have; ``remove`` names the GPUs to take out (``"box1/3"`` or
+        ``"boxes/box1/gpus/3"``) instead of the most recently added ones. The node comes
+        back RESIZING until the GPUs are attached or freed (see :meth:`wait_for_node`;
+        a grow whose GPUs cannot be attached ends READY without them). Retrying
+        with the same ``request_id`` returns the node without resizing again.
+        Raises FailedPrecondition when the node is not READY, ResourceExhausted when
+        its host cannot take more GPUs."""
+        request = nodes_pb2.ResizeNodeRequest(
+            name=node_name(name),
+            gpu_count=gpus,
+            remove=[gpu_name(g) for g in remove],
+            request_id=names.check_request_id(request_id or str(uuid.uuid4())),
+        )
+        return self._unary(self._nodes.ResizeNode, request)
+
+    # -- gangs ---------------------------------------------------------------------------
+
+    def compose_gang(
+        self,
+        gpus: str | Mapping[str, object] | GpuSpec,
+        count: int,
+        *,
+        host: str | None = None,
+        max_latency: str | int | None = None,
+        min_memory: str | int | None = None,
+        vfio: bool = False,
+        max_slowdown: float | None = None,
+        workload: str | None = None,
+        affinity: str | None = None,
+        spread: str | int | None = None,
+        host_selector: Mapping[str, str] | None = None,
+        cpus: int | None = None,
+        host_memory: str | int | None = None,
+        gang_id: str | None = None,
+        tenant: str = "",
+        labels: Mapping[str, str] | None = None,
+        request_id: str | None = None,
+    ) -> nodes_pb2.Gang:
+        """Compose ``count`` nodes of the same spec all or nothing; they come back
+        PENDING as ``nodes/{gang}-0`` ... (see :meth:`wait_for_gang`).
+
+        The spec arguments are :meth:`compose_node`'s. Retrying with the same
+        ``request_id`` returns the same gang. Raises ResourceExhausted when some member
+        does not fit or the members together exceed the tenant's quota (reason
+        QUOTA_EXCEEDED; nothing is composed), InvalidArgument for a gang too large for
+        one etcd transaction (the message states the limit)."""
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise InvalidArgument(
+                f"count must be a whole number of members, 1 or more; got {count!r}"
+            )
+        one = self._compose_request(
+            gpus,
+            host=host,
+            max_latency=max_latency,
+            min_memory=min_memory,
+            vfio=vfio,
+            max_slowdown=max_slowdown,
+            workload=workload,
+            affinity=affinity,
+            spread=spread,
+            host_selector=host_selector,
+            cpus=cpus,
+            host_memory=host_memory,
+            node_id=None,
+            tenant=tenant,
+            labels=labels,
+            request_id=request_id,
+        )
+        request = nodes_pb2.ComposeGangRequest(
+            members=[one.spec] * count,
+            gang_id=gang_name(gang_id).removeprefix("gangs/") if gang_id else "",
+            request_id=one.request_id,
+        )
+        return self._unary(self._nodes.ComposeGang, request)
+
+    def get_gang(self, name: str) -> nodes_pb2.Gang:
+        """The gang's members as they are now (``"g1"`` or ``"gangs/g1"``)."""
+        request = nodes_pb2.GetGangRequest(name=gang_name(name))
+        return self._unary(self._nodes.GetGang, request)
+
+    def release_gang(self, name: str, *, force: bool = False) -> nodes_pb2.Gang:
+        """Start releasing every member of a gang in one transaction; idempotent.
+        ``force`` as for :meth:`release_node`."""
+        request = nodes_pb2.ReleaseGangRequest(name=gang_name(name), force=force)
+        return self._unary(self._nodes.ReleaseGang, request)
+
+    def wait_for_gang(
+        self,
+        name: str,
+        *,
+        until: Iterable[NodeStateLike] = (NodeState.NODE_STATE_READY,),
+        timeout_s: float = DEFAULT_WAIT_TIMEOUT_S,
+    ) -> nodes_pb2.Gang:
+        """Block until every member is in one of the ``until`` states; the gang then.
+
+        Raises FailedPrecondition as soon as any member can no longer get there (e.g. its
+        host was lost: the message names the member; the others are left as they are,
+        release the gang), TimeoutError when ``timeout_s`` passes first for any member."""
+        gang = self.get_gang(name)
+        deadline = time.monotonic() + timeout_s
+        wanted = tuple(until)
+        members = []
+        for node in gang.nodes:
+            # every member is looked at at least once, even after the deadline
+            remaining = max(deadline - time.monotonic(), 0.1)
+            try:
+                members.append(self.wait_for_node(node.name, until=wanted, timeout_s=remaining))
+            except FailedPrecondition as error:
+                raise FailedPrecondition(
+                    f"gang {gang.name}: {error.message}; release the gang "
+                    f"(`dxpool gang delete {gang.name}`)",
+                    reason=error.reason,
+                ) from None
+            except TimeoutError as error:
+                raise TimeoutError(
+                    f"gang {gang.name} not ready after {timeout_s:g}s: {error}"
+                ) from None
+        return nodes_pb2.Gang(name=gang.name, nodes=members)
 
     # -- tenants -------------------------------------------------------------------------
 

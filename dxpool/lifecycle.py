@@ -25,12 +25,19 @@ generation (and the GPU was scrubbed): no path frees a GPU that a host may still
 Node (``NodeState``)::
 
     PENDING ─► ATTACHING ─► READY ─► RELEASING ─► RELEASED
-       │           │          │          ▲
-       ├───────────┴──► FAILED ──────────┤
-       └───────────┴──────────┴─► LOST ──┘
+       │           │         │ ▲         ▲  ▲
+       │           │    grow ▼ │ done    │  │
+       │           │       RESIZING ─────┤  │
+       ├───────────┴──► FAILED ──────────┤  │
+       └───────────┴──────┴──────┴─► LOST ──┘
                           │          ▲   ▲
                           ▼          │   │
                        DEGRADED ─────┴───┘   (and back to READY)
+
+RESIZING (a READY node growing or shrinking) goes back to READY whether new GPUs attach
+or not, and once removed GPUs are freed (the agent reported them scrubbed). Only a READY
+node is resized: a DEGRADED one is refused until its GPUs are healthy again (or it is
+released), so a resize never hides a health problem.
 
 READY -> DEGRADED when one of the node's GPUs is reported UNHEALTHY after the attach;
 DEGRADED -> READY when none is any more (the agent reports it healthy again, or an
@@ -71,7 +78,15 @@ NODE_TRANSITIONS: Mapping[int, frozenset[int]] = {
         {pb.NODE_STATE_READY, pb.NODE_STATE_FAILED, pb.NODE_STATE_RELEASING, pb.NODE_STATE_LOST}
     ),
     pb.NODE_STATE_READY: frozenset(
-        {pb.NODE_STATE_RELEASING, pb.NODE_STATE_LOST, pb.NODE_STATE_DEGRADED}
+        {
+            pb.NODE_STATE_RESIZING,
+            pb.NODE_STATE_RELEASING,
+            pb.NODE_STATE_LOST,
+            pb.NODE_STATE_DEGRADED,
+        }
+    ),
+    pb.NODE_STATE_RESIZING: frozenset(
+        {pb.NODE_STATE_READY, pb.NODE_STATE_RELEASING, pb.NODE_STATE_LOST}
     ),
     pb.NODE_STATE_DEGRADED: frozenset(
         {pb.NODE_STATE_READY, pb.NODE_STATE_RELEASING, pb.NODE_STATE_LOST}
@@ -110,14 +125,23 @@ NODE_STATE_REASONS: Mapping[int, str] = {
     pb.NODE_STATE_FAILED: "Failed",
     pb.NODE_STATE_LOST: "Lost",
     pb.NODE_STATE_DEGRADED: "Degraded",
+    pb.NODE_STATE_RESIZING: "Resizing",
 }
 _WARNING_STATES = frozenset({pb.NODE_STATE_FAILED, pb.NODE_STATE_LOST, pb.NODE_STATE_DEGRADED})
 
 # Node states in which the host agent may still be asked to attach the node's GPUs.
-ATTACHING_NODE_STATES = frozenset({pb.NODE_STATE_PENDING, pb.NODE_STATE_ATTACHING})
+ATTACHING_NODE_STATES = frozenset(
+    {pb.NODE_STATE_PENDING, pb.NODE_STATE_ATTACHING, pb.NODE_STATE_RESIZING}
+)
 # Node states a host loss turns into LOST (the others already let go of their GPUs).
 LOSABLE_NODE_STATES = frozenset(
-    {pb.NODE_STATE_PENDING, pb.NODE_STATE_ATTACHING, pb.NODE_STATE_READY, pb.NODE_STATE_DEGRADED}
+    {
+        pb.NODE_STATE_PENDING,
+        pb.NODE_STATE_ATTACHING,
+        pb.NODE_STATE_READY,
+        pb.NODE_STATE_RESIZING,
+        pb.NODE_STATE_DEGRADED,
+    }
 )
 # Node states whose GPUs are attached and in use: the agent's health reports count.
 IN_USE_NODE_STATES = frozenset({pb.NODE_STATE_READY, pb.NODE_STATE_DEGRADED})

@@ -10,6 +10,7 @@ values that no real pool has (a GPU with 2^63 MiB) from being stored at all.
 limit                    value          why
 =======================  =============  ==================================================
 ``MAX_GPUS_PER_NODE``    64             one compose transaction stays under 128 operations
+``MAX_TXN_OPS``          128            etcd's operations per transaction list; bounds a gang
 ``MAX_GPUS_PER_BOX``     64             a box's create and delete are one transaction each
 ``MAX_GPU_MEMORY_MIB``   16 TiB in MiB  far above any GPU made; anything larger is a typo
 ``MAX_LATENCY_NS``       10 s           a latency bound above that bounds nothing
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 MAX_GPUS_PER_NODE = 64
 MAX_GPUS_PER_BOX = 64
+MAX_TXN_OPS = 128
 MAX_GPU_MEMORY_MIB = 16 * 1024 * 1024
 MAX_LATENCY_NS = 10_000_000_000
 MAX_DURATION_NS = 366 * 24 * 3600 * 1_000_000_000

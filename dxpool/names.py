@@ -82,6 +82,15 @@ def node_name(node_id: str) -> str:
     return f"nodes/{node_id}"
 
 
+def gang_name(gang_id: str) -> str:
+    return f"gangs/{gang_id}"
+
+
+def gang_member_id(gang_id: str, index: int) -> str:
+    """The node id of a gang's ``index``-th member: ``{gang_id}-{index}``."""
+    return f"{gang_id}-{index}"
+
+
 def tenant_name(tenant_id: str) -> str:
     return f"tenants/{tenant_id}"
 
@@ -103,6 +112,11 @@ def parse_host(name: str) -> str:
 def parse_node(name: str) -> str:
     """``nodes/{node}`` -> node id."""
     return _parse_simple(name, "nodes", "node")
+
+
+def parse_gang(name: str) -> str:
+    """``gangs/{gang}`` -> gang id."""
+    return _parse_simple(name, "gangs", "gang")
 
 
 def parse_tenant(name: str) -> str:

@@ -548,6 +548,7 @@ PUBLIC_NAMES = {
     "NodeState",
     "NodeStateLike",
     "box_name",
+    "gang_name",
     "gpu_name",
     "gpu_state",
     "host_name",

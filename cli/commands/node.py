@@ -26,6 +26,7 @@ from dxpool.cli.output import (
     to_dict,
 )
 from dxpool.cli.params import (
+    GPU,
     GPUS,
     HOST,
     HOST_MEMORY,
@@ -49,6 +50,7 @@ from dxpool.cli.views import (
     short,
 )
 from dxpool.client import node_state_name
+from dxpool.errors import FailedPrecondition
 from dxpool.fabric.overhead import known_profiles
 from dxpool.request import GpuSpec
 from dxpool.selector import parse_selector
@@ -499,6 +501,69 @@ def delete(
         click.echo(f"{name} {node_state_name(released.state).lower()}")
 
     for_each(names, release, client.endpoint, ignore_not_found=ignore_not_found)
+
+
+@node.command("resize")
+@click.argument("name", metavar="NODE", type=NODE)
+@click.option(
+    "--gpus",
+    "count",
+    type=click.IntRange(min=1),
+    default=None,
+    help="How many GPUs the node should have: more grows it on its host, fewer shrinks "
+    "it (the most recently added GPUs go).",
+)
+@click.option(
+    "--remove",
+    "removes",
+    type=GPU,
+    multiple=True,
+    help="Shrink by this GPU (BOX/SLOT); repeatable.",
+)
+@click.option("--request-id", default=None, help="Idempotency key; a retry resizes once.")
+@click.option(
+    "--wait", is_flag=True, help="Wait until the node is READY again (GPUs attached or freed)."
+)
+@click.option(
+    "--timeout",
+    type=SECONDS,
+    default=DEFAULT_WAIT,
+    show_default=True,
+    help="How long --wait waits.",
+)
+@output_option()
+@pass_cli
+def resize(
+    cli: CliContext,
+    name: str,
+    count: int | None,
+    removes: tuple[str, ...],
+    request_id: str | None,
+    wait: bool,
+    timeout: float,
+    output: OutputFormat,
+) -> None:
+    """Grow or shrink a READY node's GPUs in place.
+
+    A node grows on its own host only (it needs free slots there), e.g.
+    `dxpool node resize n1 --gpus 8 --wait`; `--remove box1/3` shrinks by that GPU.
+    With --wait, a grow whose new GPUs could not be attached exits 1 (the node is
+    READY again with the GPUs it had)."""
+    if count is None and not removes:
+        raise click.UsageError("give --gpus N (the count wanted) or --remove GPU")
+    client = cli.client()
+    resized = client.resize_node(name, count or 0, remove=removes, request_id=request_id)
+    info(f"{resized.name} {node_state_name(resized.state).lower()} with {len(resized.gpus)} GPUs")
+    if wait and resized.state != NodeState.NODE_STATE_READY:
+        info(f"waiting up to {timeout:g}s for {resized.name} to be READY again")
+        resized = client.wait_for_node(resized.name, timeout_s=timeout)
+        if count is not None and len(resized.gpus) != count:
+            print_one(resized, NODE_VIEW, output)
+            raise FailedPrecondition(
+                f"{resized.name} did not grow to {count} GPUs: {resized.message}",
+                reason="GROW_FAILED",
+            )
+    print_one(resized, NODE_VIEW, output)
 
 
 @node.command("watch")

@@ -398,3 +398,34 @@ def test_a_tenant_is_charged_for_its_own_nodes_only(
     # Releasing the node gives the quota back.
     team_a.release_node("a1")
     assert team_a.get_tenant("team-a").usage == resources_pb2.TenantUsage()
+
+
+def test_tenants_compose_and_resize_their_own_gangs_and_nodes_only(
+    connect: Callable[..., Client], pool: SimPool, etcd_client: object, key_prefix: str
+) -> None:
+    team_a, team_b = connect("tenant", "team-a"), connect("tenant", "team-b")
+    gang = team_a.compose_gang("H100:1", 2, gang_id="ga")
+    assert {n.owner for n in gang.nodes} == {"dxpool://tenant/team-a"}
+    # Its members are charged to it whatever the request leaves out, and naming another
+    # tenant is refused.
+    assert all(n.spec.tenant == "team-a" and n.charged for n in gang.nodes)
+    assert team_a.get_tenant("team-a").usage.nodes == 2
+    with pytest.raises(PermissionDenied) as other_tenant:
+        team_a.compose_gang("H100:1", 1, tenant="team-b")
+    assert other_tenant.value.reason == "NOT_OWN_TENANT"
+    team_a.wait_for_gang("ga", timeout_s=20)
+    grown = team_a.resize_node("ga-0", 2)
+    assert grown.state == resources_pb2.NODE_STATE_RESIZING
+    team_a.wait_for_node("ga-0", timeout_s=20)
+    before = pool_records(etcd_client, key_prefix)
+    with pytest.raises(NotFound):
+        team_b.get_gang("ga")
+    with pytest.raises(NotFound):
+        team_b.release_gang("ga")
+    with pytest.raises(NotFound):
+        team_b.resize_node("ga-0", 1)
+    with pytest.raises(PermissionDenied, match="force release needs the role operator"):
+        team_a.release_gang("ga", force=True)
+    assert pool_records(etcd_client, key_prefix) == before
+    released = team_a.release_gang("ga")
+    assert [n.state for n in released.nodes] == [resources_pb2.NODE_STATE_RELEASING] * 2

@@ -112,6 +112,12 @@ def fuzz_pool(
             spec=pb.NodeSpec(gpus=pb.GpuRequest(model="H100", count=1)), node_id="n1"
         )
     )
+    # A gang of one member, for GetGang and ReleaseGang.
+    stubs.nodes.ComposeGang(
+        nodes_pb2.ComposeGangRequest(
+            members=[pb.NodeSpec(gpus=pb.GpuRequest(model="H100", count=1))], gang_id="g1"
+        )
+    )
     # A READY node handed to a VM (vfio), for GetNodeHostdev: as the controller leaves it
     # once its agent reported the GPU bound at 0000:41:00.0.
     ready = pb.VirtualNode(

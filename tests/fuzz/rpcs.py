@@ -59,6 +59,12 @@ EXPECTED: dict[str, frozenset[grpc.StatusCode]] = {
     "NodeService.ListNodes": _LIST,
     "NodeService.ReleaseNode": _LOOKUP,
     "NodeService.WatchNodes": _LOOKUP,
+    "NodeService.ComposeGang": _LOOKUP
+    | {C.ALREADY_EXISTS, C.RESOURCE_EXHAUSTED, C.FAILED_PRECONDITION},
+    "NodeService.GetGang": _LOOKUP,
+    "NodeService.ResizeNode": _LOOKUP
+    | {C.ALREADY_EXISTS, C.RESOURCE_EXHAUSTED, C.FAILED_PRECONDITION},
+    "NodeService.ReleaseGang": _LOOKUP,
     "NodeService.SetTenantQuota": _LIST,
     "NodeService.GetTenant": _LIST,  # a tenant never seen has no quota and no usage
     "NodeService.ListTenants": _LIST,
@@ -76,6 +82,9 @@ MUTATIONS = frozenset(
         "InventoryService.ClearGpuHealth",
         "NodeService.ComposeNode",
         "NodeService.ReleaseNode",
+        "NodeService.ComposeGang",
+        "NodeService.ReleaseGang",
+        "NodeService.ResizeNode",
         "NodeService.SetTenantQuota",
     }
 )
@@ -84,6 +93,9 @@ FOLLOWED_UP = frozenset(
     {
         "NodeService.ComposeNode",
         "NodeService.ReleaseNode",
+        "NodeService.ComposeGang",
+        "NodeService.ReleaseGang",
+        "NodeService.ResizeNode",
         "InventoryService.ReclaimGpu",
         "InventoryService.ClearGpuHealth",
     }
@@ -138,6 +150,14 @@ BASELINES: dict[str, Message] = {
     "NodeService.ListNodes": nodes_pb2.ListNodesRequest(host="hosts/h1", page_size=3),
     "NodeService.ReleaseNode": nodes_pb2.ReleaseNodeRequest(name="nodes/n1"),
     "NodeService.WatchNodes": nodes_pb2.WatchNodesRequest(name="nodes/n1"),
+    "NodeService.ComposeGang": nodes_pb2.ComposeGangRequest(
+        members=[_SPEC, _SPEC], gang_id="g2", request_id="r-gang"
+    ),
+    "NodeService.GetGang": nodes_pb2.GetGangRequest(name="gangs/g1"),
+    "NodeService.ResizeNode": nodes_pb2.ResizeNodeRequest(
+        name="nodes/vm1", gpu_count=1, request_id="r-resize"
+    ),
+    "NodeService.ReleaseGang": nodes_pb2.ReleaseGangRequest(name="gangs/g1"),
     "NodeService.SetTenantQuota": nodes_pb2.SetTenantQuotaRequest(
         name="tenants/ml", quota=pb.TenantQuota(gpus=8, nodes=2, gpus_by_model={"H100": 4})
     ),

@@ -492,3 +492,145 @@ class NodeEvent(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___NodeEvent: _TypeAlias = NodeEvent  # noqa: Y015
+
+@_typing.final
+class ComposeGangRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    GANG_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    gang_id: _builtins.str
+    """Optional id for the gang ("gangs/{gang_id}"); generated when empty. Same rules as
+    node ids, and "{gang_id}-{i}" must be a valid node id for every member i.
+    """
+    request_id: _builtins.str
+    """Makes the call idempotent: up to 128 characters of [A-Za-z0-9._:-]."""
+    @_builtins.property
+    def members(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.NodeSpec]:
+        """One spec per member, in member order (at least one)."""
+
+    def __init__(
+        self,
+        *,
+        members: _abc.Iterable[_resources_pb2.NodeSpec] | None = ...,
+        gang_id: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gang_id", b"gang_id", "members", b"members", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ComposeGangRequest: _TypeAlias = ComposeGangRequest  # noqa: Y015
+
+@_typing.final
+class Gang(_message.Message):
+    """Several nodes composed together. Each member is an ordinary node; a member that can
+    no longer become READY (FAILED, LOST) does not change the others: release the gang.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """"gangs/{gang}" """
+    @_builtins.property
+    def nodes(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.VirtualNode]:
+        """The members, in member order."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        nodes: _abc.Iterable[_resources_pb2.VirtualNode] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "nodes", b"nodes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Gang: _TypeAlias = Gang  # noqa: Y015
+
+@_typing.final
+class GetGangRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """"gangs/{gang}" """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetGangRequest: _TypeAlias = GetGangRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseGangRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    FORCE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """"gangs/{gang}" """
+    force: _builtins.bool
+    """As ReleaseNodeRequest.force, for every member."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        force: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["force", b"force", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseGangRequest: _TypeAlias = ReleaseGangRequest  # noqa: Y015
+
+@_typing.final
+class ResizeNodeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    GPU_COUNT_FIELD_NUMBER: _builtins.int
+    REMOVE_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """"nodes/{node}" """
+    gpu_count: _builtins.int
+    """How many GPUs the node should have (1 to 64): more grows it, fewer shrinks it.
+    With `remove`, 0 means "as many as are left".
+    """
+    request_id: _builtins.str
+    """Makes the call idempotent: up to 128 characters of [A-Za-z0-9._:-]."""
+    @_builtins.property
+    def remove(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Shrink by exactly these GPUs ("boxes/{box}/gpus/{slot}"), which must be the node's."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        gpu_count: _builtins.int = ...,
+        remove: _abc.Iterable[_builtins.str] | None = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_count", b"gpu_count", "name", b"name", "remove", b"remove", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResizeNodeRequest: _TypeAlias = ResizeNodeRequest  # noqa: Y015

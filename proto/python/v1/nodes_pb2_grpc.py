@@ -71,6 +71,26 @@ class NodeServiceStub:
                 request_serializer=dxpool_dot_v1_dot_nodes__pb2.GetNodeHostdevRequest.SerializeToString,
                 response_deserializer=dxpool_dot_v1_dot_nodes__pb2.NodeHostdev.FromString,
                 _registered_method=True)
+        self.ResizeNode = channel.unary_unary(
+                '/dxpool.v1.NodeService/ResizeNode',
+                request_serializer=dxpool_dot_v1_dot_nodes__pb2.ResizeNodeRequest.SerializeToString,
+                response_deserializer=dxpool_dot_v1_dot_resources__pb2.VirtualNode.FromString,
+                _registered_method=True)
+        self.ComposeGang = channel.unary_unary(
+                '/dxpool.v1.NodeService/ComposeGang',
+                request_serializer=dxpool_dot_v1_dot_nodes__pb2.ComposeGangRequest.SerializeToString,
+                response_deserializer=dxpool_dot_v1_dot_nodes__pb2.Gang.FromString,
+                _registered_method=True)
+        self.GetGang = channel.unary_unary(
+                '/dxpool.v1.NodeService/GetGang',
+                request_serializer=dxpool_dot_v1_dot_nodes__pb2.GetGangRequest.SerializeToString,
+                response_deserializer=dxpool_dot_v1_dot_nodes__pb2.Gang.FromString,
+                _registered_method=True)
+        self.ReleaseGang = channel.unary_unary(
+                '/dxpool.v1.NodeService/ReleaseGang',
+                request_serializer=dxpool_dot_v1_dot_nodes__pb2.ReleaseGangRequest.SerializeToString,
+                response_deserializer=dxpool_dot_v1_dot_nodes__pb2.Gang.FromString,
+                _registered_method=True)
         self.SetTenantQuota = channel.unary_unary(
                 '/dxpool.v1.NodeService/SetTenantQuota',
                 request_serializer=dxpool_dot_v1_dot_nodes__pb2.SetTenantQuotaRequest.SerializeToString,
@@ -177,6 +197,58 @@ class NodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResizeNode(self, request, context):
+        """Grows or shrinks a READY node's GPUs in place, on its own host. Growing places
+        the extra GPUs pinned to the node's host and commits them in one transaction; the
+        node goes RESIZING until the agent has attached them, then READY (without them if
+        their attach fails). Shrinking detaches the GPUs named in `remove`, or else the
+        most recently added ones, through the ordinary detach path; the node is RESIZING
+        until they are freed, then READY without them.
+        Retrying with the same request_id returns the node without resizing again.
+
+        INVALID_ARGUMENT for a malformed request; NOT_FOUND for an unknown node;
+        FAILED_PRECONDITION when the node is not READY, or a GPU to remove is not the
+        node's; RESOURCE_EXHAUSTED when the host has too few free slots or no GPUs fit;
+        ALREADY_EXISTS when the request_id was used for something else; ABORTED when the
+        commit kept conflicting.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ComposeGang(self, request, context):
+        """Composes several nodes (a gang, for a job larger than one host) all or nothing:
+        placement chooses every member against one view of the pool, and one etcd
+        transaction commits every member's GPUs, host slots and node, or nothing at all.
+        Members are "nodes/{gang_id}-{i}" in request order, each an ordinary node (PENDING,
+        then READY). Retrying with the same request_id returns the same gang.
+
+        INVALID_ARGUMENT for a malformed request or a gang too large for one transaction
+        (the message states the limit); RESOURCE_EXHAUSTED when some member does not fit
+        (nothing is written); FAILED_PRECONDITION (UNKNOWN_MODEL) as for ComposeNode;
+        ALREADY_EXISTS when gang_id's member names are taken or the request_id was used for
+        something else; NOT_FOUND for an unknown pinned host; ABORTED when the commit kept
+        conflicting.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetGang(self, request, context):
+        """The gang's members as they are now. NOT_FOUND for an unknown gang.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseGang(self, request, context):
+        """Starts releasing every member in one transaction (as ReleaseNode does for each).
+        Idempotent. NOT_FOUND for an unknown gang.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SetTenantQuota(self, request, context):
         """Sets (replaces) a tenant's quota; limits left out are no limits. A quota below
         the current usage stops new composes of the tenant until its usage falls below
@@ -238,6 +310,26 @@ def add_NodeServiceServicer_to_server(servicer, server):
                     servicer.GetNodeHostdev,
                     request_deserializer=dxpool_dot_v1_dot_nodes__pb2.GetNodeHostdevRequest.FromString,
                     response_serializer=dxpool_dot_v1_dot_nodes__pb2.NodeHostdev.SerializeToString,
+            ),
+            'ResizeNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResizeNode,
+                    request_deserializer=dxpool_dot_v1_dot_nodes__pb2.ResizeNodeRequest.FromString,
+                    response_serializer=dxpool_dot_v1_dot_resources__pb2.VirtualNode.SerializeToString,
+            ),
+            'ComposeGang': grpc.unary_unary_rpc_method_handler(
+                    servicer.ComposeGang,
+                    request_deserializer=dxpool_dot_v1_dot_nodes__pb2.ComposeGangRequest.FromString,
+                    response_serializer=dxpool_dot_v1_dot_nodes__pb2.Gang.SerializeToString,
+            ),
+            'GetGang': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetGang,
+                    request_deserializer=dxpool_dot_v1_dot_nodes__pb2.GetGangRequest.FromString,
+                    response_serializer=dxpool_dot_v1_dot_nodes__pb2.Gang.SerializeToString,
+            ),
+            'ReleaseGang': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseGang,
+                    request_deserializer=dxpool_dot_v1_dot_nodes__pb2.ReleaseGangRequest.FromString,
+                    response_serializer=dxpool_dot_v1_dot_nodes__pb2.Gang.SerializeToString,
             ),
             'SetTenantQuota': grpc.unary_unary_rpc_method_handler(
                     servicer.SetTenantQuota,
@@ -444,6 +536,114 @@ class NodeService:
             '/dxpool.v1.NodeService/GetNodeHostdev',
             dxpool_dot_v1_dot_nodes__pb2.GetNodeHostdevRequest.SerializeToString,
             dxpool_dot_v1_dot_nodes__pb2.NodeHostdev.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResizeNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dxpool.v1.NodeService/ResizeNode',
+            dxpool_dot_v1_dot_nodes__pb2.ResizeNodeRequest.SerializeToString,
+            dxpool_dot_v1_dot_resources__pb2.VirtualNode.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ComposeGang(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dxpool.v1.NodeService/ComposeGang',
+            dxpool_dot_v1_dot_nodes__pb2.ComposeGangRequest.SerializeToString,
+            dxpool_dot_v1_dot_nodes__pb2.Gang.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetGang(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dxpool.v1.NodeService/GetGang',
+            dxpool_dot_v1_dot_nodes__pb2.GetGangRequest.SerializeToString,
+            dxpool_dot_v1_dot_nodes__pb2.Gang.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseGang(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dxpool.v1.NodeService/ReleaseGang',
+            dxpool_dot_v1_dot_nodes__pb2.ReleaseGangRequest.SerializeToString,
+            dxpool_dot_v1_dot_nodes__pb2.Gang.FromString,
             options,
             channel_credentials,
             insecure,

@@ -89,6 +89,41 @@ class NodeServiceStub:
     not rebind them. NOT_FOUND for an unknown node; FAILED_PRECONDITION when the node
     is not READY or was not composed for vfio.
     """
+    ResizeNode: _grpc.UnaryUnaryMultiCallable[_nodes_pb2.ResizeNodeRequest, _resources_pb2.VirtualNode]
+    """Grows or shrinks a READY node's GPUs in place, on its own host. Growing places
+    the extra GPUs pinned to the node's host and commits them in one transaction; the
+    node goes RESIZING until the agent has attached them, then READY (without them if
+    their attach fails). Shrinking detaches the GPUs named in `remove`, or else the
+    most recently added ones, through the ordinary detach path; the node is RESIZING
+    until they are freed, then READY without them.
+    Retrying with the same request_id returns the node without resizing again.
+
+    INVALID_ARGUMENT for a malformed request; NOT_FOUND for an unknown node;
+    FAILED_PRECONDITION when the node is not READY, or a GPU to remove is not the
+    node's; RESOURCE_EXHAUSTED when the host has too few free slots or no GPUs fit;
+    ALREADY_EXISTS when the request_id was used for something else; ABORTED when the
+    commit kept conflicting.
+    """
+    ComposeGang: _grpc.UnaryUnaryMultiCallable[_nodes_pb2.ComposeGangRequest, _nodes_pb2.Gang]
+    """Composes several nodes (a gang, for a job larger than one host) all or nothing:
+    placement chooses every member against one view of the pool, and one etcd
+    transaction commits every member's GPUs, host slots and node, or nothing at all.
+    Members are "nodes/{gang_id}-{i}" in request order, each an ordinary node (PENDING,
+    then READY). Retrying with the same request_id returns the same gang.
+
+    INVALID_ARGUMENT for a malformed request or a gang too large for one transaction
+    (the message states the limit); RESOURCE_EXHAUSTED when some member does not fit
+    (nothing is written); FAILED_PRECONDITION (UNKNOWN_MODEL) as for ComposeNode;
+    ALREADY_EXISTS when gang_id's member names are taken or the request_id was used for
+    something else; NOT_FOUND for an unknown pinned host; ABORTED when the commit kept
+    conflicting.
+    """
+    GetGang: _grpc.UnaryUnaryMultiCallable[_nodes_pb2.GetGangRequest, _nodes_pb2.Gang]
+    """The gang's members as they are now. NOT_FOUND for an unknown gang."""
+    ReleaseGang: _grpc.UnaryUnaryMultiCallable[_nodes_pb2.ReleaseGangRequest, _nodes_pb2.Gang]
+    """Starts releasing every member in one transaction (as ReleaseNode does for each).
+    Idempotent. NOT_FOUND for an unknown gang.
+    """
     SetTenantQuota: _grpc.UnaryUnaryMultiCallable[_nodes_pb2.SetTenantQuotaRequest, _resources_pb2.Tenant]
     """Sets (replaces) a tenant's quota; limits left out are no limits. A quota below
     the current usage stops new composes of the tenant until its usage falls below
@@ -159,6 +194,41 @@ class NodeServiceAsyncStub(NodeServiceStub):
     (compose with spec.vfio) and stay bound: the XML says managed='no', so libvirt does
     not rebind them. NOT_FOUND for an unknown node; FAILED_PRECONDITION when the node
     is not READY or was not composed for vfio.
+    """
+    ResizeNode: _aio.UnaryUnaryMultiCallable[_nodes_pb2.ResizeNodeRequest, _resources_pb2.VirtualNode]  # type: ignore[assignment]
+    """Grows or shrinks a READY node's GPUs in place, on its own host. Growing places
+    the extra GPUs pinned to the node's host and commits them in one transaction; the
+    node goes RESIZING until the agent has attached them, then READY (without them if
+    their attach fails). Shrinking detaches the GPUs named in `remove`, or else the
+    most recently added ones, through the ordinary detach path; the node is RESIZING
+    until they are freed, then READY without them.
+    Retrying with the same request_id returns the node without resizing again.
+
+    INVALID_ARGUMENT for a malformed request; NOT_FOUND for an unknown node;
+    FAILED_PRECONDITION when the node is not READY, or a GPU to remove is not the
+    node's; RESOURCE_EXHAUSTED when the host has too few free slots or no GPUs fit;
+    ALREADY_EXISTS when the request_id was used for something else; ABORTED when the
+    commit kept conflicting.
+    """
+    ComposeGang: _aio.UnaryUnaryMultiCallable[_nodes_pb2.ComposeGangRequest, _nodes_pb2.Gang]  # type: ignore[assignment]
+    """Composes several nodes (a gang, for a job larger than one host) all or nothing:
+    placement chooses every member against one view of the pool, and one etcd
+    transaction commits every member's GPUs, host slots and node, or nothing at all.
+    Members are "nodes/{gang_id}-{i}" in request order, each an ordinary node (PENDING,
+    then READY). Retrying with the same request_id returns the same gang.
+
+    INVALID_ARGUMENT for a malformed request or a gang too large for one transaction
+    (the message states the limit); RESOURCE_EXHAUSTED when some member does not fit
+    (nothing is written); FAILED_PRECONDITION (UNKNOWN_MODEL) as for ComposeNode;
+    ALREADY_EXISTS when gang_id's member names are taken or the request_id was used for
+    something else; NOT_FOUND for an unknown pinned host; ABORTED when the commit kept
+    conflicting.
+    """
+    GetGang: _aio.UnaryUnaryMultiCallable[_nodes_pb2.GetGangRequest, _nodes_pb2.Gang]  # type: ignore[assignment]
+    """The gang's members as they are now. NOT_FOUND for an unknown gang."""
+    ReleaseGang: _aio.UnaryUnaryMultiCallable[_nodes_pb2.ReleaseGangRequest, _nodes_pb2.Gang]  # type: ignore[assignment]
+    """Starts releasing every member in one transaction (as ReleaseNode does for each).
+    Idempotent. NOT_FOUND for an unknown gang.
     """
     SetTenantQuota: _aio.UnaryUnaryMultiCallable[_nodes_pb2.SetTenantQuotaRequest, _resources_pb2.Tenant]  # type: ignore[assignment]
     """Sets (replaces) a tenant's quota; limits left out are no limits. A quota below
@@ -269,6 +339,65 @@ class NodeServiceServicer(metaclass=_abc_1.ABCMeta):
         (compose with spec.vfio) and stay bound: the XML says managed='no', so libvirt does
         not rebind them. NOT_FOUND for an unknown node; FAILED_PRECONDITION when the node
         is not READY or was not composed for vfio.
+        """
+
+    @_abc_1.abstractmethod
+    def ResizeNode(
+        self,
+        request: _nodes_pb2.ResizeNodeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_resources_pb2.VirtualNode, _abc.Awaitable[_resources_pb2.VirtualNode]]:
+        """Grows or shrinks a READY node's GPUs in place, on its own host. Growing places
+        the extra GPUs pinned to the node's host and commits them in one transaction; the
+        node goes RESIZING until the agent has attached them, then READY (without them if
+        their attach fails). Shrinking detaches the GPUs named in `remove`, or else the
+        most recently added ones, through the ordinary detach path; the node is RESIZING
+        until they are freed, then READY without them.
+        Retrying with the same request_id returns the node without resizing again.
+
+        INVALID_ARGUMENT for a malformed request; NOT_FOUND for an unknown node;
+        FAILED_PRECONDITION when the node is not READY, or a GPU to remove is not the
+        node's; RESOURCE_EXHAUSTED when the host has too few free slots or no GPUs fit;
+        ALREADY_EXISTS when the request_id was used for something else; ABORTED when the
+        commit kept conflicting.
+        """
+
+    @_abc_1.abstractmethod
+    def ComposeGang(
+        self,
+        request: _nodes_pb2.ComposeGangRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_nodes_pb2.Gang, _abc.Awaitable[_nodes_pb2.Gang]]:
+        """Composes several nodes (a gang, for a job larger than one host) all or nothing:
+        placement chooses every member against one view of the pool, and one etcd
+        transaction commits every member's GPUs, host slots and node, or nothing at all.
+        Members are "nodes/{gang_id}-{i}" in request order, each an ordinary node (PENDING,
+        then READY). Retrying with the same request_id returns the same gang.
+
+        INVALID_ARGUMENT for a malformed request or a gang too large for one transaction
+        (the message states the limit); RESOURCE_EXHAUSTED when some member does not fit
+        (nothing is written); FAILED_PRECONDITION (UNKNOWN_MODEL) as for ComposeNode;
+        ALREADY_EXISTS when gang_id's member names are taken or the request_id was used for
+        something else; NOT_FOUND for an unknown pinned host; ABORTED when the commit kept
+        conflicting.
+        """
+
+    @_abc_1.abstractmethod
+    def GetGang(
+        self,
+        request: _nodes_pb2.GetGangRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_nodes_pb2.Gang, _abc.Awaitable[_nodes_pb2.Gang]]:
+        """The gang's members as they are now. NOT_FOUND for an unknown gang."""
+
+    @_abc_1.abstractmethod
+    def ReleaseGang(
+        self,
+        request: _nodes_pb2.ReleaseGangRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_nodes_pb2.Gang, _abc.Awaitable[_nodes_pb2.Gang]]:
+        """Starts releasing every member in one transaction (as ReleaseNode does for each).
+        Idempotent. NOT_FOUND for an unknown gang.
         """
 
     @_abc_1.abstractmethod

@@ -194,6 +194,13 @@ class _NodeStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_NodeState.V
     """Was READY; one of its GPUs is now reported unhealthy (see `message` and the GPU's
     `health_reason`). It keeps its GPUs; it goes back to READY when no GPU is unhealthy.
     """
+    NODE_STATE_RESIZING: _NodeState.ValueType  # 9
+    """Growing or shrinking (ResizeNode): the host agent is attaching the GPUs just
+    added, or detaching those removed (bindings in phase DETACHING); the node's other
+    GPUs stay attached and in use. Back to READY when the new GPUs are attached, or,
+    if their attach fails or times out, without them (see `message`); or when the
+    removed GPUs are detached and freed.
+    """
 
 class NodeState(_NodeState, metaclass=_NodeStateEnumTypeWrapper):
     """Lifecycle of a virtual node.
@@ -226,6 +233,13 @@ fenced at the box side, scrubbed and returned to the pool. Release it to remove 
 NODE_STATE_DEGRADED: NodeState.ValueType  # 8
 """Was READY; one of its GPUs is now reported unhealthy (see `message` and the GPU's
 `health_reason`). It keeps its GPUs; it goes back to READY when no GPU is unhealthy.
+"""
+NODE_STATE_RESIZING: NodeState.ValueType  # 9
+"""Growing or shrinking (ResizeNode): the host agent is attaching the GPUs just
+added, or detaching those removed (bindings in phase DETACHING); the node's other
+GPUs stay attached and in use. Back to READY when the new GPUs are attached, or,
+if their attach fails or times out, without them (see `message`); or when the
+removed GPUs are detached and freed.
 """
 Global___NodeState: _TypeAlias = NodeState  # noqa: Y015
 
@@ -1064,6 +1078,9 @@ class VirtualNode(_message.Message):
     OWNER_FIELD_NUMBER: _builtins.int
     CHARGED_FIELD_NUMBER: _builtins.int
     EVENTS_FIELD_NUMBER: _builtins.int
+    GANG_FIELD_NUMBER: _builtins.int
+    GANG_SIZE_FIELD_NUMBER: _builtins.int
+    RESIZE_REQUEST_ID_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name: "nodes/{node}"."""
     host: _builtins.str
@@ -1080,6 +1097,16 @@ class VirtualNode(_message.Message):
     """The node counts in the usage of tenants/{spec.tenant}: set at compose for a node
     with a tenant; the usage is lowered again in the transaction that moves the node
     out of PENDING, ATTACHING or READY (RELEASING, FAILED or LOST).
+    """
+    gang: _builtins.str
+    """The gang this node is a member of ("gangs/{gang}"); empty for a node composed alone."""
+    gang_size: _builtins.int
+    """How many members the gang has (0 for a node composed alone); the members are
+    "nodes/{gang}-0" up to "nodes/{gang}-{gang_size - 1}".
+    """
+    resize_request_id: _builtins.str
+    """The request id of the last ResizeNode call that changed the node, if it had one:
+    a retry with it returns the node without resizing again.
     """
     @_builtins.property
     def spec(self) -> Global___NodeSpec: ...
@@ -1118,10 +1145,13 @@ class VirtualNode(_message.Message):
         owner: _builtins.str = ...,
         charged: _builtins.bool = ...,
         events: _abc.Iterable[Global___Event] | None = ...,
+        gang: _builtins.str = ...,
+        gang_size: _builtins.int = ...,
+        resize_request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["attach_deadline", b"attach_deadline", "create_time", b"create_time", "ready_time", b"ready_time", "spec", b"spec", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attach_deadline", b"attach_deadline", "charged", b"charged", "create_time", b"create_time", "events", b"events", "gpus", b"gpus", "host", b"host", "message", b"message", "name", b"name", "owner", b"owner", "ready_time", b"ready_time", "request_id", b"request_id", "spec", b"spec", "state", b"state", "update_time", b"update_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attach_deadline", b"attach_deadline", "charged", b"charged", "create_time", b"create_time", "events", b"events", "gang", b"gang", "gang_size", b"gang_size", "gpus", b"gpus", "host", b"host", "message", b"message", "name", b"name", "owner", b"owner", "ready_time", b"ready_time", "request_id", b"request_id", "resize_request_id", b"resize_request_id", "spec", b"spec", "state", b"state", "update_time", b"update_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
