@@ -9,12 +9,31 @@
 # Usage: docker/base-image.sh [--rebuild]
 # Environment:
 #   DXPOOL_BASE_IMAGE     image to create           (default: dxpool-base:bookworm)
-#   DXPOOL_DEBIAN_MIRROR  Debian mirror to bootstrap (default: http://deb.debian.org/debian)
+#   DXPOOL_DEBIAN_MIRROR  Debian mirror to bootstrap (default: the first Debian archive
+#                         this machine's apt sources name)
 #   DXPOOL_ENGINE         container engine command   (default: docker)
 set -euo pipefail
 
 image="${DXPOOL_BASE_IMAGE:-dxpool-base:bookworm}"
-mirror="${DXPOOL_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+
+# The Debian archive this machine's apt already uses (deb822 .sources or one-line .list),
+# so the build needs no mirror of its own; empty when apt names none.
+apt_debian_mirror() {
+  local file found
+  for file in /etc/apt/sources.list.d/*.sources /etc/apt/sources.list /etc/apt/sources.list.d/*.list; do
+    [ -f "$file" ] || continue
+    found=$(awk '
+      /^[[:space:]]*(URIs:|deb[[:space:]])/ {
+        for (i = 2; i <= NF; i++) if ($i ~ /\/debian\/?$/) { print $i; exit }
+      }' "$file")
+    if [ -n "$found" ]; then
+      echo "$found"
+      return 0
+    fi
+  done
+  return 0
+}
+mirror="${DXPOOL_DEBIAN_MIRROR:-$(apt_debian_mirror)}"
 engine="${DXPOOL_ENGINE:-docker}"
 packages="python3,python3-venv,python3-pip,ca-certificates"
 
@@ -25,7 +44,7 @@ rebuild=false
 case "${1:-}" in
   "") ;;
   --rebuild) rebuild=true ;;
-  -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
   *) die "unknown argument '$1' (usage: $0 [--rebuild])" ;;
 esac
 
@@ -43,6 +62,7 @@ command -v debootstrap >/dev/null || die "debootstrap not found: apt-get install
 rootfs="$(mktemp -d /tmp/dxpool-rootfs.XXXXXX)"
 trap 'rm -rf "$rootfs"' EXIT
 
+[ -n "$mirror" ] || die "no Debian archive in this machine's apt sources: set DXPOOL_DEBIAN_MIRROR"
 say "bootstrapping Debian bookworm (minbase + $packages) from $mirror into $rootfs"
 started=$SECONDS
 debootstrap --variant=minbase --include="$packages" bookworm "$rootfs" "$mirror" \
