@@ -108,7 +108,13 @@ GpuKey = tuple[str, int]  # (box, slot)
 HostSlot = tuple[str, int]  # (host, host_slot)
 
 LIVE_NODE_STATES = frozenset(
-    {pb.NODE_STATE_PENDING, pb.NODE_STATE_ATTACHING, pb.NODE_STATE_READY, pb.NODE_STATE_RESIZING}
+    {
+        pb.NODE_STATE_PENDING,
+        pb.NODE_STATE_ATTACHING,
+        pb.NODE_STATE_READY,
+        pb.NODE_STATE_RESIZING,
+        pb.NODE_STATE_DEGRADED,
+    }
 )
 TERMINAL_NODE_STATES = frozenset({pb.NODE_STATE_RELEASED, pb.NODE_STATE_FAILED, pb.NODE_STATE_LOST})
 TRANSIENT_NODE_STATES = frozenset(

@@ -277,6 +277,21 @@ def test_gpu_claimed_by_two_live_nodes(state: PoolState) -> None:
     assert ("READY_NODE_GPU", "nodes/n1") not in found
 
 
+def test_gpu_claimed_by_a_degraded_node_too(state: PoolState) -> None:
+    ready_node(state)
+    # A DEGRADED node keeps its GPUs: its claims count like a READY node's.
+    state.put(
+        state.schema.node("n2"),
+        pb.VirtualNode(
+            name="nodes/n2",
+            host="hosts/h1",
+            state=pb.NODE_STATE_DEGRADED,
+            gpus=[pb.GpuBinding(gpu=gname("b0", 0), host_slot=0)],
+        ),
+    )
+    assert ("DOUBLE_CLAIM", gname("b0", 0)) in kinds(check_records(state.snapshot()))
+
+
 def test_ready_node_whose_gpu_was_freed(state: PoolState) -> None:
     ready_node(state)
     state.gpu("b1", 1)  # freed behind the READY node's back
