@@ -3,8 +3,10 @@ places GPUs for a spec (ComposeNode, ComposeGang, ResizeNode)."""
 
 from __future__ import annotations
 
+from dxpool import lifecycle
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker.placement import PlacementRequest
+from dxpool.broker.placement import Binding, PlacementRequest
+from dxpool.store.typed import Versioned
 
 
 def placement_request(spec: pb.NodeSpec, host: str | None) -> PlacementRequest:
@@ -54,4 +56,53 @@ def reserve_host_resources(
     return True
 
 
-__all__ = ["fits", "placement_request", "reserve_host_resources"]
+def still_takable(
+    gpu: Versioned[pb.Gpu] | None, box: Versioned[pb.Box] | None, host_slot: int, used: set[int]
+) -> bool:
+    """Whether a placed GPU can still be committed as placed: the GPU is free, its box
+    is schedulable and the host slot is unused. Placement may have judged an older
+    snapshot than the records the commit compares."""
+    return (
+        gpu is not None
+        and lifecycle.is_free(gpu.value)
+        and host_slot not in used
+        and box is not None
+        and box.value.state == pb.BOX_STATE_ACTIVE
+    )
+
+
+def bind(
+    allocation: pb.HostAllocation,
+    node: pb.VirtualNode,
+    gpu: pb.Gpu,
+    binding: Binding,
+    vfio: bool,
+) -> None:
+    """Add ``gpu`` (just assigned to ``node``) to the host's desired attachments and to
+    the node's bindings, as ``binding`` placed it."""
+    allocation.attachments.append(
+        pb.DesiredAttachment(
+            gpu=gpu.name,
+            host_slot=binding.host_slot,
+            node=node.name,
+            generation=gpu.generation,
+            vfio=vfio,
+            expected_uuid=gpu.uuid,
+            expected_serial=gpu.serial,
+            model=gpu.model,
+            pci_id=gpu.pci_id,
+        )
+    )
+    node.gpus.append(
+        pb.GpuBinding(
+            gpu=gpu.name,
+            model=gpu.model,
+            host_slot=binding.host_slot,
+            latency_ns=binding.latency_ns,
+            uuid=gpu.uuid,
+            phase=pb.ATTACHMENT_PHASE_ATTACHING,
+        )
+    )
+
+
+__all__ = ["bind", "fits", "placement_request", "reserve_host_resources", "still_takable"]

@@ -61,7 +61,7 @@ from dxpool.api.v1 import nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker import metrics
 from dxpool.broker.cache import Cache
-from dxpool.broker.fit import placement_request, reserve_host_resources
+from dxpool.broker.fit import bind, placement_request, reserve_host_resources, still_takable
 from dxpool.broker.locks import KeyedLocks
 from dxpool.broker.model_check import check_model_known
 from dxpool.broker.placement import (
@@ -460,14 +460,9 @@ class GangComposer:
         for binding in placement.bindings:
             gpu_record = self._cache.get(k.GPUS, f"{binding.box}/{binding.slot}")
             box_record = self._cache.get(k.BOXES, binding.box)
-            if (
-                gpu_record is None
-                or not lifecycle.is_free(gpu_record.value)
-                or binding.host_slot in used
-                or box_record is None
-                or box_record.value.state != pb.BOX_STATE_ACTIVE
-            ):
+            if not still_takable(gpu_record, box_record, binding.host_slot, used):
                 return None
+            assert gpu_record is not None
             used.add(binding.host_slot)
             gpu = lifecycle.assign(
                 gpu_record.value, node=name, host=host_name, host_slot=binding.host_slot
@@ -475,29 +470,7 @@ class GangComposer:
             gpu_key = keys.gpu(binding.box, binding.slot)
             txn.expect_revision(gpu_key, gpu_record.mod_revision).put(gpu_key, gpu)
             txn.read_on_failure(gpu_key)
-            allocation.attachments.append(
-                pb.DesiredAttachment(
-                    gpu=gpu.name,
-                    host_slot=binding.host_slot,
-                    node=name,
-                    generation=gpu.generation,
-                    vfio=spec.vfio,
-                    expected_uuid=gpu.uuid,
-                    expected_serial=gpu.serial,
-                    model=gpu.model,
-                    pci_id=gpu.pci_id,
-                )
-            )
-            node.gpus.append(
-                pb.GpuBinding(
-                    gpu=gpu.name,
-                    model=gpu.model,
-                    host_slot=binding.host_slot,
-                    latency_ns=binding.latency_ns,
-                    uuid=gpu.uuid,
-                    phase=pb.ATTACHMENT_PHASE_ATTACHING,
-                )
-            )
+            bind(allocation, node, gpu, binding, spec.vfio)
         return node
 
     def _charge(self, txn: Txn, nodes: list[pb.VirtualNode]) -> set[str]:

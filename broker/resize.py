@@ -61,7 +61,7 @@ from dxpool import lifecycle
 from dxpool.api.v1 import nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.cache import Cache
-from dxpool.broker.fit import placement_request
+from dxpool.broker.fit import bind, placement_request, still_takable
 from dxpool.broker.locks import KeyedLocks
 from dxpool.broker.placement import place
 from dxpool.broker.records import copy, timestamp
@@ -359,42 +359,15 @@ class Resizer:
         for binding in result.placement.bindings:
             gpu_record = view.get(k.GPUS, f"{binding.box}/{binding.slot}")
             box_record = view.get(k.BOXES, binding.box)
-            if (
-                gpu_record is None
-                or not lifecycle.is_free(gpu_record.value)
-                or binding.host_slot in used
-                or box_record is None
-                or box_record.value.state != pb.BOX_STATE_ACTIVE
-            ):
+            if not still_takable(gpu_record, box_record, binding.host_slot, used):
                 raise _StaleSnapshotError
+            assert gpu_record is not None
             used.add(binding.host_slot)
             gpu = lifecycle.assign(
                 gpu_record.value, node=node.name, host=node.host, host_slot=binding.host_slot
             )
             view.put(k.GPUS, f"{binding.box}/{binding.slot}", gpu)
-            allocation.attachments.append(
-                pb.DesiredAttachment(
-                    gpu=gpu.name,
-                    host_slot=binding.host_slot,
-                    node=node.name,
-                    generation=gpu.generation,
-                    vfio=spec.vfio,
-                    expected_uuid=gpu.uuid,
-                    expected_serial=gpu.serial,
-                    model=gpu.model,
-                    pci_id=gpu.pci_id,
-                )
-            )
-            updated.gpus.append(
-                pb.GpuBinding(
-                    gpu=gpu.name,
-                    model=gpu.model,
-                    host_slot=binding.host_slot,
-                    latency_ns=binding.latency_ns,
-                    uuid=gpu.uuid,
-                    phase=pb.ATTACHMENT_PHASE_ATTACHING,
-                )
-            )
+            bind(allocation, updated, gpu, binding, spec.vfio)
         view.put(k.HOST_ALLOCATIONS, host_id, allocation)
         self._charge(view, node, [b.model for b in updated.gpus[len(node.gpus) :]])
         return updated

@@ -189,24 +189,19 @@ def parse_mappings(answer: dict[str, Any], what: str) -> dict[int, GpuRef]:
     table: dict[int, GpuRef] = {}
     for index, entry in enumerate(entries):
         host_slot = entry.get("host_slot") if isinstance(entry, dict) else None
-        box = entry.get("box") if isinstance(entry, dict) else None
-        slot = entry.get("slot") if isinstance(entry, dict) else None
-        if not (_is_count(host_slot) and isinstance(box, str) and _is_count(slot)):
-            raise DriverError(
-                f"{what}: mappings[{index}] is {entry!r}; each entry needs host_slot (an "
-                "integer >= 0), box (a box id) and slot (an integer >= 0)"
-            )
-        try:
-            check_id(box, "box")
-        except InvalidArgument as error:
-            raise DriverError(f"{what}: mappings[{index}]: {error.message}") from error
-        assert isinstance(host_slot, int) and isinstance(slot, int)
+        gpu = _entry_gpu(
+            entry,
+            f"{what}: mappings[{index}]",
+            "host_slot (an integer >= 0), box (a box id) and slot (an integer >= 0)",
+            valid=_is_count(host_slot),
+        )
+        assert isinstance(host_slot, int)
         if host_slot in table:
             raise DriverError(
                 f"{what}: host slot {host_slot} is listed twice ({table[host_slot].name} and "
-                f"{GpuRef(box, slot).name}); a host slot holds one GPU"
+                f"{gpu.name}); a host slot holds one GPU"
             )
-        table[host_slot] = GpuRef(box, slot)
+        table[host_slot] = gpu
     return table
 
 
@@ -219,22 +214,27 @@ def parse_revoked(answer: dict[str, Any], what: str) -> list[GpuRef]:
             f'{what}: "revoked" is not a list; expected '
             '{"revoked": [{"box": "b1", "slot": 3}, ...]} or no "revoked" at all'
         )
-    revoked: list[GpuRef] = []
-    for index, entry in enumerate(entries):
-        box = entry.get("box") if isinstance(entry, dict) else None
-        slot = entry.get("slot") if isinstance(entry, dict) else None
-        if not (isinstance(box, str) and _is_count(slot)):
-            raise DriverError(
-                f"{what}: revoked[{index}] is {entry!r}; each entry needs box (a box id) and "
-                "slot (an integer >= 0)"
-            )
-        try:
-            check_id(box, "box")
-        except InvalidArgument as error:
-            raise DriverError(f"{what}: revoked[{index}]: {error.message}") from error
-        assert isinstance(slot, int)
-        revoked.append(GpuRef(box, slot))
+    revoked = [
+        _entry_gpu(entry, f"{what}: revoked[{index}]", "box (a box id) and slot (an integer >= 0)")
+        for index, entry in enumerate(entries)
+    ]
     return sorted(revoked)
+
+
+def _entry_gpu(entry: object, where: str, needs: str, *, valid: bool = True) -> GpuRef:
+    """The GPU (``box``, ``slot``) of one JSON entry of a hook's answer; :class:`DriverError`
+    saying ``where`` it is and what each entry ``needs`` when it is not one (or ``valid``
+    is False: a field the caller checks is wrong)."""
+    box = entry.get("box") if isinstance(entry, dict) else None
+    slot = entry.get("slot") if isinstance(entry, dict) else None
+    if not (valid and isinstance(box, str) and _is_count(slot)):
+        raise DriverError(f"{where} is {entry!r}; each entry needs {needs}")
+    try:
+        check_id(box, "box")
+    except InvalidArgument as error:
+        raise DriverError(f"{where}: {error.message}") from error
+    assert isinstance(slot, int)
+    return GpuRef(box, slot)
 
 
 def _is_count(value: object) -> bool:
