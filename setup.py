@@ -28,12 +28,17 @@ ROOTS = {
 }
 
 
+# Folders of data files only (no __init__.py) that ship inside a package; listed as
+# packages of their own so setuptools installs them without warning that they are missing.
+DATA_PACKAGES = ["dxpool.fabric.examples"]
+
+
 def _packages() -> list[str]:
     found: list[str] = []
     for package, folder in ROOTS.items():
         found.append(package)
         found.extend(f"{package}.{sub}" for sub in find_packages(folder))
-    return found
+    return found + DATA_PACKAGES
 
 
 class BuildWithProtos(build_py):
@@ -53,6 +58,6 @@ setup(
     package_data={
         "dxpool": ["py.typed"],
         "dxpool.api": ["py.typed", "v1/*.pyi"],
-        "dxpool.fabric": ["examples/*.yaml"],
+        "dxpool.fabric.examples": ["*.yaml"],
     },
 )
