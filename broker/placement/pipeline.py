@@ -676,7 +676,12 @@ class _Run:
                 indexed = self._result_by_host_group(live)
             if indexed is not None:
                 return indexed
-        if self.share_classes and by_class and self.chooser is not None:
+        pinned = self._pinned_only()
+        if pinned is not None:
+            visited, shared = pinned
+            self.host_stops[0] += shared
+            outcomes = [self.filter_and_select(hosts[host]) for host in visited]
+        elif self.share_classes and by_class and self.chooser is not None:
             outcomes, shared = self._filter_and_select_by_class()
             if shared and not any(outcome.proposals for outcome in outcomes):
                 # Nothing fits: the account of why covers every host, host by host.
@@ -851,6 +856,24 @@ class _Run:
             raw: round(total / weight_sum, _SCORE_DIGITS)
             for raw, total in zip(raws, totals, strict=True)
         }
+
+    def _pinned_only(self) -> tuple[list[str], int] | None:
+        """For a request pinned to a host whose first host filter is the pin: the hosts
+        worth looking at (the pinned one, if the snapshot has it) and how many others the
+        pin drops unseen. The pin explains nothing of those (see
+        :class:`~dxpool.broker.placement.plugins.hosts.PinnedHost`), so the decision and
+        its unsatisfied lines are those of a run over every host; the per-host account
+        is made by such a run when read. None when the run must look at every host."""
+        host = self.request.host
+        if (
+            host is None
+            or not self.share_classes
+            or not self.host_filters
+            or not isinstance(self.host_filters[0], PinnedHost)
+        ):
+            return None
+        visited = [host] if host in self.snapshot.hosts else []
+        return visited, len(self.snapshot.hosts) - len(visited)
 
     def _explain_every_host(self) -> Candidates:
         full = _Run(self.pipeline, self.request, self.snapshot, self.latency, share_classes=False)

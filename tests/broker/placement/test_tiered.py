@@ -23,6 +23,7 @@ from dxpool.broker.placement import (
 )
 from dxpool.broker.placement.framework import BoxSupply, Take
 from dxpool.broker.placement.selection import options, propose
+from dxpool.broker.placement.status import SUCCESS, Status
 from dxpool.broker.placement.tiered import FEW_TIGHTEST, TieredChooser
 from dxpool.fabric.latency import LatencyEstimate, Place, TopologyLatencyModel
 from dxpool.fabric.topology import Topology
@@ -349,3 +350,58 @@ def test_an_advanced_chooser_chooses_as_one_built_from_scratch(
                 else base
             )
             assert whole == expected.options
+
+
+@pytest.mark.parametrize("pinned_is_full", [False, True])
+def test_a_pinned_request_looks_at_its_host_alone(pinned_is_full: bool, topology: Topology) -> None:
+    """The pin drops every other host and explains nothing of them, so a pinned run asks
+    the host filters about the pinned host only, also when it cannot take the node (a
+    compose re-placed on the host it waited for, which filled meanwhile); the decision,
+    the unsatisfied lines and the per-host account stay those of a run over every host."""
+    import dataclasses
+
+    from dxpool.broker.placement.pipeline import _Run
+    from dxpool.broker.placement.registry import default_pipeline
+
+    asked: list[str] = []
+
+    class Watching:
+        name = "watching"
+
+        def applies(self, request: PlacementRequest) -> bool:
+            return True
+
+        def filter_host(self, request: PlacementRequest, host: HostInfo) -> Status:
+            asked.append(host.host)
+            return SUCCESS
+
+        def explain(self, request: PlacementRequest, failed: object, reached: int) -> str | None:
+            return None
+
+    boxes = {"b0": BoxInfo("b0", Place("boxes/b0", "s0", "p0", "r0"), True)}
+    gpus = {
+        "b0": tuple(GpuInfo(f"boxes/b0/gpus/{s}", "b0", s, "H100", 1, True, True) for s in range(8))
+    }
+    hosts = {
+        f"h{i:02d}": HostInfo(
+            f"h{i:02d}",
+            Place(f"hosts/h{i:02d}", "s0", "p0", f"r{i % 3}"),
+            2,
+            frozenset({0, 1}) if (pinned_is_full and i == 7) else frozenset(),
+            True,
+        )
+        for i in range(40)
+    }
+    snapshot = Snapshot(boxes, hosts, gpus)
+    base = default_pipeline()
+    pin, *others = base.host_filters
+    pipeline = dataclasses.replace(base, host_filters=(pin, Watching(), *others))
+    request = PlacementRequest("H100", 2, host="h07")
+    model = TopologyLatencyModel(topology)
+    pinned = _Run(pipeline, request, snapshot, model).result()
+    assert asked == ["h07"]
+    every_host = _Run(pipeline, request, snapshot, model, share_classes=False).result()
+    assert pinned.placement == every_host.placement
+    assert (pinned.placement is None) is pinned_is_full
+    assert pinned.unsatisfied == every_host.unsatisfied
+    assert pinned.candidates == every_host.candidates
