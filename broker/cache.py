@@ -145,14 +145,20 @@ class Cache:
 
     def _on_list(self, kvs: Sequence[Any], revision: int) -> None:
         """A full listing at ``revision``: apply it, and drop what it no longer has."""
-        seen: set[tuple[str, str]] = set()
+        listed: list[tuple[str, str, Versioned[Any]]] = []
         for kv in kvs:
             parsed = self._parse_key(kv.key.decode())
             if parsed is None:
                 continue
-            seen.add(parsed)
             record = Versioned(decode(parsed[0], kv.value), kv.mod_revision, kv.create_revision)
-            self._apply(parsed[0], parsed[1], record, revision=kv.mod_revision)
+            listed.append((parsed[0], parsed[1], record))
+        if self._took_first_listing(listed):
+            self._advance(revision)
+            return
+        seen: set[tuple[str, str]] = set()
+        for collection, name, record in listed:
+            seen.add((collection, name))
+            self._apply(collection, name, record, revision=record.mod_revision)
         with self._lock:
             gone = [
                 (collection, name)
@@ -163,6 +169,25 @@ class Cache:
         for collection, name in gone:
             self._apply(collection, name, None, revision=revision)
         self._advance(revision)
+
+    def _took_first_listing(self, listed: list[tuple[str, str, Versioned[Any]]]) -> bool:
+        """Stores the first listing whole, when the cache holds nothing and nobody listens
+        yet (a broker's start): then no record can be older than the listing's and no
+        listener can miss a change, so the records go in at once rather than one
+        :meth:`_apply` at a time (at 100,000 GPUs about 1 s of a broker's start). False,
+        storing nothing, otherwise."""
+        by_collection: dict[str, list[tuple[str, Versioned[Any]]]] = {c: [] for c in COLLECTIONS}
+        for collection, name, record in listed:
+            by_collection[collection].append((name, record))
+        with self._lock:
+            if self._listeners or self._tombstones or any(self._records.values()):
+                return False
+            for collection, pairs in by_collection.items():
+                self._records[collection].update(pairs)
+            high = max((record.mod_revision for _, _, record in listed), default=0)
+            self._applied_high = max(self._applied_high, high)
+            self._changed.notify_all()
+        return True
 
     def _on_watch(self, response: Any) -> None:
         for event in response.events:
@@ -321,7 +346,8 @@ class Cache:
         """Every record of a collection, in listing order (by id; GPUs by box, then slot
         as a number)."""
         with self._lock:
-            return list(self._records[collection].items())
+            records = self._records[collection]
+            return list(zip(records.keys(), records.values(), strict=True))
 
     def scan(
         self,

@@ -201,3 +201,44 @@ def test_walk_reads_every_record_in_listing_order_a_page_at_a_time(
         assert [name for name, _ in cache.walk(k.BOXES)] == []
     finally:
         cache.stop()
+
+
+def test_the_first_listing_is_stored_whole_in_listing_order(etcd_client, key_prefix: str) -> None:  # type: ignore[no-untyped-def]
+    """A start's listing goes in at once; it must hold what record-by-record applying
+    holds: every collection, GPUs by slot as a number, each record's revisions."""
+    schema = KeySchema(key_prefix)
+    for slot in (10, 2, 9):
+        etcd_client.put(
+            schema.gpu("b1", slot), pb.Gpu(name=f"boxes/b1/gpus/{slot}").SerializeToString()
+        )
+    etcd_client.put(schema.box("b1"), pb.Box(name="boxes/b1").SerializeToString())
+    etcd_client.put(schema.host_lease("h1"), b"token")
+    cache = Cache(etcd_client, schema)
+    cache.start()
+    try:
+        assert [name for name, _ in cache.items(k.GPUS)] == ["b1/2", "b1/9", "b1/10"]
+        box = cache.get(k.BOXES, "b1")
+        raw = etcd_client.get(schema.box("b1"))[1]
+        assert box is not None and box.mod_revision == raw.mod_revision
+        assert cache.get(k.HOST_LEASES, "h1") is not None
+        assert cache.wait_for_revision(raw.mod_revision, 5)
+        etcd_client.delete(schema.gpu("b1", 9))
+        wait_until(lambda: cache.get(k.GPUS, "b1/9") is None, message="watched delete")
+    finally:
+        cache.stop()
+
+
+def test_a_listener_subscribed_before_the_start_hears_every_listed_record(
+    etcd_client, key_prefix: str
+) -> None:  # type: ignore[no-untyped-def]
+    schema = KeySchema(key_prefix)
+    etcd_client.put(schema.box("b1"), pb.Box(name="boxes/b1").SerializeToString())
+    etcd_client.put(schema.box("b2"), pb.Box(name="boxes/b2").SerializeToString())
+    cache = Cache(etcd_client, schema)
+    heard: list[str] = []
+    cache.subscribe(lambda collection, name, record: heard.append(name))
+    cache.start()
+    try:
+        assert sorted(heard) == ["b1", "b2"]
+    finally:
+        cache.stop()
