@@ -220,7 +220,16 @@ class TieredChooser:
             # many classes hold the tightest box: choose() finds it again when it moved
             or (not self.few_tightest() and self._fewest != before._fewest)
         ):
-            return
+            fewest = self._fewest if before.few_tightest() else before._fewest
+            if self.few_tightest() == before.few_tightest() or fewest is None:
+                return  # many classes hold the tightest box before and after: any may move
+            # The tightest box goes from apart (few classes hold one) to within the
+            # options (many do), or back. A class's options within are its options
+            # apart exactly when its nearest single box is a box of the fewest usable
+            # GPUs (then it is the tightest box, see _retighten); the rest may differ.
+            for host_class, memo in self._chosen.items():
+                if memo.single is None or memo.single[1].available != fewest:
+                    dropped.append(host_class)
         self._changed = frozenset(dropped)
 
     def changed_classes(self) -> frozenset[int] | None:

@@ -311,9 +311,10 @@ def test_an_advanced_chooser_chooses_as_one_built_from_scratch(
     hosts = [Place(f"hosts/h{i}", *where(rng)) for i in range(8)]
     chooser = TieredChooser(model, supplies, count, bound)
     for _ in range(12):
+        answered = {}
         for host in hosts:  # fill the memo the next chooser starts from
             chooser.choose(host)
-            chooser.parts(host)
+            answered[host] = (chooser.parts(host)[0], model.ranking(chooser.host_class(host)))
         removed: list[BoxSupply] = []
         added: list[BoxSupply] = []
         for _ in range(rng.randint(1, 3)):
@@ -340,6 +341,14 @@ def test_an_advanced_chooser_chooses_as_one_built_from_scratch(
         supplies = sorted([*supplies, *added], key=lambda s: (s.available, s.box.box))
         chooser = chooser.advance(removed, added)
         fresh = TieredChooser(model, supplies, count, bound)
+        changed = chooser.changed_classes()
+        for host in hosts:  # a class not named answers the first part as before, while
+            # the model numbered no class since (the caller checks that part, see
+            # _GroupTable.made)
+            first, ranking = answered[host]
+            number = chooser.host_class(host)
+            if changed is not None and number not in changed and model.ranking(number) is ranking:
+                assert chooser.parts(host)[0] == first
         for host in hosts:
             expected = fresh.choose(host)
             assert chooser.choose(host) == expected
@@ -405,3 +414,34 @@ def test_a_pinned_request_looks_at_its_host_alone(pinned_is_full: bool, topology
     assert (pinned.placement is None) is pinned_is_full
     assert pinned.unsatisfied == every_host.unsatisfied
     assert pinned.candidates == every_host.candidates
+
+
+def test_the_tightest_box_emptied_names_only_the_classes_whose_options_move(
+    topology: Topology,
+) -> None:
+    """When the last GPU of the only box short of full goes, many classes hold the
+    tightest box again (a box of 8): a class whose nearest single box is such a box
+    answers as before and is not named, so a caller asks only the others again."""
+    model = TopologyLatencyModel(topology)
+
+    def box(name: str, rack: str, usable: int) -> BoxSupply:
+        gpus = tuple(
+            GpuInfo(f"boxes/{name}/gpus/{s}", name, s, "H100", 1, True, True) for s in range(usable)
+        )
+        return BoxSupply(BoxInfo(name, Place(f"boxes/{name}", "s1", "p0", rack), True), gpus)
+
+    full = [box(f"b{index:02d}", f"r{index}", 8) for index in range(FEW_TIGHTEST + 4)]
+    last = box("z0", "r0", 1)
+    hosts = [Place(f"hosts/h{i}", "s1", "p0", f"r{i}") for i in range(FEW_TIGHTEST + 4)]
+    before = TieredChooser(model, sorted([*full, last], key=lambda s: (s.available, s.box.box)), 1)
+    assert before.few_tightest()
+    answered = {host: before.parts(host)[0] for host in hosts}
+    after = before.advance([last], [])
+    assert not after.few_tightest()
+    changed = after.changed_classes()
+    assert changed is not None and len(changed) < len(hosts)
+    fresh = TieredChooser(model, full, 1)
+    for host in hosts:
+        assert after.parts(host)[0] == fresh.parts(host)[0]
+        if after.host_class(host) not in changed:
+            assert after.parts(host)[0] == answered[host]
