@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from click.testing import CliRunner
 
@@ -101,8 +102,9 @@ def test_up_serves_a_pool_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
 
 
 def assert_etcd_requires_client_certificates(data_dir: Path) -> None:
-    """The pool's etcd serves TLS with client-certificate auth: an agent's certificate
-    reads, a client without one is refused."""
+    """The pool's etcd serves TLS with client-certificate auth and etcd users: an agent's
+    certificate reads its own host's spec and writes its status, but may not write
+    another host's, and a client without a certificate is refused."""
     from dxpool.store.client import connect
     from dxpool.tls import ClientTls
 
@@ -119,7 +121,10 @@ def assert_etcd_requires_client_certificates(data_dir: Path) -> None:
     try:
         with pytest.raises(Exception):  # noqa: B017 - refused at the handshake
             anonymous.get("/")
-        agent.get("/")
+        agent.get("/dxpool/v1/hostalloc/h1")
+        with pytest.raises(grpc.RpcError) as refused:
+            agent.put("/dxpool/v1/hoststatus/h2", b"")
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
     finally:
         anonymous.close()
         agent.close()
