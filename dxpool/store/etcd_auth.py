@@ -70,6 +70,9 @@ ROOT_ROLE = "root"
 # message python3-etcd3 generates predates the field; protobuf keeps these bytes as an
 # unknown field and sends them, and etcd (3.4 and later) reads them.
 _NO_PASSWORD_OPTION = b"\x1a\x02\x08\x01"
+# etcd's ErrUserNotFound / ErrRoleNotFound texts.
+_USER_NOT_FOUND = "user name not found"
+_ROLE_NOT_FOUND = "role name not found"
 
 
 class Access(IntEnum):
@@ -156,6 +159,7 @@ class EtcdAuth:
         self._timeout_s = timeout_s
         self._channel = channel(address)
         self._stub = etcdrpc.AuthStub(self._channel)
+        self._admin_checked = False
 
     def close(self) -> None:
         self._channel.close()
@@ -169,6 +173,23 @@ class EtcdAuth:
     # -- raw calls -------------------------------------------------------------------
 
     def _call(self, method: str, request: Any) -> Any:
+        if not self._admin_checked:
+            self._check_admin()
+        return self._raw_call(method, request)
+
+    def _check_admin(self) -> None:
+        """Ask etcd whether the caller may use the Auth API at all, once, before anything
+        else: etcd answers "user name not found" both for a caller whose CN is no user
+        and for a missing user or role asked about, so the caller is judged first."""
+        try:
+            self._raw_call("UserList", etcdrpc.AuthUserListRequest())
+        except FailedPrecondition as error:
+            if _USER_NOT_FOUND in error.message:
+                raise self._denied("UserList", "the certificate's CN is no etcd user") from error
+            raise
+        self._admin_checked = True
+
+    def _raw_call(self, method: str, request: Any) -> Any:
         try:
             return getattr(self._stub, method)(
                 request, timeout=self._timeout_s, metadata=REQUIRE_LEADER
@@ -181,12 +202,7 @@ class EtcdAuth:
         details = (error.details() if hasattr(error, "details") else "") or str(error)
         where = f"etcd at {self._address}"
         if code == grpc.StatusCode.PERMISSION_DENIED:
-            return PermissionDenied(
-                f"{where} refused {method} ({details}): authentication is on, so users and "
-                f"roles can only be changed with a client certificate whose CN is "
-                f"{ROOT_USER!r} (`dxpool certs issue --etcd-user {ROOT_USER}`)",
-                reason="ETCD_PERMISSION_DENIED",
-            )
+            return self._denied(method, details)
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             return Unavailable(
                 f"{where} did not answer {method} ({details}); check the endpoint and the "
@@ -195,15 +211,23 @@ class EtcdAuth:
             )
         return FailedPrecondition(f"{where} refused {method}: {details}", reason="ETCD_AUTH")
 
-    def _missing(self, method: str, request: Any) -> bool:
-        """Call ``method``; True when etcd answers that the user or role does not exist."""
+    def _denied(self, method: str, details: str) -> PermissionDenied:
+        return PermissionDenied(
+            f"etcd at {self._address} refused {method} ({details}): authentication is on, "
+            f"so users and roles can only be changed with a client certificate whose CN is "
+            f"{ROOT_USER!r} (`dxpool certs issue --etcd-user {ROOT_USER}`)",
+            reason="ETCD_PERMISSION_DENIED",
+        )
+
+    def _absent(self, method: str, request: Any, not_found: str) -> Any | None:
+        """Call ``method``; None when etcd answers ``not_found`` (the user or role asked
+        about does not exist)."""
         try:
-            self._call(method, request)
+            return self._call(method, request)
         except FailedPrecondition as error:
-            if "not found" in error.message:
-                return True
+            if not_found in error.message:
+                return None
             raise
-        return False
 
     # -- reading ---------------------------------------------------------------------
 
@@ -212,22 +236,14 @@ class EtcdAuth:
 
     def user_roles(self, user: str) -> list[str] | None:
         """The roles of ``user``; None when there is no such user."""
-        try:
-            response = self._call("UserGet", etcdrpc.AuthUserGetRequest(name=user))
-        except FailedPrecondition as error:
-            if "not found" in error.message:
-                return None
-            raise
-        return sorted(response.roles)
+        response = self._absent("UserGet", etcdrpc.AuthUserGetRequest(name=user), _USER_NOT_FOUND)
+        return None if response is None else sorted(response.roles)
 
     def role_grants(self, role: str) -> tuple[Grant, ...] | None:
         """The grants of ``role``, sorted; None when there is no such role."""
-        try:
-            response = self._call("RoleGet", etcdrpc.AuthRoleGetRequest(role=role))
-        except FailedPrecondition as error:
-            if "not found" in error.message:
-                return None
-            raise
+        response = self._absent("RoleGet", etcdrpc.AuthRoleGetRequest(role=role), _ROLE_NOT_FOUND)
+        if response is None:
+            return None
         return tuple(sorted(Grant(p.key, p.range_end, Access(p.permType)) for p in response.perm))
 
     def view(self, user: str) -> RoleView | None:
@@ -287,9 +303,13 @@ class EtcdAuth:
 
     def remove_user(self, user: str) -> bool:
         """Delete ``user`` and its role; False when neither existed."""
-        gone_user = self._missing("UserDelete", etcdrpc.AuthUserDeleteRequest(name=user))
-        gone_role = self._missing("RoleDelete", etcdrpc.AuthRoleDeleteRequest(role=role_of(user)))
-        return not (gone_user and gone_role)
+        user_gone = self._absent(
+            "UserDelete", etcdrpc.AuthUserDeleteRequest(name=user), _USER_NOT_FOUND
+        )
+        role_gone = self._absent(
+            "RoleDelete", etcdrpc.AuthRoleDeleteRequest(role=role_of(user)), _ROLE_NOT_FOUND
+        )
+        return user_gone is not None or role_gone is not None
 
     def enable(self) -> None:
         """Make sure ``root`` exists with the ``root`` role, then turn authentication on
