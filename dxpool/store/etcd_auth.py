@@ -33,7 +33,9 @@ repairs a role edited by hand. Users are made without a password (etcd's
 
 Before authentication is enabled anyone may call the Auth API; afterwards only ``root``,
 so these functions must then run with root's certificate. etcd refuses to enable
-authentication until ``root`` exists with the ``root`` role; :func:`enable` makes sure.
+authentication until ``root`` exists with the ``root`` role; :meth:`EtcdAuth.enable`
+makes sure, and refuses to turn it on over a connection that does not show root's
+certificate: with users that have no password, that would lock everyone out for good.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from enum import IntEnum
 from typing import Any
 
 import grpc
+from cryptography import x509
+from cryptography.x509.oid import NameOID
 from etcd3 import etcdrpc, utils
 from etcd3.etcdrpc import auth_pb2
 
@@ -51,6 +55,7 @@ from dxpool.errors import DxpoolError, FailedPrecondition, PermissionDenied, Una
 from dxpool.etcd_users import BROKER_USER, ROOT_USER, agent_user
 from dxpool.store.client import REQUIRE_LEADER, EtcdAddress, channel
 from dxpool.store.keys import HOST_ALLOCATIONS, HOST_LEASES, HOST_STATUSES, HOSTS, KeySchema
+from dxpool.tls import read_pem
 
 __all__ = [
     "ROOT_ROLE",
@@ -313,9 +318,39 @@ class EtcdAuth:
 
     def enable(self) -> None:
         """Make sure ``root`` exists with the ``root`` role, then turn authentication on
-        (etcd answers success when it is already on)."""
+        (etcd answers success when it is already on).
+
+        Refuses (:class:`~dxpool.errors.FailedPrecondition`, ``ETCD_AUTH_LOCKOUT``) unless
+        this connection shows a client certificate whose CN is ``root``: users here have
+        no password, so once authentication is on only certificates name them, and
+        turning it on from anything else (plaintext, another user's certificate) would
+        leave no one able to change users again, or to turn it off."""
+        self.check_root_certificate()
         self._ensure_user_role(ROOT_USER, ROOT_ROLE)
         self._call("AuthEnable", etcdrpc.AuthEnableRequest())
+
+    def check_root_certificate(self) -> None:
+        """FailedPrecondition (``ETCD_AUTH_LOCKOUT``) unless this connection shows a client
+        certificate whose CN is ``root``; see :meth:`enable`. Reads only the local file."""
+        tls = self._address.tls
+        names: list[str] = []
+        if tls is not None and tls.cert is not None:
+            cert = x509.load_pem_x509_certificate(read_pem(tls.cert, "client certificate"))
+            names = [str(n.value) for n in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+        if names != [ROOT_USER]:
+            shown = (
+                f"a certificate with CN {', '.join(names) or '(none)'}"
+                if tls and tls.cert
+                else "no client certificate"
+            )
+            raise FailedPrecondition(
+                f"not turning etcd's authentication on with {shown}: etcd users have no "
+                f"password and are named by their certificate's CN, so only a TLS "
+                f"connection with CN {ROOT_USER!r} (`dxpool certs issue --etcd-user "
+                f"{ROOT_USER}`) could still manage them afterwards; connect with that "
+                "certificate (--etcd-ca, --etcd-cert, --etcd-key)",
+                reason="ETCD_AUTH_LOCKOUT",
+            )
 
 
 def _user_add_request(user: str) -> Any:
@@ -337,6 +372,8 @@ def setup_pool(
 
     Idempotent; returns the users that were created or changed, in order. Users of
     other hosts are left as they are (see :meth:`EtcdAuth.remove_user`)."""
+    if enable:  # before any change: a setup that cannot finish changes nothing
+        auth.check_root_certificate()
     wanted: list[tuple[str, tuple[Grant, ...]]] = []
     if broker:
         wanted.append((BROKER_USER, broker_grants(keys)))

@@ -142,3 +142,16 @@ def test_unreachable_etcd_is_an_error_that_names_it(pki_dir: Path) -> None:
 def test_bad_input_is_a_usage_error(args: list[str], tmp_path: Path) -> None:
     result = run(*args)
     assert result.exit_code == 2, result.output
+
+
+def test_setup_refuses_to_turn_auth_on_without_roots_certificate(
+    etcd: EmbeddedEtcd, pki_dir: Path
+) -> None:
+    refused = run("etcd-auth", "setup", "--agents", "h1", *_etcd_args(etcd, pki_dir, "agent-h1"))
+    assert refused.exit_code == 1
+    assert refused.output.startswith(
+        "error: FAILED_PRECONDITION: not turning etcd's authentication on with a "
+        "certificate with CN dxpool-agent-h1"
+    )
+    shown = run("etcd-auth", "show", "-o", "json", *_etcd_args(etcd, pki_dir))
+    assert json.loads(shown.output) == {}  # nothing was made

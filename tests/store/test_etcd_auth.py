@@ -13,7 +13,7 @@ from etcd3 import etcdrpc
 from etcd3.utils import prefix_range_end
 
 from dxpool.api.v1 import resources_pb2
-from dxpool.errors import PermissionDenied
+from dxpool.errors import FailedPrecondition, PermissionDenied
 from dxpool.etcd_users import BROKER_USER, ROOT_USER, agent_user
 from dxpool.identity import Identity, Role
 from dxpool.pki import issue, load_pair, write_pair
@@ -261,7 +261,7 @@ def test_only_root_changes_users_and_roles(auth_etcd: EmbeddedEtcd, certs: Path)
             EtcdAuth(address(auth_etcd, certs, name)) as auth,
             pytest.raises(PermissionDenied, match="CN is 'root'"),
         ):
-            setup_pool(auth, KEYS, agents=["h1"])
+            setup_pool(auth, KEYS, agents=["h1"], enable=False)  # etcd itself refuses
 
 
 def test_setup_is_idempotent_and_repairs_a_role_changed_by_hand(auth_etcd: EmbeddedEtcd) -> None:
@@ -355,3 +355,35 @@ def test_broker_and_agent_compose_through_etcd_users(
             agent.kill()
         broker.stop(grace_s=0)
         root.close()
+
+
+def test_auth_is_not_turned_on_without_roots_certificate(
+    private_etcd: EmbeddedEtcd, pki: Pki, certs: Path, tmp_path: Path
+) -> None:
+    """Plaintext, or another user's certificate, could never manage users again once
+    authentication were on: setup refuses before it changes anything."""
+    with EtcdAuth(private_etcd.address) as auth:
+        with pytest.raises(FailedPrecondition, match="no client certificate") as refused:
+            setup_pool(auth, KEYS, agents=["h1"])
+        assert refused.value.reason == "ETCD_AUTH_LOCKOUT"
+        assert auth.users() == []  # nothing was made
+    tls_etcd = EmbeddedEtcd(
+        tmp_path / "tls-etcd",
+        unsafe_no_fsync=True,
+        tls=ServerTls(pki.path("server"), pki.path("server", "key"), client_ca=pki.path("ca")),
+        client_tls=tls(certs, "root"),
+    )
+    with tls_etcd, EtcdAuth(address(tls_etcd, certs, "broker")) as auth:
+        with pytest.raises(FailedPrecondition, match="CN dxpool-broker"):
+            setup_pool(auth, KEYS, agents=["h1"])
+        assert auth.users() == []
+        # Without turning authentication on, any certificate may prepare the users.
+        assert setup_pool(auth, KEYS, agents=["h1"], enable=False) == [
+            BROKER_USER,
+            agent_user("h1"),
+        ]
+        operator = connect([address(tls_etcd, certs, "operator")], timeout_s=3)
+        try:
+            operator.put(KEYS.node("n1"), b"still open")  # authentication stays off
+        finally:
+            operator.close()
