@@ -68,6 +68,7 @@ MUTATIONS: Mapping[str, Target] = {
     ),
     f"/{_NODES}/ReleaseGang": lambda req, _: str(req.name),
     f"/{_NODES}/SetTenantQuota": lambda req, _: str(req.name),
+    f"/{_NODES}/DeleteTenant": lambda req, _: str(req.name),
 }
 
 DEFAULT_RETENTION_S = 30 * 24 * 3600.0

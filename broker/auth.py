@@ -137,6 +137,7 @@ RULES: Mapping[str, Rule] = {
     ),
     # Quotas: operators set and list them; a tenant may read its own.
     f"/{_NODES}/SetTenantQuota": Rule(OPERATOR),
+    f"/{_NODES}/DeleteTenant": Rule(OPERATOR),
     f"/{_NODES}/GetTenant": Rule(NODE_USERS, tenant_named=lambda r: _tenant_id(r.name)),
     f"/{_NODES}/ListTenants": Rule(OPERATOR),
     # Latency between a host and a box: anyone placing work; an agent for its own host.

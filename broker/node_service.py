@@ -116,6 +116,13 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
         tenants, token = self._tenants.list(request.page_size, check_page_token(request.page_token))
         return nodes_pb2.ListTenantsResponse(tenants=tenants, next_page_token=token)
 
+    @handler("NodeService.DeleteTenant")
+    def DeleteTenant(
+        self, request: nodes_pb2.DeleteTenantRequest, context: grpc.ServicerContext
+    ) -> nodes_pb2.DeleteTenantResponse:
+        self._tenants.delete(request.name)
+        return nodes_pb2.DeleteTenantResponse()
+
     @handler("NodeService.GetNode")
     def GetNode(
         self, request: nodes_pb2.GetNodeRequest, context: grpc.ServicerContext

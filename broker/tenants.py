@@ -34,7 +34,7 @@ from dxpool.broker.cache import Cache
 from dxpool.broker.rpc import cache_page
 from dxpool.broker.stm import TxnView, read_through, transact
 from dxpool.broker.validation import check_page_size
-from dxpool.errors import InvalidArgument, ResourceExhausted
+from dxpool.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from dxpool.limits import MAX_QUOTA, MAX_QUOTA_MODELS
 from dxpool.names import parse_tenant, tenant_name
 from dxpool.request import check_model
@@ -216,7 +216,7 @@ def confirmed_breach(
 
 
 class Tenants:
-    """SetTenantQuota, GetTenant and ListTenants over the cache and etcd."""
+    """SetTenantQuota, GetTenant, ListTenants and DeleteTenant over the cache and etcd."""
 
     def __init__(self, store: Store, cache: Cache, clock: Callable[[], float] = time.time) -> None:
         self._store = store
@@ -252,6 +252,47 @@ class Tenants:
         if record is None:
             return pb.Tenant(name=tenant_name(tenant_id))
         return record.value
+
+    def delete(self, name: str) -> None:
+        """Delete tenant ``name``'s record (quota and usage). NotFound when it has none;
+        FailedPrecondition (``TENANT_HAS_NODES``) while nodes charged to it hold GPUs.
+
+        The transaction compares the record's revision, so a compose that charges the
+        tenant meanwhile (it writes the record) makes the delete read again and refuse;
+        a compose after the delete starts the tenant afresh, without a quota. Nodes that
+        name the tenant but were never charged (composed before quotas existed) are
+        looked for in the cache and refuse the delete too.
+        """
+        tenant_id = parse_tenant(name)
+
+        def body(view: TxnView) -> None:
+            record = view.get(k.TENANTS, tenant_id)
+            if record is None:
+                raise NotFound(
+                    f"tenant {tenant_name(tenant_id)} has no record (no quota and no nodes "
+                    "charged so far); `dxpool tenant list` shows those that do",
+                    reason="TENANT_NOT_FOUND",
+                )
+            live = sorted(
+                node_id
+                for node_id, node in self._cache.items(k.NODES)
+                if node.value.spec.tenant == tenant_id and node.value.state in CHARGED_NODE_STATES
+            )
+            if record.value.usage.nodes or live:
+                count = max(record.value.usage.nodes, len(live))
+                shown = ", ".join(f"nodes/{n}" for n in live[:5]) + (
+                    ", ..." if len(live) > 5 else ""
+                )
+                raise FailedPrecondition(
+                    f"tenant {tenant_name(tenant_id)} still holds {count} node(s)"
+                    + (f" ({shown})" if shown else "")
+                    + "; release them first (`dxpool node delete NODE`), then delete the tenant",
+                    reason="TENANT_HAS_NODES",
+                    metadata={"tenant": tenant_id, "nodes": str(count)},
+                )
+            view.delete(k.TENANTS, tenant_id)
+
+        transact(self._store, self._cache, body, what=f"deleting {tenant_name(tenant_id)}")
 
     def list(self, page_size: int, page_token: str) -> tuple[list[pb.Tenant], str]:
         """One page of tenant records, by name, and the next page token."""

@@ -2,14 +2,20 @@
 
 A private CA (``ca.crt``/``ca.key``) signs: the broker's server certificate
 (``broker``, for 127.0.0.1, localhost and the listen host; also the broker's client
-certificate towards etcd), etcd's server certificate (``etcd``, for 127.0.0.1 and
-localhost), the operator's client certificate (``operator``, identity
+certificate towards etcd, as etcd user ``dxpool-broker``), etcd's server certificate
+(``etcd``, for 127.0.0.1 and localhost), etcd's administrator's client certificate
+(``etcd-root``, etcd user ``root``: ``dxpool up`` sets up etcd's users and roles and
+probes etcd with it), the operator's client certificate (``operator``, identity
 ``dxpool://operator/local``) that the CLI uses, and one client certificate per host
-agent (``agent-<host>``, ``dxpool://agent/<host>``), which it also shows etcd.
+agent (``agent-<host>``, ``dxpool://agent/<host>``, etcd user ``dxpool-agent-<host>``),
+which it also shows etcd. The etcd user is each certificate's Common Name (see
+:mod:`dxpool.etcd_users`).
+
 Keys are 0600. :func:`ensure_local_pki` keeps what a previous run made (the CA above
-all, so certificates handed out stay valid) and makes only what is missing or expires
-within a week. It also writes ``<data-dir>/config.yaml``, which points the CLI at the
-broker with the operator's certificate.
+all, so certificates handed out stay valid) and makes only what is missing, expires
+within a week, or names another etcd user than it must (a pool made before etcd users
+existed). It also writes ``<data-dir>/config.yaml``, which points the CLI at the broker
+with the operator's certificate.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from pathlib import Path
 
 import yaml
 
+from dxpool.etcd_users import BROKER_USER, ROOT_USER, agent_user
 from dxpool.identity import Identity, Role
 from dxpool.pki import CertPair, create_ca, issue, load_pair, write_pair
 from dxpool.tls import ClientTls, ServerTls
@@ -64,6 +71,11 @@ class LocalPki:
         """How the broker (and ``dxpool up``'s own probes) reach etcd."""
         return ClientTls(self.ca, self.cert("broker"), self.key("broker"))
 
+    def root_etcd_tls(self) -> ClientTls:
+        """How ``dxpool up`` changes etcd's users and roles, and probes etcd (etcd user
+        ``root``, which may read every key)."""
+        return ClientTls(self.ca, self.cert("etcd-root"), self.key("etcd-root"))
+
     def agent_etcd_args(self, host: str) -> list[str]:
         """The agent flags that make host ``host``'s agent reach etcd over TLS."""
         name = f"agent-{host}"
@@ -77,12 +89,18 @@ class LocalPki:
         ]
 
 
-def _fresh(directory: Path, name: str) -> bool:
-    """Whether ``name``'s pair exists and stays valid for more than a week."""
+def _fresh(directory: Path, name: str, common_name: str | None = None) -> bool:
+    """Whether ``name``'s pair exists, stays valid for more than a week and (if given)
+    has ``common_name`` as its Common Name (the etcd user it acts as)."""
+    from cryptography.x509.oid import NameOID
+
     try:
-        pair = load_pair(directory, name)
-        expires = pair.cert.not_valid_after_utc
+        cert = load_pair(directory, name).cert
+        expires = cert.not_valid_after_utc
+        names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     except Exception:  # missing, unreadable or not a certificate: make it again
+        return False
+    if common_name is not None and [n.value for n in names] != [common_name]:
         return False
     return expires - dt.datetime.now(dt.UTC) > _RENEW_BEFORE
 
@@ -114,16 +132,18 @@ def ensure_local_pki(directory: Path, *, listen: str, hosts: Sequence[str]) -> L
             if stale.name != "ca.crt":
                 stale.unlink()
     dns, ips = _server_names(listen.rpartition(":")[0])
-    if not _fresh(directory, "broker") or not _names_cover(directory, dns, ips):
-        pair = issue(ca, dns_names=dns, ip_addresses=ips, client_auth=True)
+    if not _fresh(directory, "broker", BROKER_USER) or not _names_cover(directory, dns, ips):
+        pair = issue(ca, common_name=BROKER_USER, dns_names=dns, ip_addresses=ips, client_auth=True)
         write_pair(directory, "broker", pair)
+    if not _fresh(directory, "etcd-root", ROOT_USER):
+        write_pair(directory, "etcd-root", issue(ca, common_name=ROOT_USER, client_auth=True))
     if not _fresh(directory, "etcd"):
         pair = issue(ca, dns_names=["localhost"], ip_addresses=["127.0.0.1"])
         write_pair(directory, "etcd", pair)
     if not _fresh(directory, "operator"):
         write_pair(directory, "operator", issue(ca, identity=LOCAL_OPERATOR))
     for host in hosts:
-        if not _fresh(directory, f"agent-{host}"):
+        if not _fresh(directory, f"agent-{host}", agent_user(host)):
             pair = issue(ca, identity=Identity(Role.AGENT, host))
             write_pair(directory, f"agent-{host}", pair)
     return pki

@@ -7,9 +7,11 @@ boxes through the client and waits until every host's agent is alive.
 
 Secure by default: a private CA in ``<data-dir>/pki`` (:mod:`dxpool.cli.localpki`)
 signs every certificate; the broker requires client certificates (mutual TLS), etcd
-serves TLS and requires client certificates too (the broker's and each agent's), and
+serves TLS and requires client certificates too (the broker's and each agent's), with
+authentication on: each certificate acts as the etcd user its Common Name names, and an
+agent's user may write only its own host's keys (:mod:`dxpool.store.etcd_auth`).
 ``<data-dir>/config.yaml`` tells the CLI where the broker is and which certificate to
-use. ``secure=False`` runs everything in plaintext.
+use. ``secure=False`` runs everything in plaintext, without etcd users.
 
 Hosts ``h1..hN`` and boxes ``box1..boxM`` are spread over the racks of one site, two racks
 per pod, host ``hI`` and box ``boxI`` sharing rack ``rI``; so a host reaches one box through
@@ -286,10 +288,12 @@ class LocalPool:
             log_path=self.logs_dir / "etcd.log",
             launcher=lifeline_argv(os.getpid(), ETCD_DEATH_SIGNAL, self.python),
             tls=pki.etcd_tls() if pki is not None else None,
-            client_tls=pki.broker_etcd_tls() if pki is not None else None,
+            client_tls=pki.root_etcd_tls() if pki is not None else None,
         )
         self._etcd = _EtcdChild(etcd, self._records)
         self._etcd.start()
+        if pki is not None:
+            self._secure_etcd(etcd)
         fabric_dir = self._install_fabric(data_dir)
         broker = BrokerServer(
             BrokerConfig(
@@ -320,6 +324,19 @@ class LocalPool:
         self._supervisor.watch(self._etcd)
         for agent in self._agents:
             self._supervisor.watch(agent)
+
+    def _secure_etcd(self, etcd: EmbeddedEtcd) -> None:
+        """Give the broker and each host's agent their etcd users and roles, and turn
+        etcd's authentication on (as ``root``; idempotent, so a later run with more
+        hosts adds their agents): an agent's certificate then writes its own host's
+        keys only (:mod:`dxpool.store.etcd_auth`)."""
+        from dxpool.store.etcd_auth import EtcdAuth, setup_pool
+        from dxpool.store.keys import KeySchema
+
+        with EtcdAuth(etcd.address) as auth:
+            changed = setup_pool(auth, KeySchema(self.spec.key_prefix), agents=self.spec.host_ids)
+        if changed:
+            log.info("etcd users set up", extra={"users": ",".join(changed)})
 
     def _clear_leftovers(self) -> None:
         """Stop what a killed run of this pool left running; refuse to start next to

@@ -23,6 +23,7 @@ from dxpool.cli.commands import (
     box,
     certs,
     completion,
+    etcd_auth,
     fabric,
     gang,
     gpu,
@@ -42,7 +43,7 @@ from dxpool.logs import KeyValueFormatter
 
 # Commands that live in other packages: name -> (module, attribute, extra it needs).
 LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
-    "broker": ("dxpool.broker.__main__", "broker_command", "server"),
+    "broker": ("dxpool.broker.command", "broker_command", "server"),
     "agent": ("dxpool.hostagent.__main__", "agent_command", "agent"),
 }
 
@@ -173,6 +174,7 @@ for _command in (
     audit.audit,
     box.box,
     certs.certs,
+    etcd_auth.etcd_auth,
     gpu.gpu,
     host.host,
     node.node,

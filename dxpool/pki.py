@@ -25,7 +25,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from dxpool.errors import InvalidArgument
-from dxpool.identity import SCHEME, Identity
+from dxpool.etcd_users import agent_user
+from dxpool.identity import SCHEME, Identity, Role
 from dxpool.tls import read_pem
 
 __all__ = [
@@ -127,21 +128,28 @@ def issue(
     """A certificate signed by ``ca``.
 
     ``identity`` makes it a client certificate for that identity; ``dns_names`` and
-    ``ip_addresses`` make it a server certificate for those names. At least one of them
-    must be given. ``client_auth`` makes a server certificate good as a client's too
-    (a broker's, towards etcd). ``not_before`` (default: now) lets tests make expired
-    certificates.
+    ``ip_addresses`` make it a server certificate for those names; ``client_auth`` makes
+    it good as a client's too (a broker's, towards etcd), and with ``common_name`` alone
+    it is a plain client certificate (an etcd user's, such as ``root``). At least one of
+    them must be given.
+
+    ``common_name`` is the name etcd, with authentication on, takes as the user (see
+    :mod:`dxpool.etcd_users`). By default an agent's certificate names its etcd user
+    (``dxpool-agent-{host}``), another identity's its URI, a server's its first name.
+    ``not_before`` (default: now) lets tests make expired certificates.
     """
-    if identity is None and not dns_names and not ip_addresses:
+    plain_client = client_auth and bool(common_name)
+    if identity is None and not dns_names and not ip_addresses and not plain_client:
         raise InvalidArgument(
-            "a certificate needs an identity (client), or DNS names or IP addresses (server)"
+            "a certificate needs an identity (client), an etcd user (a common name, for a "
+            "client), or DNS names or IP addresses (server)"
         )
     try:
         ips = [ipaddress.ip_address(value) for value in ip_addresses]
     except ValueError as error:
         raise InvalidArgument(f"invalid IP address: {error}") from None
     key = ec.generate_private_key(ec.SECP256R1())
-    cn = common_name or (identity.uri if identity else (list(dns_names) or ip_addresses)[0])
+    cn = common_name or _default_common_name(identity, dns_names, ip_addresses)
     sans: list[x509.GeneralName] = [x509.DNSName(name) for name in dns_names]
     sans += [x509.IPAddress(ip) for ip in ips]
     usages = []
@@ -171,6 +179,14 @@ def issue(
         .sign(ca.key, hashes.SHA256())
     )
     return CertPair(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
+
+
+def _default_common_name(
+    identity: Identity | None, dns_names: Sequence[str], ip_addresses: Sequence[str]
+) -> str:
+    if identity is not None:
+        return agent_user(identity.name) if identity.role is Role.AGENT else identity.uri
+    return (list(dns_names) or list(ip_addresses))[0]
 
 
 def identities_in(cert: x509.Certificate) -> list[Identity]:

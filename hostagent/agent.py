@@ -2,9 +2,9 @@
 
 Threads:
 
-* the spec watch (:class:`~dxpool.store.watch.PrefixWatch`, which fails over between etcd
-  members and resumes from its last revision) adopts every change of
-  ``hostalloc/{host}`` and queues the GPUs it touched;
+* the spec watch (:class:`~dxpool.store.watch.PrefixWatch` on the one key
+  ``hostalloc/{host}``, which fails over between etcd members and resumes from its last
+  revision) adopts every change of the host's spec and queues the GPUs it touched;
 * ``workers`` reconcile threads take GPUs from the work queue (one GPU never in two
   workers at once) and re-queue failures with per-GPU exponential backoff;
 * the resync thread queues desired | observed | reported GPUs every
@@ -218,10 +218,13 @@ class Agent:
         self._cancel_watch()
         watch = PrefixWatch(
             addresses_of(self._client),
-            self._spec_key,  # a prefix: other hosts' keys that extend it are skipped
+            self._spec_key,
             on_list=self._on_spec_list,
             on_events=self._on_spec_events,
             name="dxpool-spec-watch",
+            # The one key: etcd grants an agent its own host's spec and no other, not
+            # even one whose host id extends this one (h1, h10).
+            single_key=True,
         )
         watch.start(timeout_s=self._config.startup_timeout_s)
         self._spec_watch = watch

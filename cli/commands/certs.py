@@ -16,6 +16,7 @@ from cryptography import x509
 
 from dxpool.errors import InvalidArgument
 from dxpool.identity import SCHEME, Identity
+from dxpool.names import check_id
 from dxpool.pki import (
     DEFAULT_CA_DAYS,
     DEFAULT_CERT_DAYS,
@@ -80,28 +81,50 @@ def _identity(value: str | None) -> Identity | None:
 @_DIR
 @click.option("--dns", multiple=True, help="Server DNS name (repeatable).")
 @click.option("--ip", multiple=True, help="Server IP address (repeatable).")
-@click.option("--out", help="File name stem (default: ROLE-NAME, or the first server name).")
+@click.option(
+    "--etcd-user",
+    metavar="NAME",
+    help="The etcd user the certificate acts as (its Common Name), and good for client "
+    "authentication: dxpool-broker for a broker, root for `dxpool etcd-auth`. An agent's "
+    "certificate names dxpool-agent-HOST without it.",
+)
+@click.option(
+    "--out",
+    help="File name stem (default: ROLE-NAME, else etcd-USER, else the first server name).",
+)
 @click.option("--days", type=click.IntRange(1), default=DEFAULT_CERT_DAYS, show_default=True)
 def issue_command(
     identity: str | None,
     directory: Path,
     dns: tuple[str, ...],
     ip: tuple[str, ...],
+    etcd_user: str | None,
     out: str | None,
     days: int,
 ) -> None:
     """Issue a certificate signed by the CA in DIR.
 
     IDENTITY is ROLE/NAME (operator, tenant or agent; e.g. tenant/team-a) for a client
-    certificate; --dns/--ip make a server certificate (both may be combined).
+    certificate; --dns/--ip make a server certificate (both may be combined); --etcd-user
+    names the etcd user a certificate acts as towards etcd.
 
     \b
       dxpool certs issue operator/alice
-      dxpool certs issue --dns broker.example --ip 10.0.0.5 --out broker
+      dxpool certs issue agent/h7                  # etcd user dxpool-agent-h7
+      dxpool certs issue --dns broker.example --ip 10.0.0.5 --etcd-user dxpool-broker \\
+          --out broker
+      dxpool certs issue --etcd-user root          # for `dxpool etcd-auth`
     """
     who = _identity(identity)
-    if who is None and not dns and not ip:
-        raise click.UsageError("give an IDENTITY (ROLE/NAME), or --dns/--ip for a server")
+    if etcd_user is not None:
+        try:
+            check_id(etcd_user, "etcd user")
+        except InvalidArgument as error:
+            raise click.BadParameter(error.message, param_hint="--etcd-user") from None
+    if who is None and not dns and not ip and etcd_user is None:
+        raise click.UsageError(
+            "give an IDENTITY (ROLE/NAME), --etcd-user, or --dns/--ip for a server"
+        )
     for address in ip:
         try:
             ipaddress.ip_address(address)
@@ -109,7 +132,13 @@ def issue_command(
             raise click.BadParameter(
                 f"{address!r} is not an IP address", param_hint="--ip"
             ) from None
-    stem = out or (f"{who.role.value}-{who.name}" if who else (dns or ip)[0])
+    stem = out or (
+        f"{who.role.value}-{who.name}"
+        if who
+        else f"etcd-{etcd_user}"
+        if etcd_user
+        else (dns or ip)[0]
+    )
     if "/" in stem or stem.startswith("."):
         raise click.BadParameter(f"{stem!r} is not a plain file name", param_hint="--out")
     try:
@@ -117,7 +146,15 @@ def issue_command(
     except InvalidArgument as error:
         hint = f"create a CA with `dxpool certs init --dir {directory}`"
         raise _fail(f"{error.message}; {hint}") from None
-    pair = issue(ca, identity=who, dns_names=dns, ip_addresses=ip, valid_days=days)
+    pair = issue(
+        ca,
+        identity=who,
+        common_name=etcd_user,
+        dns_names=dns,
+        ip_addresses=ip,
+        client_auth=etcd_user is not None,
+        valid_days=days,
+    )
     cert_path, key_path = write_pair(directory, stem, pair)
     click.echo(f"certificate written: {cert_path} (key {key_path})")
 

@@ -1,10 +1,11 @@
-"""``dxpool tenant set-quota|show|list``: tenants' quotas and what they hold now."""
+"""``dxpool tenant set-quota|show|list|delete``: tenants' quotas and what they hold now."""
 
 from __future__ import annotations
 
 import click
 
 from dxpool.cli.context import CliContext, pass_cli
+from dxpool.cli.errors import for_each
 from dxpool.cli.output import OutputFormat, output_option, print_many, print_one
 from dxpool.cli.params import MODEL_LIMIT, TENANT
 from dxpool.cli.views import TENANT_VIEW
@@ -64,3 +65,18 @@ def show(cli: CliContext, name: str, output: OutputFormat) -> None:
 def list_(cli: CliContext, output: OutputFormat) -> None:
     """List every tenant with a quota or a charged node."""
     print_many(cli.client().list_tenants(), TENANT_VIEW, output)
+
+
+@tenant.command("delete")
+@click.argument("names", metavar="TENANT...", type=TENANT, nargs=-1, required=True)
+@pass_cli
+def delete(cli: CliContext, names: tuple[str, ...]) -> None:
+    """Delete tenants' records (quota and usage); refused while a tenant still holds
+    nodes. Every name is tried; each failure is reported and the command then exits 1."""
+    client = cli.client()
+
+    def remove(name: str) -> None:
+        client.delete_tenant(name)
+        click.echo(f"{name} deleted")
+
+    for_each(names, remove, client.endpoint)

@@ -154,8 +154,9 @@ def up(
 
     The broker requires mutual TLS: a private CA in DATA_DIR/pki signs its certificate
     and the operator's, and DATA_DIR/config.yaml points the CLI at both (found by itself
-    for the default --data-dir, otherwise export DXPOOL_CONFIG). --insecure serves
-    plaintext instead.
+    for the default --data-dir, otherwise export DXPOOL_CONFIG). etcd requires client
+    certificates too, with etcd users: each agent may write only its own host's keys.
+    --insecure serves plaintext instead.
     """
     require_extras("up", "server")
     # Imported here: the local pool needs the server extra, which `dxpool --help` does not.

@@ -110,6 +110,12 @@ class KeySchema:
         Outside the collections: the cache does not mirror it."""
         return f"{self.prefix}{ELECTIONS}/{duty}"
 
+    @property
+    def audit_prefix(self) -> str:
+        """``/dxpool/v1/`` -> ``/dxpool/v1-audit/``: where the brokers keep the audit log,
+        beside the pool's keys rather than under them (the cache never lists it)."""
+        return self.prefix.rstrip("/") + "-audit/"
+
     def split(self, key: str) -> tuple[str, str]:
         """``/dxpool/v1/gpus/b1/3`` -> ``("gpus", "b1/3")``. ValueError if foreign."""
         if not key.startswith(self.prefix):

@@ -85,12 +85,17 @@ class PrefixWatch:
         progress_interval_s: float = 0.5,
         progress_timeout_s: float = 1.5,
         max_backoff_s: float = 0.5,
+        single_key: bool = False,
     ) -> None:
+        """``single_key`` lists and watches ``prefix`` as one key and nothing that
+        extends it: the range etcd's permission on that one key covers."""
         if not addresses:
             raise ValueError("PrefixWatch needs at least one etcd endpoint")
         self._addresses = list(addresses)
         self._prefix = prefix.encode()
-        self._range_end = etcd3.utils.prefix_range_end(self._prefix)
+        self._range_end = (
+            self._prefix + b"\0" if single_key else etcd3.utils.prefix_range_end(self._prefix)
+        )
         self._on_list = on_list
         self._on_events = on_events
         self._on_state = on_state

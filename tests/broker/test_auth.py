@@ -120,6 +120,8 @@ def test_operator_may_manage_the_inventory(connect: Callable[..., Client]) -> No
         ("tenant", lambda c: c.list_tenants(), "operator"),
         ("agent", lambda c: c.set_tenant_quota("team-a", gpus=1), "operator"),
         ("agent", lambda c: c.get_tenant("team-a"), "operator or tenant"),
+        ("tenant", lambda c: c.delete_tenant("team-a"), "operator"),
+        ("agent", lambda c: c.delete_tenant("team-a"), "operator"),
     ],
 )
 def test_wrong_role_is_permission_denied_and_changes_nothing(

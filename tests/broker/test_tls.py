@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 from click.testing import CliRunner
 
-from dxpool.broker.__main__ import broker_command
+from dxpool.broker.command import broker_command
 from dxpool.broker.server import BrokerServer
 from dxpool.client import Client
 from dxpool.errors import InvalidArgument, Unavailable

@@ -57,7 +57,7 @@ def test_init_keeps_an_existing_ca_unless_forced(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "code", "expected"),
     [
-        (["issue"], 2, "give an IDENTITY (ROLE/NAME), or --dns/--ip"),
+        (["issue"], 2, "give an IDENTITY (ROLE/NAME), --etcd-user, or --dns/--ip"),
         (["issue", "root/alice"], 2, "unknown role 'root'"),
         (["issue", "--ip", "not-an-ip"], 2, "'not-an-ip' is not an IP address"),
         (["issue", "operator/alice"], 1, "create a CA with `dxpool certs init"),
@@ -69,3 +69,29 @@ def test_bad_issue_requests_say_what_to_fix(
     result = run(*args, "--dir", str(tmp_path / "empty"))
     assert result.exit_code == code
     assert expected in result.output
+
+
+def test_issued_certificates_name_the_etcd_user_they_act_as(tmp_path: Path) -> None:
+    directory = str(tmp_path / "pki")
+    assert run("init", "--dir", directory).exit_code == 0
+    for args in (
+        ["issue", "agent/h7"],
+        ["issue", "--etcd-user", "root"],
+        ["issue", "--dns", "broker.example", "--etcd-user", "dxpool-broker", "--out", "broker"],
+        ["issue", "operator/alice"],
+    ):
+        assert run(*args, "--dir", directory).exit_code == 0
+    subjects = {
+        name: run("show", str(tmp_path / "pki" / f"{name}.crt")).output.splitlines()[0]
+        for name in ("agent-h7", "etcd-root", "broker", "operator-alice")
+    }
+    assert subjects == {
+        "agent-h7": "subject:   CN=dxpool-agent-h7",
+        "etcd-root": "subject:   CN=root",
+        "broker": "subject:   CN=dxpool-broker",
+        "operator-alice": "subject:   CN=dxpool://operator/alice",
+    }
+    # The agent keeps its dxpool identity, which the broker's roles go by.
+    assert (
+        "identity:  dxpool://agent/h7" in run("show", str(tmp_path / "pki" / "agent-h7.crt")).output
+    )

@@ -48,3 +48,30 @@ def test_insecure_pool_config_has_only_the_endpoint(tmp_path: Path) -> None:
     config = tmp_path / "config.yaml"
     write_client_config(config, "127.0.0.1:9999", None)
     assert yaml.safe_load(config.read_text()) == {"endpoint": "127.0.0.1:9999"}
+
+
+def _common_name(pki_dir: Path, name: str) -> str:
+    cert = load_pair(pki_dir, name).cert
+    return str(cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)[0].value)
+
+
+def test_certificates_name_their_etcd_users(tmp_path: Path) -> None:
+    pki = ensure_local_pki(tmp_path / "pki", listen="127.0.0.1:8470", hosts=["h1"])
+    assert _common_name(pki.directory, "broker") == "dxpool-broker"
+    assert _common_name(pki.directory, "etcd-root") == "root"
+    assert _common_name(pki.directory, "agent-h1") == "dxpool-agent-h1"
+    assert stat.S_IMODE(pki.key("etcd-root").stat().st_mode) == 0o600
+
+
+def test_an_agent_certificate_of_an_older_pool_is_issued_again_for_its_etcd_user(
+    tmp_path: Path,
+) -> None:
+    from dxpool.pki import issue, write_pair
+
+    pki = ensure_local_pki(tmp_path / "pki", listen="127.0.0.1:8470", hosts=["h1"])
+    ca = load_pair(pki.directory, "ca")
+    old = issue(ca, identity=Identity(Role.AGENT, "h1"), common_name="dxpool://agent/h1")
+    write_pair(pki.directory, "agent-h1", old)
+    ensure_local_pki(tmp_path / "pki", listen="127.0.0.1:8470", hosts=["h1"])
+    assert _common_name(pki.directory, "agent-h1") == "dxpool-agent-h1"
+    assert identities_in(load_pair(pki.directory, "agent-h1").cert) == [Identity(Role.AGENT, "h1")]

@@ -122,3 +122,38 @@ def test_usage_errors_exit_2_and_send_nothing(
     result = run(*shlex.split(args))
     assert result.exit_code == 2, result.output
     assert etcd_client.get(KeySchema(key_prefix).tenant("team-a"))[0] is None
+
+
+def test_delete_refuses_a_tenant_with_nodes_then_deletes_it_audited(
+    run: Run, pool: None, broker: BrokerServer, etcd_client: Any, key_prefix: str
+) -> None:
+    from dxpool.client import Client
+
+    ok(run(*shlex.split("tenant set-quota team-a --gpus 4")))
+    node = json.loads(ok(run(*shlex.split("node create --gpus H100:1 --tenant team-a -o json"))))
+    refused = run("tenant", "delete", "team-a")
+    assert refused.exit_code == 1
+    assert refused.stderr.startswith("error: tenants/team-a: FAILED_PRECONDITION: ")
+    assert f"still holds 1 node(s) ({node['name']})" in refused.stderr
+    assert stored(etcd_client, key_prefix, "team-a").quota.gpus == 4  # nothing changed
+
+    ok(run("node", "delete", node["name"]))  # the release lets go of the charge
+    assert ok(run("tenant", "delete", "team-a")) == "tenants/team-a deleted\n"
+    assert etcd_client.get(KeySchema(key_prefix).tenant("team-a"))[0] is None
+    assert ok(run("tenant", "list")) == ""
+    again = run("tenant", "delete", "team-a")
+    assert again.exit_code == 1
+    assert "NOT_FOUND: tenant tenants/team-a has no record" in again.stderr
+
+    with Client(broker.endpoint, insecure=True) as client:
+        records = [r for r in client.list_audit_records() if r.rpc == "NodeService.DeleteTenant"]
+    assert [(r.target, r.code) for r in records] == [
+        ("tenants/team-a", "FAILED_PRECONDITION"),
+        ("tenants/team-a", "OK"),
+        ("tenants/team-a", "NOT_FOUND"),
+    ]
+
+
+def test_delete_needs_a_tenant_name(run: Run) -> None:
+    assert run("tenant", "delete").exit_code == 2
+    assert run("tenant", "delete", "Team_A").exit_code == 2

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from click.testing import CliRunner
 
@@ -100,9 +101,12 @@ def test_up_serves_a_pool_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     assert (data_dir / "logs" / "agent-h1.log").exists()
 
 
-def assert_etcd_requires_client_certificates(data_dir: Path) -> None:
-    """The pool's etcd serves TLS with client-certificate auth: an agent's certificate
-    reads, a client without one is refused."""
+def assert_etcd_requires_client_certificates(
+    data_dir: Path, host: str = "h1", other: str = "h2"
+) -> None:
+    """The pool's etcd serves TLS with client-certificate auth and etcd users: an agent's
+    certificate reads its own host's spec and writes its status, but may not write
+    another host's, and a client without a certificate is refused."""
     from dxpool.store.client import connect
     from dxpool.tls import ClientTls
 
@@ -114,12 +118,15 @@ def assert_etcd_requires_client_certificates(data_dir: Path) -> None:
     agent = connect(
         endpoint,
         timeout_s=2,
-        tls=ClientTls(pki / "ca.crt", pki / "agent-h1.crt", pki / "agent-h1.key"),
+        tls=ClientTls(pki / "ca.crt", pki / f"agent-{host}.crt", pki / f"agent-{host}.key"),
     )
     try:
         with pytest.raises(Exception):  # noqa: B017 - refused at the handshake
             anonymous.get("/")
-        agent.get("/")
+        agent.get(f"/dxpool/v1/hostalloc/{host}")
+        with pytest.raises(grpc.RpcError) as refused:
+            agent.put(f"/dxpool/v1/hoststatus/{other}", b"")
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
     finally:
         anonymous.close()
         agent.close()
@@ -421,6 +428,29 @@ def test_a_box_deleted_by_hand_is_registered_again_by_the_next_up(
     boxes = {b["name"]: b for b in second.cli("box", "list")}
     assert sorted(boxes) == ["boxes/box1", "boxes/box2"]
     assert boxes["boxes/box2"]["gpuCount"] == 4
+    second.process.send_signal(signal.SIGINT)
+    assert second.process.wait(timeout=30) == 0
+
+
+def test_a_later_up_with_more_hosts_gives_the_new_agent_its_etcd_user(
+    up_factory: Callable[..., Up], tmp_path: Path
+) -> None:
+    data_dir = tmp_path / "pool"
+    first = up_factory(data_dir=data_dir)
+    first.wait_up()
+    first.process.send_signal(signal.SIGINT)
+    assert first.process.wait(timeout=30) == 0
+
+    # etcd's authentication is on since the first run; the new host's agent registers,
+    # so it got its user, and etcd holds it to its own host like the others.
+    second = up_factory("--hosts", "3", data_dir=data_dir, endpoint=first.endpoint)
+    second.wait_up()
+    assert sorted(h["name"] for h in second.cli("host", "list")) == [
+        "hosts/h1",
+        "hosts/h2",
+        "hosts/h3",
+    ]
+    assert_etcd_requires_client_certificates(data_dir, host="h3", other="h1")
     second.process.send_signal(signal.SIGINT)
     assert second.process.wait(timeout=30) == 0
 

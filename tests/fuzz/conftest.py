@@ -134,6 +134,10 @@ def fuzz_pool(
         phase=pb.ATTACHMENT_PHASE_ATTACHED,
     )
     etcd_client.put(keys.node("vm1"), ready.SerializeToString())
+    # A tenant with a quota and no nodes, for DeleteTenant.
+    stubs.nodes.SetTenantQuota(
+        nodes_pb2.SetTenantQuotaRequest(name="tenants/idle", quota=pb.TenantQuota(gpus=1))
+    )
     pool = FuzzPool(broker, channel, etcd_client, key_prefix)
     pool.settle()
     yield pool

@@ -68,6 +68,7 @@ EXPECTED: dict[str, frozenset[grpc.StatusCode]] = {
     "NodeService.SetTenantQuota": _LIST,
     "NodeService.GetTenant": _LIST,  # a tenant never seen has no quota and no usage
     "NodeService.ListTenants": _LIST,
+    "NodeService.DeleteTenant": _LOOKUP | {C.FAILED_PRECONDITION},
     "FabricService.GetLatency": _LOOKUP,
     "FabricService.Predict": _LOOKUP | {C.RESOURCE_EXHAUSTED},
 }
@@ -86,6 +87,7 @@ MUTATIONS = frozenset(
         "NodeService.ReleaseGang",
         "NodeService.ResizeNode",
         "NodeService.SetTenantQuota",
+        "NodeService.DeleteTenant",
     }
 )
 # Successful calls the node controller follows up on with writes of its own.
@@ -162,6 +164,7 @@ BASELINES: dict[str, Message] = {
         name="tenants/ml", quota=pb.TenantQuota(gpus=8, nodes=2, gpus_by_model={"H100": 4})
     ),
     "NodeService.GetTenant": nodes_pb2.GetTenantRequest(name="tenants/ml"),
+    "NodeService.DeleteTenant": nodes_pb2.DeleteTenantRequest(name="tenants/idle"),
     "NodeService.ListTenants": nodes_pb2.ListTenantsRequest(page_size=2),
     "FabricService.GetLatency": fabric_pb2.GetLatencyRequest(host="hosts/h1", box="boxes/box1"),
     "FabricService.Predict": fabric_pb2.PredictRequest(

@@ -106,6 +106,11 @@ class NodeServiceStub:
                 request_serializer=dxpool_dot_v1_dot_nodes__pb2.ListTenantsRequest.SerializeToString,
                 response_deserializer=dxpool_dot_v1_dot_nodes__pb2.ListTenantsResponse.FromString,
                 _registered_method=True)
+        self.DeleteTenant = channel.unary_unary(
+                '/dxpool.v1.NodeService/DeleteTenant',
+                request_serializer=dxpool_dot_v1_dot_nodes__pb2.DeleteTenantRequest.SerializeToString,
+                response_deserializer=dxpool_dot_v1_dot_nodes__pb2.DeleteTenantResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServiceServicer:
@@ -273,6 +278,15 @@ class NodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteTenant(self, request, context):
+        """Deletes a tenant's record, its quota and usage with it. FAILED_PRECONDITION
+        (TENANT_HAS_NODES) while any node charged to it, or naming it, holds GPUs: release
+        them first. NOT_FOUND for a tenant without a record. Operators only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -345,6 +359,11 @@ def add_NodeServiceServicer_to_server(servicer, server):
                     servicer.ListTenants,
                     request_deserializer=dxpool_dot_v1_dot_nodes__pb2.ListTenantsRequest.FromString,
                     response_serializer=dxpool_dot_v1_dot_nodes__pb2.ListTenantsResponse.SerializeToString,
+            ),
+            'DeleteTenant': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteTenant,
+                    request_deserializer=dxpool_dot_v1_dot_nodes__pb2.DeleteTenantRequest.FromString,
+                    response_serializer=dxpool_dot_v1_dot_nodes__pb2.DeleteTenantResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -725,6 +744,33 @@ class NodeService:
             '/dxpool.v1.NodeService/ListTenants',
             dxpool_dot_v1_dot_nodes__pb2.ListTenantsRequest.SerializeToString,
             dxpool_dot_v1_dot_nodes__pb2.ListTenantsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteTenant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dxpool.v1.NodeService/DeleteTenant',
+            dxpool_dot_v1_dot_nodes__pb2.DeleteTenantRequest.SerializeToString,
+            dxpool_dot_v1_dot_nodes__pb2.DeleteTenantResponse.FromString,
             options,
             channel_credentials,
             insecure,

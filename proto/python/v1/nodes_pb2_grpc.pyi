@@ -135,6 +135,11 @@ class NodeServiceStub:
     """
     ListTenants: _grpc.UnaryUnaryMultiCallable[_nodes_pb2.ListTenantsRequest, _nodes_pb2.ListTenantsResponse]
     """Every tenant with a quota or a charged node so far, by name. Operators only."""
+    DeleteTenant: _grpc.UnaryUnaryMultiCallable[_nodes_pb2.DeleteTenantRequest, _nodes_pb2.DeleteTenantResponse]
+    """Deletes a tenant's record, its quota and usage with it. FAILED_PRECONDITION
+    (TENANT_HAS_NODES) while any node charged to it, or naming it, holds GPUs: release
+    them first. NOT_FOUND for a tenant without a record. Operators only.
+    """
 
 @_typing.type_check_only
 class NodeServiceAsyncStub(NodeServiceStub):
@@ -241,6 +246,11 @@ class NodeServiceAsyncStub(NodeServiceStub):
     """
     ListTenants: _aio.UnaryUnaryMultiCallable[_nodes_pb2.ListTenantsRequest, _nodes_pb2.ListTenantsResponse]  # type: ignore[assignment]
     """Every tenant with a quota or a charged node so far, by name. Operators only."""
+    DeleteTenant: _aio.UnaryUnaryMultiCallable[_nodes_pb2.DeleteTenantRequest, _nodes_pb2.DeleteTenantResponse]  # type: ignore[assignment]
+    """Deletes a tenant's record, its quota and usage with it. FAILED_PRECONDITION
+    (TENANT_HAS_NODES) while any node charged to it, or naming it, holds GPUs: release
+    them first. NOT_FOUND for a tenant without a record. Operators only.
+    """
 
 class NodeServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -428,5 +438,16 @@ class NodeServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_nodes_pb2.ListTenantsResponse, _abc.Awaitable[_nodes_pb2.ListTenantsResponse]]:
         """Every tenant with a quota or a charged node so far, by name. Operators only."""
+
+    @_abc_1.abstractmethod
+    def DeleteTenant(
+        self,
+        request: _nodes_pb2.DeleteTenantRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_nodes_pb2.DeleteTenantResponse, _abc.Awaitable[_nodes_pb2.DeleteTenantResponse]]:
+        """Deletes a tenant's record, its quota and usage with it. FAILED_PRECONDITION
+        (TENANT_HAS_NODES) while any node charged to it, or naming it, holds GPUs: release
+        them first. NOT_FOUND for a tenant without a record. Operators only.
+        """
 
 def add_NodeServiceServicer_to_server(servicer: NodeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
