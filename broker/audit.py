@@ -99,6 +99,21 @@ class _Filter:
         )
 
 
+MAX_RECORDS_PER_TXN = 128
+"""Records per transaction of a group write: etcd's limit on operations per txn."""
+
+
+class _Group:
+    """Records written together, and how their write ended."""
+
+    __slots__ = ("done", "error", "records")
+
+    def __init__(self) -> None:
+        self.records: list[tuple[str, bytes]] = []
+        self.done = False
+        self.error: Exception | None = None
+
+
 class AuditLog:
     """Writes and reads the audit records of one pool (see the module docstring)."""
 
@@ -118,17 +133,57 @@ class AuditLog:
         self._seq = itertools.count()
         self._lock = threading.Lock()
         self._pruned_at = 0.0
+        # Group write: records that arrive while one write is in flight go to etcd
+        # together in the next one (see write).
+        self._flushed = threading.Condition(threading.Lock())
+        self._open = _Group()
+        self._writing = False
 
     def write(self, record: audit_pb2.AuditRecord) -> None:
-        """Store ``record`` (its time and broker are set here). Raises what etcd raises."""
+        """Store ``record`` (its time and broker are set here); returns once etcd holds
+        it. Raises what etcd raises.
+
+        Records written while another write is in flight wait for it and then go to
+        etcd together, one transaction (up to 128 records) for all of them, written by
+        the first of their callers: under load a call costs a share of one etcd
+        request instead of one, and still returns only after its record is stored."""
         now_ns = self._clock_ns()
         record.time.FromNanoseconds(now_ns)
         record.broker = self.broker
         with self._lock:
             seq = next(self._seq)
         key = f"{self.prefix}{_time_key(now_ns)}-{self.broker}-{seq:010d}"
-        self._etcd.put(key, record.SerializeToString())
+        with self._flushed:
+            group = self._open
+            group.records.append((key, record.SerializeToString()))
+            while self._writing and not group.done:
+                self._flushed.wait()
+            if not group.done:  # this caller writes its group, and others join the next
+                self._writing = True
+                self._open = _Group()
+        if not group.done:
+            try:
+                self._put_all(group.records)
+            except Exception as error:
+                group.error = error
+            with self._flushed:
+                group.done = True
+                self._writing = False
+                self._flushed.notify_all()
+        if group.error is not None:
+            raise group.error
         self._maybe_prune(now_ns)
+
+    def _put_all(self, records: list[tuple[str, bytes]]) -> None:
+        """Put ``records``: one put for one, else transactions of up to
+        ``MAX_RECORDS_PER_TXN``."""
+        if len(records) == 1:
+            self._etcd.put(*records[0])
+            return
+        put = self._etcd.transactions.put
+        for start in range(0, len(records), MAX_RECORDS_PER_TXN):
+            chunk = records[start : start + MAX_RECORDS_PER_TXN]
+            self._etcd.transaction(compare=[], success=[put(k, v) for k, v in chunk], failure=[])
 
     def _maybe_prune(self, now_ns: int) -> None:
         now = time.monotonic()

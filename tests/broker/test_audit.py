@@ -166,3 +166,93 @@ def test_cli_audit_filters_by_node(broker: BrokerServer, pool_client: Client) ->
                                       "--since", "10m", "-o", "name"])  # fmt: skip
     assert result.exit_code == 0, result.output
     assert result.output.strip() == "NodeService.ComposeNode nodes/n1"
+
+
+class _HeldEtcd:
+    """An etcd client whose first put waits for ``release``; counts puts and txns."""
+
+    def __init__(self, client: object) -> None:
+        import threading
+
+        self._client = client
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.puts = 0
+        self.txns: list[int] = []
+
+    def put(self, key: str, value: bytes) -> object:
+        self.puts += 1
+        if self.puts == 1:
+            self.entered.set()
+            assert self.release.wait(10)
+        return self._client.put(key, value)  # type: ignore[attr-defined]
+
+    def transaction(
+        self, compare: list[object], success: list[object], failure: list[object]
+    ) -> object:
+        self.txns.append(len(success))
+        return self._client.transaction(compare=compare, success=success, failure=failure)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._client, name)
+
+
+def test_records_written_during_a_write_go_to_etcd_together(
+    etcd_server: object, key_prefix: str
+) -> None:
+    """While one write is held inside etcd, three more callers wait; once it returns,
+    their records go in one transaction, and every call returns with its record stored."""
+    import threading
+
+    client = connect(etcd_server.endpoint)  # type: ignore[attr-defined]
+    held = _HeldEtcd(client)
+    audit = AuditLog(held, key_prefix)  # type: ignore[arg-type]
+    try:
+        first = threading.Thread(
+            target=audit.write, args=(audit_pb2.AuditRecord(target="nodes/first"),)
+        )
+        first.start()
+        assert held.entered.wait(10)
+        later = [
+            threading.Thread(
+                target=audit.write, args=(audit_pb2.AuditRecord(target=f"nodes/later-{i}"),)
+            )
+            for i in range(3)
+        ]
+        for thread in later:
+            thread.start()
+        wait_until(lambda: len(audit._open.records) == 3, message="three callers waiting")
+        assert all(thread.is_alive() for thread in later)  # not stored yet: not returned
+        held.release.set()
+        for thread in [first, *later]:
+            thread.join(10)
+            assert not thread.is_alive()
+        assert held.puts == 1 and held.txns == [3]
+        stored = audit.list(audit_pb2.ListAuditRecordsRequest())
+        assert sorted(r.target for r in stored.records) == [
+            "nodes/first",
+            "nodes/later-0",
+            "nodes/later-1",
+            "nodes/later-2",
+        ]
+    finally:
+        held.release.set()
+        client.close()
+
+
+def test_a_failed_group_write_fails_every_caller_in_it(
+    etcd_server: object, key_prefix: str
+) -> None:
+    client = connect(etcd_server.endpoint)  # type: ignore[attr-defined]
+
+    class Failing:
+        def put(self, key: str, value: bytes) -> None:
+            raise ConnectionError("etcd away")
+
+    audit = AuditLog(Failing(), key_prefix)  # type: ignore[arg-type]
+    try:
+        with pytest.raises(ConnectionError):
+            audit.write(audit_pb2.AuditRecord(target="nodes/lost"))
+        assert not audit._writing  # the next write is not left waiting
+    finally:
+        client.close()
