@@ -11,10 +11,11 @@ holds it - the host's slot zones, a zone shared by several hosts, one made by ha
 and nothing else (the host ports stay in their zones). Each zone is changed by a
 read-modify-write conditional on its ETag, so a zone that changed underneath (412) is
 read and decided again; 429, 5xx and no answer are retried the same way, up to the map's
-``attempts``. Then every zone is read again, and the fence returns only when none holds
-the endpoint: a map that slipped in meanwhile is removed in another round, and one that
-keeps coming back fails the fence. An endpoint already in no zone is a fence that
-succeeds without a write.
+``attempts``; a zone deleted meanwhile (404) holds nothing and is passed over. Then
+every zone is read again, and the fence returns only when none holds the endpoint: a
+map that slipped in meanwhile is removed in another round, and one that keeps coming
+back fails the fence. An endpoint already in no zone is a fence that succeeds without
+a write.
 
 **What the generation guarantees here.** Redfish zones carry no dxpool generation, so
 this backend can neither refuse a map made later for a fenced generation nor tell an
@@ -267,11 +268,16 @@ class RedfishBoxFabric:
 
 
 def _remove(zones: FabricZones, zone: str, endpoint: str) -> None:
-    """Take ``endpoint`` out of ``zone`` if it is there (a read, then a conditional write)."""
-    current = zones.read(zone)
-    held = members(current)
-    if endpoint in held:
-        zones.write(zone, [m for m in held if m != endpoint], current.etag)
+    """Take ``endpoint`` out of ``zone`` if it is there (a read, then a conditional write).
+    A zone deleted meanwhile (404) holds nothing any more: done."""
+    try:
+        current = zones.read(zone)
+        held = members(current)
+        if endpoint in held:
+            zones.write(zone, [m for m in held if m != endpoint], current.etag)
+    except RedfishStatusError as error:
+        if error.status != HTTPStatus.NOT_FOUND:
+            raise
 
 
 __all__ = ["RedfishBoxFabric"]

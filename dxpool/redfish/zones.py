@@ -17,11 +17,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from functools import partial
+from http import HTTPStatus
 from typing import Any, TypeVar
 
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from dxpool.redfish.session import RedfishError, RedfishResource, RedfishSession
+from dxpool.redfish.session import (
+    RedfishError,
+    RedfishResource,
+    RedfishSession,
+    RedfishStatusError,
+)
 
 T = TypeVar("T")
 INITIATOR = "Initiator"
@@ -77,10 +83,16 @@ class FabricZones:
         return [zone for zone in found if zone]
 
     def holding(self, endpoint: str) -> dict[str, RedfishResource]:
-        """Every zone whose members include ``endpoint``, as read now (retried)."""
+        """Every zone whose members include ``endpoint``, as read now (retried). A zone
+        deleted between the listing and its read holds nothing and is left out."""
         found: dict[str, RedfishResource] = {}
         for zone in self.zone_ids():
-            current = self.retrying(partial(self.read, zone))
+            try:
+                current = self.retrying(partial(self.read, zone))
+            except RedfishStatusError as error:
+                if error.status == HTTPStatus.NOT_FOUND:
+                    continue
+                raise
             if endpoint in members(current):
                 found[zone] = current
         return found

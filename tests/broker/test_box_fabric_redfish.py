@@ -100,6 +100,37 @@ def test_fence_rereads_a_zone_that_changed_underneath(
     assert [etag for _, etag in service.patches()] == ['"h1-s0-2"', '"h1-s0-3"']
 
 
+def test_a_zone_deleted_underneath_holds_nothing(
+    service: RedfishFabricService, box: RedfishBoxFabric
+) -> None:
+    service.set_zone("h1-s0", ["HostPort-h1", "GPU-b1-0"])
+    service.add_zone("by-hand", ["HostPort-h2", "GPU-b1-0"])
+    # An operator deletes the hand-made zone between the fence's read of it and its
+    # write (the zones are written in the service's order: by-hand first): the write is
+    # answered 404, and the zone, gone, holds nothing.
+    service.before_patch(lambda: service.remove_zone("by-hand"))
+
+    box.fence(GPU0, generation=1)
+
+    assert service.zone("h1-s0") == ["HostPort-h1"]
+    assert [path.rpartition("/")[2] for path, _ in service.patches()] == ["by-hand", "h1-s0"]
+    assert "by-hand" not in service.state.zones
+
+
+def test_a_late_fence_cannot_tell_generations_apart(
+    service: RedfishFabricService, box: RedfishBoxFabric
+) -> None:
+    # Zones carry no generation: a fence for generation 3 that arrives after the GPU
+    # was given to a newer assignment removes that mapping too. It fails safe - the
+    # newer host loses the device, no one else gains it - and the broker never fences a
+    # GPU that is not FENCING for that generation (see the module's docstring).
+    service.set_zone("h2-s0", ["HostPort-h2", "GPU-b1-0"])
+
+    box.fence(GPU0, generation=3)
+
+    assert service.zone("h2-s0") == ["HostPort-h2"]
+
+
 def test_fence_reads_back_and_removes_a_map_that_slipped_in_after_its_write(
     service: RedfishFabricService, box: RedfishBoxFabric
 ) -> None:

@@ -101,6 +101,12 @@ class RedfishFabricService:
             self.state.zones[zone] = list(endpoints)
             self.state.etags[zone] += 1
 
+    def remove_zone(self, zone: str) -> None:
+        """Delete a zone as another client of the service would."""
+        with self.lock:
+            del self.state.zones[zone]
+            del self.state.etags[zone]
+
     def zone(self, zone: str) -> list[str]:
         with self.lock:
             return list(self.state.zones[zone])
