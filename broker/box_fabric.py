@@ -7,7 +7,12 @@ generation, the fencing token of one assignment:
 * :meth:`BoxFabric.fence` revokes every mapping of the GPU made for that generation or an
   older one and refuses such mappings from then on - so a frozen agent that wakes up
   mid-attach cannot map the GPU again, while a newer assignment's mapping is untouched
-  (a deposed leader's late fence is harmless);
+  (a deposed leader's late fence is harmless). A backend whose box side keeps no
+  generations (Redfish zones) revokes every mapping of the GPU instead and cannot refuse
+  late ones; it relies on the broker calling ``fence`` only for a GPU that is FENCING at
+  that generation, which no newer assignment can hold (its module says what that does
+  and does not cover). Either way ``fence`` returns only once the revocation has taken
+  effect: the broker frees the GPU after it;
 * :meth:`BoxFabric.scrub` resets the GPU from the box side once nothing maps it, so no
   tenant's memory reaches the next tenant.
 
@@ -45,7 +50,8 @@ class BoxFabricError(Exception):
 class BoxFabric(Protocol):
     def fence(self, gpu: GpuRef, generation: int) -> None:
         """Revoke mappings of ``gpu`` made for ``generation`` or older, and refuse them
-        from now on. Raises :class:`BoxFabricError`."""
+        from now on where the box side records generations; return only once they are
+        gone. Idempotent. Raises :class:`BoxFabricError`."""
         ...
 
     def scrub(self, gpu: GpuRef, generation: int) -> None:
