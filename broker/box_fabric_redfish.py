@@ -6,7 +6,9 @@ CA bundle or ``verify: false``, per-request timeout and attempts, and which Redf
 endpoint is which GPU. The broker logs in on its first fence, not at start, so a fabric
 manager that is down when the broker starts delays fencing, not the broker.
 
-**fence(gpu, generation)** removes the GPU's endpoint from every zone of the fabric that
+**fence(gpu, generation)** checks that the service has the GPU's endpoint as a device
+(``Target``) - a map naming a wrong id would otherwise find the GPU in no zone and
+"fence" nothing - then removes the endpoint from every zone of the fabric that
 holds it - the host's slot zones, a zone shared by several hosts, one made by hand -
 and nothing else (the host ports stay in their zones). Each zone is changed by a
 read-modify-write conditional on its ETag, so a zone that changed underneath (412) is
@@ -64,7 +66,15 @@ from dxpool.broker.box_fabric import BoxFabricError
 from dxpool.names import GpuRef
 from dxpool.redfish.fabric_map import RedfishFabricMap, RedfishService
 from dxpool.redfish.session import RedfishError, RedfishSession, RedfishStatusError
-from dxpool.redfish.zones import RETRY_WAIT_MIN_S, FabricZones, members, odata_id
+from dxpool.redfish.zones import (
+    BOTH,
+    RETRY_WAIT_MIN_S,
+    TARGET,
+    FabricZones,
+    members,
+    odata_id,
+    roles,
+)
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +116,7 @@ class RedfishBoxFabric:
         rounds = self._map.service.attempts
         removed_from: list[str] = []
         try:
+            self._check_endpoint(zones, gpu, endpoint)
             for round_ in itertools.count():
                 holding = zones.holding(endpoint)  # the read-back of the round before
                 if not holding:
@@ -193,6 +204,26 @@ class RedfishBoxFabric:
                     retry_wait_s=self._retry_wait_s,
                 )
             return self._zones
+
+    def _check_endpoint(self, zones: FabricZones, gpu: GpuRef, endpoint: str) -> None:
+        """The service has ``endpoint`` as a device (Target): a map naming a wrong id would
+        otherwise make every fence find the GPU in no zone and succeed."""
+        try:
+            found = roles(zones.endpoint(endpoint))
+        except RedfishStatusError as error:
+            if error.status != HTTPStatus.NOT_FOUND:
+                raise
+            raise BoxFabricError(
+                f"the Redfish fabric map names endpoint {endpoint} for {gpu.name}, which "
+                f"{self.url} fabric {zones.fabric} does not have; correct boxes.{gpu.box} in "
+                "the map (until then the GPU cannot be fenced and is not reused)"
+            ) from error
+        if TARGET not in found and BOTH not in found:
+            raise BoxFabricError(
+                f"the Redfish fabric map names endpoint {endpoint} for {gpu.name}, but at "
+                f"{self.url} it has EntityRole {', '.join(sorted(found)) or 'none'}, not "
+                f"{TARGET}; correct boxes.{gpu.box} in the map"
+            )
 
     def _reset_action(self, zones: FabricZones, gpu: GpuRef, endpoint: str) -> tuple[str, str]:
         """The target and ResetType of a Reset action on a resource the endpoint links."""

@@ -261,6 +261,24 @@ def test_a_gpu_outside_the_map_is_refused_with_the_fix(box: RedfishBoxFabric) ->
         box.fence(GpuRef("b9", 0), generation=1)
 
 
+def test_a_map_naming_a_wrong_endpoint_fails_instead_of_fencing_nothing(
+    service: RedfishFabricService, fmap: RedfishFabricMap
+) -> None:
+    service.set_zone("h1-s0", ["HostPort-h1", "GPU-b1-0"])
+    typo = RedfishBoxFabric(replace(fmap, boxes={"b1": ("GPU-b1-O", "GPU-b1-1")}))
+    with pytest.raises(BoxFabricError, match=r"names endpoint GPU-b1-O for .* does not have"):
+        typo.fence(GPU0, generation=1)
+    typo.close()
+    host_port = RedfishBoxFabric(
+        replace(fmap, hosts={"h1": fmap.hosts["h1"]}, boxes={"b1": ("HostPort-h2",)})
+    )
+    with pytest.raises(BoxFabricError, match="has EntityRole Initiator, not Target"):
+        host_port.fence(GPU0, generation=1)
+    host_port.close()
+    assert service.zone("h1-s0") == ["HostPort-h1", "GPU-b1-0"]
+    assert service.zone("h2-s0") == ["HostPort-h2"]
+
+
 def test_nothing_is_sent_before_the_first_call(
     service: RedfishFabricService, fmap: RedfishFabricMap
 ) -> None:
