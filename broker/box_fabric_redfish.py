@@ -160,6 +160,11 @@ class RedfishBoxFabric:
             reply = zones.session.post(target, {"ResetType": reset_type})
             if reply.status == HTTPStatus.ACCEPTED and reply.location:
                 self._wait_for_task(zones.session, gpu, reply.location)
+            elif reply.status == HTTPStatus.ACCEPTED:
+                log.warning(  # Redfish requires a task monitor with a 202; nothing to follow
+                    "gpu reset accepted without a task monitor; not waiting for it",
+                    extra={"gpu": gpu.name, "url": self.url},
+                )
         except RedfishError as error:
             raise BoxFabricError(
                 f"scrubbing {gpu.name} (endpoint {endpoint}) at {self.url} failed: {error.message}"
