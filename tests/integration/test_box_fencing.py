@@ -341,3 +341,39 @@ def test_a_lost_hosts_gpus_are_fenced_by_the_hook_before_they_are_free_again(
     (binding,) = reused.gpus
     assert read_table(hook)["h2"] == {0: parse_gpu(binding.gpu)}
     assert gpu(stubs, binding.gpu).generation > generations[binding.gpu]
+
+
+def test_a_broker_the_fabric_manager_refuses_never_frees_and_quarantines(
+    broker_factory: Callable[..., BrokerServer],
+    start_agent: Callable[[LinuxHost], Agent],
+    redfish_service: tuple[RedfishFabricService, Path],
+    tmp_path: Path,
+) -> None:
+    service, map_path = redfish_service
+    wrong = yaml.safe_load(map_path.read_text())
+    wrong["service"]["password_file"] = "wrong-password"
+    (tmp_path / "wrong-password").write_text("not-the-password\n")
+    broker_map = tmp_path / "broker-map.yaml"
+    broker_map.write_text(yaml.safe_dump(wrong))
+    stubs = fencing_broker(broker_factory, f"redfish:{broker_map}")
+    add_box(stubs, gpus=1)
+    lost = start_agent(
+        RedfishLinuxHost(tmp_path / "h1", host="h1", slots=2, service=service, map_path=map_path)
+    )
+    wait_hosts_alive(stubs)
+    node = wait_state(stubs, compose(stubs, "H100:1", host="hosts/h1").name, pb.NODE_STATE_READY)
+    (name,) = [b.gpu for b in node.gpus]
+
+    lose_host(stubs, lost, node.name, [name])
+    seen: set[int] = set()
+
+    def quarantined() -> bool:
+        state = gpu(stubs, name).state
+        seen.add(state)
+        return state == pb.GPU_STATE_QUARANTINED
+
+    wait_until(quarantined, timeout_s=30, message="the unfenceable GPU to be quarantined")
+    assert pb.GPU_STATE_FREE not in seen
+    assert "refused the credentials of Redfish user 'dxpool'" in gpu(stubs, name).message
+    assert any(endpoint_of(name) in service.zone(zone) for zone in ZONES["h1"])  # untouched
+    assert len(service.patches()) == 1  # the agent's map; the broker never got to write
