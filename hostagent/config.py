@@ -73,7 +73,7 @@ class AgentConfig:
     startup_timeout_s: float = 60.0
     agent_endpoint: str = ""
     state_dir: Path | None = None
-    # Redfish box-side mapping: the fabric map file (hostagent/drivers/redfish_config.py)
+    # Redfish box-side mapping: the fabric map file (dxpool/redfish/fabric_map.py)
     # selects the Redfish proxy mapper in place of the driver's own.
     redfish_map: Path | None = None
     # TLS to etcd: the CA that signed etcd's certificate, and a client certificate for

@@ -112,7 +112,7 @@ def build_proxy_mapper(config: AgentConfig) -> ProxyMapper | None:
     if config.redfish_map is None:
         return None
     from dxpool.hostagent.drivers.redfish import connect_redfish_mapper
-    from dxpool.hostagent.drivers.redfish_config import load_fabric_map
+    from dxpool.redfish.fabric_map import load_fabric_map
 
     fabric_map = load_fabric_map(config.redfish_map)
     if config.host_id not in fabric_map.hosts:

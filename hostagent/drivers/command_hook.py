@@ -24,10 +24,11 @@ slot, ``GENERATION`` the assignment's fencing token, all decimal integers but th
   dxpool takes the host's ``status`` listing read just before the fence. The other
   operations may print nothing or any JSON object; an object's ``"message"`` string is
   logged.
-* Exit status: **0** done; **3** conflict (the GPU is mapped at another host slot or the
-  host slot holds another GPU; dxpool detaches the holder and retries); **4** refused for
-  good (a fenced generation, an unknown GPU or host: not retried); anything else is a
-  transient failure that dxpool retries with backoff. Text on stderr is put into the
+* Exit status (:mod:`dxpool.hooks` runs every hook): **0** done; **3** conflict (the GPU
+  is mapped at another host slot or the host slot holds another GPU; dxpool detaches the
+  holder and retries); **4** refused for good (a fenced generation, an unknown GPU or
+  host: not retried); anything else is a transient failure that dxpool retries with
+  backoff. Text on stderr is put into the
   error dxpool reports, so make it say what went wrong.
 * dxpool may run several hooks at once for different GPUs of the host (one per
   reconcile worker): a hook serializes whatever its proxy needs serialized.
@@ -35,30 +36,42 @@ slot, ``GENERATION`` the assignment's fencing token, all decimal integers but th
   dxpool kills its whole process group (it runs in a session of its own) and treats the
   operation as a transient failure: the hook must therefore be safe to run again after
   being killed at any point.
+
+The broker runs the same kind of hook at the box side (``--fabric hook:PATH``,
+:mod:`dxpool.broker.box_fabric_hook`) before it reuses a GPU of a lost host, with two
+verbs of its own (no host: they act on the GPU wherever it is mapped)::
+
+    HOOK fence-gpu BOX SLOT GENERATION            revoke the GPU's mappings of GENERATION
+                                                  or older (and, where the proxy can,
+                                                  refuse maps for them from now on)
+    HOOK scrub-gpu BOX SLOT GENERATION            reset the GPU (clear its memory) after
+                                                  the assignment of GENERATION
+
+* ``fence-gpu`` succeeds when the GPU is mapped nowhere afterwards, also when it was not
+  mapped at all. A mapping made for a *newer* generation belongs to a newer assignment:
+  a proxy that records generations leaves it in place and exits 0; one that cannot tell
+  generations apart removes whatever maps the GPU (the broker only fences a GPU that no
+  newer assignment can hold yet). Exit 0 only once the revocation has taken effect at
+  the proxy: the broker hands the GPU to another host after it.
+* ``scrub-gpu`` exits 3 when the GPU is still mapped (the broker fences again first) and
+  4 when the box cannot reset this GPU (after repeated failures the broker quarantines
+  it for an operator).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
-import os
-import signal
-import subprocess
 from pathlib import Path
 from typing import Any
 
 from dxpool.errors import InvalidArgument
+from dxpool.hooks import EXIT_CONFLICT, EXIT_OK, EXIT_REFUSED, HookError, HookOutcome, run_hook
 from dxpool.hostagent.errors import AttachConflictError, DriverError
 from dxpool.names import GpuRef, check_id
 
 log = logging.getLogger(__name__)
 
-EXIT_OK = 0
-EXIT_CONFLICT = 3
-EXIT_REFUSED = 4
 DEFAULT_HOOK_TIMEOUT_S = 30.0
-STDERR_SHOWN = 500  # characters of the hook's stderr put into an error message
 
 
 class CommandHookMapper:
@@ -112,70 +125,15 @@ class CommandHookMapper:
         return self._run_for(self._host, operation, *args)
 
     def _run_for(self, host: str, operation: str, *args: str) -> dict[str, Any]:
-        what = f"proxy hook {self._hook} {operation} for host {host}"
-        argv = [str(self._hook), operation, host, *args]
+        what = self._describe_for(host, operation)
         try:
-            process = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                start_new_session=True,  # so a timeout can kill everything it started
+            return run_hook(
+                self._hook, [operation, host, *args], timeout_s=self._timeout_s, what=what
             )
-        except OSError as error:
-            raise DriverError(
-                f"{what} could not be started ({error.strerror or error}); check that the "
-                "hook path in the agent's configuration names an executable file",
-                retryable=False,
-            ) from error
-        try:
-            stdout, stderr = process.communicate(timeout=self._timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_group(process)
-            process.communicate()
-            raise DriverError(
-                f"{what} did not finish within {self._timeout_s:g}s and was killed; check "
-                "that the proxy's management interface answers"
-            ) from None
-        return _answer(what, process.returncode, stdout, stderr)
-
-
-def _kill_group(process: subprocess.Popen[str]) -> None:
-    with contextlib.suppress(ProcessLookupError):  # it may have ended in the meantime
-        os.killpg(process.pid, signal.SIGKILL)
-
-
-def _answer(what: str, returncode: int, stdout: str, stderr: str) -> dict[str, Any]:
-    detail = stderr.strip()[-STDERR_SHOWN:]
-    said = f": {detail}" if detail else " and wrote nothing to stderr"
-    if returncode == EXIT_CONFLICT:
-        raise AttachConflictError(f"{what} reports a mapping conflict{said}")
-    if returncode == EXIT_REFUSED:
-        raise DriverError(f"{what} refused the operation{said}", retryable=False)
-    if returncode < 0:
-        raise DriverError(f"{what} was killed by signal {-returncode}{said}")
-    if returncode != EXIT_OK:
-        raise DriverError(f"{what} failed with exit status {returncode}{said}")
-    text = stdout.strip()
-    if not text:
-        return {}
-    try:
-        answer = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise DriverError(
-            f"{what} printed output that is not JSON ({error.msg} at line {error.lineno} "
-            f"column {error.colno}): {text[:200]!r}; the hook must print one JSON object"
-        ) from error
-    if not isinstance(answer, dict):
-        raise DriverError(
-            f"{what} printed JSON {type(answer).__name__}, not an object; the hook must print "
-            "one JSON object"
-        )
-    message = answer.get("message")
-    if isinstance(message, str) and message:
-        log.info("proxy hook message", extra={"hook": what, "hook_message": message})
-    return answer
+        except HookError as error:
+            if error.outcome is HookOutcome.CONFLICT:
+                raise AttachConflictError(error.message) from error
+            raise DriverError(error.message, retryable=error.retryable) from error
 
 
 def parse_mappings(answer: dict[str, Any], what: str) -> dict[int, GpuRef]:

@@ -8,7 +8,7 @@ its endpoint to a zone that holds the host port (``PATCH /redfish/v1/Fabrics/{fa
 Zones/{zone}`` with the new ``Links.Endpoints``), and taken away by removing it.
 
 Which zone is which host slot, and which endpoint is which GPU, comes from the fabric
-map (:mod:`dxpool.hostagent.drivers.redfish_config`): one zone per host slot, holding
+map (:mod:`dxpool.redfish.fabric_map`): one zone per host slot, holding
 the host's initiator endpoint and at most one GPU. The map is checked against the
 service when the mapper is built (:meth:`RedfishProxyMapper.discover`): every endpoint
 and zone must exist and every endpoint must have the role the map gives it.
@@ -32,38 +32,39 @@ handed out until it has (see docs/ARCHITECTURE.md, "Fencing a host at the box si
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, TypeVar
 
-from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
-
-from dxpool.hostagent.drivers.redfish_config import RedfishFabricMap, RedfishHost
-from dxpool.hostagent.drivers.redfish_session import (
-    RedfishResource,
-    RedfishSession,
-    RedfishStatusError,
-)
 from dxpool.hostagent.errors import AttachConflictError, DriverError
 from dxpool.names import GpuRef
+from dxpool.redfish.fabric_map import RedfishFabricMap, RedfishHost
+from dxpool.redfish.session import RedfishError, RedfishSession, RedfishStatusError
+from dxpool.redfish.zones import (
+    BOTH,
+    INITIATOR,
+    RETRY_WAIT_MIN_S,
+    TARGET,
+    FabricZones,
+    members,
+    roles,
+)
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-INITIATOR = "Initiator"
-TARGET = "Target"
-BOTH = "Both"
 CONFLICT = 409
-RETRY_WAIT_MIN_S = 0.1
-RETRY_WAIT_MAX_S = 2.0
 
 
-def _retry_safe(error: BaseException) -> bool:
-    return (
-        isinstance(error, DriverError)
-        and error.retryable
-        and not isinstance(error, AttachConflictError)
-    )
+@contextmanager
+def driver_errors() -> Iterator[None]:
+    """Raise a :class:`RedfishError` as the :class:`DriverError` the reconciler handles
+    (same message and retryability; the Redfish error is its ``__cause__``)."""
+    try:
+        yield
+    except RedfishError as error:
+        raise DriverError(error.message, retryable=error.retryable) from error
 
 
 class RedfishProxyMapper:
@@ -94,10 +95,12 @@ class RedfishProxyMapper:
         self._map = fabric_map
         self._host = host
         self._session = session
-        service = fabric_map.service
-        self._fabric_path = f"/redfish/v1/Fabrics/{service.fabric}"
-        self._attempts = service.attempts
-        self._retry_wait_s = retry_wait_s
+        self._zones = FabricZones(
+            session,
+            fabric_map.service.fabric,
+            attempts=fabric_map.service.attempts,
+            retry_wait_s=retry_wait_s,
+        )
 
     # -- ProxyMapper -----------------------------------------------------------------------
 
@@ -107,24 +110,24 @@ class RedfishProxyMapper:
         initiator = self._own.endpoint
 
         def attempt() -> None:
-            current = self._read_zone(zone)
-            members = _members(current)
-            if initiator not in members:
+            current = self._zones.read(zone)
+            held = members(current)
+            if initiator not in held:
                 raise DriverError(
                     f"zone {zone} (host slot {host_slot} of {self._host}) does not hold the "
                     f"host's endpoint {initiator}; correct the zone or the fabric map",
                     retryable=False,
                 )
-            others = [m for m in members if m not in (initiator, wanted)]
+            others = [m for m in held if m not in (initiator, wanted)]
             if others:
                 raise AttachConflictError(
                     f"host slot {host_slot} of {self._host} (zone {zone}) already holds "
                     f"{self._describe(others)}; unmap it first or pick a free slot"
                 )
-            if wanted in members:
+            if wanted in held:
                 return
             try:
-                self._write_zone(zone, [*members, wanted], current.etag)
+                self._zones.write(zone, [*held, wanted], current.etag)
             except RedfishStatusError as error:
                 if error.status == CONFLICT:
                     raise AttachConflictError(
@@ -144,10 +147,10 @@ class RedfishProxyMapper:
         for zone in self._own.zones:
 
             def attempt(zone: str = zone) -> None:
-                current = self._read_zone(zone)
-                members = _members(current)
-                if wanted in members:
-                    self._write_zone(zone, [m for m in members if m != wanted], current.etag)
+                current = self._zones.read(zone)
+                held = members(current)
+                if wanted in held:
+                    self._zones.write(zone, [m for m in held if m != wanted], current.etag)
 
             self._retrying(attempt)
 
@@ -155,8 +158,7 @@ class RedfishProxyMapper:
         found: dict[int, GpuRef] = {}
         initiator = self._own.endpoint
         for host_slot, zone in enumerate(self._own.zones):
-            members = _members(self._retrying(partial(self._read_zone, zone)))
-            for endpoint in members:
+            for endpoint in members(self._retrying(partial(self._zones.read, zone))):
                 if endpoint == initiator:
                     continue
                 gpu = self._map.gpu_of(endpoint)
@@ -187,19 +189,19 @@ class RedfishProxyMapper:
         for zone in self._zones_holding(entry):
 
             def attempt(zone: str = zone) -> list[str]:
-                current = self._read_zone(zone)
-                members = _members(current)
-                if entry.endpoint not in members:
+                current = self._zones.read(zone)
+                held = members(current)
+                if entry.endpoint not in held:
                     return []
-                sharing = [m for m in members if m in initiators and m != entry.endpoint]
+                sharing = [m for m in held if m in initiators and m != entry.endpoint]
                 if sharing:  # other hosts use the zone: take only this host out of it
-                    kept = [m for m in members if m != entry.endpoint]
-                    cut = [m for m in members if m not in initiators]
+                    kept = [m for m in held if m != entry.endpoint]
+                    cut = [m for m in held if m not in initiators]
                 else:  # the host's own zone: take every device out, keep the port
                     kept = [entry.endpoint]
-                    cut = [m for m in members if m != entry.endpoint]
-                if kept != members:
-                    self._write_zone(zone, kept, current.etag)
+                    cut = [m for m in held if m != entry.endpoint]
+                if kept != held:
+                    self._zones.write(zone, kept, current.etag)
                 return cut
 
             for endpoint in self._retrying(attempt):
@@ -219,8 +221,9 @@ class RedfishProxyMapper:
         with the role the map gives it, and this host's zones. Raises a non-retryable
         :class:`DriverError` listing every mismatch."""
         problems: list[str] = []
-        endpoints = self._collection("Endpoints")
-        zones = self._collection("Zones")
+        with driver_errors():
+            endpoints = self._zones.collection("Endpoints")
+            zones = self._zones.collection("Zones")
         for host, entry in sorted(self._map.hosts.items()):
             _check_role(problems, endpoints, entry.endpoint, INITIATOR, f"host {host}")
         for box, ids in sorted(self._map.boxes.items()):
@@ -235,18 +238,6 @@ class RedfishProxyMapper:
                 f"{self._map.service.fabric}: " + "; ".join(problems),
                 retryable=False,
             )
-
-    def _collection(self, name: str) -> dict[str, dict[str, Any]]:
-        """Every member of ``Fabrics/{fabric}/{name}``, by id."""
-        path = f"{self._fabric_path}/{name}"
-        listing = self._retrying(lambda: self._session.get(path))
-        members: dict[str, dict[str, Any]] = {}
-        for link in listing.body.get("Members", []):
-            member_path = _odata_id(link)
-            if member_path:
-                body = self._retrying(partial(self._session.get, member_path)).body
-                members[_last_segment(member_path)] = body
-        return members
 
     def close(self) -> None:
         """End the Redfish session."""
@@ -282,23 +273,14 @@ class RedfishProxyMapper:
         """The host's configured zones plus every other zone of the fabric that holds its
         endpoint (a fence must not miss a zone someone added by hand)."""
         found = list(entry.zones)
-        listing = self._retrying(lambda: self._session.get(f"{self._fabric_path}/Zones"))
-        for link in listing.body.get("Members", []):
-            zone = _last_segment(_odata_id(link))
-            if zone and zone not in found:
-                members = _members(self._retrying(partial(self._read_zone, zone)))
-                if entry.endpoint in members:
-                    found.append(zone)
+        with driver_errors():
+            listed = self._zones.zone_ids()
+        for zone in listed:
+            if zone not in found and entry.endpoint in members(
+                self._retrying(partial(self._zones.read, zone))
+            ):
+                found.append(zone)
         return found
-
-    def _read_zone(self, zone: str) -> RedfishResource:
-        return self._session.get(f"{self._fabric_path}/Zones/{zone}")
-
-    def _write_zone(self, zone: str, members: Iterable[str], etag: str) -> None:
-        links = [{"@odata.id": f"{self._fabric_path}/Endpoints/{m}"} for m in members]
-        self._session.patch(
-            f"{self._fabric_path}/Zones/{zone}", {"Links": {"Endpoints": links}}, etag
-        )
 
     def _describe(self, endpoints: Iterable[str]) -> str:
         names = []
@@ -308,39 +290,8 @@ class RedfishProxyMapper:
         return ", ".join(names)
 
     def _retrying(self, operation: Callable[[], T]) -> T:
-        retrier = Retrying(
-            stop=stop_after_attempt(self._attempts),
-            wait=wait_exponential(multiplier=self._retry_wait_s, max=RETRY_WAIT_MAX_S),
-            retry=retry_if_exception(_retry_safe),
-            reraise=True,
-        )
-        return retrier(operation)
-
-
-def _members(zone: RedfishResource) -> list[str]:
-    """The endpoint ids in a zone's ``Links.Endpoints``, in the service's order."""
-    links = zone.body.get("Links", {})
-    endpoints = links.get("Endpoints", []) if isinstance(links, dict) else []
-    return [_last_segment(_odata_id(link)) for link in endpoints if _odata_id(link)]
-
-
-def _odata_id(link: object) -> str:
-    if isinstance(link, dict) and isinstance(link.get("@odata.id"), str):
-        return str(link["@odata.id"])
-    return ""
-
-
-def _last_segment(path: str) -> str:
-    return path.rstrip("/").rsplit("/", 1)[-1]
-
-
-def _roles(endpoint: dict[str, Any]) -> set[str]:
-    entities = endpoint.get("ConnectedEntities", [])
-    return {
-        str(entity.get("EntityRole"))
-        for entity in entities
-        if isinstance(entity, dict) and entity.get("EntityRole")
-    }
+        with driver_errors():
+            return self._zones.retrying(operation)
 
 
 def _check_role(
@@ -353,10 +304,10 @@ def _check_role(
     if endpoint not in endpoints:
         problems.append(f"endpoint {endpoint} ({owner}) does not exist")
         return
-    roles = _roles(endpoints[endpoint])
-    if role not in roles and BOTH not in roles:
+    found = roles(endpoints[endpoint])
+    if role not in found and BOTH not in found:
         problems.append(
-            f"endpoint {endpoint} ({owner}) has EntityRole {', '.join(sorted(roles)) or 'none'}, "
+            f"endpoint {endpoint} ({owner}) has EntityRole {', '.join(sorted(found)) or 'none'}, "
             f"not {role}"
         )
 
@@ -364,7 +315,8 @@ def _check_role(
 def connect_redfish_mapper(fabric_map: RedfishFabricMap, host: str) -> RedfishProxyMapper:
     """Log in to the map's service, check the map against it, and return the mapper for
     ``host``. Raises :class:`DriverError`; the session is closed again on failure."""
-    session = RedfishSession(fabric_map.service)
+    with driver_errors():
+        session = RedfishSession(fabric_map.service)
     try:
         mapper = RedfishProxyMapper(fabric_map, host, session)
         mapper.discover()

@@ -2,7 +2,10 @@
 contract (:mod:`dxpool.hostagent.drivers.command_hook`) over a JSON mapping table.
 
 :func:`write_proxy_hook` writes it next to its table; :func:`read_table` reads the table
-back, so a test (or a fake sysfs tree) sees what the proxy maps.
+back, so a test (or a fake sysfs tree) sees what the proxy maps. The same program answers
+the broker's box-side verbs (``fence-gpu``, ``scrub-gpu``): it keeps the highest fenced
+generation of each GPU and refuses maps for it (exit 4), like a token-fencing proxy, and
+logs each box-side operation (:func:`box_log`); :func:`fail_box_side` makes them fail.
 """
 
 from __future__ import annotations
@@ -19,17 +22,66 @@ import json
 import sys
 
 TABLE = {table!r}
+FENCED = TABLE + ".fenced"
+BOX_LOG = TABLE + ".box-log"
+
+
+def load(path, empty):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return empty
+
+
+def save(path, value):
+    import os
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f)
+    os.replace(path + ".tmp", path)
+
+
+def box_side(operation, box, slot, generation, table):
+    # The broker's verbs: revoke the GPU's mappings of `generation` or older wherever
+    # they are and refuse maps of those generations from now on; reset the GPU.
+    import os
+    if os.path.exists(TABLE + ".fail-" + operation):
+        print(f"{{operation}} {{box}}/{{slot}}: injected failure", file=sys.stderr)
+        return 1
+    fenced = load(FENCED, {{}})
+    log = load(BOX_LOG, [])
+    key = f"{{box}}/{{slot}}"
+    holders = [
+        (host, host_slot, m)
+        for host, mappings in table.items()
+        for host_slot, m in mappings.items()
+        if (m["box"], m["slot"]) == (box, slot)
+    ]
+    if operation == "fence-gpu":
+        for host, host_slot, m in holders:
+            if m["generation"] <= generation:
+                del table[host][host_slot]
+        fenced[key] = max(fenced.get(key, -1), generation)
+        save(TABLE, table)
+        save(FENCED, fenced)
+    else:
+        if holders:
+            print(f"{{key}} is mapped to {{holders[0][0]}}", file=sys.stderr)
+            return 3
+    log.append({{"op": operation, "gpu": key, "generation": generation,
+                "mapped": [[h, int(s)] for h, s, _ in holders]}})
+    save(BOX_LOG, log)
+    return 0
 
 
 def main(argv):
-    operation, host, args = argv[1], argv[2], argv[3:]
+    operation = argv[1]
     with open(TABLE + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            with open(TABLE) as f:
-                table = json.load(f)
-        except FileNotFoundError:
-            table = {{}}
+        table = load(TABLE, {{}})
+        if operation in ("fence-gpu", "scrub-gpu"):
+            return box_side(operation, argv[2], int(argv[3]), int(argv[4]), table)
+        host, args = argv[2], argv[3:]
         mappings = table.setdefault(host, {{}})
         if operation == "status":
             print(json.dumps({{"mappings": [
@@ -39,6 +91,9 @@ def main(argv):
             return 0
         if operation == "map":
             box, slot, host_slot, generation = args[0], int(args[1]), args[2], int(args[3])
+            if generation <= load(FENCED, {{}}).get(f"{{box}}/{{slot}}", -1):
+                print(f"generation {{generation}} of {{box}}/{{slot}} is fenced", file=sys.stderr)
+                return 4
             for other_host, other in table.items():
                 for other_slot, m in other.items():
                     same_gpu = (m["box"], m["slot"]) == (box, slot)
@@ -90,6 +145,25 @@ def write_proxy_hook(directory: Path) -> Path:
     return write_script(
         directory / "proxy-hook", HOOK_SOURCE.format(table=str(directory / "table.json"))
     )
+
+
+def box_log(hook: Path) -> list[dict[str, object]]:
+    """Every fence-gpu and scrub-gpu the hook next to it carried out, in order, with the
+    (host, host slot) pairs that mapped the GPU when it ran."""
+    try:
+        return list(json.loads((hook.parent / "table.json.box-log").read_text()))
+    except FileNotFoundError:
+        return []
+
+
+def fail_box_side(hook: Path, verb: str, failing: bool) -> None:
+    """Make the hook's ``verb`` (fence-gpu, scrub-gpu) fail (exit 1) until called again
+    with ``failing=False``."""
+    marker = hook.parent / f"table.json.fail-{verb}"
+    if failing:
+        marker.touch()
+    else:
+        marker.unlink(missing_ok=True)
 
 
 def read_table(hook: Path) -> dict[str, dict[int, GpuRef]]:

@@ -11,7 +11,11 @@ It behaves like the services it stands for, errors included:
 * unknown endpoints in a PATCH are 400, unknown resources 404;
 * :meth:`fail` answers the next matching requests with a status (5xx), :meth:`delay`
   answers them late (timeouts), :meth:`before_patch` runs a change between a client's
-  read and its write.
+  read and its write, :meth:`hold` keeps matching requests waiting until released;
+* each target endpoint links (``ConnectedEntities[].EntityLink``) the GPU's
+  ``Processor`` resource, which offers ``#Processor.Reset`` unless the service was made
+  with ``resets=False``; a reset is answered 204, or 202 with a task monitor that runs
+  for a few polls when ``async_resets`` is set. :attr:`resets` records them.
 
 TLS: :func:`self_signed_cert` makes a certificate for 127.0.0.1 with ``cryptography``.
 """
@@ -36,6 +40,9 @@ FABRIC = "PCIe"
 ROOT = "/redfish/v1"
 FABRIC_PATH = f"{ROOT}/Fabrics/{FABRIC}"
 SESSIONS = f"{ROOT}/SessionService/Sessions"
+PROCESSORS = f"{ROOT}/Systems/GpuBox/Processors"
+TASKS = f"{ROOT}/TaskService/Tasks"
+RESET_ACTION = "Actions/Processor.Reset"
 USERNAME = "dxpool"
 PASSWORD = "s3cret"
 
@@ -60,9 +67,16 @@ class FabricState:
 class RedfishFabricService:
     """The service; use :func:`running_service`. Methods are safe from any thread."""
 
-    def __init__(self, *, etags: bool = True) -> None:
+    def __init__(
+        self, *, etags: bool = True, resets: bool = True, async_resets: bool = False
+    ) -> None:
         self.state = FabricState()
         self.use_etags = etags
+        self.offer_resets = resets
+        self.async_resets = async_resets
+        self.resets: list[tuple[str, str]] = []  # (endpoint, ResetType)
+        self._tasks: dict[str, int] = {}  # task id -> polls left before it completes
+        self._holds: list[tuple[str, str, threading.Event]] = []
         self.lock = threading.RLock()
         self.requests: list[tuple[str, str, str]] = []  # (method, path, If-Match)
         self._faults: list[_Fault] = []
@@ -87,6 +101,12 @@ class RedfishFabricService:
             self.state.zones[zone] = list(endpoints)
             self.state.etags[zone] += 1
 
+    def remove_zone(self, zone: str) -> None:
+        """Delete a zone as another client of the service would."""
+        with self.lock:
+            del self.state.zones[zone]
+            del self.state.etags[zone]
+
     def zone(self, zone: str) -> list[str]:
         with self.lock:
             return list(self.state.zones[zone])
@@ -110,6 +130,20 @@ class RedfishFabricService:
         per PATCH, in the order given)."""
         with self.lock:
             self._before_patch.append(change)
+
+    def hold(self, method: str, path: str) -> threading.Event:
+        """Keep every ``method`` request on a path ending in ``path`` waiting, before it is
+        judged, until the returned event is set."""
+        gate = threading.Event()
+        with self.lock:
+            self._holds.append((method, path, gate))
+        return gate
+
+    def _wait_for_holds(self, method: str, path: str) -> None:
+        with self.lock:
+            gates = [g for m, p, g in self._holds if m == method and path.endswith(p)]
+        for gate in gates:
+            gate.wait(timeout=60)
 
     def expire_sessions(self) -> None:
         with self.lock:
@@ -165,20 +199,25 @@ class RedfishFabricService:
                 members = [f"{path}/{z}" for z in sorted(self.state.zones)]
                 return _collection(path, "ZoneCollection", members)
             prefix, _, name = path.rpartition("/")
+            if prefix == PROCESSORS and self.state.endpoints.get(name) == "Target":
+                return self._processor(path, name)
+            if prefix == TASKS and name in self._tasks:
+                return self._task(path, name)
             if prefix == f"{FABRIC_PATH}/Endpoints" and name in self.state.endpoints:
                 role = self.state.endpoints[name]
+                entity: dict[str, Any] = {
+                    "EntityType": "RootComplex" if role == "Initiator" else "Processor",
+                    "EntityRole": role,
+                }
+                if role == "Target":
+                    entity["EntityLink"] = {"@odata.id": f"{PROCESSORS}/{name}"}
                 return {
                     "@odata.type": "#Endpoint.v1_8_0.Endpoint",
                     "@odata.id": path,
                     "Id": name,
                     "Name": f"Endpoint {name}",
                     "EndpointProtocol": "PCIe",
-                    "ConnectedEntities": [
-                        {
-                            "EntityType": "RootComplex" if role == "Initiator" else "Processor",
-                            "EntityRole": role,
-                        }
-                    ],
+                    "ConnectedEntities": [entity],
                 }
             if prefix == f"{FABRIC_PATH}/Zones" and name in self.state.zones:
                 links = [
@@ -194,6 +233,51 @@ class RedfishFabricService:
                     "Status": {"State": "Enabled", "Health": "OK"},
                 }
         return None
+
+    def _processor(self, path: str, name: str) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "@odata.type": "#Processor.v1_18_0.Processor",
+            "@odata.id": path,
+            "Id": name,
+            "Name": f"GPU {name}",
+            "ProcessorType": "GPU",
+        }
+        if self.offer_resets:
+            body["Actions"] = {
+                "#Processor.Reset": {
+                    "target": f"{path}/{RESET_ACTION}",
+                    "ResetType@Redfish.AllowableValues": ["On", "ForceOff", "ForceRestart"],
+                }
+            }
+        return body
+
+    def _task(self, path: str, task: str) -> dict[str, Any]:
+        left = self._tasks[task]
+        if left > 0:
+            self._tasks[task] = left - 1
+        return {
+            "@odata.type": "#Task.v1_7_0.Task",
+            "@odata.id": path,
+            "Id": task,
+            "TaskState": "Running" if left > 0 else "Completed",
+        }
+
+    def reset(self, path: str, body: Any) -> tuple[int, dict[str, Any] | None, dict[str, str]]:
+        """A POST to a processor's Reset action."""
+        name = path.removesuffix(f"/{RESET_ACTION}").rpartition("/")[2]
+        with self.lock:
+            if not self.offer_resets or self.state.endpoints.get(name) != "Target":
+                return HTTPStatus.NOT_FOUND, _error("ActionNotSupported", path), {}
+            reset_type = body.get("ResetType") if isinstance(body, dict) else None
+            if reset_type not in ("On", "ForceOff", "ForceRestart"):
+                return HTTPStatus.BAD_REQUEST, _error("ActionParameterNotSupported", path), {}
+            self.resets.append((name, str(reset_type)))
+            if not self.async_resets:
+                return HTTPStatus.NO_CONTENT, None, {}
+            task = str(len(self._tasks) + 1)
+            self._tasks[task] = 2
+        location = f"{TASKS}/{task}"
+        return HTTPStatus.ACCEPTED, {"@odata.id": location}, {"Location": location}
 
     def etag(self, path: str) -> str:
         name = path.rpartition("/")[2]
@@ -327,6 +411,7 @@ def _handler(service: RedfishFabricService) -> type[BaseHTTPRequestHandler]:
             if_match = self.headers.get("If-Match") or ""
             with service.lock:
                 service.requests.append((method, path, if_match))
+            service._wait_for_holds(method, path)
             fault = service._take_fault(method, path)
             self._late_by = fault.delay_s if fault is not None else 0.0
             if fault is not None and fault.status:
@@ -355,6 +440,8 @@ def _handler(service: RedfishFabricService) -> type[BaseHTTPRequestHandler]:
                 status, payload = service.patch_zone(path, body, if_match)
                 etag = service.etag(path) if status == HTTPStatus.OK else ""
                 self._send(status, payload, {"ETag": etag} if etag else {})
+            elif method == "POST" and path.endswith(f"/{RESET_ACTION}"):
+                self._send(*service.reset(path, body))
             elif method == "DELETE" and path.startswith(SESSIONS + "/"):
                 self._send(service.close_session(path, str(token)), None)
             else:

@@ -10,18 +10,15 @@ from pathlib import Path
 import pytest
 
 from dxpool.hostagent.drivers.redfish import RedfishProxyMapper, connect_redfish_mapper
-from dxpool.hostagent.drivers.redfish_config import (
-    RedfishFabricMap,
-    RedfishHost,
-    RedfishService,
-)
-from dxpool.hostagent.drivers.redfish_session import (
+from dxpool.hostagent.errors import AttachConflictError, DriverError
+from dxpool.names import GpuRef
+from dxpool.redfish.fabric_map import RedfishFabricMap, RedfishHost, RedfishService
+from dxpool.redfish.session import (
+    RedfishLoginError,
     RedfishSession,
     RedfishStatusError,
     RedfishUnreachableError,
 )
-from dxpool.hostagent.errors import AttachConflictError, DriverError
-from dxpool.names import GpuRef
 
 from .redfish_service import (
     FABRIC,
@@ -75,6 +72,13 @@ def service(tls: tuple[Path, Path]) -> Iterator[RedfishFabricService]:
 @pytest.fixture
 def fmap(service: RedfishFabricService, tls: tuple[Path, Path]) -> RedfishFabricMap:
     return fabric_map(service, tls[0])
+
+
+def status_of(error: DriverError) -> int:
+    """The HTTP status of the Redfish answer behind an agent-side error."""
+    cause = error.__cause__
+    assert isinstance(cause, RedfishStatusError), f"{error!r} has no Redfish status behind it"
+    return cause.status
 
 
 def mapper_for(fmap: RedfishFabricMap, host: str = "h1") -> RedfishProxyMapper:
@@ -234,9 +238,9 @@ def test_a_4xx_is_not_retried_and_carries_the_services_message(
     service: RedfishFabricService, mapper: RedfishProxyMapper
 ) -> None:
     service.fail("PATCH", "/Zones/h1-s0", 400)
-    with pytest.raises(RedfishStatusError) as raised:
+    with pytest.raises(DriverError) as raised:
         mapper.map(GPU0, 0, generation=1)
-    assert raised.value.status == 400
+    assert status_of(raised.value) == 400
     assert not raised.value.retryable
     assert "answered 400 to PATCH" in raised.value.message
     assert "injected failure" in raised.value.message
@@ -278,9 +282,9 @@ def test_a_zone_that_keeps_changing_gives_up_retryably(
 ) -> None:
     for _ in range(3):
         service.before_patch(lambda: service.set_zone("h1-s0", ["HostPort-h1"]))
-    with pytest.raises(RedfishStatusError) as raised:
+    with pytest.raises(DriverError) as raised:
         mapper.map(GPU0, 0, generation=1)
-    assert raised.value.status == 412
+    assert status_of(raised.value) == 412
     assert raised.value.retryable
     assert len(service.patches()) == 3
 
@@ -293,7 +297,7 @@ def test_server_errors_are_retried_then_reported(
     assert service.zone("h1-s0") == ["HostPort-h1", "GPU-b1-0"]
 
     service.fail("GET", "/Zones/h1-s1", 500, count=3)
-    with pytest.raises(RedfishStatusError, match="answered 500 to GET") as raised:
+    with pytest.raises(DriverError, match="answered 500 to GET") as raised:
         mapper.mappings()
     assert raised.value.retryable
 
@@ -313,11 +317,10 @@ def test_a_service_that_never_answers_in_time_is_unreachable_and_retryable(
     service: RedfishFabricService, mapper: RedfishProxyMapper
 ) -> None:
     service.delay("GET", "/Zones/h1-s0", 1.0, count=3)
-    with pytest.raises(
-        RedfishUnreachableError, match=r"did not answer GET .*h1-s0 in time"
-    ) as raised:
+    with pytest.raises(DriverError, match=r"did not answer GET .*h1-s0 in time") as raised:
         mapper.mappings()
     assert raised.value.retryable
+    assert isinstance(raised.value.__cause__, RedfishUnreachableError)
 
 
 def test_an_expired_session_logs_in_again(
@@ -333,9 +336,14 @@ def test_an_expired_session_logs_in_again(
 
 def test_wrong_credentials_are_not_retryable(fmap: RedfishFabricMap) -> None:
     wrong = replace(fmap, service=replace(fmap.service, password="nope"))
-    with pytest.raises(DriverError, match="refused the credentials of Redfish user 'dxpool'") as e:
+    with pytest.raises(
+        RedfishLoginError, match="refused the credentials of Redfish user 'dxpool'"
+    ) as e:
         RedfishSession(wrong.service)
     assert not e.value.retryable
+    with pytest.raises(DriverError, match="refused the credentials") as agent_side:
+        connect_redfish_mapper(wrong, "h1")
+    assert not agent_side.value.retryable
 
 
 def test_an_untrusted_certificate_is_refused_with_a_fix(fmap: RedfishFabricMap) -> None:

@@ -13,8 +13,8 @@ from dxpool.errors import FailedPrecondition, InvalidArgument
 from dxpool.hostagent.config import AgentConfig
 from dxpool.hostagent.drivers import build_driver, build_proxy_mapper
 from dxpool.hostagent.drivers.redfish import RedfishProxyMapper
-from dxpool.hostagent.drivers.redfish_config import load_fabric_map
 from dxpool.names import GpuRef
+from dxpool.redfish.fabric_map import load_fabric_map
 
 from .redfish_service import (
     FABRIC,

@@ -2,7 +2,8 @@
 
 dxpool names GPUs ``{box}/{slot}`` and host proxy slots by number; a fabric manager that
 speaks DMTF Redfish names Endpoints and Zones by its own ids. The map says which is
-which, in a YAML file the agent is given with ``--redfish-map``::
+which, in one YAML file for the whole fabric: host agents are given it with
+``--redfish-map``, the broker (the fencer) with ``--fabric redfish:FILE``::
 
     service:
       url: https://falcon.example.net      # the fabric manager's Redfish service

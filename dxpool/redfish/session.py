@@ -17,13 +17,22 @@ What it lacks we add: a 401 on an expired session logs in again once and repeats
 request; TLS verification is on by default (the library verifies only when given a CA
 file, so without ``ca_bundle`` we hand it the bundled public CAs of ``requests``).
 
-Errors (all :class:`~dxpool.hostagent.errors.DriverError`):
+Errors (the tree)::
 
-* :class:`RedfishStatusError` - the service answered an HTTP error; ``status`` is the
-  code and the message carries the service's own ``@Message.ExtendedInfo`` text.
-  Retryable for 5xx and 412 (the operation is read again and redone), not for other 4xx.
-* :class:`RedfishUnreachableError` - no answer (connection refused, TLS failure, timeout).
-  Retryable, except a TLS verification failure, which only configuration fixes.
+    RedfishError                 a Redfish call failed; ``retryable`` says if redoing the
+    │                            operation from a fresh read can help
+    ├── RedfishStatusError       the service answered an HTTP error; ``status`` is the code
+    │                            and the message carries the service's own
+    │                            ``@Message.ExtendedInfo`` text. Retryable for 5xx, 412 and
+    │                            429, not for other 4xx
+    ├── RedfishUnreachableError  no answer (connection refused, TLS failure, timeout).
+    │                            Retryable, except a TLS verification failure, which only
+    │                            configuration fixes
+    └── RedfishLoginError        no session could be opened; not retryable when the service
+                                 refused the credentials
+
+The callers turn them into their own errors (the host agent's ``DriverError``, the
+broker's ``BoxFabricError``); this module knows neither.
 """
 
 from __future__ import annotations
@@ -43,8 +52,7 @@ from redfish.rest.v1 import (
     SessionCreationError,
 )
 
-from dxpool.hostagent.drivers.redfish_config import RedfishService
-from dxpool.hostagent.errors import DriverError
+from dxpool.redfish.fabric_map import RedfishService
 
 log = logging.getLogger(__name__)
 # The library logs every request at INFO (attempt counts, response times); the mapper's
@@ -54,7 +62,16 @@ logging.getLogger("redfish.rest.v1").setLevel(logging.WARNING)
 RETRYABLE_4XX = frozenset({HTTPStatus.PRECONDITION_FAILED, HTTPStatus.TOO_MANY_REQUESTS})
 
 
-class RedfishStatusError(DriverError):
+class RedfishError(Exception):
+    """A Redfish call failed. ``retryable`` is False when redoing it cannot succeed."""
+
+    def __init__(self, message: str, *, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retryable = retryable
+
+
+class RedfishStatusError(RedfishError):
     """The service answered ``status``; retryable for 5xx, 412 and 429."""
 
     def __init__(self, message: str, status: int) -> None:
@@ -62,8 +79,12 @@ class RedfishStatusError(DriverError):
         self.status = status
 
 
-class RedfishUnreachableError(DriverError):
+class RedfishUnreachableError(RedfishError):
     """The service gave no answer."""
+
+
+class RedfishLoginError(RedfishError):
+    """No session could be opened (refused credentials are not retryable)."""
 
 
 @dataclass(frozen=True)
@@ -74,11 +95,21 @@ class RedfishResource:
     etag: str
 
 
+@dataclass(frozen=True)
+class RedfishReply:
+    """The answer to a POST: its status, its JSON body ({} when none) and its
+    ``Location`` header ("" when none; a task monitor for a 202)."""
+
+    status: int
+    body: dict[str, Any]
+    location: str
+
+
 class RedfishSession:
     """A session-authenticated client for one Redfish service; safe for several threads
     (requests are sent one at a time: the session token is shared state).
 
-    ``get`` and ``patch`` send one request each - never repeated here except after a
+    ``get``, ``patch`` and ``post`` send one request each - never repeated here except after a
     re-login - and raise the errors above. ``close`` deletes the session at the service.
     """
 
@@ -123,6 +154,17 @@ class RedfishSession:
         except RedfishStatusError:
             payload = {}  # 204 No Content, or a body we do not need
         return RedfishResource(body=payload, etag=_etag(response))
+
+    def post(self, path: str, body: dict[str, Any]) -> RedfishReply:
+        """POST ``body`` to ``path`` (an action's target). Sent once: an action is not
+        assumed safe to repeat, so the caller decides."""
+        response = self._send("POST", path, body=body)
+        try:
+            payload = _json(response, "POST", path)
+        except RedfishStatusError:
+            payload = {}  # 204 No Content, or an answer without a body
+        location = response.getheader("Location")
+        return RedfishReply(status=response.status, body=payload, location=str(location or ""))
 
     def close(self) -> None:
         """Delete the session at the service; errors are logged, not raised."""
@@ -170,6 +212,8 @@ class RedfishSession:
         try:
             if method == "GET":
                 return self._client.get(path, headers=headers)
+            if method == "POST":
+                return self._client.post(path, body=body, headers=headers)
             return self._client.patch(path, body=body, headers=headers)
         except RetriesExhaustedError as error:
             raise _unreachable(self.url, f"{method} {path}", error.__cause__ or error) from error
@@ -178,13 +222,15 @@ class RedfishSession:
         try:
             self._client.login(auth=redfish.AuthMethod.SESSION)
         except InvalidCredentialsError as error:
-            raise DriverError(
+            raise RedfishLoginError(
                 f"{self.url} refused the credentials of Redfish user "
                 f"{self._service.username!r}: fix username or password_file in the fabric map",
                 retryable=False,
             ) from error
         except (SessionCreationError, ServerDownOrUnreachableError) as error:
-            raise DriverError(f"{self.url} could not open a Redfish session: {error}") from error
+            raise RedfishLoginError(
+                f"{self.url} could not open a Redfish session: {error}"
+            ) from error
         except RetriesExhaustedError as error:
             raise _unreachable(self.url, "login", error.__cause__ or error) from error
 
@@ -245,4 +291,12 @@ def _service_message(response: Any) -> str:
     )
 
 
-__all__ = ["RedfishResource", "RedfishSession", "RedfishStatusError", "RedfishUnreachableError"]
+__all__ = [
+    "RedfishError",
+    "RedfishLoginError",
+    "RedfishReply",
+    "RedfishResource",
+    "RedfishSession",
+    "RedfishStatusError",
+    "RedfishUnreachableError",
+]
