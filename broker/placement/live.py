@@ -15,15 +15,15 @@ out for the earlier snapshot and judges only those:
 
 Both are immutable: :meth:`advance` makes the next one and leaves this one as it was, so
 a decision still running on an older snapshot is never disturbed. Each step costs
-O(changed records x log n) plus copying one pointer per usable box (a C-level copy)
-or per group of hosts.
+O(changed records x log n) plus copying one pointer per group of hosts; the supply's
+usable boxes are sorted only when something reads them (:class:`SortedSupplies`).
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import immutables
 from sortedcontainers import SortedList
@@ -98,7 +98,6 @@ class LiveSupply:
         """This supply with the boxes ``changed`` judged again on ``snapshot`` (None as
         for :meth:`build`). Appends the box supplies that left to ``removed`` and those
         that came to ``added``."""
-        boxes = list(self.supply.boxes)
         totals = list(self.totals)
         pool = self.pool
         gpus_by_box = snapshot.gpus_by_box
@@ -110,10 +109,8 @@ class LiveSupply:
                     if old is not None:
                         pool -= len(old.gpus)
                         totals = [t - c for t, c in zip(totals, old.counts, strict=True)]
-                        if old.supply is not None:
-                            _remove(boxes, old.supply)
-                            if removed is not None:
-                                removed.append(old.supply)
+                        if old.supply is not None and removed is not None:
+                            removed.append(old.supply)
                         del parts[box_id]
                     gpus = gpus_by_box.get(box_id)
                     if gpus is None:
@@ -126,20 +123,15 @@ class LiveSupply:
                     parts[box_id] = part
                     pool += len(gpus)
                     totals = [t + c for t, c in zip(totals, part.counts, strict=True)]
-                    if part.supply is not None:
-                        boxes.insert(
-                            bisect_left(boxes, supply_order(part.supply), key=supply_order),
-                            part.supply,
-                        )
-                        if added is not None:
-                            added.append(part.supply)
+                    if part.supply is not None and added is not None:
+                        added.append(part.supply)
                 finished = parts.finish()
             if totals[-1] < request.count:
                 return None
             funnel = _funnel(request, pool, tuple(totals), box_filters, gpu_filters)
         except PluginError:
             return None
-        supply = Supply(tuple(boxes), totals[-1], funnel)
+        supply = Supply(SortedSupplies(finished), totals[-1], funnel)
         return LiveSupply(supply, finished, tuple(totals), pool)
 
 
@@ -163,12 +155,51 @@ def _funnel(
     )
 
 
-def _remove(boxes: list[BoxSupply], supply: BoxSupply) -> None:
-    at = bisect_left(boxes, supply_order(supply), key=supply_order)
-    if at < len(boxes) and boxes[at] is supply:
-        del boxes[at]
-    else:  # cannot happen while parts and boxes agree; never leave a stale box behind
-        boxes.remove(supply)
+class SortedSupplies(Sequence[BoxSupply]):
+    """The usable boxes of a live supply by (usable GPUs, box id), sorted when first
+    read. A decision brought forward reads the chooser and the group table, not this
+    list (only a run host by host, an explanation or a chooser made from scratch does),
+    so the next version no longer copies one pointer per usable box for each change.
+    Safe to share between threads: two first reads sort the same boxes the same way."""
+
+    __slots__ = ("_parts", "_sorted")
+
+    def __init__(self, parts: immutables.Map[str, BoxPart]) -> None:
+        self._parts = parts
+        self._sorted: tuple[BoxSupply, ...] | None = None
+
+    def _boxes(self) -> tuple[BoxSupply, ...]:
+        found = self._sorted
+        if found is None:
+            usable = [part.supply for part in self._parts.values() if part.supply is not None]
+            found = self._sorted = tuple(sorted(usable, key=supply_order))
+        return found
+
+    def __len__(self) -> int:
+        return len(self._boxes())
+
+    @overload
+    def __getitem__(self, index: int) -> BoxSupply: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[BoxSupply, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> BoxSupply | tuple[BoxSupply, ...]:
+        return self._boxes()[index]
+
+    def __iter__(self) -> Iterator[BoxSupply]:
+        return iter(self._boxes())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Sequence):
+            return self._boxes() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._boxes())
+
+    def __repr__(self) -> str:
+        return f"SortedSupplies({self._boxes()!r})"
 
 
 HostDropped = Callable[[HostInfo], bool]

@@ -41,7 +41,7 @@ class Supply:
     and each later stage what one filter left, in the order the filters ran.
     """
 
-    boxes: tuple[BoxSupply, ...]
+    boxes: Sequence[BoxSupply]
     usable: int
     funnel: tuple[FunnelStage, ...]
 

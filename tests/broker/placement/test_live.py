@@ -296,3 +296,40 @@ def test_composes_one_after_another_answer_as_placement_from_scratch(seed: int) 
             assert live.candidates == fresh.candidates
         if live.placement is not None:
             commit(inventory, live.placement)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_live_supply_brought_forward_holds_what_one_built_from_scratch_holds(seed: int) -> None:
+    """Its usable boxes (sorted only when read), their GPUs and the funnel, after each of
+    a run of random changes, and the boxes each step reports leaving and coming."""
+    from dxpool.broker.placement.live import LiveSupply
+
+    rng = random.Random(200 + seed)
+    inventory = Inventory()
+    populate(rng, inventory)
+    pipeline = default_pipeline()
+    request = PlacementRequest("H100", 1)
+    box_filters, gpu_filters = pipeline.box_filters, pipeline.gpu_filters
+    snapshot = inventory.snapshot()
+    live = LiveSupply.build(request, snapshot, box_filters, gpu_filters)
+    assert live is not None
+    for _ in range(STEPS):
+        step(rng, inventory)
+        after = inventory.snapshot()
+        changed, _ = inventory.changed_since(snapshot.version, after.version) or ((), ())
+        removed: list = []
+        added: list = []
+        advanced = live.advance(request, after, changed, box_filters, gpu_filters, removed, added)
+        fresh = LiveSupply.build(request, after, box_filters, gpu_filters)
+        if advanced is None or fresh is None:
+            assert advanced is None and fresh is None
+            return
+        assert list(advanced.supply.boxes) == list(fresh.supply.boxes)
+        assert advanced.supply.boxes == fresh.supply.boxes
+        assert advanced.supply.usable == fresh.supply.usable
+        assert advanced.supply.funnel == fresh.supply.funnel
+        before = set(map(id, live.supply.boxes))
+        now = set(map(id, advanced.supply.boxes))
+        assert {id(b) for b in removed} == before - now
+        assert {id(b) for b in added} == now - before
+        live, snapshot = advanced, after
