@@ -193,10 +193,29 @@ class TieredChooser:
         sizes = +sizes  # drop sizes no box has any more
         following = TieredChooser.__new__(TieredChooser)
         following._setup(self._model, self._count, self._bound, classes, sizes)
+        following._tightest = self._tightest_after(following, touched)
         following._class_ns = self._class_ns
         following._near = self._near
         following._keep_memos(self, frozenset(touched))
         return following
+
+    def _tightest_after(
+        self, following: TieredChooser, touched: Mapping[int, object]
+    ) -> tuple[tuple[int, BoxSupply], ...] | None:
+        """``following``'s (class, tightest box) pairs from this chooser's, when both
+        have the same fewest usable GPUs and few classes hold such a box here: only the
+        ``touched`` classes can have gained or lost one. None (found when asked, from
+        every class) otherwise."""
+        few = self._tightest
+        fewest = following._fewest
+        if few is None or fewest != self._fewest or len(few) > FEW_TIGHTEST:
+            return None
+        pairs = [pair for pair in few if pair[0] not in touched]
+        for number in touched:
+            found = following._classes.get(number)
+            if found is not None and found.fits is not None and found.fits.available == fewest:
+                pairs.append((number, found.fits))
+        return tuple(sorted(pairs, key=lambda pair: pair[0]))
 
     def _keep_memos(self, before: TieredChooser, touched: frozenset[int]) -> None:
         """Keeps ``before``'s choices whose walk looked at no class that changed (see the

@@ -341,6 +341,9 @@ def test_an_advanced_chooser_chooses_as_one_built_from_scratch(
         supplies = sorted([*supplies, *added], key=lambda s: (s.available, s.box.box))
         chooser = chooser.advance(removed, added)
         fresh = TieredChooser(model, supplies, count, bound)
+        # the tightest boxes, carried forward from the previous chooser's when they can be
+        assert chooser._tightest_classes() == fresh._tightest_classes()
+        assert chooser.few_tightest() == fresh.few_tightest()
         changed = chooser.changed_classes()
         for host in hosts:  # a class not named answers the first part as before, while
             # the model numbered no class since (the caller checks that part, see
