@@ -31,8 +31,8 @@ demand with FGD's published BestFit and FGD curves (``alibaba-gpu-v2023-fgd-resu
 GPU-sharing mode) beside it.
 
 Usage: python -m bench.traces.openb [--quick] [--seeds 42-51] [--variant-seeds 3]
-       [--gpus-only] [--pipeline default|slot-frag|...] [--verify-refusals]
-       [--traces DIR] [--plot PATH]
+       [--gpus-only] [--pipeline default|slot-frag|cpu-balance|...] [--verify-refusals]
+       [--clusters pool,pool8,pool16,servers,servers8] [--traces DIR] [--plot PATH]
 """
 
 from __future__ import annotations
@@ -60,6 +60,26 @@ TUNE = 1.3  # pods are drawn until demand reaches 130% of capacity
 PERCENTS = range(0, 131)
 DEFAULT_PLOT = Path(__file__).parent / "plots" / "openb.png"
 VARIANTS = ("dxpool, 8 slots/host", "dxpool, 16 slots/host")  # run on --variant-seeds
+CLUSTER_KEYS = {
+    "pool": "dxpool, slots = node GPUs",
+    "pool8": "dxpool, 8 slots/host",
+    "pool16": "dxpool, 16 slots/host",
+    "servers": "servers, best fit",
+    "servers8": "8-GPU servers, best fit",
+}
+"""The short names ``--clusters`` takes, for the clusters :func:`clusters` makes."""
+
+
+def cluster_keys(text: str) -> list[str]:
+    """An argparse type: ``pool,servers`` -> the clusters' names."""
+    keys = [key.strip() for key in text.split(",") if key.strip()]
+    unknown = [key for key in keys if key not in CLUSTER_KEYS]
+    if unknown or not keys:
+        raise argparse.ArgumentTypeError(
+            f"unknown cluster {', '.join(unknown) or text!r}: use a comma list of "
+            f"{', '.join(CLUSTER_KEYS)}"
+        )
+    return [CLUSTER_KEYS[key] for key in keys]
 
 
 def sample_requests(pods: Sequence[Pod], capacity: int, seed: int) -> list[Pod]:
@@ -340,6 +360,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="leave CPU, memory and CPU-only pods out (the earlier protocol)",
     )
+    parser.add_argument(
+        "--clusters",
+        type=cluster_keys,
+        default=list(CLUSTER_KEYS.values()),
+        help=f"comma list of the clusters to run: {', '.join(CLUSTER_KEYS)} (all)",
+    )
     parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT)
     args = parser.parse_args(argv)
     resources = not args.gpus_only
@@ -367,6 +393,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, make in clusters(
         servers, [p.gpus for p in pods], args.pipeline, args.verify_refusals, resources
     ):
+        if name not in args.clusters:
+            continue
         began = time.monotonic()
         for seed in seeds[: args.variant_seeds] if name in VARIANTS else seeds:
             allocator = make()
