@@ -49,7 +49,7 @@ Link = tuple[int, BoxSupply]
 
 _latency = itemgetter(0)
 
-MAX_COUNT_NEVER_MET = 1 << 62
+_NEVER_MET = 1 << 62
 """A count no switch holds: :func:`most_in_one_switch` only adds up."""
 
 NEAREST_FIRST = "nearest-first"
@@ -218,7 +218,7 @@ def nearest_switch(count: int, links: Sequence[Link]) -> tuple[Take, ...] | None
 def most_in_one_switch(links: Iterable[Link]) -> tuple[int, str] | None:
     """(usable GPUs, switch name) of the switch whose boxes among ``links`` hold the
     most, the lowest switch on ties; None for no links."""
-    fill = SwitchFill(MAX_COUNT_NEVER_MET)
+    fill = SwitchFill(_NEVER_MET)
     fill.add(0, (supply for _, supply in links))
     return fill.most()
 
