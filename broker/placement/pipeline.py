@@ -1124,7 +1124,7 @@ class _Run:
                 total, index = best[name]
                 chosen = proposals[index]
                 reasons = (
-                    f"gpus {chosen.describe()} ({chosen.rule})",
+                    f"gpus {chosen.describe()} ({_rule_of(chosen)})",
                     *self.breakdown(by_plugin, index),
                 )
                 kept.append(CandidateReport(name, True, reasons, total))
@@ -1167,6 +1167,14 @@ class _Run:
             if outcome.status.code is Code.ERROR:
                 lines.append(f"hosts/{outcome.host.host}: {outcome.status.message()}")
         return lines or [f"no host can take {self.request.count} GPUs"]
+
+
+def _rule_of(proposal: Proposal) -> str:
+    """The proposal's rule as explained: ``nearest-switch`` names its switch."""
+    if proposal.rule != selection.NEAREST_SWITCH or not proposal.takes:
+        return proposal.rule
+    switch = selection.switch_of(proposal.takes[0].supply.box)
+    return f"{proposal.rule} {selection.switch_name(switch)}"
 
 
 def _propose(

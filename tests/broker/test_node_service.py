@@ -523,7 +523,7 @@ def test_switch_affinity_composes_from_one_rack_or_says_why_not(
     wait_hosts_alive(stubs, 1)
     spec = pb.NodeSpec(gpus=pb.GpuRequest(model="H100", count=3), affinity=pb.GPU_AFFINITY_SWITCH)
     plan = stubs.nodes.PlanNode(nodes_pb2.ComposeNodeRequest(spec=spec))
-    assert plan.hosts[0].reasons[0].endswith("(nearest-switch)")
+    assert plan.hosts[0].reasons[0].endswith("(nearest-switch s1/p1/r2)")
     node = stubs.nodes.ComposeNode(nodes_pb2.ComposeNodeRequest(spec=spec, node_id="n1"))
     assert node.spec.affinity == pb.GPU_AFFINITY_SWITCH
     assert sorted(b.gpu.split("/gpus/")[0] for b in node.gpus) == [

@@ -445,7 +445,7 @@ def test_affinity_switch_takes_boxes_of_one_rack_even_when_a_split_is_nearer() -
     assert sorted(boxes_of(anywhere)) == ["a1", "c1", "c1", "c1", "c1"]  # two racks, 1us
     one_switch = place(PlacementRequest("H100", 5, same_switch=True), snapshot, latency)
     assert sorted(boxes_of(one_switch)) == ["b1", "b1", "b1", "b2", "b2"]
-    assert one_switch.candidates[0].reasons[0].endswith("(nearest-switch)")
+    assert one_switch.candidates[0].reasons[0].endswith("(nearest-switch dc1/p1/rb)")
 
 
 def test_affinity_switch_with_spread_takes_different_boxes_of_one_rack() -> None:
