@@ -25,10 +25,15 @@ per pair when it must ask pair by pair (a request with a latency bound, or a mod
 cannot rank boxes in bulk). With the tree model and no bound, placement ranks boxes per
 rack instead and asks for no pair at all.
 
+With ``--affinity switch`` every request asks for its GPUs under one top-of-rack switch
+(``PlacementRequest.same_switch``; the pools hold about 1, 1 and 16 boxes per rack), to
+compare with a run without it.
+
 The latency model is warmed before timing, as in a long-running broker. Nothing is
 asserted: these machines are shared and noisy, so compare runs taken on one machine.
 
 Usage: python bench/placement_bench.py [--runs 200] [--large-runs 5] [--skip-large]
+       [--affinity switch]
 """
 
 from __future__ import annotations
@@ -178,10 +183,10 @@ def summary(samples: Iterable[float]) -> str:
     return f"median {statistics.median(ordered) * 1e3:.3f} ms, p90 {p90 * 1e3:.3f} ms"
 
 
-def bench(boxes: int, hosts: int, count: int, runs: int) -> None:
+def bench(boxes: int, hosts: int, count: int, runs: int, same_switch: bool = False) -> None:
     snapshot = build_snapshot(boxes, hosts, random.Random(SEED))
     latency = TopologyLatencyModel(Topology.default())
-    request = PlacementRequest("H100", count)
+    request = PlacementRequest("H100", count, same_switch=same_switch)
     result = place(request, snapshot, latency)  # warms the latency model
     assert result.placement is not None, result.unsatisfied
     same = timed(lambda: place(request, snapshot, latency), runs)
@@ -195,8 +200,10 @@ def bench(boxes: int, hosts: int, count: int, runs: int) -> None:
     pairs = pairs_of(snapshot)
     ask_pairs(pairs, latency)  # warm
     per_pair = statistics.median(timed(lambda: ask_pairs(pairs, latency), 10)) / len(pairs)
+    affinity = ", affinity switch" if same_switch else ""
     print(
-        f"{boxes} boxes x {GPUS_PER_BOX} GPUs x {hosts} hosts, {count}-GPU request ({runs} runs):"
+        f"{boxes} boxes x {GPUS_PER_BOX} GPUs x {hosts} hosts, {count}-GPU request{affinity} "
+        f"({runs} runs):"
     )
     print(f"  {'place() on one snapshot':34} {summary(same)}")
     print(f"  {'compose stream':34} {summary(composed)}")
@@ -209,11 +216,15 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=200, help="runs for the small pools")
     parser.add_argument("--large-runs", type=int, default=5, help="runs for the 1,000-box pool")
     parser.add_argument("--skip-large", action="store_true", help="skip the 1,000-box pool")
+    parser.add_argument(
+        "--affinity", choices=("switch",), default=None, help="ask for switch affinity"
+    )
     args = parser.parse_args()
-    bench(16, 4, 1, args.runs)
-    bench(64, 64, 4, args.runs)
+    switch = args.affinity == "switch"
+    bench(16, 4, 1, args.runs, switch)
+    bench(64, 64, 4, args.runs, switch)
     if not args.skip_large:
-        bench(1000, 1000, 4, args.large_runs)
+        bench(1000, 1000, 4, args.large_runs, switch)
 
 
 if __name__ == "__main__":

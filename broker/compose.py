@@ -542,6 +542,8 @@ def _unschedulable_message(spec: pb.NodeSpec, result: PlacementResult) -> str:
         extra.append(f"at most {spec.max_slowdown:g}x slower for {spec.workload}")
     if spec.affinity == pb.GPU_AFFINITY_BOX:
         extra.append("from one box")
+    if spec.affinity == pb.GPU_AFFINITY_SWITCH:
+        extra.append("from one rack switch")
     if spec.max_gpus_per_box:
         extra.append(f"at most {spec.max_gpus_per_box} per box")
     if spec.cpu_cores:

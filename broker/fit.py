@@ -22,6 +22,7 @@ def placement_request(spec: pb.NodeSpec, host: str | None) -> PlacementRequest:
         max_slowdown=spec.max_slowdown,
         workload=spec.workload,
         same_box=spec.affinity == pb.GPU_AFFINITY_BOX,
+        same_switch=spec.affinity == pb.GPU_AFFINITY_SWITCH,
         max_gpus_per_box=spec.max_gpus_per_box,
         host_selector=frozenset(spec.host_selector.items()),
         cpu_cores=spec.cpu_cores,

@@ -32,8 +32,8 @@ shrink done, a grow abandoned).
 FAILED_PRECONDITION like any node that is not READY: growing it would hide the health
 problem behind a RESIZING state, and shrinking it is no way to drop the unhealthy GPU
 (that GPU is quarantined only through release or an operator's ClearGpuHealth). Clear or
-release it first. A node composed with box affinity or a per-box spread limit is not
-grown (FAILED_PRECONDITION): the added GPUs would have to be placed against the boxes the
+release it first. A node composed with box or switch affinity or a per-box spread limit
+is not grown (FAILED_PRECONDITION): the added GPUs would have to be placed against the boxes the
 node already uses, which placement does not do; shrinking it is allowed. A grow takes
 GPUs of the model the node already has unless it was composed with mixed models.
 
@@ -307,11 +307,11 @@ class Resizer:
     def _grow(self, view: TxnView, node: pb.VirtualNode, extra: int) -> pb.VirtualNode:
         host_id = parse_host(node.host)
         spec = node.spec
-        if spec.affinity == pb.GPU_AFFINITY_BOX or spec.max_gpus_per_box:
+        if spec.affinity != pb.GPU_AFFINITY_UNSPECIFIED or spec.max_gpus_per_box:
             raise FailedPrecondition(
-                f"node {node.name} was composed with box affinity or a per-box spread limit: "
-                "it cannot be grown in place (the new GPUs would not be placed against the "
-                "boxes it uses); compose a new node, or shrink this one",
+                f"node {node.name} was composed with box or switch affinity or a per-box "
+                "spread limit: it cannot be grown in place (the new GPUs would not be "
+                "placed against the boxes it uses); compose a new node, or shrink this one",
                 reason="RESIZE_NOT_SUPPORTED",
             )
         # The host's CPU cores and memory were reserved at compose and do not change;

@@ -260,7 +260,10 @@ def _slowdown(max_slowdown: float | None, workload: str | None) -> float:
     return float(value)
 
 
-_AFFINITIES = {"box": resources_pb2.GPU_AFFINITY_BOX}
+_AFFINITIES = {
+    "box": resources_pb2.GPU_AFFINITY_BOX,
+    "switch": resources_pb2.GPU_AFFINITY_SWITCH,
+}
 """The affinities a request may require, by the name the client and CLI take."""
 
 
@@ -270,8 +273,8 @@ def _affinity(value: str | None) -> resources_pb2.GpuAffinity.ValueType:
     found = _AFFINITIES.get(value.strip().lower())
     if found is None:
         raise InvalidArgument(
-            f"invalid affinity {value!r}: use {', '.join(_AFFINITIES)} (every GPU from one box) "
-            "or leave it out",
+            f"invalid affinity {value!r}: use box (every GPU from one box), switch (every "
+            "GPU from boxes under one rack switch) or leave it out",
             reason="INVALID_AFFINITY",
         )
     return found
@@ -740,7 +743,8 @@ class Client:
         ``max_latency`` is a duration ("4us") or nanoseconds; ``min_memory`` a size
         ("80GiB") or MiB; ``max_slowdown`` (e.g. 1.05) bounds the predicted slowdown of
         ``workload`` (a profile name or ``ROUND_TRIPS@STEP_TIME``, see
-        :mod:`dxpool.fabric.overhead`); ``affinity="box"`` requires every GPU from one box;
+        :mod:`dxpool.fabric.overhead`); ``affinity="box"`` requires every GPU from one box,
+        ``affinity="switch"`` every GPU from boxes under one rack switch;
         ``spread`` ("boxes", "boxes:M" or M) takes at most that many GPUs from any one box;
         ``host_selector`` keeps hosts whose labels hold every key=value given; ``cpus``
         and ``host_memory`` (a size such as "64GiB", or MiB) must be free on the host.

@@ -20,6 +20,9 @@ Affinity and spread (where a node's GPUs come from together)::
 
     --affinity box     every GPU from one box (a requirement; fewer boxes is otherwise
                        only preferred)
+    --affinity switch  every GPU from boxes under one top-of-rack switch (one
+                       site/pod/rack; the host may be in another rack); combines
+                       with --spread
     --spread boxes     every GPU from a different box (at most 1 per box)
     --spread boxes:M   at most M GPUs from any one box
 

@@ -596,3 +596,13 @@ def test_importing_the_client_leaves_out_cli_server_and_agent() -> None:
         if module == forbidden or module.startswith(forbidden + ".")
     )
     assert leaked == []
+
+
+def test_the_client_names_each_affinity_and_refuses_others() -> None:
+    from dxpool.client import _affinity
+
+    assert _affinity(None) == pb.GPU_AFFINITY_UNSPECIFIED
+    assert _affinity("box") == pb.GPU_AFFINITY_BOX
+    assert _affinity(" Switch ") == pb.GPU_AFFINITY_SWITCH
+    with pytest.raises(InvalidArgument, match=r"use box .* switch"):
+        _affinity("rack")

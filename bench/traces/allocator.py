@@ -3,23 +3,50 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
 
 class Cause(enum.Enum):
-    """Why a request was refused, judged on the state at the moment of the refusal.
+    """Why a request was refused, judged on the state at the moment of the refusal, in
+    this order (the first that holds is the cause):
 
     ``CAPACITY``: fewer free GPUs than asked, however they were arranged.
     ``HOST_SLOTS``: enough free GPUs, but fewer free proxy slots on live hosts than asked
     in all (a pool whose hosts, not GPUs, ran out; fixed servers never report it).
-    ``FRAGMENTATION``: enough free GPUs (and slots) in all, but no single server or host
-    can take the request: what placement's choices left scattered.
+    ``CPU``, ``MEMORY``: less free CPU, or memory, than asked in all, on the hosts (or
+    servers) that declare it.
+    ``FRAGMENTATION``: enough of everything in all, but no single server or host has the
+    GPUs (free GPUs or proxy slots) the request needs: what placement's choices left
+    scattered.
+    ``FRAGMENTATION_CPU``: some hosts have the GPUs, but none of them also has the CPU.
+    ``FRAGMENTATION_MEMORY``: some hosts have the GPUs and the CPU, none also the memory.
     """
 
     CAPACITY = "no GPU capacity"
     HOST_SLOTS = "host slots"
+    CPU = "no CPU capacity"
+    MEMORY = "no memory capacity"
     FRAGMENTATION = "fragmentation"
+    FRAGMENTATION_CPU = "fragmentation (CPU)"
+    FRAGMENTATION_MEMORY = "fragmentation (memory)"
+
+
+FRAGMENTED = (Cause.FRAGMENTATION, Cause.FRAGMENTATION_CPU, Cause.FRAGMENTATION_MEMORY)
+"""The causes that are fragmentation: enough in all, not on one host or server."""
+
+
+@dataclass(frozen=True, slots=True)
+class Resources:
+    """What a request asks of one host or server besides GPUs: CPU (in the allocator's
+    CPU unit) and memory (MiB); 0 for none."""
+
+    cpu: int = 0
+    memory_mib: int = 0
+
+
+NONE = Resources()
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,8 +63,9 @@ class Allocator(Protocol):
     name: str
     capacity: int  # GPUs
 
-    def allocate(self, gpus: int) -> Grant | Cause:
-        """Place a node of ``gpus`` GPUs now, or say why it cannot be."""
+    def allocate(self, gpus: int, needs: Resources = NONE) -> Grant | Cause:
+        """Place a node of ``gpus`` GPUs (0: a CPU-only pod) that also needs ``needs`` of
+        its host or server now, or say why it cannot be."""
         ...
 
     def release(self, grant: Grant) -> None:
@@ -71,3 +99,38 @@ def gang_members(gpus: int, per_node: int = 8) -> list[int]:
         raise ValueError(f"a job needs at least one GPU, got {gpus}")
     full, rest = divmod(gpus, per_node)
     return [per_node] * full + ([rest] if rest else [])
+
+
+def refusal(
+    gpus: int,
+    needs: Resources,
+    free_gpus: int,
+    totals: tuple[int, int, int],
+    rooms: Iterable[tuple[int, int, int]],
+) -> Cause | None:
+    """Why ``gpus`` GPUs with ``needs`` cannot be placed now, or None when some host or
+    server can take them; ``free_gpus`` free GPUs in all, ``totals`` the free (GPU room,
+    CPU, memory) in all and ``rooms`` each host's or server's (its GPU room is its free
+    proxy slots, or for a server its free GPUs). See :class:`Cause` for the order.
+    Stops at the first host that fits."""
+    if free_gpus < gpus:
+        return Cause.CAPACITY
+    if totals[0] < gpus:
+        return Cause.HOST_SLOTS
+    if totals[1] < needs.cpu:
+        return Cause.CPU
+    if totals[2] < needs.memory_mib:
+        return Cause.MEMORY
+    found = Cause.FRAGMENTATION
+    for room, cpu, memory in rooms:
+        if room < gpus:
+            continue
+        if cpu < needs.cpu:
+            if found is Cause.FRAGMENTATION:
+                found = Cause.FRAGMENTATION_CPU
+            continue
+        if memory < needs.memory_mib:
+            found = Cause.FRAGMENTATION_MEMORY  # the GPUs and the CPU were there
+            continue
+        return None
+    return found

@@ -44,43 +44,79 @@ def _rows(path: Path) -> list[dict[str, str]]:
         raise TraceError(f"cannot read {path}: {error.strerror}") from None
 
 
+CPU_UNIT_MILLI = 2
+"""The harness's CPU unit, in milli-cores. dxpool counts a host's CPU in whole units
+(``Host.cpu_cores``, at most ``MAX_HOST_CPUS``); the trace counts milli-cores, and every
+value in the openb lists is even, so hosts declare and pods ask in units of 2 milli-cores:
+placement and the fixed servers then compare the trace's own numbers, and the largest
+node (128 cores) is 64,000 units. A value that is not a multiple is rounded up."""
+
+
+def cpu_units(milli: int) -> int:
+    """``milli`` milli-cores in the harness's CPU unit (rounded up)."""
+    return -(-milli // CPU_UNIT_MILLI)
+
+
 @dataclass(frozen=True, slots=True)
 class Server:
-    """One GPU node of the openb cluster."""
+    """One GPU node of the openb cluster; CPU in the harness's unit (:data:`CPU_UNIT_MILLI`)."""
 
     name: str
     gpus: int
     model: str
+    cpu: int = 0
+    memory_mib: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class Pod:
-    """One GPU pod of an openb pod list, in whole GPUs (a fractional pod takes one)."""
+    """One pod of an openb pod list, in whole GPUs (a fractional pod takes one; 0: a
+    CPU-only pod), with the CPU (harness unit) and memory (MiB) it asks for."""
 
     name: str
     gpus: int
     gpu_milli: int  # per GPU, as in the trace
+    cpu: int = 0
+    memory_mib: int = 0
 
 
 def openb_servers(traces: Path) -> list[Server]:
     """The 1,213 GPU nodes (6,212 GPUs) of ``openb_node_list_gpu_node.csv``."""
     path = traces / "alibaba-gpu-v2023" / "openb_node_list_gpu_node.csv"
     try:
-        servers = [Server(r["sn"], int(r["gpu"]), r["model"]) for r in _rows(path)]
+        servers = [
+            Server(
+                r["sn"],
+                int(r["gpu"]),
+                r["model"],
+                cpu_units(int(r["cpu_milli"])),
+                int(r["memory_mib"]),
+            )
+            for r in _rows(path)
+        ]
     except (KeyError, ValueError) as error:
         raise TraceError(f"{path}: not the openb node schema ({error})") from None
     return [server for server in servers if server.gpus > 0]
 
 
-def openb_pods(traces: Path, workload: str = "default") -> list[Pod]:
-    """The GPU pods of ``openb_pod_list_<workload>.csv``, in file order; CPU-only pods
-    are left out (whole-GPU mode places GPUs only)."""
+def openb_pods(traces: Path, workload: str = "default", *, cpu_only: bool = False) -> list[Pod]:
+    """The pods of ``openb_pod_list_<workload>.csv``, in file order: the GPU pods, and
+    with ``cpu_only`` the CPU-only pods too."""
     path = traces / "alibaba-gpu-v2023" / f"openb_pod_list_{workload}.csv"
     try:
-        pods = [Pod(r["name"], int(r["num_gpu"]), int(r["gpu_milli"])) for r in _rows(path)]
+        pods = [
+            Pod(
+                r["name"],
+                int(r["num_gpu"]),
+                int(r["gpu_milli"]),
+                cpu_units(int(r["cpu_milli"])),
+                int(r["memory_mib"]),
+            )
+            for r in _rows(path)
+        ]
     except (KeyError, ValueError) as error:
         raise TraceError(f"{path}: not the openb pod schema ({error})") from None
-    return [pod for pod in pods if pod.gpus > 0]
+    return [pod for pod in pods if pod.gpus > 0 or cpu_only]
 
 
 @dataclass(frozen=True, slots=True)

@@ -72,6 +72,23 @@ def reach_line(request: PlacementRequest, reach: int, host: str) -> str:
     )
 
 
+def switch_reason(request: PlacementRequest, held: int, switch: str) -> str:
+    """Why a host that reaches enough GPUs got no proposal under switch affinity."""
+    return (
+        f"no rack switch holds {request.count} free {gpu_noun(request, request.count)} "
+        f"within reach (affinity switch); the most under one is {held} ({switch})"
+    )
+
+
+def switch_line(request: PlacementRequest, held: int, switch: str, host: str) -> str:
+    """The most GPUs under one switch any candidate host could reach (switch affinity)."""
+    return (
+        f"switch: at most {held} free {gpu_noun(request, held)} under one rack switch "
+        f"({switch}, usable from hosts/{host}), {request.count} requested with affinity "
+        "switch; ask without it, or for fewer GPUs"
+    )
+
+
 def link_error_line(errors: Sequence[str]) -> str:
     """How many (host, box) pairs the fabric model failed for, with the first error."""
     shown = "; ".join(errors[:_ERRORS_SHOWN])

@@ -185,7 +185,10 @@ class PlacementRequest:
     ``ROUND_TRIPS@STEP_TIME``, see :mod:`dxpool.fabric.overhead`) on every GPU must be at
     most that; ``exclude_gpus`` holds
     GPU names (``boxes/{box}/gpus/{slot}``) that must not be chosen; ``same_box`` requires
-    every GPU from one box; ``max_gpus_per_box`` (0: no limit) spreads the node so that no
+    every GPU from one box; ``same_switch`` every GPU from boxes under one top-of-rack
+    switch (the boxes' site/pod/rack; see
+    :func:`~dxpool.broker.placement.selection.switch_of`), the host anywhere;
+    ``max_gpus_per_box`` (0: no limit) spreads the node so that no
     box gives it more than that many GPUs; ``host_selector`` holds (key, value) pairs
     every chosen host's labels must include; ``cpu_cores`` and ``host_memory_mib`` (0:
     none) must be free on the host. Construction raises
@@ -206,6 +209,7 @@ class PlacementRequest:
     host_selector: frozenset[tuple[str, str]] = field(default_factory=frozenset)
     cpu_cores: int = 0
     host_memory_mib: int = 0
+    same_switch: bool = False
 
     def __post_init__(self) -> None:
         validate_gpu_request(self.model, self.count, self.min_memory_mib, self.mixed_models)
@@ -225,6 +229,12 @@ class PlacementRequest:
             parse_gpu(name)
         check_slowdown(self.max_slowdown, self.workload)
         check_box_spread(self.max_gpus_per_box, same_box=self.same_box)
+        if self.same_box and self.same_switch:
+            raise InvalidArgument(
+                "same_box and same_switch are both set: one box is already under one "
+                "switch; ask for one or the other",
+                reason="INVALID_AFFINITY",
+            )
         if not isinstance(self.host_selector, frozenset):
             raise InvalidArgument(
                 "host_selector must be a frozenset of (key, value) pairs, got "

@@ -48,6 +48,8 @@ from dxpool.broker.placement.explain import (
     link_error_line,
     reach_line,
     supply_line,
+    switch_line,
+    switch_reason,
     unreached_host_reason,
 )
 from dxpool.broker.placement.framework import (
@@ -590,7 +592,9 @@ def _prepare(
             tiered, bound = _tiers_suffice(link_filters, request)
             if tiered:
                 model = cast(TieredLatencyModel, latency)
-                chooser = TieredChooser(model, supply.boxes, request.count, bound)
+                chooser = TieredChooser(
+                    model, supply.boxes, request.count, bound, same_switch=request.same_switch
+                )
         except Exception:
             chooser = None  # the pair-by-pair path finds and reports what failed
     live = None
@@ -660,6 +664,8 @@ class _Run:
         self.nearest_dropped: dict[str, list[DroppedLink]] = {f.name: [] for f in self.link_filters}
         self.link_errors: list[str] = []
         self.best_reach: tuple[int, str] | None = None  # (GPUs within reach, host id)
+        # with switch affinity: (GPUs under one switch, switch name, host id), the most
+        self.best_switch: tuple[int, str, str] | None = None
 
     # -- phases ------------------------------------------------------------------------
 
@@ -947,13 +953,31 @@ class _Run:
             self.best_reach = (reach, host.host)  # hosts come by id: the first best stays
         proposals = []
         if reach >= request.count:
-            proposals = selection.propose(host, host.free_slot_count(), request.count, links)
+            proposals = selection.propose(
+                host,
+                host.free_slot_count(),
+                request.count,
+                links,
+                same_switch=request.same_switch,
+            )
         if proposals:
             return _HostOutcome(host, SUCCESS, proposals)
+        if reach >= request.count and request.same_switch:
+            most = selection.most_in_one_switch(links)
+            return self.no_switch_holds(host, most)
         status = Status.unschedulable(
             unreached_host_reason(request, reach, nearest, errors), plugin="selection"
         )
         return _HostOutcome(host, status, proposals)
+
+    def no_switch_holds(self, host: HostInfo, most: tuple[int, str] | None) -> _HostOutcome:
+        """The outcome of a host that reaches enough GPUs, but no switch's boxes among
+        them hold the node (switch affinity); ``most`` is the switch holding the most."""
+        held, name = most if most is not None else (0, "none")
+        if self.best_switch is None or held > self.best_switch[0]:
+            self.best_switch = (held, name, host.host)  # hosts come by id: the first stays
+        reason = switch_reason(self.request, held, name)
+        return _HostOutcome(host, Status.unschedulable(reason, plugin="selection"), [])
 
     def choose_tiered(self, host: HostInfo, chooser: TieredChooser) -> _HostOutcome | None:
         """What the chooser gives ``host``, as the pair-by-pair path would record and
@@ -969,7 +993,8 @@ class _Run:
         except Exception:
             return None
         reach = choice.reach
-        if not choice.options and reach >= self.request.count:
+        no_switch = not choice.options and reach >= self.request.count
+        if no_switch and not self.request.same_switch:
             return None  # cannot happen with a model that keeps its contract
         if dropped is not None:
             self.nearest_dropped[self.link_filters[0].name].append(dropped)
@@ -979,6 +1004,8 @@ class _Run:
             free = host.free_slot_count()
             proposals = [Proposal(host, free, takes, rule) for rule, takes in choice.options]
             return _HostOutcome(host, SUCCESS, proposals)
+        if no_switch:
+            return self.no_switch_holds(host, choice.switch)
         reason = unreached_host_reason(self.request, reach, dropped, [])
         return _HostOutcome(host, Status.unschedulable(reason, plugin="selection"), [])
 
@@ -1120,7 +1147,7 @@ class _Run:
                 total, index = best[name]
                 chosen = proposals[index]
                 reasons = (
-                    f"gpus {chosen.describe()} ({chosen.rule})",
+                    f"gpus {chosen.describe()} ({_rule_of(chosen)})",
                     *self.breakdown(by_plugin, index),
                 )
                 kept.append(CandidateReport(name, True, reasons, total))
@@ -1157,10 +1184,20 @@ class _Run:
                 lines.append(link_error_line(self.link_errors))
             if self.best_reach is not None and self.best_reach[0] < self.request.count:
                 lines.append(reach_line(self.request, *self.best_reach))
+            elif self.best_switch is not None:
+                lines.append(switch_line(self.request, *self.best_switch))
         for outcome in outcomes:
             if outcome.status.code is Code.ERROR:
                 lines.append(f"hosts/{outcome.host.host}: {outcome.status.message()}")
         return lines or [f"no host can take {self.request.count} GPUs"]
+
+
+def _rule_of(proposal: Proposal) -> str:
+    """The proposal's rule as explained: ``nearest-switch`` names its switch."""
+    if proposal.rule != selection.NEAREST_SWITCH or not proposal.takes:
+        return proposal.rule
+    switch = selection.switch_of(proposal.takes[0].supply.box)
+    return f"{proposal.rule} {selection.switch_name(switch)}"
 
 
 def _propose(

@@ -11,7 +11,11 @@ A round-trip bound (a request's ``max_latency_ns``) cuts the ranking: tiers beyo
 are out of reach, and the nearest box among them is what a failed host is told it missed.
 
 The choices are exactly those of :func:`~dxpool.broker.placement.selection.propose` on
-the host's links (same boxes, same takes, same order), which the tests check.
+the host's links (same boxes, same takes, same order), which the tests check; with
+switch affinity the walk feeds its tiers to the same
+:class:`~dxpool.broker.placement.selection.SwitchFill` that rule uses, and a choice then
+rests on every class the walk looked at until some switch held the request, as any
+other walk does.
 
 A chooser is immutable apart from its memo, and follows the supply: :meth:`advance`
 makes the chooser of the next supply from the boxes that changed, sharing every class
@@ -37,7 +41,15 @@ from functools import partial
 from itertools import chain
 
 from dxpool.broker.placement.framework import BoxSupply, Take
-from dxpool.broker.placement.selection import Link, Option, fill_tier, options
+from dxpool.broker.placement.selection import (
+    NEAREST_FIRST,
+    NEAREST_SWITCH,
+    Link,
+    Option,
+    SwitchFill,
+    fill_tier,
+    options,
+)
 from dxpool.fabric.latency import Place, TieredLatencyModel, Tiers
 
 MAX_EXAMINED = 64
@@ -81,12 +93,15 @@ class Choice:
     ``options`` as :func:`~dxpool.broker.placement.selection.options` gives them (empty
     when the boxes within reach hold too few GPUs); ``reach`` counts the usable GPUs
     within the round-trip bound; ``dropped`` is the nearest box beyond it (the first by
-    (usable GPUs, box id) among equally near ones), None if none is.
+    (usable GPUs, box id) among equally near ones), None if none is. With switch
+    affinity and no options although ``reach`` would do, ``switch`` is (usable GPUs,
+    switch name) of the switch holding the most within reach.
     """
 
     options: list[Option]
     reach: int
     dropped: Link | None
+    switch: tuple[int, str] | None = None
 
 
 _Stamp = tuple[object, tuple[tuple[int, BoxSupply], ...] | None]
@@ -114,7 +129,8 @@ class _Memo:
 class TieredChooser:
     """Chooses boxes for ``count`` GPUs from ``supplies`` (ordered by (usable, box id)),
     for any host, memoized per host class. With ``bound``, only boxes at most ``bound``
-    ns away are within reach, as a link filter with that bound would leave them.
+    ns away are within reach, as a link filter with that bound would leave them. With
+    ``same_switch`` the first rule is ``nearest-switch`` (every GPU under one switch).
 
     Safe to share between threads (a class may then be chosen twice, the same way).
     """
@@ -125,6 +141,8 @@ class TieredChooser:
         supplies: Sequence[BoxSupply],
         count: int,
         bound: int | None = None,
+        *,
+        same_switch: bool = False,
     ) -> None:
         box_class = model.box_class
         grouped: dict[int, list[BoxSupply]] = {}
@@ -132,7 +150,7 @@ class TieredChooser:
             grouped.setdefault(box_class(supply.box.place), []).append(supply)
         classes = {number: _BoxClass.of(boxes, count) for number, boxes in grouped.items()}
         sizes = Counter(supply.available for supply in supplies)
-        self._setup(model, count, bound, classes, sizes)
+        self._setup(model, count, bound, classes, sizes, same_switch)
 
     def _setup(
         self,
@@ -141,8 +159,11 @@ class TieredChooser:
         bound: int | None,
         classes: dict[int, _BoxClass],
         sizes: Counter[int],
+        same_switch: bool,
     ) -> None:
         self._model = model
+        self._switch = same_switch
+        self._first_rule = NEAREST_SWITCH if same_switch else NEAREST_FIRST
         self._count = count
         self._bound = bound
         self._classes = classes
@@ -192,7 +213,7 @@ class TieredChooser:
                 classes.pop(number, None)
         sizes = +sizes  # drop sizes no box has any more
         following = TieredChooser.__new__(TieredChooser)
-        following._setup(self._model, self._count, self._bound, classes, sizes)
+        following._setup(self._model, self._count, self._bound, classes, sizes, self._switch)
         following._tightest = self._tightest_after(following, touched)
         following._class_ns = self._class_ns
         following._near = self._near
@@ -403,7 +424,7 @@ class TieredChooser:
                     examined = None
         else:
             tightest = self._nearest_tightest(host, host_class)
-        found = options(self._count, memo.nearest, memo.single, tightest)
+        found = options(self._count, memo.nearest, memo.single, tightest, self._first_rule)
         if found == memo.choice.options:
             found = memo.choice.options  # the same object: what was derived from it holds
         choice = Choice(found, self._usable, None)
@@ -422,9 +443,9 @@ class TieredChooser:
             direct: Callable[[], Link | None] | None = None
             if stamp[1] is not None:
                 direct = partial(self._nearest_tightest, host, self._model.host_class(host))
-            options_, nearest, single = self._rules(tiers, self._fewest, direct)
-            choice = Choice(options_, self._usable, None)
-            base = options(self._count, nearest, single, None)
+            options_, nearest, single, most = self._rules(tiers, self._fewest, direct)
+            choice = Choice(options_, self._usable, None, most)
+            base = options(self._count, nearest, single, None, self._first_rule)
             return _Memo(choice, ranking, _seen(examined), stamp, nearest, single, base)
         within: list[tuple[int, list[_BoxClass]]] = []
         dropped: Link | None = None
@@ -438,8 +459,8 @@ class TieredChooser:
             return _Memo(Choice([], reach, dropped), ranking, _seen(examined), None)
         fitting = [c.fits for _, tier in within for c in tier if c.fits is not None]
         fewest = min(fits.available for fits in fitting) if fitting else None
-        options_, _, _ = self._rules(iter(within), fewest, None)
-        return _Memo(Choice(options_, reach, dropped), ranking, _seen(examined), None)
+        options_, _, _, most = self._rules(iter(within), fewest, None)
+        return _Memo(Choice(options_, reach, dropped, most), ranking, _seen(examined), None)
 
     def _nearest_tightest(self, host: Place, host_class: int) -> Link | None:
         """The tightest-single-box rule from the few classes holding such a box: the
@@ -472,14 +493,17 @@ class TieredChooser:
         tiers: Iterator[tuple[int, list[_BoxClass]]],
         fewest: int | None,
         tightest_direct: Callable[[], Link | None] | None,
-    ) -> tuple[list[Option], tuple[Take, ...] | None, Link | None]:
+    ) -> tuple[list[Option], tuple[Take, ...] | None, Link | None, tuple[int, str] | None]:
         """The three rules over ``tiers`` (nearest first), which hold at least ``count``
         GPUs; ``fewest`` is the fewest usable GPUs of a box among them that holds every
         GPU requested (None if no box does). With ``tightest_direct``, the walk does not
         go on for the tightest-single-box rule alone: when the tiers it needs for the
         other rules hold no such box, ``tightest_direct()`` answers. Returns the options,
-        and the nearest-first and nearest-single-box rules' answers."""
+        the first rule's (nearest-first, or nearest-switch) and the nearest-single-box
+        rule's answers, and, when the nearest-switch rule found nothing, the switch
+        holding the most (see :attr:`Choice.switch`)."""
         remaining = self._count
+        fill = SwitchFill(remaining) if self._switch else None
         takes: list[Take] = []
         single: Link | None = None
         tightest: Link | None = None
@@ -490,7 +514,13 @@ class TieredChooser:
                     boxes = list(tier[0].boxes)
                 else:
                     boxes = sorted(chain.from_iterable(c.boxes for c in tier), key=supply_order)
-                remaining = fill_tier(remaining, latency, boxes, takes)
+                if fill is None:
+                    remaining = fill_tier(remaining, latency, boxes, takes)
+                else:
+                    filled = fill.add(latency, boxes)
+                    if filled is not None:
+                        takes.extend(filled)
+                        remaining = 0
             if want_single or want_tightest:
                 fits = [c.fits for c in tier if c.fits is not None]
                 if fits and want_single:
@@ -505,7 +535,9 @@ class TieredChooser:
         if want_tightest and tightest_direct is not None:
             tightest = tightest_direct()
         nearest = tuple(takes) if remaining == 0 else None
-        return options(self._count, nearest, single, tightest), nearest, single
+        most = fill.most() if fill is not None and nearest is None else None
+        chosen = options(self._count, nearest, single, tightest, self._first_rule)
+        return chosen, nearest, single, most
 
 
 def _same_stamp(made: _Stamp | None, now: _Stamp) -> bool:

@@ -118,9 +118,10 @@ def _request_options(command: _F) -> _F:
         ),
         click.option(
             "--affinity",
-            type=click.Choice(["box"]),
+            type=click.Choice(["box", "switch"]),
             default=None,
-            help="Require every GPU from one box (peer-to-peer behind its PCIe switch).",
+            help="Require every GPU from one box (peer-to-peer behind its PCIe switch), or "
+            "'switch': from boxes under one top-of-rack switch (the host may be elsewhere).",
         ),
         click.option(
             "--spread",
@@ -176,10 +177,11 @@ def _request_kwargs(
             "--max-slowdown needs --workload: a profile name "
             f"({known_profiles()}) or ROUND_TRIPS@STEP_TIME, e.g. 400@5ms"
         )
-    if affinity and spread:
+    if affinity == "box" and spread:
         raise click.UsageError(
             "--affinity box takes every GPU from one box and --spread spreads them over "
-            "boxes: give one or the other"
+            "boxes: give one or the other (--affinity switch with --spread keeps the boxes "
+            "under one rack switch)"
         )
     return {
         "host_selector": labels_dict(host_selector),

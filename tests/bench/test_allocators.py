@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.traces.allocator import Cause, Grant, allocate_gang, gang_members
+from bench.traces.allocator import Cause, Grant, Resources, allocate_gang, gang_members
 from bench.traces.pool import DecisionTimes, DxpoolPool, PoolLayout, boxes_of
 from bench.traces.servers import FixedServers
 
@@ -28,9 +28,9 @@ def test_gang_members_are_full_nodes_then_the_rest() -> None:
 def test_fixed_servers_take_the_tightest_server_that_fits() -> None:
     servers = FixedServers("s", [8, 4, 2])
     first = servers.allocate(2)
-    assert isinstance(first, Grant) and first.key == (2, 2)  # the 2-GPU server
-    assert servers.allocate(3) == Grant((1, 3), 3)  # 4 free beats 8 free
-    assert servers.allocate(8) == Grant((0, 8), 8)
+    assert isinstance(first, Grant) and first.key == (2, 2, Resources())  # the 2-GPU server
+    assert servers.allocate(3) == Grant((1, 3, Resources()), 3)  # 4 free beats 8 free
+    assert servers.allocate(8) == Grant((0, 8, Resources()), 8)
     assert servers.allocated == 13
     assert servers.allocate(2) is Cause.CAPACITY  # 1 GPU left in all
     servers.release(first)
@@ -81,3 +81,41 @@ def test_every_decision_is_timed_and_percentiles_read_the_sorted_samples() -> No
     assert times.percentile(0.5) == 0.003
     assert times.percentile(0.99) == 0.004
     assert DecisionTimes().percentile(0.5) == 0.0
+
+
+def test_fixed_servers_need_the_cpu_and_memory_on_the_server_that_takes_the_gpus() -> None:
+    servers = FixedServers("s", [2, 4, 4], cpus=[10, 8, 30], memory_mib=[100, 100, 50])
+    first = servers.allocate(1, Resources(9, 60))
+    assert isinstance(first, Grant) and first.key[0] == 0  # the tightest that has the CPU
+    # server 0 has 1 CPU left, server 1 has 8, server 2 the CPU but 50 MiB
+    assert servers.allocate(1, Resources(9, 60)) is Cause.FRAGMENTATION_MEMORY
+    second = servers.allocate(1, Resources(9, 50))
+    assert isinstance(second, Grant) and second.key[0] == 2
+    assert servers.allocate(1, Resources(0, 120)) is Cause.FRAGMENTATION_MEMORY  # 140 in all
+    assert servers.allocate(1, Resources(25, 0)) is Cause.FRAGMENTATION_CPU
+    assert servers.allocate(1, Resources(40, 0)) is Cause.CPU  # 30 CPU free in all
+    cpu_only = servers.allocate(0, Resources(5, 0))  # a CPU-only pod: fewest free GPUs
+    assert isinstance(cpu_only, Grant) and cpu_only.key[0] == 2 and cpu_only.gpus == 0
+    servers.release(cpu_only)
+    servers.release(second)
+    assert servers.allocate(1, Resources(25, 40)) == Grant((2, 1, Resources(25, 40)), 1)
+
+
+def test_the_pool_needs_the_cpu_and_memory_on_the_host_it_places_on() -> None:
+    layout = PoolLayout(
+        boxes_of({"H100": 16}), [8, 8], host_cpus=[10, 40], host_memory_mib=[100, 400]
+    )
+    for verify in (False, True):
+        cluster = DxpoolPool("test", layout, verify_refusals=verify)
+        grant = cluster.allocate(2, Resources(20, 50))
+        assert isinstance(grant, Grant) and grant.key.host == "h00001"  # type: ignore[attr-defined]
+        assert cluster.allocate(1, Resources(31, 0)) is Cause.CPU  # 30 left in all
+        assert cluster.allocate(1, Resources(25, 0)) is Cause.FRAGMENTATION_CPU
+        assert cluster.allocate(1, Resources(5, 360)) is Cause.FRAGMENTATION_MEMORY
+        cpu_only = cluster.allocate(0, Resources(5, 50))  # reserved by the harness
+        assert isinstance(cpu_only, Grant) and cpu_only.key.host == "h00001"  # type: ignore[attr-defined]
+        assert cluster.allocate(1, Resources(20, 0)) is Cause.FRAGMENTATION_CPU  # 10 + 15
+        cluster.release(cpu_only)
+        cluster.release(grant)
+        assert isinstance(cluster.allocate(8, Resources(40, 400)), Grant)
+        assert cluster.allocate(8, Resources(40, 0)) is Cause.CPU

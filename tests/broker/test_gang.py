@@ -142,6 +142,28 @@ def test_a_gang_places_every_member_and_commits_them_together(
     assert [n.name for n in got.nodes] == ["nodes/job1-0", "nodes/job1-1"]
 
 
+def test_switch_affinity_holds_each_member_under_one_switch(
+    broker: BrokerServer, stubs: Stubs, etcd_client: Any, key_prefix: str
+) -> None:
+    """Each member's GPUs come from one rack; members may use different racks."""
+    for host in ("h1", "h2"):
+        add_host(etcd_client, key_prefix, host)
+    for box, rack in (("a1", "r1"), ("a2", "r1"), ("b1", "r2"), ("b2", "r2")):
+        add_box(stubs, box, gpus=2, rack=rack)
+    wait_indexed(broker, ["h1", "h2"], 8)
+    gang = stubs.nodes.ComposeGang(
+        gang_request(2, "H100:3", gang_id="sw", affinity=pb.GPU_AFFINITY_SWITCH)
+    )
+    racks = {"a1": "r1", "a2": "r1", "b1": "r2", "b2": "r2"}
+    used = [{racks[b.gpu.split("/")[1]] for b in node.gpus} for node in gang.nodes]
+    assert sorted(used, key=sorted) == [{"r1"}, {"r2"}]
+    with pytest.raises(grpc.RpcError) as refused:  # one GPU left in each rack
+        stubs.nodes.ComposeGang(
+            gang_request(1, "H100:2", gang_id="more", affinity=pb.GPU_AFFINITY_SWITCH)
+        )
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 def test_members_sharing_a_host_get_distinct_slots(
     broker: BrokerServer, stubs: Stubs, etcd_client: Any, key_prefix: str
 ) -> None:

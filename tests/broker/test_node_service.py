@@ -513,6 +513,33 @@ def test_a_model_set_composes_one_model_through_grpc(stubs: Stubs, sim_pool: Sim
     assert {binding.model for binding in [*node.gpus, *other.gpus]} == {"A100", "H100"}
 
 
+def test_switch_affinity_composes_from_one_rack_or_says_why_not(
+    stubs: Stubs, sim_pool: SimPool
+) -> None:
+    register_sim_box(sim_pool, stubs, "a1", gpus=2, rack="r1")
+    register_sim_box(sim_pool, stubs, "b1", gpus=2, rack="r2")
+    register_sim_box(sim_pool, stubs, "b2", gpus=2, rack="r2")
+    sim_pool.start_agent("h1", rack="r1")
+    wait_hosts_alive(stubs, 1)
+    spec = pb.NodeSpec(gpus=pb.GpuRequest(model="H100", count=3), affinity=pb.GPU_AFFINITY_SWITCH)
+    plan = stubs.nodes.PlanNode(nodes_pb2.ComposeNodeRequest(spec=spec))
+    assert plan.hosts[0].reasons[0].endswith("(nearest-switch s1/p1/r2)")
+    node = stubs.nodes.ComposeNode(nodes_pb2.ComposeNodeRequest(spec=spec, node_id="n1"))
+    assert node.spec.affinity == pb.GPU_AFFINITY_SWITCH
+    assert sorted(b.gpu.split("/gpus/")[0] for b in node.gpus) == [
+        "boxes/b1",
+        "boxes/b1",
+        "boxes/b2",
+    ]
+    with pytest.raises(grpc.RpcError) as raised:  # r2 has one GPU left, r1 two
+        stubs.nodes.ComposeNode(nodes_pb2.ComposeNodeRequest(spec=spec, node_id="n2"))
+    error = raised.value
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+    assert "from one rack switch" in error.details()  # type: ignore[attr-defined]
+    assert "at most 2 free H100 under one rack switch (s1/p1/r1" in error.details()  # type: ignore[attr-defined]
+    assert error_info(error).reason == "NO_CAPACITY"
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [

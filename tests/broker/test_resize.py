@@ -324,3 +324,22 @@ def test_a_collected_node_takes_its_last_resize_request_id_with_it(
         timeout_s=20,
         message="the resize's request id to be collected with the node",
     )
+
+
+@pytest.mark.parametrize("affinity", [pb.GPU_AFFINITY_BOX, pb.GPU_AFFINITY_SWITCH])
+def test_a_node_with_box_or_switch_affinity_is_not_grown(
+    stubs: Stubs, sim_pool: SimPool, affinity: int
+) -> None:
+    register_sim_box(sim_pool, stubs, "box1", gpus=8)
+    sim_pool.start_agent("h1", slots=6)
+    wait_until(
+        lambda: any(
+            h.alive for h in stubs.inventory.ListHosts(inventory_pb2.ListHostsRequest()).hosts
+        ),
+        message="h1 alive",
+    )
+    node = wait_state(stubs, compose(stubs, "H100:2", affinity=affinity).name, pb.NODE_STATE_READY)
+    with pytest.raises(grpc.RpcError) as refused:
+        resize(stubs, node.name, 3)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "box or switch affinity" in refused.value.details()

@@ -602,6 +602,17 @@ def test_node_plan_with_spread_and_affinity(run: Run, pool: SimPool) -> None:
     refused = run("node", "create", "--gpus", "H100:5", "--affinity", "box")
     assert refused.exit_code == 1
     assert "from one box" in refused.stderr
+    # box1 (rack r1) and box2 (rack r2) hold four each: one switch holds at most four
+    one_switch = json.loads(
+        ok(run("node", "plan", "--gpus", "H100:4", "--affinity", "switch", "-o", "json"))
+    )
+    assert {g["gpu"].split("/gpus/")[0] for g in one_switch["gpus"]} == {"boxes/box1"}
+    text = ok(run("node", "plan", "--gpus", "H100:2", "--affinity", "switch", "--spread", "boxes"))
+    assert text.startswith("placement: nothing fits now\n")
+    assert "at most 1 free H100 under one rack switch" in text
+    refused = run("node", "create", "--gpus", "H100:5", "--affinity", "switch")
+    assert refused.exit_code == 1
+    assert "from one rack switch" in refused.stderr
 
 
 @pytest.mark.parametrize(
@@ -610,7 +621,7 @@ def test_node_plan_with_spread_and_affinity(run: Run, pool: SimPool) -> None:
         (("--spread", "racks"), "cannot parse spread 'racks'"),
         (("--spread", "boxes:0"), "out of range"),
         (("--affinity", "box", "--spread", "boxes"), "give one or the other"),
-        (("--affinity", "rack"), "'rack' is not 'box'"),
+        (("--affinity", "rack"), "'rack' is not one of 'box', 'switch'"),
     ],
 )
 def test_bad_spread_or_affinity_is_a_usage_error(

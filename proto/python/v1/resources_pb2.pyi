@@ -255,6 +255,11 @@ class _GpuAffinityEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_GpuAffini
     """Every GPU from one box, behind the box's own PCIe switch (peer-to-peer without the
     fabric).
     """
+    GPU_AFFINITY_SWITCH: _GpuAffinity.ValueType  # 2
+    """Every GPU from boxes under one top-of-rack switch (one site/pod/rack), so
+    peer-to-peer between the node's GPUs crosses at most that switch. The host may be
+    elsewhere. A box registered without a full location is a switch of its own.
+    """
 
 class GpuAffinity(_GpuAffinity, metaclass=_GpuAffinityEnumTypeWrapper):
     """Where the GPUs of one node must come from together."""
@@ -264,6 +269,11 @@ GPU_AFFINITY_UNSPECIFIED: GpuAffinity.ValueType  # 0
 GPU_AFFINITY_BOX: GpuAffinity.ValueType  # 1
 """Every GPU from one box, behind the box's own PCIe switch (peer-to-peer without the
 fabric).
+"""
+GPU_AFFINITY_SWITCH: GpuAffinity.ValueType  # 2
+"""Every GPU from boxes under one top-of-rack switch (one site/pod/rack), so
+peer-to-peer between the node's GPUs crosses at most that switch. The host may be
+elsewhere. A box registered without a full location is a switch of its own.
 """
 Global___GpuAffinity: _TypeAlias = GpuAffinity  # noqa: Y015
 
@@ -936,7 +946,8 @@ class NodeSpec(_message.Message):
     """A requirement on where the GPUs come from together; see GpuAffinity."""
     max_gpus_per_box: _builtins.int
     """Spread over boxes for fault isolation: at most this many GPUs from any one box
-    (1: every GPU from a different box); 0 for no limit. Not with affinity BOX.
+    (1: every GPU from a different box); 0 for no limit. Not with affinity BOX (with
+    affinity SWITCH: different boxes under the one switch).
     """
     cpu_cores: _builtins.int
     """CPU cores and memory (MiB) the node needs of its host; 0 for none. Only hosts that

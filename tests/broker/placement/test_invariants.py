@@ -8,10 +8,13 @@ and every failure explains itself.
 from __future__ import annotations
 
 import random
+from collections import Counter
+from dataclasses import replace
 
 import pytest
 
 from dxpool.broker.placement import PlacementRequest, PlacementResult, Snapshot, place
+from dxpool.fabric.latency import Place
 
 from .pools import Pool, TableLatency
 
@@ -53,19 +56,21 @@ def random_case(rng: random.Random) -> tuple[Snapshot, TableLatency, PlacementRe
 
 
 def could_fit(snapshot: Snapshot, latency: TableLatency, request: PlacementRequest) -> bool:
-    """Brute force: some usable host reaches ``count`` usable GPUs within the bound."""
+    """Brute force: some usable host reaches ``count`` usable GPUs within the bound (with
+    switch affinity: under one switch; with a spread limit: counting at most that many
+    per box)."""
     for host in snapshot.hosts.values():
         if not host.alive or request.host not in (None, host.host):
             continue
         if host.free_slot_count() < request.count:
             continue
-        reachable = 0
+        reachable: Counter[tuple[str, ...]] = Counter()
         for box_id, gpus in snapshot.gpus_by_box.items():
             box = snapshot.boxes[box_id]
             ns = latency.round_trip(host.place, box.place).round_trip_ns
             if not box.schedulable or (request.max_latency_ns and ns > request.max_latency_ns):
                 continue
-            reachable += sum(
+            usable = sum(
                 1
                 for g in gpus
                 if g.free
@@ -74,7 +79,12 @@ def could_fit(snapshot: Snapshot, latency: TableLatency, request: PlacementReque
                 and g.memory_mib >= request.min_memory_mib
                 and g.name not in request.exclude_gpus
             )
-        if reachable >= request.count:
+            if request.max_gpus_per_box:
+                usable = min(usable, request.max_gpus_per_box)
+            place = box.place
+            rack = (place.site, place.pod, place.rack) if place.rack else ("box", box_id)
+            reachable[rack if request.same_switch else ("pool",)] += usable
+        if max(reachable.values(), default=0) >= request.count:
             return True
     return False
 
@@ -109,6 +119,13 @@ def check(
         assert gpu.name not in request.exclude_gpus
         assert snapshot.boxes[gpu.box].schedulable
         assert not request.max_latency_ns or binding.latency_ns <= request.max_latency_ns
+    if request.same_switch:
+        places = {snapshot.boxes[binding.box].place for binding in bindings}
+        assert len({(p.site, p.pod, p.rack) for p in places}) == 1
+        assert all(p.rack for p in places) or len({b.box for b in bindings}) == 1
+    if request.max_gpus_per_box:
+        per_box = Counter(binding.box for binding in bindings)
+        assert max(per_box.values()) <= request.max_gpus_per_box
     best = result.candidates[0]
     assert best.feasible and best.host == host.host and best.score == result.placement.score
 
@@ -119,6 +136,46 @@ def test_random_pools(seed: int) -> None:
     result = place(request, snapshot, latency)
     check(result, snapshot, latency, request)
     assert place(request, snapshot, latency) == result
+
+
+def random_switch_case(rng: random.Random) -> tuple[Snapshot, TableLatency, PlacementRequest]:
+    """A random case whose boxes sit in a few racks (some without one), asking for
+    switch affinity and sometimes a spread over the switch's boxes."""
+    snapshot, latency, request = random_case(rng)
+    boxes = {
+        box_id: replace(box, place=Place(box.place.name, "dc1", "p1", rng.choice(("r1", "r2", ""))))
+        for box_id, box in snapshot.boxes.items()
+    }
+    request = replace(
+        request,
+        model=rng.choice(("", request.model)),
+        host=None,
+        min_memory_mib=0,
+        count=rng.choice((2, 3, 4, 6)),
+        same_switch=True,
+        max_gpus_per_box=rng.choice((0, 0, 2)),
+    )
+    return Snapshot(boxes, snapshot.hosts, snapshot.gpus_by_box), latency, request
+
+
+@pytest.mark.parametrize("seed", range(CASES))
+def test_random_pools_with_switch_affinity(seed: int) -> None:
+    snapshot, latency, request = random_switch_case(random.Random(seed))
+    result = place(request, snapshot, latency)
+    check(result, snapshot, latency, request)
+    assert place(request, snapshot, latency) == result
+
+
+def test_the_random_switch_cases_often_place_and_often_fail() -> None:
+    placed = several = 0
+    for seed in range(CASES):
+        snapshot, latency, request = random_switch_case(random.Random(seed))
+        found = place(request, snapshot, latency).placement
+        if found is not None:
+            placed += 1
+            several += len({binding.box for binding in found.bindings}) > 1
+    assert CASES // 5 < placed < CASES - CASES // 5
+    assert several >= 3  # some nodes take several boxes of one switch
 
 
 def test_the_random_cases_often_place_and_often_fail() -> None:

@@ -233,6 +233,9 @@ def test_affinity_and_spread_brought_forward_answer_as_from_scratch(seed: int) -
         PlacementRequest("", 6, max_gpus_per_box=2),
         PlacementRequest("H100", 2, host_selector=frozenset({("pool", "a")})),
         PlacementRequest("H100", 2, cpu_cores=16, host_memory_mib=16384),
+        PlacementRequest("H100", 7, same_switch=True),
+        PlacementRequest("H100", 6, same_switch=True, max_latency_ns=5_000),
+        PlacementRequest("", 5, same_switch=True, max_gpus_per_box=2),
     ]
     for _ in range(STEPS):
         for _ in range(rng.randint(1, 3)):
@@ -249,6 +252,9 @@ def test_affinity_and_spread_brought_forward_answer_as_from_scratch(seed: int) -
                 most = max(boxes.count(box) for box in boxes)
                 if request.same_box:
                     assert len(set(boxes)) == 1
+                if request.same_switch:
+                    racks = {snapshot.boxes[box].place for box in boxes}
+                    assert len({(p.site, p.pod, p.rack) for p in racks}) == 1
                 if request.max_gpus_per_box:
                     assert most <= request.max_gpus_per_box
 
@@ -288,6 +294,8 @@ def test_composes_one_after_another_answer_as_placement_from_scratch(seed: int) 
             step(rng, inventory)
         count = rng.choice((1, 1, 1, 2, 3))
         request = PlacementRequest("H100", count)
+        if turn % 4 == 3:  # switch affinity, large enough to need several boxes
+            request = PlacementRequest("H100", rng.choice((5, 6, 8)), same_switch=True)
         live = pipeline.run(request, inventory.snapshot(), model)
         fresh = default_pipeline().run(request, inventory.alone(), model)
         assert live.placement == fresh.placement, f"turn {turn}"

@@ -433,3 +433,48 @@ def test_host_selector_keeps_labelled_hosts_and_explains_the_others() -> None:
         "host labels: 2 of 2 hosts do not have env=dev; the closest, hosts/h1, lacks env=dev; "
         "label hosts with the agent's --label or change --host-selector",
     )
+
+
+def test_affinity_switch_takes_boxes_of_one_rack_even_when_a_split_is_nearer() -> None:
+    pool = Pool().box("a1", 3, rack="ra").box("b1", 3, rack="rb").box("b2", 2, rack="rb")
+    snapshot = pool.box("c1", 4, rack="rc").host("h1").snapshot()
+    latency = TableLatency(
+        {("h1", "a1"): 1_000, ("h1", "b1"): 1_000, ("h1", "b2"): 2_000, ("h1", "c1"): 1_000}
+    )
+    anywhere = place(PlacementRequest("H100", 5), snapshot, latency)
+    assert sorted(boxes_of(anywhere)) == ["a1", "c1", "c1", "c1", "c1"]  # two racks, 1us
+    one_switch = place(PlacementRequest("H100", 5, same_switch=True), snapshot, latency)
+    assert sorted(boxes_of(one_switch)) == ["b1", "b1", "b1", "b2", "b2"]
+    assert one_switch.candidates[0].reasons[0].endswith("(nearest-switch dc1/p1/rb)")
+
+
+def test_affinity_switch_with_spread_takes_different_boxes_of_one_rack() -> None:
+    pool = Pool().box("a1", 4, rack="ra").box("a2", 4, rack="ra").box("b1", 8, rack="rb")
+    result = place(
+        PlacementRequest("H100", 2, same_switch=True, max_gpus_per_box=1),
+        pool.host("h1").snapshot(),
+        TableLatency(),
+    )
+    assert sorted(boxes_of(result)) == ["a1", "a2"]
+
+
+def test_affinity_switch_that_no_switch_can_hold_says_so() -> None:
+    pool = Pool().box("a1", 3, rack="ra").box("a2", 1, rack="ra").box("b1", 3, rack="rb")
+    snapshot = pool.host("h1").host("h2").snapshot()
+    result = place(PlacementRequest("H100", 5, same_switch=True), snapshot, TableLatency())
+    assert result.placement is None
+    assert result.unsatisfied == (
+        "switch: at most 4 free H100 under one rack switch (dc1/p1/ra, usable from "
+        "hosts/h1), 5 requested with affinity switch; ask without it, or for fewer GPUs",
+    )
+    assert [c.reasons for c in result.candidates] == [
+        (
+            "no rack switch holds 5 free H100 within reach (affinity switch); the most "
+            "under one is 4 (dc1/p1/ra)",
+        )
+    ] * 2
+
+
+def test_affinity_box_and_switch_together_are_refused() -> None:
+    with pytest.raises(InvalidArgument, match="one box is already under one switch"):
+        PlacementRequest("H100", 2, same_box=True, same_switch=True)

@@ -7,10 +7,13 @@ from dxpool.broker.placement.model import BoxInfo, GpuInfo, HostInfo, Place
 from dxpool.broker.placement.selection import (
     NEAREST_FIRST,
     NEAREST_SINGLE_BOX,
+    NEAREST_SWITCH,
     TIGHTEST_SINGLE_BOX,
     Link,
+    most_in_one_switch,
     nearest_first,
     nearest_single_box,
+    nearest_switch,
     propose,
     tightest_single_box,
 )
@@ -105,3 +108,43 @@ def test_proposal_figures() -> None:
     assert proposal.mean_latency_ns == (4 * 1000 + 2 * 4000) / 6
     assert proposal.available_in_boxes == 8
     assert proposal.describe() == "boxes/a x4 @1us, boxes/b x2 @4us"
+
+
+def racked(box: str, usable: int, rack: str) -> BoxSupply:
+    gpus = supply(box, usable).gpus
+    return BoxSupply(BoxInfo(box, Place(f"boxes/{box}", "s", "p", rack), True), gpus)
+
+
+def test_nearest_switch_takes_the_tightest_switch_of_the_first_tier_that_holds_the_node() -> None:
+    links = [
+        (1_000, racked("a1", 3, "ra")),
+        (1_000, racked("b1", 2, "rb")),
+        (1_000, racked("a2", 3, "ra")),
+        (1_000, racked("b2", 3, "rb")),
+    ]
+    links.sort(key=lambda link: (link[1].available, link[1].box.box))
+    # both racks hold 5 at 1us; rb holds fewer in all (5 against 6)
+    assert shape(nearest_switch(5, links)) == [("b2", 3, 1_000), ("b1", 2, 1_000)]
+    assert nearest_switch(7, links) is None
+    assert most_in_one_switch(links) == (6, "s/p/ra")
+
+
+def test_nearest_switch_fills_a_switch_across_tiers_and_ties_by_switch_name() -> None:
+    links = [
+        (1_000, racked("a1", 2, "ra")),
+        (2_000, racked("a2", 2, "ra")),
+        (2_000, racked("b1", 4, "rb")),
+    ]
+    # at 2us both racks hold 4: ra comes first by name, its nearer box first
+    assert shape(nearest_switch(4, links)) == [("a1", 2, 1_000), ("a2", 2, 2_000)]
+    found = propose(HOST, 16, 4, list(links), same_switch=True)
+    assert [(p.rule, shape(p.takes)) for p in found] == [
+        (NEAREST_SWITCH, [("a1", 2, 1_000), ("a2", 2, 2_000)]),
+        (NEAREST_SINGLE_BOX, [("b1", 4, 2_000)]),
+    ]
+
+
+def test_a_box_without_a_rack_is_a_switch_of_its_own() -> None:
+    links = [(1_000, supply("x1", 2)), (1_000, supply("x2", 2))]  # placed nowhere
+    assert nearest_switch(3, links) is None
+    assert most_in_one_switch(links) == (2, "boxes/x1 (no rack given)")

@@ -9,7 +9,7 @@ pair-by-pair path answers with the same model seen only through ``round_trip``.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -22,7 +22,7 @@ from dxpool.broker.placement import (
     place,
 )
 from dxpool.broker.placement.framework import BoxSupply, Take
-from dxpool.broker.placement.selection import options, propose
+from dxpool.broker.placement.selection import most_in_one_switch, options, propose, switch_of
 from dxpool.broker.placement.status import SUCCESS, Status
 from dxpool.broker.placement.tiered import FEW_TIGHTEST, TieredChooser
 from dxpool.fabric.latency import LatencyEstimate, Place, TopologyLatencyModel
@@ -113,6 +113,28 @@ def random_case(rng: random.Random) -> tuple[Snapshot, PlacementRequest]:
     return Snapshot(boxes, hosts, gpus), request
 
 
+FEW_RACKS = (("s0", "p0", "r0"), ("s0", "p0", "r1"), ("s0", "p1", "r0"), ("s1", "p0", "r2"))
+
+
+def with_switch(
+    case: tuple[Snapshot, PlacementRequest], rng: random.Random
+) -> tuple[Snapshot, PlacementRequest]:
+    """The case with its boxes packed into a few racks (some unplaced), asking for switch
+    affinity for a node that often needs several boxes, sometimes spread over them."""
+    snapshot, request = case
+    boxes = {}
+    for box_id, box in snapshot.boxes.items():
+        rack = ("", "", "") if rng.random() < 0.08 else rng.choice(FEW_RACKS)
+        boxes[box_id] = replace(box, place=Place(box.place.name, *rack))
+    request = replace(
+        request,
+        count=rng.choice((2, 3, 5, 6, 8)),
+        same_switch=True,
+        max_gpus_per_box=rng.choice((0, 0, 2)),
+    )
+    return Snapshot(boxes, snapshot.hosts, snapshot.gpus_by_box), request
+
+
 @pytest.fixture(scope="module")
 def topology() -> Topology:
     return Topology.from_yaml(TOPOLOGY)
@@ -135,6 +157,35 @@ def test_the_tiered_path_answers_exactly_as_the_pair_by_pair_path(
         # the few boxes the tightest-single-box rule compares
         per_host = 1 if request.max_latency_ns else FEW_TIGHTEST
         assert deciding_pairs <= len(snapshot.hosts) * per_host
+
+
+@pytest.mark.parametrize("seed", range(CASES))
+def test_with_switch_affinity_the_tiered_path_answers_as_the_pair_by_pair_path(
+    seed: int, topology: Topology
+) -> None:
+    rng = random.Random(seed)
+    snapshot, request = with_switch(random_case(rng), rng)
+    tiered = place(request, snapshot, TopologyLatencyModel(topology))
+    pairwise = place(request, snapshot, PairByPair(TopologyLatencyModel(topology)))
+    assert tiered.placement == pairwise.placement
+    assert tiered.unsatisfied == pairwise.unsatisfied
+    assert tiered.candidates == pairwise.candidates
+    if tiered.placement is not None:
+        boxes = {binding.box for binding in tiered.placement.bindings}
+        assert len({switch_of(snapshot.boxes[box]) for box in boxes}) == 1
+
+
+def test_the_switch_cases_exercise_both_outcomes_and_several_boxes(topology: Topology) -> None:
+    placed = several = 0
+    for seed in range(CASES):
+        rng = random.Random(seed)
+        snapshot, request = with_switch(random_case(rng), rng)
+        result = place(request, snapshot, TopologyLatencyModel(topology))
+        if result.placement is not None:
+            placed += 1
+            several += len({b.box for b in result.placement.bindings}) > 1
+    assert CASES // 5 < placed < CASES - CASES // 5
+    assert several > CASES // 20
 
 
 def test_the_random_cases_exercise_both_outcomes(topology: Topology) -> None:
@@ -208,17 +259,26 @@ def test_the_chooser_makes_the_choices_propose_makes_from_every_link(
     model = TopologyLatencyModel(topology)
     count = rng.randint(1, min(12, sum(supply.available for supply in supplies)))
     bound = rng.choice((None, 3_000, 5_000, 9_000, 50_000))
-    chooser = TieredChooser(model, supplies, count, bound)
+    same_switch = seed % 2 == 1
+    if same_switch:  # boxes packed into a few racks, so switches hold several
+        supplies = tuple(
+            BoxSupply(replace(s.box, place=Place(s.box.place.name, *rng.choice(FEW_RACKS))), s.gpus)
+            for s in supplies
+        )
+    chooser = TieredChooser(model, supplies, count, bound, same_switch=same_switch)
     for index in range(6):
         host = HostInfo(f"h{index}", Place(f"hosts/h{index}", *where(rng)), 16, frozenset(), True)
         every = [(model.round_trip(host.place, s.box.place).round_trip_ns, s) for s in supplies]
         links = [link for link in every if bound is None or link[0] <= bound]
         beyond = [link for link in every if bound is not None and link[0] > bound]
         reach = sum(supply.available for _, supply in links)
-        expected = [(p.rule, p.takes) for p in propose(host, 16, count, links)]
+        proposals = propose(host, 16, count, list(links), same_switch=same_switch)
+        expected = [(p.rule, p.takes) for p in proposals]
         choice = chooser.choose(host.place)
         assert choice.options == (expected if reach >= count else [])
         assert choice.reach == reach
+        if same_switch and reach >= count and not expected:
+            assert choice.switch == most_in_one_switch(links)
         assert choice.dropped == min(beyond, key=lambda link: link[0], default=None)
 
 
