@@ -14,7 +14,9 @@ What: :data:`MUTATIONS` lists every mutating RPC with how to find the resource i
 names (a test holds every RPC of the services to be either in it or a read). The
 :class:`AuditRecorder` interceptor wraps them outermost, so it sees every outcome —
 success, a validation error, PERMISSION_DENIED, UNAUTHENTICATED, UNAVAILABLE — and
-writes exactly one record per call after the call ends and before its answer is sent.
+writes exactly one record per call after the call ends and before its answer is sent
+(a successful ComposeNode's record is committed with the node instead, see
+:mod:`~dxpool.broker.audit_commit`).
 A record that cannot be written (etcd away) is logged and counted
 (``dxpool_audit_write_failures_total``); the call's own result stands, since the
 mutation, if any, has already been committed.
@@ -36,6 +38,7 @@ import grpc
 
 from dxpool.api.v1 import audit_pb2, inventory_pb2, nodes_pb2
 from dxpool.broker import metrics
+from dxpool.broker.audit_commit import CURRENT, PendingRecord
 from dxpool.broker.decoding import Handler, Interceptor
 from dxpool.errors import InvalidArgument, Unauthenticated
 from dxpool.identity import Identity
@@ -72,6 +75,7 @@ MUTATIONS: Mapping[str, Target] = {
 }
 
 DEFAULT_RETENTION_S = 30 * 24 * 3600.0
+OK = grpc.StatusCode.OK
 PRUNE_INTERVAL_S = 60.0
 MAX_PAGE_SIZE = 1000
 DEFAULT_PAGE_SIZE = 100
@@ -147,15 +151,10 @@ class AuditLog:
         etcd together, one transaction (up to 128 records) for all of them, written by
         the first of their callers: under load a call costs a share of one etcd
         request instead of one, and still returns only after its record is stored."""
-        now_ns = self._clock_ns()
-        record.time.FromNanoseconds(now_ns)
-        record.broker = self.broker
-        with self._lock:
-            seq = next(self._seq)
-        key = f"{self.prefix}{_time_key(now_ns)}-{self.broker}-{seq:010d}"
+        key, data = self.prepare(record)
         with self._flushed:
             group = self._open
-            group.records.append((key, record.SerializeToString()))
+            group.records.append((key, data))
             while self._writing and not group.done:
                 self._flushed.wait()
             if not group.done:  # this caller writes its group, and others join the next
@@ -172,7 +171,19 @@ class AuditLog:
                 self._flushed.notify_all()
         if group.error is not None:
             raise group.error
-        self._maybe_prune(now_ns)
+        self.maybe_prune()
+
+    def prepare(self, record: audit_pb2.AuditRecord) -> tuple[str, bytes]:
+        """The etcd key and bytes ``record`` is stored as (its time and broker are set
+        here), for a caller that puts it into a transaction of its own."""
+        now_ns = self._clock_ns()
+        record.time.FromNanoseconds(now_ns)
+        record.broker = self.broker
+        with self._lock:
+            seq = next(self._seq)
+        return f"{self.prefix}{_time_key(now_ns)}-{self.broker}-{seq:010d}", (
+            record.SerializeToString()
+        )
 
     def _put_all(self, records: list[tuple[str, bytes]]) -> None:
         """Put ``records``: one put for one, else transactions of up to
@@ -185,13 +196,14 @@ class AuditLog:
             chunk = records[start : start + MAX_RECORDS_PER_TXN]
             self._etcd.transaction(compare=[], success=[put(k, v) for k, v in chunk], failure=[])
 
-    def _maybe_prune(self, now_ns: int) -> None:
+    def maybe_prune(self) -> None:
+        """:meth:`prune`, at most once a ``PRUNE_INTERVAL_S`` per log."""
         now = time.monotonic()
         with self._lock:
             if now - self._pruned_at < PRUNE_INTERVAL_S:
                 return
             self._pruned_at = now
-        self.prune(now_ns)
+        self.prune()
 
     def prune(self, now_ns: int | None = None) -> None:
         """Delete every record older than the retention, in one range delete."""
@@ -306,11 +318,18 @@ class AuditRecorder(Interceptor):
 
         def recorded(request: Any, context: grpc.ServicerContext) -> Any:
             response = None
+            pending = PendingRecord(
+                lambda answer: self._audit.prepare(
+                    self._record_of(name, target, request, answer, context, OK, "")
+                )
+            )
+            opened = CURRENT.set(pending)
             try:
                 response = behavior(request, context)
                 return response
             finally:
-                self._record(name, target, request, response, context)
+                CURRENT.reset(opened)
+                self._record(name, target, request, response, context, pending.committed)
 
         return grpc.unary_unary_rpc_method_handler(
             recorded,
@@ -326,6 +345,30 @@ class AuditRecorder(Interceptor):
         except Unauthenticated:
             return "unauthenticated"
 
+    def _record_of(
+        self,
+        rpc: str,
+        target: Target,
+        request: Any,
+        response: Any,
+        context: grpc.ServicerContext,
+        code: grpc.StatusCode,
+        details: str,
+    ) -> audit_pb2.AuditRecord:
+        record = audit_pb2.AuditRecord(
+            identity=self._caller(context),
+            peer=_peer(context),
+            rpc=rpc,
+            request_id=str(getattr(request, "request_id", "") or ""),
+            code=code.name,
+            message=details if code != OK else "",
+        )
+        try:
+            record.target = target(request, response)
+        except Exception:  # an undecodable request has no fields to name a target by
+            record.target = ""
+        return record
+
     def _record(
         self,
         rpc: str,
@@ -333,22 +376,18 @@ class AuditRecorder(Interceptor):
         request: Any,
         response: Any,
         context: grpc.ServicerContext,
+        committed: bool,
     ) -> None:
+        """Writes the call's record, unless it was committed with the call's mutation
+        and the call ended OK (see :mod:`~dxpool.broker.audit_commit`)."""
         code, details = _status(context)
-        if response is None and code == grpc.StatusCode.OK:
+        if response is None and code == OK:
             code = grpc.StatusCode.UNKNOWN  # raised without setting a status
-        record = audit_pb2.AuditRecord(
-            identity=self._caller(context),
-            peer=_peer(context),
-            rpc=rpc,
-            request_id=str(getattr(request, "request_id", "") or ""),
-            code=code.name,
-            message=details if code != grpc.StatusCode.OK else "",
-        )
-        try:
-            record.target = target(request, response)
-        except Exception:  # an undecodable request has no fields to name a target by
-            record.target = ""
+        if committed:
+            self._audit.maybe_prune()
+            if code == OK:
+                return
+        record = self._record_of(rpc, target, request, response, context, code, details)
         try:
             self._audit.write(record)
         except Exception as error:

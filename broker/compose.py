@@ -29,6 +29,7 @@ from dxpool import lifecycle
 from dxpool.api.v1 import nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker import metrics
+from dxpool.broker.audit_commit import record_in
 from dxpool.broker.cache import Cache
 from dxpool.broker.fit import bind, placement_request, reserve_host_resources, still_takable
 from dxpool.broker.gang import GangComposer
@@ -408,9 +409,13 @@ class Composer:
         request_key = keys.request(request.request_id) if request.request_id else None
         if request_key:
             txn.expect_absent(request_key).put(request_key, name).read_on_failure(request_key)
+        # The call's audit record commits with the node (one etcd request, not two).
+        audited = record_in(txn, node)
         with metrics.COMPOSE_STAGE_SECONDS.labels(stage="commit").time():
             committed = self._store.commit(txn)
         if committed.succeeded:
+            if audited is not None:
+                audited()
             created = {node_key} | ({request_key} if request_key else set())
             if tenant_key is not None and tenant_key[1]:
                 created.add(tenant_key[0])

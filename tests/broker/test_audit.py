@@ -256,3 +256,50 @@ def test_a_failed_group_write_fails_every_caller_in_it(
         assert not audit._writing  # the next write is not left waiting
     finally:
         client.close()
+
+
+def test_a_composes_record_commits_in_the_nodes_own_transaction(
+    pool_client: Client,
+    etcd_client,  # type: ignore[no-untyped-def]
+    key_prefix: str,
+) -> None:
+    """A successful ComposeNode's record is stored by the transaction that creates the
+    node (same etcd revision), and only once; a refused compose is recorded after it."""
+    from dxpool.errors import ResourceExhausted
+    from dxpool.store.keys import KeySchema
+
+    client = pool_client
+    client.create_box("box1", gpus=4, model="H100", memory_mib=81920,
+                      location=("s1", "p1", "r1"))  # fmt: skip
+    wait_until(lambda: any(h.alive for h in client.list_hosts()), 20, message="h1 alive")
+    client.compose_node("H100:1", node_id="n1")
+    with pytest.raises(ResourceExhausted):
+        client.compose_node("H100:64", node_id="big")
+    stored = {}
+    for value, meta in etcd_client.get_prefix(audit_prefix(key_prefix)):
+        record = audit_pb2.AuditRecord.FromString(value)
+        stored.setdefault(record.target, []).append((record, meta.mod_revision))
+    (composed,) = stored["nodes/n1"]
+    _, node_meta = etcd_client.get(KeySchema(key_prefix).node("n1"))
+    assert composed[0].code == "OK" and composed[1] == node_meta.create_revision
+    (refused,) = stored["nodes/big"]
+    assert refused[0].code == "RESOURCE_EXHAUSTED"
+
+
+def test_a_transaction_outside_an_audited_call_gets_no_record() -> None:
+    from dxpool.broker.audit_commit import CURRENT, PendingRecord, record_in
+    from dxpool.store.typed import Txn
+
+    txn = Txn()
+    assert record_in(txn, None) is None and txn.writes == []
+    pending = PendingRecord(lambda answer: ("/audit/k", b"r"))
+    opened = CURRENT.set(pending)
+    try:
+        stored = record_in(txn, None)
+        assert stored is not None and txn.writes == [("/audit/k", b"r")]
+        assert not pending.committed  # not until the transaction committed
+        stored()
+        assert pending.committed
+        assert record_in(Txn(), None) is None  # once stored, never again
+    finally:
+        CURRENT.reset(opened)
