@@ -15,7 +15,7 @@ names (a test holds every RPC of the services to be either in it or a read). The
 :class:`AuditRecorder` interceptor wraps them outermost, so it sees every outcome —
 success, a validation error, PERMISSION_DENIED, UNAUTHENTICATED, UNAVAILABLE — and
 writes exactly one record per call after the call ends and before its answer is sent
-(a successful ComposeNode's record is committed with the node instead, see
+(a successful ComposeNode's or ReleaseNode's record is committed with the node instead, see
 :mod:`~dxpool.broker.audit_commit`).
 A record that cannot be written (etcd away) is logged and counted
 (``dxpool_audit_write_failures_total``); the call's own result stands, since the

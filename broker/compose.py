@@ -504,7 +504,9 @@ class Composer:
         known = self.lookup(k.NODES, node_id)
         host = parse_host(known.value.host) if known is not None and known.value.host else ""
         with self._host_locks.lock(host):
-            released = transact(self._store, self._cache, body, what=f"releasing {name}")
+            released = transact(
+                self._store, self._cache, body, what=f"releasing {name}", audited=True
+            )
         metrics.RELEASE_TOTAL.inc()
         return released
 

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import Message
 
+from dxpool.broker.audit_commit import record_in
 from dxpool.broker.cache import Cache
 from dxpool.errors import Aborted, NotFound
 from dxpool.store.typed import Store, Txn, Versioned
@@ -115,12 +116,17 @@ def transact(
     *,
     attempts: int = DEFAULT_ATTEMPTS,
     what: str = "change",
+    audited: bool = False,
 ) -> T:
     """Run ``body`` and commit its writes atomically against what it read.
 
     Returns ``body``'s result from the attempt that committed (or that wrote nothing).
     Raises :class:`~dxpool.errors.Aborted` after ``attempts`` lost compares, and
     :class:`~dxpool.errors.Unavailable` when etcd cannot be reached.
+
+    With ``audited`` (for a call whose one mutation this is, answered with ``body``'s
+    result), the call's audit record commits in the same transaction (see
+    :mod:`~dxpool.broker.audit_commit`).
     """
     for attempt in range(attempts):
         view = TxnView(store, cache)
@@ -133,8 +139,11 @@ def transact(
         if not view.has_writes:
             return result
         txn, created = view.build()
+        stored = record_in(txn, result) if audited else None
         committed = store.commit(txn)
         if committed.succeeded:
+            if stored is not None:
+                stored()
             cache.apply_commit(committed.revision, txn.writes, created=created)
             return result
         revision = cache.revision

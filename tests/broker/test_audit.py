@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from dxpool.api.v1 import audit_pb2, fabric_pb2, inventory_pb2, nodes_pb2
+from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.audit import MUTATIONS, AuditLog, audit_prefix
 from dxpool.broker.server import BrokerServer
 from dxpool.cli.main import cli
@@ -264,7 +265,8 @@ def test_a_composes_record_commits_in_the_nodes_own_transaction(
     key_prefix: str,
 ) -> None:
     """A successful ComposeNode's record is stored by the transaction that creates the
-    node (same etcd revision), and only once; a refused compose is recorded after it."""
+    node (same etcd revision), and only once; a refused compose is recorded after it; a
+    release's record commits with the release, a repeated release is recorded after."""
     from dxpool.errors import ResourceExhausted
     from dxpool.store.keys import KeySchema
 
@@ -275,6 +277,9 @@ def test_a_composes_record_commits_in_the_nodes_own_transaction(
     client.compose_node("H100:1", node_id="n1")
     with pytest.raises(ResourceExhausted):
         client.compose_node("H100:64", node_id="big")
+    client.compose_node("H100:1", node_id="n2")
+    released = client.release_node("n2")
+    client.release_node("n2")  # already releasing: nothing committed, recorded after
     stored = {}
     for value, meta in etcd_client.get_prefix(audit_prefix(key_prefix)):
         record = audit_pb2.AuditRecord.FromString(value)
@@ -284,6 +289,17 @@ def test_a_composes_record_commits_in_the_nodes_own_transaction(
     assert composed[0].code == "OK" and composed[1] == node_meta.create_revision
     (refused,) = stored["nodes/big"]
     assert refused[0].code == "RESOURCE_EXHAUSTED"
+    composed_n2, release, again = sorted(stored["nodes/n2"], key=lambda item: item[1])
+    assert [r.rpc for r, _ in (composed_n2, release, again)] == [
+        "NodeService.ComposeNode",
+        "NodeService.ReleaseNode",
+        "NodeService.ReleaseNode",
+    ]
+    # the node as the release's own revision wrote it: RELEASING, written right then
+    (kv,) = etcd_client.get_response(KeySchema(key_prefix).node("n2"), revision=release[1]).kvs
+    assert kv.mod_revision == release[1]
+    assert pb.VirtualNode.FromString(kv.value).state == pb.NODE_STATE_RELEASING
+    assert released.name == "nodes/n2" and again[0].code == "OK"
 
 
 def test_a_transaction_outside_an_audited_call_gets_no_record() -> None:
