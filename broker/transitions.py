@@ -109,6 +109,7 @@ def drop_release(view: TxnView, gpu: pb.Gpu) -> None:
     if any(stale(a) for a in allocation.attachments):
         spec = pb.HostAllocation(host=allocation.host or gpu.host)
         spec.attachments.extend(a for a in allocation.attachments if not stale(a))
+        spec.reservations.extend(allocation.reservations)  # other nodes' CPU and memory
         view.put(k.HOST_ALLOCATIONS, host_id, spec)
 
 
