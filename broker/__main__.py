@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+import dxpool.grpc_env  # noqa: F401 - before anything imports grpc
 from dxpool.extras import install_hint, missing_modules
 
 

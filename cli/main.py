@@ -18,6 +18,7 @@ from typing import Any
 import click
 
 import dxpool
+import dxpool.grpc_env  # before anything imports grpc
 from dxpool.cli.commands import (
     audit,
     box,

@@ -20,6 +20,7 @@ from typing import Any
 
 import click
 
+import dxpool.grpc_env  # noqa: F401 - before anything imports grpc
 from dxpool.cli.params import DAEMON_SECONDS
 from dxpool.errors import DxpoolError, InvalidArgument
 from dxpool.hostagent.agent import Agent
