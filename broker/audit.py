@@ -318,9 +318,10 @@ class AuditRecorder(Interceptor):
 
         def recorded(request: Any, context: grpc.ServicerContext) -> Any:
             response = None
+            caller = (self._caller(context), _peer(context))  # once per call
             pending = PendingRecord(
                 lambda answer: self._audit.prepare(
-                    self._record_of(name, target, request, answer, context, OK, "")
+                    self._record_of(name, target, request, answer, caller, OK, "")
                 )
             )
             opened = CURRENT.set(pending)
@@ -329,7 +330,7 @@ class AuditRecorder(Interceptor):
                 return response
             finally:
                 CURRENT.reset(opened)
-                self._record(name, target, request, response, context, pending.committed)
+                self._record(name, target, request, response, context, caller, pending.committed)
 
         return grpc.unary_unary_rpc_method_handler(
             recorded,
@@ -351,13 +352,14 @@ class AuditRecorder(Interceptor):
         target: Target,
         request: Any,
         response: Any,
-        context: grpc.ServicerContext,
+        caller: tuple[str, str],
         code: grpc.StatusCode,
         details: str,
     ) -> audit_pb2.AuditRecord:
+        """The record of a call by ``caller`` (identity, peer) that ended with ``code``."""
         record = audit_pb2.AuditRecord(
-            identity=self._caller(context),
-            peer=_peer(context),
+            identity=caller[0],
+            peer=caller[1],
             rpc=rpc,
             request_id=str(getattr(request, "request_id", "") or ""),
             code=code.name,
@@ -376,6 +378,7 @@ class AuditRecorder(Interceptor):
         request: Any,
         response: Any,
         context: grpc.ServicerContext,
+        caller: tuple[str, str],
         committed: bool,
     ) -> None:
         """Writes the call's record, unless it was committed with the call's mutation
@@ -387,7 +390,7 @@ class AuditRecorder(Interceptor):
             self._audit.maybe_prune()
             if code == OK:
                 return
-        record = self._record_of(rpc, target, request, response, context, code, details)
+        record = self._record_of(rpc, target, request, response, caller, code, details)
         try:
             self._audit.write(record)
         except Exception as error:

@@ -41,7 +41,7 @@ from dxpool.broker.records import copy, timestamp
 from dxpool.broker.resize import Resizer
 from dxpool.broker.stm import TxnView, read_through, transact
 from dxpool.broker.tenants import charged, confirmed_breach
-from dxpool.broker.transitions import gpu_id, let_go
+from dxpool.broker.transitions import fence_detaching, let_go
 from dxpool.broker.validation import check_node_spec
 from dxpool.errors import (
     Aborted,
@@ -85,7 +85,6 @@ class Composer:
         latency: LatencyModel | LatencySource,
         settings: ComposeSettings = ComposeSettings(),
         clock: Callable[[], float] = time.time,
-        host_locks: KeyedLocks | None = None,
     ) -> None:
         self._store = store
         self._cache = cache
@@ -93,7 +92,7 @@ class Composer:
         self._latency = as_source(latency)  # asked for its current model per placement
         self._settings = settings
         self._clock = clock
-        self._host_locks = host_locks if host_locks is not None else KeyedLocks()
+        self._host_locks = KeyedLocks()
         self._tenant_locks = KeyedLocks()
 
     @property
@@ -107,13 +106,6 @@ class Composer:
         composes and releases hold one, gangs (:mod:`dxpool.broker.gang`) several, in
         sorted order."""
         return self._host_locks
-
-    @property
-    def tenant_locks(self) -> KeyedLocks:
-        """The per-tenant locks under which this broker charges a tenant's usage, taken
-        inside the host locks: a compose or resize holds one, a gang those of its
-        members' tenants, in sorted order."""
-        return self._tenant_locks
 
     def gangs(self) -> GangComposer:
         """A gang composer (ComposeGang, GetGang, ReleaseGang) over the same store,
@@ -187,7 +179,7 @@ class Composer:
             # Before placement, refuse what the quota refuses whatever GPUs are chosen
             # (a model placement picks is checked at the commit, against fresh usage).
             wanted = [request.spec.gpus.model] * request.spec.gpus.count
-            error = self._quota_breach(tenant_id, wanted)
+            error = confirmed_breach(self._store, self._cache, tenant_id, wanted)
             if error is not None:
                 metrics.COMPOSE_TOTAL.labels(result="quota_exceeded").inc()
                 raise error
@@ -249,15 +241,6 @@ class Composer:
         """Composes of one tenant in this broker commit one at a time (inside their host
         locks), so they do not fail each other's compares on the tenant's record."""
         return self._tenant_locks.lock(tenant_id) if tenant_id else nullcontext()
-
-    def _quota_breach(self, tenant_id: str, models: list[str]) -> ResourceExhausted | None:
-        """The QUOTA_EXCEEDED error a node of GPUs ``models`` would cause, judged on the
-        tenant's record as etcd holds it now; None if it fits.
-
-        The cache's record is tried first; a refusal is confirmed by a linearizable read
-        (the cache may lag behind a release another broker committed), which the cache
-        takes. A pass is never final: the commit compares the record it was based on."""
-        return confirmed_breach(self._store, self._cache, tenant_id, models)
 
     def lookup(self, collection: str, name: str) -> Versioned[Any] | None:
         """A record from the cache, or from etcd when the cache lacks it (see
@@ -444,7 +427,7 @@ class Composer:
         if not tenant_id:
             return None
         models = [binding.model for binding in node.gpus]
-        error = self._quota_breach(tenant_id, models)
+        error = confirmed_breach(self._store, self._cache, tenant_id, models)
         if error is not None:
             metrics.COMPOSE_TOTAL.labels(result="quota_exceeded").inc()
             raise error
@@ -489,7 +472,7 @@ class Composer:
             node: pb.VirtualNode = record.value
             if node.state in (pb.NODE_STATE_RELEASING, pb.NODE_STATE_RELEASED):
                 if force and node.state == pb.NODE_STATE_RELEASING:
-                    self._fence_owned(view, node)
+                    fence_detaching(view, node)
                 return node
             message = (
                 "force release requested; fencing GPUs at the box side"
@@ -509,23 +492,6 @@ class Composer:
             )
         metrics.RELEASE_TOTAL.inc()
         return released
-
-    @staticmethod
-    def _fence_owned(view: TxnView, node: pb.VirtualNode) -> None:
-        """Turn a releasing node's DETACHING GPUs into FENCING (a forced retry)."""
-        for binding in node.gpus:
-            gpu_key = gpu_id(binding.gpu)
-            record = view.get(k.GPUS, gpu_key)
-            if (
-                record is not None
-                and record.value.node == node.name
-                and (record.value.state == pb.GPU_STATE_DETACHING)
-            ):
-                view.put(
-                    k.GPUS,
-                    gpu_key,
-                    lifecycle.begin_fence(record.value, "fencing: force release requested"),
-                )
 
 
 def _bindings(result: PlacementResult) -> list[pb.GpuBinding]:

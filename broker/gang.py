@@ -73,7 +73,7 @@ from dxpool.broker.placement import (
 from dxpool.broker.records import copy, timestamp
 from dxpool.broker.stm import TxnView, read_through, transact
 from dxpool.broker.tenants import charged, confirmed_breach
-from dxpool.broker.transitions import gpu_id, let_go
+from dxpool.broker.transitions import fence_detaching, let_go
 from dxpool.broker.validation import check_node_spec
 from dxpool.errors import (
     Aborted,
@@ -596,7 +596,7 @@ class GangComposer:
                     raise _gang_not_found(name)
                 if node.state in (pb.NODE_STATE_RELEASING, pb.NODE_STATE_RELEASED):
                     if force and node.state == pb.NODE_STATE_RELEASING:
-                        _fence_detaching(view, node)
+                        fence_detaching(view, node)
                     released.append(node)
                     continue
                 released.append(
@@ -611,23 +611,6 @@ class GangComposer:
             gang = transact(self._store, self._cache, body, what=f"releasing {name}")
         metrics.RELEASE_TOTAL.inc()
         return gang
-
-
-def _fence_detaching(view: TxnView, node: pb.VirtualNode) -> None:
-    """Turn a releasing node's DETACHING GPUs into FENCING (a forced retry)."""
-    for binding in node.gpus:
-        ref = gpu_id(binding.gpu)
-        record = view.get(k.GPUS, ref)
-        if (
-            record is not None
-            and record.value.node == node.name
-            and record.value.state == pb.GPU_STATE_DETACHING
-        ):
-            view.put(
-                k.GPUS,
-                ref,
-                lifecycle.begin_fence(record.value, "fencing: force release requested"),
-            )
 
 
 def _by_tenant(items: list[_V], tenant_of: Callable[[_V], str]) -> dict[str, list[_V]]:

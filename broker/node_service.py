@@ -61,12 +61,11 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
         watch: WatchSettings | None = None,
         *,
         identify: Identify | None = None,
-        tenants: Tenants | None = None,
     ) -> None:
         self._composer = composer
         self._gangs = composer.gangs()
         self._resizer = composer.resizer()
-        self._tenants = tenants if tenants is not None else Tenants(composer.store, cache)
+        self._tenants = Tenants(composer.store, cache)
         self._cache = cache
         self._identify = identify
         self.feed = NodeFeed(cache, watch, lookup=composer.lookup)

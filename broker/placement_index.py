@@ -254,12 +254,15 @@ class PlacementIndex:
         records each box and the host as changed. Called with the lock held."""
         slots = self._held_slots.setdefault(placement.host, Counter())
         boxes: list[str] = []
+        held = self._held_gpus
         for binding in placement.bindings:
-            self._held_gpus[(binding.box, binding.slot)] += step
+            gpu = (binding.box, binding.slot)
+            held[gpu] += step
+            if held[gpu] <= 0:
+                del held[gpu]  # nobody holds it any more
             slots[binding.host_slot] += step
             if binding.box not in boxes:
                 boxes.append(binding.box)
-        self._held_gpus = +self._held_gpus  # drops what nobody holds any more
         slots = +slots
         if slots:
             self._held_slots[placement.host] = slots

@@ -113,6 +113,23 @@ def drop_release(view: TxnView, gpu: pb.Gpu) -> None:
         view.put(k.HOST_ALLOCATIONS, host_id, spec)
 
 
+def fence_detaching(view: TxnView, node: pb.VirtualNode) -> None:
+    """Turn a releasing node's DETACHING GPUs into FENCING (a forced retry)."""
+    for binding in node.gpus:
+        gpu_key = gpu_id(binding.gpu)
+        record = view.get(k.GPUS, gpu_key)
+        if (
+            record is not None
+            and record.value.node == node.name
+            and record.value.state == pb.GPU_STATE_DETACHING
+        ):
+            view.put(
+                k.GPUS,
+                gpu_key,
+                lifecycle.begin_fence(record.value, "fencing: force release requested"),
+            )
+
+
 def owned_gpus(view: TxnView, node: pb.VirtualNode) -> list[str]:
     """The GPUs (resource names) that still name ``node`` as their owner."""
     owned = []
@@ -123,4 +140,4 @@ def owned_gpus(view: TxnView, node: pb.VirtualNode) -> list[str]:
     return owned
 
 
-__all__ = ["drop_release", "gpu_id", "identity_changed", "let_go", "owned_gpus"]
+__all__ = ["drop_release", "fence_detaching", "gpu_id", "identity_changed", "let_go", "owned_gpus"]

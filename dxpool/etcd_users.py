@@ -19,7 +19,7 @@ from typing import Final
 
 from dxpool.names import check_id
 
-__all__ = ["AGENT_USER_PREFIX", "BROKER_USER", "ROOT_USER", "agent_user", "host_of_agent_user"]
+__all__ = ["AGENT_USER_PREFIX", "BROKER_USER", "ROOT_USER", "agent_user"]
 
 ROOT_USER: Final = "root"
 BROKER_USER: Final = "dxpool-broker"
@@ -30,10 +30,3 @@ def agent_user(host: str) -> str:
     """``h1`` -> ``dxpool-agent-h1``; InvalidArgument when ``host`` is not a valid id."""
     check_id(host, "host")
     return f"{AGENT_USER_PREFIX}{host}"
-
-
-def host_of_agent_user(user: str) -> str | None:
-    """``dxpool-agent-h1`` -> ``h1``; None for a user that is not an agent's."""
-    if not user.startswith(AGENT_USER_PREFIX) or len(user) == len(AGENT_USER_PREFIX):
-        return None
-    return user[len(AGENT_USER_PREFIX) :]
