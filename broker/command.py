@@ -12,8 +12,7 @@ import click
 
 from dxpool.broker.audit import DEFAULT_RETENTION_S as DEFAULT_AUDIT_RETENTION_S
 from dxpool.broker.server import DEFAULT_LISTEN, BrokerConfig, BrokerServer
-from dxpool.cli.params import DAEMON_SECONDS
-from dxpool.cli.params import LATENCY as DURATION
+from dxpool.cli.params import DAEMON_SECONDS, DURATION
 from dxpool.errors import InvalidArgument
 from dxpool.fabric.models import MODELS
 from dxpool.logs import configure_logging

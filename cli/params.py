@@ -15,12 +15,14 @@ import click
 from dxpool import client
 from dxpool.errors import InvalidArgument
 from dxpool.fabric.overhead import WORKLOAD_GRAMMAR, parse_slowdown, parse_workload
-from dxpool.limits import MAX_DURATION_NS
+from dxpool.limits import MAX_DURATION_NS, MAX_HOST_CPUS, MAX_LATENCY_NS
+from dxpool.names import check_id, check_request_id
 from dxpool.request import (
     GPU_GRAMMAR,
     SPREAD_GRAMMAR,
     GpuSpec,
     check_model,
+    format_duration_ns,
     parse_duration_ns,
     parse_gpus,
     parse_host_memory_mib,
@@ -105,7 +107,35 @@ def _model_limit(value: str) -> tuple[str, int]:
 
 GPUS = _GrammarType("MODEL:COUNT", _gpus, GPU_GRAMMAR)
 """``H100:4``, ``A100``, ``8``, ``*:2`` or ``H100|A100:4`` -> :class:`~dxpool.request.GpuSpec`."""
-LATENCY = _GrammarType("DURATION", parse_duration_ns)
+DURATION = _GrammarType("DURATION", parse_duration_ns)
+
+
+def _latency(value: str) -> int:
+    ns = parse_duration_ns(value)
+    if ns > MAX_LATENCY_NS:
+        raise InvalidArgument(
+            f"latency {value} is more than {format_duration_ns(MAX_LATENCY_NS)}: give a round "
+            "trip such as 4us"
+        )
+    return ns
+
+
+LATENCY = _GrammarType("DURATION", _latency)
+"""A round-trip bound (``--max-latency``): a duration up to ``MAX_LATENCY_NS``."""
+
+NODE_ID = _GrammarType("ID", lambda value: check_id(value, "node"))
+GANG_ID = _GrammarType("ID", lambda value: check_id(value, "gang"))
+
+
+def _tenant_as_given(value: str) -> str:
+    if value:
+        client.tenant_name(value)  # raises for a malformed one; the value goes on as given
+    return value
+
+
+TENANT_ID = _GrammarType("TENANT", _tenant_as_given)
+REQUEST_ID = _GrammarType("REQUEST_ID", check_request_id)
+CPUS = click.IntRange(min=1, max=MAX_HOST_CPUS)
 """``4us`` -> 4000 (nanoseconds)."""
 SECONDS = _GrammarType("DURATION", _seconds)
 """``120s`` or ``500ms`` -> seconds as a float."""

@@ -21,7 +21,7 @@ from dxpool.cli.output import (
     print_many,
     to_dict,
 )
-from dxpool.cli.params import GANG, SECONDS
+from dxpool.cli.params import GANG, GANG_ID, REQUEST_ID, SECONDS
 from dxpool.cli.views import NODE_VIEW
 from dxpool.client import node_state_name
 from dxpool.request import GpuSpec
@@ -51,8 +51,12 @@ def gang() -> None:
     required=True,
     help="How many member nodes, each with the spec given.",
 )
-@click.option("--name", "gang_id", default=None, help="Gang id; generated when not given.")
-@click.option("--request-id", default=None, help="Idempotency key; a retry returns the gang.")
+@click.option(
+    "--name", "gang_id", type=GANG_ID, default=None, help="Gang id; generated when not given."
+)
+@click.option(
+    "--request-id", type=REQUEST_ID, default=None, help="Idempotency key; a retry returns the gang."
+)
 @click.option("--wait", is_flag=True, help="Wait until every member is READY.")
 @click.option(
     "--timeout",

@@ -26,6 +26,7 @@ from dxpool.cli.output import (
     to_dict,
 )
 from dxpool.cli.params import (
+    CPUS,
     GPU,
     GPUS,
     HOST,
@@ -34,9 +35,12 @@ from dxpool.cli.params import (
     LATENCY,
     MEMORY,
     NODE,
+    NODE_ID,
+    REQUEST_ID,
     SECONDS,
     SLOWDOWN,
     SPREAD,
+    TENANT_ID,
     WORKLOAD,
     ignore_not_found_option,
     labels_dict,
@@ -106,7 +110,7 @@ def _request_options(command: _F) -> _F:
         click.option("--min-memory", type=MEMORY, default=None, help="Least memory per GPU."),
         click.option(
             "--cpus",
-            type=click.IntRange(min=1),
+            type=CPUS,
             default=None,
             help="CPU cores the node needs free on its host (agent --cpus).",
         ),
@@ -133,6 +137,7 @@ def _request_options(command: _F) -> _F:
         click.option("--vfio", is_flag=True, help="Bind the GPUs to vfio-pci for a VM."),
         click.option(
             "--tenant",
+            type=TENANT_ID,
             default="",
             help="Tenant the node is charged to (its quota applies); a tenant is always "
             "charged itself.",
@@ -207,8 +212,12 @@ def node() -> None:
 
 @node.command("create")
 @_request_options
-@click.option("--name", "node_id", default=None, help="Node id; generated when not given.")
-@click.option("--request-id", default=None, help="Idempotency key; a retry returns the node.")
+@click.option(
+    "--name", "node_id", type=NODE_ID, default=None, help="Node id; generated when not given."
+)
+@click.option(
+    "--request-id", type=REQUEST_ID, default=None, help="Idempotency key; a retry returns the node."
+)
 @click.option("--wait", is_flag=True, help="Wait until the node is READY.")
 @click.option(
     "--timeout",
@@ -522,7 +531,9 @@ def delete(
     multiple=True,
     help="Shrink by this GPU (BOX/SLOT); repeatable.",
 )
-@click.option("--request-id", default=None, help="Idempotency key; a retry resizes once.")
+@click.option(
+    "--request-id", type=REQUEST_ID, default=None, help="Idempotency key; a retry resizes once."
+)
 @click.option(
     "--wait", is_flag=True, help="Wait until the node is READY again (GPUs attached or freed)."
 )

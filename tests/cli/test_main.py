@@ -54,6 +54,12 @@ def runner(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> CliRunner:
         (["--endpoint", "http://h:1/api", "box", "list"], "has no path"),
         (["--request-timeout", "0s", "box", "list"], "must be positive"),
         (["frobnicate"], "No such command 'frobnicate'"),
+        (["node", "create", "--gpus", "2", "--name", "Bad!"], "invalid node id 'Bad!'"),
+        (["gang", "create", "--gpus", "2", "--count", "2", "--name", "Bad!"], "invalid gang id"),
+        (["node", "create", "--gpus", "2", "--request-id", "a b"], "invalid request_id"),
+        (["node", "create", "--gpus", "2", "--cpus", "100000000"], "1<=x<=65536"),
+        (["node", "create", "--gpus", "2", "--tenant", "Bad!"], "invalid tenant id"),
+        (["node", "create", "--gpus", "2", "--max-latency", "1000s"], "more than 10s"),
     ],
 )
 def test_usage_errors_exit_2(runner: CliRunner, args: list[str], expected: str) -> None:
