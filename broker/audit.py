@@ -43,6 +43,7 @@ from dxpool.broker.decoding import Handler, Interceptor
 from dxpool.errors import InvalidArgument, Unauthenticated
 from dxpool.identity import Identity
 from dxpool.limits import MAX_PAGE_TOKEN
+from dxpool.store.keys import KeySchema
 
 __all__ = ["MUTATIONS", "AuditLog", "AuditRecorder", "audit_prefix"]
 
@@ -83,8 +84,9 @@ _SCAN_BATCH = 500
 
 
 def audit_prefix(key_prefix: str) -> str:
-    """``/dxpool/v1/`` -> ``/dxpool/v1-audit/``: beside the pool's keys, not under them."""
-    return key_prefix.rstrip("/") + "-audit/"
+    """``/dxpool/v1/`` -> ``/dxpool/v1-audit/``: beside the pool's keys, not under them
+    (:attr:`~dxpool.store.keys.KeySchema.audit_prefix`)."""
+    return KeySchema(key_prefix).audit_prefix
 
 
 def _time_key(time_ns: int) -> str:

@@ -28,6 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 
+from dxpool import lifecycle
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker import records
 from dxpool.broker.cache import Cache
@@ -41,15 +42,9 @@ from dxpool.request import check_model
 from dxpool.store import keys as k
 from dxpool.store.typed import Store, Versioned
 
-CHARGED_NODE_STATES = frozenset(
-    {
-        pb.NODE_STATE_PENDING,
-        pb.NODE_STATE_ATTACHING,
-        pb.NODE_STATE_READY,
-        pb.NODE_STATE_RESIZING,
-        pb.NODE_STATE_DEGRADED,
-    }
-)
+CHARGED_NODE_STATES = lifecycle.LOSABLE_NODE_STATES
+"""A node counts against its tenant in the states whose GPUs it holds (and a lost host
+would take from it)."""
 """The states in which a charged node counts in its tenant's usage: every state that
 holds GPUs (a RESIZING or DEGRADED node keeps the GPUs it had while READY)."""
 

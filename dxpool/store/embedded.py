@@ -440,7 +440,7 @@ class EtcdCluster:
         target_status = target.raft_status()
         if target_status is None:
             raise RuntimeError(f"etcd member {target.name} cannot lead: it does not answer")
-        channel = grpc.insecure_channel(leader.endpoint)
+        channel = member_channel(leader.address)
         try:
             etcd3.etcdrpc.MaintenanceStub(channel).MoveLeader(
                 etcd3.etcdrpc.MoveLeaderRequest(targetID=target_status[0]), timeout=timeout_s
