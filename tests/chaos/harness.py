@@ -40,6 +40,13 @@ from dxpool.store.keys import KeySchema
 GPU_MODEL = "H100"
 GPU_MEMORY_MIB = 81920
 LOG_TAIL_BYTES = 4000
+# A refused connection puts a channel into gRPC's reconnect backoff (1 s, growing): poll
+# a starting broker at the interval wait_serving sleeps instead.
+POLL_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 100),
+]
 
 
 def die_with_parent() -> list[str]:
@@ -187,7 +194,7 @@ class Broker(ManagedProcess):
     def wait_serving(self, timeout_s: float = 30.0) -> None:
         """Wait until gRPC health says SERVING; RuntimeError if the process exits."""
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.endpoint) as channel:
+        with grpc.insecure_channel(self.endpoint, options=POLL_CHANNEL_OPTIONS) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if not self.running:
