@@ -33,7 +33,7 @@ nearest of the few tightest boxes is also handed out per host class at once
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, insort
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -62,6 +62,14 @@ MAX_NEAR_KEPT = 64
 FEW_TIGHTEST = 8
 """At most this many classes holding the tightest box: that rule asks the model for the
 round trip to each instead of walking the ranking to the nearest."""
+
+LARGE_TIER = 64
+"""A ranking tier of more box classes than this (the rest of a site, for the tree model)
+is not listed on a walk: its first box that holds the request comes from the chooser's
+order of every class's first such box (see :meth:`TieredChooser._least_in`)."""
+
+MAX_TIER_SETS = 4096
+"""Tiers whose class sets are remembered (see :meth:`TieredChooser._least_in`)."""
 
 
 def supply_order(supply: BoxSupply) -> tuple[int, str]:
@@ -102,6 +110,36 @@ class Choice:
     reach: int
     dropped: Link | None
     switch: tuple[int, str] | None = None
+
+
+@dataclass(slots=True)
+class _Tier:
+    """The classes of one ranking tier that hold boxes of the supply, as a walk sees it.
+
+    ``least`` is the first box of the tier's (usable GPUs, box id) order that holds the
+    whole request (None if none does): the answer of every rule that looks for one box.
+    :meth:`classes` lists the tier's classes, which a large tier makes only when a rule
+    needs every box (a request no single box of the tier holds)."""
+
+    latency: int
+    least: BoxSupply | None
+    _classes: list[_BoxClass] | None
+    _numbers: tuple[int, ...] = ()
+    _present: Callable[[int], _BoxClass | None] | None = None
+
+    def classes(self) -> list[_BoxClass]:
+        """The tier's classes that hold boxes (ascending class number)."""
+        if self._classes is None:
+            assert self._present is not None
+            present = self._present
+            self._classes = [found for n in self._numbers if (found := present(n)) is not None]
+        return self._classes
+
+    @staticmethod
+    def listed(latency: int, classes: list[_BoxClass]) -> _Tier:
+        """A tier whose classes are known."""
+        fits = [c.fits for c in classes if c.fits is not None]
+        return _Tier(latency, min(fits, key=supply_order) if fits else None, classes)
 
 
 _Stamp = tuple[object, tuple[tuple[int, BoxSupply], ...] | None]
@@ -178,6 +216,12 @@ class TieredChooser:
         # the nearest of a set of tightest boxes per host class, by that set's (class,
         # box id) pairs; shared along advance() like the round trips it is made from
         self._near: dict[tuple[tuple[int, str], ...], dict[int, tuple[int, int]]] = {}
+        # (usable GPUs, box id, class) of every class's first box that holds the request,
+        # ascending; made when a large tier is first walked, then carried along advance()
+        self._fits_order: list[tuple[int, str, int]] | None = None
+        # the class set of each large tier walked, by id() of the ranking's tuple (kept
+        # with it); shared along advance() like the round trips
+        self._tier_sets: dict[int, tuple[tuple[int, ...], frozenset[int]]] = {}
         # host classes whose parts() may differ from the previous chooser's; None: any
         self._changed: frozenset[int] | None = None
 
@@ -215,8 +259,10 @@ class TieredChooser:
         following = TieredChooser.__new__(TieredChooser)
         following._setup(self._model, self._count, self._bound, classes, sizes, self._switch)
         following._tightest = self._tightest_after(following, touched)
+        following._fits_order = self._fits_order_after(classes, touched)
         following._class_ns = self._class_ns
         following._near = self._near
+        following._tier_sets = self._tier_sets
         following._keep_memos(self, frozenset(touched))
         return following
 
@@ -237,6 +283,52 @@ class TieredChooser:
             if found is not None and found.fits is not None and found.fits.available == fewest:
                 pairs.append((number, found.fits))
         return tuple(sorted(pairs, key=lambda pair: pair[0]))
+
+    def _fits_order_after(
+        self, classes: Mapping[int, _BoxClass], touched: Iterable[int]
+    ) -> list[tuple[int, str, int]] | None:
+        """The order of first fitting boxes (see ``_fits_order``) of the chooser whose
+        classes are ``classes``, which differ from this one's in the ``touched`` ones;
+        None when this chooser has not made its own."""
+        order = self._fits_order
+        if order is None:
+            return None
+        order = order.copy()
+        for number in touched:
+            known = self._classes.get(number)
+            if known is not None and known.fits is not None:
+                entry = _fits_entry(known.fits, number)
+                at = bisect_left(order, entry)
+                if at == len(order) or order[at] != entry:
+                    return None  # not this chooser's order: the next makes its own
+                del order[at]
+            found = classes.get(number)
+            if found is not None and found.fits is not None:
+                insort(order, _fits_entry(found.fits, number))
+        return order
+
+    def _least_in(self, numbers: tuple[int, ...]) -> BoxSupply | None:
+        """The first box by (usable GPUs, box id) among the classes ``numbers`` that holds
+        the request (None if none does), from the order of every class's first such box:
+        for a large tier that order's first entry of the tier is usually its first."""
+        order = self._fits_order
+        if order is None:
+            order = sorted(
+                _fits_entry(found.fits, number)
+                for number, found in self._classes.items()
+                if found.fits is not None
+            )
+            self._fits_order = order
+        known = self._tier_sets.get(id(numbers))
+        if known is None or known[0] is not numbers:
+            if len(self._tier_sets) >= MAX_TIER_SETS:
+                self._tier_sets.clear()
+            known = self._tier_sets[id(numbers)] = (numbers, frozenset(numbers))
+        members = known[1]
+        for _, _, number in order:
+            if number in members:
+                return self._classes[number].fits
+        return None
 
     def _keep_memos(self, before: TieredChooser, touched: frozenset[int]) -> None:
         """Keeps ``before``'s choices whose walk looked at no class that changed (see the
@@ -411,12 +503,11 @@ class TieredChooser:
         if stamp[1] is None:
             walked: list[int] = []
             tightest: Link | None = None
-            for latency, tier in self._present(memo.ranking, walked):
-                tight = [
-                    c.fits for c in tier if c.fits is not None and c.fits.available == stamp[0]
-                ]
-                if tight:
-                    tightest = (latency, min(tight, key=supply_order))
+            for tier in self._present(memo.ranking, walked):
+                # the least box of a tier has its fewest usable GPUs: the tightest if any
+                least = tier.least
+                if least is not None and least.available == stamp[0]:
+                    tightest = (tier.latency, least)
                     break
             if examined is not None:
                 examined = examined.union(walked)
@@ -447,17 +538,20 @@ class TieredChooser:
             choice = Choice(options_, self._usable, None, most)
             base = options(self._count, nearest, single, None, self._first_rule)
             return _Memo(choice, ranking, _seen(examined), stamp, nearest, single, base)
-        within: list[tuple[int, list[_BoxClass]]] = []
+        within: list[_Tier] = []
         dropped: Link | None = None
-        for latency, tier in tiers:
-            if latency > bound:
-                dropped = (latency, min((c.boxes[0] for c in tier), key=supply_order))
+        for tier in tiers:
+            classes = tier.classes()
+            if not classes:
+                continue  # a large tier with no box of the supply
+            if tier.latency > bound:
+                dropped = (tier.latency, min((c.boxes[0] for c in classes), key=supply_order))
                 break
-            within.append((latency, tier))
-        reach = sum(c.usable for _, tier in within for c in tier)
+            within.append(tier)
+        reach = sum(c.usable for tier in within for c in tier.classes())
         if reach < self._count:
             return _Memo(Choice([], reach, dropped), ranking, _seen(examined), None)
-        fitting = [c.fits for _, tier in within for c in tier if c.fits is not None]
+        fitting = [tier.least for tier in within if tier.least is not None]
         fewest = min(fits.available for fits in fitting) if fitting else None
         options_, _, _, most = self._rules(iter(within), fewest, None)
         return _Memo(Choice(options_, reach, dropped, most), ranking, _seen(examined), None)
@@ -476,21 +570,25 @@ class TieredChooser:
                 best = (ns, supply)
         return best
 
-    def _present(
-        self, ranking: Tiers, examined: list[int]
-    ) -> Iterator[tuple[int, list[_BoxClass]]]:
-        """The ranking's tiers that hold boxes of the supply, as those boxes' classes;
-        adds the class numbers of each tier consumed to ``examined``."""
+    def _present(self, ranking: Tiers, examined: list[int]) -> Iterator[_Tier]:
+        """The ranking's tiers that hold boxes of the supply; adds the class numbers of
+        each tier consumed to ``examined`` until it holds more than ``MAX_EXAMINED``
+        (then the walk rests on every class anyway). A large tier (more than
+        ``LARGE_TIER`` classes) is yielded unlisted, and may hold no box at all."""
         present = self._classes.get
         for latency, numbers in ranking:
-            examined.extend(numbers)
+            if len(examined) <= MAX_EXAMINED:  # beyond, the walk rests on every class
+                examined.extend(numbers)
+            if len(numbers) > LARGE_TIER:
+                yield _Tier(latency, self._least_in(numbers), None, numbers, present)
+                continue
             tier = [found for number in numbers if (found := present(number)) is not None]
             if tier:
-                yield latency, tier
+                yield _Tier.listed(latency, tier)
 
     def _rules(
         self,
-        tiers: Iterator[tuple[int, list[_BoxClass]]],
+        tiers: Iterator[_Tier],
         fewest: int | None,
         tightest_direct: Callable[[], Link | None] | None,
     ) -> tuple[list[Option], tuple[Take, ...] | None, Link | None, tuple[int, str] | None]:
@@ -508,27 +606,36 @@ class TieredChooser:
         single: Link | None = None
         tightest: Link | None = None
         want_single = want_tightest = fewest is not None
-        for latency, tier in tiers:
+        for tier in tiers:
+            latency, least = tier.latency, tier.least
             if remaining:
-                if len(tier) == 1:
-                    boxes = list(tier[0].boxes)
+                if fill is None and remaining == self._count and least is not None:
+                    # Best fit of the whole request in this tier is its first box that
+                    # holds it: no need to merge the classes' boxes.
+                    takes.append(Take(least, remaining, latency))
+                    remaining = 0
                 else:
-                    boxes = sorted(chain.from_iterable(c.boxes for c in tier), key=supply_order)
-                if fill is None:
-                    remaining = fill_tier(remaining, latency, boxes, takes)
-                else:
-                    filled = fill.add(latency, boxes)
-                    if filled is not None:
-                        takes.extend(filled)
-                        remaining = 0
-            if want_single or want_tightest:
-                fits = [c.fits for c in tier if c.fits is not None]
-                if fits and want_single:
-                    single = (latency, min(fits, key=supply_order))
+                    classes = tier.classes()
+                    if len(classes) == 1:
+                        boxes = list(classes[0].boxes)
+                    else:
+                        boxes = sorted(
+                            chain.from_iterable(c.boxes for c in classes), key=supply_order
+                        )
+                    if fill is None:
+                        remaining = fill_tier(remaining, latency, boxes, takes)
+                    else:
+                        filled = fill.add(latency, boxes)
+                        if filled is not None:
+                            takes.extend(filled)
+                            remaining = 0
+            if least is not None:
+                # the least box holds the request with the tier's fewest usable GPUs
+                if want_single:
+                    single = (latency, least)
                     want_single = False
-                tight = [f for f in fits if f.available == fewest]
-                if tight and want_tightest:
-                    tightest = (latency, min(tight, key=supply_order))
+                if want_tightest and least.available == fewest:
+                    tightest = (latency, least)
                     want_tightest = False
             if not (remaining or want_single or (want_tightest and tightest_direct is None)):
                 break
@@ -538,6 +645,11 @@ class TieredChooser:
         most = fill.most() if fill is not None and nearest is None else None
         chosen = options(self._count, nearest, single, tightest, self._first_rule)
         return chosen, nearest, single, most
+
+
+def _fits_entry(supply: BoxSupply, number: int) -> tuple[int, str, int]:
+    """A class's entry in a chooser's order of first fitting boxes."""
+    return supply.available, supply.box.box, number
 
 
 def _same_stamp(made: _Stamp | None, now: _Stamp) -> bool:

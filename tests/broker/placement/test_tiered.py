@@ -21,6 +21,7 @@ from dxpool.broker.placement import (
     Snapshot,
     place,
 )
+from dxpool.broker.placement import tiered as tiered_rules
 from dxpool.broker.placement.framework import BoxSupply, Take
 from dxpool.broker.placement.selection import most_in_one_switch, options, propose, switch_of
 from dxpool.broker.placement.status import SUCCESS, Status
@@ -140,9 +141,19 @@ def topology() -> Topology:
     return Topology.from_yaml(TOPOLOGY)
 
 
+@pytest.fixture(params=["listed", "unlisted"])
+def tier_listing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test as it is, and again with every ranking tier taken as a large one: not
+    listed, its first fitting box found in the chooser's order of every class's first
+    fitting box (carried along advance())."""
+    if request.param == "unlisted":
+        monkeypatch.setattr(tiered_rules, "LARGE_TIER", 0)
+    return str(request.param)
+
+
 @pytest.mark.parametrize("seed", range(CASES))
 def test_the_tiered_path_answers_exactly_as_the_pair_by_pair_path(
-    seed: int, topology: Topology
+    seed: int, topology: Topology, tier_listing: str
 ) -> None:
     snapshot, request = random_case(random.Random(seed))
     model = CountingModel(topology)
@@ -161,7 +172,7 @@ def test_the_tiered_path_answers_exactly_as_the_pair_by_pair_path(
 
 @pytest.mark.parametrize("seed", range(CASES))
 def test_with_switch_affinity_the_tiered_path_answers_as_the_pair_by_pair_path(
-    seed: int, topology: Topology
+    seed: int, topology: Topology, tier_listing: str
 ) -> None:
     rng = random.Random(seed)
     snapshot, request = with_switch(random_case(rng), rng)
@@ -252,7 +263,7 @@ class Supplies:
 
 @pytest.mark.parametrize("seed", range(40))
 def test_the_chooser_makes_the_choices_propose_makes_from_every_link(
-    seed: int, topology: Topology
+    seed: int, topology: Topology, tier_listing: str
 ) -> None:
     rng = random.Random(seed)
     supplies = Supplies.make(rng).boxes
@@ -358,7 +369,7 @@ def test_a_score_that_tells_hosts_of_a_class_apart_makes_every_host_be_scored(
 
 @pytest.mark.parametrize("seed", range(40))
 def test_an_advanced_chooser_chooses_as_one_built_from_scratch(
-    seed: int, topology: Topology
+    seed: int, topology: Topology, tier_listing: str
 ) -> None:
     """advance() keeps choices whose racks did not change and finds the tightest box
     again when only it moved: after random changes to the supply, every host gets what
