@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import random
 import secrets
+import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -94,6 +95,12 @@ class Composer:
         self._clock = clock
         self._host_locks = KeyedLocks()
         self._tenant_locks = KeyedLocks()
+        # Composes place and hold one at a time: each then places on a snapshot showing
+        # every hold made before, so none chooses what another already holds (with
+        # concurrent placements they all chose the same best GPUs and all but one placed
+        # again), and no two make the same snapshot's preparation. The broker's Python
+        # runs one thread at a time anyway, so this costs no parallelism.
+        self._placing = threading.Lock()
 
     @property
     def store(self) -> Store:
@@ -184,8 +191,14 @@ class Composer:
                 metrics.COMPOSE_TOTAL.labels(result="quota_exceeded").inc()
                 raise error
         for attempt in range(self._settings.max_attempts):
-            with metrics.COMPOSE_STAGE_SECONDS.labels(stage="placement").time():
-                result = place(placement_request, self._index.snapshot(), self._latency.current())
+            with self._placing:
+                with metrics.COMPOSE_STAGE_SECONDS.labels(stage="placement").time():
+                    result = place(
+                        placement_request, self._index.snapshot(), self._latency.current()
+                    )
+                # Every earlier hold shows in that snapshot: a refusal would mean a hold
+                # made outside this lock (the index promises no more than that).
+                held = result.placement is not None and self._index.hold(result.placement)
             if result.placement is None:
                 try:
                     check_model_known(self._store, self._cache, placement_request.model)
@@ -199,10 +212,8 @@ class Composer:
             chosen = result.placement
             host = chosen.host
             # Composes placing while this one is on its way to commit see its GPUs and
-            # host slots taken, so they choose others. A choice a concurrent compose
-            # already holds (both placed on the same snapshot) is placed again at once
-            # on a newer snapshot, which shows that hold.
-            if not self._index.hold(chosen):
+            # host slots taken, so they choose others.
+            if not held:
                 metrics.COMPOSE_CONFLICTS.inc()
                 continue
             try:
