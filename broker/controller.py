@@ -41,12 +41,17 @@ Every transition is a :func:`~dxpool.broker.stm.transact` body built from
 :mod:`dxpool.lifecycle`.
 
 It wakes on cache changes to nodes, GPUs and host statuses (waiting ``coalesce_s`` so a
-burst of changes is handled in one pass), and sweeps everything every
-``sweep_interval_s`` to catch deadlines.
+burst of changes is handled in one pass) and looks at what they touched. Every
+``sweep_interval_s`` it also looks at the attaching nodes whose attach deadline has
+passed (kept in a heap by deadline, so a pass costs what is due, not every node in
+flight). Every ``full_sweep_interval_s``, and on the pass after one that failed (etcd
+away), it sweeps every node in flight and every DETACHING GPU, which catches whatever
+a failed pass dropped.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
@@ -82,6 +87,7 @@ class NodeController:
         cache: Cache,
         *,
         sweep_interval_s: float = 1.0,
+        full_sweep_interval_s: float = 30.0,
         coalesce_s: float = 0.005,
         clock: Callable[[], float] = time.time,
         is_leader: Callable[[], bool] = lambda: True,
@@ -89,6 +95,7 @@ class NodeController:
         self._store = store
         self._cache = cache
         self._sweep_interval_s = sweep_interval_s
+        self._full_sweep_interval_s = full_sweep_interval_s
         self._coalesce_s = coalesce_s
         self._clock = clock
         self._is_leader = is_leader
@@ -112,6 +119,10 @@ class NodeController:
         # attaching or releasing.
         self._detaching: set[str] = set()
         self._active_nodes: set[str] = set()
+        # (attach deadline, node id) of every attaching node, a min-heap; an entry whose
+        # node moved on (or got another deadline) is dropped when it comes due
+        self._deadlines: list[tuple[float, str]] = []
+        self._full_sweep_due = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._unsubscribe: Callable[[], None] | None = None
@@ -166,13 +177,15 @@ class NodeController:
             self._detaching.discard(name)
 
     def _track_node(self, name: str, node: pb.VirtualNode | None) -> None:
-        """Keep ``_active_nodes`` current; called with ``_lock`` held."""
+        """Keep ``_active_nodes`` and ``_deadlines`` current; called with ``_lock`` held."""
         if node is not None and (
             node.state in lifecycle.ATTACHING_NODE_STATES or node.state == pb.NODE_STATE_RELEASING
         ):
             self._active_nodes.add(name)
         else:
             self._active_nodes.discard(name)
+        if node is not None and node.state in lifecycle.ATTACHING_NODE_STATES:
+            heapq.heappush(self._deadlines, (seconds(node.attach_deadline), name))
 
     def _index_gpu(self, name: str, host: str) -> None:
         """Keep ``_gpus_by_host`` current; called with ``_lock`` held."""
@@ -190,7 +203,8 @@ class NodeController:
             self._host_of_gpu[name] = host_id
 
     def _loop(self) -> None:
-        next_sweep = 0.0
+        next_tick = 0.0
+        next_full_sweep = 0.0
         while not self._stop.is_set():
             if self._wake.wait(timeout=self._sweep_interval_s) and self._coalesce_s:
                 # Let a burst of changes land before acting: one pass handles them all,
@@ -198,18 +212,26 @@ class NodeController:
                 self._stop.wait(self._coalesce_s)
             self._wake.clear()
             try:
-                if time.monotonic() >= next_sweep:
-                    next_sweep = time.monotonic() + self._sweep_interval_s
+                now = time.monotonic()
+                if now >= next_full_sweep or self._full_sweep_due:
+                    self._full_sweep_due = False
+                    next_full_sweep = now + self._full_sweep_interval_s
+                    next_tick = now + self._sweep_interval_s
                     self.sweep()
-                else:
-                    self._process_dirty()
+                    continue
+                self._process_dirty()
+                if now >= next_tick:
+                    next_tick = now + self._sweep_interval_s
+                    self._process_deadlines()
             except Unavailable as error:
                 # etcd is away; the store logs reachability changes once, so a pass that
-                # fails for it says so only at debug level. The next sweep catches up.
+                # fails for it says so only at debug level. The next pass sweeps all.
+                self._full_sweep_due = True
                 log.debug("node controller pass deferred", extra={"error": error.message})
                 self._stop.wait(self._sweep_interval_s)
             except Exception:
-                log.exception("node controller pass failed; retrying on the next pass")
+                self._full_sweep_due = True
+                log.exception("node controller pass failed; sweeping on the next pass")
                 time.sleep(0.1)
 
     # -- passes ----------------------------------------------------------------------
@@ -231,6 +253,26 @@ class NodeController:
         self._reconcile_gpus(detaching)
         for name in active:
             self._reconcile_node(name)
+
+    def _process_deadlines(self) -> None:
+        """Look at every attaching node whose attach deadline has passed. One still
+        attaching afterwards (this broker is not the leader, or the transition lost its
+        compares) stays due, and is looked at again on the next tick."""
+        now = self._clock()
+        due: set[str] = set()
+        with self._lock:
+            while self._deadlines and self._deadlines[0][0] < now:
+                due.add(heapq.heappop(self._deadlines)[1])
+        for name in sorted(due):
+            record = self._cache.get(k.NODES, name)
+            if record is None or record.value.state not in lifecycle.ATTACHING_NODE_STATES:
+                continue
+            self._reconcile_node(name)
+        with self._lock:
+            for name in due:
+                record = self._cache.get(k.NODES, name)
+                if record is not None and record.value.state in lifecycle.ATTACHING_NODE_STATES:
+                    heapq.heappush(self._deadlines, (seconds(record.value.attach_deadline), name))
 
     def _process_dirty(self) -> None:
         with self._lock:

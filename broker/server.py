@@ -105,7 +105,9 @@ class BrokerConfig:
     rtt_staleness_s: float | None = None
     attach_timeout_s: float = 120.0
     max_workers: int = 32
+    # The node controller's tick (attach deadlines) and its sweep of all work in flight.
     controller_sweep_s: float = 1.0
+    controller_full_sweep_s: float = 30.0
     # The box side of the fabric, for fencing (``sim:DIR``, ``redfish:MAP``,
     # ``hook:PATH``; see broker/box_fabric.py); None: GPUs of lost hosts wait in FENCING
     # until one is configured.
@@ -226,6 +228,7 @@ class BrokerServer:
             self.store,
             self.cache,
             sweep_interval_s=self.config.controller_sweep_s,
+            full_sweep_interval_s=self.config.controller_full_sweep_s,
             is_leader=self.election.is_leader,
         )
         self.controller.start()

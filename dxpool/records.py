@@ -25,7 +25,9 @@ def timestamp(seconds: float | None = None) -> Timestamp:
 
 
 def seconds(stamp: Timestamp) -> float:
-    return float(stamp.ToNanoseconds()) / 1e9
+    """The stamp in seconds since the epoch. Does not check the stamp's range (a record
+    written by another tool may hold any value; ``ToNanoseconds`` would raise)."""
+    return stamp.seconds + stamp.nanos / 1e9
 
 
 __all__ = ["copy", "seconds", "timestamp"]

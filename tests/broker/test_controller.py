@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -11,6 +12,7 @@ from dxpool.broker.cache import Cache
 from dxpool.broker.controller import GPUS_PER_TXN, NodeController
 from dxpool.store.keys import KeySchema
 from dxpool.store.typed import Store, Txn
+from tests.conftest import wait_until
 
 
 @pytest.fixture
@@ -400,3 +402,69 @@ def test_an_attach_the_agent_reports_failed_fails_the_node_with_a_warning_event(
     events = [(e.type, e.reason) for e in stored.value.events]
     assert events == [("Normal", "Composed"), ("Warning", "AttachFailed")]
     assert "proxy map refused" in stored.value.events[-1].message
+
+
+def pending_node(store: Store, node_id: str, host: str, slot: int, deadline_s: int) -> int:
+    """Node ``node_id`` PENDING on ``host`` with GPU b1/``slot`` ATTACHING and no report
+    from the agent yet, due by ``deadline_s``; returns the revision of the write."""
+    gpu = pb.Gpu(
+        name=f"boxes/b1/gpus/{slot}",
+        model="H100",
+        state=pb.GPU_STATE_ATTACHING,
+        node=f"nodes/{node_id}",
+        host=f"hosts/{host}",
+        generation=1,
+    )
+    node = pb.VirtualNode(
+        name=f"nodes/{node_id}",
+        host=f"hosts/{host}",
+        state=pb.NODE_STATE_PENDING,
+        gpus=[pb.GpuBinding(gpu=gpu.name)],
+    )
+    node.attach_deadline.seconds = deadline_s
+    spec = pb.HostAllocation(host=f"hosts/{host}")
+    spec.attachments.add(gpu=gpu.name, host_slot=0, node=node.name, generation=1)
+    txn = Txn().put(store.keys.gpu("b1", slot), gpu).put(store.keys.node(node_id), node)
+    return store.commit(txn.put(store.keys.host_allocation(host), spec)).revision
+
+
+def test_a_tick_looks_only_at_attaching_nodes_whose_deadline_passed(
+    parts: tuple[Store, Cache, NodeController],
+) -> None:
+    """Between full sweeps, a node in flight costs nothing until its attach deadline:
+    the tick fails the overdue node and never looks at the one still within its time."""
+    store, cache, _ = parts
+    now = [1_000_000.0]
+    assert cache.wait_for_revision(pending_node(store, "late", "h1", 0, 1_000_100), 10)
+    assert cache.wait_for_revision(pending_node(store, "waiting", "h2", 1, 2**40), 10)
+    controller = NodeController(
+        store, cache, sweep_interval_s=0.02, full_sweep_interval_s=3600, clock=lambda: now[0]
+    )
+    looked_at: list[str] = []
+    reconcile = controller._reconcile_node
+
+    def recording(node_id: str) -> None:
+        looked_at.append(node_id)
+        reconcile(node_id)
+
+    controller._reconcile_node = recording  # type: ignore[method-assign]
+    controller.start()
+    try:
+        wait_until(lambda: {"late", "waiting"} <= set(looked_at), message="the first sweep")
+        looked_at.clear()
+        time.sleep(0.3)  # about 15 ticks with no deadline passed and no change
+        assert looked_at == []
+
+        now[0] = 1_000_101.0
+        wait_until(
+            lambda: (
+                (r := store.get(store.keys.node("late"))) is not None
+                and r.value.state == pb.NODE_STATE_FAILED
+            ),
+            message="the overdue node to fail",
+        )
+        assert "waiting" not in looked_at
+        waiting = store.get(store.keys.node("waiting"))
+        assert waiting is not None and waiting.value.state == pb.NODE_STATE_PENDING
+    finally:
+        controller.stop()
