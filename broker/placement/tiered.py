@@ -222,6 +222,13 @@ class TieredChooser:
         # the class set of each large tier walked, by id() of the ranking's tuple (kept
         # with it); shared along advance() like the round trips
         self._tier_sets: dict[int, tuple[tuple[int, ...], frozenset[int]]] = {}
+        # Which host classes' memos rest on a box class (those whose walk looked at it),
+        # and those whose memos rest on every class: shared along advance(), only ever
+        # added to, so an entry may name a memo since replaced (advance checks the
+        # memo itself). A host class's walks look at the classes near it, so this holds
+        # about a tier's worth of classes per host class.
+        self._resting_on: dict[int, set[int]] = {}
+        self._resting_on_all: set[int] = set()
         # host classes whose parts() may differ from the previous chooser's; None: any
         self._changed: frozenset[int] | None = None
 
@@ -263,6 +270,8 @@ class TieredChooser:
         following._class_ns = self._class_ns
         following._near = self._near
         following._tier_sets = self._tier_sets
+        following._resting_on = self._resting_on
+        following._resting_on_all = self._resting_on_all
         following._keep_memos(self, frozenset(touched))
         return following
 
@@ -341,12 +350,22 @@ class TieredChooser:
         ):
             return
         # a copy taken at once: decisions on ``before`` may add to its memo meanwhile
-        dropped: list[int] = []
-        for host_class, memo in list(before._chosen.items()):
-            if memo.examined is not None and memo.examined.isdisjoint(touched):
-                self._chosen[host_class] = memo
-            else:
-                dropped.append(host_class)
+        chosen = dict(before._chosen)
+        # the memos that rest on a touched class, or on every class, found from the
+        # index of what memos rest on rather than by looking at every memo
+        dropped: list[int] = [
+            host_class
+            for host_class in tuple(self._resting_on_all)
+            if (memo := chosen.get(host_class)) is not None and memo.examined is None
+        ]
+        for number in touched:
+            for host_class in tuple(self._resting_on.get(number, ())):
+                memo = chosen.get(host_class)
+                if memo is not None and memo.examined is not None and number in memo.examined:
+                    dropped.append(host_class)
+        for host_class in dropped:
+            chosen.pop(host_class, None)
+        self._chosen = chosen
         if self._bound is None and (
             self.few_tightest() != before.few_tightest()
             # many classes hold the tightest box: choose() finds it again when it moved
@@ -436,10 +455,10 @@ class TieredChooser:
             if not _same_stamp(memo.stamp, stamp):
                 memo = self._retighten(host, host_class, memo, stamp)
                 if memo is not None:
-                    self._chosen[host_class] = memo
+                    self._remember(host_class, memo)
         if memo is None:
             memo = self._choose(host, ranking)
-            self._chosen[host_class] = memo
+            self._remember(host_class, memo)
         choice = memo.choice
         if self._bound is None and choice.reach != self._usable:
             choice = replace(choice, reach=self._usable)  # the same options, kept memoized
@@ -461,7 +480,7 @@ class TieredChooser:
         ranking = self._model.ranking(host_class)
         if memo is None or memo.ranking is not ranking or memo.base is None:
             memo = self._choose(host, ranking)
-            self._chosen[host_class] = memo
+            self._remember(host_class, memo)
         base = memo.base
         assert base is not None  # every unbounded memo has one
         if not base:
@@ -474,6 +493,19 @@ class TieredChooser:
             if len(takes) == 1 and takes[0].supply.box.box == box:
                 return base, None  # options() merges it with that one
         return base, tightest
+
+    def _remember(self, host_class: int, memo: _Memo) -> None:
+        """Keeps ``memo`` for ``host_class`` and notes what it rests on."""
+        self._chosen[host_class] = memo
+        if memo.examined is None:
+            self._resting_on_all.add(host_class)
+            return
+        resting_on = self._resting_on
+        for number in memo.examined:
+            found = resting_on.get(number)
+            if found is None:
+                found = resting_on.setdefault(number, set())
+            found.add(host_class)
 
     def _tightest_classes(self) -> tuple[tuple[int, BoxSupply], ...] | None:
         """(class, its tightest box) for each class holding a box of the fewest usable

@@ -141,13 +141,16 @@ def topology() -> Topology:
     return Topology.from_yaml(TOPOLOGY)
 
 
-@pytest.fixture(params=["listed", "unlisted"])
+@pytest.fixture(params=["listed", "unlisted", "untracked"])
 def tier_listing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs a test as it is, and again with every ranking tier taken as a large one: not
+    """Runs a test as it is; again with every ranking tier taken as a large one (not
     listed, its first fitting box found in the chooser's order of every class's first
-    fitting box (carried along advance())."""
+    fitting box, carried along advance()); and again with every walk that looks at more
+    than one class resting on every class (its memo dropped by any change)."""
     if request.param == "unlisted":
         monkeypatch.setattr(tiered_rules, "LARGE_TIER", 0)
+    if request.param == "untracked":
+        monkeypatch.setattr(tiered_rules, "MAX_EXAMINED", 1)
     return str(request.param)
 
 
