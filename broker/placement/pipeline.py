@@ -465,7 +465,7 @@ class _GroupTable:
         options = dict(table.options)
         raws = dict(table.raws)
         firsts = dict(table.firsts)
-        places = dict(table.places)
+        places = table.places  # shared until a class is added (tightest_near knows it)
         proposers = dict(table.proposers)
         lowest = dict(table.lowest)
         redo = {cast(tuple[int, int], key) for key in (hosts.touched if before else hosts.groups)}
@@ -497,6 +497,8 @@ class _GroupTable:
                 if not found:
                     return None
                 options[key[0]] = found
+                if places is table.places:
+                    places = dict(places)
                 places[key[0]] = host.place
             raws[key] = tuple(_propose(request, host, found, plugins, scored).raws)
             firsts[key] = host

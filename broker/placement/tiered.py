@@ -216,6 +216,8 @@ class TieredChooser:
         # the nearest of a set of tightest boxes per host class, by that set's (class,
         # box id) pairs; shared along advance() like the round trips it is made from
         self._near: dict[tuple[tuple[int, str], ...], dict[int, tuple[int, int]]] = {}
+        # the ``places`` each of those was last answered for in full (same keys)
+        self._near_answered: dict[tuple[tuple[int, str], ...], Mapping[int, Place]] = {}
         # (usable GPUs, box id, class) of every class's first box that holds the request,
         # ascending; made when a large tier is first walked, then carried along advance()
         self._fits_order: list[tuple[int, str, int]] | None = None
@@ -269,6 +271,7 @@ class TieredChooser:
         following._fits_order = self._fits_order_after(classes, touched)
         following._class_ns = self._class_ns
         following._near = self._near
+        following._near_answered = self._near_answered
         following._tier_sets = self._tier_sets
         following._resting_on = self._resting_on
         following._resting_on_all = self._resting_on_all
@@ -316,10 +319,9 @@ class TieredChooser:
                 insort(order, _fits_entry(found.fits, number))
         return order
 
-    def _least_in(self, numbers: tuple[int, ...]) -> BoxSupply | None:
-        """The first box by (usable GPUs, box id) among the classes ``numbers`` that holds
-        the request (None if none does), from the order of every class's first such box:
-        for a large tier that order's first entry of the tier is usually its first."""
+    def _first_fits(self) -> list[tuple[int, str, int]]:
+        """The order of every class's first box that holds the request (``_fits_order``),
+        made now unless this chooser has it."""
         order = self._fits_order
         if order is None:
             order = sorted(
@@ -328,6 +330,13 @@ class TieredChooser:
                 if found.fits is not None
             )
             self._fits_order = order
+        return order
+
+    def _least_in(self, numbers: tuple[int, ...]) -> BoxSupply | None:
+        """The first box by (usable GPUs, box id) among the classes ``numbers`` that holds
+        the request (None if none does), from the order of every class's first such box:
+        for a large tier that order's first entry of the tier is usually its first."""
+        order = self._first_fits()
         known = self._tier_sets.get(id(numbers))
         if known is None or known[0] is not numbers:
             if len(self._tier_sets) >= MAX_TIER_SETS:
@@ -405,7 +414,9 @@ class TieredChooser:
         too. None unless :meth:`few_tightest` and some box holds the request.
 
         Remembered per set of tightest boxes (their classes and ids), so while a 1-GPU
-        compose only moves the same box's count, no class is looked at again."""
+        compose only moves the same box's count, no class is looked at again; and which
+        ``places`` mapping was answered in full, so asking again with the same mapping
+        (callers keep it while no class is added) looks at no class at all."""
         if self._bound is not None:
             return None
         few = self._tightest_classes()
@@ -416,7 +427,10 @@ class TieredChooser:
         if near is None:
             if len(self._near) >= MAX_NEAR_KEPT:
                 self._near.clear()
+                self._near_answered.clear()
             near = self._near.setdefault(key, {})
+        elif self._near_answered.get(key) is places:
+            return near, few
         class_ns = self._class_ns
         round_trip = self._model.round_trip
         for host_class, place in places.items():
@@ -432,6 +446,7 @@ class TieredChooser:
                     best = (ns, supply.box.box, index)
             assert best is not None
             near[host_class] = (best[0], best[2])
+        self._near_answered[key] = places
         return near, few
 
     @property
@@ -511,13 +526,18 @@ class TieredChooser:
         """(class, its tightest box) for each class holding a box of the fewest usable
         GPUs that holds the request, by class; None when more than ``FEW_TIGHTEST``."""
         if self._tightest is None:
+            # The classes holding such a box lead the order of first fitting boxes; past
+            # FEW_TIGHTEST of them the answer is None whatever the rest, so the record
+            # keeps only the first FEW_TIGHTEST + 1 (nothing reads them then).
             fewest = self._fewest
-            found = sorted(
-                (number, box_class.fits)
-                for number, box_class in self._classes.items()
-                if box_class.fits is not None and box_class.fits.available == fewest
-            )
-            self._tightest = tuple(found)
+            found: list[tuple[int, BoxSupply]] = []
+            for available, _, number in self._first_fits():
+                if available != fewest or len(found) > FEW_TIGHTEST:
+                    break
+                fits = self._classes[number].fits
+                assert fits is not None  # the order holds classes with a first fitting box
+                found.append((number, fits))
+            self._tightest = tuple(sorted(found, key=lambda pair: pair[0]))
         if len(self._tightest) > FEW_TIGHTEST:
             return None
         return self._tightest
