@@ -234,6 +234,8 @@ class AuditLog:
         since_ns = request.since.ToNanoseconds() if request.HasField("since") else 0
         if since_ns < 0:
             raise InvalidArgument("invalid since: give a time after 1970", reason="INVALID_TIME")
+        if request.identity:  # a malformed filter is refused, not answered with nothing
+            Identity.parse(request.identity)
         wanted = _Filter(since_ns, request.identity, request.target)
         start = f"{self.prefix}{_time_key(since_ns)}".encode()
         if request.page_token:

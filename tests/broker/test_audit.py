@@ -16,7 +16,7 @@ from dxpool.broker.audit import MUTATIONS, AuditLog, audit_prefix
 from dxpool.broker.server import BrokerServer
 from dxpool.cli.main import cli
 from dxpool.client import Client
-from dxpool.errors import DxpoolError, FailedPrecondition, PermissionDenied
+from dxpool.errors import DxpoolError, FailedPrecondition, InvalidArgument, PermissionDenied
 from dxpool.fabric.sim import SimGpuSpec
 from dxpool.store.client import connect
 from dxpool.tls import ClientTls, ServerTls
@@ -104,6 +104,8 @@ def test_filters_and_pages(pool_client: Client) -> None:
     later = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=5)
     assert _records(client, since=later) == []  # type: ignore[arg-type]
     assert _records(client, identity="dxpool://tenant/nobody") == []
+    with pytest.raises(InvalidArgument, match="expected dxpool://ROLE/NAME"):
+        _records(client, identity="team-a")
 
 
 def test_denied_and_unauthenticated_calls_are_recorded_with_their_caller(
