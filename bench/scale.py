@@ -20,9 +20,11 @@ every host is alive without running thousands of agents), then measures:
   (each chosen GPU written ATTACHED with its host slot, as a compose would), which is
   what a compose pays: the preparation brought forward by the change, then the decision;
 * **composes/s**: 8 client threads composing 1-GPU nodes for ``--compose-s`` seconds
-  against the started broker. Hosts have no agent here, so nodes stay ATTACHING and
-  releases would never finish: compose+release pairs/s are measured with agents by
-  ``bench/compose_latency.py`` on a small pool.
+  against the started broker (with ``--compose-windows N``, N such windows back to
+  back, each on the pool the previous ones filled; the table shows the first). Hosts
+  have no agent here, so nodes stay ATTACHING and releases would never finish:
+  compose+release pairs/s are measured with agents by ``bench/compose_latency.py`` on
+  a small pool.
 
 Prints one block per size and a summary table, and with ``--png PATH`` draws the
 scaling curves (start, RSS, composes/s, placement p50/p99 against pool size, log-log)
@@ -93,6 +95,8 @@ class Figures:
     chained_gc: int = 0  # of those placements, how many a full collection ran within
     composes_per_s: float = 0.0
     exhausted: int = 0
+    # composes/s of each further --compose-windows window, back to back, as the pool fills
+    later_windows: list[float] = field(default_factory=list)
 
 
 def location(index: int) -> tuple[str, str, str]:
@@ -399,9 +403,14 @@ def measure_broker(etcd: str, work: Path, figures: Figures, args: argparse.Names
         cpu_before = cpu_seconds(process.pid)
         time.sleep(args.idle_s)
         figures.idle_cpu = (cpu_seconds(process.pid) - cpu_before) / args.idle_s
+        most = figures.gpus // 2 // args.compose_windows
         figures.composes_per_s, figures.exhausted = composes_per_second(
-            endpoint, args.compose_s, figures.gpus // 2
+            endpoint, args.compose_s, most
         )
+        for _ in range(args.compose_windows - 1):
+            rate, exhausted = composes_per_second(endpoint, args.compose_s, most)
+            figures.later_windows.append(rate)
+            figures.exhausted += exhausted
     finally:
         process.terminate()
         process.wait(30)
@@ -458,6 +467,9 @@ def report(figures: Figures) -> None:
         f"  composes/s with 8 clients {figures.composes_per_s:.0f} "
         f"(RESOURCE_EXHAUSTED {figures.exhausted})"
     )
+    if figures.later_windows:
+        later = ", ".join(f"{rate:.0f}" for rate in figures.later_windows)
+        print(f"  composes/s in the windows after it, as the pool fills: {later}")
     for (percent, count), (p50, p99) in sorted(figures.placement.items()):
         print(f"  placement {count}-GPU at {percent:2d}% fill: p50 {p50:.2f} ms, p99 {p99:.2f} ms")
     print(f"  snapshot after a change {figures.snapshot_ms:.2f} ms (median of {SNAPSHOT_SAMPLES})")
@@ -545,6 +557,12 @@ def main() -> None:
     parser.add_argument("--idle-s", type=float, default=10.0, help="idle CPU window")
     parser.add_argument("--compose-s", type=float, default=10.0, help="compose load window")
     parser.add_argument(
+        "--compose-windows",
+        type=int,
+        default=1,
+        help="compose windows back to back (the later ones on a fuller pool)",
+    )
+    parser.add_argument(
         "--no-freeze",
         dest="freeze",
         action="store_false",
@@ -554,6 +572,8 @@ def main() -> None:
         "--png", type=Path, default=None, help="draw the scaling curves into this PNG file"
     )
     args = parser.parse_args()
+    if args.compose_windows < 1:
+        parser.error("--compose-windows must be at least 1")
     results = []
     for size in (int(s) for s in args.sizes.split(",")):
         figures = run_size(size, args)
