@@ -274,12 +274,8 @@ class RedfishProxyMapper:
         endpoint (a fence must not miss a zone someone added by hand)."""
         found = list(entry.zones)
         with driver_errors():
-            listed = self._zones.zone_ids()
-        for zone in listed:
-            if zone not in found and entry.endpoint in members(
-                self._retrying(partial(self._zones.read, zone))
-            ):
-                found.append(zone)
+            holding = self._zones.holding(entry.endpoint)
+        found.extend(zone for zone in holding if zone not in found)
         return found
 
     def _describe(self, endpoints: Iterable[str]) -> str:

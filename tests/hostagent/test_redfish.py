@@ -402,6 +402,24 @@ def test_fence_finds_zones_outside_the_map_and_spares_shared_ones(
     assert service.zone("shared") == ["HostPort-h2", "GPU-b1-2"]  # h2 keeps its access
 
 
+def test_fence_skips_a_zone_deleted_between_the_listing_and_its_read(
+    service: RedfishFabricService, mapper: RedfishProxyMapper, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service.add_zone("by-hand", ["HostPort-h1", "GPU-b1-3"])
+    mapper.map(GPU0, 0, generation=1)
+    listed = mapper._zones.zone_ids
+
+    def listed_then_deleted() -> list[str]:
+        zones = listed()
+        service.remove_zone("by-hand")  # an operator deletes it before the fence reads it
+        return zones
+
+    monkeypatch.setattr(mapper._zones, "zone_ids", listed_then_deleted)
+
+    assert mapper.fence("h1") == [GPU0]  # the gone zone holds nothing; the rest is fenced
+    assert service.zone("h1-s0") == ["HostPort-h1"]
+
+
 def test_fence_rereads_a_zone_that_changed_underneath(
     service: RedfishFabricService, fmap: RedfishFabricMap, mapper: RedfishProxyMapper
 ) -> None:
