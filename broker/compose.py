@@ -41,7 +41,7 @@ from dxpool.broker.placement_index import PlacementIndex
 from dxpool.broker.records import copy, timestamp
 from dxpool.broker.resize import Resizer
 from dxpool.broker.stm import TxnView, read_through, transact
-from dxpool.broker.tenants import charged, confirmed_breach
+from dxpool.broker.tenants import charge_in, confirmed_breach
 from dxpool.broker.transitions import fence_detaching, let_go
 from dxpool.broker.validation import check_node_spec
 from dxpool.errors import (
@@ -58,7 +58,6 @@ from dxpool.names import (
     node_name,
     parse_host,
     parse_node,
-    tenant_name,
 )
 from dxpool.request import format_duration_ns
 from dxpool.store import keys as k
@@ -438,18 +437,9 @@ class Composer:
         if not tenant_id:
             return None
         models = [binding.model for binding in node.gpus]
-        error = confirmed_breach(self._store, self._cache, tenant_id, models)
-        if error is not None:
-            metrics.COMPOSE_TOTAL.labels(result="quota_exceeded").inc()
-            raise error
-        record = self._cache.get(k.TENANTS, tenant_id)
-        tenant = copy(record.value) if record else pb.Tenant(name=tenant_name(tenant_id))
-        tenant.usage.CopyFrom(charged(tenant.usage, models))
-        key = self._store.keys.tenant(tenant_id)
-        txn.expect_revision(key, record.mod_revision if record else 0).put(key, tenant)
-        txn.read_on_failure(key)
+        charge = charge_in(txn, self._store, self._cache, tenant_id, models)
         node.charged = True
-        return key, record is None
+        return charge
 
     def _refresh(self, current: dict[str, Versioned[Any] | None]) -> None:
         revision = self._cache.revision

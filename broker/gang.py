@@ -72,7 +72,7 @@ from dxpool.broker.placement import (
 )
 from dxpool.broker.records import copy, timestamp
 from dxpool.broker.stm import TxnView, read_through, transact
-from dxpool.broker.tenants import charged, confirmed_breach
+from dxpool.broker.tenants import charge_in, confirmed_breach
 from dxpool.broker.transitions import fence_detaching, let_go
 from dxpool.broker.validation import check_node_spec
 from dxpool.errors import (
@@ -93,7 +93,6 @@ from dxpool.names import (
     node_name,
     parse_gang,
     parse_host,
-    tenant_name,
 )
 from dxpool.request import format_duration_ns
 from dxpool.store import keys as k
@@ -481,19 +480,10 @@ class GangComposer:
         created: set[str] = set()
         for tenant_id, members in sorted(_by_tenant(nodes, _node_tenant).items()):
             models = [binding.model for node in members for binding in node.gpus]
-            error = confirmed_breach(
-                self._store, self._cache, tenant_id, models, nodes=len(members)
+            key, creates = charge_in(
+                txn, self._store, self._cache, tenant_id, models, nodes=len(members)
             )
-            if error is not None:
-                metrics.COMPOSE_TOTAL.labels(result="quota_exceeded").inc()
-                raise error
-            record = self._cache.get(k.TENANTS, tenant_id)
-            tenant = copy(record.value) if record else pb.Tenant(name=tenant_name(tenant_id))
-            tenant.usage.CopyFrom(charged(tenant.usage, models, nodes=len(members)))
-            key = self._store.keys.tenant(tenant_id)
-            txn.expect_revision(key, record.mod_revision if record else 0).put(key, tenant)
-            txn.read_on_failure(key)
-            if record is None:
+            if creates:
                 created.add(key)
             for node in members:
                 node.charged = True

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 
 from dxpool import lifecycle
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker import records
+from dxpool.broker import metrics, records
 from dxpool.broker.cache import Cache
 from dxpool.broker.rpc import cache_page
 from dxpool.broker.stm import TxnView, read_through, transact
@@ -40,7 +40,7 @@ from dxpool.limits import MAX_QUOTA, MAX_QUOTA_MODELS
 from dxpool.names import parse_tenant, tenant_name
 from dxpool.request import check_model
 from dxpool.store import keys as k
-from dxpool.store.typed import Store, Versioned
+from dxpool.store.typed import Store, Txn, Versioned
 
 CHARGED_NODE_STATES = lifecycle.LOSABLE_NODE_STATES
 """A node counts against its tenant in the states whose GPUs it holds (and a lost host
@@ -208,6 +208,26 @@ def confirmed_breach(
         return None
     cache.apply_read(key, current, cache.revision)
     return breach(tenant_id, current.value, models, nodes=nodes)
+
+
+def charge_in(
+    txn: Txn, store: Store, cache: Cache, tenant_id: str, models: list[str], *, nodes: int = 1
+) -> tuple[str, bool]:
+    """Charge ``nodes`` nodes of GPUs ``models`` to ``tenant_id`` in ``txn``: compare the
+    tenant's record as the cache holds it and write it with them added to its usage.
+    Raises QUOTA_EXCEEDED when they do not fit its quota (confirmed against etcd, see
+    :func:`confirmed_breach`). Returns the record's key and whether the commit creates it."""
+    error = confirmed_breach(store, cache, tenant_id, models, nodes=nodes)
+    if error is not None:
+        metrics.COMPOSE_TOTAL.labels(result="quota_exceeded").inc()
+        raise error
+    record = cache.get(k.TENANTS, tenant_id)
+    tenant = records.copy(record.value) if record else pb.Tenant(name=tenant_name(tenant_id))
+    tenant.usage.CopyFrom(charged(tenant.usage, models, nodes=nodes))
+    key = store.keys.tenant(tenant_id)
+    txn.expect_revision(key, record.mod_revision if record else 0).put(key, tenant)
+    txn.read_on_failure(key)
+    return key, record is None
 
 
 class Tenants:
