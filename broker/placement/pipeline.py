@@ -90,7 +90,7 @@ from dxpool.broker.placement.tiered import TieredChooser
 from dxpool.fabric.latency import Place, TieredLatencyModel
 
 _SCORE_DIGITS = 6  # totals are compared rounded, so float noise never beats a name
-_MAX_SCORED = 65536  # raw scores kept by takes; beyond that a new version starts afresh
+_MAX_SCORED = 65536  # raw scores kept by takes, shared along versions; beyond, start afresh
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,8 +226,11 @@ class _Live:
 
     ``proposals`` memoizes, per host group, the proposals of its first host and their
     raw scores; an entry is used only while the chooser's options and the host are the
-    very objects it was made from. ``scored`` keeps raw scores by takes and free slot
-    count (see :func:`_propose`). Both are copied (not shared) into the next version.
+    very objects it was made from; it is copied into the next version. ``scored`` keeps
+    raw scores by takes and free slot count (see :func:`_propose`); an entry depends on
+    its key alone (the takes' supplies by identity, which the entry keeps alive, and
+    supplies never change), so the next version shares it rather than copying up to
+    ``_MAX_SCORED`` entries per change, until it holds that many.
     ``table`` is the groups' raw scores for this version (None: visit the groups).
     """
 
@@ -381,7 +384,7 @@ def _advance(
         )
     except Exception:
         return None  # made again from the snapshot, which finds and reports the failure
-    scored = dict(live.scored) if len(live.scored) < _MAX_SCORED else {}
+    scored = live.scored if len(live.scored) < _MAX_SCORED else {}
     proposals = dict(live.proposals)
     table = _GroupTable.made(
         live.table,
