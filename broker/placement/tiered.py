@@ -56,7 +56,8 @@ MAX_EXAMINED = 64
 """A choice whose walk looked at more box classes than this depends on every class."""
 
 MAX_NEAR_KEPT = 64
-"""Sets of tightest boxes whose nearest per host class is remembered (see
+"""Sets of tightest boxes (classes, and the order of their box ids) whose nearest per
+host class is remembered (see
 :meth:`TieredChooser.tightest_near`); beyond that the record starts afresh."""
 
 FEW_TIGHTEST = 8
@@ -142,6 +143,10 @@ class _Tier:
         return _Tier(latency, min(fits, key=supply_order) if fits else None, classes)
 
 
+_NearKey = tuple[tuple[int, ...], tuple[int, ...]]
+"""A set of tightest boxes as the nearest of them depends on it: their classes (in the
+set's order) and the positions of the set sorted by box id."""
+
 _Stamp = tuple[object, tuple[tuple[int, BoxSupply], ...] | None]
 """What an unbounded choice's tightest box rests on: the fewest usable GPUs of a box that
 holds the request, and the few classes holding such a box with that box (None when
@@ -213,11 +218,12 @@ class TieredChooser:
         # round trip by (host class, box class), shared along advance(): by the model's
         # contract it depends on the two classes only, and a model never changes
         self._class_ns: dict[tuple[int, int], int] = {}
-        # the nearest of a set of tightest boxes per host class, by that set's (class,
-        # box id) pairs; shared along advance() like the round trips it is made from
-        self._near: dict[tuple[tuple[int, str], ...], dict[int, tuple[int, int]]] = {}
+        # the nearest of a set of tightest boxes per host class, by that set's classes
+        # and the order of its box ids; shared along advance() like the round trips it
+        # is made from
+        self._near: dict[_NearKey, dict[int, tuple[int, int]]] = {}
         # the ``places`` each of those was last answered for in full (same keys)
-        self._near_answered: dict[tuple[tuple[int, str], ...], Mapping[int, Place]] = {}
+        self._near_answered: dict[_NearKey, Mapping[int, Place]] = {}
         # (usable GPUs, box id, class) of every class's first box that holds the request,
         # ascending; made when a large tier is first walked, then carried along advance()
         self._fits_order: list[tuple[int, str, int]] | None = None
@@ -413,8 +419,10 @@ class TieredChooser:
         element, the (class, tightest box) pairs; the mapping may name other classes
         too. None unless :meth:`few_tightest` and some box holds the request.
 
-        Remembered per set of tightest boxes (their classes and ids), so while a 1-GPU
-        compose only moves the same box's count, no class is looked at again; and which
+        Remembered per set of tightest boxes as far as the answer depends on it: their
+        classes (a round trip depends on the classes alone) and the order of their box
+        ids (which breaks ties), so while 1-GPU composes move the tightest box within the
+        same classes no class is looked at again; and which
         ``places`` mapping was answered in full, so asking again with the same mapping
         (callers keep it while no class is added) looks at no class at all."""
         if self._bound is not None:
@@ -422,7 +430,8 @@ class TieredChooser:
         few = self._tightest_classes()
         if not few:
             return None
-        key = tuple((number, supply.box.box) for number, supply in few)
+        by_id = sorted(range(len(few)), key=lambda index: few[index][1].box.box)
+        key = (tuple(number for number, _ in few), tuple(by_id))
         near = self._near.get(key)
         if near is None:
             if len(self._near) >= MAX_NEAR_KEPT:

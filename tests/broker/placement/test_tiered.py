@@ -522,3 +522,42 @@ def test_the_tightest_box_emptied_names_only_the_classes_whose_options_move(
         assert after.parts(host)[0] == fresh.parts(host)[0]
         if after.host_class(host) not in changed:
             assert after.parts(host)[0] == answered[host]
+
+
+def test_the_nearest_tightest_box_follows_the_order_of_box_ids_within_the_same_classes(
+    topology: Topology,
+) -> None:
+    """Two racks, equally near a host, each hold a box of the fewest usable GPUs: the
+    lower box id is the nearest tightest box. When one rack's such box is replaced by
+    one with a higher id, the other rack's box is, though the same racks hold them.
+    (Not named b*: the topology places some boxes of those names elsewhere.)"""
+    model = TopologyLatencyModel(topology)
+
+    def box(name: str, rack: str, usable: int) -> BoxSupply:
+        gpus = tuple(
+            GpuInfo(f"boxes/{name}/gpus/{s}", name, s, "H100", 1, True, True) for s in range(usable)
+        )
+        return BoxSupply(BoxInfo(name, Place(f"boxes/{name}", "s1", "p0", rack), True), gpus)
+
+    full = [box(f"f{index}", f"r{index}", 8) for index in range(4)]
+    first, second = box("t1", "r1", 2), box("t2", "r2", 2)
+    host = Place("hosts/h", "s1", "p0", "r3")
+    chooser = TieredChooser(
+        model, sorted([*full, first, second], key=lambda s: (s.available, s.box.box)), 1
+    )
+    places = {chooser.host_class(host): host}
+
+    def nearest(of: TieredChooser) -> str:
+        found = of.tightest_near(places)
+        assert found is not None
+        near, few = found
+        return few[near[of.host_class(host)][1]][1].box.box
+
+    assert nearest(chooser) == "t1"
+    later = chooser.advance([first], [box("t9", "r1", 2)])
+    assert nearest(later) == "t2"
+    assert later.parts(host) == TieredChooser(
+        model,
+        sorted([*full, box("t9", "r1", 2), second], key=lambda s: (s.available, s.box.box)),
+        1,
+    ).parts(host)
