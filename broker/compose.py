@@ -41,7 +41,7 @@ from dxpool.broker.placement_index import PlacementIndex
 from dxpool.broker.records import copy, timestamp
 from dxpool.broker.resize import Resizer
 from dxpool.broker.stm import TxnView, read_through, transact
-from dxpool.broker.tenants import charge_in, confirmed_breach
+from dxpool.broker.tenants import charge_in, refuse_breach
 from dxpool.broker.transitions import fence_detaching, let_go
 from dxpool.broker.validation import check_node_spec
 from dxpool.errors import (
@@ -185,10 +185,7 @@ class Composer:
             # Before placement, refuse what the quota refuses whatever GPUs are chosen
             # (a model placement picks is checked at the commit, against fresh usage).
             wanted = [request.spec.gpus.model] * request.spec.gpus.count
-            error = confirmed_breach(self._store, self._cache, tenant_id, wanted)
-            if error is not None:
-                metrics.COMPOSE_TOTAL.labels(result="quota_exceeded").inc()
-                raise error
+            refuse_breach(self._store, self._cache, tenant_id, wanted)
         for attempt in range(self._settings.max_attempts):
             with self._placing:
                 with metrics.COMPOSE_STAGE_SECONDS.labels(stage="placement").time():

@@ -72,7 +72,7 @@ from dxpool.broker.placement import (
 )
 from dxpool.broker.records import copy, timestamp
 from dxpool.broker.stm import TxnView, read_through, transact
-from dxpool.broker.tenants import charge_in, confirmed_breach
+from dxpool.broker.tenants import charge_in, refuse_breach
 from dxpool.broker.transitions import fence_detaching, let_go
 from dxpool.broker.validation import check_node_spec
 from dxpool.errors import (
@@ -233,12 +233,7 @@ class GangComposer:
         # models placement picks are checked at the commit, against fresh usage).
         for tenant_id, members in sorted(_by_tenant(list(request.members), _spec_tenant).items()):
             wanted = [spec.gpus.model for spec in members for _ in range(spec.gpus.count)]
-            error = confirmed_breach(
-                self._store, self._cache, tenant_id, wanted, nodes=len(members)
-            )
-            if error is not None:
-                metrics.COMPOSE_TOTAL.labels(result="quota_exceeded").inc()
-                raise error
+            refuse_breach(self._store, self._cache, tenant_id, wanted, nodes=len(members))
         tenants = sorted({spec.tenant for spec in request.members if spec.tenant})
         for attempt in range(self._settings.max_attempts):
             placements = self._place(request, requests)

@@ -43,10 +43,9 @@ from dxpool.store import keys as k
 from dxpool.store.typed import Store, Txn, Versioned
 
 CHARGED_NODE_STATES = lifecycle.LOSABLE_NODE_STATES
-"""A node counts against its tenant in the states whose GPUs it holds (and a lost host
-would take from it)."""
 """The states in which a charged node counts in its tenant's usage: every state that
-holds GPUs (a RESIZING or DEGRADED node keeps the GPUs it had while READY)."""
+holds GPUs (a RESIZING or DEGRADED node keeps the GPUs it had while READY), the ones a
+lost host would take from it."""
 
 
 def check_quota(quota: pb.TenantQuota) -> None:
@@ -210,6 +209,16 @@ def confirmed_breach(
     return breach(tenant_id, current.value, models, nodes=nodes)
 
 
+def refuse_breach(
+    store: Store, cache: Cache, tenant_id: str, models: list[str], *, nodes: int = 1
+) -> None:
+    """Raise (and count) the QUOTA_EXCEEDED error of :func:`confirmed_breach`, if any."""
+    error = confirmed_breach(store, cache, tenant_id, models, nodes=nodes)
+    if error is not None:
+        metrics.COMPOSE_TOTAL.labels(result="quota_exceeded").inc()
+        raise error
+
+
 def charge_in(
     txn: Txn, store: Store, cache: Cache, tenant_id: str, models: list[str], *, nodes: int = 1
 ) -> tuple[str, bool]:
@@ -217,10 +226,7 @@ def charge_in(
     tenant's record as the cache holds it and write it with them added to its usage.
     Raises QUOTA_EXCEEDED when they do not fit its quota (confirmed against etcd, see
     :func:`confirmed_breach`). Returns the record's key and whether the commit creates it."""
-    error = confirmed_breach(store, cache, tenant_id, models, nodes=nodes)
-    if error is not None:
-        metrics.COMPOSE_TOTAL.labels(result="quota_exceeded").inc()
-        raise error
+    refuse_breach(store, cache, tenant_id, models, nodes=nodes)
     record = cache.get(k.TENANTS, tenant_id)
     tenant = records.copy(record.value) if record else pb.Tenant(name=tenant_name(tenant_id))
     tenant.usage.CopyFrom(charged(tenant.usage, models, nodes=nodes))

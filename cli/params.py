@@ -108,6 +108,7 @@ def _model_limit(value: str) -> tuple[str, int]:
 GPUS = _GrammarType("MODEL:COUNT", _gpus, GPU_GRAMMAR)
 """``H100:4``, ``A100``, ``8``, ``*:2`` or ``H100|A100:4`` -> :class:`~dxpool.request.GpuSpec`."""
 DURATION = _GrammarType("DURATION", parse_duration_ns)
+"""``4us`` -> 4000 (nanoseconds)."""
 
 
 def _latency(value: str) -> int:
@@ -136,7 +137,6 @@ def _tenant_as_given(value: str) -> str:
 TENANT_ID = _GrammarType("TENANT", _tenant_as_given)
 REQUEST_ID = _GrammarType("REQUEST_ID", check_request_id)
 CPUS = click.IntRange(min=1, max=MAX_HOST_CPUS)
-"""``4us`` -> 4000 (nanoseconds)."""
 SECONDS = _GrammarType("DURATION", _seconds)
 """``120s`` or ``500ms`` -> seconds as a float."""
 SLOWDOWN = _GrammarType("RATIO", parse_slowdown)
