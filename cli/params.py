@@ -15,6 +15,7 @@ import click
 from dxpool import client
 from dxpool.errors import InvalidArgument
 from dxpool.fabric.overhead import WORKLOAD_GRAMMAR, parse_slowdown, parse_workload
+from dxpool.identity import SCHEME, Identity
 from dxpool.limits import MAX_DURATION_NS, MAX_HOST_CPUS, MAX_LATENCY_NS
 from dxpool.names import check_id, check_request_id
 from dxpool.request import (
@@ -135,6 +136,17 @@ def _tenant_as_given(value: str) -> str:
 
 
 TENANT_ID = _GrammarType("TENANT", _tenant_as_given)
+
+
+def _identity(value: str) -> str:
+    if not value:
+        return value
+    prefix = f"{SCHEME}://"
+    return Identity.parse(value if value.startswith(prefix) else prefix + value).uri
+
+
+IDENTITY = _GrammarType("ROLE/NAME", _identity)
+"""``tenant/team-a`` or ``dxpool://tenant/team-a`` -> ``dxpool://tenant/team-a``."""
 REQUEST_ID = _GrammarType("REQUEST_ID", check_request_id)
 CPUS = click.IntRange(min=1, max=MAX_HOST_CPUS)
 SECONDS = _GrammarType("DURATION", _seconds)

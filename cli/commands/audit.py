@@ -9,7 +9,7 @@ import click
 from dxpool.api.v1 import audit_pb2
 from dxpool.cli.context import CliContext, pass_cli
 from dxpool.cli.output import Column, OutputFormat, View, output_option, print_many
-from dxpool.cli.params import NODE, SECONDS
+from dxpool.cli.params import IDENTITY, NODE, SECONDS
 
 AUDIT_VIEW: View[audit_pb2.AuditRecord] = View(
     "audit records",
@@ -29,7 +29,12 @@ AUDIT_VIEW: View[audit_pb2.AuditRecord] = View(
 
 @click.command("audit")
 @click.option("--since", type=SECONDS, default=None, help="Only the last DURATION, e.g. 15m or 2h.")
-@click.option("--identity", default="", help="Only calls by this identity, e.g. tenant/team-a.")
+@click.option(
+    "--identity",
+    type=IDENTITY,
+    default="",
+    help="Only calls by this identity, e.g. tenant/team-a.",
+)
 @click.option("--node", type=NODE, default=None, help="Only calls naming this node.")
 @click.option("--target", default="", help="Only calls naming this resource, e.g. boxes/box1.")
 @output_option()
@@ -45,8 +50,6 @@ def audit(
     """Show the audit log: every mutating call, who made it and how it ended."""
     if node and target:
         raise click.UsageError("give --node or --target, not both")
-    if identity and not identity.startswith("dxpool://"):
-        identity = f"dxpool://{identity}"
     start = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=since) if since else None
     records = cli.client().list_audit_records(since=start, identity=identity, target=node or target)
     print_many(records, AUDIT_VIEW, output)

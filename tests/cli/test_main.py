@@ -60,6 +60,8 @@ def runner(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> CliRunner:
         (["node", "create", "--gpus", "2", "--cpus", "100000000"], "1<=x<=65536"),
         (["node", "create", "--gpus", "2", "--tenant", "Bad!"], "invalid tenant id"),
         (["node", "create", "--gpus", "2", "--max-latency", "1000s"], "more than 10s"),
+        (["audit", "--identity", "team-a"], "expected dxpool://ROLE/NAME"),
+        (["audit", "--identity", "boss/team-a"], "unknown role 'boss'"),
     ],
 )
 def test_usage_errors_exit_2(runner: CliRunner, args: list[str], expected: str) -> None:
