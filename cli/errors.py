@@ -37,6 +37,12 @@ def hint_for(error: DxpoolError, endpoint: str) -> str | None:
             "the TLS handshake failed: check --tls-ca (the CA that signed the broker), your "
             "certificate and key, and that the broker serves TLS"
         )
+    if code == grpc.StatusCode.UNAVAILABLE and "socket closed" in error.message.lower():
+        return (
+            f"the broker at {endpoint} closed the connection: if it serves TLS (as `dxpool "
+            "up` does), connect with --tls-ca and a certificate or token, or point "
+            "DXPOOL_CONFIG at the config file `dxpool up` wrote (.dxpool/config.yaml)"
+        )
     if code == grpc.StatusCode.UNAVAILABLE:
         return (
             f"is the broker running at {endpoint}? start one with `dxpool up`, or point "

@@ -58,6 +58,7 @@ def test_plaintext_cli_against_a_tls_broker_is_an_api_error(mtls_broker: BrokerS
     )
     assert result.exit_code == 1
     assert "error: UNAVAILABLE" in result.output
+    assert "if it serves TLS" in result.output  # not "is the broker running?": it is
 
 
 def test_unreadable_tls_file_is_a_usage_error(tmp_path: Path) -> None:
