@@ -21,10 +21,16 @@ every host is alive without running thousands of agents), then measures:
   what a compose pays: the preparation brought forward by the change, then the decision;
 * **composes/s**: 8 client threads composing 1-GPU nodes for ``--compose-s`` seconds
   against the started broker (with ``--compose-windows N``, N such windows back to
-  back, each on the pool the previous ones filled; the table shows the first). Hosts
-  have no agent here, so nodes stay ATTACHING and releases would never finish:
-  compose+release pairs/s are measured with agents by ``bench/compose_latency.py`` on
-  a small pool.
+  back, each on the pool the previous ones filled; the table shows the first). No
+  agent runs during these windows, so the nodes stay ATTACHING;
+* **compose+release pairs/s**: then ``bench/pool_agents.py`` starts, one process that
+  stands in for every host's agent (the agent's own reconciler and status writes over an
+  in-memory driver; see its docstring). The benchmark waits until the nodes composed so
+  far are READY (``backlog settled``), then 8 client threads each compose a 1-GPU node
+  and release it, again and again, for ``--pairs-s`` seconds; a pair counts when both
+  calls returned. ``released in`` is how long after the window the last node took to
+  reach RELEASED (its GPUs scrubbed, detached and freed), and the CPU of the broker and
+  of the stand-in agents over the window is shown, all on this one machine;
 
 Prints one block per size and a summary table, and with ``--png PATH`` draws the
 scaling curves (start, RSS, composes/s, placement p50/p99 against pool size, log-log)
@@ -97,6 +103,12 @@ class Figures:
     exhausted: int = 0
     # composes/s of each further --compose-windows window, back to back, as the pool fills
     later_windows: list[float] = field(default_factory=list)
+    settle_s: float = 0.0  # until the nodes composed without agents were READY
+    settled_nodes: int = 0
+    pairs_per_s: float = 0.0
+    pairs_exhausted: int = 0
+    pairs_released_s: float = 0.0  # after the pairs window, until every node was RELEASED
+    pairs_cpu: tuple[float, float] = (0.0, 0.0)  # broker, agents: cores over the window
 
 
 def location(index: int) -> tuple[str, str, str]:
@@ -374,17 +386,18 @@ def run_size(gpus: int, args: argparse.Namespace) -> Figures:
         store = Store(client, KeySchema(PREFIX))
         try:
             began = time.monotonic()
-            load_pool(etcd.endpoint, store, boxes)
+            lease_id = load_pool(etcd.endpoint, store, boxes)
             figures.load_s = time.monotonic() - began
             measure_placement(etcd.endpoint, store, boxes, figures, args)
-            measure_broker(etcd.endpoint, work, figures, args)
+            measure_broker(etcd.endpoint, work, figures, args, lease_id)
         finally:
             client.close()
     return figures
 
 
-def load_pool(etcd: str, store: Store, boxes: int) -> None:
-    """``boxes`` boxes through a broker's API, as many hosts alive through the store."""
+def load_pool(etcd: str, store: Store, boxes: int) -> int:
+    """``boxes`` boxes through a broker's API, as many hosts alive through the store;
+    returns the id of the lease every host's liveness key is on."""
     lease = store.client.lease(3600)
     loader = BrokerServer(
         BrokerConfig(etcd_endpoints=etcd, key_prefix=PREFIX, listen="127.0.0.1:0")
@@ -394,9 +407,12 @@ def load_pool(etcd: str, store: Store, boxes: int) -> None:
     finally:
         loader.stop(grace_s=0)
     load_hosts(store, boxes, lease)
+    return int(lease.id)
 
 
-def measure_broker(etcd: str, work: Path, figures: Figures, args: argparse.Namespace) -> None:
+def measure_broker(
+    etcd: str, work: Path, figures: Figures, args: argparse.Namespace, lease_id: int
+) -> None:
     process, endpoint, figures.start_s = start_broker(etcd, work)
     try:
         figures.rss_mib = rss_mib(process.pid)
@@ -411,9 +427,114 @@ def measure_broker(etcd: str, work: Path, figures: Figures, args: argparse.Names
             rate, exhausted = composes_per_second(endpoint, args.compose_s, most)
             figures.later_windows.append(rate)
             figures.exhausted += exhausted
+        if args.pairs_s > 0:
+            measure_pairs(etcd, work, endpoint, process.pid, lease_id, figures, args.pairs_s)
     finally:
         process.terminate()
         process.wait(30)
+
+
+def measure_pairs(
+    etcd: str,
+    work: Path,
+    endpoint: str,
+    broker_pid: int,
+    lease_id: int,
+    figures: Figures,
+    seconds: float,
+) -> None:
+    """Compose+release pairs/s with the stand-in agents running (see the module doc)."""
+    log = open(work / "pool_agents.log", "ab")  # noqa: SIM115 - handed to the child
+    agents = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("pool_agents.py")),
+            "--etcd",
+            etcd,
+            "--prefix",
+            PREFIX,
+            "--lease",
+            str(lease_id),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=log,
+    )
+    log.close()
+    try:
+        assert agents.stdout is not None
+        if agents.stdout.readline().strip() != b"ready":
+            raise RuntimeError(f"stand-in agents did not start; see {work / 'pool_agents.log'}")
+        began = time.monotonic()
+        figures.settled_nodes = settle(endpoint)
+        figures.settle_s = time.monotonic() - began
+        cpu_before = cpu_seconds(broker_pid), cpu_seconds(agents.pid)
+        began = time.monotonic()
+        figures.pairs_per_s, figures.pairs_exhausted = pairs_per_second(endpoint, seconds)
+        window = time.monotonic() - began
+        figures.pairs_cpu = (
+            (cpu_seconds(broker_pid) - cpu_before[0]) / window,
+            (cpu_seconds(agents.pid) - cpu_before[1]) / window,
+        )
+        began = time.monotonic()
+        settle(endpoint)
+        figures.pairs_released_s = time.monotonic() - began
+    finally:
+        agents.terminate()
+        agents.wait(30)
+
+
+UNSETTLED = ("NODE_STATE_PENDING", "NODE_STATE_ATTACHING", "NODE_STATE_RELEASING")
+
+
+def settle(endpoint: str, timeout_s: float = 600.0) -> int:
+    """Wait until no node is PENDING, ATTACHING or RELEASING; returns how many were at
+    the first look. Raises RuntimeError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    first = None
+    with Client(endpoint, insecure=True) as client:
+        while True:
+            by_state = client.pool_status().nodes_by_state
+            waiting = sum(by_state.get(state, 0) for state in UNSETTLED)
+            first = waiting if first is None else first
+            if waiting == 0:
+                return first
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{waiting} nodes still in flight after {timeout_s:.0f} s")
+            time.sleep(0.2)
+
+
+def pairs_per_second(endpoint: str, seconds: float, clients: int = 8) -> tuple[float, int]:
+    """1-GPU compose then release of that node, from ``clients`` threads for ``seconds``;
+    (pairs/s, RESOURCE_EXHAUSTED)."""
+    stop = time.monotonic() + seconds
+    counts = [0] * clients
+    exhausted = [0] * clients
+
+    def worker(index: int) -> None:
+        with grpc.insecure_channel(endpoint) as channel:
+            stub = nodes_pb2_grpc.NodeServiceStub(channel)
+            request = nodes_pb2.ComposeNodeRequest(
+                spec=pb.NodeSpec(gpus=pb.GpuRequest(model="H100", count=1))
+            )
+            while time.monotonic() < stop:
+                try:
+                    node = stub.ComposeNode(request, timeout=30)
+                except grpc.RpcError as error:
+                    if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        raise
+                    exhausted[index] += 1
+                    time.sleep(0.01)
+                    continue
+                stub.ReleaseNode(nodes_pb2.ReleaseNodeRequest(name=node.name), timeout=30)
+                counts[index] += 1
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
+    began = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sum(counts) / (time.monotonic() - began), sum(exhausted)
 
 
 def measure_placement(
@@ -470,6 +591,18 @@ def report(figures: Figures) -> None:
     if figures.later_windows:
         later = ", ".join(f"{rate:.0f}" for rate in figures.later_windows)
         print(f"  composes/s in the windows after it, as the pool fills: {later}")
+    if figures.pairs_per_s:
+        broker_cpu, agents_cpu = figures.pairs_cpu
+        print(
+            f"  stand-in agents: backlog of {figures.settled_nodes} nodes settled in "
+            f"{figures.settle_s:.1f} s"
+        )
+        print(
+            f"  compose+release pairs/s with 8 clients {figures.pairs_per_s:.0f} "
+            f"(RESOURCE_EXHAUSTED {figures.pairs_exhausted}); all released "
+            f"{figures.pairs_released_s:.1f} s after the window; CPU broker "
+            f"{broker_cpu * 100:.0f}%, agents {agents_cpu * 100:.0f}% of a core"
+        )
     for (percent, count), (p50, p99) in sorted(figures.placement.items()):
         print(f"  placement {count}-GPU at {percent:2d}% fill: p50 {p50:.2f} ms, p99 {p99:.2f} ms")
     print(f"  snapshot after a change {figures.snapshot_ms:.2f} ms (median of {SNAPSHOT_SAMPLES})")
@@ -481,9 +614,10 @@ def report(figures: Figures) -> None:
 
 
 def table(results: list[Figures]) -> None:
-    print("\n| GPUs | start s | RSS MiB | idle CPU | composes/s | 1-GPU p50/p99 ms (0/50/90%) "
-          "| 8-GPU p50/p99 ms (0/50/90%) | 1-GPU after a commit p50/p99 ms |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| GPUs | start s | RSS MiB | idle CPU | composes/s | pairs/s "
+          "| 1-GPU p50/p99 ms (0/50/90%) | 8-GPU p50/p99 ms (0/50/90%) "
+          "| 1-GPU after a commit p50/p99 ms |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for f in results:
         cells = {}
         for count in (1, 8):
@@ -493,7 +627,7 @@ def table(results: list[Figures]) -> None:
             )
         print(
             f"| {f.gpus:,} | {f.start_s:.2f} | {f.rss_mib:.0f} | {f.idle_cpu * 100:.1f}% "
-            f"| {f.composes_per_s:.0f} | {cells[1]} | {cells[8]} "
+            f"| {f.composes_per_s:.0f} | {f.pairs_per_s:.0f} | {cells[1]} | {cells[8]} "
             f"| {f.chained[0]:.2f}/{f.chained[1]:.2f} |"
         )
 
@@ -519,14 +653,19 @@ def plot(results: list[Figures], path: Path) -> bool:
         (axes[1], "broker RSS (MiB)", [("RSS", [f.rss_mib for f in results])]),
         (
             axes[2],
-            "composes/s (8 clients)",
-            [("composes/s", [f.composes_per_s for f in results])],
+            "per second (8 clients)",
+            [
+                ("composes", [f.composes_per_s for f in results]),
+                ("compose+release pairs", [f.pairs_per_s for f in results]),
+            ],
         ),
     ]
     for axis, title, series in panels:
         for name, values in series:
             axis.plot(sizes, values, marker="o", label=name)
         axis.set_title(title)
+        if len(series) > 1:
+            axis.legend(fontsize="small")
     placement = axes[3]
     for count in (1, 8):
         for column, style in ((0, "-"), (1, "--")):
@@ -561,6 +700,12 @@ def main() -> None:
         type=int,
         default=1,
         help="compose windows back to back (the later ones on a fuller pool)",
+    )
+    parser.add_argument(
+        "--pairs-s",
+        type=float,
+        default=10.0,
+        help="compose+release window with stand-in agents (0 skips it)",
     )
     parser.add_argument(
         "--no-freeze",
