@@ -54,7 +54,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,6 +89,14 @@ SNAPSHOT_SAMPLES = 20  # changes after each of which the first snapshot is timed
 
 
 @dataclass
+class Pairs:
+    per_s: float
+    exhausted: int
+    compose_ms: tuple[float, float]  # p50, p99 of the ComposeNode calls
+    release_ms: tuple[float, float]  # p50, p99 of the ReleaseNode calls
+
+
+@dataclass
 class Figures:
     gpus: int
     load_s: float = 0.0
@@ -105,10 +113,10 @@ class Figures:
     later_windows: list[float] = field(default_factory=list)
     settle_s: float = 0.0  # until the nodes composed without agents were READY
     settled_nodes: int = 0
-    pairs_per_s: float = 0.0
-    pairs_exhausted: int = 0
+    pairs: Pairs | None = None
     pairs_released_s: float = 0.0  # after the pairs window, until every node was RELEASED
-    pairs_cpu: tuple[float, float] = (0.0, 0.0)  # broker, agents: cores over the window
+    # cores used over the pairs window: broker, stand-in agents, etcd, this process (clients)
+    pairs_cpu: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
 
 
 def location(index: int) -> tuple[str, str, str]:
@@ -275,38 +283,62 @@ def start_broker(etcd: str, work: Path) -> tuple[subprocess.Popen[bytes], str, f
     return process, endpoint, time.monotonic() - started
 
 
+ONE_GPU = nodes_pb2.ComposeNodeRequest(spec=pb.NodeSpec(gpus=pb.GpuRequest(model="H100", count=1)))
+
+
+def run_clients(
+    endpoint: str,
+    clients: int,
+    seconds: float,
+    body: Callable[[int, nodes_pb2_grpc.NodeServiceStub, float], None],
+) -> float:
+    """Run ``body(index, stub, stop)`` in ``clients`` threads, each on its own channel,
+    until they return (``stop``: the ``time.monotonic()`` at which to stop); returns
+    the seconds the window lasted. The clock starts once every channel is connected,
+    so connecting is not counted as the broker's time."""
+    window: dict[str, float] = {}
+
+    def start_clock() -> None:
+        window["began"] = time.monotonic()
+        window["stop"] = window["began"] + seconds
+
+    connected = threading.Barrier(clients, action=start_clock, timeout=60)
+
+    def worker(index: int) -> None:
+        with grpc.insecure_channel(endpoint) as channel:
+            grpc.channel_ready_future(channel).result(timeout=30)
+            connected.wait()
+            body(index, nodes_pb2_grpc.NodeServiceStub(channel), window["stop"])
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.monotonic() - window["began"]
+
+
 def composes_per_second(
     endpoint: str, seconds: float, most: int, clients: int = 8
 ) -> tuple[float, int]:
     """1-GPU composes from ``clients`` threads for ``seconds`` or until ``most`` were made
     (half the pool: composes here never release); (composes/s, RESOURCE_EXHAUSTED)."""
-    stop = time.monotonic() + seconds
     share = max(1, most // clients)
     counts = [0] * clients
     exhausted = [0] * clients
 
-    def worker(index: int) -> None:
-        with grpc.insecure_channel(endpoint) as channel:
-            stub = nodes_pb2_grpc.NodeServiceStub(channel)
-            request = nodes_pb2.ComposeNodeRequest(
-                spec=pb.NodeSpec(gpus=pb.GpuRequest(model="H100", count=1))
-            )
-            while time.monotonic() < stop and counts[index] < share:
-                try:
-                    stub.ComposeNode(request, timeout=30)
-                    counts[index] += 1
-                except grpc.RpcError as error:
-                    if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        raise
-                    exhausted[index] += 1
+    def compose(index: int, stub: nodes_pb2_grpc.NodeServiceStub, stop: float) -> None:
+        while time.monotonic() < stop and counts[index] < share:
+            try:
+                stub.ComposeNode(ONE_GPU, timeout=30)
+                counts[index] += 1
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                exhausted[index] += 1
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
-    began = time.monotonic()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return sum(counts) / (time.monotonic() - began), sum(exhausted)
+    elapsed = run_clients(endpoint, clients, seconds, compose)
+    return sum(counts) / elapsed, sum(exhausted)
 
 
 def time_placements(index: PlacementIndex, count: int, runs: int) -> tuple[float, float]:
@@ -389,7 +421,7 @@ def run_size(gpus: int, args: argparse.Namespace) -> Figures:
             lease_id = load_pool(etcd.endpoint, store, boxes)
             figures.load_s = time.monotonic() - began
             measure_placement(etcd.endpoint, store, boxes, figures, args)
-            measure_broker(etcd.endpoint, work, figures, args, lease_id)
+            measure_broker(etcd, work, figures, args, lease_id)
         finally:
             client.close()
     return figures
@@ -411,9 +443,9 @@ def load_pool(etcd: str, store: Store, boxes: int) -> int:
 
 
 def measure_broker(
-    etcd: str, work: Path, figures: Figures, args: argparse.Namespace, lease_id: int
+    etcd: EmbeddedEtcd, work: Path, figures: Figures, args: argparse.Namespace, lease_id: int
 ) -> None:
-    process, endpoint, figures.start_s = start_broker(etcd, work)
+    process, endpoint, figures.start_s = start_broker(etcd.endpoint, work)
     try:
         figures.rss_mib = rss_mib(process.pid)
         cpu_before = cpu_seconds(process.pid)
@@ -435,7 +467,7 @@ def measure_broker(
 
 
 def measure_pairs(
-    etcd: str,
+    etcd: EmbeddedEtcd,
     work: Path,
     endpoint: str,
     broker_pid: int,
@@ -450,7 +482,7 @@ def measure_pairs(
             sys.executable,
             str(Path(__file__).with_name("pool_agents.py")),
             "--etcd",
-            etcd,
+            etcd.endpoint,
             "--prefix",
             PREFIX,
             "--lease",
@@ -467,14 +499,17 @@ def measure_pairs(
         began = time.monotonic()
         figures.settled_nodes = settle(endpoint)
         figures.settle_s = time.monotonic() - began
-        cpu_before = cpu_seconds(broker_pid), cpu_seconds(agents.pid)
+        assert etcd.pid is not None
+        pids = (broker_pid, agents.pid, etcd.pid)
+        before = [cpu_seconds(pid) for pid in pids] + [time.process_time()]
         began = time.monotonic()
-        figures.pairs_per_s, figures.pairs_exhausted = pairs_per_second(endpoint, seconds)
+        figures.pairs = pairs_per_second(endpoint, seconds)
         window = time.monotonic() - began
-        figures.pairs_cpu = (
-            (cpu_seconds(broker_pid) - cpu_before[0]) / window,
-            (cpu_seconds(agents.pid) - cpu_before[1]) / window,
+        after = [cpu_seconds(pid) for pid in pids] + [time.process_time()]
+        broker, agents_cpu, etcd_cpu, clients = (
+            (a - b) / window for a, b in zip(after, before, strict=True)
         )
+        figures.pairs_cpu = (broker, agents_cpu, etcd_cpu, clients)
         began = time.monotonic()
         settle(endpoint)
         figures.pairs_released_s = time.monotonic() - began
@@ -503,38 +538,36 @@ def settle(endpoint: str, timeout_s: float = 600.0) -> int:
             time.sleep(0.2)
 
 
-def pairs_per_second(endpoint: str, seconds: float, clients: int = 8) -> tuple[float, int]:
-    """1-GPU compose then release of that node, from ``clients`` threads for ``seconds``;
-    (pairs/s, RESOURCE_EXHAUSTED)."""
-    stop = time.monotonic() + seconds
+def pairs_per_second(endpoint: str, seconds: float, clients: int = 8) -> Pairs:
+    """1-GPU compose then release of that node, from ``clients`` threads for ``seconds``."""
     counts = [0] * clients
     exhausted = [0] * clients
+    composes: list[float] = []
+    releases: list[float] = []
 
-    def worker(index: int) -> None:
-        with grpc.insecure_channel(endpoint) as channel:
-            stub = nodes_pb2_grpc.NodeServiceStub(channel)
-            request = nodes_pb2.ComposeNodeRequest(
-                spec=pb.NodeSpec(gpus=pb.GpuRequest(model="H100", count=1))
-            )
-            while time.monotonic() < stop:
-                try:
-                    node = stub.ComposeNode(request, timeout=30)
-                except grpc.RpcError as error:
-                    if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        raise
-                    exhausted[index] += 1
-                    time.sleep(0.01)
-                    continue
-                stub.ReleaseNode(nodes_pb2.ReleaseNodeRequest(name=node.name), timeout=30)
-                counts[index] += 1
+    def pair(index: int, stub: nodes_pb2_grpc.NodeServiceStub, stop: float) -> None:
+        while time.monotonic() < stop:
+            began = time.perf_counter()
+            try:
+                node = stub.ComposeNode(ONE_GPU, timeout=30)
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                exhausted[index] += 1
+                time.sleep(0.01)
+                continue
+            composed = time.perf_counter()
+            stub.ReleaseNode(nodes_pb2.ReleaseNodeRequest(name=node.name), timeout=30)
+            composes.append(composed - began)
+            releases.append(time.perf_counter() - composed)
+            counts[index] += 1
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
-    began = time.monotonic()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return sum(counts) / (time.monotonic() - began), sum(exhausted)
+    elapsed = run_clients(endpoint, clients, seconds, pair)
+
+    def ms(samples: list[float]) -> tuple[float, float]:
+        return percentile(samples, 0.5) * 1e3, percentile(samples, 0.99) * 1e3
+
+    return Pairs(sum(counts) / elapsed, sum(exhausted), ms(composes), ms(releases))
 
 
 def measure_placement(
@@ -591,17 +624,26 @@ def report(figures: Figures) -> None:
     if figures.later_windows:
         later = ", ".join(f"{rate:.0f}" for rate in figures.later_windows)
         print(f"  composes/s in the windows after it, as the pool fills: {later}")
-    if figures.pairs_per_s:
-        broker_cpu, agents_cpu = figures.pairs_cpu
+    if figures.pairs is not None:
+        pairs = figures.pairs
+        broker_cpu, agents_cpu, etcd_cpu, clients_cpu = figures.pairs_cpu
         print(
             f"  stand-in agents: backlog of {figures.settled_nodes} nodes settled in "
             f"{figures.settle_s:.1f} s"
         )
         print(
-            f"  compose+release pairs/s with 8 clients {figures.pairs_per_s:.0f} "
-            f"(RESOURCE_EXHAUSTED {figures.pairs_exhausted}); all released "
-            f"{figures.pairs_released_s:.1f} s after the window; CPU broker "
-            f"{broker_cpu * 100:.0f}%, agents {agents_cpu * 100:.0f}% of a core"
+            f"  compose+release pairs/s with 8 clients {pairs.per_s:.0f} "
+            f"(RESOURCE_EXHAUSTED {pairs.exhausted}); all released "
+            f"{figures.pairs_released_s:.1f} s after the window"
+        )
+        print(
+            f"    in the window: ComposeNode p50/p99 {pairs.compose_ms[0]:.1f}/"
+            f"{pairs.compose_ms[1]:.1f} ms, ReleaseNode p50/p99 {pairs.release_ms[0]:.1f}/"
+            f"{pairs.release_ms[1]:.1f} ms"
+        )
+        print(
+            f"    CPU over the window, % of a core: broker {broker_cpu * 100:.0f}, agents "
+            f"{agents_cpu * 100:.0f}, etcd {etcd_cpu * 100:.0f}, clients {clients_cpu * 100:.0f}"
         )
     for (percent, count), (p50, p99) in sorted(figures.placement.items()):
         print(f"  placement {count}-GPU at {percent:2d}% fill: p50 {p50:.2f} ms, p99 {p99:.2f} ms")
@@ -625,9 +667,10 @@ def table(results: list[Figures]) -> None:
                 f"{f.placement[(p, count)][0]:.2f}/{f.placement[(p, count)][1]:.2f}"
                 for p in (0, 50, 90)
             )
+        pairs = f"{f.pairs.per_s:.0f}" if f.pairs else "-"
         print(
             f"| {f.gpus:,} | {f.start_s:.2f} | {f.rss_mib:.0f} | {f.idle_cpu * 100:.1f}% "
-            f"| {f.composes_per_s:.0f} | {f.pairs_per_s:.0f} | {cells[1]} | {cells[8]} "
+            f"| {f.composes_per_s:.0f} | {pairs} | {cells[1]} | {cells[8]} "
             f"| {f.chained[0]:.2f}/{f.chained[1]:.2f} |"
         )
 
@@ -656,7 +699,7 @@ def plot(results: list[Figures], path: Path) -> bool:
             "per second (8 clients)",
             [
                 ("composes", [f.composes_per_s for f in results]),
-                ("compose+release pairs", [f.pairs_per_s for f in results]),
+                ("compose+release pairs", [f.pairs.per_s if f.pairs else 0 for f in results]),
             ],
         ),
     ]
