@@ -26,22 +26,20 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
-from dxpool import lifecycle
 from dxpool.api.v1 import nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker import metrics
-from dxpool.broker.audit_commit import record_in
 from dxpool.broker.cache import Cache
-from dxpool.broker.fit import bind, placement_request, reserve_host_resources, still_takable
+from dxpool.broker.compose_commit import ComposeCommitter, ComposeJob
+from dxpool.broker.fit import placement_request
 from dxpool.broker.gang import GangComposer
 from dxpool.broker.locks import KeyedLocks
 from dxpool.broker.model_check import check_model_known
 from dxpool.broker.placement import PlacementRequest, PlacementResult, place
 from dxpool.broker.placement_index import PlacementIndex
-from dxpool.broker.records import copy, timestamp
 from dxpool.broker.resize import Resizer
 from dxpool.broker.stm import TxnView, read_through, transact
-from dxpool.broker.tenants import charge_in, refuse_breach
+from dxpool.broker.tenants import refuse_breach
 from dxpool.broker.transitions import fence_detaching, let_go
 from dxpool.broker.validation import check_node_spec
 from dxpool.errors import (
@@ -55,13 +53,12 @@ from dxpool.fabric.latency import LatencyModel, LatencySource, as_source
 from dxpool.names import (
     check_id,
     check_request_id,
-    node_name,
     parse_host,
     parse_node,
 )
 from dxpool.request import format_duration_ns
 from dxpool.store import keys as k
-from dxpool.store.typed import Store, Txn, Versioned
+from dxpool.store.typed import Store, Versioned
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +97,9 @@ class Composer:
         # again), and no two make the same snapshot's preparation. The broker's Python
         # runs one thread at a time anyway, so this costs no parallelism.
         self._placing = threading.Lock()
+        self._commits = ComposeCommitter(
+            store, cache, self._host_locks, self._node_for_request, clock
+        )
 
     @property
     def store(self) -> Store:
@@ -206,28 +206,14 @@ class Composer:
                     _unschedulable_message(request.spec, result), reason="NO_CAPACITY"
                 )
             chosen = result.placement
-            host = chosen.host
             # Composes placing while this one is on its way to commit see its GPUs and
             # host slots taken, so they choose others.
             if not held:
                 metrics.COMPOSE_CONFLICTS.inc()
                 continue
             try:
-                # Composes in this broker that chose the same host commit one at a time,
-                # so they never fail each other's compares; only other brokers can.
-                # Under the lock the choice is re-checked against the cache (GPUs still
-                # free, host slots unused, boxes schedulable) rather than placed again,
-                # and the commit compares every record it depends on.
-                with self._host_locks.lock(host), self._tenant_lock(tenant_id):
-                    outcome = self._try_commit(request, node_id, result, owner)
-                    if outcome is None:
-                        # Taken meanwhile (by another broker, or by a compose that placed
-                        # before this one's hold): try this host again, which is cheaper
-                        # than a full placement.
-                        pinned = replace(placement_request, host=host)
-                        result = place(pinned, self._index.snapshot(), self._latency.current())
-                        if result.placement is not None:
-                            outcome = self._try_commit(request, node_id, result, owner)
+                job = ComposeJob(request, node_id, result, owner, self._settings.attach_timeout_s)
+                outcome = self._commit(job, placement_request)
             finally:
                 self._index.let_go(chosen)
             if isinstance(outcome, pb.VirtualNode):
@@ -326,122 +312,41 @@ class Composer:
             )
         return found
 
-    def _reserve_host_resources(
-        self, host_id: str, allocation: pb.HostAllocation, spec: pb.NodeSpec, name: str
-    ) -> bool:
-        """Reserve ``spec``'s CPU cores and memory on the host in ``allocation`` (see
-        :func:`~dxpool.broker.fit.reserve_host_resources`); False when they no longer fit."""
-        host_record = self._cache.get(k.HOSTS, host_id)
-        return reserve_host_resources(
-            host_record.value if host_record else None, allocation, spec, name
-        )
-
-    def _try_commit(
-        self,
-        request: nodes_pb2.ComposeNodeRequest,
-        node_id: str,
-        result: PlacementResult,
-        owner: str,
+    def _commit(
+        self, job: ComposeJob, placement_request: PlacementRequest
     ) -> pb.VirtualNode | None:
-        """Commit ``result``; return the node, or None when a compare failed."""
-        assert result.placement is not None
-        keys = self._store.keys
-        host_id = result.placement.host
-        host_name = f"hosts/{host_id}"
-        name = node_name(node_id)
-        txn = Txn()
-        now = self._clock()
-        node = pb.VirtualNode(
-            name=name,
-            spec=request.spec,
-            host=host_name,
-            state=pb.NODE_STATE_PENDING,
-            message="waiting for the host agent to attach the GPUs",
-            request_id=request.request_id,
-            create_time=timestamp(now),
-            update_time=timestamp(now),
-            attach_deadline=timestamp(now + self._settings.attach_timeout_s),
-            owner=owner,
-        )
-        lifecycle.new_node_event(node, now)
-        allocation_record = self._cache.get(k.HOST_ALLOCATIONS, host_id)
-        allocation = (
-            copy(allocation_record.value)
-            if allocation_record
-            else pb.HostAllocation(host=host_name)
-        )
-        used = {a.host_slot for a in allocation.attachments}
-        if not self._reserve_host_resources(host_id, allocation, request.spec, name):
-            return None
-        for binding in result.placement.bindings:
-            gpu_record = self._cache.get(k.GPUS, f"{binding.box}/{binding.slot}")
-            box_record = self._cache.get(k.BOXES, binding.box)
-            if not still_takable(gpu_record, box_record, binding.host_slot, used):
-                return None  # the snapshot was older than the cache; place again
-            assert gpu_record is not None
-            used.add(binding.host_slot)
-            gpu = lifecycle.assign(
-                gpu_record.value, node=name, host=host_name, host_slot=binding.host_slot
-            )
-            gpu_key = keys.gpu(binding.box, binding.slot)
-            txn.expect_revision(gpu_key, gpu_record.mod_revision).put(gpu_key, gpu)
-            txn.read_on_failure(gpu_key)
-            bind(allocation, node, gpu, binding, request.spec.vfio)
-        tenant_key = self._charge(txn, request.spec.tenant, node)
-        allocation_key = keys.host_allocation(host_id)
-        txn.expect_revision(
-            allocation_key, allocation_record.mod_revision if allocation_record else 0
-        ).put(allocation_key, allocation).read_on_failure(allocation_key)
-        lease_key = keys.host_lease(host_id)
-        txn.expect_present(lease_key).read_on_failure(lease_key)
-        node_key = keys.node(node_id)
-        txn.expect_absent(node_key).put(node_key, node).read_on_failure(node_key)
-        request_key = keys.request(request.request_id) if request.request_id else None
-        if request_key:
-            txn.expect_absent(request_key).put(request_key, name).read_on_failure(request_key)
-        # The call's audit record commits with the node (one etcd request, not two).
-        audited = record_in(txn, node)
-        with metrics.COMPOSE_STAGE_SECONDS.labels(stage="commit").time():
-            committed = self._store.commit(txn)
-        if committed.succeeded:
-            if audited is not None:
-                audited()
-            created = {node_key} | ({request_key} if request_key else set())
-            if tenant_key is not None and tenant_key[1]:
-                created.add(tenant_key[0])
-            self._cache.apply_commit(committed.revision, txn.writes, created=created)
-            return node
-        self._refresh(committed.current)
-        if request_key:
-            existing = self._node_for_request(
-                request.request_id, request.spec, committed.current.get(request_key), owner
-            )
-            if existing is not None:
-                return existing
-        if committed.current.get(node_key) is not None and request.node_id:
-            raise AlreadyExists(
-                f"node {name} already exists; pick another node_id or omit it",
-                reason="NODE_EXISTS",
-            )
-        return None
+        """Commit a placed and held job: the node, or None to place again.
 
-    def _charge(self, txn: Txn, tenant_id: str, node: pb.VirtualNode) -> tuple[str, bool] | None:
-        """Charge ``node`` (its GPUs bound) to ``tenant_id`` in ``txn``: compare the
-        tenant's record as the cache holds it and write it with the node added to its
-        usage. Raises QUOTA_EXCEEDED when the node does not fit the quota (confirmed
-        against etcd). Returns the record's key and whether the commit creates it;
-        None for a node with no tenant."""
-        if not tenant_id:
-            return None
-        models = [binding.model for binding in node.gpus]
-        charge = charge_in(txn, self._store, self._cache, tenant_id, models)
-        node.charged = True
-        return charge
+        Composes in this broker that chose the same host commit under its lock, together
+        when several wait (see :mod:`~dxpool.broker.compose_commit`), so they never fail
+        each other's compares; only other brokers can. Under the lock the choice is
+        re-checked against the cache (GPUs still free, host slots unused, boxes
+        schedulable) rather than placed again, and the commit compares every record it
+        depends on. A node charged to a tenant commits alone, under the tenant's lock
+        too."""
+        tenant_id = job.request.spec.tenant
+        if tenant_id:
+            with self._host_locks.lock(job.host), self._tenant_lock(tenant_id):
+                outcome = self._commits.commit_alone(job)
+                return outcome or self._commit_pinned(job, placement_request)
+        outcome = self._commits.commit(job)
+        if outcome is not None:
+            return outcome
+        with self._host_locks.lock(job.host):
+            return self._commit_pinned(job, placement_request)
 
-    def _refresh(self, current: dict[str, Versioned[Any] | None]) -> None:
-        revision = self._cache.revision
-        for key, record in current.items():
-            self._cache.apply_read(key, record, revision)
+    def _commit_pinned(
+        self, job: ComposeJob, placement_request: PlacementRequest
+    ) -> pb.VirtualNode | None:
+        """``job``'s GPUs or slots were taken meanwhile (by another broker, or by a
+        compose that placed before this one's hold): place it again on the same host,
+        which is cheaper than a full placement, and commit alone. The caller holds the
+        host's lock (and the tenant's)."""
+        pinned = replace(placement_request, host=job.host)
+        result = place(pinned, self._index.snapshot(), self._latency.current())
+        if result.placement is None:
+            return None
+        return self._commits.commit_alone(replace(job, result=result, done=False))
 
     # -- release ---------------------------------------------------------------------
 

@@ -30,6 +30,11 @@ COMPOSE_STAGE_SECONDS = Histogram(
     ["stage"],
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1),
 )
+COMPOSE_GROUP_SIZE = Histogram(
+    "dxpool_compose_group_size",
+    "Composes committed by one etcd transaction (composes waiting for one host commit together)",
+    buckets=(1, 2, 4, 8, 16, 32),
+)
 RPC_UNDECODABLE = Counter(
     "dxpool_rpc_undecodable_total",
     "Requests rejected because their payload is not the method's request message",

@@ -183,6 +183,7 @@ class BrokerServer:
         )
         self.duties: SingletonDuties | None = None
         self.nodes: NodeService | None = None
+        self.composer: Composer | None = None
         self.streams = StreamLimiter(config.stream_limits)
         self._executor: futures.ThreadPoolExecutor | None = None
         self._stopped = False
@@ -217,7 +218,7 @@ class BrokerServer:
         # collection first: loading makes little cyclic garbage, and a full collection
         # over the whole inventory would add to the start-up time (0.3 s at 100k GPUs).
         gc.freeze()
-        composer = Composer(
+        composer = self.composer = Composer(
             self.store,
             self.cache,
             self.index,
