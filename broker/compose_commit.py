@@ -124,8 +124,9 @@ class _Group:
         keys = store.keys
         self.host = host
         self.record = cache.get(k.HOST_ALLOCATIONS, host)
-        self.allocation = (
-            copy(self.record.value) if self.record else pb.HostAllocation(host=f"hosts/{host}")
+        # Never changed in place: each job stages on a copy, which then replaces it.
+        self.allocation: pb.HostAllocation = (
+            self.record.value if self.record else pb.HostAllocation(host=f"hosts/{host}")
         )
         self.allocation_key = keys.host_allocation(host)
         self.lease_key = keys.host_lease(host)
