@@ -215,7 +215,7 @@ def main() -> None:
     parser.add_argument("--etcd", required=True, help="etcd endpoint, HOST:PORT")
     parser.add_argument("--prefix", required=True, help="the pool's etcd key prefix")
     parser.add_argument("--lease", type=int, required=True, help="lease of every liveness key")
-    parser.add_argument("--workers", type=int, default=4, help="reconcile threads")
+    parser.add_argument("--workers", type=int, default=16, help="reconcile threads")
     args = parser.parse_args()
     client = connect(args.etcd, timeout_s=30)
     agents = PoolAgents(client, KeySchema(args.prefix), args.lease, args.workers)

@@ -92,6 +92,7 @@ SNAPSHOT_SAMPLES = 20  # changes after each of which the first snapshot is timed
 class Pairs:
     per_s: float
     exhausted: int
+    first_refusal: str  # the first RESOURCE_EXHAUSTED's message, if any
     compose_ms: tuple[float, float]  # p50, p99 of the ComposeNode calls
     release_ms: tuple[float, float]  # p50, p99 of the ReleaseNode calls
 
@@ -544,6 +545,7 @@ def pairs_per_second(endpoint: str, seconds: float, clients: int = 8) -> Pairs:
     exhausted = [0] * clients
     composes: list[float] = []
     releases: list[float] = []
+    refusals: list[str] = []
 
     def pair(index: int, stub: nodes_pb2_grpc.NodeServiceStub, stop: float) -> None:
         while time.monotonic() < stop:
@@ -554,6 +556,7 @@ def pairs_per_second(endpoint: str, seconds: float, clients: int = 8) -> Pairs:
                 if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise
                 exhausted[index] += 1
+                refusals.append(str(error.details()))
                 time.sleep(0.01)
                 continue
             composed = time.perf_counter()
@@ -567,7 +570,8 @@ def pairs_per_second(endpoint: str, seconds: float, clients: int = 8) -> Pairs:
     def ms(samples: list[float]) -> tuple[float, float]:
         return percentile(samples, 0.5) * 1e3, percentile(samples, 0.99) * 1e3
 
-    return Pairs(sum(counts) / elapsed, sum(exhausted), ms(composes), ms(releases))
+    first = refusals[0] if refusals else ""
+    return Pairs(sum(counts) / elapsed, sum(exhausted), first, ms(composes), ms(releases))
 
 
 def measure_placement(
@@ -636,6 +640,8 @@ def report(figures: Figures) -> None:
             f"(RESOURCE_EXHAUSTED {pairs.exhausted}); all released "
             f"{figures.pairs_released_s:.1f} s after the window"
         )
+        if pairs.first_refusal:
+            print(f"    first RESOURCE_EXHAUSTED: {pairs.first_refusal}")
         print(
             f"    in the window: ComposeNode p50/p99 {pairs.compose_ms[0]:.1f}/"
             f"{pairs.compose_ms[1]:.1f} ms, ReleaseNode p50/p99 {pairs.release_ms[0]:.1f}/"
