@@ -34,11 +34,8 @@ import etcd3.events
 
 from dxpool.api.v1 import resources_pb2
 from dxpool.hostagent.desired import DesiredState
-from dxpool.hostagent.driver import (
-    AttachedGpu,
-    AttachRequest,
-    DriverCapabilities,
-)
+from dxpool.hostagent.driver import AttachedGpu, AttachRequest, DriverCapabilities
+from dxpool.hostagent.drivers.sim import SIM_CAPABILITIES
 from dxpool.hostagent.errors import AttachConflictError
 from dxpool.hostagent.nvml import HEALTHY, GpuIdentity
 from dxpool.hostagent.reconcile import Outcome, Reconciler
@@ -51,9 +48,6 @@ from dxpool.store.keys import HOST_ALLOCATIONS, KeySchema
 from dxpool.store.typed import Store
 from dxpool.store.watch import PrefixWatch
 
-MEMORY_CAPABILITIES = DriverCapabilities(
-    hotplug=True, surprise_removal=True, vfio=True, p2p=False, identity=True
-)
 ATTACH_ATTEMPTS = 3
 
 
@@ -67,7 +61,7 @@ class MemoryDriver:
 
     @property
     def capabilities(self) -> DriverCapabilities:
-        return MEMORY_CAPABILITIES
+        return SIM_CAPABILITIES  # what the simulated fabric supports too
 
     def attach(self, request: AttachRequest) -> AttachedGpu:
         with self._lock:

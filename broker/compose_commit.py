@@ -42,7 +42,7 @@ from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker import metrics
 from dxpool.broker.audit_commit import record_in
 from dxpool.broker.cache import Cache
-from dxpool.broker.fit import bind, reserve_host_resources, still_takable
+from dxpool.broker.fit import assign_gpus, reserve_host_resources
 from dxpool.broker.locks import KeyedLocks
 from dxpool.broker.placement import PlacementResult
 from dxpool.broker.records import copy, timestamp
@@ -374,21 +374,11 @@ class ComposeCommitter:
             job.finish(None)
             return None
         part = Txn()
-        for binding in placement.bindings:
-            gpu_record = self._cache.get(k.GPUS, f"{binding.box}/{binding.slot}")
-            box_record = self._cache.get(k.BOXES, binding.box)
-            if not still_takable(gpu_record, box_record, binding.host_slot, used):
-                job.finish(None)  # the snapshot was older than the cache; place again
-                return None
-            assert gpu_record is not None
-            used.add(binding.host_slot)
-            gpu = lifecycle.assign(
-                gpu_record.value, node=name, host=host_name, host_slot=binding.host_slot
-            )
-            gpu_key = keys.gpu(binding.box, binding.slot)
-            part.expect_revision(gpu_key, gpu_record.mod_revision).put(gpu_key, gpu)
-            part.read_on_failure(gpu_key)
-            bind(allocation, node, gpu, binding, request.spec.vfio)
+        if not assign_gpus(
+            part, self._cache, keys, placement, node, allocation, used, request.spec.vfio
+        ):
+            job.finish(None)  # the snapshot was older than the cache; place again
+            return None
         created: set[str] = set()
         if request.spec.tenant:
             tenant_key, creates = charge_in(

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from dxpool import lifecycle
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker.placement import Binding, PlacementRequest
-from dxpool.store.typed import Versioned
+from dxpool.broker.cache import Cache
+from dxpool.broker.placement import Binding, Placement, PlacementRequest
+from dxpool.store import keys as k
+from dxpool.store.keys import KeySchema
+from dxpool.store.typed import Txn, Versioned
 
 
 def placement_request(spec: pb.NodeSpec, host: str | None) -> PlacementRequest:
@@ -107,3 +110,36 @@ def bind(
 
 
 __all__ = ["bind", "fits", "placement_request", "reserve_host_resources", "still_takable"]
+
+
+def assign_gpus(
+    txn: Txn,
+    cache: Cache,
+    keys: KeySchema,
+    placement: Placement,
+    node: pb.VirtualNode,
+    allocation: pb.HostAllocation,
+    used: set[int],
+    vfio: bool,
+) -> bool:
+    """Assign ``placement``'s GPUs to ``node`` in ``txn``: each GPU compared at its cached
+    revision and written ATTACHING, bound in ``allocation`` and on the node, its host
+    slot added to ``used``. False as soon as one is no longer takable as placed (the
+    snapshot was older than the cache); ``txn``, ``allocation`` and ``node`` are then
+    partly changed, so the caller drops them."""
+    host_name = f"hosts/{placement.host}"
+    for binding in placement.bindings:
+        gpu_record = cache.get(k.GPUS, f"{binding.box}/{binding.slot}")
+        box_record = cache.get(k.BOXES, binding.box)
+        if not still_takable(gpu_record, box_record, binding.host_slot, used):
+            return False
+        assert gpu_record is not None
+        used.add(binding.host_slot)
+        gpu = lifecycle.assign(
+            gpu_record.value, node=node.name, host=host_name, host_slot=binding.host_slot
+        )
+        gpu_key = keys.gpu(binding.box, binding.slot)
+        txn.expect_revision(gpu_key, gpu_record.mod_revision).put(gpu_key, gpu)
+        txn.read_on_failure(gpu_key)
+        bind(allocation, node, gpu, binding, vfio)
+    return True

@@ -61,7 +61,7 @@ from dxpool.api.v1 import nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker import metrics
 from dxpool.broker.cache import Cache
-from dxpool.broker.fit import bind, placement_request, reserve_host_resources, still_takable
+from dxpool.broker.fit import assign_gpus, placement_request, reserve_host_resources
 from dxpool.broker.locks import KeyedLocks
 from dxpool.broker.model_check import check_model_known
 from dxpool.broker.placement import (
@@ -451,20 +451,8 @@ class GangComposer:
             owner=owner,
             gang=gang,
         )
-        for binding in placement.bindings:
-            gpu_record = self._cache.get(k.GPUS, f"{binding.box}/{binding.slot}")
-            box_record = self._cache.get(k.BOXES, binding.box)
-            if not still_takable(gpu_record, box_record, binding.host_slot, used):
-                return None
-            assert gpu_record is not None
-            used.add(binding.host_slot)
-            gpu = lifecycle.assign(
-                gpu_record.value, node=name, host=host_name, host_slot=binding.host_slot
-            )
-            gpu_key = keys.gpu(binding.box, binding.slot)
-            txn.expect_revision(gpu_key, gpu_record.mod_revision).put(gpu_key, gpu)
-            txn.read_on_failure(gpu_key)
-            bind(allocation, node, gpu, binding, spec.vfio)
+        if not assign_gpus(txn, self._cache, keys, placement, node, allocation, used, spec.vfio):
+            return None
         return node
 
     def _charge(self, txn: Txn, nodes: list[pb.VirtualNode]) -> set[str]:
