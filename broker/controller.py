@@ -21,7 +21,8 @@ it simply looks again). Transitions:
   Either way the GPU's ``release`` attachment leaves the host's allocation in the same
   transaction, and only then does the agent drop its entry (and, after a failed scrub,
   the mapping), so the broker cannot miss the outcome;
-* RELEASING -> RELEASED once the node owns no GPU;
+* RELEASING -> RELEASED once the node owns no GPU, in the transaction that frees or
+  quarantines its last GPUs when that is how it came to own none;
 * READY/DEGRADED: the health the agent reports for each attached GPU (of the current
   generation) is copied into the GPU record; a node with an UNHEALTHY GPU goes
   DEGRADED, and back to READY when none is. The copy is a compare-and-swap on the GPU,
@@ -551,14 +552,26 @@ class NodeController:
                 self._settle_detaches(host, group[start : start + GPUS_PER_TXN])
 
     def _settle_detaches(self, host: str, names: list[str]) -> None:
+        """Free (or quarantine) the GPUs of one host whose agent reported the outcome
+        of their release, and in the same transaction move each RELEASING node that
+        owns none of its GPUs any more to RELEASED (one commit, not one more per node)."""
         outcomes: dict[str, str] = {}
+        released: list[str] = []
 
         def body(view: TxnView) -> None:
             outcomes.clear()
+            released.clear()
+            owners: set[str] = set()
             for name in names:
+                record = view.get(k.GPUS, name)
                 outcome = self._settle_detach(view, name)
                 if outcome is not None:
                     outcomes[name] = outcome
+                    if record is not None and record.value.node:
+                        owners.add(parse_node(record.value.node))
+            for node_id in sorted(owners):
+                if self._finish_release(view, node_id) is not None:
+                    released.append(node_id)
 
         subject = f"{len(names)} detaching GPUs of {host or 'no host'}"
         try:
@@ -566,6 +579,8 @@ class NodeController:
         except Aborted:
             log.debug("controller transition kept losing compares", extra={"subject": subject})
             return
+        for _ in released:
+            metrics.NODE_TRANSITIONS.labels(state="RELEASED").inc()
         for name, outcome in sorted(outcomes.items()):
             if outcome == "FREE":
                 metrics.GPU_FREED.inc()

@@ -131,11 +131,12 @@ def fence_detaching(view: TxnView, node: pb.VirtualNode) -> None:
 
 
 def owned_gpus(view: TxnView, node: pb.VirtualNode) -> list[str]:
-    """The GPUs (resource names) that still name ``node`` as their owner."""
+    """The GPUs (resource names) that still name ``node`` as their owner, as ``view``
+    will leave them (a GPU it freed already is not owned)."""
     owned = []
     for binding in node.gpus:
-        record = view.get(k.GPUS, gpu_id(binding.gpu))
-        if record is not None and record.value.node == node.name:
+        gpu = view.latest(k.GPUS, gpu_id(binding.gpu))
+        if gpu is not None and gpu.node == node.name:
             owned.append(binding.gpu)
     return owned
 

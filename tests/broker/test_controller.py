@@ -33,10 +33,12 @@ def detaching(
     *,
     phase: pb.AttachmentPhase.ValueType = pb.ATTACHMENT_PHASE_RELEASED,
     reported: range | None = None,
+    node: pb.VirtualNode | None = None,
 ) -> int:
     """GPUs of box b1 DETACHING from ``host``, each with its ``release`` attachment in the
     host's spec; the agent reports ``phase`` for the ``reported`` ones (default: all).
-    Written in one transaction; returns its revision."""
+    With ``node``, the GPUs are its (and it is written too). Written in one transaction;
+    returns its revision."""
     txn = Txn()
     spec = pb.HostAllocation(host=f"hosts/{host}")
     status = pb.HostStatus(host=f"hosts/{host}")
@@ -54,9 +56,54 @@ def detaching(
             host=f"hosts/{host}",
             host_slot=slot,
             generation=1,
+            node=node.name if node is not None else "",
         )
         txn.put(store.keys.gpu("b1", slot), gpu)
+    if node is not None:
+        txn.put(store.keys.node(node.name.removeprefix("nodes/")), node)
     return store.commit(txn).revision
+
+
+def releasing_node(slots: range) -> pb.VirtualNode:
+    return pb.VirtualNode(
+        name="nodes/n1",
+        host="hosts/h1",
+        state=pb.NODE_STATE_RELEASING,
+        gpus=[pb.GpuBinding(gpu=f"boxes/b1/gpus/{slot}", host_slot=slot) for slot in slots],
+    )
+
+
+def test_a_released_nodes_last_gpus_are_freed_with_the_node_in_one_transaction(
+    parts: tuple[Store, Cache, NodeController],
+) -> None:
+    store, cache, controller = parts
+    node = releasing_node(range(2))
+    assert cache.wait_for_revision(detaching(store, "h1", range(2), node=node), 10)
+
+    controller.sweep()
+
+    released = store.get(store.keys.node("n1"))
+    gpu = store.get(store.keys.gpu("b1", 0))
+    assert released is not None and released.value.state == pb.NODE_STATE_RELEASED
+    assert gpu is not None and gpu.value.state == pb.GPU_STATE_FREE
+    assert released.mod_revision == gpu.mod_revision
+
+
+def test_a_released_node_with_a_gpu_still_detaching_stays_releasing(
+    parts: tuple[Store, Cache, NodeController],
+) -> None:
+    store, cache, controller = parts
+    node = releasing_node(range(2))
+    assert cache.wait_for_revision(
+        detaching(store, "h1", range(2), node=node, reported=range(1)), 10
+    )
+
+    controller.sweep()
+
+    record = store.get(store.keys.node("n1"))
+    assert record is not None and record.value.state == pb.NODE_STATE_RELEASING
+    freed = store.get(store.keys.gpu("b1", 0))
+    assert freed is not None and freed.value.state == pb.GPU_STATE_FREE
 
 
 def test_a_hosts_detached_gpus_are_freed_in_one_transaction(
