@@ -127,6 +127,12 @@ class TieredLatencyModel(LatencyModel, Protocol):
         """
         ...
 
+    def class_round_trip_ns(self, host_class: int, box_class: int) -> int:
+        """The round trip between any host of ``host_class`` and any box of
+        ``box_class`` (both numbered by this model already): the round trip of the
+        tier of ``ranking(host_class)`` that holds ``box_class``, without ranking."""
+        ...
+
 
 @runtime_checkable
 class LatencySource(Protocol):
@@ -295,6 +301,12 @@ class TopologyLatencyModel:
         tiers = tuple((ns, tuple(sorted(by_ns[ns]))) for ns in sorted(by_ns))
         self._rankings[host_class] = (known, tiers)
         return tiers
+
+    def class_round_trip_ns(self, host_class: int, box_class: int) -> int:
+        """The round trip between any host of ``host_class`` and any box of ``box_class``
+        (what :meth:`ranking` files ``box_class`` under), from the classes' racks alone."""
+        sides = self._class_sides
+        return self._sides_ns(sides[host_class], sides[box_class])
 
     def _grouped_ns(
         self, host_side: ResolvedPlace, known: int, by_ns: dict[int, list[int]]

@@ -441,15 +441,15 @@ class TieredChooser:
         elif self._near_answered.get(key) is places:
             return near, few
         class_ns = self._class_ns
-        round_trip = self._model.round_trip
-        for host_class, place in places.items():
+        class_round_trip_ns = self._model.class_round_trip_ns
+        for host_class in places:
             if host_class in near:
                 continue
             best: tuple[int, str, int] | None = None
             for index, (number, supply) in enumerate(few):
                 ns = class_ns.get((host_class, number))
                 if ns is None:
-                    ns = round_trip(place, supply.box.place).round_trip_ns
+                    ns = class_round_trip_ns(host_class, number)
                     class_ns[(host_class, number)] = ns
                 if best is None or (ns, supply.box.box) < best[:2]:
                     best = (ns, supply.box.box, index)

@@ -230,6 +230,7 @@ def test_rankings_agree_with_round_trips(model: TopologyLatencyModel, seed: int)
         tier_of = {number: ns for ns, numbers in tiers for number in numbers}
         for box, number in zip(boxes, box_classes, strict=True):
             assert tier_of[number] == model.round_trip(host, box).round_trip_ns
+            assert model.class_round_trip_ns(model.host_class(host), number) == tier_of[number]
 
 
 class _PairByPair(TopologyLatencyModel):

@@ -35,3 +35,4 @@ def assert_tier_contract(
             tiers = [ns for ns, classes in ranking if box_class in classes]
             assert len(tiers) == 1, (host, box, ranking)
             assert tiers[0] == model.round_trip(host, box).round_trip_ns, (host, box)
+            assert model.class_round_trip_ns(host_class, box_class) == tiers[0], (host, box)
