@@ -38,7 +38,8 @@ into PATH; that needs matplotlib (the ``bench`` extra). Nothing is asserted; com
 sizes within one run (these machines are shared and noisy). etcd runs with --unsafe-no-fsync
 to load large pools quickly; the broker's own work is what is measured.
 
-Usage: python bench/scale.py [--sizes 1000,10000,100000] [--placements 200] [--png PATH]
+Usage: python bench/scale.py [--sizes 1000,10000,100000] [--placements 200]
+       [--compose-windows N] [--pairs-s SECONDS] [--png PATH]
 """
 
 from __future__ import annotations
