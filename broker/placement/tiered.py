@@ -441,7 +441,8 @@ class TieredChooser:
         elif self._near_answered.get(key) is places:
             return near, few
         class_ns = self._class_ns
-        class_round_trip_ns = self._model.class_round_trip_ns
+        model = self._model
+        columns: dict[int, Mapping[int, int] | None] = {}  # box class -> all round trips
         for host_class in places:
             if host_class in near:
                 continue
@@ -449,7 +450,11 @@ class TieredChooser:
             for index, (number, supply) in enumerate(few):
                 ns = class_ns.get((host_class, number))
                 if ns is None:
-                    ns = class_round_trip_ns(host_class, number)
+                    if number not in columns:
+                        columns[number] = model.round_trips_to(number)
+                    column = columns[number]
+                    found = column.get(host_class) if column is not None else None
+                    ns = model.class_round_trip_ns(host_class, number) if found is None else found
                     class_ns[(host_class, number)] = ns
                 if best is None or (ns, supply.box.box) < best[:2]:
                     best = (ns, supply.box.box, index)
