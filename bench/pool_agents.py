@@ -7,7 +7,8 @@ runs the agent's own parts, unchanged: :class:`~dxpool.hostagent.desired.Desired
 (the spec as adopted), :class:`~dxpool.hostagent.status.StatusStore` (the status record,
 written with the lease and spec-revision guards) and
 :class:`~dxpool.hostagent.reconcile.Reconciler`, fed from one keyed
-:class:`~dxpool.hostagent.workqueue.WorkQueue` by ``--workers`` threads. So etcd and the
+:class:`~dxpool.hostagent.workqueue.WorkQueue` by ``--workers`` threads running the agent's own
+:func:`~dxpool.hostagent.agent.reconcile_worker`. So etcd and the
 broker see the same status writes per attach and release as from real agents (attach:
 ATTACHING, ATTACHED; release: DETACHING, scrubbed, RELEASED).
 
@@ -18,7 +19,7 @@ does not have, behind the agent's own driver interface); one watch on the whole
 lease that the caller holds (``--lease``), so there is no registration or keepalive here;
 and there is no periodic resync. The pool starts with no status records.
 
-Usage: python bench/pool_agents.py --etcd HOST:PORT --prefix /p/ --lease ID [--workers 4]
+Usage: python bench/pool_agents.py --etcd HOST:PORT --prefix /p/ --lease ID [--workers 16]
 Prints ``ready`` once the spec is listed and the workers run; stops on SIGTERM or SIGINT.
 """
 
@@ -33,14 +34,14 @@ from typing import Any
 import etcd3.events
 
 from dxpool.api.v1 import resources_pb2
+from dxpool.hostagent.agent import reconcile_worker
 from dxpool.hostagent.desired import DesiredState
 from dxpool.hostagent.driver import AttachedGpu, AttachRequest, DriverCapabilities
 from dxpool.hostagent.drivers.sim import SIM_CAPABILITIES
 from dxpool.hostagent.errors import AttachConflictError
 from dxpool.hostagent.nvml import HEALTHY, GpuIdentity
-from dxpool.hostagent.reconcile import Outcome, Reconciler
-from dxpool.hostagent.registration import ETCD_ERRORS
-from dxpool.hostagent.status import StatusStore, StatusWriteRefusedError
+from dxpool.hostagent.reconcile import Reconciler
+from dxpool.hostagent.status import StatusStore
 from dxpool.hostagent.workqueue import ExponentialBackoff, WorkQueue
 from dxpool.names import GpuRef
 from dxpool.store.client import addresses_of, connect
@@ -184,24 +185,11 @@ class PoolAgents:
 
     def _work(self) -> None:
         """As the agent's reconcile worker does, for (host, GPU) keys."""
-        while True:
-            key = self._queue.get()
-            if key is None:
-                return
-            host_id, gpu = key
-            try:
-                outcome = self._host(host_id).reconciler.reconcile(gpu)
-            except (*ETCD_ERRORS, StatusWriteRefusedError):
-                outcome = Outcome.RETRY
-            try:
-                if outcome is Outcome.STALE:
-                    self._queue.add(key)
-                elif outcome is Outcome.RETRY:
-                    self._queue.add_rate_limited(key)
-                else:
-                    self._queue.forget(key)
-            finally:
-                self._queue.done(key)
+        reconcile_worker(
+            self._queue,
+            lambda key: self._host(key[0]).reconciler.reconcile(key[1]),
+            lambda key: f"hosts/{key[0]} {key[1].name}",
+        )
 
 
 def main() -> None:

@@ -29,8 +29,9 @@ every host is alive without running thousands of agents), then measures:
   far are READY (``backlog settled``), then 8 client threads each compose a 1-GPU node
   and release it, again and again, for ``--pairs-s`` seconds; a pair counts when both
   calls returned. ``released in`` is how long after the window the last node took to
-  reach RELEASED (its GPUs scrubbed, detached and freed), and the CPU of the broker and
-  of the stand-in agents over the window is shown, all on this one machine;
+  reach RELEASED (its GPUs scrubbed, detached and freed); the window's ComposeNode and
+  ReleaseNode p50/p99, the first refusal's message, and the CPU of the broker, the
+  stand-in agents, etcd and the clients over it are shown, all on this one machine;
 
 Prints one block per size and a summary table, and with ``--png PATH`` draws the
 scaling curves (start, RSS, composes/s, placement p50/p99 against pool size, log-log)
@@ -511,7 +512,7 @@ def measure_pairs(
         broker, agents_cpu, etcd_cpu, clients = (
             (a - b) / window for a, b in zip(after, before, strict=True)
         )
-        figures.pairs_cpu = (broker, agents_cpu, etcd_cpu, clients)
+        figures.pairs_cpu = broker, agents_cpu, etcd_cpu, clients
         began = time.monotonic()
         settle(endpoint)
         figures.pairs_released_s = time.monotonic() - began
@@ -546,7 +547,7 @@ def pairs_per_second(endpoint: str, seconds: float, clients: int = 8) -> Pairs:
     exhausted = [0] * clients
     composes: list[float] = []
     releases: list[float] = []
-    refusals: list[str] = []
+    first_refusal: list[str] = []  # the first RESOURCE_EXHAUSTED's message
 
     def pair(index: int, stub: nodes_pb2_grpc.NodeServiceStub, stop: float) -> None:
         while time.monotonic() < stop:
@@ -557,7 +558,8 @@ def pairs_per_second(endpoint: str, seconds: float, clients: int = 8) -> Pairs:
                 if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise
                 exhausted[index] += 1
-                refusals.append(str(error.details()))
+                if not first_refusal:
+                    first_refusal.append(str(error.details()))
                 time.sleep(0.01)
                 continue
             composed = time.perf_counter()
@@ -571,7 +573,7 @@ def pairs_per_second(endpoint: str, seconds: float, clients: int = 8) -> Pairs:
     def ms(samples: list[float]) -> tuple[float, float]:
         return percentile(samples, 0.5) * 1e3, percentile(samples, 0.99) * 1e3
 
-    first = refusals[0] if refusals else ""
+    first = first_refusal[0] if first_refusal else ""
     return Pairs(sum(counts) / elapsed, sum(exhausted), first, ms(composes), ms(releases))
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -329,6 +329,13 @@ class Cache:
             self._apply(parsed[0], parsed[1], None, revision=revision)
         else:
             self._apply(parsed[0], parsed[1], record, revision=record.mod_revision)
+
+    def apply_reads(self, records: Mapping[str, Versioned[Any] | None]) -> None:
+        """Apply records read together straight from etcd (``key -> record``, None when
+        absent), e.g. what a failed compare sent back."""
+        revision = self.revision
+        for key, record in records.items():
+            self.apply_read(key, record, revision)
 
     # -- reading ---------------------------------------------------------------------
 

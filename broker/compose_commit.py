@@ -42,7 +42,7 @@ from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker import metrics
 from dxpool.broker.audit_commit import record_in
 from dxpool.broker.cache import Cache
-from dxpool.broker.fit import assign_gpus, reserve_host_resources
+from dxpool.broker.fit import assign_gpus, reserve_host_resources, write_assigned
 from dxpool.broker.locks import KeyedLocks
 from dxpool.broker.placement import PlacementResult
 from dxpool.broker.records import copy, timestamp
@@ -50,7 +50,7 @@ from dxpool.broker.tenants import charge_in
 from dxpool.errors import AlreadyExists
 from dxpool.names import node_name
 from dxpool.store import keys as k
-from dxpool.store.typed import MAX_TXN_OPS, Store, Txn, Versioned
+from dxpool.store.typed import MAX_TXN_OPS, Store, Txn, TxnResult, Versioned
 
 # Finds the node an earlier call with a request id made: (request id, spec, the request
 # record, owner) -> that node, None when the record names none; raises for a misuse.
@@ -205,12 +205,7 @@ class ComposeCommitter:
 
     def _take(self, host: str) -> list[ComposeJob]:
         with self._guard:
-            queued = self._queued.get(host)
-            taken = list(queued) if queued else []
-            if queued is not None:
-                queued.clear()
-                del self._queued[host]
-        return taken
+            return list(self._queued.pop(host, ()))
 
     def _put_back(self, host: str, jobs: list[ComposeJob]) -> None:
         """Queue ``jobs`` first again, in order, for the next group."""
@@ -227,96 +222,69 @@ class ComposeCommitter:
             # A job not done is queued until the holder of its host's lock takes it, and
             # the holder finishes or queues again all it took before letting go.
             raise RuntimeError(f"no compose queued for {host} while one waits")
-        if len(jobs) == 1:
-            self._commit_one(jobs[0])
-            return
         group = _Group(self._store, self._cache, host)
         left: list[ComposeJob] = []
         for job in jobs:
             if left:
                 left.append(job)  # keep arrival order: one that could not join goes first
                 continue
-            try:
-                staged = self._stage(job, group)
-            except Exception as error:
-                job.fail(error)
-                continue
+            staged = self._stage(job, group)
             if staged is None:
-                continue  # finished: its GPUs or slots are taken; it places again
-            staged_job, allocation = staged
-            if group.fits(staged_job.part):
-                group.add(staged_job, allocation)
+                continue  # finished: failed, or its GPUs or slots are taken (place again)
+            if group.fits(staged[0].part):
+                group.add(*staged)
             else:
                 left.append(job)
         self._put_back(host, left)
-        if len(group.staged) == 1:
-            self._commit_one(group.staged[0].job)
-            return
-        if not group.staged:
-            return
-        try:
+        if group.staged:
             self._commit_staged(group)
-        except Exception as error:
-            for staged_job in group.staged:
-                staged_job.job.fail(error)
-
-    def _commit_staged(self, group: _Group) -> None:
-        txn = group.transaction()
-        with metrics.COMPOSE_STAGE_SECONDS.labels(stage="commit").time():
-            committed = self._store.commit(txn)
-        metrics.COMPOSE_GROUP_SIZE.observe(len(group.staged))
-        if committed.succeeded:
-            self._applied(committed.revision, txn, group.staged)
-            return
-        # Some job relied on a record that changed: each commits again on its own, so
-        # each answer rests on its own compares only.
-        self._refresh(committed.current)
-        for staged in group.staged:
-            self._commit_one(staged.job)
 
     def _commit_one(self, job: ComposeJob) -> None:
         """Commit ``job`` alone and finish it; the caller holds its host's lock."""
+        group = _Group(self._store, self._cache, job.host)
+        staged = self._stage(job, group)
+        if staged is not None:
+            group.add(*staged)
+            self._commit_staged(group)
+
+    def _commit_staged(self, group: _Group) -> None:
+        """Commit ``group`` and finish its jobs. If a compare fails, a lone job is
+        answered from what came back; in a group each job commits again on its own, so
+        each answer rests on its own compares only."""
+        staged = group.staged
+        txn = group.transaction()
         try:
-            group = _Group(self._store, self._cache, job.host)
-            staged = self._stage(job, group)
-            if staged is None:
-                return
-            staged_job, allocation = staged
-            group.add(staged_job, allocation)
-            txn = group.transaction()
             with metrics.COMPOSE_STAGE_SECONDS.labels(stage="commit").time():
                 committed = self._store.commit(txn)
-            metrics.COMPOSE_GROUP_SIZE.observe(1)
-            if committed.succeeded:
-                self._applied(committed.revision, txn, group.staged)
-                return
-            self._refresh(committed.current)
-            job.finish(self._after_failed_compare(job, staged_job, committed.current))
+            metrics.COMPOSE_GROUP_SIZE.observe(len(staged))
+            if not committed.succeeded:
+                self._cache.apply_reads(committed.current)
+                if len(staged) == 1:
+                    staged[0].job.finish(self._after_failed_compare(staged[0], committed))
+                    return
         except Exception as error:
-            job.fail(error)
-
-    def _refresh(self, current: dict[str, Versioned[Any] | None]) -> None:
-        """The cache takes the records a failed compare sent back."""
-        revision = self._cache.revision
-        for key, record in current.items():
-            self._cache.apply_read(key, record, revision)
-
-    def _applied(self, revision: int, txn: Txn, staged: list[_Staged]) -> None:
+            for one in staged:
+                one.job.fail(error)
+            return
+        if not committed.succeeded:
+            for one in staged:
+                self._commit_one(one.job)
+            return
         created: set[str] = set()
         for one in staged:
             created |= one.created
-        self._cache.apply_commit(revision, txn.writes, created=created)
+        self._cache.apply_commit(committed.revision, txn.writes, created=created)
         for one in staged:
             if one.audited is not None:
                 one.audited()
             one.job.finish(one.node)
 
-    def _after_failed_compare(
-        self, job: ComposeJob, staged: _Staged, current: dict[str, Versioned[Any] | None]
-    ) -> pb.VirtualNode | None:
+    def _after_failed_compare(self, staged: _Staged, failed: TxnResult) -> pb.VirtualNode | None:
         """A lone job's compare failed: the node of an earlier call with the same request
         id, AlreadyExists for a node name taken, else None (place again)."""
+        job = staged.job
         request = job.request
+        current = failed.current
         keys = self._store.keys
         if request.request_id:
             existing = self._node_for_request(
@@ -338,9 +306,14 @@ class ComposeCommitter:
 
     def _stage(self, job: ComposeJob, group: _Group) -> tuple[_Staged, pb.HostAllocation] | None:
         """``job``'s part of ``group``'s transaction, and the host's allocation with it
-        added; None (and the job finished with None) when its GPUs, host slots or host
-        resources are no longer free as placed. Runs in the placing call's context."""
-        return job.context.run(self._stage_in_context, job, group)
+        added; None, the job finished, when its GPUs, host slots or host resources are
+        no longer free as placed (with None: place again) or staging raised (with the
+        error). Runs in the placing call's context."""
+        try:
+            return job.context.run(self._stage_in_context, job, group)
+        except Exception as error:
+            job.fail(error)
+            return None
 
     def _stage_in_context(
         self, job: ComposeJob, group: _Group
@@ -373,12 +346,14 @@ class ComposeCommitter:
         ):
             job.finish(None)
             return None
-        part = Txn()
-        if not assign_gpus(
-            part, self._cache, keys, placement, node, allocation, used, request.spec.vfio
-        ):
+        assigned = assign_gpus(
+            self._cache.get, placement, node, allocation, used, request.spec.vfio
+        )
+        if assigned is None:
             job.finish(None)  # the snapshot was older than the cache; place again
             return None
+        part = Txn()
+        write_assigned(part, keys, assigned)
         created: set[str] = set()
         if request.spec.tenant:
             tenant_key, creates = charge_in(

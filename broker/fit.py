@@ -3,9 +3,11 @@ places GPUs for a spec (ComposeNode, ComposeGang, ResizeNode)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from dxpool import lifecycle
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker.cache import Cache
 from dxpool.broker.placement import Binding, Placement, PlacementRequest
 from dxpool.store import keys as k
 from dxpool.store.keys import KeySchema
@@ -109,37 +111,57 @@ def bind(
     )
 
 
-__all__ = ["bind", "fits", "placement_request", "reserve_host_resources", "still_takable"]
+# Reads one record: the cache's ``get``, or a TxnView's, which also has the commit
+# compare what it read.
+ReadRecord = Callable[[str, str], Versioned[Any] | None]
 
 
 def assign_gpus(
-    txn: Txn,
-    cache: Cache,
-    keys: KeySchema,
+    read: ReadRecord,
     placement: Placement,
     node: pb.VirtualNode,
     allocation: pb.HostAllocation,
     used: set[int],
     vfio: bool,
-) -> bool:
-    """Assign ``placement``'s GPUs to ``node`` in ``txn``: each GPU compared at its cached
-    revision and written ATTACHING, bound in ``allocation`` and on the node, its host
-    slot added to ``used``. False as soon as one is no longer takable as placed (the
-    snapshot was older than the cache); ``txn``, ``allocation`` and ``node`` are then
-    partly changed, so the caller drops them."""
+) -> list[tuple[str, Versioned[pb.Gpu], pb.Gpu]] | None:
+    """Assign ``placement``'s GPUs to ``node``: each GPU, read through ``read``, made
+    ATTACHING for the node and bound in ``allocation`` and on the node, its host slot
+    added to ``used``. Returns (GPU id ``box/slot``, the record read, the assigned GPU)
+    for the caller to write; None as soon as one is no longer takable as placed (the
+    snapshot was older than the records), ``allocation`` and ``node`` then partly
+    changed, so the caller drops them."""
     host_name = f"hosts/{placement.host}"
+    assigned = []
     for binding in placement.bindings:
-        gpu_record = cache.get(k.GPUS, f"{binding.box}/{binding.slot}")
-        box_record = cache.get(k.BOXES, binding.box)
-        if not still_takable(gpu_record, box_record, binding.host_slot, used):
-            return False
+        name = f"{binding.box}/{binding.slot}"
+        gpu_record = read(k.GPUS, name)
+        if not still_takable(gpu_record, read(k.BOXES, binding.box), binding.host_slot, used):
+            return None
         assert gpu_record is not None
         used.add(binding.host_slot)
         gpu = lifecycle.assign(
             gpu_record.value, node=node.name, host=host_name, host_slot=binding.host_slot
         )
-        gpu_key = keys.gpu(binding.box, binding.slot)
-        txn.expect_revision(gpu_key, gpu_record.mod_revision).put(gpu_key, gpu)
-        txn.read_on_failure(gpu_key)
         bind(allocation, node, gpu, binding, vfio)
-    return True
+        assigned.append((name, gpu_record, gpu))
+    return assigned
+
+
+def write_assigned(
+    txn: Txn, keys: KeySchema, assigned: list[tuple[str, Versioned[pb.Gpu], pb.Gpu]]
+) -> None:
+    """Write :func:`assign_gpus`' GPUs into ``txn``, each compared at the revision read."""
+    for name, record, gpu in assigned:
+        key = keys.key(k.GPUS, name)
+        txn.expect_revision(key, record.mod_revision).put(key, gpu).read_on_failure(key)
+
+
+__all__ = [
+    "assign_gpus",
+    "bind",
+    "fits",
+    "placement_request",
+    "reserve_host_resources",
+    "still_takable",
+    "write_assigned",
+]

@@ -61,7 +61,12 @@ from dxpool.api.v1 import nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker import metrics
 from dxpool.broker.cache import Cache
-from dxpool.broker.fit import assign_gpus, placement_request, reserve_host_resources
+from dxpool.broker.fit import (
+    assign_gpus,
+    placement_request,
+    reserve_host_resources,
+    write_assigned,
+)
 from dxpool.broker.locks import KeyedLocks
 from dxpool.broker.model_check import check_model_known
 from dxpool.broker.placement import (
@@ -406,9 +411,7 @@ class GangComposer:
             created |= created_tenants
             self._cache.apply_commit(committed.revision, txn.writes, created=created)
             return nodes_pb2.Gang(name=gang, nodes=nodes)
-        revision = self._cache.revision
-        for key, record in committed.current.items():
-            self._cache.apply_read(key, record, revision)
+        self._cache.apply_reads(committed.current)
         if request_key:
             existing = self._gang_for_request(request, committed.current.get(request_key), owner)
             if existing is not None:
@@ -451,8 +454,10 @@ class GangComposer:
             owner=owner,
             gang=gang,
         )
-        if not assign_gpus(txn, self._cache, keys, placement, node, allocation, used, spec.vfio):
+        assigned = assign_gpus(self._cache.get, placement, node, allocation, used, spec.vfio)
+        if assigned is None:
             return None
+        write_assigned(txn, keys, assigned)
         return node
 
     def _charge(self, txn: Txn, nodes: list[pb.VirtualNode]) -> set[str]:

@@ -61,7 +61,7 @@ from dxpool import lifecycle
 from dxpool.api.v1 import nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.cache import Cache
-from dxpool.broker.fit import bind, placement_request, still_takable
+from dxpool.broker.fit import assign_gpus, placement_request
 from dxpool.broker.locks import KeyedLocks
 from dxpool.broker.placement import place
 from dxpool.broker.records import copy, timestamp
@@ -356,18 +356,11 @@ class Resizer:
             else pb.HostAllocation(host=node.host)
         )
         used = {a.host_slot for a in allocation.attachments}
-        for binding in result.placement.bindings:
-            gpu_record = view.get(k.GPUS, f"{binding.box}/{binding.slot}")
-            box_record = view.get(k.BOXES, binding.box)
-            if not still_takable(gpu_record, box_record, binding.host_slot, used):
-                raise _StaleSnapshotError
-            assert gpu_record is not None
-            used.add(binding.host_slot)
-            gpu = lifecycle.assign(
-                gpu_record.value, node=node.name, host=node.host, host_slot=binding.host_slot
-            )
-            view.put(k.GPUS, f"{binding.box}/{binding.slot}", gpu)
-            bind(allocation, updated, gpu, binding, spec.vfio)
+        assigned = assign_gpus(view.get, result.placement, updated, allocation, used, spec.vfio)
+        if assigned is None:
+            raise _StaleSnapshotError
+        for name, _, gpu in assigned:
+            view.put(k.GPUS, name, gpu)
         view.put(k.HOST_ALLOCATIONS, host_id, allocation)
         self._charge(view, node, [b.model for b in updated.gpus[len(node.gpus) :]])
         return updated

@@ -146,9 +146,7 @@ def transact(
                 stored()
             cache.apply_commit(committed.revision, txn.writes, created=created)
             return result
-        revision = cache.revision
-        for key, record in committed.current.items():
-            cache.apply_read(key, record, revision)
+        cache.apply_reads(committed.current)
         if attempt:
             time.sleep(random.uniform(0, min(0.05, 0.001 * 2**attempt)))
     raise Aborted(
@@ -175,9 +173,7 @@ def _found_after_all(store: Store, cache: Cache, keys: list[str]) -> bool:
     if not keys:
         return False
     found = store.read(keys)
-    revision = cache.revision
-    for key, record in found.items():
-        cache.apply_read(key, record, revision)
+    cache.apply_reads(found)
     return bool(found)
 
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
 
 import etcd3.events
 import tenacity
@@ -316,30 +316,44 @@ class Agent:
                 log.exception("round-trip probing failed; retrying at the next interval")
 
     def _work(self) -> None:
-        while True:
-            gpu = self._queue.get()
-            if gpu is None:
-                return
-            try:
-                outcome = self._reconciler.reconcile(gpu)
-            except ETCD_ERRORS as error:
-                log.warning("status write failed", extra={"gpu": gpu.name, "error": repr(error)})
-                outcome = Outcome.RETRY
-            except StatusWriteRefusedError as error:
-                log.warning("status write refused", extra={"gpu": gpu.name, "error": str(error)})
-                outcome = Outcome.RETRY
-            except Exception:
-                log.exception("reconcile failed", extra={"gpu": gpu.name})
-                outcome = Outcome.RETRY
-            try:
-                if outcome is Outcome.STALE:
-                    self._queue.add(gpu)  # the watch has, or soon has, the newer spec
-                elif outcome is Outcome.RETRY:
-                    self._queue.add_rate_limited(gpu)
-                else:
-                    self._queue.forget(gpu)
-            finally:
-                self._queue.done(gpu)
+        reconcile_worker(self._queue, self._reconciler.reconcile, lambda gpu: gpu.name)
 
 
-__all__ = ["Agent"]
+K = TypeVar("K", bound=Hashable)
+
+
+def reconcile_worker(
+    queue: WorkQueue[K], reconcile: Callable[[K], Outcome], describe: Callable[[K], str]
+) -> None:
+    """A reconcile worker: take a key from ``queue``, ``reconcile`` it, and queue it
+    again as the outcome says (at once when the spec went stale, with backoff on RETRY
+    or on an error, which is logged naming ``describe(key)``), until the queue shuts
+    down."""
+    while True:
+        key = queue.get()
+        if key is None:
+            return
+        name = describe(key)
+        try:
+            outcome = reconcile(key)
+        except ETCD_ERRORS as error:
+            log.warning("status write failed", extra={"gpu": name, "error": repr(error)})
+            outcome = Outcome.RETRY
+        except StatusWriteRefusedError as error:
+            log.warning("status write refused", extra={"gpu": name, "error": str(error)})
+            outcome = Outcome.RETRY
+        except Exception:
+            log.exception("reconcile failed", extra={"gpu": name})
+            outcome = Outcome.RETRY
+        try:
+            if outcome is Outcome.STALE:
+                queue.add(key)  # the watch has, or soon has, the newer spec
+            elif outcome is Outcome.RETRY:
+                queue.add_rate_limited(key)
+            else:
+                queue.forget(key)
+        finally:
+            queue.done(key)
+
+
+__all__ = ["Agent", "reconcile_worker"]
