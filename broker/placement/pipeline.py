@@ -39,9 +39,9 @@ import math
 import threading
 from bisect import bisect_left
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import cast
+from typing import TypeVar, cast
 
 from dxpool.broker.placement import selection
 from dxpool.broker.placement.explain import (
@@ -411,6 +411,14 @@ def _advance(
     )
 
 
+# The tightest single box the chooser gives each host class, as (round trip, index) into
+# the (class, box) pairs; see TieredChooser.tightest_near.
+_Near = tuple[dict[int, tuple[int, int]], tuple[tuple[int, BoxSupply], ...]]
+# A tightest box option for a group: (round trip, index into those pairs, free slots).
+_TightKey = tuple[int, int, int]
+_Key = TypeVar("_Key", bound=Hashable)
+
+
 @dataclass(frozen=True, slots=True)
 class _GroupTable:
     """The raw scores of every host group's proposals but the tightest single box's,
@@ -421,10 +429,15 @@ class _GroupTable:
     host of the class); ``raws`` the raw scores of those options for each group
     (host class, free slot count), whose first host is ``firsts``; ``proposers`` the
     first hosts proposing each distinct raw tuple, by id, and ``lowest`` the first of
-    them. ``ranking`` is one class's ranking when the table was made: the model numbers
-    a class for every new place, which changes every ranking, and the chooser then
-    chooses again for every class. Nothing here changes once made; :meth:`made` makes
-    the next.
+    them. ``near`` is the chooser's
+    :meth:`~dxpool.broker.placement.tiered.TieredChooser.tightest_near` for the classes
+    of ``places`` (None unless ``few``); ``tight_firsts`` the first hosts of the groups
+    that get each tightest box option, keyed (round trip, index into the tightest boxes,
+    free slots), by id, and ``tight_lowest`` the first of them: the one host per key a
+    decision proposes that option for. ``ranking`` is one class's ranking when the
+    table was made: the model numbers a class for every new place, which changes every
+    ranking, and the chooser then chooses again for every class. Nothing here changes
+    once made; :meth:`made` makes the next.
     """
 
     few: bool  # the chooser answers the tightest box apart (see TieredChooser.parts)
@@ -435,6 +448,9 @@ class _GroupTable:
     places: dict[int, Place]  # a place of a host of each class
     proposers: dict[tuple[float, ...], tuple[str, ...]]
     lowest: dict[tuple[float, ...], str]
+    near: _Near | None
+    tight_firsts: dict[_TightKey, tuple[str, ...]]
+    tight_lowest: dict[_TightKey, str]
 
     @staticmethod
     def made(
@@ -464,7 +480,7 @@ class _GroupTable:
         if (ranking[1] is None or changed is None) and hosts.groups:
             probe = cast(tuple[int, int], next(iter(hosts.groups)))[0]
             ranking = (probe, chooser.model.ranking(probe))
-        table = before or _GroupTable(few, ranking, {}, {}, {}, {}, {}, {})
+        table = before or _GroupTable(few, ranking, {}, {}, {}, {}, {}, {}, None, {}, {})
         options = dict(table.options)
         raws = dict(table.raws)
         firsts = dict(table.firsts)
@@ -483,9 +499,11 @@ class _GroupTable:
                 moved.add(host_class)
         if moved:
             redo.update(key for key in firsts if key[0] in moved)
+        before_firsts: dict[tuple[int, int], HostInfo] = {}
         for key in redo:  # what the groups judged again proposed before
             old = firsts.pop(key, None)
             if old is not None:
+                before_firsts[key] = old
                 _withdraw(proposers, lowest, old.host, raws.pop(key))
         groups = hosts.groups
         hosts_now = snapshot.hosts
@@ -506,14 +524,62 @@ class _GroupTable:
             raws[key] = tuple(_propose(request, host, found, plugins, scored).raws)
             firsts[key] = host
             _enter(proposers, lowest, host.host, raws[key])
-        return _GroupTable(few, ranking, options, raws, firsts, places, proposers, lowest)
+        near = chooser.tightest_near(places) if few else None
+        tight_firsts, tight_lowest = _tight_firsts(table, near, before_firsts, firsts, redo)
+        return _GroupTable(
+            few,
+            ranking,
+            options,
+            raws,
+            firsts,
+            places,
+            proposers,
+            lowest,
+            near,
+            tight_firsts,
+            tight_lowest,
+        )
+
+
+def _tight_firsts(
+    before: _GroupTable,
+    near: _Near | None,
+    gone: dict[tuple[int, int], HostInfo],
+    firsts: dict[tuple[int, int], HostInfo],
+    redo: Iterable[tuple[int, int]],
+) -> tuple[dict[_TightKey, tuple[str, ...]], dict[_TightKey, str]]:
+    """The first hosts of ``firsts``'s groups per tightest box option (see
+    :class:`_GroupTable`), by id, and the first of each; empty without ``near``.
+
+    When ``near`` is the mapping ``before`` was made with (the chooser only adds classes
+    to it while its tightest boxes stay in the same classes), no group's key changed but
+    those judged again (``redo``; ``gone`` their first hosts before), so only those
+    move; otherwise every group is counted."""
+    if near is None:
+        return {}, {}
+    nearest = near[0]
+    if before.near is not None and nearest is before.near[0]:
+        tight_firsts = dict(before.tight_firsts)
+        tight_lowest = dict(before.tight_lowest)
+        for key, old in gone.items():
+            _withdraw(tight_firsts, tight_lowest, old.host, [(*nearest[key[0]], key[1])])
+        for key in redo:
+            host = firsts.get(key)
+            if host is not None:
+                _enter(tight_firsts, tight_lowest, host.host, [(*nearest[key[0]], key[1])])
+        return tight_firsts, tight_lowest
+    by_key: dict[_TightKey, list[str]] = {}
+    for (host_class, free), host in firsts.items():
+        by_key.setdefault((*nearest[host_class], free), []).append(host.host)
+    tight_firsts = {key: tuple(sorted(ids)) for key, ids in by_key.items()}
+    return tight_firsts, {key: ids[0] for key, ids in tight_firsts.items()}
 
 
 def _withdraw(
-    proposers: dict[tuple[float, ...], tuple[str, ...]],
-    lowest: dict[tuple[float, ...], str],
+    proposers: dict[_Key, tuple[str, ...]],
+    lowest: dict[_Key, str],
     host_id: str,
-    raws: Iterable[tuple[float, ...]],
+    raws: Iterable[_Key],
 ) -> None:
     """Takes ``host_id`` out of the proposers of each of ``raws``."""
     for raw in set(raws):
@@ -529,10 +595,10 @@ def _withdraw(
 
 
 def _enter(
-    proposers: dict[tuple[float, ...], tuple[str, ...]],
-    lowest: dict[tuple[float, ...], str],
+    proposers: dict[_Key, tuple[str, ...]],
+    lowest: dict[_Key, str],
     host_id: str,
-    raws: Iterable[tuple[float, ...]],
+    raws: Iterable[_Key],
 ) -> None:
     """Adds ``host_id`` to the proposers of each of ``raws``."""
     for raw in set(raws):
@@ -794,18 +860,12 @@ class _Run:
         plugins = [weighted.plugin for weighted in self.pipeline.scores]
         scored = self.prepared.live.scored if self.prepared.live is not None else {}
         lowest = dict(table.lowest)
-        near = chooser.tightest_near(table.places) if table.few else None
+        near = table.near
         hosts = self.snapshot.hosts
         tight_raws: dict[tuple[int, int, int], tuple[float, ...]] = {}
         if near is not None:
-            nearest, few = near
-            first_by: dict[tuple[tuple[int, int], int], str] = {}
-            for (host_class, free), host in table.firsts.items():
-                found = (nearest[host_class], free)
-                seen = first_by.get(found)
-                if seen is None or host.host < seen:
-                    first_by[found] = host.host
-            for ((ns, index), free), host_id in first_by.items():
+            few = near[1]
+            for (ns, index, free), host_id in table.tight_lowest.items():
                 option = self._tight_option(few[index][1], ns)
                 (raw,) = _propose(request, hosts[host_id], [option], plugins, scored).raws
                 tight_raws[(ns, index, free)] = raw

@@ -440,10 +440,13 @@ class TieredChooser:
             near = self._near.setdefault(key, {})
         elif self._near_answered.get(key) is places:
             return near, few
+        missing = [host_class for host_class in places if host_class not in near]
+        if missing:
+            _near_by_columns(self._model, near, missing, few, by_id)
         class_ns = self._class_ns
         model = self._model
         columns: dict[int, Mapping[int, int] | None] = {}  # box class -> all round trips
-        for host_class in places:
+        for host_class in missing:
             if host_class in near:
                 continue
             best: tuple[int, str, int] | None = None
@@ -711,6 +714,41 @@ class TieredChooser:
         most = fill.most() if fill is not None and nearest is None else None
         chosen = options(self._count, nearest, single, tightest, self._first_rule)
         return chosen, nearest, single, most
+
+
+def _near_by_columns(
+    model: TieredLatencyModel,
+    near: dict[int, tuple[int, int]],
+    missing: list[int],
+    few: tuple[tuple[int, BoxSupply], ...],
+    by_id: list[int],
+) -> None:
+    """Adds to ``near`` what :meth:`TieredChooser.tightest_near` answers for the host
+    classes ``missing``, from each tightest box class's column of round trips
+    (:meth:`~dxpool.fabric.latency.TieredLatencyModel.round_trips_to`): the nearest
+    box, the lowest id (``by_id`` orders ``few`` by box id) among equally near ones.
+    Adds nothing when the model has no columns, and stops at the first class a column
+    lacks (one numbered since), leaving the rest to be asked pair by pair."""
+    ranked: list[tuple[Mapping[int, int], int]] = []
+    for index in by_id:
+        column = model.round_trips_to(few[index][0])
+        if column is None:
+            return
+        ranked.append((column, index))
+    try:
+        if len(ranked) == 1:
+            ((column, index),) = ranked
+            near.update({host_class: (column[host_class], index) for host_class in missing})
+            return
+        for host_class in missing:
+            best = (ranked[0][0][host_class], ranked[0][1])
+            for column, index in ranked[1:]:
+                ns = column[host_class]
+                if ns < best[0]:
+                    best = (ns, index)
+            near[host_class] = best
+    except KeyError:
+        return
 
 
 def _fits_entry(supply: BoxSupply, number: int) -> tuple[int, str, int]:

@@ -561,3 +561,44 @@ def test_the_nearest_tightest_box_follows_the_order_of_box_ids_within_the_same_c
         sorted([*full, box("t9", "r1", 2), second], key=lambda s: (s.available, s.box.box)),
         1,
     ).parts(host)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_nearest_tightest_boxes_read_off_columns_are_those_asked_pair_by_pair(
+    seed: int, topology: Topology, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``tightest_near`` reads every class's round trips to the tightest boxes off the
+    model's columns at once; asked pair by pair (a model without columns) it must name
+    the same box at the same round trip for every class, ties to the lowest box id."""
+    rng = random.Random(seed)
+    model = TopologyLatencyModel(topology)
+
+    def box(name: str, usable: int) -> BoxSupply:
+        gpus = tuple(
+            GpuInfo(f"boxes/{name}/gpus/{s}", name, s, "H100", 1, True, True) for s in range(usable)
+        )
+        return BoxSupply(BoxInfo(name, Place(f"boxes/{name}", *where(rng)), True), gpus)
+
+    tight = [box(f"t{rng.randrange(100):02d}x{index}", 1) for index in range(rng.randint(1, 3))]
+    supply = sorted(
+        [*tight, *(box(f"f{index}", 8) for index in range(4))],
+        key=lambda s: (s.available, s.box.box),
+    )
+    hosts = [Place(f"hosts/h{index}", *where(rng)) for index in range(30)]
+
+    def answers(chooser: TieredChooser) -> dict[str, tuple[int, str]]:
+        places = {chooser.host_class(host): host for host in hosts}
+        found = chooser.tightest_near(places)
+        assert found is not None
+        near, few = found
+        return {
+            host.name: (near[c][0], few[near[c][1]][1].box.box)
+            for host in hosts
+            if (c := chooser.host_class(host)) is not None
+        }
+
+    from_columns = answers(TieredChooser(model, supply, 1))
+    monkeypatch.setattr(TopologyLatencyModel, "round_trips_to", lambda self, number: None)
+    pair_by_pair = answers(TieredChooser(TopologyLatencyModel(topology), supply, 1))
+    assert from_columns == pair_by_pair
+    assert len(from_columns) == len(hosts)
