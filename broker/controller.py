@@ -111,6 +111,10 @@ class NodeController:
         # host id -> GPUs (cache ids "box/slot") assigned to it, so a host status change
         # touches that host's GPUs only.
         self._gpus_by_host: dict[str, set[str]] = {}
+        # host id -> GPU id -> the entry the host's status last held for it, so a status
+        # write touches the GPUs whose entry changed only. Learned from events alone: a
+        # host's first status event after start looks at every entry it holds.
+        self._observed: dict[str, dict[str, pb.ObservedAttachment]] = {}
         self._host_of_gpu: dict[str, str] = {}
         # GPU id -> its owner node id, so a GPU that lets go of its node (freed,
         # quarantined) wakes that node (e.g. RELEASING -> RELEASED).
@@ -165,10 +169,30 @@ class NodeController:
                 if owner:
                     self._owner_of_gpu[name] = owner
             elif collection == k.HOST_STATUSES:
-                self._dirty_hosts.add(name)
+                changed = self._observe(name, record.value if record is not None else None)
+                if changed is None:
+                    self._dirty_hosts.add(name)
+                else:
+                    self._dirty_gpus.update(changed)
             else:
                 return
         self._wake.set()
+
+    def _observe(self, host: str, status: pb.HostStatus | None) -> set[str] | None:
+        """Keep ``_observed`` current for ``host``; called with ``_lock`` held. Returns
+        the GPUs (cache ids) whose entry in the host's status came, went or changed, so a
+        status write wakes only what its agent reported on (an agent rewrites its whole
+        status for every GPU it reports, and a host may hold the GPUs of many nodes);
+        None when the status is gone: every GPU of the host is looked at."""
+        before = self._observed.pop(host, {})
+        if status is None:
+            return None
+        now = {gpu_id(entry.gpu): entry for entry in status.attachments}
+        if now:
+            self._observed[host] = now
+        changed = {gpu for gpu, entry in now.items() if before.get(gpu) != entry}
+        changed.update(gpu for gpu in before if gpu not in now)
+        return changed
 
     def _track_gpu(self, name: str, gpu: pb.Gpu | None) -> None:
         """Keep ``_detaching`` current; called with ``_lock`` held."""

@@ -515,3 +515,106 @@ def test_a_tick_looks_only_at_attaching_nodes_whose_deadline_passed(
         assert waiting is not None and waiting.value.state == pb.NODE_STATE_PENDING
     finally:
         controller.stop()
+
+
+def two_ready_nodes(store: Store) -> int:
+    """Nodes n1 (GPU b1/0) and n2 (GPU b1/1), READY on h1 with healthy GPUs; no status
+    written yet. Returns the revision of the write."""
+    txn = Txn()
+    for slot in (0, 1):
+        gpu = pb.Gpu(
+            name=f"boxes/b1/gpus/{slot}",
+            model="H100",
+            state=pb.GPU_STATE_ATTACHED,
+            health=pb.GPU_HEALTH_HEALTHY,
+            node=f"nodes/n{slot + 1}",
+            host="hosts/h1",
+            host_slot=slot,
+            generation=1,
+        )
+        node = pb.VirtualNode(
+            name=f"nodes/n{slot + 1}",
+            host="hosts/h1",
+            state=pb.NODE_STATE_READY,
+            gpus=[pb.GpuBinding(gpu=gpu.name, phase=pb.ATTACHMENT_PHASE_ATTACHED)],
+        )
+        txn.put(store.keys.gpu("b1", slot), gpu).put(store.keys.node(f"n{slot + 1}"), node)
+    return store.commit(txn).revision
+
+
+def h1_status(health: dict[int, pb.GpuHealth.ValueType], seconds: int = 0) -> pb.HostStatus:
+    """h1's status reporting each GPU b1/{slot} of ``health`` ATTACHED with that health."""
+    status = pb.HostStatus(host="hosts/h1")
+    status.update_time.seconds = seconds
+    for slot, each in sorted(health.items()):
+        status.attachments.add(
+            gpu=f"boxes/b1/gpus/{slot}",
+            generation=1,
+            phase=pb.ATTACHMENT_PHASE_ATTACHED,
+            health=each,
+            host_slot=slot,
+        )
+    return status
+
+
+def test_a_status_write_wakes_only_the_nodes_whose_gpus_it_reports_anew(
+    parts: tuple[Store, Cache, NodeController],
+) -> None:
+    """An agent rewrites its host's whole status for every GPU it reports on; the
+    controller looks only at the nodes whose GPUs' entries came, went or changed, not
+    at every node on the host. A host's first status after start, and a status deleted,
+    wake every node on the host."""
+    store, cache, _ = parts
+    assert cache.wait_for_revision(two_ready_nodes(store), 10)
+    controller = NodeController(store, cache, sweep_interval_s=0.02, full_sweep_interval_s=3600)
+    looked_at: list[str] = []
+    reconcile = controller._reconcile_node
+
+    def recording(node_id: str) -> None:
+        looked_at.append(node_id)
+        reconcile(node_id)
+
+    def write(status: pb.HostStatus | None) -> None:
+        txn = Txn()
+        key = store.keys.host_status("h1")
+        txn = txn.delete(key) if status is None else txn.put(key, status)
+        assert cache.wait_for_revision(store.commit(txn).revision, 10)
+
+    controller._reconcile_node = recording  # type: ignore[method-assign]
+    controller.start()
+    try:
+        time.sleep(0.1)  # the first sweep: no node in flight
+        healthy = {0: pb.GPU_HEALTH_HEALTHY, 1: pb.GPU_HEALTH_HEALTHY}
+        write(h1_status(healthy))
+        wait_until(lambda: {"n1", "n2"} <= set(looked_at), message="the first status")
+        time.sleep(0.1)
+        looked_at.clear()
+
+        write(h1_status({**healthy, 1: pb.GPU_HEALTH_UNHEALTHY}, seconds=5))
+        wait_until(
+            lambda: (
+                (r := store.get(store.keys.node("n2"))) is not None
+                and r.value.state == pb.NODE_STATE_DEGRADED
+            ),
+            message="n2 to degrade",
+        )
+        time.sleep(0.1)
+        assert set(looked_at) == {"n2"}
+        looked_at.clear()
+
+        write(h1_status({**healthy, 1: pb.GPU_HEALTH_UNHEALTHY}, seconds=9))
+        time.sleep(0.2)  # the entries are unchanged: nothing to look at
+        assert looked_at == []
+
+        write(h1_status({1: pb.GPU_HEALTH_UNHEALTHY}, seconds=12))
+        wait_until(lambda: "n1" in looked_at, message="n1, whose entry went")
+        time.sleep(0.1)
+        assert set(looked_at) == {"n1"}
+        looked_at.clear()
+
+        write(None)
+        wait_until(lambda: {"n1", "n2"} <= set(looked_at), message="the status deleted")
+        node = store.get(store.keys.node("n1"))
+        assert node is not None and node.value.state == pb.NODE_STATE_READY
+    finally:
+        controller.stop()
