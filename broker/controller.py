@@ -602,6 +602,7 @@ class NodeController:
             transact(self._store, self._cache, body, attempts=3, what=subject)
         except Aborted:
             log.debug("controller transition kept losing compares", extra={"subject": subject})
+            self._look_again(gpus=names)
             return
         for _ in released:
             metrics.NODE_TRANSITIONS.labels(state="RELEASED").inc()
@@ -641,14 +642,24 @@ class NodeController:
             return "QUARANTINED"
         return None
 
+    def _look_again(self, *, gpus: Iterable[str] = (), nodes: Iterable[str] = ()) -> None:
+        """Mark ``gpus`` and ``nodes`` for the next pass: a transition that kept losing
+        its compares lost them to writes that need not wake it (another GPU's entry in
+        its host's status, a compose on its host's allocation)."""
+        with self._lock:
+            self._dirty_gpus.update(gpus)
+            self._dirty_nodes.update(nodes)
+        self._wake.set()
+
     def _run(self, body: Callable[[TxnView], str | None], subject: str) -> str | None:
-        """Commit one transition; a transition that keeps losing compares is left to the
-        next pass (the records it read changed: it will be woken again)."""
+        """Commit one transition; a transition that keeps losing compares is looked at
+        again on the next pass."""
         self._health_changes.clear()
         try:
             state = transact(self._store, self._cache, body, attempts=3, what=subject)
         except Aborted:
             log.debug("controller transition kept losing compares", extra={"subject": subject})
+            self._look_again(nodes=[subject])
             return None
         for name, gpu in self._health_changes:
             level = logging.INFO if gpu.health == pb.GPU_HEALTH_HEALTHY else logging.WARNING

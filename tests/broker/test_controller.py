@@ -618,3 +618,75 @@ def test_a_status_write_wakes_only_the_nodes_whose_gpus_it_reports_anew(
         assert node is not None and node.value.state == pb.NODE_STATE_READY
     finally:
         controller.stop()
+
+
+def test_a_settle_that_keeps_losing_its_compares_is_looked_at_again_on_the_next_pass(
+    parts: tuple[Store, Cache, NodeController],
+) -> None:
+    """Between the settle's read and each of its commits, the agent rewrites its host's
+    status without changing any entry (a new update time), so every attempt loses its
+    compare and the settle gives up. That write wakes no GPU, and no other will come:
+    the GPUs must still be freed on the next pass, not at the next full sweep."""
+    store, cache, controller = parts
+    assert cache.wait_for_revision(detaching(store, "h1", range(2)), 10)
+    commit = store.commit
+    raced: list[int] = []
+
+    def status_rewritten_first(txn: Txn) -> object:
+        status = store.get(store.keys.host_status("h1"))
+        assert status is not None
+        rewritten = pb.HostStatus()
+        rewritten.CopyFrom(status.value)
+        rewritten.update_time.seconds += 1
+        raced.append(commit(Txn().put(store.keys.host_status("h1"), rewritten)).revision)
+        assert cache.wait_for_revision(raced[-1], 10)
+        return commit(txn)
+
+    store.commit = status_rewritten_first  # type: ignore[method-assign]
+    controller._reconcile_gpus(["b1/0", "b1/1"])
+    store.commit = commit  # type: ignore[method-assign]
+    assert len(raced) == 3  # every attempt lost
+    gpu = store.get(store.keys.gpu("b1", 0))
+    assert gpu is not None and gpu.value.state == pb.GPU_STATE_DETACHING
+
+    controller._process_dirty()
+
+    records = [store.get(store.keys.gpu("b1", slot)) for slot in range(2)]
+    assert all(r is not None and r.value.state == pb.GPU_STATE_FREE for r in records)
+
+
+def test_a_node_transition_that_keeps_losing_its_compares_is_looked_at_again(
+    parts: tuple[Store, Cache, NodeController],
+) -> None:
+    """The agent reports the node's GPU ATTACHED; before each commit of READY it
+    rewrites its status with the same entries, so every attempt loses. The node is
+    looked at again on the next pass and goes READY, with no further event."""
+    store, cache, controller = parts
+    assert cache.wait_for_revision(pending_node(store, "n1", "h1", 0, 2**40), 10)
+    status = pb.HostStatus(host="hosts/h1")
+    status.attachments.add(
+        gpu="boxes/b1/gpus/0", generation=1, phase=pb.ATTACHMENT_PHASE_ATTACHED, uuid="GPU-1"
+    )
+    assert cache.wait_for_revision(
+        store.commit(Txn().put(store.keys.host_status("h1"), status)).revision, 10
+    )
+    commit = store.commit
+    raced: list[int] = []
+
+    def status_rewritten_first(txn: Txn) -> object:
+        status.update_time.seconds += 1
+        raced.append(commit(Txn().put(store.keys.host_status("h1"), status)).revision)
+        assert cache.wait_for_revision(raced[-1], 10)
+        return commit(txn)
+
+    store.commit = status_rewritten_first  # type: ignore[method-assign]
+    controller._reconcile_node("n1")
+    store.commit = commit  # type: ignore[method-assign]
+    assert len(raced) == 3
+    node = store.get(store.keys.node("n1"))
+    assert node is not None and node.value.state == pb.NODE_STATE_PENDING
+
+    controller._process_dirty()
+
+    node = store.get(store.keys.node("n1"))
+    assert node is not None and node.value.state == pb.NODE_STATE_READY
