@@ -63,7 +63,6 @@ from dxpool import lifecycle
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker import metrics
 from dxpool.broker.cache import Cache
-from dxpool.broker.locks import KeyedLocks
 from dxpool.broker.records import seconds
 from dxpool.broker.stm import TxnView, transact
 from dxpool.broker.tenants import discharge_gpus
@@ -93,13 +92,8 @@ class NodeController:
         coalesce_s: float = 0.005,
         clock: Callable[[], float] = time.time,
         is_leader: Callable[[], bool] = lambda: True,
-        host_locks: KeyedLocks | None = None,
     ) -> None:
-        """``host_locks`` are the locks under which this broker's composes and releases
-        change a host's allocation (:attr:`~dxpool.broker.compose.Composer.host_locks`):
-        a settle holds its host's, so it never loses its compares to them."""
         self._store = store
-        self._host_locks = host_locks or KeyedLocks()
         self._cache = cache
         self._sweep_interval_s = sweep_interval_s
         self._full_sweep_interval_s = full_sweep_interval_s
@@ -584,10 +578,7 @@ class NodeController:
     def _settle_detaches(self, host: str, names: list[str]) -> None:
         """Free (or quarantine) the GPUs of one host whose agent reported the outcome
         of their release, and in the same transaction move each RELEASING node that
-        owns none of its GPUs any more to RELEASED (one commit, not one more per node).
-        Under the host's lock: placement fills one host before the next, so this
-        broker's composes keep rewriting the allocation of the host whose GPUs are
-        coming back, and would otherwise beat the settle to it attempt after attempt."""
+        owns none of its GPUs any more to RELEASED (one commit, not one more per node)."""
         outcomes: dict[str, str] = {}
         released: list[str] = []
 
@@ -608,8 +599,7 @@ class NodeController:
 
         subject = f"{len(names)} detaching GPUs of {host or 'no host'}"
         try:
-            with self._host_locks.lock(parse_host(host) if host else ""):
-                transact(self._store, self._cache, body, attempts=3, what=subject)
+            transact(self._store, self._cache, body, attempts=3, what=subject)
         except Aborted:
             log.debug("controller transition kept losing compares", extra={"subject": subject})
             self._look_again(gpus=names)

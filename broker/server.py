@@ -231,7 +231,6 @@ class BrokerServer:
             sweep_interval_s=self.config.controller_sweep_s,
             full_sweep_interval_s=self.config.controller_full_sweep_s,
             is_leader=self.election.is_leader,
-            host_locks=composer.host_locks,
         )
         self.controller.start()
         self.duties = SingletonDuties(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 
@@ -11,7 +10,6 @@ import pytest
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.cache import Cache
 from dxpool.broker.controller import GPUS_PER_TXN, NodeController
-from dxpool.broker.locks import KeyedLocks
 from dxpool.store.keys import KeySchema
 from dxpool.store.typed import Store, Txn
 from tests.conftest import wait_until
@@ -692,45 +690,3 @@ def test_a_node_transition_that_keeps_losing_its_compares_is_looked_at_again(
 
     node = store.get(store.keys.node("n1"))
     assert node is not None and node.value.state == pb.NODE_STATE_READY
-
-
-def test_a_settle_waits_for_a_compose_holding_its_hosts_lock_and_keeps_what_it_wrote(
-    parts: tuple[Store, Cache, NodeController],
-) -> None:
-    """A compose holds h1's lock and commits a new attachment to h1's allocation while
-    the settle of h1's released GPUs waits for that lock. The settle then reads the
-    allocation as the compose left it: it commits at its first attempt, frees the GPUs,
-    and the compose's attachment stays."""
-    store, cache, _ = parts
-    locks = KeyedLocks()
-    controller = NodeController(store, cache, host_locks=locks)
-    assert cache.wait_for_revision(detaching(store, "h1", range(2)), 10)
-    commit = store.commit
-    commits: list[Txn] = []
-
-    def counted(txn: Txn) -> object:
-        commits.append(txn)
-        return commit(txn)
-
-    store.commit = counted  # type: ignore[method-assign]
-    with locks.lock("h1"):
-        settle = threading.Thread(target=controller._reconcile_gpus, args=(["b1/0", "b1/1"],))
-        settle.start()
-        wait_until(lambda: locks.waiting("h1") == 1, message="the settle at h1's lock")
-        spec = store.get(store.keys.host_allocation("h1"))
-        assert spec is not None
-        composed = pb.HostAllocation()
-        composed.CopyFrom(spec.value)
-        composed.attachments.add(gpu="boxes/b2/gpus/0", host_slot=7, node="nodes/n2")
-        revision = commit(Txn().put(store.keys.host_allocation("h1"), composed)).revision
-        assert cache.wait_for_revision(revision, 10)
-        assert commits == []
-    settle.join(timeout=10)
-    store.commit = commit  # type: ignore[method-assign]
-
-    assert len(commits) == 1
-    records = [store.get(store.keys.gpu("b1", slot)) for slot in range(2)]
-    assert all(r is not None and r.value.state == pb.GPU_STATE_FREE for r in records)
-    spec = store.get(store.keys.host_allocation("h1"))
-    assert spec is not None
-    assert [a.gpu for a in spec.value.attachments] == ["boxes/b2/gpus/0"]
