@@ -111,10 +111,6 @@ class NodeController:
         # host id -> GPUs (cache ids "box/slot") assigned to it, so a host status change
         # touches that host's GPUs only.
         self._gpus_by_host: dict[str, set[str]] = {}
-        # host id -> GPU id -> the entry the host's status last held for it, so a status
-        # write touches the GPUs whose entry changed only. Learned from events alone: a
-        # host's first status event after start looks at every entry it holds.
-        self._observed: dict[str, dict[str, pb.ObservedAttachment]] = {}
         self._host_of_gpu: dict[str, str] = {}
         # GPU id -> its owner node id, so a GPU that lets go of its node (freed,
         # quarantined) wakes that node (e.g. RELEASING -> RELEASED).
@@ -169,30 +165,10 @@ class NodeController:
                 if owner:
                     self._owner_of_gpu[name] = owner
             elif collection == k.HOST_STATUSES:
-                changed = self._observe(name, record.value if record is not None else None)
-                if changed is None:
-                    self._dirty_hosts.add(name)
-                else:
-                    self._dirty_gpus.update(changed)
+                self._dirty_hosts.add(name)
             else:
                 return
         self._wake.set()
-
-    def _observe(self, host: str, status: pb.HostStatus | None) -> set[str] | None:
-        """Keep ``_observed`` current for ``host``; called with ``_lock`` held. Returns
-        the GPUs (cache ids) whose entry in the host's status came, went or changed, so a
-        status write wakes only what its agent reported on (an agent rewrites its whole
-        status for every GPU it reports, and a host may hold the GPUs of many nodes);
-        None when the status is gone: every GPU of the host is looked at."""
-        before = self._observed.pop(host, {})
-        if status is None:
-            return None
-        now = {gpu_id(entry.gpu): entry for entry in status.attachments}
-        if now:
-            self._observed[host] = now
-        changed = {gpu for gpu, entry in now.items() if before.get(gpu) != entry}
-        changed.update(gpu for gpu in before if gpu not in now)
-        return changed
 
     def _track_gpu(self, name: str, gpu: pb.Gpu | None) -> None:
         """Keep ``_detaching`` current; called with ``_lock`` held."""
@@ -602,7 +578,6 @@ class NodeController:
             transact(self._store, self._cache, body, attempts=3, what=subject)
         except Aborted:
             log.debug("controller transition kept losing compares", extra={"subject": subject})
-            self._look_again(gpus=names)
             return
         for _ in released:
             metrics.NODE_TRANSITIONS.labels(state="RELEASED").inc()
@@ -642,24 +617,14 @@ class NodeController:
             return "QUARANTINED"
         return None
 
-    def _look_again(self, *, gpus: Iterable[str] = (), nodes: Iterable[str] = ()) -> None:
-        """Mark ``gpus`` and ``nodes`` for the next pass: a transition that kept losing
-        its compares lost them to writes that need not wake it (another GPU's entry in
-        its host's status, a compose on its host's allocation)."""
-        with self._lock:
-            self._dirty_gpus.update(gpus)
-            self._dirty_nodes.update(nodes)
-        self._wake.set()
-
     def _run(self, body: Callable[[TxnView], str | None], subject: str) -> str | None:
-        """Commit one transition; a transition that keeps losing compares is looked at
-        again on the next pass."""
+        """Commit one transition; a transition that keeps losing compares is left to the
+        next pass (the records it read changed: it will be woken again)."""
         self._health_changes.clear()
         try:
             state = transact(self._store, self._cache, body, attempts=3, what=subject)
         except Aborted:
             log.debug("controller transition kept losing compares", extra={"subject": subject})
-            self._look_again(nodes=[subject])
             return None
         for name, gpu in self._health_changes:
             level = logging.INFO if gpu.health == pb.GPU_HEALTH_HEALTHY else logging.WARNING
