@@ -862,7 +862,7 @@ class _Run:
         lowest = dict(table.lowest)
         near = table.near
         hosts = self.snapshot.hosts
-        tight_raws: dict[tuple[int, int, int], tuple[float, ...]] = {}
+        tight_raws: dict[_TightKey, tuple[float, ...]] = {}
         if near is not None:
             few = near[1]
             for (ns, index, free), host_id in table.tight_lowest.items():
