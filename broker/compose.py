@@ -391,7 +391,12 @@ class Composer:
         host = parse_host(known.value.host) if known is not None and known.value.host else ""
         with self._host_locks.lock(host):
             released = transact(
-                self._store, self._cache, body, what=f"releasing {name}", audited=True
+                self._store,
+                self._cache,
+                body,
+                what=f"releasing {name}",
+                operation="release",
+                audited=True,
             )
         metrics.RELEASE_TOTAL.inc()
         return released

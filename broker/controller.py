@@ -575,7 +575,7 @@ class NodeController:
 
         subject = f"{len(names)} detaching GPUs of {host or 'no host'}"
         try:
-            transact(self._store, self._cache, body, attempts=3, what=subject)
+            transact(self._store, self._cache, body, attempts=3, what=subject, operation="free")
         except Aborted:
             log.debug("controller transition kept losing compares", extra={"subject": subject})
             return
@@ -622,7 +622,9 @@ class NodeController:
         next pass (the records it read changed: it will be woken again)."""
         self._health_changes.clear()
         try:
-            state = transact(self._store, self._cache, body, attempts=3, what=subject)
+            state = transact(
+                self._store, self._cache, body, attempts=3, what=subject, operation="transition"
+            )
         except Aborted:
             log.debug("controller transition kept losing compares", extra={"subject": subject})
             return None

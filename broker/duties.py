@@ -363,7 +363,9 @@ class SingletonDuties:
 
     def _apply(self, body: Callable[[TxnView], Any], subject: str) -> Any:
         try:
-            result = transact(self._store, self._cache, body, attempts=3, what=subject)
+            result = transact(
+                self._store, self._cache, body, attempts=3, what=subject, operation="duty"
+            )
         except DxpoolError as error:
             log.debug("duty not committed", extra={"subject": subject, "error": str(error)})
             return None

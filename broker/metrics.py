@@ -8,6 +8,11 @@ COMPOSE_TOTAL = Counter("dxpool_compose_total", "ComposeNode calls by outcome", 
 COMPOSE_CONFLICTS = Counter(
     "dxpool_compose_conflicts_total", "ComposeNode commits that lost a compare and were retried"
 )
+TRANSACTION_CONFLICTS = Counter(
+    "dxpool_transaction_conflicts_total",
+    "Read-modify-commit transactions that lost a compare to a concurrent change, by operation",
+    ["operation"],
+)
 RELEASE_TOTAL = Counter("dxpool_release_total", "ReleaseNode calls that started a release")
 NODE_TRANSITIONS = Counter(
     "dxpool_node_transitions_total", "Node state changes made by the controller", ["state"]

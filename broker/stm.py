@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import Message
 
+from dxpool.broker import metrics
 from dxpool.broker.audit_commit import record_in
 from dxpool.broker.cache import Cache
 from dxpool.errors import Aborted, NotFound
@@ -116,6 +117,7 @@ def transact(
     *,
     attempts: int = DEFAULT_ATTEMPTS,
     what: str = "change",
+    operation: str = "other",
     audited: bool = False,
 ) -> T:
     """Run ``body`` and commit its writes atomically against what it read.
@@ -123,6 +125,9 @@ def transact(
     Returns ``body``'s result from the attempt that committed (or that wrote nothing).
     Raises :class:`~dxpool.errors.Aborted` after ``attempts`` lost compares, and
     :class:`~dxpool.errors.Unavailable` when etcd cannot be reached.
+
+    ``what`` names the change in the Aborted message; ``operation`` (a fixed word, not a
+    name) labels its lost compares in ``dxpool_transaction_conflicts_total``.
 
     With ``audited`` (for a call whose one mutation this is, answered with ``body``'s
     result), the call's audit record commits in the same transaction (see
@@ -147,6 +152,7 @@ def transact(
             cache.apply_commit(committed.revision, txn.writes, created=created)
             return result
         cache.apply_reads(committed.current)
+        metrics.TRANSACTION_CONFLICTS.labels(operation=operation).inc()
         if attempt:
             time.sleep(random.uniform(0, min(0.05, 0.001 * 2**attempt)))
     raise Aborted(

@@ -11,11 +11,16 @@ from collections.abc import Callable
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from dxpool.api.v1 import nodes_pb2, nodes_pb2_grpc
 from dxpool.api.v1 import resources_pb2 as pb
+from dxpool.broker.cache import Cache
 from dxpool.broker.server import BrokerServer
+from dxpool.broker.stm import TxnView, transact
 from dxpool.store import keys as k
+from dxpool.store.keys import KeySchema
+from dxpool.store.typed import Store, Txn
 from tests.streaming import node, write_nodes
 
 
@@ -81,3 +86,36 @@ def test_a_named_watch_of_a_node_the_cache_has_not_seen_starts(
         first = next(stream)
         assert first.type == nodes_pb2.NodeEvent.TYPE_SYNCED
         stream.cancel()
+
+
+def test_a_lost_compare_runs_the_change_again_and_is_counted_by_operation(
+    etcd_client,
+    key_prefix: str,  # type: ignore[no-untyped-def]
+) -> None:
+    schema = KeySchema(key_prefix)
+    store = Store(etcd_client, schema)
+    key = schema.box("b1")
+    store.commit(Txn().put(key, pb.Box(name="boxes/b1", gpu_count=1)))
+    cache = Cache(etcd_client, schema)
+    cache.start()
+    cache.stop()  # the cache no longer follows etcd: only the commit's answer updates it
+    labels = {"operation": "test-op"}
+    before = REGISTRY.get_sample_value("dxpool_transaction_conflicts_total", labels) or 0.0
+    seen: list[int] = []
+
+    def body(view: TxnView) -> int:
+        record = view.get(k.BOXES, "b1")
+        assert record is not None
+        seen.append(record.value.gpu_count)
+        if len(seen) == 1:  # another writer commits between this read and our commit
+            store.commit(Txn().put(key, pb.Box(name="boxes/b1", gpu_count=2)))
+        view.put(k.BOXES, "b1", pb.Box(name="boxes/b1", gpu_count=record.value.gpu_count + 10))
+        return record.value.gpu_count
+
+    assert transact(store, cache, body, operation="test-op") == 2
+
+    assert seen == [1, 2]
+    stored = store.get(key)
+    assert stored is not None and stored.value.gpu_count == 12
+    after = REGISTRY.get_sample_value("dxpool_transaction_conflicts_total", labels)
+    assert after == before + 1
