@@ -59,8 +59,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.request import urlopen
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from dxpool.api.v1 import nodes_pb2, nodes_pb2_grpc
 from dxpool.api.v1 import resources_pb2 as pb
@@ -120,6 +122,8 @@ class Figures:
     pairs_released_s: float = 0.0  # after the pairs window, until every node was RELEASED
     # cores used over the pairs window: broker, stand-in agents, etcd, this process (clients)
     pairs_cpu: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    # the broker's counters over the pairs window (see broker_counters)
+    pairs_counters: dict[str, float] = field(default_factory=dict)
 
 
 def location(index: int) -> tuple[str, str, str]:
@@ -232,8 +236,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start_broker(etcd: str, work: Path) -> tuple[subprocess.Popen[bytes], str, float]:
-    """Spawn a broker; returns it, its endpoint and seconds until a compose succeeded."""
+def start_broker(
+    etcd: str, work: Path, metrics_port: int
+) -> tuple[subprocess.Popen[bytes], str, float]:
+    """Spawn a broker serving Prometheus metrics on ``metrics_port``; returns it, its
+    endpoint and seconds until a compose succeeded."""
     port = free_port()
     endpoint = f"127.0.0.1:{port}"
     log = open(work / "broker.log", "ab")  # noqa: SIM115 - handed to the child
@@ -253,6 +260,10 @@ def start_broker(etcd: str, work: Path) -> tuple[subprocess.Popen[bytes], str, f
             "3600",
             "--log-level",
             "WARNING",
+            "--metrics-port",
+            str(metrics_port),
+            "--metrics-address",
+            "127.0.0.1",
             "--insecure",
         ],
         stdout=log,
@@ -421,9 +432,12 @@ def run_size(gpus: int, args: argparse.Namespace) -> Figures:
         store = Store(client, KeySchema(PREFIX))
         try:
             began = time.monotonic()
+            progress(f"{gpus:,} GPUs: loading the pool")
             lease_id = load_pool(etcd.endpoint, store, boxes)
             figures.load_s = time.monotonic() - began
+            progress("placement in process")
             measure_placement(etcd.endpoint, store, boxes, figures, args)
+            progress("broker start, idle CPU, compose windows")
             measure_broker(etcd, work, figures, args, lease_id)
         finally:
             client.close()
@@ -448,7 +462,8 @@ def load_pool(etcd: str, store: Store, boxes: int) -> int:
 def measure_broker(
     etcd: EmbeddedEtcd, work: Path, figures: Figures, args: argparse.Namespace, lease_id: int
 ) -> None:
-    process, endpoint, figures.start_s = start_broker(etcd.endpoint, work)
+    metrics_port = free_port()
+    process, endpoint, figures.start_s = start_broker(etcd.endpoint, work, metrics_port)
     try:
         figures.rss_mib = rss_mib(process.pid)
         cpu_before = cpu_seconds(process.pid)
@@ -463,7 +478,9 @@ def measure_broker(
             figures.later_windows.append(rate)
             figures.exhausted += exhausted
         if args.pairs_s > 0:
-            measure_pairs(etcd, work, endpoint, process.pid, lease_id, figures, args.pairs_s)
+            measure_pairs(
+                etcd, work, endpoint, process.pid, metrics_port, lease_id, figures, args.pairs_s
+            )
     finally:
         process.terminate()
         process.wait(30)
@@ -474,6 +491,7 @@ def measure_pairs(
     work: Path,
     endpoint: str,
     broker_pid: int,
+    metrics_port: int,
     lease_id: int,
     figures: Figures,
     seconds: float,
@@ -500,15 +518,22 @@ def measure_pairs(
         if agents.stdout.readline().strip() != b"ready":
             raise RuntimeError(f"stand-in agents did not start; see {work / 'pool_agents.log'}")
         began = time.monotonic()
+        progress("stand-in agents attach the composed nodes")
         figures.settled_nodes = settle(endpoint)
         figures.settle_s = time.monotonic() - began
         assert etcd.pid is not None
         pids = (broker_pid, agents.pid, etcd.pid)
+        counted = broker_counters(metrics_port)
         before = [cpu_seconds(pid) for pid in pids] + [time.process_time()]
         began = time.monotonic()
+        progress(f"pairs window of {seconds:g} s")
         figures.pairs = pairs_per_second(endpoint, seconds)
         window = time.monotonic() - began
         after = [cpu_seconds(pid) for pid in pids] + [time.process_time()]
+        figures.pairs_counters = {
+            name: value - counted.get(name, 0.0)
+            for name, value in broker_counters(metrics_port).items()
+        }
         broker, agents_cpu, etcd_cpu, clients = (
             (a - b) / window for a, b in zip(after, before, strict=True)
         )
@@ -519,6 +544,33 @@ def measure_pairs(
     finally:
         agents.terminate()
         agents.wait(30)
+
+
+def broker_counters(metrics_port: int) -> dict[str, float]:
+    """The broker's own counters that explain a throughput figure, read from its metrics
+    port: lost compares (``conflicts <operation>``, ``conflicts compose``), full garbage
+    collections (``full collections``), group commits and the composes they carried."""
+    text = urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    counters: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "dxpool_transaction_conflicts_total":
+                counters[f"conflicts {sample.labels['operation']}"] = sample.value
+            elif sample.name == "dxpool_compose_conflicts_total":
+                counters["conflicts compose"] = sample.value
+            elif sample.name == "python_gc_collections_total":
+                if sample.labels.get("generation") == "2":
+                    counters["full collections"] = sample.value
+            elif sample.name == "dxpool_compose_group_size_count":
+                counters["group commits"] = sample.value
+            elif sample.name == "dxpool_compose_group_size_sum":
+                counters["grouped composes"] = sample.value
+    return counters
+
+
+def progress(message: str) -> None:
+    """A line on stderr saying which phase runs now (the figures come at the end)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 UNSETTLED = ("NODE_STATE_PENDING", "NODE_STATE_ATTACHING", "NODE_STATE_RELEASING")
@@ -653,6 +705,19 @@ def report(figures: Figures) -> None:
         print(
             f"    CPU over the window, % of a core: broker {broker_cpu * 100:.0f}, agents "
             f"{agents_cpu * 100:.0f}, etcd {etcd_cpu * 100:.0f}, clients {clients_cpu * 100:.0f}"
+        )
+        counters = figures.pairs_counters
+        lost = ", ".join(
+            f"{name.removeprefix('conflicts ')} {value:.0f}"
+            for name, value in sorted(counters.items())
+            if name.startswith("conflicts ")
+        )
+        groups = counters.get("group commits", 0.0)
+        per_group = counters.get("grouped composes", 0.0) / groups if groups else 0.0
+        print(
+            f"    broker in the window: lost compares by operation: {lost or 'none'}; "
+            f"full collections {counters.get('full collections', 0.0):.0f}; "
+            f"{per_group:.2f} composes per commit"
         )
     for (percent, count), (p50, p99) in sorted(figures.placement.items()):
         print(f"  placement {count}-GPU at {percent:2d}% fill: p50 {p50:.2f} ms, p99 {p99:.2f} ms")
