@@ -7,7 +7,8 @@ record the agent writes, plus a liveness key on one shared lease kept alive here
 every host is alive without running thousands of agents), then measures:
 
 * **start**: a broker process (``python -m dxpool.broker``) from spawn until it has
-  answered a ComposeNode; its RSS then, and its idle CPU over ``--idle-s`` seconds;
+  answered a ComposeNode; its RSS then, its idle CPU over ``--idle-s`` seconds, and the
+  median of 20 ``GetPoolStatus`` calls (``dxpool status``) on the idle broker;
 * **placement**: ``place()`` on the placement index, in this process over the same
   code the broker runs (Cache + PlacementIndex fed from etcd), for 1- and 8-GPU
   requests at 0%, 50% and 90% fill. Fill marks a random fraction of boxes wholly
@@ -31,7 +32,9 @@ every host is alive without running thousands of agents), then measures:
   calls returned. ``released in`` is how long after the window the last node took to
   reach RELEASED (its GPUs scrubbed, detached and freed); the window's ComposeNode and
   ReleaseNode p50/p99, the first refusal's message, and the CPU of the broker, the
-  stand-in agents, etcd and the clients over it are shown, all on this one machine;
+  stand-in agents, etcd and the clients over it are shown, all on this one machine,
+  with the broker's own counters over it read from its metrics port: lost compares by
+  operation, full garbage collections, and composes per group commit;
 
 Prints one block per size and a summary table, and with ``--png PATH`` draws the
 scaling curves (start, RSS, composes/s, placement p50/p99 against pool size, log-log)
@@ -122,6 +125,7 @@ class Figures:
     pairs_released_s: float = 0.0  # after the pairs window, until every node was RELEASED
     # cores used over the pairs window: broker, stand-in agents, etcd, this process (clients)
     pairs_cpu: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    pool_status_ms: float = 0.0  # GetPoolStatus, median of POOL_STATUS_CALLS
     # the broker's counters over the pairs window (see broker_counters)
     pairs_counters: dict[str, float] = field(default_factory=dict)
 
@@ -469,6 +473,7 @@ def measure_broker(
         cpu_before = cpu_seconds(process.pid)
         time.sleep(args.idle_s)
         figures.idle_cpu = (cpu_seconds(process.pid) - cpu_before) / args.idle_s
+        figures.pool_status_ms = pool_status_ms(endpoint)
         most = figures.gpus // 2 // args.compose_windows
         figures.composes_per_s, figures.exhausted = composes_per_second(
             endpoint, args.compose_s, most
@@ -566,6 +571,21 @@ def broker_counters(metrics_port: int) -> dict[str, float]:
             elif sample.name == "dxpool_compose_group_size_sum":
                 counters["grouped composes"] = sample.value
     return counters
+
+
+POOL_STATUS_CALLS = 20
+
+
+def pool_status_ms(endpoint: str) -> float:
+    """The median GetPoolStatus call (``dxpool status``) on the idle broker, in ms."""
+    samples = []
+    with Client(endpoint, insecure=True) as client:
+        client.pool_status()
+        for _ in range(POOL_STATUS_CALLS):
+            began = time.perf_counter()
+            client.pool_status()
+            samples.append(time.perf_counter() - began)
+    return statistics.median(samples) * 1e3
 
 
 def progress(message: str) -> None:
@@ -674,7 +694,8 @@ def report(figures: Figures) -> None:
     print(f"  loaded in {figures.load_s:.1f} s")
     print(
         f"  broker start to first compose {figures.start_s:.2f} s, RSS "
-        f"{figures.rss_mib:.0f} MiB, idle CPU {figures.idle_cpu * 100:.1f}% of a core"
+        f"{figures.rss_mib:.0f} MiB, idle CPU {figures.idle_cpu * 100:.1f}% of a core, "
+        f"GetPoolStatus {figures.pool_status_ms:.2f} ms"
     )
     print(
         f"  composes/s with 8 clients {figures.composes_per_s:.0f} "

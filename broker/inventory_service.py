@@ -9,7 +9,7 @@ from dxpool.api.v1 import inventory_pb2 as inv
 from dxpool.api.v1 import inventory_pb2_grpc
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.cache import Cache
-from dxpool.broker.pool_status import pool_status
+from dxpool.broker.pool_tally import PoolTally
 from dxpool.broker.records import copy, timestamp
 from dxpool.broker.rpc import cache_page, check_page_token, handler
 from dxpool.broker.stm import TxnView, transact
@@ -46,9 +46,10 @@ MAX_ATTEMPTS = 8
 
 
 class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
-    def __init__(self, store: Store, cache: Cache) -> None:
+    def __init__(self, store: Store, cache: Cache, tally: PoolTally) -> None:
         self._store = store
         self._cache = cache
+        self._tally = tally
 
     # -- boxes -----------------------------------------------------------------------
 
@@ -395,7 +396,7 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
     def GetPoolStatus(
         self, request: inv.GetPoolStatusRequest, context: grpc.ServicerContext
     ) -> inv.PoolStatus:
-        return pool_status(self._cache)
+        return self._tally.status()
 
     @handler("InventoryService.ListHosts")
     def ListHosts(

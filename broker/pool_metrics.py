@@ -9,19 +9,18 @@
 ======================================  ==============================================
 
 State labels are the enum value names without their prefix (``FREE``, ``READY``), the
-form every dxpool metric uses (``dxpool_node_transitions_total{state}`` too). Counting is
-one pass over the cached records per scrape (a page at a time, so the cache's watch is
-never held up for long), nothing on the request path.
+form every dxpool metric uses (``dxpool_node_transitions_total{state}`` too). The counts
+come from the broker's :class:`~dxpool.broker.pool_tally.PoolTally`, kept current from
+cache events, so a scrape costs O(models x states), not a pass over the records.
 
 :data:`COLLECTOR` is registered with the default registry on import. A broker attaches
-its cache on start and detaches it on stop; with several brokers in one process (tests),
-the one attached last is reported.
+its cache and tally on start and detaches them on stop; with several brokers in one
+process (tests), the one attached last is reported.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import Counter
 from collections.abc import Callable, Iterator
 
 from prometheus_client.core import REGISTRY, GaugeMetricFamily
@@ -30,7 +29,7 @@ from prometheus_client.registry import Collector
 
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.cache import Cache
-from dxpool.store import keys as k
+from dxpool.broker.pool_tally import PoolTally
 
 
 def state_label(enum_name: str, prefix: str) -> str:
@@ -43,17 +42,19 @@ class PoolCollector(Collector):
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._caches: list[Cache] = []
+        self._attached: list[tuple[Cache, PoolTally]] = []
 
-    def attach(self, cache: Cache) -> Callable[[], None]:
-        """Report ``cache`` from now on; returns the function that stops that (idempotent)."""
+    def attach(self, cache: Cache, tally: PoolTally) -> Callable[[], None]:
+        """Report ``tally`` (and ``cache``'s revision) from now on; returns the function
+        that stops that (idempotent)."""
+        pair = (cache, tally)
         with self._lock:
-            self._caches.append(cache)
+            self._attached.append(pair)
 
         def detach() -> None:
             with self._lock:
-                if cache in self._caches:
-                    self._caches.remove(cache)
+                if pair in self._attached:
+                    self._attached.remove(pair)
 
         return detach
 
@@ -62,22 +63,25 @@ class PoolCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
-            cache = self._caches[-1] if self._caches else None
+            attached = self._attached[-1] if self._attached else None
         gpus, nodes, hosts, revision = self._families()
-        if cache is not None:
-            by_gpu = Counter(
-                (r.value.model, pb.GpuState.Name(r.value.state)) for _, r in cache.walk(k.GPUS)
+        if attached is not None:
+            cache, tally = attached
+            by_gpu = sorted(
+                (model, pb.GpuState.Name(state), count)  # type: ignore[arg-type]
+                for (model, state), count in tally.gpu_states().items()
             )
-            for (model, state), count in sorted(by_gpu.items()):
-                gpus.add_metric([model, state_label(state, "GPU_STATE_")], count)
-            by_node = Counter(pb.NodeState.Name(r.value.state) for _, r in cache.walk(k.NODES))
-            for state, count in sorted(by_node.items()):
-                nodes.add_metric([state_label(state, "NODE_STATE_")], count)
-            alive = sum(
-                1 for host, _ in cache.walk(k.HOSTS) if cache.get(k.HOST_LEASES, host) is not None
+            for model, state_name, count in by_gpu:
+                gpus.add_metric([model, state_label(state_name, "GPU_STATE_")], count)
+            by_node = sorted(
+                (pb.NodeState.Name(state), count)  # type: ignore[arg-type]
+                for state, count in tally.node_states().items()
             )
+            for state_name, count in by_node:
+                nodes.add_metric([state_label(state_name, "NODE_STATE_")], count)
+            alive, dead = tally.host_liveness()
             hosts.add_metric(["alive"], alive)
-            hosts.add_metric(["dead"], cache.count(k.HOSTS) - alive)
+            hosts.add_metric(["dead"], dead)
             revision.add_metric([], cache.revision)
         yield from (gpus, nodes, hosts, revision)
 

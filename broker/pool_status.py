@@ -11,6 +11,7 @@ requests that name a model or bound latency.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 
 from dxpool.api.v1 import inventory_pb2 as inv
 from dxpool.api.v1 import resources_pb2 as pb
@@ -19,60 +20,106 @@ from dxpool.limits import MAX_HOST_SLOTS
 from dxpool.store import keys as k
 
 FIT_SIZES = (1, 2, 4, 8)
+MODEL_BUCKETS = ("free", "in_use", "fencing", "quarantined", "unavailable")
+"""The fields of ``ModelStatus`` besides ``total``; every GPU counts in exactly one."""
 _IN_USE = frozenset({pb.GPU_STATE_ATTACHING, pb.GPU_STATE_ATTACHED, pb.GPU_STATE_DETACHING})
 
 
 def pool_status(cache: Cache) -> inv.PoolStatus:
-    """What the pool holds and what fits now, as the cache sees it."""
+    """What the pool holds and what fits now, as the cache sees it, in one pass over
+    every record (the reference for :class:`~dxpool.broker.pool_tally.PoolTally`)."""
     active_boxes = {
         name for name, record in cache.items(k.BOXES) if record.value.state == pb.BOX_STATE_ACTIVE
     }
-    everything = inv.ModelStatus(model="")
-    by_model: dict[str, inv.ModelStatus] = {}
+    models: dict[str, Counter[str]] = {}
     for name, record in cache.items(k.GPUS):
         gpu: pb.Gpu = record.value
-        model = by_model.setdefault(gpu.model, inv.ModelStatus(model=gpu.model))
-        for counts in (everything, model):
-            _count(counts, gpu, usable_box=name.partition("/")[0] in active_boxes)
-    status = inv.PoolStatus(models=[everything, *(by_model[m] for m in sorted(by_model))])
-
+        bucket = gpu_bucket(gpu, usable_box=name.partition("/")[0] in active_boxes)
+        models.setdefault(gpu.model, Counter())[bucket] += 1
     nodes = Counter(pb.NodeState.Name(r.value.state) for _, r in cache.items(k.NODES))
-    for state, count in sorted(nodes.items()):
-        status.nodes_by_state[state] = count
 
+    alive = dead = 0
     slots: list[int] = []
     for host_id, record in cache.items(k.HOSTS):
         if cache.get(k.HOST_LEASES, host_id) is None:
-            status.hosts_dead += 1
+            dead += 1
             continue
-        status.hosts_alive += 1
+        alive += 1
         allocation = cache.get(k.HOST_ALLOCATIONS, host_id)
-        used = {a.host_slot for a in allocation.value.attachments} if allocation else set()
-        capacity = min(max(record.value.slot_capacity, 0), MAX_HOST_SLOTS)
-        slots.append(max(capacity - sum(1 for s in used if 0 <= s < capacity), 0))
-    status.free_host_slots = sum(slots)
+        slots.append(free_host_slots(record.value, allocation.value if allocation else None))
+    return status_message(
+        {model: dict(counts) for model, counts in models.items()},
+        dict(nodes),
+        hosts_alive=alive,
+        hosts_dead=dead,
+        free_slots=sum(slots),
+        fits_by_slots={size: sum(free // size for free in slots) for size in FIT_SIZES},
+    )
+
+
+def gpu_bucket(gpu: pb.Gpu, *, usable_box: bool) -> str:
+    """The ``ModelStatus`` field ``gpu`` counts in (one of :data:`MODEL_BUCKETS`);
+    ``usable_box``: its box is ACTIVE."""
+    if gpu.state == pb.GPU_STATE_FREE and not gpu.node:
+        if usable_box and gpu.health != pb.GPU_HEALTH_UNHEALTHY:
+            return "free"
+        return "unavailable"
+    if gpu.state in _IN_USE:
+        return "in_use"
+    if gpu.state == pb.GPU_STATE_FENCING:
+        return "fencing"
+    if gpu.state == pb.GPU_STATE_QUARANTINED:
+        return "quarantined"
+    return "unavailable"  # FAULTED, or a state this broker does not know
+
+
+def free_host_slots(host: pb.Host, allocation: pb.HostAllocation | None) -> int:
+    """The proxy slots of a live host that no attachment of its allocation holds."""
+    used = {a.host_slot for a in allocation.attachments} if allocation is not None else set()
+    capacity = min(max(host.slot_capacity, 0), MAX_HOST_SLOTS)
+    return max(capacity - sum(1 for s in used if 0 <= s < capacity), 0)
+
+
+def status_message(
+    models: Mapping[str, Mapping[str, int]],
+    nodes: Mapping[str, int],
+    *,
+    hosts_alive: int,
+    hosts_dead: int,
+    free_slots: int,
+    fits_by_slots: Mapping[int, int],
+) -> inv.PoolStatus:
+    """The ``PoolStatus`` of these counts: ``models`` maps a model to its GPUs per
+    bucket, ``nodes`` a NodeState name to its nodes, ``fits_by_slots`` each of
+    :data:`FIT_SIZES` to the sum over live hosts of their free slots // that size."""
+    everything = inv.ModelStatus(model="")
+    by_model = []
+    for model in sorted(models):
+        counts = inv.ModelStatus(model=model)
+        for bucket in MODEL_BUCKETS:
+            count = models[model].get(bucket, 0)
+            setattr(counts, bucket, count)
+            setattr(everything, bucket, getattr(everything, bucket) + count)
+            counts.total += count
+        everything.total += counts.total
+        by_model.append(counts)
+    status = inv.PoolStatus(models=[everything, *by_model])
+    for state, count in sorted(nodes.items()):
+        status.nodes_by_state[state] = count
+    status.hosts_alive = hosts_alive
+    status.hosts_dead = hosts_dead
+    status.free_host_slots = free_slots
     usable = everything.free
     for size in FIT_SIZES:
-        nodes_fit = min(sum(free // size for free in slots), usable // size)
-        status.fits.append(inv.FitCount(gpus=size, nodes=nodes_fit))
+        status.fits.append(inv.FitCount(gpus=size, nodes=min(fits_by_slots[size], usable // size)))
     return status
 
 
-def _count(status: inv.ModelStatus, gpu: pb.Gpu, *, usable_box: bool) -> None:
-    status.total += 1
-    if gpu.state == pb.GPU_STATE_FREE and not gpu.node:
-        if usable_box and gpu.health != pb.GPU_HEALTH_UNHEALTHY:
-            status.free += 1
-        else:
-            status.unavailable += 1
-    elif gpu.state in _IN_USE:
-        status.in_use += 1
-    elif gpu.state == pb.GPU_STATE_FENCING:
-        status.fencing += 1
-    elif gpu.state == pb.GPU_STATE_QUARANTINED:
-        status.quarantined += 1
-    else:  # FAULTED, or a state this broker does not know
-        status.unavailable += 1
-
-
-__all__ = ["FIT_SIZES", "pool_status"]
+__all__ = [
+    "FIT_SIZES",
+    "MODEL_BUCKETS",
+    "free_host_slots",
+    "gpu_bucket",
+    "pool_status",
+    "status_message",
+]

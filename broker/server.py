@@ -56,6 +56,7 @@ from dxpool.broker.measured_feed import MeasuredFeed, place_lookup
 from dxpool.broker.node_service import NodeService
 from dxpool.broker.node_watch import WatchSettings
 from dxpool.broker.placement_index import PlacementIndex
+from dxpool.broker.pool_tally import PoolTally
 from dxpool.broker.serving import DEFAULT_MAX_STALENESS_S, ServingState, StalenessGate
 from dxpool.broker.streams import StreamLimiter, StreamLimits
 from dxpool.defaults import DEFAULT_ENDPOINT
@@ -174,6 +175,7 @@ class BrokerServer:
         )
         self._measured_feed: MeasuredFeed | None = None
         self.index: PlacementIndex | None = None
+        self.pool_tally: PoolTally | None = None
         self.controller: NodeController | None = None
         self.election = LeaderElection(
             self.store,
@@ -208,7 +210,8 @@ class BrokerServer:
         tls = self.config.tls
         credentials = tls.credentials() if tls is not None else None
         self.cache.start()
-        self._detach_pool_metrics = pool_metrics.COLLECTOR.attach(self.cache)
+        self.pool_tally = PoolTally(self.cache)
+        self._detach_pool_metrics = pool_metrics.COLLECTOR.attach(self.cache, self.pool_tally)
         self.index = PlacementIndex(self.cache)
         if isinstance(self.latency, MeasuredLatency):
             self._measured_feed = MeasuredFeed(self.cache, self.latency)
@@ -267,7 +270,7 @@ class BrokerServer:
             interceptors.insert(0, AuditRecorder(audit, identify))
         server = grpc.server(self._executor, interceptors=interceptors, options=_SERVER_OPTIONS)
         inventory_pb2_grpc.add_InventoryServiceServicer_to_server(
-            InventoryService(self.store, self.cache), server
+            InventoryService(self.store, self.cache, self.pool_tally), server
         )
         self.nodes = NodeService(
             composer,
@@ -376,6 +379,8 @@ class BrokerServer:
         if self._measured_feed is not None:
             self._measured_feed.close()
         self._detach_pool_metrics()
+        if self.pool_tally is not None:
+            self.pool_tally.close()
         self.cache.stop()
         self.store.health.close()
         self._etcd.close()

@@ -22,6 +22,7 @@ from dxpool.api.v1 import inventory_pb2, inventory_pb2_grpc, resources_pb2
 from dxpool.broker.cache import Cache
 from dxpool.broker.decoding import RequestDecodingGuard, Undecodable, _Throttle, guard_deserializer
 from dxpool.broker.inventory_service import InventoryService
+from dxpool.broker.pool_tally import PoolTally
 from dxpool.store.client import connect
 from dxpool.store.keys import KeySchema
 from dxpool.store.typed import Store
@@ -46,7 +47,7 @@ def server(etcd_server: Any, key_prefix: str) -> Iterator[str]:
         futures.ThreadPoolExecutor(max_workers=4), interceptors=[RequestDecodingGuard()]
     )
     inventory_pb2_grpc.add_InventoryServiceServicer_to_server(
-        InventoryService(Store(etcd, schema), cache), server
+        InventoryService(Store(etcd, schema), cache, PoolTally(cache)), server
     )
     health_servicer = health.HealthServicer()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
