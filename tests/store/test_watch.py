@@ -169,7 +169,8 @@ def test_compacted_history_is_listed_again(
         wait_until(lambda: seen.has(prefix + "new"), timeout_s=10, message="re-listed")
         assert len(seen.lists) == 2
         assert not seen.has(prefix + "gone"), "the listing replaced what the history lost"
-        assert watch.connected
+        # the listing comes first; the watch is connected once etcd confirms its stream
+        wait_until(lambda: watch.connected, timeout_s=5, message="watching after the listing")
     finally:
         watch.stop()
 
