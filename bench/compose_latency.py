@@ -43,6 +43,9 @@ import grpc
 from etcd3 import transactions
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script, too
+
+from bench.broker_metrics import broker_samples
 from dxpool.api.v1 import inventory_pb2, inventory_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.fabric.sim import SimFabric, SimGpuSpec
@@ -301,22 +304,14 @@ def run(
 
 def compose_stages(metrics_port: int) -> dict[str, float]:
     """Mean time per compose stage so far, from the broker's own Prometheus metrics."""
-    from urllib.request import urlopen
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
     sums: dict[str, float] = {}
     counts: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name != "dxpool_compose_stage_duration_seconds":
-            continue
-        for sample in family.samples:
-            stage = sample.labels.get("stage", "")
-            if sample.name.endswith("_sum"):
-                sums[stage] = sample.value
-            elif sample.name.endswith("_count"):
-                counts[stage] = sample.value
+    for sample in broker_samples(metrics_port, timeout_s=5):
+        stage = sample.labels.get("stage", "")
+        if sample.name == "dxpool_compose_stage_duration_seconds_sum":
+            sums[stage] = sample.value
+        elif sample.name == "dxpool_compose_stage_duration_seconds_count":
+            counts[stage] = sample.value
     return {stage: 1000 * sums[stage] / counts[stage] for stage in sums if counts.get(stage)}
 
 

@@ -62,11 +62,12 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.request import urlopen
 
 import grpc
-from prometheus_client.parser import text_string_to_metric_families
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script, too
+
+from bench.broker_metrics import broker_samples
 from dxpool.api.v1 import nodes_pb2, nodes_pb2_grpc
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.cache import Cache
@@ -555,21 +556,19 @@ def broker_counters(metrics_port: int) -> dict[str, float]:
     """The broker's own counters that explain a throughput figure, read from its metrics
     port: lost compares (``conflicts <operation>``, ``conflicts compose``), full garbage
     collections (``full collections``), group commits and the composes they carried."""
-    text = urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
     counters: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "dxpool_transaction_conflicts_total":
-                counters[f"conflicts {sample.labels['operation']}"] = sample.value
-            elif sample.name == "dxpool_compose_conflicts_total":
-                counters["conflicts compose"] = sample.value
-            elif sample.name == "python_gc_collections_total":
-                if sample.labels.get("generation") == "2":
-                    counters["full collections"] = sample.value
-            elif sample.name == "dxpool_compose_group_size_count":
-                counters["group commits"] = sample.value
-            elif sample.name == "dxpool_compose_group_size_sum":
-                counters["grouped composes"] = sample.value
+    for sample in broker_samples(metrics_port):
+        if sample.name == "dxpool_transaction_conflicts_total":
+            counters[f"conflicts {sample.labels['operation']}"] = sample.value
+        elif sample.name == "dxpool_compose_conflicts_total":
+            counters["conflicts compose"] = sample.value
+        elif sample.name == "python_gc_collections_total":
+            if sample.labels.get("generation") == "2":
+                counters["full collections"] = sample.value
+        elif sample.name == "dxpool_compose_group_size_count":
+            counters["group commits"] = sample.value
+        elif sample.name == "dxpool_compose_group_size_sum":
+            counters["grouped composes"] = sample.value
     return counters
 
 

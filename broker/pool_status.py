@@ -1,7 +1,8 @@
-"""The pool at a glance (``GetPoolStatus``, ``dxpool status``), from the cache.
+"""The pool at a glance (``GetPoolStatus``, ``dxpool status``): what is counted, and how.
 
-One pass over the cached records: GPUs by model and state, nodes by state, live and
-dead hosts, free proxy slots, and how many nodes of 1, 2, 4 and 8 GPUs fit now. With no
+GPUs by model and state, nodes by state, live and dead hosts, free proxy slots, and how
+many nodes of 1, 2, 4 and 8 GPUs fit now; :class:`~dxpool.broker.pool_tally.PoolTally`
+keeps these counts current from the cache's events. With no
 latency bound and any model, placement may give any usable GPU to any live host with
 enough free slots, so ``n``-GPU nodes fit ``min(sum over live hosts of
 free_slots // n, usable GPUs // n)`` times: exact for such requests, an upper bound for
@@ -10,51 +11,16 @@ requests that name a model or bound latency.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Mapping
 
 from dxpool.api.v1 import inventory_pb2 as inv
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker.cache import Cache
 from dxpool.limits import MAX_HOST_SLOTS
-from dxpool.store import keys as k
 
 FIT_SIZES = (1, 2, 4, 8)
 MODEL_BUCKETS = ("free", "in_use", "fencing", "quarantined", "unavailable")
 """The fields of ``ModelStatus`` besides ``total``; every GPU counts in exactly one."""
 _IN_USE = frozenset({pb.GPU_STATE_ATTACHING, pb.GPU_STATE_ATTACHED, pb.GPU_STATE_DETACHING})
-
-
-def pool_status(cache: Cache) -> inv.PoolStatus:
-    """What the pool holds and what fits now, as the cache sees it, in one pass over
-    every record (the reference for :class:`~dxpool.broker.pool_tally.PoolTally`)."""
-    active_boxes = {
-        name for name, record in cache.items(k.BOXES) if record.value.state == pb.BOX_STATE_ACTIVE
-    }
-    models: dict[str, Counter[str]] = {}
-    for name, record in cache.items(k.GPUS):
-        gpu: pb.Gpu = record.value
-        bucket = gpu_bucket(gpu, usable_box=name.partition("/")[0] in active_boxes)
-        models.setdefault(gpu.model, Counter())[bucket] += 1
-    nodes = Counter(pb.NodeState.Name(r.value.state) for _, r in cache.items(k.NODES))
-
-    alive = dead = 0
-    slots: list[int] = []
-    for host_id, record in cache.items(k.HOSTS):
-        if cache.get(k.HOST_LEASES, host_id) is None:
-            dead += 1
-            continue
-        alive += 1
-        allocation = cache.get(k.HOST_ALLOCATIONS, host_id)
-        slots.append(free_host_slots(record.value, allocation.value if allocation else None))
-    return status_message(
-        {model: dict(counts) for model, counts in models.items()},
-        dict(nodes),
-        hosts_alive=alive,
-        hosts_dead=dead,
-        free_slots=sum(slots),
-        fits_by_slots={size: sum(free // size for free in slots) for size in FIT_SIZES},
-    )
 
 
 def gpu_bucket(gpu: pb.Gpu, *, usable_box: bool) -> str:
@@ -120,6 +86,5 @@ __all__ = [
     "MODEL_BUCKETS",
     "free_host_slots",
     "gpu_bucket",
-    "pool_status",
     "status_message",
 ]

@@ -333,17 +333,16 @@ def reconcile_worker(
         key = queue.get()
         if key is None:
             return
-        name = describe(key)
         try:
             outcome = reconcile(key)
         except ETCD_ERRORS as error:
-            log.warning("status write failed", extra={"gpu": name, "error": repr(error)})
+            log.warning("status write failed", extra={"gpu": describe(key), "error": repr(error)})
             outcome = Outcome.RETRY
         except StatusWriteRefusedError as error:
-            log.warning("status write refused", extra={"gpu": name, "error": str(error)})
+            log.warning("status write refused", extra={"gpu": describe(key), "error": str(error)})
             outcome = Outcome.RETRY
         except Exception:
-            log.exception("reconcile failed", extra={"gpu": name})
+            log.exception("reconcile failed", extra={"gpu": describe(key)})
             outcome = Outcome.RETRY
         try:
             if outcome is Outcome.STALE:

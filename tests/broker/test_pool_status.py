@@ -1,4 +1,5 @@
-"""GetPoolStatus over a real etcd: counts by model and state, hosts, and what fits."""
+"""GetPoolStatus's counts over a real etcd (a PoolTally over a loaded cache): by model and
+state, hosts, and what fits."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from dxpool.api.v1 import inventory_pb2 as inv
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.cache import Cache
-from dxpool.broker.pool_status import pool_status
+from dxpool.broker.pool_tally import PoolTally
 from dxpool.store.keys import KeySchema
 from dxpool.store.typed import Store, Txn
 
@@ -55,8 +57,16 @@ def cache(etcd_client, key_prefix: str) -> Iterator[Cache]:  # type: ignore[no-u
     made.stop()
 
 
+def status_of(cache: Cache) -> inv.PoolStatus:
+    tally = PoolTally(cache)
+    try:
+        return tally.status()
+    finally:
+        tally.close()
+
+
 def test_counts_by_model_and_state(cache: Cache) -> None:
-    status = pool_status(cache)
+    status = status_of(cache)
 
     every, a100, h100 = status.models
     assert (every.model, a100.model, h100.model) == ("", "A100", "H100")
@@ -69,7 +79,7 @@ def test_counts_by_model_and_state(cache: Cache) -> None:
 
 
 def test_fits_are_bounded_by_free_gpus_and_live_host_slots(cache: Cache) -> None:
-    status = pool_status(cache)
+    status = status_of(cache)
 
     assert (status.hosts_alive, status.hosts_dead) == (2, 1)
     assert status.free_host_slots == 3 + 8  # h1 uses one of 4; dead h2 does not count
