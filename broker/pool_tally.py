@@ -38,6 +38,7 @@ from dxpool.store import keys as k
 from dxpool.store.typed import Versioned
 
 _HOST_COLLECTIONS = frozenset({k.HOSTS, k.HOST_LEASES, k.HOST_ALLOCATIONS})
+_COUNTED = _HOST_COLLECTIONS | {k.GPUS, k.BOXES, k.NODES}  # the collections counts rest on
 
 
 # A GPU's share of the counts: (model, bucket of MODEL_BUCKETS, pb.GpuState).
@@ -148,7 +149,7 @@ class PoolTally:
 
     def _on_change(self, collection: str, name: str, record: Versioned[Any] | None) -> None:
         del record  # the cache's current record is read instead (see the module doc)
-        if collection not in (k.GPUS, k.BOXES, k.NODES) and collection not in _HOST_COLLECTIONS:
+        if collection not in _COUNTED:
             return
         cache = self._cache
         with self._lock:
