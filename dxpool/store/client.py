@@ -16,6 +16,11 @@
 * A watch that ends kills its thread with a NameError; see ``_etcd3_compat``.
 * Failover does not retry the failed call; callers retry (``dxpool/store/typed.py``), and a
   watch that must survive member loss uses :mod:`dxpool.store.watch`.
+* A failed call pauses the member the client is *using* when the failure comes back, not
+  the member the call went to, so a slow call that fails late (a read begun before an
+  election) pauses a healthy member; with every member paused the client refuses calls
+  outright. :func:`pause_left_s` says how long such a refusal would last, so callers can
+  wait it out (``retry_after_s`` at most) instead of failing.
 
 TLS: an :class:`EtcdAddress` may carry a :class:`~dxpool.tls.ClientTls` (the CA that
 signed etcd's certificate, and the client certificate etcd's ``--client-cert-auth``
@@ -27,6 +32,7 @@ TLS channel; a client made by :func:`connect` keeps its addresses, TLS included,
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -140,6 +146,15 @@ def connect(
     client.metadata = REQUIRE_LEADER
     client.dxpool_addresses = list(addresses)  # for addresses_of: TLS included
     return client
+
+
+def pause_left_s(client: etcd3.MultiEndpointEtcd3Client) -> float:
+    """Seconds until the first member of ``client`` leaves its after-failure pause; 0 when
+    one can be called now. Never more than the ``retry_after_s`` the client was made with."""
+    now = time.time()  # python3-etcd3 stamps failures with the wall clock
+    members = client.endpoints.values()
+    left = min((member.last_failed + member.time_retry - now for member in members), default=0.0)
+    return max(0.0, left)
 
 
 def _endpoint(address: EtcdAddress, retry_after_s: float) -> etcd3.Endpoint:

@@ -8,6 +8,7 @@ etcd transaction, so a GPU can never be given to two nodes even with several bro
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, cast
@@ -20,7 +21,8 @@ from google.protobuf.message import Message
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.errors import InvalidArgument, Unavailable
 from dxpool.store import keys as k
-from dxpool.store.errors import NO_ENDPOINT, Applied, classify
+from dxpool.store.client import pause_left_s
+from dxpool.store.errors import Applied, classify
 from dxpool.store.errors import unavailable as etcd_unavailable
 from dxpool.store.health import EtcdHealth
 from dxpool.store.keys import KeySchema
@@ -160,7 +162,9 @@ class Store:
     Every failure of an etcd call becomes :class:`~dxpool.errors.Unavailable` (never a raw
     client error) and feeds ``health``. A call that failed without effect on one member
     (refused connection, no leader there) is tried at once on the next member, each
-    member at most once per call, so losing a follower costs no failed call. A write
+    member at most once per call, so losing a follower costs no failed call. While etcd is
+    reachable, a call that finds every member paused by other calls' failures a moment ago
+    waits the pause out (a quarter second by default) instead of failing. A write
     whose outcome is unknown (the connection dropped, or it timed out, after it was
     sent) is never retried here: the caller gets UNAVAILABLE with reason
     ``ETCD_OUTCOME_UNKNOWN`` and retries with the same request id. While etcd is
@@ -275,6 +279,12 @@ class Store:
         return cast(T, retrying(self._attempt, call, write))
 
     def _attempt(self, call: Callable[[], T], write: bool) -> T:
+        if self.health.reachable:
+            # Other calls' failures may have paused every member for a moment; that says
+            # little about etcd now, so wait the pause out rather than fail (see client.py).
+            pause_s = pause_left_s(self.client)
+            if pause_s > 0:
+                time.sleep(pause_s)
         token = self.health.begin()
         try:
             result = call()
@@ -284,8 +294,7 @@ class Store:
                 raise
             self.health.failed(token, failure)
             unavailable = etcd_unavailable(failure, write=write)
-            retry = failure.code != NO_ENDPOINT and (not write or failure.applied is Applied.NO)
-            if failure.outage and retry:
+            if failure.outage and (not write or failure.applied is Applied.NO):
                 raise _NextMember(
                     unavailable.message, reason=unavailable.reason, metadata=unavailable.metadata
                 ) from error

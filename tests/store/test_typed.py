@@ -95,6 +95,25 @@ def test_read_is_retried_on_the_next_member_but_an_unconfirmed_write_is_not(
     assert time.monotonic() - started < 0.9
 
 
+def test_a_call_waits_out_the_pause_other_calls_put_on_every_member(
+    cluster_store: Store,
+) -> None:
+    # What an election leaves behind: calls that failed a moment ago (one on the lost
+    # member, a slow one that failed late on a healthy member after a write succeeded
+    # there) have paused every member, though two of them answer.
+    key = cluster_store.keys.box("b1")
+    for call in (
+        lambda: cluster_store.commit(Txn().put(key, pb.Box(name="boxes/b1"))).succeeded,
+        lambda: cluster_store.get(key) is not None,
+    ):
+        for endpoint in cluster_store.client.endpoints.values():
+            endpoint.fail()
+        started = time.monotonic()
+        assert call()
+        assert 0.2 <= time.monotonic() - started < 1.0  # the 0.25 s pause, then one call
+    assert cluster_store.health.reachable
+
+
 def test_every_failure_is_unavailable_and_fast_once_etcd_is_known_away(
     private_etcd: EmbeddedEtcd, key_prefix: str
 ) -> None:
