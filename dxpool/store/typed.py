@@ -279,12 +279,12 @@ class Store:
         return cast(T, retrying(self._attempt, call, write))
 
     def _attempt(self, call: Callable[[], T], write: bool) -> T:
-        if self.health.reachable:
-            # Other calls' failures may have paused every member for a moment; that says
-            # little about etcd now, so wait the pause out rather than fail (see client.py).
-            pause_s = pause_left_s(self.client)
-            if pause_s > 0:
-                time.sleep(pause_s)
+        # Other calls' failures may have paused every member for a moment; while etcd is
+        # reachable that says little about it, so wait the pause out (see client.py).
+        # The lock-free pause check comes first: it is 0 on almost every call.
+        pause_s = pause_left_s(self.client)
+        if pause_s > 0 and self.health.reachable:
+            time.sleep(pause_s)
         token = self.health.begin()
         try:
             result = call()
