@@ -77,6 +77,7 @@ class Exchange:
     body: Any
     at: float = field(default_factory=time.monotonic)
     status: int = 0
+    location: str = ""  # the Location answered (a task monitor for a 202)
 
 
 @dataclass
@@ -138,6 +139,7 @@ class RecordingProxy:
         with self._lock:
             status, payload, extra = self._answer(method, path, query, headers, body, raw)
             exchange.status = status
+            exchange.location = extra.get("Location", "")
         return status, payload, extra
 
     def _answer(
