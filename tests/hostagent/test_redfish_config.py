@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -222,3 +223,29 @@ def test_the_sim_driver_refuses_a_redfish_map(tmp_path: Path) -> None:
     )
     with pytest.raises(InvalidArgument, match="--redfish-map is for a driver of real hosts"):
         build_driver(config)
+
+
+def test_the_readme_fabric_map_loads_as_written(tmp_path: Path) -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    example = next(
+        block
+        for block in re.findall(r"```yaml\n(.*?)```", readme, re.DOTALL)
+        if "password_file" in block
+    )
+    (tmp_path / "redfish.password").write_text("secret\n")
+    (tmp_path / "fabric-map.yaml").write_text(example)
+
+    loaded = load_fabric_map(tmp_path / "fabric-map.yaml")
+
+    assert loaded.hosts["h1"].slots == 2 and not loaded.hosts["h1"].per_port
+    assert loaded.hosts["h2"].slots == 4 and loaded.hosts["h2"].per_port
+    assert loaded.gpu_of("GPU-b1-3") == GpuRef("b1", 3)
+    assert loaded.scrub.hook == Path("/usr/local/libexec/dxpool-scrub")
+
+
+def test_selection_counts_the_slots_of_a_port_zone(tmp_path: Path) -> None:
+    content = document()
+    content["hosts"]["h3"] = {"endpoint": "HostPort-h3", "zone": "h3-port", "slots": 2}
+    path = write(tmp_path, content)
+    with pytest.raises(InvalidArgument, match="gives host 'h3' a port zone of 2 slots for 8"):
+        build_proxy_mapper(AgentConfig(host_id="h3", slot_capacity=8, redfish_map=path))
