@@ -267,6 +267,8 @@ class FabricZones:
 
         def lookup() -> dict[str, RedfishResource]:
             nonlocal first
+            if self._zone_lookup is ZoneLookup.SCAN:
+                return {z: r for z, r in self.scan().items() if endpoint in members(r)}
             current = first if first is not None else self.read_endpoint(endpoint)
             first = None  # a retry reads afresh
             listed = zone_links(current.body)
