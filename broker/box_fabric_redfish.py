@@ -192,7 +192,7 @@ class RedfishBoxFabric:
             ) from error
         log.info(
             "gpu reset at the box side",
-            extra={"gpu": gpu.name, "generation": generation, "action": name, "body": body},
+            extra={"gpu": gpu.name, "generation": generation, "action": name},
         )
 
     def close(self) -> None:

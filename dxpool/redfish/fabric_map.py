@@ -180,6 +180,10 @@ class ResetAction:
     name: str
     parameters: Mapping[str, Any] | None = None
 
+    def __repr__(self) -> str:  # parameters may carry a secret (a passphrase): names only
+        shown = sorted(self.parameters) if self.parameters is not None else None
+        return f"ResetAction(name={self.name!r}, parameters={shown!r})"
+
 
 @dataclass(frozen=True)
 class RedfishScrub:

@@ -249,3 +249,9 @@ def test_selection_counts_the_slots_of_a_port_zone(tmp_path: Path) -> None:
     path = write(tmp_path, content)
     with pytest.raises(InvalidArgument, match="gives host 'h3' a port zone of 2 slots for 8"):
         build_proxy_mapper(AgentConfig(host_id="h3", slot_capacity=8, redfish_map=path))
+
+
+def test_reset_parameters_are_not_printed() -> None:
+    action = ResetAction("#Contoso.SecureErase", {"Passphrase": "hunter2"})
+    assert "hunter2" not in repr(action)
+    assert "Passphrase" in repr(action)
