@@ -45,6 +45,11 @@ RPC_UNDECODABLE = Counter(
     "Requests rejected because their payload is not the method's request message",
     ["method"],
 )
+RPC_OVERSIZED = Counter(
+    "dxpool_rpc_oversized_total",
+    "Requests refused undecoded because they were larger than their method's limit",
+    ["method"],
+)
 
 # Streams (broker/streams.py, broker/node_watch.py).
 STREAMS_OPEN = Gauge("dxpool_streams_open", "Streaming RPCs being served now", ["method"])

@@ -57,6 +57,7 @@ from dxpool.broker.node_service import NodeService
 from dxpool.broker.node_watch import WatchSettings
 from dxpool.broker.placement_index import PlacementIndex
 from dxpool.broker.pool_tally import PoolTally
+from dxpool.broker.request_limits import SERVER_MAX_RECEIVE_BYTES
 from dxpool.broker.serving import DEFAULT_MAX_STALENESS_S, ServingState, StalenessGate
 from dxpool.broker.streams import StreamLimiter, StreamLimits
 from dxpool.defaults import DEFAULT_ENDPOINT
@@ -82,11 +83,13 @@ SERVICE_NAMES = (
 # How long stop() waits, beyond the grace period, for calls and stream threads to end.
 STOP_MARGIN_S = 3.0
 # Ping idle connections so a vanished client's streams end instead of holding a thread.
+# No request larger than the largest method's limit reaches Python (request_limits.py).
 _SERVER_OPTIONS = [
     ("grpc.so_reuseport", 0),
     ("grpc.keepalive_time_ms", 60_000),
     ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", SERVER_MAX_RECEIVE_BYTES),
 ]
 # The services whose answers come from the cache (all of dxpool's); health and
 # reflection stay answerable while etcd is away.
@@ -256,7 +259,6 @@ class BrokerServer:
         interceptors: list[Interceptor] = [
             self.streams,
             StalenessGate(self.serving, GATED_PREFIXES),
-            RequestDecodingGuard(),
         ]
         if authenticator is not None:  # checks each call before its servicer runs
             interceptors.insert(1, Authorizer(authenticator))
@@ -265,9 +267,12 @@ class BrokerServer:
             if self.config.audit_retention_s > 0
             else None
         )
-        if audit is not None:  # outermost: it sees every outcome, denials included
+        if audit is not None:  # outside the others: it sees every outcome, denials included
             identify = authenticator.identify if authenticator is not None else None
             interceptors.insert(0, AuditRecorder(audit, identify))
+        # Outermost: a request too large for its method, or not decodable, is refused
+        # before anything else looks at it (see decoding.py).
+        interceptors.insert(0, RequestDecodingGuard())
         server = grpc.server(self._executor, interceptors=interceptors, options=_SERVER_OPTIONS)
         inventory_pb2_grpc.add_InventoryServiceServicer_to_server(
             InventoryService(self.store, self.cache, self.pool_tally), server

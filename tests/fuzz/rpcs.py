@@ -18,6 +18,7 @@ from grpc_status import rpc_status
 
 from dxpool.api.v1 import fabric_pb2, inventory_pb2, nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
+from dxpool.broker.request_limits import SERVER_MAX_RECEIVE_BYTES, limit_for
 from tests.fuzz.strategies import message_class
 
 C = grpc.StatusCode
@@ -196,9 +197,10 @@ GUIDANCE = (
 )
 
 
-# grpc's own limit on a received message: larger requests end RESOURCE_EXHAUSTED in the
-# transport, before any dxpool code runs, with grpc's message.
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+# The broker's server-wide limit on a received message: larger requests end
+# RESOURCE_EXHAUSTED in gRPC's transport, before any dxpool code runs, with grpc's message.
+# Up to it, each method's own limit is checked before decoding (REQUEST_TOO_LARGE).
+MAX_MESSAGE_BYTES = SERVER_MAX_RECEIVE_BYTES
 
 
 def path(method: MethodDescriptor) -> str:
@@ -268,7 +270,12 @@ def problems(name: str, outcome: Outcome, size: int = 0) -> list[str]:
             return []
         return [f"{name}: a {size}-byte request answered {outcome.code.name}"]
     found = []
-    if outcome.code not in EXPECTED[name]:
+    if size > limit_for(path(METHODS[name])):
+        if outcome.code != C.RESOURCE_EXHAUSTED or outcome.reason != "REQUEST_TOO_LARGE":
+            found.append(f"{name}: a {size}-byte request answered {outcome}")
+    elif outcome.reason == "REQUEST_TOO_LARGE":
+        found.append(f"{name}: a {size}-byte request, within its limit, was refused as too large")
+    if outcome.code not in EXPECTED[name] and outcome.reason != "REQUEST_TOO_LARGE":
         found.append(f"{name} answered {outcome.code.name}: {outcome.details!r}")
     if outcome.code == C.OK or outcome.code in (C.CANCELLED, C.DEADLINE_EXCEEDED):
         return found

@@ -1,0 +1,250 @@
+"""What large requests from other clients cost a well-behaved client.
+
+Starts a private etcd (fsync on), a broker process (plaintext, no authentication, the
+audit log on) and four host agent processes on the simulated fabric, like
+``bench/compose_latency.py``. One client in this process (the victim) loops, one call
+after the other: GetBox, then ComposeNode (1 GPU) and ReleaseNode of the node it made.
+Its latencies are taken over ``--seconds`` with nothing else running (quiet), then over
+as long again while ``--attackers`` processes send large requests as fast as the broker
+answers them, one scenario after the other:
+
+* ``compose-3.9MB``: ComposeNode whose ``node_id`` is 3.9 MB (under gRPC's default
+  4 MiB limit; the request is refused either way);
+* ``release-1MB``: ReleaseNode whose ``name`` is 1 MB;
+* ``getbox-at-server-limit``: GetBox padded to just under the broker's server-wide
+  receive limit (what reaches the per-method check, if any).
+
+Each scenario is preceded by a quiet phase of its own, so each ratio compares two phases
+measured minutes apart at most. Prints, per scenario and per victim call, p50 and p99
+quiet and under attack, the ratio of the p99s (target: at most 2), the codes the
+attackers saw and how much the audit log and etcd's database grew.
+
+Everything shares the machine (2 cores on the test machines), so the attackers' own CPU
+is part of what the victim pays; compare ratios, not absolute times.
+
+Usage: python bench/large_requests.py [--seconds 10] [--attackers 4]
+        [--scenarios compose-3.9MB,release-1MB,getbox-at-server-limit]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import etcd3
+import grpc
+from etcd3 import etcdrpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script, too
+
+from bench.compose_latency import percentile, start_stack, wait_for_free_pool
+from dxpool.api.v1 import inventory_pb2, inventory_pb2_grpc, nodes_pb2, nodes_pb2_grpc
+from dxpool.api.v1 import resources_pb2 as pb
+from dxpool.store.client import connect
+
+SERVER_LIMIT_FALLBACK = 4 * 1024 * 1024 - 1024  # gRPC's default, less room for framing
+SCENARIOS = ("compose-3.9MB", "release-1MB", "getbox-at-server-limit")
+
+
+def server_limit() -> int:
+    """The broker's server-wide receive limit, where this version has one."""
+    try:
+        from dxpool.broker.request_limits import SERVER_MAX_RECEIVE_BYTES
+    except ImportError:
+        return SERVER_LIMIT_FALLBACK
+    return int(SERVER_MAX_RECEIVE_BYTES) - 64
+
+
+def payload(scenario: str) -> tuple[str, bytes]:
+    """The method path and the serialized request an attacker sends."""
+    if scenario == "compose-3.9MB":
+        request = nodes_pb2.ComposeNodeRequest(
+            spec=pb.NodeSpec(gpus=pb.GpuRequest(model="H100", count=1)),
+            node_id="n" * 3_900_000,
+        )
+        return "/dxpool.v1.NodeService/ComposeNode", request.SerializeToString()
+    if scenario == "release-1MB":
+        release = nodes_pb2.ReleaseNodeRequest(name="nodes/" + "n" * 1_000_000)
+        return "/dxpool.v1.NodeService/ReleaseNode", release.SerializeToString()
+    if scenario == "getbox-at-server-limit":
+        get = inventory_pb2.GetBoxRequest(name="boxes/" + "b" * server_limit())
+        return "/dxpool.v1.InventoryService/GetBox", get.SerializeToString()
+    raise SystemExit(f"unknown scenario {scenario!r}; use one of {', '.join(SCENARIOS)}")
+
+
+def attacker(endpoint: str, scenario: str, stop: object, codes: object) -> None:
+    """One attacking process: send the scenario's request until ``stop`` is set."""
+    method, data = payload(scenario)
+    options = [("grpc.max_send_message_length", -1)]
+    channel = grpc.insecure_channel(endpoint, options=options)
+    call = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
+    seen: collections.Counter[str] = collections.Counter()
+    while not stop.is_set():  # type: ignore[attr-defined]
+        try:
+            call(data, timeout=30)
+            seen["OK"] += 1
+        except grpc.RpcError as error:
+            seen[error.code().name] += 1  # type: ignore[attr-defined]
+    channel.close()
+    codes.put(dict(seen))  # type: ignore[attr-defined]
+
+
+def victim(endpoint: str, seconds: float) -> dict[str, list[float]]:
+    """GetBox, ComposeNode and ReleaseNode one after the other for ``seconds``; ms each."""
+    channel = grpc.insecure_channel(endpoint)
+    inventory = inventory_pb2_grpc.InventoryServiceStub(channel)
+    nodes = nodes_pb2_grpc.NodeServiceStub(channel)
+    request = nodes_pb2.ComposeNodeRequest(
+        spec=pb.NodeSpec(gpus=pb.GpuRequest(model="H100", count=1))
+    )
+    figures: dict[str, list[float]] = {"GetBox": [], "compose+release": []}
+    errors: collections.Counter[str] = collections.Counter()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        start = time.perf_counter()
+        try:
+            inventory.GetBox(inventory_pb2.GetBoxRequest(name="boxes/box0"), timeout=60)
+            middle = time.perf_counter()
+            node = nodes.ComposeNode(request, timeout=60)
+            nodes.ReleaseNode(nodes_pb2.ReleaseNodeRequest(name=node.name), timeout=60)
+        except grpc.RpcError as error:
+            errors[error.code().name] += 1  # type: ignore[attr-defined]
+            time.sleep(0.01)
+            continue
+        end = time.perf_counter()
+        figures["GetBox"].append((middle - start) * 1000)
+        figures["compose+release"].append((end - middle) * 1000)
+    channel.close()
+    if errors:
+        print(f"    victim calls failed: {dict(errors)}")
+    return figures
+
+
+def etcd_usage(etcd_endpoint: str) -> tuple[int, int]:
+    """(audit records, bytes of etcd's database file) now."""
+    client = connect(etcd_endpoint)
+    try:
+        prefix = b"/dxpool/v1-audit/"
+        counted = client.kvstub.Range(
+            etcdrpc.RangeRequest(
+                key=prefix, range_end=etcd3.utils.prefix_range_end(prefix), count_only=True
+            ),
+            client.timeout,
+        )
+        status = client.maintenancestub.Status(etcdrpc.StatusRequest(), client.timeout)
+        return int(counted.count), int(status.dbSize)
+    finally:
+        client.close()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process ``pid`` so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def attacked(
+    endpoint: str, scenario: str, attackers: int, seconds: float
+) -> tuple[dict[str, list[float]], dict[str, int]]:
+    context = multiprocessing.get_context("spawn")
+    stop = context.Event()
+    codes = context.Queue()
+    processes = [
+        context.Process(target=attacker, args=(endpoint, scenario, stop, codes))
+        for _ in range(attackers)
+    ]
+    for process in processes:
+        process.start()
+    time.sleep(1.0)  # let them connect and reach their pace
+    figures = victim(endpoint, seconds)
+    stop.set()
+    seen: collections.Counter[str] = collections.Counter()
+    for _ in processes:
+        seen.update(codes.get(timeout=120))
+    for process in processes:
+        process.join(60)
+    return figures, dict(seen)
+
+
+def line(name: str, quiet: list[float], loud: list[float]) -> float:
+    ratio = percentile(loud, 0.99) / percentile(quiet, 0.99)
+    print(
+        f"    {name:<16} quiet p50 {statistics.median(quiet):8.2f} ms p99 "
+        f"{percentile(quiet, 0.99):8.2f} ms (n={len(quiet)})   attacked p50 "
+        f"{statistics.median(loud):8.2f} ms p99 {percentile(loud, 0.99):8.2f} ms "
+        f"(n={len(loud)})   p99 ratio {ratio:6.2f}"
+    )
+    return ratio
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=10.0, help="per phase")
+    parser.add_argument("--attackers", type=int, default=4)
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    args = parser.parse_args()
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    for scenario in scenarios:
+        payload(scenario)  # a typo fails before anything starts
+    with tempfile.TemporaryDirectory(prefix="dxpool-bench-") as raw:
+        etcd, processes, endpoint, _ = start_stack(Path(raw))
+        try:
+            broker_pid = processes[0].pid
+            run(etcd.endpoint, endpoint, broker_pid, scenarios, args.attackers, args.seconds)
+        finally:
+            for process in processes:
+                process.terminate()
+            for process in processes:
+                process.wait(10)
+            etcd.stop()
+
+
+def run(
+    etcd_endpoint: str,
+    endpoint: str,
+    broker_pid: int,
+    scenarios: list[str],
+    attackers: int,
+    seconds: float,
+) -> None:
+    print(f"{attackers} attacking processes; {seconds:g} s per phase")
+    victim(endpoint, min(seconds, 2.0))  # warm up
+    worst = 0.0
+    for scenario in scenarios:
+        channel = grpc.insecure_channel(endpoint)
+        wait_for_free_pool(nodes_pb2_grpc.NodeServiceStub(channel))
+        channel.close()
+        cpu = cpu_seconds(broker_pid)
+        quiet = victim(endpoint, seconds)
+        quiet_cpu = cpu_seconds(broker_pid) - cpu
+        records, size = etcd_usage(etcd_endpoint)
+        cpu = cpu_seconds(broker_pid)
+        loud, codes = attacked(endpoint, scenario, attackers, seconds)
+        loud_cpu = cpu_seconds(broker_pid) - cpu
+        records_after, size_after = etcd_usage(etcd_endpoint)
+        calls = sum(codes.values())
+        print(
+            f"  {scenario}: attackers saw {codes}; {records_after - records} audit records "
+            f"written; etcd's database grew by {(size_after - size) / 2**20:.1f} MiB"
+        )
+        print(
+            f"    broker CPU: quiet {quiet_cpu:.2f} s, attacked {loud_cpu:.2f} s "
+            f"(+{1000 * (loud_cpu - quiet_cpu) / max(calls, 1):.2f} ms per attacking call, "
+            "less the victim's fewer calls)"
+        )
+        for name in quiet:
+            worst = max(worst, line(name, quiet[name], loud[name]))
+    print(f"worst p99 ratio attacked/quiet = {worst:.2f} (target <= 2)")
+
+
+if __name__ == "__main__":
+    threading.current_thread().name = "victim"
+    main()
