@@ -16,7 +16,7 @@ from google.protobuf.message import Message
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from dxpool.api.v1 import fabric_pb2, inventory_pb2, nodes_pb2
+from dxpool.api.v1 import audit_pb2, fabric_pb2, inventory_pb2, nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.request_limits import SERVER_MAX_RECEIVE_BYTES, limit_for
 from tests.fuzz.strategies import message_class
@@ -31,6 +31,7 @@ SERVICES = (
     inventory_pb2.DESCRIPTOR.services_by_name["InventoryService"],
     nodes_pb2.DESCRIPTOR.services_by_name["NodeService"],
     fabric_pb2.DESCRIPTOR.services_by_name["FabricService"],
+    audit_pb2.DESCRIPTOR.services_by_name["AuditService"],
 )
 METHODS: dict[str, MethodDescriptor] = {
     f"{service.name}.{method.name}": method for service in SERVICES for method in service.methods
@@ -72,6 +73,7 @@ EXPECTED: dict[str, frozenset[grpc.StatusCode]] = {
     "NodeService.DeleteTenant": _LOOKUP | {C.FAILED_PRECONDITION},
     "FabricService.GetLatency": _LOOKUP,
     "FabricService.Predict": _LOOKUP | {C.RESOURCE_EXHAUSTED},
+    "AuditService.ListAuditRecords": _LIST,
 }
 # Calls that may change etcd when they succeed; every other call never does.
 MUTATIONS = frozenset(
@@ -170,6 +172,9 @@ BASELINES: dict[str, Message] = {
     "FabricService.GetLatency": fabric_pb2.GetLatencyRequest(host="hosts/h1", box="boxes/box1"),
     "FabricService.Predict": fabric_pb2.PredictRequest(
         host="hosts/h1", gpus=pb.GpuRequest(model="H100", count=2), workload="400@5ms"
+    ),
+    "AuditService.ListAuditRecords": audit_pb2.ListAuditRecordsRequest(
+        page_size=5, identity="dxpool://operator/alice", target="nodes/n1"
     ),
 }
 
