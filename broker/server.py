@@ -127,6 +127,9 @@ class BrokerConfig:
     # Each etcd call gives up after this long (an unanswered call is one to a dead or
     # paused member, or one without quorum; failing it lets the next member be tried).
     etcd_timeout_s: float = 1.0
+    # How long start tries, with backoff, to list and watch etcd the first time before it
+    # gives up (Unavailable): etcd may be starting too, or a first handshake may fail.
+    etcd_connect_timeout_s: float = 60.0
     # TLS to etcd (its CA, and a client certificate for --client-cert-auth); None: plaintext.
     etcd_tls: ClientTls | None = None
     # How long audit records are kept (broker/audit.py); 0 keeps no audit log.
@@ -208,11 +211,12 @@ class BrokerServer:
         """Load the cache, start the controller, bind and serve. Returns once serving.
 
         TLS files are read first: a missing one raises InvalidArgument before anything
-        starts."""
+        starts. etcd is tried, with backoff, for ``etcd_connect_timeout_s``; then
+        :class:`~dxpool.errors.Unavailable` says what failed."""
         authenticator = self._authenticator()
         tls = self.config.tls
         credentials = tls.credentials() if tls is not None else None
-        self.cache.start()
+        self.cache.start(self.config.etcd_connect_timeout_s, wait_for_etcd=True)
         self.pool_tally = PoolTally(self.cache)
         self._detach_pool_metrics = pool_metrics.COLLECTOR.attach(self.cache, self.pool_tally)
         self.index = PlacementIndex(self.cache)
