@@ -241,3 +241,24 @@ def test_a_broker_started_before_its_etcd_waits_for_it(tmp_path: Path) -> None:
         broker.terminate()
         broker.wait(30)
         etcd.stop()
+
+
+def test_a_token_file_others_may_read_is_a_usage_error(
+    etcd_server: EmbeddedEtcd, tmp_path: Path
+) -> None:
+    from dxpool.pki import create_ca, issue, write_pair
+
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text("token-for-team-a-0123456789abcdef: tenant/team-a\n")
+    tokens.chmod(0o644)
+    ca = create_ca("test CA")
+    write_pair(tmp_path, "server", issue(ca, ip_addresses=["127.0.0.1"]))
+    result = CliRunner().invoke(
+        cli,
+        ["broker", "--etcd", etcd_server.endpoint, "--listen", "127.0.0.1:0",
+         "--tls-cert", str(tmp_path / "server.crt"), "--tls-key", str(tmp_path / "server.key"),
+         "--token-file", str(tokens)],
+    )  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert f"run `chmod 600 {tokens}`" in result.stderr
+    assert "Traceback" not in result.output
