@@ -6,7 +6,8 @@ audit log on) and four host agent processes on the simulated fabric, like
 after the other: GetBox, then ComposeNode (1 GPU) and ReleaseNode of the node it made.
 Its latencies are taken over ``--seconds`` with nothing else running (quiet), then over
 as long again while ``--attackers`` processes send large requests as fast as the broker
-answers them, one scenario after the other:
+answers them, ``--rounds`` times in turn (so the machine's own swings fall on both), one
+scenario after the other:
 
 * ``compose-3.9MB``: ComposeNode whose ``node_id`` is 3.9 MB (under gRPC's default
   4 MiB limit; the request is refused either way);
@@ -14,15 +15,14 @@ answers them, one scenario after the other:
 * ``getbox-at-server-limit``: GetBox padded to just under the broker's server-wide
   receive limit (what reaches the per-method check, if any).
 
-Each scenario is preceded by a quiet phase of its own, so each ratio compares two phases
-measured minutes apart at most. Prints, per scenario and per victim call, p50 and p99
-quiet and under attack, the ratio of the p99s (target: at most 2), the codes the
-attackers saw and how much the audit log and etcd's database grew.
+Prints, per scenario and per victim call, p50 and p99 quiet and under attack, the ratio
+of the p99s (target: at most 2), the attackers' rate and the codes they saw, the
+broker's CPU in each phase, and how much the audit log and etcd's database grew.
 
 Everything shares the machine (2 cores on the test machines), so the attackers' own CPU
 is part of what the victim pays; compare ratios, not absolute times.
 
-Usage: python bench/large_requests.py [--seconds 10] [--attackers 4]
+Usage: python bench/large_requests.py [--seconds 10] [--rounds 3] [--attackers 4]
         [--scenarios compose-3.9MB,release-1MB,getbox-at-server-limit]
 """
 
@@ -152,8 +152,10 @@ def cpu_seconds(pid: int) -> float:
 
 
 def attacked(
-    endpoint: str, scenario: str, attackers: int, seconds: float
-) -> tuple[dict[str, list[float]], dict[str, int]]:
+    endpoint: str, scenario: str, attackers: int, seconds: float, broker_pid: int
+) -> tuple[dict[str, list[float]], dict[str, int], float]:
+    """The victim's latencies while ``attackers`` processes send the scenario's request,
+    the codes they saw, and the broker's CPU seconds over the victim's window."""
     context = multiprocessing.get_context("spawn")
     stop = context.Event()
     codes = context.Queue()
@@ -164,14 +166,16 @@ def attacked(
     for process in processes:
         process.start()
     time.sleep(1.0)  # let them connect and reach their pace
+    cpu = cpu_seconds(broker_pid)
     figures = victim(endpoint, seconds)
+    cpu = cpu_seconds(broker_pid) - cpu
     stop.set()
     seen: collections.Counter[str] = collections.Counter()
     for _ in processes:
         seen.update(codes.get(timeout=120))
     for process in processes:
         process.join(60)
-    return figures, dict(seen)
+    return figures, dict(seen), cpu
 
 
 def line(name: str, quiet: list[float], loud: list[float]) -> float:
@@ -188,6 +192,7 @@ def line(name: str, quiet: list[float], loud: list[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=10.0, help="per phase")
+    parser.add_argument("--rounds", type=int, default=3, help="quiet+attacked pairs")
     parser.add_argument("--attackers", type=int, default=4)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     args = parser.parse_args()
@@ -198,7 +203,15 @@ def main() -> None:
         etcd, processes, endpoint, _ = start_stack(Path(raw))
         try:
             broker_pid = processes[0].pid
-            run(etcd.endpoint, endpoint, broker_pid, scenarios, args.attackers, args.seconds)
+            run(
+                etcd.endpoint,
+                endpoint,
+                broker_pid,
+                scenarios,
+                args.attackers,
+                args.seconds,
+                args.rounds,
+            )
         finally:
             for process in processes:
                 process.terminate()
@@ -214,34 +227,46 @@ def run(
     scenarios: list[str],
     attackers: int,
     seconds: float,
+    rounds: int,
 ) -> None:
-    print(f"{attackers} attacking processes; {seconds:g} s per phase")
+    print(
+        f"{attackers} attacking processes; {rounds} rounds of {seconds:g} s quiet and "
+        f"{seconds:g} s attacked per scenario"
+    )
     victim(endpoint, min(seconds, 2.0))  # warm up
     worst = 0.0
     for scenario in scenarios:
-        channel = grpc.insecure_channel(endpoint)
-        wait_for_free_pool(nodes_pb2_grpc.NodeServiceStub(channel))
-        channel.close()
-        cpu = cpu_seconds(broker_pid)
-        quiet = victim(endpoint, seconds)
-        quiet_cpu = cpu_seconds(broker_pid) - cpu
+        quiet: dict[str, list[float]] = collections.defaultdict(list)
+        loud: dict[str, list[float]] = collections.defaultdict(list)
+        codes: collections.Counter[str] = collections.Counter()
+        quiet_cpu = loud_cpu = 0.0
         records, size = etcd_usage(etcd_endpoint)
-        cpu = cpu_seconds(broker_pid)
-        loud, codes = attacked(endpoint, scenario, attackers, seconds)
-        loud_cpu = cpu_seconds(broker_pid) - cpu
+        for _ in range(rounds):  # alternating, so the machine's own swings hit both
+            channel = grpc.insecure_channel(endpoint)
+            wait_for_free_pool(nodes_pb2_grpc.NodeServiceStub(channel))
+            channel.close()
+            cpu = cpu_seconds(broker_pid)
+            for name, samples in victim(endpoint, seconds).items():
+                quiet[name] += samples
+            quiet_cpu += cpu_seconds(broker_pid) - cpu
+            figures, seen, cpu = attacked(endpoint, scenario, attackers, seconds, broker_pid)
+            for name, samples in figures.items():
+                loud[name] += samples
+            codes.update(seen)
+            loud_cpu += cpu
         records_after, size_after = etcd_usage(etcd_endpoint)
-        calls = sum(codes.values())
+        window = rounds * seconds
         print(
-            f"  {scenario}: attackers saw {codes}; {records_after - records} audit records "
-            f"written; etcd's database grew by {(size_after - size) / 2**20:.1f} MiB"
+            f"  {scenario}: attackers made {sum(codes.values()) / window:.0f} calls/s, saw "
+            f"{dict(codes)}; {records_after - records} audit records written (the victim's "
+            f"included); etcd's database grew by {(size_after - size) / 2**20:.1f} MiB"
         )
         print(
-            f"    broker CPU: quiet {quiet_cpu:.2f} s, attacked {loud_cpu:.2f} s "
-            f"(+{1000 * (loud_cpu - quiet_cpu) / max(calls, 1):.2f} ms per attacking call, "
-            "less the victim's fewer calls)"
+            f"    broker CPU: {100 * quiet_cpu / window:.0f}% of a core quiet, "
+            f"{100 * loud_cpu / window:.0f}% attacked"
         )
-        for name in quiet:
-            worst = max(worst, line(name, quiet[name], loud[name]))
+        for name, samples in quiet.items():
+            worst = max(worst, line(name, samples, loud[name]))
     print(f"worst p99 ratio attacked/quiet = {worst:.2f} (target <= 2)")
 
 
