@@ -13,7 +13,10 @@ scenario after the other:
   4 MiB limit; the request is refused either way);
 * ``release-1MB``: ReleaseNode whose ``name`` is 1 MB;
 * ``getbox-at-server-limit``: GetBox padded to just under the broker's server-wide
-  receive limit (what reaches the per-method check, if any).
+  receive limit (what reaches the per-method check, if any);
+* ``getbox-small``: GetBox of a box that does not exist (NOT_FOUND), 20 bytes: the cost
+  of as many calls as the attackers can make at all, whatever their size, for
+  comparison (a flood, which no size limit bounds).
 
 Prints, per scenario and per victim call, p50 and p99 quiet and under attack, the ratio
 of the p99s (target: at most 2), the attackers' rate and the codes they saw, the
@@ -23,7 +26,7 @@ Everything shares the machine (2 cores on the test machines), so the attackers' 
 is part of what the victim pays; compare ratios, not absolute times.
 
 Usage: python bench/large_requests.py [--seconds 10] [--rounds 3] [--attackers 4]
-        [--scenarios compose-3.9MB,release-1MB,getbox-at-server-limit]
+        [--scenarios compose-3.9MB,release-1MB,getbox-at-server-limit,getbox-small]
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.store.client import connect
 
 SERVER_LIMIT_FALLBACK = 4 * 1024 * 1024 - 1024  # gRPC's default, less room for framing
-SCENARIOS = ("compose-3.9MB", "release-1MB", "getbox-at-server-limit")
+SCENARIOS = ("compose-3.9MB", "release-1MB", "getbox-at-server-limit", "getbox-small")
 
 
 def server_limit() -> int:
@@ -77,6 +80,9 @@ def payload(scenario: str) -> tuple[str, bytes]:
     if scenario == "getbox-at-server-limit":
         get = inventory_pb2.GetBoxRequest(name="boxes/" + "b" * server_limit())
         return "/dxpool.v1.InventoryService/GetBox", get.SerializeToString()
+    if scenario == "getbox-small":
+        small = inventory_pb2.GetBoxRequest(name="boxes/not-there")
+        return "/dxpool.v1.InventoryService/GetBox", small.SerializeToString()
     raise SystemExit(f"unknown scenario {scenario!r}; use one of {', '.join(SCENARIOS)}")
 
 
