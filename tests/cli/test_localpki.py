@@ -38,6 +38,7 @@ def test_client_config_points_the_cli_at_the_pool(tmp_path: Path) -> None:
     pki = ensure_local_pki(tmp_path / "pool" / "pki", listen="127.0.0.1:8470", hosts=[])
     config = tmp_path / "pool" / "config.yaml"
     write_client_config(config, "127.0.0.1:9999", pki)
+    assert stat.S_IMODE(config.stat().st_mode) == 0o600  # it leads to the operator's key
     assert yaml.safe_load(config.read_text())["cert"] == "pki/operator.crt"
     env = {"DXPOOL_CONFIG": str(config)}
     assert resolve_endpoint(env=env) == "127.0.0.1:9999"

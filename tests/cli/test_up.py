@@ -518,3 +518,26 @@ def test_up_with_a_taken_metrics_port_fails_before_starting_anything(tmp_path: P
     assert f"cannot serve metrics on 127.0.0.1:{port}" in result.stderr
     assert "choose another --metrics-port" in result.stderr
     assert not (tmp_path / "pool").exists()
+
+
+@pytest.mark.skipif(
+    not os.access("/usr/bin/etcd", os.X_OK),
+    reason="Debian's etcd-server is not installed (scripts/test-etcd-line.sh installs it)",
+)
+def test_up_runs_the_etcd_it_is_given_with_corruption_checks_on(
+    up_factory: Callable[..., Up],
+) -> None:
+    """Debian's etcd 3.4 behind a secure pool (TLS, client certificates, etcd users):
+    named at start with its advisories, run with its own flags, and a node composes."""
+    up = up_factory("--etcd-binary", "/usr/bin/etcd")
+    up.wait_up()
+    args = cmdline_of(up.children()["etcd"])
+    assert args[0] == "/usr/bin/etcd"
+    assert "--experimental-initial-corrupt-check=true" in args
+    assert "--logger=zap" in args
+    assert re.search(r"etcd 3\.4\.\d+ \(/usr/bin/etcd\)", up.stderr), up.stderr
+    assert "CVE-2023-32082" in up.stderr
+    node = up.cli("node", "create", "--gpus", "H100:2", "--wait", "--timeout", "60s")
+    assert node["state"] == "NODE_STATE_READY"
+    up.process.send_signal(signal.SIGINT)
+    assert up.process.wait(timeout=30) == 0
