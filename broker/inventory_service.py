@@ -89,6 +89,7 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
                 if isinstance(earlier, pb.Box):
                     return earlier
                 request_revision = earlier
+            _number_generations_from(self._store.current_revision(), gpus)
             txn = Txn().expect_absent(box_key).put(box_key, box)
             for gpu in gpus:
                 gpu_key = keys.gpu(box_id, gpu.slot)
@@ -498,6 +499,22 @@ def _gpu_records(box_id: str, request: inv.CreateBoxRequest) -> list[pb.Gpu]:
             )
         )
     return gpus
+
+
+def _number_generations_from(revision: int, gpus: list[pb.Gpu]) -> None:
+    """Start every GPU's generation at ``revision``, etcd's revision before the commit
+    that registers them.
+
+    A generation is the fencing token the box side keeps per slot, and it must never
+    repeat for the same slot, also when its box is deleted and added again (the
+    documented step after a GPU is replaced): the box side still refuses every
+    generation up to the last one it fenced. A generation only grows in a commit that
+    writes its GPU, and every commit raises the revision by one, so no generation the
+    slot held before can exceed the revision read now, and the first assignment of the
+    registered GPU (``revision + 1``) is newer than any fence the slot has seen.
+    """
+    for gpu in gpus:
+        gpu.generation = revision
 
 
 def _same_box(stored: pb.Box, stored_gpus: list[pb.Gpu], box: pb.Box, gpus: list[pb.Gpu]) -> bool:
