@@ -534,6 +534,35 @@ def test_watch_resumes_on_a_restarted_broker_with_a_reset_listing(  # type: igno
         assert sorted(view.nodes) == ["nodes/b"]
 
 
+def test_watch_resumes_when_the_broker_comes_back_seconds_later(  # type: ignore[no-untyped-def]
+    broker_factory, etcd_client, key_prefix: str
+) -> None:
+    """A broker killed and started again takes seconds to serve (a process start on a
+    loaded machine); the iterator keeps resuming until it answers, not a few tries."""
+    listen = f"127.0.0.1:{free_port()}"
+    first = broker_factory(listen=listen)
+    settle(first, write_nodes(etcd_client, key_prefix, [node("a")]))
+    with Client(listen) as client:
+        events = client.watch_nodes(include_synced=True)
+        view = View()
+        view.apply_all(events, until=lambda v: v.synced == 1)
+        first.stop(grace_s=0)
+        restart = threading.Timer(4.0, lambda: broker_factory(listen=listen))
+        restart.start()
+        try:
+            view.apply_all(events, until=lambda v: v.synced == 2)
+        finally:
+            restart.join()
+        assert sorted(view.nodes) == ["nodes/a"]
+
+
+def test_watch_gives_up_once_the_broker_stays_away_past_the_reconnect_timeout() -> None:
+    with Client(f"127.0.0.1:{free_port()}") as client:
+        events = client.watch_nodes(reconnect_timeout_s=0.5)
+        with pytest.raises(Unavailable):
+            next(events)
+
+
 def test_watch_rejects_a_negative_start_revision() -> None:
     with Client("127.0.0.1:1") as client, pytest.raises(InvalidArgument, match="start_revision"):
         client.watch_nodes(start_revision=-1)
