@@ -32,6 +32,7 @@ from dxpool.broker import metrics
 from dxpool.broker.cache import Cache
 from dxpool.broker.compose_commit import ComposeCommitter, ComposeJob
 from dxpool.broker.fit import placement_request
+from dxpool.broker.forget import free_released_names
 from dxpool.broker.gang import GangComposer
 from dxpool.broker.locks import KeyedLocks
 from dxpool.broker.model_check import check_model_known
@@ -175,6 +176,8 @@ class Composer:
             if existing is not None:
                 return existing
         node_id = request.node_id or _generate_node_id()
+        if request.node_id:
+            free_released_names(self._store, self._cache, [node_id])
         if request.node_id and self._cache.get(k.NODES, node_id) is not None:
             raise AlreadyExists(
                 f"node nodes/{node_id} already exists; pick another node_id or omit it",

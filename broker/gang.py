@@ -67,6 +67,7 @@ from dxpool.broker.fit import (
     reserve_host_resources,
     write_assigned,
 )
+from dxpool.broker.forget import free_released_names
 from dxpool.broker.locks import KeyedLocks
 from dxpool.broker.model_check import check_model_known
 from dxpool.broker.placement import (
@@ -232,6 +233,9 @@ class GangComposer:
             if existing is not None:
                 return existing
         gang_id = request.gang_id or f"gang-{secrets.token_hex(4)}"
+        if request.gang_id:
+            member_ids = [gang_member_id(gang_id, i) for i in range(len(request.members))]
+            free_released_names(self._store, self._cache, member_ids)
         if request.gang_id and self._cache.get(k.NODES, gang_member_id(gang_id, 0)) is not None:
             raise _gang_exists(gang_id)
         # Before placement, refuse what the quota refuses whatever GPUs are chosen (the
