@@ -197,8 +197,15 @@ selector_option = click.option(
     "selector",
     type=SELECTOR,
     default="",
-    help="Only objects whose labels match: KEY=VALUE, KEY!=VALUE, KEY or !KEY, "
-    "comma-separated (all must hold), e.g. -l team=ml,tier!=dev.",
+    help="Only objects whose labels match: KEY=VALUE, KEY!=VALUE, 'KEY in (V1,V2)', "
+    "'KEY notin (V1,V2)', KEY or !KEY, comma-separated (all must hold), e.g. "
+    "-l 'team=ml,tier notin (dev)'.",
+)
+
+dry_run_option = click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Only show what would be done: the objects are read, nothing is changed.",
 )
 
 ignore_not_found_option = click.option(

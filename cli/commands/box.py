@@ -150,8 +150,8 @@ def delete(cli: CliContext, names: tuple[str, ...], ignore_not_found: bool) -> N
     is tried; each failure is reported and the command then exits 1."""
     client = cli.client()
 
-    def remove(name: str) -> None:
+    def remove(name: str) -> str:
         client.delete_box(name)
-        click.echo(f"{name} deleted")
+        return f"{name} deleted"
 
     for_each(names, remove, client.endpoint, ignore_not_found=ignore_not_found)

@@ -12,7 +12,7 @@ import click
 from dxpool.api.v1 import nodes_pb2, resources_pb2
 from dxpool.cli.context import CliContext, pass_cli
 from dxpool.cli.describe import describe_node
-from dxpool.cli.errors import for_each
+from dxpool.cli.errors import MAX_CONCURRENT_WAITS, for_each
 from dxpool.cli.output import (
     DOCUMENT_FORMATS,
     OutputFormat,
@@ -38,10 +38,12 @@ from dxpool.cli.params import (
     NODE_ID,
     REQUEST_ID,
     SECONDS,
+    SELECTOR,
     SLOWDOWN,
     SPREAD,
     TENANT_ID,
     WORKLOAD,
+    dry_run_option,
     ignore_not_found_option,
     labels_dict,
     selector_option,
@@ -53,7 +55,7 @@ from dxpool.cli.views import (
     NODE_VIEW,
     short,
 )
-from dxpool.client import node_state_name
+from dxpool.client import Client, node_state_name
 from dxpool.errors import FailedPrecondition
 from dxpool.fabric.overhead import known_profiles
 from dxpool.request import GpuSpec
@@ -473,7 +475,16 @@ def hostdev(cli: CliContext, name: str, output: str) -> None:
 
 
 @node.command("delete")
-@click.argument("names", metavar="NODE...", type=NODE, nargs=-1, required=True)
+@click.argument("names", metavar="[NODE...]", type=NODE, nargs=-1)
+@click.option(
+    "-l",
+    "--selector",
+    "selector",
+    type=SELECTOR,
+    default="",
+    help="Delete the nodes whose labels match instead of naming them, e.g. -l team=ml "
+    "(the grammar of `node list -l`).",
+)
 @click.option("--wait", is_flag=True, help="Wait until the nodes are RELEASED.")
 @click.option(
     "--force",
@@ -486,32 +497,69 @@ def hostdev(cli: CliContext, name: str, output: str) -> None:
     type=SECONDS,
     default=DEFAULT_WAIT,
     show_default=True,
-    help="How long --wait waits for each node.",
+    help="How long --wait waits (the nodes are waited for together).",
 )
+@dry_run_option
 @ignore_not_found_option
 @pass_cli
 def delete(
     cli: CliContext,
     names: tuple[str, ...],
+    selector: str,
     wait: bool,
     force: bool,
     timeout: float,
+    dry_run: bool,
     ignore_not_found: bool,
 ) -> None:
-    """Release nodes: detach their GPUs and return them to the pool. Idempotent. Every
-    name is tried; each failure is reported and the command then exits 1."""
-    client = cli.client()
+    """Release nodes: detach their GPUs and return them to the pool. Idempotent.
 
-    def release(name: str) -> None:
+    Name the nodes, or select them by label with -l. Every node is tried; each failure
+    is reported and the command then exits 1. With --wait the nodes are released
+    together and waited for together."""
+    if bool(names) == bool(selector):
+        raise click.UsageError("name the nodes to delete, or select them with -l (not both)")
+    client = cli.client()
+    if selector:
+        names = tuple(n.name for n in client.list_nodes(label_selector=selector))
+        if not names:
+            info(f"no nodes match {selector}")
+            return
+    if dry_run:
+        for_each(
+            names,
+            lambda name: _would_release(client, name),
+            client.endpoint,
+            ignore_not_found=ignore_not_found,
+        )
+        return
+
+    def release(name: str) -> str:
         released = client.release_node(name, force=force)
         if wait and released.state != NodeState.NODE_STATE_RELEASED:
-            info(f"waiting up to {timeout:g}s for {name} to be RELEASED")
             released = client.wait_for_node(
                 name, until=(NodeState.NODE_STATE_RELEASED,), timeout_s=timeout
             )
-        click.echo(f"{name} {node_state_name(released.state).lower()}")
+        return f"{name} {node_state_name(released.state).lower()}"
 
-    for_each(names, release, client.endpoint, ignore_not_found=ignore_not_found)
+    if wait:
+        what = names[0] if len(names) == 1 else f"{len(names)} nodes"
+        info(f"waiting up to {timeout:g}s for {what} to be RELEASED")
+    for_each(
+        names,
+        release,
+        client.endpoint,
+        ignore_not_found=ignore_not_found,
+        concurrency=MAX_CONCURRENT_WAITS if wait else 1,
+    )
+
+
+def _would_release(client: Client, name: str) -> str:
+    """What ``node delete --dry-run`` prints for ``name``: the node is read, not changed."""
+    found = client.get_node(name)
+    if found.state == NodeState.NODE_STATE_RELEASED:
+        return f"{name} released (dry run: already)"
+    return f"{name} would be released (dry run)"
 
 
 @node.command("resize")

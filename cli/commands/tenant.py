@@ -75,8 +75,8 @@ def delete(cli: CliContext, names: tuple[str, ...]) -> None:
     nodes. Every name is tried; each failure is reported and the command then exits 1."""
     client = cli.client()
 
-    def remove(name: str) -> None:
+    def remove(name: str) -> str:
         client.delete_tenant(name)
-        click.echo(f"{name} deleted")
+        return f"{name} deleted"
 
     for_each(names, remove, client.endpoint)
