@@ -12,12 +12,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import click
 import grpc
 
+from dxpool.cli.exits import EXIT_API_ERROR
 from dxpool.errors import DxpoolError, NotFound
 
-EXIT_OK = 0
-EXIT_API_ERROR = 1
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
 MAX_CONCURRENT_WAITS = 16
 """How many names a command with ``--wait`` acts on at once (each holds a watch)."""
 

@@ -83,6 +83,7 @@ from dxpool.errors import (
     from_code,
 )
 from dxpool.fabric.overhead import check_slowdown
+from dxpool.hints import connection_hint
 from dxpool.lifecycle import NODE_REACHABLE
 from dxpool.limits import MAX_GPU_MEMORY_MIB, MAX_GPUS_PER_BOX, MAX_LATENCY_NS
 from dxpool.request import (
@@ -479,7 +480,12 @@ class Client:
         try:
             return rpc(request, timeout=self.timeout_s)
         except grpc.RpcError as error:
-            raise _error_from_rpc(error) from None
+            raise self._hinted(_error_from_rpc(error)) from None
+
+    def _hinted(self, error: DxpoolError) -> DxpoolError:
+        """``error`` with a next step when the broker could not be reached."""
+        error.hint = connection_hint(error.code, error.message, self.endpoint)
+        return error
 
     def _unary(self, rpc: grpc.UnaryUnaryMultiCallable[_Req, _Resp], request: _Req) -> _Resp:
         return self._retry(lambda: self._once(rpc, request))
@@ -1136,15 +1142,17 @@ class Client:
         # A cancel this client did not ask for: the broker ended the call.
         return error.code == grpc.StatusCode.CANCELLED and not self._closed
 
-    @staticmethod
     def _stream(
-        rpc: grpc.UnaryStreamMultiCallable[_Req, _Resp], request: _Req, timeout_s: float | None
+        self,
+        rpc: grpc.UnaryStreamMultiCallable[_Req, _Resp],
+        request: _Req,
+        timeout_s: float | None,
     ) -> Generator[_Resp, None, None]:
         call = rpc(request, timeout=timeout_s)
         try:
             yield from call
         except grpc.RpcError as error:
-            raise _error_from_rpc(error) from None
+            raise self._hinted(_error_from_rpc(error)) from None
         finally:
             call.cancel()  # type: ignore[no-untyped-call]  # the iterator is also a grpc.Call
 

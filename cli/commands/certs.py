@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 from cryptography import x509
 
+from dxpool.cli.help import SummaryGroup
 from dxpool.errors import InvalidArgument
 from dxpool.identity import SCHEME, Identity
 from dxpool.names import check_id
@@ -43,7 +44,7 @@ def _fail(message: str) -> click.exceptions.Exit:
     return click.exceptions.Exit(1)
 
 
-@click.group("certs")
+@click.group("certs", cls=SummaryGroup)
 def certs() -> None:
     """Create a private CA and issue certificates for dxpool identities."""
 

@@ -13,6 +13,7 @@ from dxpool.cli.commands.node import (
 )
 from dxpool.cli.context import CliContext, pass_cli
 from dxpool.cli.errors import MAX_CONCURRENT_WAITS, for_each
+from dxpool.cli.help import SummaryGroup
 from dxpool.cli.output import (
     OutputFormat,
     dump,
@@ -37,7 +38,7 @@ def _print_gang(gang: nodes_pb2.Gang, output: OutputFormat) -> None:
         print_many(list(gang.nodes), NODE_VIEW, output)
 
 
-@click.group()
+@click.group(cls=SummaryGroup)
 def gang() -> None:
     """Compose several nodes all or nothing (a job larger than one host), inspect and
     release them together."""

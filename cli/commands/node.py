@@ -3,7 +3,8 @@ host plus GPUs)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -13,6 +14,7 @@ from dxpool.api.v1 import nodes_pb2, resources_pb2
 from dxpool.cli.context import CliContext, pass_cli
 from dxpool.cli.describe import describe_node
 from dxpool.cli.errors import MAX_CONCURRENT_WAITS, for_each
+from dxpool.cli.help import SummaryGroup
 from dxpool.cli.output import (
     DOCUMENT_FORMATS,
     OutputFormat,
@@ -207,7 +209,7 @@ def _request_kwargs(
     }
 
 
-@click.group()
+@click.group(cls=SummaryGroup)
 def node() -> None:
     """Compose, inspect and release virtual nodes."""
 
@@ -279,8 +281,25 @@ def create(
     info(f"{created.name} created on {created.host or 'a host to be chosen'}")
     if wait:
         info(f"waiting up to {timeout:g}s for {created.name} to become READY")
-        created = client.wait_for_node(created.name, timeout_s=timeout)
+        with _interrupted_wait(created.name, "is still being attached"):
+            created = client.wait_for_node(created.name, timeout_s=timeout)
     print_one(created, NODE_VIEW, output)
+
+
+@contextmanager
+def _interrupted_wait(name: str, going_on: str) -> Iterator[None]:
+    """Ctrl-C during a ``--wait`` stops the wait, not the work: say so, and how to follow
+    the node from here (the interrupt then ends the command with exit status 130)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        short_name = name.removeprefix("nodes/")
+        info(
+            f"\ninterrupted: stopped waiting; {name} {going_on} all the same. "
+            f"`dxpool node get {short_name}` shows where it stands, `dxpool node delete "
+            f"{short_name}` releases it"
+        )
+        raise
 
 
 @node.command("plan")
@@ -617,7 +636,8 @@ def resize(
     info(f"{resized.name} {node_state_name(resized.state).lower()} with {len(resized.gpus)} GPUs")
     if wait and resized.state != NodeState.NODE_STATE_READY:
         info(f"waiting up to {timeout:g}s for {resized.name} to be READY again")
-        resized = client.wait_for_node(resized.name, timeout_s=timeout)
+        with _interrupted_wait(resized.name, "is still being resized"):
+            resized = client.wait_for_node(resized.name, timeout_s=timeout)
         if count is not None and len(resized.gpus) != count:
             print_one(resized, NODE_VIEW, output)
             raise FailedPrecondition(

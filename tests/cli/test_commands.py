@@ -718,3 +718,17 @@ def test_node_delete_by_label_selector_and_dry_run(run: Run, pool: SimPool) -> N
     assert ok(nothing) == "" and "no nodes match team=nobody" in nothing.stderr
     both = run("node", "delete", "s2", "-l", "team=infra")
     assert both.exit_code == 2 and "not both" in both.stderr
+
+
+def test_ctrl_c_during_create_wait_says_the_node_goes_on(
+    run: Run, pool: SimPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Client, "wait_for_node", interrupted)
+    result = run("node", "create", "--gpus", "H100:1", "--name", "c1", "--wait")
+    assert result.exit_code == 130
+    assert "interrupted: stopped waiting; nodes/c1 is still being attached" in result.stderr
+    assert "`dxpool node get c1`" in result.stderr and "`dxpool node delete c1`" in result.stderr
+    assert ok(run("node", "list", "-o", "name")) == "nodes/c1\n"
