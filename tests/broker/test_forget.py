@@ -14,6 +14,7 @@ from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.store.keys import KeySchema
 from tests.conftest import SimPool, Stubs, register_sim_box, wait_hosts_alive
 from tests.integration.test_node_lifecycle import wait_state
+from tests.patience import patient
 
 
 def compose_named(stubs: Stubs, name: str, request_id: str = "") -> pb.VirtualNode:
@@ -59,7 +60,7 @@ def test_a_released_nodes_name_can_be_composed_again_at_once(
 
     follower = threading.Thread(target=follow)
     follower.start()
-    assert synced.wait(60)
+    assert synced.wait(patient(60))
 
     second = compose_named(pool, "rg1", request_id="second-request")
     assert second.name == "nodes/rg1"

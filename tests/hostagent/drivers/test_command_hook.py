@@ -154,7 +154,7 @@ def test_a_hook_past_its_timeout_is_killed_with_what_it_started(tmp_path: Path) 
     with pytest.raises(DriverError, match=r"did not finish within 0\.5s and was killed") as caught:
         mapper.map(GPU, 0, generation=1)
 
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 45  # killed, not waited for (the hook sleeps 60 s)
     assert caught.value.retryable
     pid = int(child_pid.read_text())
     deadline = time.monotonic() + 5
