@@ -17,6 +17,7 @@ from dxpool.cli.errors import MAX_CONCURRENT_WAITS, for_each
 from dxpool.cli.help import SummaryGroup
 from dxpool.cli.output import (
     DOCUMENT_FORMATS,
+    Output,
     OutputFormat,
     StreamPrinter,
     dump,
@@ -392,7 +393,7 @@ def list_(
 ) -> None:
     """List nodes (RELEASED ones only with --all), e.g. `dxpool node list -l team=ml -w`."""
     if watch:
-        _watch_list(cli, host_name, show_released, selector, output)
+        _watch_list(cli, host_name, show_released, selector, _streamable(output))
         return
     found = cli.client().list_nodes(
         host=host_name, show_released=show_released, label_selector=selector
@@ -443,6 +444,16 @@ def _watch_list(
         elif visible or (current.name in shown and matches(current)):
             shown.add(current.name)
             printer.emit(current)
+
+
+def _streamable(output: OutputFormat | Output) -> OutputFormat:
+    """``output`` for a stream of changes, which prints each as it comes: no templates."""
+    if isinstance(output, Output):
+        raise click.UsageError(
+            f"-o {output.format.value}=... prints a whole list; a watch prints one change "
+            "at a time: use -o table, wide, json, yaml or name with it"
+        )
+    return output
 
 
 @node.command("get")
@@ -651,8 +662,8 @@ def resize(
 @click.argument("name", metavar="[NODE]", type=NODE, required=False)
 @output_option()
 @pass_cli
-def watch(cli: CliContext, name: str | None, output: OutputFormat) -> None:
+def watch(cli: CliContext, name: str | None, output: OutputFormat | Output) -> None:
     """Stream node changes until Ctrl-C: rows, or one JSON object (an event) per line."""
-    printer = StreamPrinter(NODE_VIEW, output, NODE_STREAM_WIDTHS)
+    printer = StreamPrinter(NODE_VIEW, _streamable(output), NODE_STREAM_WIDTHS)
     for event in cli.client().watch_nodes(name):
         printer.emit(event.node, event)

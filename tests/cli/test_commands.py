@@ -23,6 +23,7 @@ from dxpool.cli.main import cli
 from dxpool.client import Client
 from dxpool.store.keys import KeySchema
 from tests.conftest import SimPool, Stubs, register_sim_box, wait_until
+from tests.patience import patient
 
 if TYPE_CHECKING:
     from dxpool.broker.server import BrokerServer
@@ -360,7 +361,7 @@ def test_node_watch_streams_json_lines_until_ctrl_c(
             states.append(event["node"]["state"])
         assert states[0] == "NODE_STATE_RELEASING"
         watch.send_signal(signal.SIGINT)
-        assert watch.wait(timeout=10) == 130
+        assert watch.wait(timeout=patient(10)) == 130
     finally:
         if watch.poll() is None:
             watch.kill()
@@ -467,7 +468,7 @@ def test_node_list_watch_prints_the_table_then_changes_until_ctrl_c(
             states.append(row[1])
         assert states[0] == "Releasing"
         watch.send_signal(signal.SIGINT)
-        assert watch.wait(timeout=10) == 130
+        assert watch.wait(timeout=patient(10)) == 130
         assert watch.stderr is not None and "Traceback" not in watch.stderr.read()
     finally:
         if watch.poll() is None:
@@ -555,7 +556,7 @@ def test_status_watch_redraws_until_ctrl_c(broker: BrokerServer, pool: SimPool) 
             assert line, "the watch ended early"
             frames += line.startswith("rack s1/p1/r1")
         watch.send_signal(signal.SIGINT)
-        assert watch.wait(timeout=10) == 130
+        assert watch.wait(timeout=patient(10)) == 130
         assert "Traceback" not in watch.stderr.read()
     finally:
         if watch.poll() is None:
@@ -732,3 +733,42 @@ def test_ctrl_c_during_create_wait_says_the_node_goes_on(
     assert "interrupted: stopped waiting; nodes/c1 is still being attached" in result.stderr
     assert "`dxpool node get c1`" in result.stderr and "`dxpool node delete c1`" in result.stderr
     assert ok(run("node", "list", "-o", "name")) == "nodes/c1\n"
+
+
+def test_jsonpath_custom_columns_sort_by_and_no_headers(run: Run, pool: SimPool) -> None:
+    for name, count in (("j2", "2"), ("j1", "1"), ("j3", "3")):
+        ok(run("node", "create", "--gpus", f"H100:{count}", "--name", name, "--label", "t=x"))
+    names = ok(run("node", "list", "-o", "jsonpath={.items[*].name}", "--sort-by", ".name"))
+    assert names == "nodes/j1 nodes/j2 nodes/j3\n"
+    template = 'jsonpath={range .items[*]}{.name}{"\\t"}{.spec.gpus.count}{"\\n"}{end}'
+    ranged = ok(run("node", "list", "--sort-by", ".spec.gpus.count", "-o", template))
+    assert ranged == "nodes/j1\t1\nnodes/j2\t2\nnodes/j3\t3\n\n"
+    one = ok(run("node", "get", "j2", "-o", "jsonpath={.spec.labels.t}"))
+    assert one == "x\n"
+    filtered = ok(run("node", "list", "-o", "jsonpath={.items[?(@.spec.gpus.count==3)].name}"))
+    assert filtered == "nodes/j3\n"
+    columns = ok(run("node", "list", "--sort-by", ".name", "-o",
+                     "custom-columns=NAME:.name,GPUS:.gpus[*].gpu,NONE:.nothing"))  # fmt: skip
+    lines = columns.splitlines()
+    assert lines[0].split() == ["NAME", "GPUS", "NONE"]
+    assert [line.split()[0] for line in lines[1:]] == ["nodes/j1", "nodes/j2", "nodes/j3"]
+    assert lines[1].split()[2] == "<none>" and lines[3].split()[1].count(",") == 2
+    bare = ok(run("node", "list", "--no-headers", "--sort-by", ".name")).splitlines()
+    assert [line.split()[0] for line in bare] == ["j1", "j2", "j3"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["-o", "jsonpath={range .items[*]}{.name}"],
+        ["-o", "jsonpath={.items[}"],
+        ["-o", "custom-columns=NAME"],
+        ["-o", "yamll"],
+        ["--sort-by", ".items["],
+        ["-w", "-o", "jsonpath={.name}"],
+    ],
+)
+def test_a_bad_template_is_a_usage_error_before_any_call(args: list[str]) -> None:
+    result = CliRunner().invoke(cli, ["--endpoint", "127.0.0.1:1", "node", "list", *args])
+    assert result.exit_code == 2, result.output
+    assert "error" in result.stderr.lower() and "UNAVAILABLE" not in result.stderr
