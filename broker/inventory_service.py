@@ -339,7 +339,7 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
                     raise FailedPrecondition(
                         f"GPU {request.name} is still reported unhealthy by the agent of "
                         f"{gpu.host}: {seen.health_reason or 'no reason given'}; release its "
-                        f"node (`dxpool node release {gpu.node or 'NODE'}`) or fix the GPU, "
+                        f"node (`dxpool node delete {gpu.node.removeprefix('nodes/') or 'NODE'}`) or fix the GPU, "
                         "then clear it",
                         reason="GPU_STILL_UNHEALTHY",
                     )

@@ -198,3 +198,9 @@ def test_log_lines_carry_their_fields(
     finally:
         broker.terminate()
         broker.wait(30)
+
+
+def test_help_shows_durations_as_an_operator_writes_them() -> None:
+    shown = CliRunner().invoke(cli, ["broker", "--help"], terminal_width=200)
+    assert shown.exit_code == 0
+    assert "[default: 720h]" in shown.stdout and "e+" not in shown.stdout
