@@ -336,11 +336,11 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
                     and seen.generation == gpu.generation
                     and seen.health == pb.GPU_HEALTH_UNHEALTHY
                 ):
+                    node = gpu.node.removeprefix("nodes/") or "NODE"
                     raise FailedPrecondition(
                         f"GPU {request.name} is still reported unhealthy by the agent of "
                         f"{gpu.host}: {seen.health_reason or 'no reason given'}; release its "
-                        f"node (`dxpool node delete {gpu.node.removeprefix('nodes/') or 'NODE'}`) or fix the GPU, "
-                        "then clear it",
+                        f"node (`dxpool node delete {node}`) or fix the GPU, then clear it",
                         reason="GPU_STILL_UNHEALTHY",
                     )
             updated = lifecycle.health_cleared(gpu, message)

@@ -11,8 +11,11 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import click
+from click.shell_completion import CompletionItem
 
 from dxpool import client
+from dxpool.client import Client
+from dxpool.config import resolve_connection
 from dxpool.errors import InvalidArgument
 from dxpool.fabric.overhead import WORKLOAD_GRAMMAR, parse_slowdown, parse_workload
 from dxpool.identity import SCHEME, Identity
@@ -36,12 +39,29 @@ _T = TypeVar("_T")
 
 
 class _GrammarType(click.ParamType[_T, Any]):
-    """Parses with a :mod:`dxpool` parser; its InvalidArgument becomes a usage error."""
+    """Parses with a :mod:`dxpool` parser; its InvalidArgument becomes a usage error.
 
-    def __init__(self, name: str, parse: Callable[[str], _T], grammar: str = "") -> None:
+    With ``names``, the shell's tab completion offers the names the broker knows (see
+    :func:`_complete_names`)."""
+
+    def __init__(
+        self,
+        name: str,
+        parse: Callable[[str], _T],
+        grammar: str = "",
+        names: Callable[[Client], list[str]] | None = None,
+    ) -> None:
         self.name = name
         self._parse = parse
         self._grammar = grammar
+        self._names = names
+
+    def shell_complete(
+        self, ctx: click.Context, param: click.Parameter, incomplete: str
+    ) -> list[CompletionItem]:
+        if self._names is None:
+            return []
+        return [CompletionItem(name) for name in _complete_names(ctx, self._names, incomplete)]
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> _T:
         if not isinstance(value, str):
@@ -53,6 +73,49 @@ class _GrammarType(click.ParamType[_T, Any]):
             if self._grammar and self._grammar not in message:
                 message = f"{message}; expected {self._grammar}"
             self.fail(message, param, ctx)
+
+
+COMPLETION_TIMEOUT_S = 2.0
+"""How long tab completion waits for the broker before it offers nothing."""
+
+
+def _complete_names(
+    ctx: click.Context, names: Callable[[Client], list[str]], incomplete: str
+) -> list[str]:
+    """The short names (``box1``, ``box1/3``, ``n1``) the broker knows that start with
+    ``incomplete``, for the shell's completion; nothing when the broker cannot answer in
+    :data:`COMPLETION_TIMEOUT_S` (completion must never hang a shell or print an error).
+    The broker and its TLS settings come from the root's flags on the command line, else
+    the environment and the config file, as for the command itself."""
+    root = ctx.find_root().params
+    try:
+        tls, token = resolve_connection(
+            ca=root.get("tls_ca"),
+            cert=root.get("tls_cert"),
+            key=root.get("tls_key"),
+            token_file=root.get("token_file"),
+        )
+        with Client(
+            root.get("endpoint"),
+            timeout_s=COMPLETION_TIMEOUT_S,
+            max_attempts=1,
+            tls=tls,
+            token=token,
+            insecure=tls is None and token is None,
+        ) as client:
+            found = names(client)
+    except Exception:  # completion offers what it can; errors are for the command itself
+        return []
+    short = [_short_name(name) for name in found]
+    return sorted(name for name in short if name.startswith(incomplete))
+
+
+def _short_name(name: str) -> str:
+    """``boxes/box1/gpus/3`` -> ``box1/3``; ``nodes/n1`` -> ``n1``."""
+    parts = name.split("/")
+    if len(parts) == 4 and parts[0] == "boxes" and parts[2] == "gpus":
+        return f"{parts[1]}/{parts[3]}"
+    return parts[-1]
 
 
 def _seconds(value: str) -> float:
@@ -168,17 +231,19 @@ LABEL = _GrammarType("KEY=VALUE", _label)
 """``team=ml`` -> ``("team", "ml")``."""
 SELECTOR = _GrammarType("SELECTOR", _selector, SELECTOR_GRAMMAR)
 """``team=ml,tier!=dev`` -> the same text, once it parses as a label selector."""
-BOX = _GrammarType("BOX", client.box_name)
+BOX = _GrammarType("BOX", client.box_name, names=lambda c: [b.name for b in c.list_boxes()])
 """``box1`` or ``boxes/box1`` -> ``boxes/box1``."""
-HOST = _GrammarType("HOST", client.host_name)
+HOST = _GrammarType("HOST", client.host_name, names=lambda c: [h.name for h in c.list_hosts()])
 """``h1`` or ``hosts/h1`` -> ``hosts/h1``."""
-NODE = _GrammarType("NODE", client.node_name)
+NODE = _GrammarType("NODE", client.node_name, names=lambda c: [n.name for n in c.list_nodes()])
 """``n1`` or ``nodes/n1`` -> ``nodes/n1``."""
 GANG = _GrammarType("GANG", client.gang_name)
 """``g1`` or ``gangs/g1`` -> ``gangs/g1``."""
-GPU = _GrammarType("GPU", client.gpu_name)
+GPU = _GrammarType("GPU", client.gpu_name, names=lambda c: [g.name for g in c.list_gpus()])
 """``box1/3`` or ``boxes/box1/gpus/3`` -> ``boxes/box1/gpus/3``."""
-TENANT = _GrammarType("TENANT", client.tenant_name)
+TENANT = _GrammarType(
+    "TENANT", client.tenant_name, names=lambda c: [t.name for t in c.list_tenants()]
+)
 """``team-a`` or ``tenants/team-a`` -> ``tenants/team-a``."""
 MODEL_LIMIT = _GrammarType("MODEL=COUNT", _model_limit)
 """``H100=8`` -> ``("H100", 8)``."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import signal
 import subprocess
@@ -772,3 +773,25 @@ def test_a_bad_template_is_a_usage_error_before_any_call(args: list[str]) -> Non
     result = CliRunner().invoke(cli, ["--endpoint", "127.0.0.1:1", "node", "list", *args])
     assert result.exit_code == 2, result.output
     assert "error" in result.stderr.lower() and "UNAVAILABLE" not in result.stderr
+
+
+def test_tab_completion_offers_the_brokers_names(run: Run, broker: BrokerServer) -> None:
+    for box in ("rack1-a", "rack1-b", "rack2-a"):
+        ok(run(*shlex.split(f"box add {box} --gpus H100:2 --memory 80GiB")))
+
+    def complete(words: str) -> list[str]:
+        answer = subprocess.run(
+            [sys.executable, "-m", "dxpool.cli"],
+            env={**os.environ, "_DXPOOL_COMPLETE": "bash_complete",
+                 "COMP_WORDS": f"dxpool --endpoint {broker.endpoint} {words}",
+                 "COMP_CWORD": str(len(words.split()) + 3 - (not words.endswith(" ")))},
+            capture_output=True,
+            text=True,
+            timeout=patient(60),
+            check=True,
+        )  # fmt: skip
+        return [line.split(",", 1)[1] for line in answer.stdout.splitlines()]
+
+    assert complete("box delete rack1") == ["rack1-a", "rack1-b"]
+    assert complete("box get ") == ["rack1-a", "rack1-b", "rack2-a"]
+    assert complete("gpu get rack2-a/") == ["rack2-a/0", "rack2-a/1"]
