@@ -38,7 +38,7 @@ from dxpool.selector import SELECTOR_GRAMMAR, parse_selector
 _T = TypeVar("_T")
 
 
-class _GrammarType(click.ParamType[_T, Any]):
+class GrammarType(click.ParamType[_T, Any]):
     """Parses with a :mod:`dxpool` parser; its InvalidArgument becomes a usage error.
 
     With ``names``, the shell's tab completion offers the names the broker knows (see
@@ -169,9 +169,9 @@ def _model_limit(value: str) -> tuple[str, int]:
     return check_model(model), int(count)
 
 
-GPUS = _GrammarType("MODEL:COUNT", _gpus, GPU_GRAMMAR)
+GPUS = GrammarType("MODEL:COUNT", _gpus, GPU_GRAMMAR)
 """``H100:4``, ``A100``, ``8``, ``*:2`` or ``H100|A100:4`` -> :class:`~dxpool.request.GpuSpec`."""
-DURATION = _GrammarType("DURATION", parse_duration_ns)
+DURATION = GrammarType("DURATION", parse_duration_ns)
 """``4us`` -> 4000 (nanoseconds)."""
 
 
@@ -185,11 +185,11 @@ def _latency(value: str) -> int:
     return ns
 
 
-LATENCY = _GrammarType("DURATION", _latency)
+LATENCY = GrammarType("DURATION", _latency)
 """A round-trip bound (``--max-latency``): a duration up to ``MAX_LATENCY_NS``."""
 
-NODE_ID = _GrammarType("ID", lambda value: check_id(value, "node"))
-GANG_ID = _GrammarType("ID", lambda value: check_id(value, "gang"))
+NODE_ID = GrammarType("ID", lambda value: check_id(value, "node"))
+GANG_ID = GrammarType("ID", lambda value: check_id(value, "gang"))
 
 
 def _tenant_as_given(value: str) -> str:
@@ -198,7 +198,7 @@ def _tenant_as_given(value: str) -> str:
     return value
 
 
-TENANT_ID = _GrammarType("TENANT", _tenant_as_given)
+TENANT_ID = GrammarType("TENANT", _tenant_as_given)
 
 
 def _identity(value: str) -> str:
@@ -208,46 +208,46 @@ def _identity(value: str) -> str:
     return Identity.parse(value if value.startswith(prefix) else prefix + value).uri
 
 
-IDENTITY = _GrammarType("ROLE/NAME", _identity)
+IDENTITY = GrammarType("ROLE/NAME", _identity)
 """``tenant/team-a`` or ``dxpool://tenant/team-a`` -> ``dxpool://tenant/team-a``."""
-REQUEST_ID = _GrammarType("REQUEST_ID", check_request_id)
+REQUEST_ID = GrammarType("REQUEST_ID", check_request_id)
 CPUS = click.IntRange(min=1, max=MAX_HOST_CPUS)
-SECONDS = _GrammarType("DURATION", _seconds)
+SECONDS = GrammarType("DURATION", _seconds)
 """``120s`` or ``500ms`` -> seconds as a float."""
-SLOWDOWN = _GrammarType("RATIO", parse_slowdown)
+SLOWDOWN = GrammarType("RATIO", parse_slowdown)
 """``1.05`` -> 1.05 (at most 5% slower)."""
-HOST_MEMORY = _GrammarType("SIZE", parse_host_memory_mib)
+HOST_MEMORY = GrammarType("SIZE", parse_host_memory_mib)
 """``64GiB`` -> 65536 (MiB): a host's memory or a node's need of it."""
-SPREAD = _GrammarType("boxes[:M]", parse_spread, SPREAD_GRAMMAR)
+SPREAD = GrammarType("boxes[:M]", parse_spread, SPREAD_GRAMMAR)
 """``boxes`` -> 1, ``boxes:2`` -> 2: the most GPUs a node may take from one box."""
-WORKLOAD = _GrammarType("WORKLOAD", _workload, WORKLOAD_GRAMMAR)
+WORKLOAD = GrammarType("WORKLOAD", _workload, WORKLOAD_GRAMMAR)
 """``training`` or ``400@5ms`` -> the same text, once it parses as a workload."""
-DAEMON_SECONDS = _GrammarType("DURATION", _seconds_or_number)
+DAEMON_SECONDS = GrammarType("DURATION", _seconds_or_number)
 """``120s``, ``5m`` or a bare number of seconds (``120``, as daemon flags always took) ->
 seconds as a float."""
-MEMORY = _GrammarType("SIZE", parse_memory_mib)
+MEMORY = GrammarType("SIZE", parse_memory_mib)
 """``80GiB`` -> 81920 (MiB)."""
-LABEL = _GrammarType("KEY=VALUE", _label)
+LABEL = GrammarType("KEY=VALUE", _label)
 """``team=ml`` -> ``("team", "ml")``."""
-SELECTOR = _GrammarType("SELECTOR", _selector, SELECTOR_GRAMMAR)
+SELECTOR = GrammarType("SELECTOR", _selector, SELECTOR_GRAMMAR)
 """``team=ml,tier!=dev`` -> the same text, once it parses as a label selector."""
-BOX = _GrammarType("BOX", client.box_name, names=lambda c: [b.name for b in c.list_boxes()])
+BOX = GrammarType("BOX", client.box_name, names=lambda c: [b.name for b in c.list_boxes()])
 """``box1`` or ``boxes/box1`` -> ``boxes/box1``."""
-HOST = _GrammarType("HOST", client.host_name, names=lambda c: [h.name for h in c.list_hosts()])
+HOST = GrammarType("HOST", client.host_name, names=lambda c: [h.name for h in c.list_hosts()])
 """``h1`` or ``hosts/h1`` -> ``hosts/h1``."""
-NODE = _GrammarType("NODE", client.node_name, names=lambda c: [n.name for n in c.list_nodes()])
+NODE = GrammarType("NODE", client.node_name, names=lambda c: [n.name for n in c.list_nodes()])
 """``n1`` or ``nodes/n1`` -> ``nodes/n1``."""
-GANG = _GrammarType("GANG", client.gang_name)
+GANG = GrammarType("GANG", client.gang_name)
 """``g1`` or ``gangs/g1`` -> ``gangs/g1``."""
-GPU = _GrammarType("GPU", client.gpu_name, names=lambda c: [g.name for g in c.list_gpus()])
+GPU = GrammarType("GPU", client.gpu_name, names=lambda c: [g.name for g in c.list_gpus()])
 """``box1/3`` or ``boxes/box1/gpus/3`` -> ``boxes/box1/gpus/3``."""
-TENANT = _GrammarType(
+TENANT = GrammarType(
     "TENANT", client.tenant_name, names=lambda c: [t.name for t in c.list_tenants()]
 )
 """``team-a`` or ``tenants/team-a`` -> ``tenants/team-a``."""
-MODEL_LIMIT = _GrammarType("MODEL=COUNT", _model_limit)
+MODEL_LIMIT = GrammarType("MODEL=COUNT", _model_limit)
 """``H100=8`` -> ``("H100", 8)``."""
-GPU_STATE = _GrammarType("STATE", client.gpu_state)
+GPU_STATE = GrammarType("STATE", client.gpu_state)
 """``free`` -> ``GpuState.GPU_STATE_FREE``."""
 
 

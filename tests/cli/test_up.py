@@ -24,7 +24,7 @@ from click.testing import CliRunner
 
 from dxpool.cli.main import cli
 from dxpool.cli.statedir import ChildRecords
-from dxpool.store.embedded import EmbeddedEtcd, free_port
+from dxpool.store.embedded import EmbeddedEtcd, free_port, free_ports
 from tests.patience import patient
 
 SMALL_POOL = ("--boxes", "2", "--gpus-per-box", "4", "--hosts", "2", "--slots", "4")
@@ -522,3 +522,36 @@ def test_up_with_a_taken_metrics_port_fails_before_starting_anything(tmp_path: P
     assert f"cannot serve metrics on 127.0.0.1:{port}" in result.stderr
     assert "choose another --metrics-port" in result.stderr
     assert not (tmp_path / "pool").exists()
+
+
+def test_up_labels_hosts_fixes_etcds_ports_and_serves_agent_metrics(
+    up_factory: Callable[..., Up], tmp_path: Path
+) -> None:
+    etcd_port, peer_port, metrics_port = free_ports(3, "127.0.0.1")
+    up = up_factory(
+        "--host-label", "env=prod", "--host-label", "h1:tier=fast",
+        "--etcd-port", str(etcd_port), "--etcd-peer-port", str(peer_port),
+        "--agent-metrics-port", str(metrics_port),
+    )  # fmt: skip
+    up.wait_up()
+    hosts = up.hosts()
+    assert hosts["hosts/h1"]["labels"] == {"env": "prod", "tier": "fast"}
+    assert hosts["hosts/h2"]["labels"] == {"env": "prod"}
+    # the README's --host-selector line works on the pool `dxpool up` starts
+    node = up.cli("node", "create", "--gpus", "H100:2", "--host-selector", "tier=fast")
+    assert node["host"] == "hosts/h1"
+    etcd = up.children()["etcd"]
+    assert f"--listen-client-urls=https://127.0.0.1:{etcd_port}" in cmdline_of(etcd)
+    for port in (metrics_port, metrics_port + 1):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as page:
+            assert b"dxpool_agent" in page.read()
+    up.process.send_signal(signal.SIGINT)
+    assert up.process.wait(timeout=patient(30)) == 0
+
+
+def test_a_host_label_for_a_host_the_pool_lacks_is_a_usage_error(
+    up_factory: Callable[..., Up],
+) -> None:
+    up = up_factory("--host-label", "h9:env=prod")
+    assert up.process.wait(timeout=patient(30)) == 2
+    assert "names host 'h9', which this pool does not have" in up.stderr
