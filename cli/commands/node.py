@@ -56,6 +56,7 @@ from dxpool.cli.views import (
     CANDIDATE_VIEW,
     NODE_STREAM_WIDTHS,
     NODE_VIEW,
+    node_gpu_count,
     short,
 )
 from dxpool.client import Client, node_state_name
@@ -644,7 +645,9 @@ def resize(
         raise click.UsageError("give --gpus N (the count wanted) or --remove GPU")
     client = cli.client()
     resized = client.resize_node(name, count or 0, remove=removes, request_id=request_id)
-    info(f"{resized.name} {node_state_name(resized.state).lower()} with {len(resized.gpus)} GPUs")
+    info(
+        f"{resized.name} {node_state_name(resized.state).lower()} to {node_gpu_count(resized)} GPUs"
+    )
     if wait and resized.state != NodeState.NODE_STATE_READY:
         info(f"waiting up to {timeout:g}s for {resized.name} to be READY again")
         with _interrupted_wait(resized.name, "is still being resized"):
