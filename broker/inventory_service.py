@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import grpc
 
 from dxpool import lifecycle
@@ -59,6 +61,7 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
         box_id = _box_id(request)
         gpus = _gpu_records(box_id, request)
         check_box(box_id, request.box, len(gpus))
+        _spell_models_as_the_pool_does(gpus, (model for model, _ in self._tally.gpu_states()))
         box = pb.Box(
             name=box_name(box_id),
             location=request.box.location,
@@ -499,6 +502,15 @@ def _gpu_records(box_id: str, request: inv.CreateBoxRequest) -> list[pb.Gpu]:
             )
         )
     return gpus
+
+
+def _spell_models_as_the_pool_does(gpus: list[pb.Gpu], known: Iterable[str]) -> None:
+    """Give each GPU the spelling of its model that the pool already uses (``h100`` ->
+    ``H100``): models compare case-insensitively everywhere, so two spellings of one
+    model would only show up as two rows of one model in every listing."""
+    spelled = {model.casefold(): model for model in known}
+    for gpu in gpus:
+        gpu.model = spelled.get(gpu.model.casefold(), gpu.model)
 
 
 def _number_generations_from(revision: int, gpus: list[pb.Gpu]) -> None:

@@ -136,7 +136,17 @@ def _seconds_or_number(value: str) -> float:
 
 
 def _gpus(value: str) -> GpuSpec:
-    return parse_gpus(value)
+    spec = parse_gpus(value)
+    if spec.model and ":" not in value:
+        # MODEL alone means one GPU. Said out loud, because an unquoted set is cut by the
+        # shell at '|' (`--gpus H100|A100:4` runs `dxpool ... --gpus H100 | A100:4`).
+        several = "a model set" if len(spec.models) > 1 else "a model"
+        click.echo(
+            f"warning: --gpus {value.strip()} is {several} without a count: one GPU "
+            f"({spec}); write MODEL:COUNT, and quote a model set: --gpus 'H100|A100:4'",
+            err=True,
+        )
+    return spec
 
 
 def _label(value: str) -> tuple[str, str]:

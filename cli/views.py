@@ -100,6 +100,10 @@ def node_gpus(node: resources_pb2.VirtualNode) -> str:
     request.CopyFrom(node.spec.gpus)
     if node.gpus:
         request.count = node_gpu_count(node)
+        # The pool's spelling of the model (h100 asked for, H100 bound): one model, one row.
+        bound = {binding.model for binding in node.gpus}
+        if len(bound) == 1 and request.model.casefold() == next(iter(bound)).casefold():
+            request.model = next(iter(bound))
     return gpu_request(request)
 
 

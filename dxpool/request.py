@@ -3,13 +3,18 @@
 The CLI, the Python client and configuration files all go through here, so ``"H100:4"``,
 ``{"model": "H100", "count": 4}`` and ``GpuSpec("H100", 4)`` mean the same thing.
 
-GPU grammar (case of the model is kept; models compare case-insensitively)::
+GPU grammar (case of the model is kept; models compare case-insensitively, the pool keeps
+one spelling of each, the first registered, and listings print that one)::
 
     MODEL:COUNT   "H100:4"       four H100s
     MODEL         "A100"         one A100
     COUNT         "8"            eight GPUs of any model
     *:COUNT       "*:2"          two GPUs of any model
     SET:COUNT     "H100|A100:4"  four GPUs, all H100 or all A100 (H100 preferred)
+
+A dash is part of many model names (``A100-80GB``), so ``H100-4`` is a model name; the
+broker's "no such model" answer then suggests ``H100:4``. A MODEL without a COUNT is one
+GPU, and the CLI says so on stderr: a shell cuts an unquoted set at ``|``.
 
 A model set (``MODEL|MODEL...``, up to :data:`MAX_MODELS_IN_SET` distinct models) asks
 for any of its models. All GPUs of the node are then of one model, tried in the order

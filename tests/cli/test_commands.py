@@ -795,3 +795,26 @@ def test_tab_completion_offers_the_brokers_names(run: Run, broker: BrokerServer)
     assert complete("box delete rack1") == ["rack1-a", "rack1-b"]
     assert complete("box get ") == ["rack1-a", "rack1-b", "rack2-a"]
     assert complete("gpu get rack2-a/") == ["rack2-a/0", "rack2-a/1"]
+
+
+def test_one_grammar_with_the_pools_spelling_and_errors_that_echo_the_request(
+    run: Run, pool: SimPool
+) -> None:
+    # a box whose model is spelled otherwise joins the pool's spelling
+    ok(run(*shlex.split("box add box9 --gpus h100:2 --memory 80GiB")))
+    models = {g["model"] for g in json.loads(ok(run("gpu", "list", "-o", "json")))}
+    assert models == {"H100"}
+    # a request in lower case composes, and is listed as the pool spells it
+    ok(run(*shlex.split("node create --gpus h100:2 --name lc")))
+    assert ok(run("node", "list")).splitlines()[1].split()[3] == "H100:2"
+    # MODEL-COUNT reads as a model name (dashes are common in them): the error says so
+    dashed = run(*shlex.split("node create --gpus H100-4"))
+    assert dashed.exit_code == 1
+    assert "no GPU of model 'H100-4' is in the pool; did you mean H100:4 (MODEL:COUNT)?" in (
+        dashed.stderr
+    )
+    # a model without a count is one GPU, said out loud (an unquoted set is cut at '|')
+    single = run(*shlex.split("node create --gpus H100 --name one"))
+    assert "warning: --gpus H100 is a model without a count: one GPU (H100:1)" in single.stderr
+    assert "quote a model set: --gpus 'H100|A100:4'" in single.stderr
+    assert json.loads(ok(run("node", "get", "one", "-o", "json")))["spec"]["gpus"]["count"] == 1
