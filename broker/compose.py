@@ -367,6 +367,7 @@ class Composer:
         node's GPUs are already fencing, so its release never waits for its agent.
         """
         node_id = parse_node(name)
+        started = [False]  # whether the attempt that committed started a release
 
         def body(view: TxnView) -> pb.VirtualNode:
             record = view.get(k.NODES, node_id)
@@ -376,10 +377,12 @@ class Composer:
                     reason="NODE_NOT_FOUND",
                 )
             node: pb.VirtualNode = record.value
+            started[0] = False
             if node.state in (pb.NODE_STATE_RELEASING, pb.NODE_STATE_RELEASED):
                 if force and node.state == pb.NODE_STATE_RELEASING:
                     fence_detaching(view, node)
                 return node
+            started[0] = True
             message = (
                 "force release requested; fencing GPUs at the box side"
                 if force
@@ -401,7 +404,8 @@ class Composer:
                 operation="release",
                 audited=True,
             )
-        metrics.RELEASE_TOTAL.inc()
+        if started[0]:
+            metrics.RELEASE_TOTAL.inc()
         return released
 
 

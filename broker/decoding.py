@@ -169,7 +169,7 @@ class RequestDecodingGuard(Interceptor):
 
     def _reject(self, method: str, request: Undecodable, context: grpc.ServicerContext) -> None:
         """End the call with INVALID_ARGUMENT (``abort`` raises); count and maybe log it."""
-        metrics.RPC_UNDECODABLE.labels(method=method).inc()
+        metrics.RPC_UNDECODABLE.labels(method=metrics.method_label(method)).inc()
         held = self._throttle.admit()
         if held is not None:
             log.warning(

@@ -567,8 +567,11 @@ class GangComposer:
             else "release of the gang requested; detaching GPUs"
         )
 
+        started = [0]  # members the attempt that committed started releasing
+
         def body(view: TxnView) -> nodes_pb2.Gang:
             released = []
+            started[0] = 0
             for i in range(known[0].gang_size):
                 record = view.get(k.NODES, gang_member_id(gang_id, i))
                 if record is None or record.value.gang != name:
@@ -584,6 +587,7 @@ class GangComposer:
                 released.append(
                     let_go(view, node, pb.NODE_STATE_RELEASING, message, self._clock(), fence=force)
                 )
+                started[0] += 1
             if not released:
                 raise _gang_not_found(name)
             return nodes_pb2.Gang(name=name, nodes=released)
@@ -591,7 +595,7 @@ class GangComposer:
         hosts = sorted({parse_host(node.host) for node in known if node.host})
         with self._locked(hosts):
             gang = transact(self._store, self._cache, body, what=f"releasing {name}")
-        metrics.RELEASE_TOTAL.inc()
+        metrics.RELEASE_TOTAL.inc(started[0])
         return gang
 
 

@@ -92,7 +92,7 @@ class StreamLimiter(grpc.ServerInterceptor):  # type: ignore[type-arg]
                 return False
             self._open[method] = self._open.get(method, 0) + 1
             self._total += 1
-        metrics.STREAMS_OPEN.labels(method=method).inc()
+        metrics.STREAMS_OPEN.labels(method=metrics.method_label(method)).inc()
         return True
 
     def _release(self, method: str) -> None:
@@ -100,7 +100,7 @@ class StreamLimiter(grpc.ServerInterceptor):  # type: ignore[type-arg]
             self._open[method] -= 1
             self._total -= 1
             self._lock.notify_all()
-        metrics.STREAMS_OPEN.labels(method=method).dec()
+        metrics.STREAMS_OPEN.labels(method=metrics.method_label(method)).dec()
 
     def open_streams(self) -> dict[str, int]:
         """Streams being served now, by method."""
@@ -119,7 +119,7 @@ class StreamLimiter(grpc.ServerInterceptor):  # type: ignore[type-arg]
             return True
 
     def _reject(self, method: str, context: grpc.ServicerContext) -> None:
-        metrics.STREAMS_REJECTED.labels(method=method).inc()
+        metrics.STREAMS_REJECTED.labels(method=metrics.method_label(method)).inc()
         with self._lock:
             open_now, total = self._open.get(method, 0), self._total
         log.debug(  # counted in dxpool_streams_rejected_total; a refusing client may retry often

@@ -25,6 +25,7 @@ from prometheus_client import REGISTRY
 
 from dxpool.api.v1 import inventory_pb2, inventory_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 from dxpool.api.v1 import resources_pb2 as pb
+from dxpool.broker.metrics import method_label
 from dxpool.broker.node_watch import WatchSettings
 from dxpool.broker.streams import WATCH_NODES, StreamLimits
 from dxpool.client import (
@@ -429,7 +430,7 @@ def _cut_offs() -> float:
 
 
 def _refusals() -> float:
-    labels = {"method": WATCH_NODES}
+    labels = {"method": method_label(WATCH_NODES)}
     return REGISTRY.get_sample_value("dxpool_streams_rejected_total", labels) or 0
 
 

@@ -22,6 +22,7 @@ from dxpool.api.v1 import inventory_pb2, inventory_pb2_grpc, resources_pb2
 from dxpool.broker.cache import Cache
 from dxpool.broker.decoding import RequestDecodingGuard, Undecodable, _Throttle, guard_deserializer
 from dxpool.broker.inventory_service import InventoryService
+from dxpool.broker.metrics import method_label
 from dxpool.broker.pool_tally import PoolTally
 from dxpool.store.client import connect
 from dxpool.store.keys import KeySchema
@@ -160,7 +161,7 @@ def test_a_burst_logs_one_short_line_and_counts_every_call(
     caplog.set_level(logging.DEBUG)
 
     def counted() -> float:
-        labels = {"method": CREATE_BOX}
+        labels = {"method": method_label(CREATE_BOX)}
         return REGISTRY.get_sample_value("dxpool_rpc_undecodable_total", labels) or 0.0
 
     before = counted()
