@@ -29,10 +29,10 @@ from typing import Any, TypeAlias
 
 import grpc
 from grpc_health.v1 import health
-from grpc_reflection.v1alpha import reflection
 
 from dxpool.api.v1 import nodes_pb2
 from dxpool.broker import metrics
+from dxpool.broker.reflection import V1_REFLECTION_INFO, V1ALPHA_REFLECTION_INFO
 from dxpool.broker.rpc import to_status
 from dxpool.errors import ResourceExhausted
 
@@ -41,11 +41,11 @@ _Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 
 WATCH_NODES = f"/{nodes_pb2.DESCRIPTOR.services_by_name['NodeService'].full_name}/WatchNodes"
 HEALTH_WATCH = f"/{health.SERVICE_NAME}/Watch"
-REFLECTION_INFO = f"/{reflection.SERVICE_NAME}/ServerReflectionInfo"
+REFLECTION_INFO = V1ALPHA_REFLECTION_INFO
 
 
 def _default_per_method() -> dict[str, int]:
-    return {WATCH_NODES: 256, HEALTH_WATCH: 64, REFLECTION_INFO: 16}
+    return {WATCH_NODES: 256, HEALTH_WATCH: 64, REFLECTION_INFO: 16, V1_REFLECTION_INFO: 16}
 
 
 @dataclass(frozen=True)
