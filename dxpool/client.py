@@ -802,7 +802,10 @@ class Client:
         labels: Mapping[str, str] | None = None,
         request_id: str | None = None,
     ) -> nodes_pb2.NodePlan:
-        """Explain where :meth:`compose_node` with these arguments would go; commits nothing."""
+        """Explain where :meth:`compose_node` with these arguments would go; commits nothing.
+
+        ``node_id`` and ``request_id`` are accepted, as :meth:`compose_node` takes them,
+        and checked, but a plan does not use them."""
         request = self._compose_request(
             gpus,
             host=host,
@@ -821,7 +824,7 @@ class Client:
             labels=labels,
             request_id=request_id,
         )
-        return self._unary(self._nodes.PlanNode, request)
+        return self._unary(self._nodes.PlanNode, nodes_pb2.PlanNodeRequest(spec=request.spec))
 
     def get_node(self, name: str) -> resources_pb2.VirtualNode:
         return self._unary(self._nodes.GetNode, nodes_pb2.GetNodeRequest(name=node_name(name)))

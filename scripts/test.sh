@@ -14,6 +14,8 @@ export PATH="$PWD/.venv/bin:$PATH"
 
 echo "== generated API code is current"
 python proto/generate.py --check
+echo "== buf lint and buf breaking (the API against proto/api-baseline.binpb)"
+scripts/buf.sh
 echo "== ruff"
 ruff check .
 ruff format --check .
