@@ -60,7 +60,7 @@ from dxpool.cli.views import (
     short,
 )
 from dxpool.client import Client, node_state_name
-from dxpool.errors import FailedPrecondition
+from dxpool.errors import FailedPrecondition, ResourceExhausted
 from dxpool.fabric.overhead import known_profiles
 from dxpool.request import GpuSpec
 from dxpool.selector import parse_selector
@@ -232,6 +232,7 @@ def node() -> None:
     show_default=True,
     help="How long --wait waits.",
 )
+@dry_run_option
 @output_option()
 @pass_cli
 def create(
@@ -256,10 +257,36 @@ def create(
     request_id: str | None,
     wait: bool,
     timeout: float,
+    dry_run: bool,
     output: OutputFormat,
 ) -> None:
-    """Compose a node, e.g. `dxpool node create --gpus H100:4 --max-latency 4us --wait`."""
+    """Compose a node, e.g. `dxpool node create --gpus H100:4 --max-latency 4us --wait`.
+
+    With --dry-run, print where it would go (as `node plan` does) and create nothing;
+    exit 1 when nothing fits now."""
     client = cli.client()
+    if dry_run:
+        _dry_run_create(
+            client,
+            _gpu_request(gpus, mixed_models),
+            node_id,
+            _request_kwargs(
+                host_name=host_name,
+                max_latency=max_latency,
+                max_slowdown=max_slowdown,
+                workload=workload,
+                min_memory=min_memory,
+                affinity=affinity,
+                spread=spread,
+                host_selector=host_selector,
+                cpus=cpus,
+                host_memory=host_memory,
+                vfio=vfio,
+                tenant=tenant,
+                labels=labels,
+            ),
+        )
+        return
     created = client.compose_node(
         _gpu_request(gpus, mixed_models),
         node_id=node_id,
@@ -286,6 +313,22 @@ def create(
         with _interrupted_wait(created.name, "is still being attached"):
             created = client.wait_for_node(created.name, timeout_s=timeout)
     print_one(created, NODE_VIEW, output)
+
+
+def _dry_run_create(
+    client: Client, gpus: GpuSpec, node_id: str | None, kwargs: dict[str, Any]
+) -> None:
+    """``node create --dry-run``: the plan, told as what create would do."""
+    result = client.plan_node(gpus, **kwargs)
+    name = f"nodes/{node_id}" if node_id else "a new node"
+    if not result.host:
+        reasons = "; ".join(result.unsatisfied) or "no host can take the node"
+        raise ResourceExhausted(
+            f"{name} would not be created now: {reasons} (dry run: nothing was created)",
+            reason="NO_CAPACITY",
+        )
+    bound = ", ".join(short(b.gpu) for b in result.gpus)
+    click.echo(f"{name} would be created on {short(result.host)} with {bound} (dry run)")
 
 
 @contextmanager

@@ -818,3 +818,13 @@ def test_one_grammar_with_the_pools_spelling_and_errors_that_echo_the_request(
     assert "warning: --gpus H100 is a model without a count: one GPU (H100:1)" in single.stderr
     assert "quote a model set: --gpus 'H100|A100:4'" in single.stderr
     assert json.loads(ok(run("node", "get", "one", "-o", "json")))["spec"]["gpus"]["count"] == 1
+
+
+def test_node_create_dry_run_tells_where_and_creates_nothing(run: Run, pool: SimPool) -> None:
+    planned = ok(run("node", "create", "--gpus", "H100:2", "--name", "dr", "--dry-run"))
+    assert planned.startswith("nodes/dr would be created on h1 with box")
+    assert planned.rstrip().endswith("(dry run)")
+    assert ok(run("node", "list", "-a", "-o", "name")) == ""
+    too_big = run("node", "create", "--gpus", "H100:64", "--dry-run")
+    assert too_big.exit_code == 1
+    assert "would not be created now" in too_big.stderr
