@@ -619,13 +619,20 @@ def delete(
     if wait:
         what = names[0] if len(names) == 1 else f"{len(names)} nodes"
         info(f"waiting up to {timeout:g}s for {what} to be RELEASED")
-    for_each(
-        names,
-        release,
-        client.endpoint,
-        ignore_not_found=ignore_not_found,
-        concurrency=MAX_CONCURRENT_WAITS if wait else 1,
-    )
+    try:
+        for_each(
+            names,
+            release,
+            client.endpoint,
+            ignore_not_found=ignore_not_found,
+            concurrency=MAX_CONCURRENT_WAITS if wait else 1,
+        )
+    except KeyboardInterrupt:
+        info(
+            "\ninterrupted: stopped waiting; the releases already asked for go on all the "
+            "same (`dxpool node list -a` shows them)"
+        )
+        raise
 
 
 def _would_release(client: Client, name: str) -> str:
