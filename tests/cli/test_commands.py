@@ -686,9 +686,10 @@ def test_node_delete_wait_releases_every_node_before_waiting_for_any(
         events = client.watch_nodes()
 
         def follow() -> None:
+            released = {("nodes/d1", "NODE_STATE_RELEASED"), ("nodes/d2", "NODE_STATE_RELEASED")}
             for event in events:
                 order.append((event.node.name, pb.NodeState.Name(event.node.state)))
-                if order.count(("nodes/d2", "NODE_STATE_RELEASED")):
+                if released <= set(order):
                     return
 
         follower = threading.Thread(target=follow, daemon=True)

@@ -34,7 +34,7 @@ def runner(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> CliRunner:
         (["node", "create", "--gpus", "2", "--timeout", "soon"], "cannot parse duration"),
         (["node", "plan", "--gpus", "H100:99"], "1 to 64 GPUs"),
         (["node", "get", "nodes/"], "invalid node id"),
-        (["node", "list", "-o", "xml"], "'xml' is not one of"),
+        (["node", "list", "-o", "xml"], "'xml' is not a format: use one of table"),
         (["gpu", "list", "--state", "busy"], "unknown GPU state 'busy'"),
         (["gpu", "get", "box1"], "expected 'BOX/SLOT'"),
         (["gpu", "get", "box1/\u00b3"], "expected an integer 0-4095"),
