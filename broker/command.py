@@ -16,6 +16,7 @@ from dxpool.cli.params import DAEMON_SECONDS, DURATION
 from dxpool.errors import InvalidArgument, Unavailable
 from dxpool.fabric.models import MODELS
 from dxpool.logs import configure_logging
+from dxpool.request import format_duration_ns
 from dxpool.store.keys import DEFAULT_PREFIX
 from dxpool.tls import ClientTls, ServerTls
 
@@ -123,7 +124,7 @@ def start(server: BrokerServer) -> None:
 @click.option(
     "--audit-retention",
     type=DAEMON_SECONDS,
-    default=f"{DEFAULT_AUDIT_RETENTION_S:g}",
+    default=format_duration_ns(round(DEFAULT_AUDIT_RETENTION_S * 1e9)),
     show_default=True,
     help="how long audit records of mutating calls are kept in etcd, e.g. 720h or seconds "
     "(0: keep no audit log)",

@@ -181,7 +181,7 @@ class RequestDecodingGuard(Interceptor):
         """End the call with its error (``abort`` raises); count and maybe log it."""
         error: DxpoolError
         if isinstance(request, Oversized):
-            metrics.RPC_OVERSIZED.labels(method=method).inc()
+            metrics.RPC_OVERSIZED.labels(method=metrics.method_label(method)).inc()
             what = "request over its method's size limit refused"
             details = f"{request.size} bytes, limit {request.limit}"
             error = ResourceExhausted(
@@ -192,7 +192,7 @@ class RequestDecodingGuard(Interceptor):
                 metadata={"size": str(request.size), "limit": str(request.limit)},
             )
         else:
-            metrics.RPC_UNDECODABLE.labels(method=method).inc()
+            metrics.RPC_UNDECODABLE.labels(method=metrics.method_label(method)).inc()
             what, details = "undecodable request rejected", request.error
             error = InvalidArgument(
                 f"the request body is not a valid {request.expected} message "

@@ -13,11 +13,32 @@ TRANSACTION_CONFLICTS = Counter(
     "Read-modify-commit transactions that lost a compare to a concurrent change, by operation",
     ["operation"],
 )
-RELEASE_TOTAL = Counter("dxpool_release_total", "ReleaseNode calls that started a release")
+RELEASE_TOTAL = Counter(
+    "dxpool_release_total",
+    "Releases started (ReleaseNode, ReleaseGang members); one of a node already "
+    "RELEASING or RELEASED changes nothing and is not counted",
+)
+LEADER = Gauge(
+    "dxpool_leader",
+    "1 while this broker is the elected leader and runs the singleton duties (host loss, "
+    "fencing, garbage collection, attach deadlines), else 0",
+)
 NODE_TRANSITIONS = Counter(
     "dxpool_node_transitions_total", "Node state changes made by the controller", ["state"]
 )
 GPU_FREED = Counter("dxpool_gpus_freed_total", "GPUs returned to the pool after a confirmed detach")
+
+
+def method_label(method: str) -> str:
+    """The ``method`` label every metric uses: ``Service.Method``, as the RPC metrics
+    name it (``/dxpool.v1.NodeService/WatchNodes`` -> ``NodeService.WatchNodes``), so one
+    method's series join across metrics."""
+    if not method.startswith("/"):
+        return method
+    service, _, name = method[1:].partition("/")
+    return f"{service.rsplit('.', 1)[-1]}.{name}"
+
+
 RPC_TOTAL = Counter(
     "dxpool_rpc_total",
     "Broker RPCs by method and the status code they ended with (OK, NOT_FOUND, ...)",

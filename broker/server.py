@@ -26,7 +26,6 @@ from types import TracebackType
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from dxpool.api.v1 import (
     audit_pb2,
@@ -57,6 +56,7 @@ from dxpool.broker.node_service import NodeService
 from dxpool.broker.node_watch import WatchSettings
 from dxpool.broker.placement_index import PlacementIndex
 from dxpool.broker.pool_tally import PoolTally
+from dxpool.broker.reflection import enable_reflection
 from dxpool.broker.request_limits import SERVER_MAX_RECEIVE_BYTES
 from dxpool.broker.serving import DEFAULT_MAX_STALENESS_S, ServingState, StalenessGate
 from dxpool.broker.streams import StreamLimiter, StreamLimits
@@ -294,9 +294,7 @@ class BrokerServer:
         audit_pb2_grpc.add_AuditServiceServicer_to_server(AuditService(audit), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         self.serving.start()
-        reflection.enable_server_reflection(
-            (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
+        enable_reflection((*SERVICE_NAMES, health.SERVICE_NAME), server)
         self._port = self._bind(server, credentials)
         if self._port == 0:
             raise OSError(f"cannot listen on {self.config.listen}: address in use or invalid")

@@ -106,6 +106,21 @@ def _fresh(directory: Path, name: str, common_name: str | None = None) -> bool:
     return expires - dt.datetime.now(dt.UTC) > _RENEW_BEFORE
 
 
+def _good_for_clients(directory: Path, name: str) -> bool:
+    """Whether ``name``'s certificate may authenticate a client (extended key usage);
+    one made before etcd's certificate had to be is made again."""
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    try:
+        usage = load_pair(directory, name).cert.extensions.get_extension_for_class(
+            x509.ExtendedKeyUsage
+        )
+    except Exception:
+        return False
+    return ExtendedKeyUsageOID.CLIENT_AUTH in usage.value
+
+
 def _server_names(listen_host: str) -> tuple[list[str], list[str]]:
     dns, ips = ["localhost"], ["127.0.0.1", "::1"]
     host = listen_host.strip("[]")
@@ -138,8 +153,11 @@ def ensure_local_pki(directory: Path, *, listen: str, hosts: Sequence[str]) -> L
         write_pair(directory, "broker", pair)
     if not _fresh(directory, "etcd-root", ROOT_USER):
         write_pair(directory, "etcd-root", issue(ca, common_name=ROOT_USER, client_auth=True))
-    if not _fresh(directory, "etcd"):
-        pair = issue(ca, dns_names=["localhost"], ip_addresses=["127.0.0.1"])
+    if not _fresh(directory, "etcd") or not _good_for_clients(directory, "etcd"):
+        # etcd also connects to itself with its certificate (its gRPC gateway), so it
+        # must be good for client authentication too, or etcd logs "incompatible key
+        # usage" for every such connection.
+        pair = issue(ca, dns_names=["localhost"], ip_addresses=["127.0.0.1"], client_auth=True)
         write_pair(directory, "etcd", pair)
     if not _fresh(directory, "operator"):
         write_pair(directory, "operator", issue(ca, identity=LOCAL_OPERATOR))

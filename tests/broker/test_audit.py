@@ -40,6 +40,7 @@ from dxpool.fabric.sim import SimGpuSpec
 from dxpool.store.client import connect
 from dxpool.tls import ClientTls, ServerTls
 from tests.conftest import Pki, SimPool, pool_records, wait_until
+from tests.patience import patient
 
 READS = ("Get", "List", "Watch", "Plan", "Predict")
 TENANT_A = "token-for-team-a-0123456789abcdef"
@@ -334,7 +335,7 @@ class _HeldEtcd:
         self.puts += 1
         if self.puts == 1:
             self.entered.set()
-            assert self.release.wait(10)
+            assert self.release.wait(patient(10))
         return self._client.put(key, value)  # type: ignore[attr-defined]
 
     def transaction(
@@ -362,7 +363,7 @@ def test_records_written_during_a_write_go_to_etcd_together(
             target=audit.write, args=(audit_pb2.AuditRecord(target="nodes/first"),)
         )
         first.start()
-        assert held.entered.wait(10)
+        assert held.entered.wait(patient(10))
         later = [
             threading.Thread(
                 target=audit.write, args=(audit_pb2.AuditRecord(target=f"nodes/later-{i}"),)

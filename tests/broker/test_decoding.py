@@ -23,6 +23,7 @@ from dxpool.broker.cache import Cache
 from dxpool.broker.decoding import RequestDecodingGuard, Undecodable, guard_deserializer
 from dxpool.broker.inventory_service import InventoryService
 from dxpool.broker.log_throttle import LogThrottle
+from dxpool.broker.metrics import method_label
 from dxpool.broker.pool_tally import PoolTally
 from dxpool.store.client import connect
 from dxpool.store.keys import KeySchema
@@ -161,7 +162,7 @@ def test_a_burst_logs_one_short_line_and_counts_every_call(
     caplog.set_level(logging.DEBUG)
 
     def counted() -> float:
-        labels = {"method": CREATE_BOX}
+        labels = {"method": method_label(CREATE_BOX)}
         return REGISTRY.get_sample_value("dxpool_rpc_undecodable_total", labels) or 0.0
 
     before = counted()

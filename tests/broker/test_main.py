@@ -262,3 +262,9 @@ def test_a_token_file_others_may_read_is_a_usage_error(
     assert result.exit_code == 2, result.output
     assert f"run `chmod 600 {tokens}`" in result.stderr
     assert "Traceback" not in result.output
+
+
+def test_help_shows_durations_as_an_operator_writes_them() -> None:
+    shown = CliRunner().invoke(cli, ["broker", "--help"], terminal_width=200)
+    assert shown.exit_code == 0
+    assert "[default: 720h]" in shown.stdout and "e+" not in shown.stdout

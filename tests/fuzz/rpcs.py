@@ -149,7 +149,7 @@ BASELINES: dict[str, Message] = {
     "InventoryService.GetPoolStatus": inventory_pb2.GetPoolStatusRequest(),
     "InventoryService.ListHosts": inventory_pb2.ListHostsRequest(page_size=5),
     "NodeService.ComposeNode": nodes_pb2.ComposeNodeRequest(spec=_SPEC, request_id="r-node"),
-    "NodeService.PlanNode": nodes_pb2.ComposeNodeRequest(spec=_SPEC),
+    "NodeService.PlanNode": nodes_pb2.PlanNodeRequest(spec=_SPEC),
     "NodeService.GetNode": nodes_pb2.GetNodeRequest(name="nodes/n1"),
     "NodeService.GetNodeHostdev": nodes_pb2.GetNodeHostdevRequest(name="nodes/vm1"),
     "NodeService.ListNodes": nodes_pb2.ListNodesRequest(host="hosts/h1", page_size=3),
