@@ -21,6 +21,7 @@ from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.audit import audit_prefix
 from dxpool.broker.decoding import Oversized, guard_deserializer
 from dxpool.broker.gang import gang_ops
+from dxpool.broker.metrics import method_label
 from dxpool.broker.request_limits import (
     DEFAULT_MAX_REQUEST_BYTES,
     MAX_REQUEST_BYTES,
@@ -250,7 +251,8 @@ def test_a_guarded_deserializer_does_not_decode_an_oversized_payload() -> None:
 
 
 def _oversized(method: str) -> float:
-    return REGISTRY.get_sample_value("dxpool_rpc_oversized_total", {"method": method}) or 0.0
+    label = method_label(method)
+    return REGISTRY.get_sample_value("dxpool_rpc_oversized_total", {"method": label}) or 0.0
 
 
 def _call(channel: grpc.Channel, name: str, payload: bytes) -> grpc.RpcError:
