@@ -56,6 +56,9 @@ DEFAULT_REMOVE_TIMEOUT_S = 10.0
 # a second of the presence event (link training plus 100 ms); a rescan racing it makes
 # it skip (or, on some kernels, fail) its own hot-add.
 DEFAULT_HOTPLUG_SETTLE_S = 5.0
+# How long a bind waits for its driver to be loaded: udev loads a hot-added device's
+# module on the kernel's add event, possibly after the device is already visible.
+DEFAULT_DRIVER_LOAD_S = 10.0
 NO_OVERRIDE = ("", "(null)")
 
 
@@ -160,7 +163,8 @@ class SysfsPciBus(PciSysfsReader):
     attach gives no expected id. ``poll_s`` is the interval of every wait;
     ``remove_timeout_s`` bounds the wait for a removed device to vanish;
     ``hotplug_settle_s`` is how long a powered hotplug slot without its device is left to
-    the kernel's hot-plug driver before the port is rescanned.
+    the kernel's hot-plug driver before the port is rescanned; ``driver_load_s`` how long
+    a bind waits for its driver's module to be loaded.
     Safe to call from several threads for different host slots.
     """
 
@@ -173,13 +177,14 @@ class SysfsPciBus(PciSysfsReader):
         poll_s: float = DEFAULT_POLL_S,
         remove_timeout_s: float = DEFAULT_REMOVE_TIMEOUT_S,
         hotplug_settle_s: float = DEFAULT_HOTPLUG_SETTLE_S,
+        driver_load_s: float = DEFAULT_DRIVER_LOAD_S,
     ) -> None:
         if not ports:
             raise ValueError("ports must name at least one host slot's bridge")
         if poll_s <= 0 or remove_timeout_s <= 0:
             raise ValueError("poll_s and remove_timeout_s must be > 0")
-        if hotplug_settle_s < 0:
-            raise ValueError("hotplug_settle_s must be >= 0")
+        if hotplug_settle_s < 0 or driver_load_s < 0:
+            raise ValueError("hotplug_settle_s and driver_load_s must be >= 0")
         self._ports = {
             slot: check_bdf(bridge, f"the bridge of host slot {slot}")
             for slot, bridge in sorted(ports.items())
@@ -189,6 +194,7 @@ class SysfsPciBus(PciSysfsReader):
         self._poll_s = poll_s
         self._remove_timeout_s = remove_timeout_s
         self._hotplug_settle_s = hotplug_settle_s
+        self._driver_load_s = driver_load_s
         self._rescan_notes: dict[int, str] = {}
         # host slot -> when its port is rescanned unless the hot-plug driver brought the
         # device up first (monotonic time)
@@ -451,12 +457,17 @@ class SysfsPciBus(PciSysfsReader):
             self._check_iommu_group(bdf)
         if current == driver:
             return
-        if not self._sysfs.exists(f"bus/pci/drivers/{driver}"):
-            hint = "modprobe vfio-pci" if driver == VFIO_DRIVER else "load the NVIDIA driver"
+        if not self._driver_loaded(driver):
+            if self.driver_of(bdf) == driver:
+                return  # loaded and bound by the kernel's own probe meanwhile
+            hint = "modprobe vfio-pci" if driver == VFIO_DRIVER else f"load the {driver} module"
             raise DriverError(
-                f"the {driver} driver is not loaded on this host ({hint}); cannot bind {bdf}",
-                retryable=False,
+                f"the {driver} driver is not loaded on this host {self._driver_load_s:g}s after "
+                f"{bdf} appeared ({hint}); cannot bind {bdf}"
             )
+        current = self.driver_of(bdf)
+        if current == driver:
+            return
         if driver == VFIO_DRIVER:
             self._write(f"{base}/driver_override", driver, f"setting driver_override of {bdf}")
         else:
@@ -477,6 +488,16 @@ class SysfsPciBus(PciSysfsReader):
                 f"{bdf} is bound to {bound or 'no driver'} after binding it to {driver}; check "
                 f"dmesg for the {driver} probe error"
             )
+
+    def _driver_loaded(self, driver: str) -> bool:
+        """Whether ``driver`` is loaded, waiting ``driver_load_s`` for it: after a hot-add
+        udev loads the module the device's id asks for, which may come after the device."""
+        deadline = time.monotonic() + self._driver_load_s
+        while not self._sysfs.exists(f"bus/pci/drivers/{driver}"):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(self._poll_s)
+        return True
 
     def _unbind(self, bdf: str, current: str) -> None:
         self._write_settling(

@@ -117,10 +117,16 @@ class FakeKernel(Sysfs):
     # -- building the tree ----------------------------------------------------------------
 
     def load_driver(self, name: str) -> None:
-        base = self.path(f"bus/pci/drivers/{name}")
-        base.mkdir(parents=True, exist_ok=True)
-        for attribute in ("bind", "unbind"):
-            (base / attribute).touch()
+        """Load a driver: it takes every unbound device it matches, as a module does."""
+        with self._lock:
+            base = self.path(f"bus/pci/drivers/{name}")
+            base.mkdir(parents=True, exist_ok=True)
+            for attribute in ("bind", "unbind"):
+                (base / attribute).touch()
+            for bdf in self.listdir("bus/pci/devices"):
+                unbound = self.link_name(f"bus/pci/devices/{bdf}/driver") is None
+                if unbound and self._default_driver(bdf) == name:
+                    self._set_driver(bdf, name)
 
     def unload_driver(self, name: str) -> None:
         base = self.path(f"bus/pci/drivers/{name}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import re
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -377,13 +378,30 @@ def test_vfio_bind_without_the_vfio_module_says_to_load_it(tmp_path: Path) -> No
     kernel = FakeKernel(tmp_path / "sys", drivers=("nvidia",))
     kernel.add_port(BRIDGE, "0000:41", iommu_group=3)
     kernel.insert(BRIDGE, FakeCard())
-    bus = SysfsPciBus({0: BRIDGE}, sysfs=kernel, poll_s=0.01)
+    bus = SysfsPciBus({0: BRIDGE}, sysfs=kernel, poll_s=0.01, driver_load_s=0.1)
     bus.rescan()
     bus.wait_for_device(0, 1.0)
 
     with pytest.raises(DriverError, match="modprobe vfio-pci"):
         bus.bind(GPU_BDF, "vfio-pci")
     assert bus.capabilities().vfio is False
+
+
+def test_a_native_driver_loaded_by_udev_after_the_hot_add_is_waited_for(tmp_path: Path) -> None:
+    """The device shows up before udev has loaded its module; the bind waits for it."""
+    kernel = FakeKernel(tmp_path / "sys", drivers=("vfio-pci",))
+    kernel.add_port(BRIDGE, "0000:41", iommu_group=3)
+    kernel.insert(BRIDGE, FakeCard())
+    bus = SysfsPciBus({0: BRIDGE}, sysfs=kernel, poll_s=0.01, driver_load_s=5.0)
+    bus.rescan()
+    assert bus.wait_for_device(0, 1.0).driver is None
+    udev = threading.Timer(0.2, kernel.load_driver, ("nvidia",))
+    udev.start()
+
+    bus.bind(GPU_BDF, "nvidia")
+
+    udev.join()
+    assert bus.driver_of(GPU_BDF) == "nvidia"
 
 
 def test_bind_of_an_absent_device_is_a_driver_error(kernel: FakeKernel) -> None:
