@@ -348,10 +348,8 @@ class SysfsPciBus(PciSysfsReader):
                 # empty so far: the hot-plug driver enumerates the card when it comes.
                 # Its port is rescanned only if nothing has appeared after the settle
                 # time, e.g. a device removed through its remove attribute.
-                with self._lock:
-                    self._deferred_rescans.setdefault(
-                        host_slot, time.monotonic() + self._hotplug_settle_s
-                    )
+                with self._lock:  # from this rescan on, not an earlier one's
+                    self._deferred_rescans[host_slot] = time.monotonic() + self._hotplug_settle_s
                 self._note(host_slot, f"left hotplug slot {slot} to the kernel's hot-plug driver")
                 continue
             how = f"powering on hotplug slot {slot}"
@@ -458,14 +456,12 @@ class SysfsPciBus(PciSysfsReader):
         if current == driver:
             return
         if not self._driver_loaded(driver):
-            if self.driver_of(bdf) == driver:
-                return  # loaded and bound by the kernel's own probe meanwhile
             hint = "modprobe vfio-pci" if driver == VFIO_DRIVER else f"load the {driver} module"
             raise DriverError(
                 f"the {driver} driver is not loaded on this host {self._driver_load_s:g}s after "
                 f"{bdf} appeared ({hint}); cannot bind {bdf}"
             )
-        current = self.driver_of(bdf)
+        current = self.driver_of(bdf)  # the kernel's own probe may have bound it meanwhile
         if current == driver:
             return
         if driver == VFIO_DRIVER:

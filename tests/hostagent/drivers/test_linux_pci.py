@@ -524,3 +524,19 @@ def test_reset_of_a_bound_device_is_refused_before_any_write(kernel: FakeKernel)
 def test_reset_of_an_absent_device_is_a_driver_error(kernel: FakeKernel) -> None:
     with pytest.raises(DriverError, match=r"no PCI device at .* to reset"):
         make_bus(kernel).reset(GPU_BDF)
+
+
+def test_a_slot_mapped_long_after_an_earlier_rescan_is_still_left_to_its_hotplug_driver(
+    kernel: FakeKernel,
+) -> None:
+    """An earlier attach's rescan of the then-empty slot must not make a later attach
+    rescan the port at once, racing the hot-plug driver's enumeration."""
+    bus = make_bus(kernel, hotplug_settle_s=0.3)
+    bus.rescan()  # slot 7 empty: left to pciehp
+    time.sleep(0.4)  # that settle time is long past
+    kernel.insert(BRIDGE2, FakeCard(delay_s=0.2))  # now mapped; pciehp enumerates late
+
+    bus.rescan()
+    assert bus.wait_for_device(1, 3.0).bdf == GPU2_BDF
+
+    assert (f"bus/pci/devices/{BRIDGE2}/rescan", "1") not in kernel.writes
