@@ -9,8 +9,9 @@ that kernel in a QEMU guest, ``tests/kernel``):
 * A port with a hotplug slot is managed by a hot-plug driver (pciehp by default, or
   acpiphp). A card presented there (:meth:`FakeKernel.insert`, or
   :meth:`FakeKernel.presence_changed`) is powered on and enumerated by that driver
-  itself. The slot's ``power`` shows the hardware: 0 on an empty slot with a power
-  controller, 1 always on a port without one; ``adapter`` shows whether a card is there.
+  itself. The slot's ``power`` shows the hardware: under pciehp 0 on an empty slot with a
+  power controller and 1 always on a port without one, under acpiphp 0 on any empty
+  slot; ``adapter`` shows whether a card is there.
   Writing 1 to ``power`` of an empty slot fails with ENODEV under pciehp (acpiphp takes
   it and nothing appears); writing 0 powers the slot off and removes the device, except
   without a power controller, where it only removes the device (the card stays present,
@@ -343,7 +344,9 @@ class FakeKernel(Sysfs):
         if port.slot is None:
             return
         present = self._cards(port.bridge) is not None
-        self._plain(f"bus/pci/slots/{port.slot}/power", f"{int(port.powered)}\n")
+        # acpiphp reads the slot's state from ACPI (_STA), which is off while empty
+        powered = port.powered and (present or port.hotplug == PCIEHP)
+        self._plain(f"bus/pci/slots/{port.slot}/power", f"{int(powered)}\n")
         self._plain(f"bus/pci/slots/{port.slot}/adapter", f"{int(present)}\n")
 
     def _bring_up(self, port: _Port) -> None:

@@ -56,6 +56,7 @@ def test_powering_an_empty_slot_is_enodev_under_pciehp_and_taken_under_acpiphp(
     assert errno_of(kernel, "bus/pci/slots/1/power", "1") == errno.ENODEV
     assert kernel.read_text("bus/pci/slots/1/power") == "0"
     assert errno_of(kernel, "bus/pci/slots/2/power", "1") is None
+    assert kernel.read_text("bus/pci/slots/2/power") == "0"
     assert not kernel.present("0000:42:00.0")
 
 
