@@ -107,7 +107,9 @@ class QemuFabric:
     def write_hook(self, path: Path, address: str) -> Path:
         """An executable hook at ``path`` that reaches this fabric at ``address``."""
         script = REPO_ROOT / "tests" / "kernel" / "fabric_hook.py"
-        path.write_text(f'#!/bin/sh\nexec {sys.executable} {script} {address} "$@"\n')
+        # -I -S: the standard library only, no site packages to scan at start (a hook
+        # runs once per operation, in a slow guest).
+        path.write_text(f'#!/bin/sh\nexec {sys.executable} -I -S {script} {address} "$@"\n')
         path.chmod(0o755)
         return path
 

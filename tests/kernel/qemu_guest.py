@@ -268,7 +268,7 @@ class Guest:
         spaces: virtme-ng splits QEMU's options at whitespace)."""
         relay = Path(__file__).with_name("stdio_relay.py")
         script = self.workdir / f"relay-{port}"
-        script.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{relay}" {port}\n')
+        script.write_text(f'#!/bin/sh\nexec "{sys.executable}" -I -S "{relay}" {port}\n')
         script.chmod(0o755)
         return script
 
