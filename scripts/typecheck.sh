@@ -13,3 +13,5 @@ ln -s "$root/proto/python" "$tree/dxpool/api"
 for component in broker hostagent fabric cli; do ln -s "$root/$component" "$tree/dxpool/$component"; done
 cd "$tree"
 mypy --config-file "$root/pyproject.toml" --cache-dir "$root/.mypy_cache" -p dxpool
+# Typed scripts outside the package, each checked on its own.
+mypy --config-file "$root/pyproject.toml" --cache-dir "$root/.mypy_cache" "$root/scripts/error_reasons.py"
