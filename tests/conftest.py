@@ -17,10 +17,11 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import pytest
+import tenacity
 
 from dxpool.api.v1 import inventory_pb2, inventory_pb2_grpc, nodes_pb2_grpc, resources_pb2
 from dxpool.store.client import connect
@@ -64,9 +65,26 @@ def key_prefix() -> str:
     return f"/dxpool-test-{uuid.uuid4().hex[:12]}/"
 
 
+def answering(client: Any) -> Any:
+    """``client`` once etcd has answered it, retried for up to the test patience.
+
+    The first call also opens the client's connection; on a loaded machine that can take
+    longer than one call's timeout, which is the machine's fault, not the test's.
+    """
+    retrying = tenacity.Retrying(
+        stop=tenacity.stop_after_delay(patient(30.0)),
+        wait=tenacity.wait_fixed(0.5),
+        reraise=True,
+    )
+    for attempt in retrying:
+        with attempt:
+            client.status()
+    return client
+
+
 @pytest.fixture
 def etcd_client(etcd_server: EmbeddedEtcd):  # type: ignore[no-untyped-def]
-    client = connect(etcd_server.endpoint)
+    client = answering(connect(etcd_server.endpoint))
     yield client
     client.close()
 
