@@ -43,6 +43,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from google.protobuf.message import DecodeError
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -138,6 +139,46 @@ def _now_timestamp(seconds: float) -> Timestamp:
     stamp = Timestamp()
     stamp.FromNanoseconds(int(seconds * 1e9))
     return stamp
+
+
+def commit_status(
+    store: Store,
+    host_id: str,
+    liveness_revision: int,
+    record: pb.HostStatus,
+    spec_revision: int,
+    cache: Cache | None = None,
+) -> tuple[int, list[tuple[str, Any]]]:
+    """Write ``host_id``'s status ``record`` in one transaction that requires the host's
+    liveness record to be unchanged since ``liveness_revision`` (the session's) and, with
+    ``spec_revision`` (0: none), the spec record unchanged since then. Returns the
+    commit's revision and writes. Raises :class:`SessionNotLiveError` or
+    :class:`StaleSpecError` (nothing written; ``cache`` takes what the failed compare
+    read), :class:`~dxpool.errors.Unavailable`."""
+    keys = store.keys
+    lease_key = keys.host_lease(host_id)
+    spec_key = keys.host_allocation(host_id)
+    txn = Txn().expect_revision(lease_key, liveness_revision).read_on_failure(lease_key)
+    if spec_revision:
+        txn.expect_revision(spec_key, spec_revision).read_on_failure(spec_key)
+    txn.put(keys.host_status(host_id), record)
+    result = store.commit(txn)
+    if result.succeeded:
+        return result.revision, txn.writes
+    if cache is not None:
+        cache.apply_reads(result.current)
+    liveness = result.current.get(lease_key)
+    if liveness is None or liveness.mod_revision != liveness_revision:
+        raise SessionNotLiveError(
+            f"{host_name(host_id)}'s liveness record no longer names this session; connect again"
+        )
+    current = result.current.get(spec_key)
+    now = current.mod_revision if current else 0
+    raise StaleSpecError(
+        f"the spec of {host_name(host_id)} changed since revision {spec_revision} (now "
+        f"{now}); act on the new spec",
+        metadata={"spec_revision": str(now)},
+    )
 
 
 class AgentSessions:
@@ -328,34 +369,21 @@ class AgentSessions:
                 "broker; connect again"
             )
         session.last_seen = self._clock()
-        lease_key = self._keys.host_lease(host_id)
-        spec_key = self._keys.host_allocation(host_id)
-        txn = Txn().expect_revision(lease_key, session.key_revision).read_on_failure(lease_key)
-        if spec_revision:
-            txn.expect_revision(spec_key, spec_revision).read_on_failure(spec_key)
-        txn.put(self._keys.host_status(host_id), record)
-        result = self._store.commit(txn)
-        if result.succeeded:
-            self._cache.apply_commit(result.revision, txn.writes)
-            agent_metrics.STATUS_WRITES.labels(result="OK").inc()
-            return result.revision
-        self._cache.apply_reads(result.current)
-        liveness = result.current.get(lease_key)
-        if liveness is None or liveness.mod_revision != session.key_revision:
+        try:
+            revision, writes = commit_status(
+                self._store, host_id, session.key_revision, record, spec_revision, self._cache
+            )
+        except SessionNotLiveError:
             agent_metrics.STATUS_WRITES.labels(result="SESSION_NOT_LIVE").inc()
             self._forget(session)
             self._end(session, SessionNotLiveError("another session took the host over"))
-            raise SessionNotLiveError(
-                f"{host_name(host_id)}'s liveness record no longer names session "
-                f"{session_id}; connect again"
-            )
-        agent_metrics.STATUS_WRITES.labels(result="STALE_SPEC").inc()
-        current = result.current.get(spec_key)
-        raise StaleSpecError(
-            f"the spec of {host_name(host_id)} changed since revision {spec_revision} "
-            f"(now {current.mod_revision if current else 0}); act on the new spec",
-            metadata={"spec_revision": str(current.mod_revision if current else 0)},
-        )
+            raise
+        except StaleSpecError:
+            agent_metrics.STATUS_WRITES.labels(result="STALE_SPEC").inc()
+            raise
+        self._cache.apply_commit(revision, writes)
+        agent_metrics.STATUS_WRITES.labels(result="OK").inc()
+        return revision
 
     # -- ending -------------------------------------------------------------------------
 
@@ -442,6 +470,7 @@ __all__ = [
     "SessionNotLiveError",
     "SessionSettings",
     "StaleSpecError",
+    "commit_status",
     "parse_liveness",
     "token_digest",
 ]
