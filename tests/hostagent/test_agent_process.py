@@ -1,7 +1,7 @@
-"""The agent as a separate process (``python -m dxpool.hostagent``) on a real etcd.
+"""The agent as a separate process (``python -m dxpool.hostagent``) on a real broker.
 
-The test writes the host's spec the way the broker does and watches the status record,
-the liveness key and the simulated fabric.
+The test writes the host's spec into etcd the way a compose does and watches the status
+record and the liveness record the broker writes for the agent, and the simulated fabric.
 """
 
 from __future__ import annotations
