@@ -30,7 +30,7 @@ runs, no newer assignment can hold a mapping, and every mapping it removes belon
 the GPU was freed and given to a new node removes the new node's mapping too - that
 fails safe (the new host loses the device; no one else gains it) and is reported by
 that host's agent; (2) an agent of the lost host that wrote its attach intent before
-its lease expired and sends its map after the fence is not refused by the fabric
+its session ended and sends its map after the fence is not refused by the fabric
 manager. Services that keep a target endpoint in one zone at a time (as the ones dxpool
 was written against do) then refuse the next host's map as a conflict rather than
 share the GPU, until the returning agent drops what it no longer owns.

@@ -9,11 +9,16 @@ key (below the prefix)                 value                 written by   lifeti
 =====================================  ====================  ===========  ===============
 ``boxes/{box}``                        Box                   broker       until deleted
 ``gpus/{box}/{slot}``                  Gpu (spec + state)    broker       with its box
-``hosts/{host}``                       Host (registration)   agent        persistent
-``hostleases/{host}``                  empty                 agent        etcd lease: the host
-                                                                          is alive while it exists
+``hosts/{host}``                       Host (registration)   broker, for  persistent
+                                                             the agent
+``hostleases/{host}``                  HostLiveness          broker       on the broker's etcd
+                                                                          lease, while the host's
+                                                                          agent holds a session:
+                                                                          the host is alive while
+                                                                          it exists
 ``hostalloc/{host}``                   HostAllocation        broker       spec: desired GPUs
-``hoststatus/{host}``                  HostStatus            agent        status: observed GPUs
+``hoststatus/{host}``                  HostStatus            broker, for  status: observed GPUs
+                                                             the agent
 ``nodes/{node}``                       VirtualNode           broker       until deleted
 ``requests/{request_id}``              node or box name      broker       with its node
                                        (utf-8)                            or box
@@ -23,8 +28,9 @@ key (below the prefix)                 value                 written by   lifeti
                                                                           of a singleton duty
 =====================================  ====================  ===========  ===============
 
-Spec and status are apart: only the broker writes ``hostalloc``, only the host's agent
-writes ``hoststatus``, so neither overwrites the other.
+Spec and status are apart: ``hostalloc`` is the brokers' own; ``hoststatus`` holds only
+what the host's agent reported, written by the broker that holds its session. Agents
+never touch etcd.
 """
 
 from __future__ import annotations
