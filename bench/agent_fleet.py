@@ -27,7 +27,7 @@ Prints the figures; ``bench/RESULTS.md`` records them. Everything shares the mac
 etcd, the brokers and the fleet processes (which cost far more CPU than the brokers,
 since each simulated agent is a Python coroutine with its own connection).
 
-Usage: python bench/agent_fleet.py [--agents 12500] [--brokers 3] [--workers 4]
+Usage: python bench/agent_fleet.py [--agents 12500] [--brokers 3] [--workers 4] [--ramp 1000]
        [--seconds 30] [--churn 0.01]
 """
 
@@ -65,7 +65,6 @@ from dxpool.store.keys import KeySchema
 PREFIX = "/dxpool-fleet/"
 KEYS = KeySchema(PREFIX)
 ATTACHED = pb.ATTACHMENT_PHASE_ATTACHED
-START_RATE_PER_WORKER = 1000  # new sessions a second per fleet process, at the start
 BACKOFF_INITIAL_S = 0.1
 BACKOFF_MAX_S = 5.0
 
@@ -211,14 +210,17 @@ async def agent(index: int, brokers: list[str], fleet: Fleet) -> None:
         await asyncio.sleep(backoff + random.uniform(0, 0.5))
 
 
-async def run_fleet(first: int, count: int, brokers: list[str]) -> None:
+async def run_fleet(first: int, count: int, brokers: list[str], rate: float) -> None:
+    """``count`` agents from ``first`` on, started at ``rate`` a second; reports what
+    they see every 2 s on stdout, and ends when its parent does."""
+    parent = os.getppid()
     fleet = Fleet(total=count)
     tasks = []
     for offset in range(count):
         tasks.append(asyncio.create_task(agent(first + offset, brokers, fleet)))
-        if offset % 100 == 99:
-            await asyncio.sleep(100 / START_RATE_PER_WORKER)
-    while True:
+        if offset % 50 == 49:
+            await asyncio.sleep(50 / rate)
+    while os.getppid() == parent:
         await asyncio.sleep(2.0)
         samples, fleet.report_ms = fleet.report_ms, []
         fleet.emit(
@@ -355,14 +357,22 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--churn", type=float, default=0.01, help="share changing per second")
-    parser.add_argument("--fleet", nargs=3, help=argparse.SUPPRESS)  # FIRST COUNT BROKERS
+    parser.add_argument(
+        "--ramp", type=float, default=1000.0, help="new sessions a second while connecting"
+    )
+    parser.add_argument("--fleet", nargs=4, help=argparse.SUPPRESS)  # FIRST COUNT BROKERS RATE
     args = parser.parse_args()
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # children inherit it
     if args.fleet:
-        first, count, brokers = args.fleet
-        asyncio.run(run_fleet(int(first), int(count), brokers.split(",")))
+        first, count, brokers, rate = args.fleet
+        asyncio.run(run_fleet(int(first), int(count), brokers.split(","), float(rate)))
         return
+
+    def interrupted(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # so everything started is stopped
+
+    signal.signal(signal.SIGTERM, interrupted)
     measure(args)
 
 
@@ -427,14 +437,16 @@ def print_usage(name: str, values: list[Usage], first: int = 0) -> None:
         print(f"{name:6} broker{index}  CPU {use.cpu * 100:5.1f}%  RSS {use.rss_mib:7.1f} MiB")
 
 
-def start_fleet(agents: int, count: int, brokers: Brokers, work: Path) -> list[Worker]:
-    """``count`` fleet processes sharing ``agents`` agents."""
+def start_fleet(agents: int, count: int, brokers: Brokers, work: Path, ramp: float) -> list[Worker]:
+    """``count`` fleet processes sharing ``agents`` agents, starting ``ramp`` sessions a
+    second in all."""
     agent_ports = ",".join(endpoint for _, endpoint, _ in brokers)
     share = -(-agents // count)
     workers = []
     for index in range(count):
         first, size = index * share, min(share, agents - index * share)
-        command = [sys.executable, __file__, "--fleet", str(first), str(size), agent_ports]
+        rate = str(ramp / count)
+        command = [sys.executable, __file__, "--fleet", str(first), str(size), agent_ports, rate]
         workers.append(Worker(command, work / f"fleet{index}.log"))
     return workers
 
@@ -473,7 +485,7 @@ def measure(args: argparse.Namespace) -> None:
     try:
         brokers = start_brokers(args.brokers, etcd.endpoint, work)
         began = time.monotonic()
-        workers = start_fleet(args.agents, args.workers, brokers, work)
+        workers = start_fleet(args.agents, args.workers, brokers, work, args.ramp)
         print(f"{args.agents} agents, {args.brokers} brokers, {args.workers} fleet processes")
         wait_for("every agent in session", lambda: all(w.all_connected for w in workers), 900)
         connect_s = time.monotonic() - began
