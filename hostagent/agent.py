@@ -199,10 +199,14 @@ class Agent:
 
     def _on_welcome(self, welcome: agent_pb2.AgentWelcome) -> None:
         """Runs on the link's thread. The stored status is adopted once, at the first
-        session: afterwards this process's copy is the newer one (it wrote it)."""
+        session: afterwards this process's copy is the newer one (it wrote it). A later
+        session (after a broker went) wakes the resync, so status writes that failed
+        meanwhile are tried again now rather than after their backoff."""
         if not self._status_adopted:
             self._status.adopt(welcome.status if welcome.HasField("status") else None)
             self._status_adopted = True
+        else:
+            self._wake_resync.set()
         if welcome.HasField("spec"):
             self._on_spec(welcome.spec)
 
