@@ -27,8 +27,11 @@ Prints the figures; ``bench/RESULTS.md`` records them. Everything shares the mac
 etcd, the brokers and the fleet processes (which cost far more CPU than the brokers,
 since each simulated agent is a Python coroutine with its own connection).
 
+``--ttl`` sets the agents' liveness TTL (heartbeats every third of it); on a small,
+shared machine a longer one keeps the fleet processes from starving the brokers.
+
 Usage: python bench/agent_fleet.py [--agents 12500] [--brokers 3] [--workers 4] [--ramp 1000]
-       [--seconds 30] [--churn 0.01]
+       [--seconds 30] [--churn 0.01] [--ttl 10]
 """
 
 from __future__ import annotations
@@ -141,7 +144,9 @@ async def report(
     fleet.report_ms.append((time.perf_counter() - started) * 1000)
 
 
-async def session(channel: grpc.aio.Channel, host: str, token: str, fleet: Fleet) -> None:
+async def session(
+    channel: grpc.aio.Channel, host: str, token: str, ttl_ms: int, fleet: Fleet
+) -> None:
     """One session, from hello to its end (returns when the broker ends it, raises on
     errors)."""
     stub = agent_pb2_grpc.AgentServiceStub(channel)
@@ -149,7 +154,10 @@ async def session(channel: grpc.aio.Channel, host: str, token: str, fleet: Fleet
     await call.write(
         agent_pb2.AgentMessage(
             hello=agent_pb2.AgentHello(
-                host=pb.Host(name=f"hosts/{host}", slot_capacity=8), token=token
+                host=pb.Host(name=f"hosts/{host}", slot_capacity=8),
+                token=token,
+                liveness_ttl_ms=ttl_ms,
+                status_known=True,  # a simulated agent keeps no status of its own
             )
         )
     )
@@ -186,7 +194,7 @@ async def session(channel: grpc.aio.Channel, host: str, token: str, fleet: Fleet
         fleet.session_ended()
 
 
-async def agent(index: int, brokers: list[str], fleet: Fleet) -> None:
+async def agent(index: int, brokers: list[str], ttl_ms: int, fleet: Fleet) -> None:
     host = host_id(index)
     token = f"fleet-{host}-{random.getrandbits(48):x}"
     order = brokers[index % len(brokers) :] + brokers[: index % len(brokers)]
@@ -200,7 +208,7 @@ async def agent(index: int, brokers: list[str], fleet: Fleet) -> None:
         )
         started = time.monotonic()
         try:
-            await session(channel, host, token, fleet)
+            await session(channel, host, token, ttl_ms, fleet)
         except (grpc.aio.AioRpcError, ConnectionError, TimeoutError):
             pass
         finally:
@@ -210,14 +218,14 @@ async def agent(index: int, brokers: list[str], fleet: Fleet) -> None:
         await asyncio.sleep(backoff + random.uniform(0, 0.5))
 
 
-async def run_fleet(first: int, count: int, brokers: list[str], rate: float) -> None:
+async def run_fleet(first: int, count: int, brokers: list[str], rate: float, ttl_ms: int) -> None:
     """``count`` agents from ``first`` on, started at ``rate`` a second; reports what
     they see every 2 s on stdout, and ends when its parent does."""
     parent = os.getppid()
     fleet = Fleet(total=count)
     tasks = []
     for offset in range(count):
-        tasks.append(asyncio.create_task(agent(first + offset, brokers, fleet)))
+        tasks.append(asyncio.create_task(agent(first + offset, brokers, ttl_ms, fleet)))
         if offset % 50 == 49:
             await asyncio.sleep(50 / rate)
     while os.getppid() == parent:
@@ -360,13 +368,16 @@ def main() -> None:
     parser.add_argument(
         "--ramp", type=float, default=1000.0, help="new sessions a second while connecting"
     )
-    parser.add_argument("--fleet", nargs=4, help=argparse.SUPPRESS)  # FIRST COUNT BROKERS RATE
+    parser.add_argument(
+        "--ttl", type=float, default=0.0, help="agents' liveness TTL, s (0: the broker's default)"
+    )
+    parser.add_argument("--fleet", nargs=5, help=argparse.SUPPRESS)  # FIRST COUNT BROKERS RATE TTL
     args = parser.parse_args()
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # children inherit it
     if args.fleet:
-        first, count, brokers, rate = args.fleet
-        asyncio.run(run_fleet(int(first), int(count), brokers.split(","), float(rate)))
+        first, count, brokers, rate, ttl_ms = args.fleet
+        asyncio.run(run_fleet(int(first), int(count), brokers.split(","), float(rate), int(ttl_ms)))
         return
 
     def interrupted(signum: int, frame: Any) -> None:
@@ -437,7 +448,9 @@ def print_usage(name: str, values: list[Usage], first: int = 0) -> None:
         print(f"{name:6} broker{index}  CPU {use.cpu * 100:5.1f}%  RSS {use.rss_mib:7.1f} MiB")
 
 
-def start_fleet(agents: int, count: int, brokers: Brokers, work: Path, ramp: float) -> list[Worker]:
+def start_fleet(
+    agents: int, count: int, brokers: Brokers, work: Path, ramp: float, ttl_s: float
+) -> list[Worker]:
     """``count`` fleet processes sharing ``agents`` agents, starting ``ramp`` sessions a
     second in all."""
     agent_ports = ",".join(endpoint for _, endpoint, _ in brokers)
@@ -445,8 +458,9 @@ def start_fleet(agents: int, count: int, brokers: Brokers, work: Path, ramp: flo
     workers = []
     for index in range(count):
         first, size = index * share, min(share, agents - index * share)
-        rate = str(ramp / count)
-        command = [sys.executable, __file__, "--fleet", str(first), str(size), agent_ports, rate]
+        rate, ttl_ms = str(ramp / count), str(round(ttl_s * 1000))
+        command = [sys.executable, __file__, "--fleet", str(first), str(size), agent_ports]
+        command += [rate, ttl_ms]
         workers.append(Worker(command, work / f"fleet{index}.log"))
     return workers
 
@@ -485,8 +499,12 @@ def measure(args: argparse.Namespace) -> None:
     try:
         brokers = start_brokers(args.brokers, etcd.endpoint, work)
         began = time.monotonic()
-        workers = start_fleet(args.agents, args.workers, brokers, work, args.ramp)
-        print(f"{args.agents} agents, {args.brokers} brokers, {args.workers} fleet processes")
+        workers = start_fleet(args.agents, args.workers, brokers, work, args.ramp, args.ttl)
+        ttl = f"{args.ttl:g} s" if args.ttl else "the default"
+        print(
+            f"{args.agents} agents, {args.brokers} brokers, {args.workers} fleet processes, "
+            f"liveness TTL {ttl}, ramp {args.ramp:g} sessions/s"
+        )
         wait_for("every agent in session", lambda: all(w.all_connected for w in workers), 900)
         connect_s = time.monotonic() - began
         assert live_hosts(client) == args.agents

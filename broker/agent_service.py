@@ -9,12 +9,15 @@ shared by all agents.
 * ``Connect``: the first message must be a hello, within :data:`HELLO_TIMEOUT_S`; the
   caller must be the agent of the host it names (see *Authorization*). The session
   opens (:meth:`AgentSessions.open`), the welcome carries it with the host's status
-  record and spec; then the stream carries heartbeats up and acknowledgements and spec
-  changes down. The spec comes from the broker's cache: one cache listener hands each
-  change of ``hostalloc/{host}`` to that host's stream, where only the newest waits to
-  be sent (a slow agent gets fewer, newer specs, never a backlog). When the broker ends
-  the session (silent past its TTL, taken over, broker lease lost, broker stopping) the
-  stream ends with that status.
+  record (unless the agent says it knows it) and spec; the session's TTL counts from
+  the welcome. A broker opens at most :data:`MAX_OPENING` sessions at once and refuses
+  more at once (UNAVAILABLE, ``BROKER_BUSY``), so a storm of reconnecting agents backs
+  off and spreads instead of queueing until it times out. Then the stream carries
+  heartbeats up and acknowledgements and spec changes down. The spec comes from the
+  broker's cache: one cache listener hands each change of ``hostalloc/{host}`` to that
+  host's stream, where only the newest waits to be sent (a slow agent gets fewer, newer
+  specs, never a backlog). When the broker ends the session (silent past its TTL, taken
+  over, broker lease lost, broker stopping) the stream ends with that status.
 * ``ReportStatus``: the status write, for the caller's own host and live session
   (:meth:`AgentSessions.write_status`).
 
@@ -44,7 +47,7 @@ from dxpool.broker.auth import Authenticator
 from dxpool.broker.cache import Cache, Subscription
 from dxpool.broker.decoding import Undecodable, guard_deserializer
 from dxpool.broker.rpc import to_status
-from dxpool.errors import DxpoolError, InvalidArgument, PermissionDenied
+from dxpool.errors import DxpoolError, InvalidArgument, PermissionDenied, Unavailable
 from dxpool.identity import Role
 from dxpool.names import host_name, parse_host
 from dxpool.store import keys as k
@@ -61,6 +64,10 @@ else:
 _EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]
 SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name
 HELLO_TIMEOUT_S = 10.0
+# Hellos a broker works on at once (each an etcd transaction); more are refused at once
+# with UNAVAILABLE (BROKER_BUSY), so a storm of reconnecting agents backs off and spreads
+# over the brokers instead of queueing behind each other until they time out.
+MAX_OPENING = 256
 
 
 class _Outbox:
@@ -137,6 +144,7 @@ class AgentService:
         self._loop: asyncio.AbstractEventLoop | None = None
         # host id -> (session, outbox) of the stream serving it; changed on the loop only
         self._streams: dict[str, tuple[Session, _Outbox]] = {}
+        self._opening = 0  # hellos between their arrival and their welcome; the loop's
         self._subscription: Subscription | None = None
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -212,6 +220,17 @@ class AgentService:
         if first is _EOF:
             return
         outbox = _Outbox()
+        if self._opening >= MAX_OPENING:
+            await self._refuse(
+                context,
+                Unavailable(
+                    f"this broker is opening {self._opening} sessions already; try again "
+                    "shortly, or another broker",
+                    reason="BROKER_BUSY",
+                ),
+            )
+            return
+        self._opening += 1
         try:
             hello = _hello(first)
             host_id = parse_host(hello.host.name)
@@ -222,30 +241,23 @@ class AgentService:
                 with contextlib.suppress(RuntimeError):  # the server is stopping
                     loop.call_soon_threadsafe(outbox.finish, error)
 
-            session: Session = await self._run(
-                self._sessions.open,
-                host_id,
-                hello.host,
-                hello.token,
-                hello.liveness_ttl_ms,
-                on_end,
-            )
+            session, welcome = await self._run(self._open, host_id, hello, on_end)
         except DxpoolError as error:
             await self._refuse(context, error)
             return
+        finally:
+            self._opening -= 1
         self._streams[host_id] = (session, outbox)
         reader: asyncio.Task[None] | None = None
         try:
-            welcome = await self._run(self._welcome, session, hello)
             await context.write(agent_pb2.BrokerMessage(welcome=welcome))
+            self._sessions.heartbeat(session)  # its TTL counts from the welcome
             reader = asyncio.create_task(self._read(context, session, outbox))
             while (message := await outbox.next()) is not None:
                 await context.write(message)
             if outbox.error is not None:
                 status = to_status(outbox.error)
                 await context.abort(status.code, status.details, status.trailing_metadata)
-        except DxpoolError as error:
-            await self._refuse(context, error, counted=False)
         finally:
             if reader is not None:
                 reader.cancel()
@@ -253,6 +265,23 @@ class AgentService:
                 del self._streams[host_id]
             if not outbox.left:
                 self._sessions.detach(session)
+
+    def _open(
+        self,
+        host_id: str,
+        hello: agent_pb2.AgentHello,
+        on_end: Callable[[DxpoolError], None],
+    ) -> tuple[Session, agent_pb2.AgentWelcome]:
+        """Runs on a worker thread: the session and its welcome, in one go (a hello costs
+        one worker, however busy the pool is)."""
+        session = self._sessions.open(
+            host_id, hello.host, hello.token, hello.liveness_ttl_ms, on_end
+        )
+        try:
+            return session, self._welcome(session, hello)
+        except DxpoolError:
+            self._sessions.detach(session)  # the agent tries again and takes it over
+            raise
 
     def _welcome(self, session: Session, hello: agent_pb2.AgentHello) -> agent_pb2.AgentWelcome:
         """Runs on a worker thread: the status record as stored, and the spec unless the
@@ -263,9 +292,10 @@ class AgentService:
             liveness_ttl_ms=round(session.ttl_s * 1000),
             heartbeat_interval_ms=round(session.heartbeat_interval_s * 1000),
         )
-        status = self._sessions.read_status(session.host)
-        if status is not None:
-            welcome.status.CopyFrom(status)
+        if not hello.status_known:
+            status = self._sessions.read_status(session.host)
+            if status is not None:
+                welcome.status.CopyFrom(status)
         revision = self._cache.revision
         record = self._cache.get(k.HOST_ALLOCATIONS, session.host)
         held = record.mod_revision if record is not None else 0

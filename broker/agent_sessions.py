@@ -13,8 +13,8 @@ those sessions, free of gRPC so tests drive it directly:
   to another broker takes its session over). A record held by another token refuses the
   hello (:class:`HostHeldError`) and writes nothing: one agent holds a host.
 * **Liveness.** Every heartbeat (and status write) sets the session's last-seen time.
-  The maintenance thread ends a session whose agent has been silent for its TTL and
-  deletes its liveness record, comparing that it still names the session; the host is
+  The reaper ends a session whose agent has been silent for its TTL and deletes its
+  liveness record, comparing that it still names the session; the host is
   then absent and the leader declares it lost (:mod:`dxpool.broker.duties`). A session
   whose stream broke without a goodbye lives on until that TTL too, so the agent can
   come back through any broker; a goodbye with ``release`` deletes the record at once.
@@ -30,8 +30,8 @@ those sessions, free of gRPC so tests drive it directly:
   every session ends (UNAVAILABLE), so the agents move to a broker that reaches etcd.
 
 Thread-safe: hellos and status writes come from the agent service's worker threads,
-heartbeats from its event loop, reaping and lease refreshes from the maintenance thread.
-Every etcd call is made outside the lock.
+heartbeats from its event loop, reaping and lease refreshes from two maintenance threads
+of their own. Every etcd call is made outside the lock.
 """
 
 from __future__ import annotations
@@ -56,11 +56,14 @@ from dxpool.broker.cache import Cache
 from dxpool.errors import DxpoolError, FailedPrecondition, InvalidArgument, Unavailable
 from dxpool.limits import MAX_TEXT
 from dxpool.names import check_id, host_name
+from dxpool.store import keys as k
 from dxpool.store.typed import Store, Txn
 
 log = logging.getLogger(__name__)
 
 OPEN_ATTEMPTS = 5
+# Liveness records a reaping pass deletes in one transaction (etcd allows 128 operations).
+DELETE_BATCH = 64
 
 
 class HostHeldError(FailedPrecondition):
@@ -205,30 +208,36 @@ class AgentSessions:
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     # -- lifecycle ----------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="agent-sessions", daemon=True)
-        self._thread.start()
+        """Start the two maintenance threads: the lease's refreshes, and reaping silent
+        sessions. Apart, so that reaping many sessions while etcd is slow never delays
+        the refresh every one of them depends on."""
+        for target, name in ((self.lease.tick, "agent-lease"), (self.reap, "agent-reaper")):
+            thread = threading.Thread(
+                target=self._every_tick, args=(target, name), name=name, daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
 
     def stop(self) -> None:
-        """Stop the maintenance thread and end every session (UNAVAILABLE, so agents
+        """Stop the maintenance threads and end every session (UNAVAILABLE, so agents
         reconnect elsewhere). Liveness records stay, on the lease, for other brokers to
         take over."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        for thread in self._threads:
+            thread.join(timeout=5)
         self._end_all(Unavailable("this broker is stopping: connect to another broker"))
 
-    def _loop(self) -> None:
+    def _every_tick(self, step: Callable[[], object], name: str) -> None:
         while not self._stop.wait(self.settings.tick_s):
             try:
-                self.lease.tick()
-                self.reap()
+                step()
             except Exception:
-                log.exception("agent session maintenance failed; retrying")
+                log.exception("agent session maintenance failed; retrying", extra={"step": name})
 
     # -- reading ------------------------------------------------------------------------
 
@@ -276,26 +285,32 @@ class AgentSessions:
             since=_now_timestamp(now),
             liveness_ttl_ms=round(ttl_s * 1000),
         ).SerializeToString(deterministic=True)
+        # The cache's view first: one transaction when it is current (a reconnect storm
+        # costs etcd one round trip per agent); a failed compare returns what etcd holds.
+        current = self._cache.get(k.HOST_LEASES, host_id)
+        confirmed = False
         for _ in range(OPEN_ATTEMPTS):
-            current = self._store.get(key)
+            if current is not None and parse_liveness(bytes(current.value)).agent_digest != digest:
+                if not confirmed:  # never refuse on a cached view: read it from etcd
+                    current, confirmed = self._store.get(key), True
+                    continue
+                holder = parse_liveness(bytes(current.value))
+                raise HostHeldError(
+                    f"{host_name(host_id)} is held by another live agent (its session on "
+                    f"broker {holder.broker or 'unknown'}); stop that agent, or wait until "
+                    f"its broker has not heard from it for {holder.liveness_ttl_ms / 1000:g}s",
+                    metadata={"host": host_name(host_id)},
+                )
             txn = Txn()
             if current is None:
                 txn.expect_absent(key)
             else:
-                holder = parse_liveness(bytes(current.value))
-                if holder.agent_digest != digest:
-                    raise HostHeldError(
-                        f"{host_name(host_id)} is held by another live agent (its session "
-                        f"on broker {holder.broker or 'unknown'}); stop that agent, or wait "
-                        f"until its broker has not heard from it for "
-                        f"{holder.liveness_ttl_ms / 1000:g}s",
-                        metadata={"host": host_name(host_id)},
-                    )
                 txn.expect_revision(key, current.mod_revision)
             txn.put(self._keys.host(host_id), record).put(key, liveness, lease=lease)
-            result = self._store.commit(txn)
+            result = self._store.commit(txn.read_on_failure(key))
             if result.succeeded:
                 break
+            current, confirmed = result.current.get(key), True
         else:
             raise Unavailable(
                 f"the liveness record of {host_name(host_id)} kept changing while this "
@@ -320,7 +335,7 @@ class AgentSessions:
         if previous is not None and not previous.ended:
             self._end(previous, SessionNotLiveError("this agent opened a newer session"))
         agent_metrics.SESSIONS_OPENED.inc()
-        log.info(
+        log.debug(
             "agent session opened",
             extra={"host": host_id, "session": session_id, "took_over": current is not None},
         )
@@ -388,33 +403,55 @@ class AgentSessions:
     # -- ending -------------------------------------------------------------------------
 
     def reap(self) -> int:
-        """End every session whose agent has been silent for its TTL and delete its
-        liveness record; returns how many ended. A record that cannot be deleted now
-        (etcd away) is tried again on the next pass; it is on the broker's lease, so it
-        goes with the lease at the latest."""
+        """End every session whose agent has been silent for its TTL and delete their
+        liveness records (up to :data:`DELETE_BATCH` in one transaction); returns how
+        many ended. A record that cannot be deleted now (etcd away) is tried again on the
+        next pass; it is on the broker's lease, so it goes with the lease at the latest."""
         now = self._clock()
         with self._lock:
             silent = [s for s in self._sessions.values() if now - s.last_seen >= s.ttl_s]
-        for session in silent:
-            if not session.ended:
-                agent_metrics.SESSIONS_EXPIRED.inc()
-                log.warning(
-                    "agent silent past its liveness TTL; its host is no longer alive",
-                    extra={"host": session.host, "ttl_s": session.ttl_s},
-                )
-                self._end(
-                    session,
-                    SessionNotLiveError(
-                        f"no heartbeat for {session.ttl_s:g}s: the host is no longer alive; "
-                        "connect again",
-                    ),
-                )
+        newly = [session for session in silent if not session.ended]
+        if newly:
+            agent_metrics.SESSIONS_EXPIRED.inc(len(newly))
+            log.warning(
+                "agents silent past their liveness TTL; their hosts are no longer alive",
+                extra={
+                    "count": len(newly),
+                    "hosts": ",".join(s.host for s in newly[:5]),
+                    "ttl_s": newly[0].ttl_s,
+                },
+            )
+        for session in newly:
+            self._end(
+                session,
+                SessionNotLiveError(
+                    f"no heartbeat for {session.ttl_s:g}s: the host is no longer alive; "
+                    "connect again",
+                ),
+            )
+        for start in range(0, len(silent), DELETE_BATCH):
+            batch = silent[start : start + DELETE_BATCH]
             try:
-                self._delete_record(session)
+                self._delete_records(batch)
             except Unavailable:
                 continue
-            self._forget(session)
+            for session in batch:
+                self._forget(session)
         return len(silent)
+
+    def _delete_records(self, sessions: list[Session]) -> None:
+        """Delete the sessions' liveness records that still name them: all in one
+        transaction, or one by one when one of them changed meanwhile."""
+        txn = Txn()
+        for session in sessions:
+            key = self._keys.host_lease(session.host)
+            txn.expect_revision(key, session.key_revision).delete(key)
+        result = self._store.commit(txn)
+        if result.succeeded:
+            self._cache.apply_commit(result.revision, txn.writes)
+            return
+        for session in sessions:
+            self._delete_record(session)
 
     def _delete_record(self, session: Session) -> None:
         """Delete the session's liveness record if it still names the session."""

@@ -195,6 +195,7 @@ class Agent:
             liveness_ttl_ms=round(self._config.lease_ttl_s * 1000),
             spec_revision=self._desired.spec_revision,
             revision=self._desired.revision,
+            status_known=self._status_adopted,
         )
 
     def _on_welcome(self, welcome: agent_pb2.AgentWelcome) -> None:

@@ -145,6 +145,34 @@ def test_a_session_is_welcomed_with_its_host_s_status_and_spec(
     assert welcome.spec.allocation == spec and welcome.spec.spec_revision == spec_revision
 
 
+def test_a_reconnecting_agent_that_knows_its_status_is_not_sent_it(
+    plain: Callable[[Any], RawSession], etcd_client: Any, key_prefix: str
+) -> None:
+    keys = KeySchema(key_prefix)
+    status = pb.HostStatus(
+        host="hosts/h1", attachments=[pb.ObservedAttachment(gpu="boxes/b1/gpus/0")]
+    )
+    etcd_client.put(keys.host_status("h1"), status.SerializeToString())
+
+    welcome = plain(hello(status_known=True)).receive().welcome
+
+    assert welcome.session and not welcome.HasField("status")
+
+
+def test_a_broker_busy_opening_sessions_refuses_more_at_once(
+    plain: Callable[[Any], RawSession], etcd_client: Any, key_prefix: str, monkeypatch: Any
+) -> None:
+    from dxpool.broker import agent_service
+
+    before = pool_records(etcd_client, key_prefix)
+    monkeypatch.setattr(agent_service, "MAX_OPENING", 0)
+
+    refused = refusal(plain(hello()).receive)
+
+    assert (refused.code, refused.reason) == (grpc.StatusCode.UNAVAILABLE, "BROKER_BUSY")
+    assert pool_records(etcd_client, key_prefix) == before
+
+
 def test_heartbeats_are_acknowledged_and_spec_changes_pushed(
     plain: Callable[[Any], RawSession], etcd_client: Any, key_prefix: str
 ) -> None:

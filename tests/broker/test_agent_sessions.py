@@ -175,18 +175,17 @@ def test_two_identities_racing_for_a_free_host_one_wins(
     is refused: exactly one agent holds the host."""
     store, _ = parts
     first, second = brokers("b1"), brokers("b2")
-    read = store.get
+    commit = store.commit
     held = threading.Event()
     go = threading.Event()
 
-    def held_get(key: str) -> Any:
-        found = read(key)
+    def held_commit(txn: Any) -> Any:
         if threading.current_thread().name == "first" and not held.is_set():
-            held.set()
+            held.set()  # it has read the record absent and built its transaction
             assert go.wait(10)
-        return found
+        return commit(txn)
 
-    monkeypatch.setattr(store, "get", held_get)
+    monkeypatch.setattr(store, "commit", held_commit)
     outcome: list[object] = []
 
     def open_first() -> None:
@@ -205,6 +204,43 @@ def test_two_identities_racing_for_a_free_host_one_wins(
     assert len(outcome) == 1 and isinstance(outcome[0], HostHeldError)
     found = liveness(store)
     assert found is not None and found[0].session == winner.id
+
+
+def test_a_stale_cache_never_refuses_an_agent(
+    parts: tuple[Store, Cache], brokers: Callable[..., AgentSessions]
+) -> None:
+    """The cache still shows another identity's record, which etcd no longer holds (its
+    deletion not seen yet): the hello reads etcd before it refuses, and succeeds."""
+    from dxpool.store.typed import Versioned
+
+    store, cache = parts
+    foreign = pb.HostLiveness(agent_digest=token_digest("gone"), broker="b0").SerializeToString()
+    revision = store.current_revision()
+    cache.apply_read(store.keys.host_lease("h1"), Versioned(foreign, revision, revision), revision)
+
+    session = brokers().open("h1", registration(), "token-1", 4000, Ends())
+
+    found = liveness(store)
+    assert found is not None and found[0].session == session.id
+
+
+def test_silent_sessions_are_reaped_together_and_a_taken_over_one_is_kept(
+    parts: tuple[Store, Cache], brokers: Callable[..., AgentSessions]
+) -> None:
+    store, _ = parts
+    clock = Clock()
+    first, other = brokers("b1", clock=clock), brokers("b2")
+    for index in range(5):
+        first.open(f"h{index}", registration(f"h{index}"), f"token-{index}", 2000, Ends())
+    taken = other.open("h4", registration("h4"), "token-4", 60_000, Ends())  # h4 moved
+
+    clock.now += 3
+    assert first.reap() == 5
+
+    assert [liveness(store, f"h{i}") for i in range(4)] == [None] * 4
+    kept = liveness(store, "h4")
+    assert kept is not None and kept[0].session == taken.id
+    assert first.count() == 0
 
 
 def test_a_status_write_on_a_stale_spec_writes_nothing(

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from dxpool.api.v1 import resources_pb2 as dxpool_dot_v1_dot_resources__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64xpool/v1/agent.proto\x12\tdxpool.v1\x1a\x19\x64xpool/v1/resources.proto\"\x9a\x01\n\x0c\x41gentMessage\x12&\n\x05hello\x18\x01 \x01(\x0b\x32\x15.dxpool.v1.AgentHelloH\x00\x12.\n\theartbeat\x18\x02 \x01(\x0b\x32\x19.dxpool.v1.AgentHeartbeatH\x00\x12*\n\x07goodbye\x18\x03 \x01(\x0b\x32\x17.dxpool.v1.AgentGoodbyeH\x00\x42\x06\n\x04kind\"|\n\nAgentHello\x12\x1d\n\x04host\x18\x01 \x01(\x0b\x32\x0f.dxpool.v1.Host\x12\r\n\x05token\x18\x02 \x01(\t\x12\x17\n\x0fliveness_ttl_ms\x18\x03 \x01(\x03\x12\x15\n\rspec_revision\x18\x04 \x01(\x03\x12\x10\n\x08revision\x18\x05 \x01(\x03\"\"\n\x0e\x41gentHeartbeat\x12\x10\n\x08sequence\x18\x01 \x01(\x03\"\x1f\n\x0c\x41gentGoodbye\x12\x0f\n\x07release\x18\x01 \x01(\x08\"\x9a\x01\n\rBrokerMessage\x12*\n\x07welcome\x18\x01 \x01(\x0b\x32\x17.dxpool.v1.AgentWelcomeH\x00\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x13.dxpool.v1.HostSpecH\x00\x12\x30\n\rheartbeat_ack\x18\x03 \x01(\x0b\x32\x17.dxpool.v1.HeartbeatAckH\x00\x42\x06\n\x04kind\"\xb1\x01\n\x0c\x41gentWelcome\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0e\n\x06\x62roker\x18\x02 \x01(\t\x12%\n\x06status\x18\x03 \x01(\x0b\x32\x15.dxpool.v1.HostStatus\x12\x17\n\x0fliveness_ttl_ms\x18\x04 \x01(\x03\x12\x1d\n\x15heartbeat_interval_ms\x18\x05 \x01(\x03\x12!\n\x04spec\x18\x06 \x01(\x0b\x32\x13.dxpool.v1.HostSpec\"b\n\x08HostSpec\x12-\n\nallocation\x18\x01 \x01(\x0b\x32\x19.dxpool.v1.HostAllocation\x12\x15\n\rspec_revision\x18\x02 \x01(\x03\x12\x10\n\x08revision\x18\x03 \x01(\x03\" \n\x0cHeartbeatAck\x12\x10\n\x08sequence\x18\x01 \x01(\x03\"r\n\x13ReportStatusRequest\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\x12%\n\x06status\x18\x03 \x01(\x0b\x32\x15.dxpool.v1.HostStatus\x12\x15\n\rspec_revision\x18\x04 \x01(\x03\"(\n\x14ReportStatusResponse\x12\x10\n\x08revision\x18\x01 \x01(\x03\x32\xa1\x01\n\x0c\x41gentService\x12@\n\x07\x43onnect\x12\x17.dxpool.v1.AgentMessage\x1a\x18.dxpool.v1.BrokerMessage(\x01\x30\x01\x12O\n\x0cReportStatus\x12\x1e.dxpool.v1.ReportStatusRequest\x1a\x1f.dxpool.v1.ReportStatusResponseB*Z(github.com/dxpool/dxpool/api/v1;dxpoolv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64xpool/v1/agent.proto\x12\tdxpool.v1\x1a\x19\x64xpool/v1/resources.proto\"\x9a\x01\n\x0c\x41gentMessage\x12&\n\x05hello\x18\x01 \x01(\x0b\x32\x15.dxpool.v1.AgentHelloH\x00\x12.\n\theartbeat\x18\x02 \x01(\x0b\x32\x19.dxpool.v1.AgentHeartbeatH\x00\x12*\n\x07goodbye\x18\x03 \x01(\x0b\x32\x17.dxpool.v1.AgentGoodbyeH\x00\x42\x06\n\x04kind\"\x92\x01\n\nAgentHello\x12\x1d\n\x04host\x18\x01 \x01(\x0b\x32\x0f.dxpool.v1.Host\x12\r\n\x05token\x18\x02 \x01(\t\x12\x17\n\x0fliveness_ttl_ms\x18\x03 \x01(\x03\x12\x15\n\rspec_revision\x18\x04 \x01(\x03\x12\x10\n\x08revision\x18\x05 \x01(\x03\x12\x14\n\x0cstatus_known\x18\x06 \x01(\x08\"\"\n\x0e\x41gentHeartbeat\x12\x10\n\x08sequence\x18\x01 \x01(\x03\"\x1f\n\x0c\x41gentGoodbye\x12\x0f\n\x07release\x18\x01 \x01(\x08\"\x9a\x01\n\rBrokerMessage\x12*\n\x07welcome\x18\x01 \x01(\x0b\x32\x17.dxpool.v1.AgentWelcomeH\x00\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x13.dxpool.v1.HostSpecH\x00\x12\x30\n\rheartbeat_ack\x18\x03 \x01(\x0b\x32\x17.dxpool.v1.HeartbeatAckH\x00\x42\x06\n\x04kind\"\xb1\x01\n\x0c\x41gentWelcome\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0e\n\x06\x62roker\x18\x02 \x01(\t\x12%\n\x06status\x18\x03 \x01(\x0b\x32\x15.dxpool.v1.HostStatus\x12\x17\n\x0fliveness_ttl_ms\x18\x04 \x01(\x03\x12\x1d\n\x15heartbeat_interval_ms\x18\x05 \x01(\x03\x12!\n\x04spec\x18\x06 \x01(\x0b\x32\x13.dxpool.v1.HostSpec\"b\n\x08HostSpec\x12-\n\nallocation\x18\x01 \x01(\x0b\x32\x19.dxpool.v1.HostAllocation\x12\x15\n\rspec_revision\x18\x02 \x01(\x03\x12\x10\n\x08revision\x18\x03 \x01(\x03\" \n\x0cHeartbeatAck\x12\x10\n\x08sequence\x18\x01 \x01(\x03\"r\n\x13ReportStatusRequest\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\x12%\n\x06status\x18\x03 \x01(\x0b\x32\x15.dxpool.v1.HostStatus\x12\x15\n\rspec_revision\x18\x04 \x01(\x03\"(\n\x14ReportStatusResponse\x12\x10\n\x08revision\x18\x01 \x01(\x03\x32\xa1\x01\n\x0c\x41gentService\x12@\n\x07\x43onnect\x12\x17.dxpool.v1.AgentMessage\x1a\x18.dxpool.v1.BrokerMessage(\x01\x30\x01\x12O\n\x0cReportStatus\x12\x1e.dxpool.v1.ReportStatusRequest\x1a\x1f.dxpool.v1.ReportStatusResponseB*Z(github.com/dxpool/dxpool/api/v1;dxpoolv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,24 +36,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'Z(github.com/dxpool/dxpool/api/v1;dxpoolv1'
   _globals['_AGENTMESSAGE']._serialized_start=64
   _globals['_AGENTMESSAGE']._serialized_end=218
-  _globals['_AGENTHELLO']._serialized_start=220
-  _globals['_AGENTHELLO']._serialized_end=344
-  _globals['_AGENTHEARTBEAT']._serialized_start=346
-  _globals['_AGENTHEARTBEAT']._serialized_end=380
-  _globals['_AGENTGOODBYE']._serialized_start=382
-  _globals['_AGENTGOODBYE']._serialized_end=413
-  _globals['_BROKERMESSAGE']._serialized_start=416
-  _globals['_BROKERMESSAGE']._serialized_end=570
-  _globals['_AGENTWELCOME']._serialized_start=573
-  _globals['_AGENTWELCOME']._serialized_end=750
-  _globals['_HOSTSPEC']._serialized_start=752
-  _globals['_HOSTSPEC']._serialized_end=850
-  _globals['_HEARTBEATACK']._serialized_start=852
-  _globals['_HEARTBEATACK']._serialized_end=884
-  _globals['_REPORTSTATUSREQUEST']._serialized_start=886
-  _globals['_REPORTSTATUSREQUEST']._serialized_end=1000
-  _globals['_REPORTSTATUSRESPONSE']._serialized_start=1002
-  _globals['_REPORTSTATUSRESPONSE']._serialized_end=1042
-  _globals['_AGENTSERVICE']._serialized_start=1045
-  _globals['_AGENTSERVICE']._serialized_end=1206
+  _globals['_AGENTHELLO']._serialized_start=221
+  _globals['_AGENTHELLO']._serialized_end=367
+  _globals['_AGENTHEARTBEAT']._serialized_start=369
+  _globals['_AGENTHEARTBEAT']._serialized_end=403
+  _globals['_AGENTGOODBYE']._serialized_start=405
+  _globals['_AGENTGOODBYE']._serialized_end=436
+  _globals['_BROKERMESSAGE']._serialized_start=439
+  _globals['_BROKERMESSAGE']._serialized_end=593
+  _globals['_AGENTWELCOME']._serialized_start=596
+  _globals['_AGENTWELCOME']._serialized_end=773
+  _globals['_HOSTSPEC']._serialized_start=775
+  _globals['_HOSTSPEC']._serialized_end=873
+  _globals['_HEARTBEATACK']._serialized_start=875
+  _globals['_HEARTBEATACK']._serialized_end=907
+  _globals['_REPORTSTATUSREQUEST']._serialized_start=909
+  _globals['_REPORTSTATUSREQUEST']._serialized_end=1023
+  _globals['_REPORTSTATUSRESPONSE']._serialized_start=1025
+  _globals['_REPORTSTATUSRESPONSE']._serialized_end=1065
+  _globals['_AGENTSERVICE']._serialized_start=1068
+  _globals['_AGENTSERVICE']._serialized_end=1229
 # @@protoc_insertion_point(module_scope)

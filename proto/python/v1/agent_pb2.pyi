@@ -64,6 +64,7 @@ class AgentHello(_message.Message):
     LIVENESS_TTL_MS_FIELD_NUMBER: _builtins.int
     SPEC_REVISION_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    STATUS_KNOWN_FIELD_NUMBER: _builtins.int
     token: _builtins.str
     """The identity token of this agent (kept in its state directory across restarts). An
     agent with the same token takes a live session over; any other is refused while
@@ -78,6 +79,10 @@ class AgentHello(_message.Message):
     was read at. The broker never sends an older spec than that.
     """
     revision: _builtins.int
+    status_known: _builtins.bool
+    """The agent holds the host's status already (it is reconnecting, not starting): the
+    welcome leaves the stored record out, which saves the broker a read of it.
+    """
     @_builtins.property
     def host(self) -> _resources_pb2.Host:
         """The host's registration; name "hosts/{host}". Output-only fields are ignored."""
@@ -90,10 +95,11 @@ class AgentHello(_message.Message):
         liveness_ttl_ms: _builtins.int = ...,
         spec_revision: _builtins.int = ...,
         revision: _builtins.int = ...,
+        status_known: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["host", b"host"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "liveness_ttl_ms", b"liveness_ttl_ms", "revision", b"revision", "spec_revision", b"spec_revision", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "liveness_ttl_ms", b"liveness_ttl_ms", "revision", b"revision", "spec_revision", b"spec_revision", "status_known", b"status_known", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -191,7 +197,9 @@ class AgentWelcome(_message.Message):
     heartbeat_interval_ms: _builtins.int
     @_builtins.property
     def status(self) -> _resources_pb2.HostStatus:
-        """The host's status record as stored (absent: there is none yet)."""
+        """The host's status record as stored (absent: there is none yet, or the hello said
+        the agent knows it).
+        """
 
     @_builtins.property
     def spec(self) -> Global___HostSpec:
