@@ -307,13 +307,32 @@ def quantile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
-def wait_for(what: str, condition: Callable[[], bool], timeout_s: float) -> float:
+def wait_for(
+    what: str,
+    condition: Callable[[], bool],
+    timeout_s: float,
+    progress: Callable[[], str] | None = None,
+) -> float:
     started = time.monotonic()
+    shown = started
     while not condition():
-        if time.monotonic() - started > timeout_s:
+        now = time.monotonic()
+        if now - started > timeout_s:
             raise RuntimeError(f"not within {timeout_s:g}s: {what}")
+        if progress is not None and now - shown >= 15:
+            print(f"  {now - started:5.0f} s: {progress()}", flush=True)
+            shown = now
         time.sleep(0.1)
     return time.monotonic() - started
+
+
+def fleet_progress(workers: list[Worker]) -> Callable[[], str]:
+    def describe() -> str:
+        connected = sum(w.latest.get("connected", 0) for w in workers)
+        sessions = sum(w.latest.get("sessions", 0) for w in workers)
+        return f"{connected} agents in session, {sessions} sessions opened"
+
+    return describe
 
 
 def live_hosts(client: Any) -> int:
@@ -435,6 +454,7 @@ def kill_and_reconnect(
             "every agent back in session",
             lambda: all(any(t > killed_at for t in w.all_connected) for w in workers),
             600,
+            fleet_progress(workers),
         )
     finally:
         watching.set()
@@ -505,7 +525,12 @@ def measure(args: argparse.Namespace) -> None:
             f"{args.agents} agents, {args.brokers} brokers, {args.workers} fleet processes, "
             f"liveness TTL {ttl}, ramp {args.ramp:g} sessions/s"
         )
-        wait_for("every agent in session", lambda: all(w.all_connected for w in workers), 900)
+        wait_for(
+            "every agent in session",
+            lambda: all(w.all_connected for w in workers),
+            900,
+            fleet_progress(workers),
+        )
         connect_s = time.monotonic() - began
         assert live_hosts(client) == args.agents
         pids = [process.pid for process, _, _ in brokers]

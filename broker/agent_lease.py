@@ -2,10 +2,13 @@
 
 One lease per broker process, whatever the number of agents: granted when the first
 session needs it, refreshed every ``ttl_s / 3`` by :meth:`BrokerLease.tick`. When etcd
-says the lease expired, or no refresh has succeeded for ``2/3`` of its TTL (so it may
-expire any moment), the lease is *lost*: :attr:`on_lost` is called once, so the sessions
-whose records it carried end and their agents move to a broker that reaches etcd, and
-the next session grants a new lease.
+says the lease expired, or no refresh has succeeded for its whole TTL (so by etcd's clock
+it has expired, unless etcd itself was down and extends it when it comes back), the lease
+is *lost*: :attr:`on_lost` is called once, so the sessions whose records it carried end
+and their agents move to a broker that reaches etcd, and the next session grants a new
+lease. A slow etcd that fails refreshes for a while, but less than the TTL, costs
+nothing: the lease lives, and ending thousands of sessions for it would only make every
+agent reconnect at once.
 
 The lease is never revoked on purpose, not even when the broker stops: its records then
 outlive the broker by up to the TTL, time for its agents to reconnect to another broker,
@@ -88,7 +91,7 @@ class BrokerLease:
             # A keepalive changes nothing a second one would not: safe to resend elsewhere.
             responses = self._store.call(lease.refresh, write=False)
         except Unavailable as error:
-            if now - refreshed_at >= self._ttl * 2 / 3:
+            if now - refreshed_at >= self._ttl:
                 self._lose(lease, f"not refreshed for {now - refreshed_at:.1f}s ({error.message})")
             return
         if not responses or responses[0].TTL <= 0:

@@ -327,6 +327,33 @@ def test_losing_the_broker_lease_ends_every_session(
     assert sessions.lease.lease_id not in (None, lease_id)
 
 
+def test_a_slow_etcd_costs_sessions_nothing_until_the_lease_must_have_expired(
+    parts: tuple[Store, Cache], brokers: Callable[..., AgentSessions], monkeypatch: Any
+) -> None:
+    from dxpool.errors import Unavailable
+
+    store, _ = parts
+    clock = Clock()
+    sessions = brokers(clock=clock, lease_ttl_s=6)
+    ended = Ends()
+    sessions.open("h1", registration("h1"), "token-1", 60_000, ended)
+    call = store.call
+
+    def failing(operation: Any, *, write: bool) -> Any:
+        if getattr(operation, "__name__", "") == "refresh":
+            raise Unavailable("etcd answers too slowly", reason="ETCD_UNAVAILABLE")
+        return call(operation, write=write)
+
+    monkeypatch.setattr(store, "call", failing)
+    for _ in range(5):  # refreshes fail for most of the TTL
+        clock.now += 1.1
+        sessions.lease.tick()
+    assert ended.errors == [] and sessions.count() == 1
+    clock.now += 1.0  # a whole TTL without a refresh: by etcd's clock it is gone
+    sessions.lease.tick()
+    assert [e.reason for e in ended.errors] == ["BROKER_LEASE_LOST"]
+
+
 @pytest.mark.parametrize(
     ("host", "token", "match"),
     [
