@@ -11,7 +11,11 @@ those sessions, free of gRPC so tests drive it directly:
   lease (:class:`~dxpool.broker.agent_lease.BrokerLease`), comparing the liveness record
   it read: absent, or held by the same token (an agent that restarted or reconnected
   to another broker takes its session over). A record held by another token refuses the
-  hello (:class:`HostHeldError`) and writes nothing: one agent holds a host.
+  hello (:class:`HostHeldError`) and writes nothing: one agent holds a host. The first
+  hello on a lease also puts the broker's registration (``brokers/{broker id}``) on it,
+  so that when the broker dies its registration goes with its agents' records, and the
+  leader can tell a dead broker's hosts (which get time to reconnect elsewhere) from a
+  dead agent's (:mod:`dxpool.broker.duties`).
 * **Liveness.** Every heartbeat (and status write) sets the session's last-seen time.
   The reaper ends a session whose agent has been silent for its TTL and deletes its
   liveness record, comparing that it still names the session; the host is
@@ -207,6 +211,7 @@ class AgentSessions:
         self.lease = BrokerLease(store, settings.lease_ttl_s, on_lost=self._lease_lost, clock=clock)
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
+        self._registered_lease = 0  # the lease this broker's registration is on
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -307,8 +312,12 @@ class AgentSessions:
             else:
                 txn.expect_revision(key, current.mod_revision)
             txn.put(self._keys.host(host_id), record).put(key, liveness, lease=lease)
+            registered = self._registered_lease == int(lease.id)
+            if not registered:  # the broker's registration goes on the same lease
+                txn.put(self._keys.broker(self.broker_id), b"", lease=lease)
             result = self._store.commit(txn.read_on_failure(key))
             if result.succeeded:
+                self._registered_lease = int(lease.id)
                 break
             current, confirmed = result.current.get(key), True
         else:

@@ -8,7 +8,10 @@
   and an etcd that restarts give agents time to reconnect before any host is declared
   lost. Each of its PENDING, ATTACHING or READY nodes becomes LOST, and every GPU on it
   goes FENCING, in transactions that also require the liveness record to be still
-  absent - a host that came back in time keeps its nodes.
+  absent - a host that came back in time keeps its nodes. A host whose record went
+  with its *broker* (the broker's registration, on the same lease, is gone too: the
+  broker died, not the agent) gets the reconnect grace as well, counted from when its
+  record went, since its agent is reconnecting to another broker.
 * **Fencing and reclaim.** For each FENCING GPU the leader asks the box side to revoke
   every mapping made for the GPU's generation (:mod:`dxpool.broker.box_fabric`), scrubs
   it, and only then frees it, comparing the GPU's revision. A GPU whose fence or scrub
@@ -43,6 +46,7 @@ from typing import Any
 from dxpool import lifecycle
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker import metrics
+from dxpool.broker.agent_sessions import parse_liveness
 from dxpool.broker.box_fabric import BoxFabric, BoxFabricError
 from dxpool.broker.cache import Cache
 from dxpool.broker.records import copy, seconds
@@ -112,6 +116,8 @@ class SingletonDuties:
         self._released_at: dict[str, float] = {}
         self._release_heap: list[tuple[float, str]] = []
         self._absent_since: dict[str, float] = {}
+        # host id -> the broker that held its agent's session, as last seen
+        self._holder: dict[str, str] = {}
         self._settled = settled
         self._monotonic = monotonic
         # When the agents' reconnect grace last started: this broker began to lead, or
@@ -130,6 +136,8 @@ class SingletonDuties:
             self._on_change(k.GPUS, name, record)
         for name, record in self._cache.items(k.NODES):
             self._on_change(k.NODES, name, record)
+        for name, record in self._cache.items(k.HOST_LEASES):
+            self._on_change(k.HOST_LEASES, name, record)
         self._thread = threading.Thread(target=self._loop, name="leader-duties", daemon=True)
         self._thread.start()
 
@@ -161,6 +169,9 @@ class SingletonDuties:
                     self._fencing.add(name)
                 else:
                     self._fencing.discard(name)
+            elif collection == k.HOST_LEASES:
+                if record is not None:
+                    self._holder[name] = parse_liveness(bytes(record.value)).broker
             elif collection == k.NODES:
                 if record is not None and record.value.state == pb.NODE_STATE_RELEASED:
                     self._note_released(name, seconds(record.value.update_time))
@@ -222,8 +233,18 @@ class SingletonDuties:
                 self._absent_since.pop(host, None)
                 continue
             since = self._absent_since.setdefault(host, now)
-            if now - since >= self._settings.host_loss_grace_s and now >= reconnected_by:
+            grace = self._settings.host_loss_grace_s
+            if self._broker_gone(host):  # its agent is moving to another broker
+                grace = max(grace, self._settings.reconnect_grace_s)
+            if now - since >= grace and now >= reconnected_by:
                 self._lose_host(host)
+
+    def _broker_gone(self, host: str) -> bool:
+        """Whether the broker that last held ``host``'s session is no longer registered
+        (it died: its lease took its registration and its agents' records)."""
+        with self._lock:
+            holder = self._holder.get(host, "")
+        return bool(holder) and self._cache.get(k.BROKERS, holder) is None
 
     def _lose_host(self, host: str) -> None:
         host_name = f"hosts/{host}"

@@ -26,6 +26,9 @@ key (below the prefix)                 value                 written by   lifeti
                                        usage)
 ``elections/{duty}``                   broker id (utf-8)     broker       etcd lease: the leader
                                                                           of a singleton duty
+``brokers/{broker id}``                agent endpoint        broker       on the broker's agent
+                                       (utf-8)                            lease: the broker holds
+                                                                          agent sessions
 =====================================  ====================  ===========  ===============
 
 Spec and status are apart: ``hostalloc`` is the brokers' own; ``hoststatus`` holds only
@@ -49,6 +52,7 @@ NODES = "nodes"
 REQUESTS = "requests"
 ELECTIONS = "elections"
 TENANTS = "tenants"
+BROKERS = "brokers"
 
 COLLECTIONS = (
     BOXES,
@@ -60,6 +64,7 @@ COLLECTIONS = (
     NODES,
     REQUESTS,
     TENANTS,
+    BROKERS,
 )
 
 
@@ -110,6 +115,11 @@ class KeySchema:
 
     def tenant(self, tenant_id: str) -> str:
         return f"{self.prefix}{TENANTS}/{tenant_id}"
+
+    def broker(self, broker_id: str) -> str:
+        """A broker's registration while it holds agent sessions: on the same etcd lease
+        as their liveness records, so both go together when the broker dies."""
+        return f"{self.prefix}{BROKERS}/{broker_id}"
 
     def election(self, duty: str) -> str:
         """The key a broker holds (on its lease) while it performs a singleton ``duty``.

@@ -124,6 +124,9 @@ def test_open_registers_the_host_and_keeps_its_liveness_on_the_broker_lease(
     assert meta.lease_id == sessions.lease.lease_id
     assert meta.mod_revision == session.key_revision
     assert cache.get("hostleases", "h1") is not None  # the broker reads its own write
+    # The broker's registration is on the same lease: it goes with the records.
+    _, registration_meta = store.client.get(store.keys.broker("broker-a"))
+    assert registration_meta.lease_id == sessions.lease.lease_id
 
 
 def test_another_identity_is_refused_while_the_host_is_held(

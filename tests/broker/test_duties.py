@@ -269,3 +269,61 @@ def test_leading_again_restarts_the_grace(
         assert lost and time.monotonic() - started >= 0.55
     finally:
         duties.stop()
+
+
+def held_by(store: Store, cache: Cache, broker: str, registered: bool) -> None:
+    """h1's liveness record names ``broker``, registered (alive) or not."""
+    from dxpool.api.v1 import resources_pb2
+
+    record = resources_pb2.HostLiveness(broker=broker, session="s1").SerializeToString()
+    txn = Txn().put(store.keys.host_lease("h1"), record)
+    if registered:
+        txn.put(store.keys.broker(broker), b"")
+    assert cache.wait_for_revision(store.commit(txn).revision, 10)
+
+
+def gone(store: Store, cache: Cache, *keys: str) -> None:
+    for key in keys:
+        store.client.delete(key)
+    assert cache.wait_for_revision(store.current_revision(), 10)
+
+
+def test_a_dead_brokers_hosts_get_the_reconnect_grace(
+    parts: tuple[Store, Cache], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The broker holding h1's session dies: its lease takes its registration and h1's
+    record together. h1's agent is reconnecting elsewhere, so h1 is not lost at once."""
+    store, cache = parts
+    held_by(store, cache, "b-dead", registered=True)
+    duties, clock, lost = losing(parts, [True], 30.0, monkeypatch)
+    try:
+        duties.handle_host_loss()
+        clock.now = 100.0  # long settled
+        duties.handle_host_loss()
+        gone(store, cache, store.keys.host_lease("h1"), store.keys.broker("b-dead"))
+        duties.handle_host_loss()
+        clock.now = 129.9
+        duties.handle_host_loss()
+        assert lost == []
+        clock.now = 130.0
+        duties.handle_host_loss()
+        assert lost == ["h1"]
+    finally:
+        duties.stop()
+
+
+def test_a_live_broker_that_let_a_silent_agent_go_loses_its_host_at_once(
+    parts: tuple[Store, Cache], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, cache = parts
+    held_by(store, cache, "b-alive", registered=True)
+    duties, clock, lost = losing(parts, [True], 30.0, monkeypatch)
+    try:
+        duties.handle_host_loss()
+        clock.now = 100.0
+        duties.handle_host_loss()
+        gone(store, cache, store.keys.host_lease("h1"))  # the broker deleted it
+        duties.handle_host_loss()
+        assert lost == ["h1"]
+    finally:
+        duties.stop()
