@@ -23,13 +23,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from dxpool.broker.agent_service import AgentService
+from dxpool.broker.agent_service import OPEN_WORKERS, AgentService
 from dxpool.tls import ServerTls, is_loopback_listen
 
 log = logging.getLogger(__name__)
 
 DEFAULT_AGENT_LISTEN = "127.0.0.1:8471"
-ETCD_WORKERS = 16
+# Worker threads for the service's etcd calls: OPEN_WORKERS for hellos, the rest always
+# free for the status writes and goodbyes of connected agents.
+ETCD_WORKERS = OPEN_WORKERS + 4
 MAX_AGENT_MESSAGE_BYTES = 1024 * 1024
 START_TIMEOUT_S = 30.0
 _OPTIONS = [

@@ -10,9 +10,13 @@ shared by all agents.
   caller must be the agent of the host it names (see *Authorization*). The session
   opens (:meth:`AgentSessions.open`), the welcome carries it with the host's status
   record (unless the agent says it knows it) and spec; the session's TTL counts from
-  the welcome. A broker opens at most :data:`MAX_OPENING` sessions at once and refuses
-  more at once (UNAVAILABLE, ``BROKER_BUSY``), so a storm of reconnecting agents backs
-  off and spreads instead of queueing until it times out. Then the stream carries
+  the welcome. Hellos wait their turn on the event loop and at most
+  :data:`OPEN_WORKERS` are opened at once, so the worker pool always has room for the
+  status writes of the agents already connected; a broker with :data:`MAX_OPENING`
+  hellos waiting refuses more at once (UNAVAILABLE, ``BROKER_BUSY``: try another
+  broker). The queue is long on purpose: a refused agent comes back on a new
+  connection (with TLS, a new handshake), so refusing early makes a reconnect storm
+  cost the broker more, not less. Then the stream carries
   heartbeats up and acknowledgements and spec changes down. The spec comes from the
   broker's cache: one cache listener hands each change of ``hostalloc/{host}`` to that
   host's stream, where only the newest waits to be sent (a slow agent gets fewer, newer
@@ -64,10 +68,13 @@ else:
 _EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]
 SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name
 HELLO_TIMEOUT_S = 10.0
-# Hellos a broker works on at once (each an etcd transaction); more are refused at once
-# with UNAVAILABLE (BROKER_BUSY), so a storm of reconnecting agents backs off and spreads
-# over the brokers instead of queueing behind each other until they time out.
-MAX_OPENING = 256
+# Hellos opened at once, each on a worker with its etcd transaction; the pool's other
+# workers stay free for status writes and goodbyes (see agent_server.ETCD_WORKERS).
+OPEN_WORKERS = 12
+# Hellos a broker holds at once, waiting or being opened; more are refused at once with
+# UNAVAILABLE (BROKER_BUSY). A waiting hello costs a coroutine and its stream; one its
+# agent stops waiting for (the agent's welcome timeout) is cancelled and gives up its turn.
+MAX_OPENING = 2048
 
 
 class _Outbox:
@@ -145,6 +152,7 @@ class AgentService:
         # host id -> (session, outbox) of the stream serving it; changed on the loop only
         self._streams: dict[str, tuple[Session, _Outbox]] = {}
         self._opening = 0  # hellos between their arrival and their welcome; the loop's
+        self._open_turns = asyncio.Semaphore(OPEN_WORKERS)  # used on the loop only
         self._subscription: Subscription | None = None
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -241,7 +249,8 @@ class AgentService:
                 with contextlib.suppress(RuntimeError):  # the server is stopping
                     loop.call_soon_threadsafe(outbox.finish, error)
 
-            session, welcome = await self._run(self._open, host_id, hello, on_end)
+            async with self._open_turns:
+                session, welcome = await self._run(self._open, host_id, hello, on_end)
         except DxpoolError as error:
             await self._refuse(context, error)
             return
@@ -404,4 +413,4 @@ def _undecodable(message: Undecodable) -> InvalidArgument:
     )
 
 
-__all__ = ["HELLO_TIMEOUT_S", "SERVICE", "AgentService", "host_spec"]
+__all__ = ["HELLO_TIMEOUT_S", "MAX_OPENING", "OPEN_WORKERS", "SERVICE", "AgentService", "host_spec"]

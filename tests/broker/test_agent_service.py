@@ -8,6 +8,8 @@ is checked to leave etcd byte for byte unchanged. The agent side here is a bare 
 from __future__ import annotations
 
 import queue
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -171,6 +173,57 @@ def test_a_broker_busy_opening_sessions_refuses_more_at_once(
 
     assert (refused.code, refused.reason) == (grpc.StatusCode.UNAVAILABLE, "BROKER_BUSY")
     assert pool_records(etcd_client, key_prefix) == before
+
+
+def test_a_storm_of_hellos_waits_its_turn_and_leaves_workers_for_status_writes(
+    broker: BrokerServer,
+    plain: Callable[[Any], RawSession],
+    etcd_client: Any,
+    key_prefix: str,
+    monkeypatch: Any,
+) -> None:
+    """More hellos than the worker pool has threads, every one held inside its open (as
+    a slow etcd would): the connected agent's status write still goes through at once,
+    and the waiting hellos are welcomed, not refused, once the opens move again."""
+    from dxpool.broker import agent_server, agent_service
+
+    keys = KeySchema(key_prefix)
+    connected = plain(hello("h0"))
+    welcome = connected.receive().welcome
+    release = threading.Event()
+    held: list[str] = []
+    lock = threading.Lock()
+    real_open = broker.agent_sessions.open
+
+    def held_open(host_id: str, *args: Any, **kwargs: Any) -> Any:
+        with lock:
+            held.append(host_id)
+        assert release.wait(30)
+        return real_open(host_id, *args, **kwargs)
+
+    monkeypatch.setattr(broker.agent_sessions, "open", held_open)
+    storm = [
+        plain(hello(f"s{index}", token=f"t{index}"))
+        for index in range(agent_server.ETCD_WORKERS + 4)
+    ]
+    deadline = time.monotonic() + 15
+    while len(held) < agent_service.OPEN_WORKERS and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # any hello beyond its turn would be held by now too
+
+    record = pb.HostStatus(
+        attachments=[pb.ObservedAttachment(gpu="boxes/b1/gpus/0", phase=ATTACHED)]
+    )
+    written = connected.stub.ReportStatus(
+        agent_pb2.ReportStatusRequest(host="hosts/h0", session=welcome.session, status=record),
+        timeout=10,
+    )
+    assert etcd_client.get(keys.host_status("h0"))[1].mod_revision == written.revision
+    assert len(held) == agent_service.OPEN_WORKERS  # the rest wait their turn, not refused
+
+    release.set()
+    assert all(session.receive().welcome.session for session in storm)
+    assert len(held) == len(storm)
 
 
 def test_heartbeats_are_acknowledged_and_spec_changes_pushed(
