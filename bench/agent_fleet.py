@@ -19,9 +19,10 @@ Then, measuring each broker process's CPU (share of one core) and RSS:
    second: this process writes their hosts' spec records into etcd as a compose would,
    the brokers push them, the agents report the new status (an etcd write each);
 4. **broker kill**: SIGKILL the first broker; the time until every agent holds a
-   session again (through the others, which take the liveness records over), and
-   the fewest live hosts seen meanwhile (the killed broker's records stay on its lease
-   while its agents move).
+   session again (through the others, which take the liveness records over), the
+   fewest live hosts seen meanwhile (the killed broker's records go when its lease
+   expires and come back as its agents reconnect), and the hellos the other brokers
+   refused meanwhile, by reason (``BROKER_BUSY``: more than ``MAX_OPENING`` at once).
 
 Prints the figures; ``bench/RESULTS.md`` records them. Everything shares the machine:
 etcd, the brokers and the fleet processes (which cost far more CPU than the brokers,
@@ -224,21 +225,26 @@ async def run_fleet(first: int, count: int, brokers: list[str], rate: float, ttl
     they see every 2 s on stdout, and ends when its parent does."""
     parent = os.getppid()
     fleet = Fleet(total=count)
+
+    async def emit_progress() -> None:
+        while os.getppid() == parent:
+            await asyncio.sleep(2.0)
+            samples, fleet.report_ms = fleet.report_ms, []
+            fleet.emit(
+                connected=fleet.connected,
+                sessions=fleet.sessions,
+                reports=fleet.reports,
+                stale=fleet.stale,
+                report_ms=[round(ms, 2) for ms in samples],
+            )
+
+    progress = asyncio.create_task(emit_progress())
     tasks = []
     for offset in range(count):
         tasks.append(asyncio.create_task(agent(first + offset, brokers, ttl_ms, fleet)))
         if offset % 50 == 49:
             await asyncio.sleep(50 / rate)
-    while os.getppid() == parent:
-        await asyncio.sleep(2.0)
-        samples, fleet.report_ms = fleet.report_ms, []
-        fleet.emit(
-            connected=fleet.connected,
-            sessions=fleet.sessions,
-            reports=fleet.reports,
-            stale=fleet.stale,
-            report_ms=[round(ms, 2) for ms in samples],
-        )
+    await progress
 
 
 # -- the measuring process ----------------------------------------------------------------
@@ -381,6 +387,21 @@ def status_writes(metrics_port: int) -> float:
     )
 
 
+def refusals(metrics_ports: list[int]) -> dict[str, float]:
+    """Hellos the brokers on ``metrics_ports`` refused so far, by reason."""
+    counts: dict[str, float] = {}
+    for port in metrics_ports:
+        try:
+            samples = broker_samples(port)
+        except OSError:
+            continue
+        for s in samples:
+            if s.name == "dxpool_agent_sessions_refused_total":
+                reason = s.labels.get("reason", "")
+                counts[reason] = counts.get(reason, 0.0) + s.value
+    return counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--agents", type=int, default=12_500)
@@ -396,6 +417,8 @@ def main() -> None:
     )
     parser.add_argument("--fleet", nargs=5, help=argparse.SUPPRESS)  # FIRST COUNT BROKERS RATE TTL
     args = parser.parse_args()
+    if args.brokers < 2 and not args.fleet:
+        parser.error("--brokers must be at least 2: one is killed, the others take its agents")
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # children inherit it
     if args.fleet:
@@ -513,6 +536,46 @@ def measure_churn(
     return busy, churned[0], writes
 
 
+def connect_fleet(
+    args: argparse.Namespace, brokers: Brokers, work: Path, workers: list[Worker]
+) -> tuple[float, float, int]:
+    """Start the fleet (into ``workers``) and wait until every agent holds a session;
+    the seconds that took, the brokers' CPU ms meanwhile and the sessions opened."""
+    pids = [process.pid for process, _, _ in brokers]
+    cpu_at_start = sum(cpu_seconds(pid) for pid in pids)
+    began = time.monotonic()
+    workers += start_fleet(args.agents, args.workers, brokers, work, args.ramp, args.ttl)
+    ttl = f"{args.ttl:g} s" if args.ttl else "the default"
+    print(
+        f"{args.agents} agents, {args.brokers} brokers, {args.workers} fleet processes, "
+        f"liveness TTL {ttl}, ramp {args.ramp:g} sessions/s"
+    )
+    wait_for(
+        "every agent in session",
+        lambda: all(w.all_connected for w in workers),
+        900,
+        fleet_progress(workers),
+    )
+    connect_s = time.monotonic() - began
+    opened = max(args.agents, sum(w.latest.get("sessions", 0) for w in workers))
+    return connect_s, (sum(cpu_seconds(pid) for pid in pids) - cpu_at_start) * 1000, opened
+
+
+def measure_kill(
+    brokers: Brokers, workers: list[Worker], client: Any
+) -> tuple[float, int, dict[str, float]]:
+    """Kill the first broker: the seconds until every agent is back in session, the
+    fewest live hosts meanwhile and the hellos the others refused, by reason."""
+    survivors = [port for _, _, port in brokers[1:]]
+    refused_before = refusals(survivors)
+    back_s, fewest = kill_and_reconnect(brokers[0][0], workers, client)
+    refused = {
+        reason: count - refused_before.get(reason, 0.0)
+        for reason, count in refusals(survivors).items()
+    }
+    return back_s, fewest, refused
+
+
 def measure(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="dxpool-fleet-"))
     etcd = EmbeddedEtcd(work / "etcd").start()
@@ -522,30 +585,21 @@ def measure(args: argparse.Namespace) -> None:
     stop = threading.Event()
     try:
         brokers = start_brokers(args.brokers, etcd.endpoint, work)
-        began = time.monotonic()
-        workers = start_fleet(args.agents, args.workers, brokers, work, args.ramp, args.ttl)
-        ttl = f"{args.ttl:g} s" if args.ttl else "the default"
-        print(
-            f"{args.agents} agents, {args.brokers} brokers, {args.workers} fleet processes, "
-            f"liveness TTL {ttl}, ramp {args.ramp:g} sessions/s"
-        )
-        wait_for(
-            "every agent in session",
-            lambda: all(w.all_connected for w in workers),
-            900,
-            fleet_progress(workers),
-        )
-        connect_s = time.monotonic() - began
-        assert live_hosts(client) == args.agents
         pids = [process.pid for process, _, _ in brokers]
+        connect_s, connect_cpu_ms, opened = connect_fleet(args, brokers, work, workers)
+        assert live_hosts(client) == args.agents
         idle = usage_over(pids, args.seconds)
         busy, churned, writes = measure_churn(args, brokers, workers, client, stop)
         reports = sorted(ms for w in workers for ms in w.report_ms)
-        back_s, fewest = kill_and_reconnect(brokers[0][0], workers, client)
+        back_s, fewest, refused = measure_kill(brokers, workers, client)
         after = usage_over(pids[1:], args.seconds)
         fleet_cpu = usage_over([w.process.pid for w in workers], 5)
         print()
         print(f"connect         all {args.agents} agents in session after {connect_s:.1f} s")
+        print(
+            f"                brokers' CPU {connect_cpu_ms / 1000:.1f} s in all meanwhile, "
+            f"{connect_cpu_ms / max(1, opened):.2f} ms per session opened (n={opened})"
+        )
         print_usage("idle", idle)
         print_usage("churn", busy)
         print(
@@ -556,6 +610,8 @@ def measure(args: argparse.Namespace) -> None:
         )
         print(f"broker kill     every agent back in session after {back_s:.2f} s")
         print(f"                fewest live hosts seen meanwhile: {fewest} of {args.agents}")
+        shown = ", ".join(f"{reason} {count:.0f}" for reason, count in sorted(refused.items()))
+        print(f"                hellos the others refused meanwhile: {shown or 'none'}")
         print_usage("after", after, first=1)
         cpu = ", ".join(f"{u.cpu * 100:.0f}%" for u in fleet_cpu)
         print(f"fleet processes CPU {cpu} (RSS {sum(u.rss_mib for u in fleet_cpu):.0f} MiB)")
