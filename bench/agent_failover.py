@@ -1,20 +1,22 @@
 """Host loss and broker loss with agents behind brokers, with the default settings.
 
 Starts a private etcd (fsync on), two broker processes (A and B, on a simulated fabric's
-box side, so lost hosts are fenced) and four host agents that know both brokers and start
-with A. Two scenarios, ``--trials`` times each:
+box side, so lost hosts are fenced) and four host agents that know both brokers (each
+agent picks its first by its host's order). Two scenarios, ``--trials`` times each:
 
 * **host loss**: a node READY on a host, then its agent SIGKILLed (or SIGSTOPped with
   ``--freeze``): seconds until the host's liveness record is gone (the broker heard no
   heartbeat for the liveness TTL), until the node is LOST, and until its GPU is fenced
   and FREE. The agent is started again (resumed) afterwards.
 * **broker kill**: one client thread composes and releases 1-GPU nodes on the broker
-  that stays, in a loop, each compose waited on until READY; the broker that holds the
-  agents' sessions is SIGKILLed. The *write gap* is the longest time between two nodes
-  becoming READY around the kill (a READY needs the agents' status writes, which go
-  through a broker); also how long until every agent holds a session on the other
-  broker, whether any host's liveness record went missing, and what the client saw.
-  The killed broker is started again; the next trial kills the other one.
+  that stays, in a loop, each on a host whose agent holds its session on the other
+  broker and each waited on until READY; that other broker is SIGKILLed. The *write
+  gap* is the longest time between two nodes becoming READY around the kill (a READY
+  needs the agent's status writes, which go through a broker); also how long until the
+  killed broker's agents hold sessions on the one that stays, whether any host's
+  liveness record went missing, and what the client saw. The killed broker is started
+  again; the next trial kills the other one (a trial needs an agent on the broker it
+  kills: agents spread over both by their hosts' orders, and move when one is killed).
 
 The host-loss trials start ``--settle`` seconds (35) after the brokers: a broker that
 just became the leader gives agents its reconnect grace (30 s) before it declares any host
@@ -54,7 +56,11 @@ from dxpool.store.keys import KeySchema
 PREFIX = "/dxpool-failover/"
 KEYS = KeySchema(PREFIX)
 HOSTS = 4
-ONE_GPU = nodes_pb2.ComposeNodeRequest(spec=pb.NodeSpec(gpus=pb.GpuRequest(model="H100", count=1)))
+
+
+def one_gpu(host: str) -> nodes_pb2.ComposeNodeRequest:
+    gpus = pb.GpuRequest(model="H100", count=1)
+    return nodes_pb2.ComposeNodeRequest(spec=pb.NodeSpec(gpus=gpus, host=f"hosts/{host}"))
 
 
 @dataclass
@@ -180,38 +186,49 @@ def sessions_on(etcd: Any) -> dict[str, str]:
     }
 
 
-def broker_kill(pool: Pool, victim: int, etcd: Any) -> dict[str, Any]:
-    survivor = 1 - victim
-    api = pool.brokers[survivor][1]
-    victim_process = pool.brokers[victim][0].popen
-    assert victim_process is not None
-    victim_id = f"/{victim_process.pid}/"  # a broker's id is host/pid/random
-    on_victim = {h for h, b in sessions_on(etcd).items() if victim_id in b}
-    readies: list[float] = []
-    codes: dict[str, int] = {}
-    stop = threading.Event()
+@dataclass
+class ComposeLoop:
+    """Composes and releases 1-GPU nodes on ``hosts`` in turn through ``api``, each
+    waited on until READY, until stopped; when each became READY, and the errors seen."""
 
-    def load() -> None:
-        with grpc.insecure_channel(api) as channel:
+    api: str
+    hosts: list[str]
+    readies: list[float] = field(default_factory=list)
+    codes: dict[str, int] = field(default_factory=dict)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        targets = itertools.cycle(self.hosts)
+        with grpc.insecure_channel(self.api) as channel:
             stub = nodes_pb2_grpc.NodeServiceStub(channel)
-            while not stop.is_set():
+            while not self.stop.is_set():
                 try:
-                    node = stub.ComposeNode(ONE_GPU, timeout=10)
+                    node = stub.ComposeNode(one_gpu(next(targets)), timeout=10)
                     deadline = time.monotonic() + 60
                     while time.monotonic() < deadline:
                         state = stub.GetNode(
                             nodes_pb2.GetNodeRequest(name=node.name), timeout=5
                         ).state
                         if state == pb.NODE_STATE_READY:
-                            readies.append(time.monotonic())
+                            self.readies.append(time.monotonic())
                             break
                         time.sleep(0.005)
                     stub.ReleaseNode(nodes_pb2.ReleaseNodeRequest(name=node.name), timeout=10)
                 except grpc.RpcError as error:
-                    codes[error.code().name] = codes.get(error.code().name, 0) + 1
+                    self.codes[error.code().name] = self.codes.get(error.code().name, 0) + 1
                     time.sleep(0.05)
 
-    worker = threading.Thread(target=load)
+
+def broker_kill(pool: Pool, victim: int, etcd: Any) -> dict[str, Any]:
+    victim_process = pool.brokers[victim][0].popen
+    assert victim_process is not None
+    victim_id = f"/{victim_process.pid}/"  # a broker's id is host/pid/random
+    on_victim = {h for h, b in sessions_on(etcd).items() if victim_id in b}
+    if not on_victim:
+        raise RuntimeError(f"no agent holds a session on broker {victim} to measure")
+    loop = ComposeLoop(pool.brokers[1 - victim][1], sorted(on_victim))
+    readies, codes, stop = loop.readies, loop.codes, loop.stop
+    worker = threading.Thread(target=loop.run)
     worker.start()
     time.sleep(5)
     missing: list[str] = []

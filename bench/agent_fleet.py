@@ -3,8 +3,9 @@
 Starts a private etcd (fsync on), ``--brokers`` broker processes (plaintext, insecure
 mode: the authorization path is covered by the test suite, not measured here) and
 ``--workers`` fleet processes, which connect ``--agents`` simulated agents in all, each
-over a connection of its own to the brokers' agent ports (agent i starts with broker
-i mod brokers and knows all). A simulated agent speaks the agent service as
+over a connection of its own to the brokers' agent ports (it knows all and tries them
+in its host's order, as ``dxpool agent`` does: ``broker_order``). A simulated agent
+speaks the agent service as
 ``dxpool agent`` does: a hello, a heartbeat every interval the broker asks for (a third
 of the default 10 s liveness TTL), and, for every spec the broker pushes, a ReportStatus
 that claims the spec's GPUs ATTACHED on that spec's revision; on a broken session it
@@ -63,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from bench.broker_metrics import broker_samples
 from dxpool.api.v1 import agent_pb2, agent_pb2_grpc
 from dxpool.api.v1 import resources_pb2 as pb
+from dxpool.hostagent.link import broker_order
 from dxpool.store.client import connect
 from dxpool.store.embedded import EmbeddedEtcd, free_ports
 from dxpool.store.keys import KeySchema
@@ -199,7 +201,7 @@ async def session(
 async def agent(index: int, brokers: list[str], ttl_ms: int, fleet: Fleet) -> None:
     host = host_id(index)
     token = f"fleet-{host}-{random.getrandbits(48):x}"
-    order = brokers[index % len(brokers) :] + brokers[: index % len(brokers)]
+    order = broker_order(f"hosts/{host}", brokers)
     failures = 0
     attempt = 0
     while True:

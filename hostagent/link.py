@@ -11,9 +11,13 @@ through a broker's agent port (``AgentService``), with its own certificate
   holds); the welcome names the session and carries the host's status record and spec
   (:attr:`on_welcome`). Then it sends a heartbeat every interval the broker asked for
   and hands each spec the broker pushes to :attr:`on_spec`.
+* **Which broker.** The link tries the brokers in an order of its host's own
+  (:func:`broker_order`: the list shuffled, seeded by the host's name), so hosts given
+  the same list spread evenly over the brokers, and when one goes its hosts spread
+  evenly over the others instead of all arriving at the next one in the list.
 * **Fail over.** When the stream breaks, the broker ends the session, or the broker is
   silent for two heartbeat intervals and a second (a frozen broker), the link tries
-  the next broker of its list, with exponential backoff and jitter (tenacity) between
+  the next broker of its order, with exponential backoff and jitter (tenacity) between
   failed tries (the first try after a session that lasted comes within a random half
   second, so a broker's agents do not all arrive at once), and sends the spec revision
   it holds, so the new broker resumes from there. The host stays alive meanwhile: its
@@ -76,6 +80,16 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 _STOP = object()
+
+
+def broker_order(host: str, endpoints: Sequence[str]) -> tuple[str, ...]:
+    """The order in which ``host``'s agent tries ``endpoints``: the list shuffled by a
+    generator seeded with the host's name, so the same on every start of the agent.
+    Over many hosts each broker comes first equally often, and among the hosts that
+    share a first broker each other broker comes next equally often."""
+    order = list(endpoints)
+    random.Random(host).shuffle(order)
+    return tuple(order)
 
 
 @dataclass(frozen=True)
@@ -173,7 +187,7 @@ class BrokerLink:
     ) -> None:
         if not endpoints:
             raise ValueError("a link needs at least one broker endpoint")
-        self._endpoints = tuple(endpoints)
+        self._endpoints = broker_order(host, endpoints)
         self._host = host
         self._hello = hello
         self._on_welcome = on_welcome
@@ -430,4 +444,4 @@ def _refused(error: DxpoolError) -> bool:
     return isinstance(error, FailedPrecondition) and error.reason == "HOST_HELD"
 
 
-__all__ = ["BrokerLink", "LiveSession"]
+__all__ = ["BrokerLink", "LiveSession", "broker_order"]

@@ -313,7 +313,7 @@ class ChaosPool:
                     location=("s1", "p1", f"r{index % 2}"),
                 )
         for index, host in enumerate(self.host_ids):
-            agent = self._agent(host, index, rack=f"r{index % 2}")
+            agent = self._agent(host, rack=f"r{index % 2}")
             self.agents.append(agent)
             agent.start()
         self.wait_hosts_alive(self.host_ids)
@@ -343,10 +343,9 @@ class ChaosPool:
         ]
         return Broker(f"broker{index}", args, self.root / f"broker{index}.log", port, agent_port)
 
-    def _agent(self, host: str, index: int, rack: str) -> Agent:
+    def _agent(self, host: str, rack: str) -> Agent:
         cfg = self.config
-        shift = index % len(self.brokers)  # agents spread over the brokers
-        brokers = [b.agent_endpoint for b in self.brokers[shift:] + self.brokers[:shift]]
+        brokers = [b.agent_endpoint for b in self.brokers]  # each agent spreads itself
         args = [
             sys.executable,
             "-m",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from dxpool.broker.server import BrokerServer
 from dxpool.errors import FailedPrecondition
 from dxpool.hostagent.config import AgentConfig
 from dxpool.hostagent.identity import AgentIdentity
-from dxpool.hostagent.link import BrokerLink
+from dxpool.hostagent.link import BrokerLink, broker_order
 from dxpool.hostagent.registration import host_record
 from dxpool.store.client import connect
 from dxpool.store.embedded import EmbeddedEtcd
@@ -188,11 +189,13 @@ def test_the_link_fails_over_when_its_broker_goes_and_the_host_stays_alive(
     links: Callable[..., BrokerLink],
 ) -> None:
     keys = KeySchema(key_prefix)
-    first, second = broker_factory(), broker_factory()
-    link = links([first, second], config, "agent-token")
+    brokers = [broker_factory(), broker_factory()]
+    link = links(brokers, config, "agent-token")
     assert link.wait_connected(20)
     session = link.session
-    assert session is not None and session.endpoint == first.agent_endpoint
+    assert session is not None
+    first = next(b for b in brokers if b.agent_endpoint == session.endpoint)
+    second = next(b for b in brokers if b is not first)
     absent: list[float] = []
     watching = threading.Event()
 
@@ -219,6 +222,22 @@ def test_the_link_fails_over_when_its_broker_goes_and_the_host_stays_alive(
     assert found[0].broker == second.election.identity
     assert found[1].lease_id == second.agent_sessions.lease.lease_id
     assert absent == []  # the host never looked gone
+
+
+def test_hosts_spread_over_the_brokers_and_a_broker_s_hosts_over_the_others() -> None:
+    """Every host is given the same list: each broker is the first choice of a third of
+    them, and the hosts of one broker have the other two as next choice half and half,
+    so a broker that goes does not send all its hosts to the same broker."""
+    brokers = ["b0:8471", "b1:8471", "b2:8471"]
+    orders = [broker_order(f"hosts/h{index}", brokers) for index in range(3000)]
+
+    assert all(sorted(order) == brokers for order in orders)
+    assert broker_order("hosts/h1", brokers) == orders[1]  # the same on every start
+    firsts = Counter(order[0] for order in orders)
+    assert all(900 <= firsts[broker] <= 1100 for broker in brokers), firsts
+    nexts = Counter(order[1] for order in orders if order[0] == "b0:8471")
+    assert all(0.4 <= nexts[b] / firsts["b0:8471"] <= 0.6 for b in brokers[1:]), nexts
+    assert broker_order("hosts/h1", ["only:8471"]) == ("only:8471",)
 
 
 def test_one_state_directory_serves_one_agent_at_a_time(tmp_path: Path) -> None:
