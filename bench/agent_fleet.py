@@ -156,7 +156,7 @@ async def session(
     stub = agent_pb2_grpc.AgentServiceStub(channel)
     call = stub.Connect()
     await call.write(
-        agent_pb2.AgentMessage(
+        agent_pb2.ConnectRequest(
             hello=agent_pb2.AgentHello(
                 host=pb.Host(name=f"hosts/{host}", slot_capacity=8),
                 token=token,
@@ -178,7 +178,7 @@ async def session(
         while True:
             sequence += 1
             await call.write(
-                agent_pb2.AgentMessage(heartbeat=agent_pb2.AgentHeartbeat(sequence=sequence))
+                agent_pb2.ConnectRequest(heartbeat=agent_pb2.AgentHeartbeat(sequence=sequence))
             )
             await asyncio.sleep(interval)
 

@@ -9,8 +9,10 @@ worker pool (:data:`ETCD_WORKERS`).
 
 The port takes the broker's TLS (``ServerTls``; with a client CA, agents must present
 certificates from it) and the broker's authentication (see
-:mod:`dxpool.broker.agent_service`). Messages are bounded by
-:data:`MAX_AGENT_MESSAGE_BYTES`, well above the largest status record an agent may send.
+:mod:`dxpool.broker.agent_service`). gRPC core refuses any message over
+:data:`MAX_AGENT_MESSAGE_BYTES` (the largest of the agent methods' limits, see
+:mod:`dxpool.broker.request_limits`); the service checks each method's own limit before
+decoding.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from dxpool.broker.agent_service import OPEN_WORKERS, AgentService
+from dxpool.broker.request_limits import AGENT_SERVER_MAX_RECEIVE_BYTES
 from dxpool.tls import ServerTls, is_loopback_listen
 
 log = logging.getLogger(__name__)
@@ -32,7 +35,7 @@ DEFAULT_AGENT_LISTEN = "127.0.0.1:8471"
 # Worker threads for the service's etcd calls: OPEN_WORKERS for hellos, the rest always
 # free for the status writes and goodbyes of connected agents.
 ETCD_WORKERS = OPEN_WORKERS + 4
-MAX_AGENT_MESSAGE_BYTES = 1024 * 1024
+MAX_AGENT_MESSAGE_BYTES = AGENT_SERVER_MAX_RECEIVE_BYTES
 START_TIMEOUT_S = 30.0
 _OPTIONS = [
     ("grpc.so_reuseport", 0),

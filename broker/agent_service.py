@@ -29,7 +29,10 @@ shared by all agents.
 port) the caller must be ``dxpool://agent/HOST`` for the host it names; any other
 identity is PERMISSION_DENIED before anything is read or written, and counted in
 ``dxpool_agent_sessions_refused_total``. With authentication off, every caller may act
-for any host (a plaintext test pool). Undecodable messages are INVALID_ARGUMENT.
+for any host (a plaintext test pool). Undecodable messages are INVALID_ARGUMENT; a
+message over its method's limit (:mod:`~dxpool.broker.request_limits`) is not decoded
+and ends the call RESOURCE_EXHAUSTED (reason REQUEST_TOO_LARGE), counted in
+``dxpool_rpc_oversized_total``.
 """
 
 from __future__ import annotations
@@ -45,13 +48,20 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from dxpool.api.v1 import agent_pb2
-from dxpool.broker import agent_metrics
+from dxpool.broker import agent_metrics, metrics
 from dxpool.broker.agent_sessions import AgentSessions, Session
 from dxpool.broker.auth import Authenticator
 from dxpool.broker.cache import Cache, Subscription
-from dxpool.broker.decoding import Undecodable, guard_deserializer
+from dxpool.broker.decoding import Oversized, Undecodable, guard_deserializer
+from dxpool.broker.request_limits import limit_for
 from dxpool.broker.rpc import to_status
-from dxpool.errors import DxpoolError, InvalidArgument, PermissionDenied, Unavailable
+from dxpool.errors import (
+    DxpoolError,
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+)
 from dxpool.identity import Role
 from dxpool.names import host_name, parse_host
 from dxpool.store import keys as k
@@ -103,7 +113,7 @@ class _Outbox:
             self.finished, self.error = True, error
         self._wake.set()
 
-    async def next(self) -> agent_pb2.BrokerMessage | None:
+    async def next(self) -> agent_pb2.ConnectResponse | None:
         """The next message to send; None once the stream is to end."""
         while True:
             if self.finished:
@@ -111,10 +121,10 @@ class _Outbox:
             if self.spec is not None:
                 record, revision = self.spec
                 self.spec = None
-                return agent_pb2.BrokerMessage(spec=host_spec(record, revision))
+                return agent_pb2.ConnectResponse(spec=host_spec(record, revision))
             if self.ack is not None:
                 sequence, self.ack = self.ack, None
-                return agent_pb2.BrokerMessage(
+                return agent_pb2.ConnectResponse(
                     heartbeat_ack=agent_pb2.HeartbeatAck(sequence=sequence)
                 )
             self._wake.clear()
@@ -170,12 +180,17 @@ class AgentService:
         methods = {
             "Connect": grpc.stream_stream_rpc_method_handler(
                 self.connect,
-                request_deserializer=guard_deserializer(agent_pb2.AgentMessage.FromString),
-                response_serializer=agent_pb2.BrokerMessage.SerializeToString,
+                request_deserializer=guard_deserializer(
+                    agent_pb2.ConnectRequest.FromString, limit_for(f"/{SERVICE}/Connect")
+                ),
+                response_serializer=agent_pb2.ConnectResponse.SerializeToString,
             ),
             "ReportStatus": grpc.unary_unary_rpc_method_handler(
                 self.report_status,
-                request_deserializer=guard_deserializer(agent_pb2.ReportStatusRequest.FromString),
+                request_deserializer=guard_deserializer(
+                    agent_pb2.ReportStatusRequest.FromString,
+                    limit_for(f"/{SERVICE}/ReportStatus"),
+                ),
                 response_serializer=agent_pb2.ReportStatusResponse.SerializeToString,
             ),
         }
@@ -259,7 +274,7 @@ class AgentService:
         self._streams[host_id] = (session, outbox)
         reader: asyncio.Task[None] | None = None
         try:
-            await context.write(agent_pb2.BrokerMessage(welcome=welcome))
+            await context.write(agent_pb2.ConnectResponse(welcome=welcome))
             self._sessions.heartbeat(session)  # its TTL counts from the welcome
             reader = asyncio.create_task(self._read(context, session, outbox))
             while (message := await outbox.next()) is not None:
@@ -322,8 +337,8 @@ class AgentService:
                 if message is _EOF:
                     outbox.finish(None)
                     return
-                if isinstance(message, Undecodable):
-                    outbox.finish(_undecodable(message))
+                if isinstance(message, Undecodable | Oversized):
+                    outbox.finish(_refused_payload("Connect", message))
                     return
                 kind = message.WhichOneof("kind")
                 if kind == "heartbeat":
@@ -363,8 +378,8 @@ class AgentService:
         self, request: Any, context: grpc.aio.ServicerContext[Any, Any]
     ) -> agent_pb2.ReportStatusResponse:
         try:
-            if isinstance(request, Undecodable):
-                raise _undecodable(request)
+            if isinstance(request, Undecodable | Oversized):
+                raise _refused_payload("ReportStatus", request)
             host_id = parse_host(request.host)
             self._authorize(context, host_id)
             revision = await self._run(
@@ -396,8 +411,8 @@ class AgentService:
 
 
 def _hello(message: Any) -> agent_pb2.AgentHello:
-    if isinstance(message, Undecodable):
-        raise _undecodable(message)
+    if isinstance(message, Undecodable | Oversized):
+        raise _refused_payload("Connect", message)
     if message.WhichOneof("kind") != "hello":
         raise InvalidArgument(
             "a session starts with a hello (host, token, liveness TTL)", reason="NO_HELLO"
@@ -406,7 +421,16 @@ def _hello(message: Any) -> agent_pb2.AgentHello:
     return hello
 
 
-def _undecodable(message: Undecodable) -> InvalidArgument:
+def _refused_payload(method: str, message: Undecodable | Oversized) -> DxpoolError:
+    """The error for a message that did not decode, or was too large to (counted)."""
+    if isinstance(message, Oversized):
+        metrics.RPC_OVERSIZED.labels(method=f"AgentService.{method}").inc()
+        return ResourceExhausted(
+            f"the message is {message.size} bytes; {method} takes at most {message.limit} "
+            "bytes: send less (fewer or shorter labels, texts or entries)",
+            reason="REQUEST_TOO_LARGE",
+            metadata={"size": str(message.size), "limit": str(message.limit)},
+        )
     return InvalidArgument(
         f"the message is not a valid {message.expected}: {message.error}",
         reason="UNDECODABLE_REQUEST",

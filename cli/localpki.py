@@ -37,6 +37,7 @@ import yaml
 from dxpool.etcd_users import BROKER_USER, ROOT_USER
 from dxpool.identity import Identity, Role
 from dxpool.pki import CertPair, create_ca, issue, load_pair, write_pair
+from dxpool.private_files import write_atomic
 from dxpool.tls import ClientTls, ServerTls
 
 __all__ = ["LOCAL_OPERATOR", "LocalPki", "ensure_local_pki", "write_client_config"]
@@ -129,6 +130,21 @@ def _fresh(
     return expires - dt.datetime.now(dt.UTC) > _RENEW_BEFORE
 
 
+def _good_for_clients(directory: Path, name: str) -> bool:
+    """Whether ``name``'s certificate may authenticate a client (extended key usage);
+    one made before etcd's certificate had to be is made again."""
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    try:
+        usage = load_pair(directory, name).cert.extensions.get_extension_for_class(
+            x509.ExtendedKeyUsage
+        )
+    except Exception:
+        return False
+    return ExtendedKeyUsageOID.CLIENT_AUTH in usage.value
+
+
 def _server_names(listen_host: str) -> tuple[list[str], list[str]]:
     dns, ips = ["localhost"], ["127.0.0.1", "::1"]
     host = listen_host.strip("[]")
@@ -165,8 +181,10 @@ def ensure_local_pki(directory: Path, *, listen: str, hosts: Sequence[str]) -> L
         write_pair(directory, "broker-etcd", pair)
     if not _fresh(directory, "etcd-root", ROOT_USER, etcd_ca):
         write_pair(directory, "etcd-root", issue(etcd_ca, common_name=ROOT_USER, client_auth=True))
-    if not _fresh(directory, "etcd", signer=etcd_ca):
-        # client_auth: the same certificate is what this member shows its peers.
+    if not _fresh(directory, "etcd", signer=etcd_ca) or not _good_for_clients(directory, "etcd"):
+        # client_auth: the same certificate is what this member shows its peers, and etcd
+        # also connects to itself with it (its gRPC gateway), or etcd logs "incompatible
+        # key usage" for every such connection.
         pair = issue(etcd_ca, dns_names=["localhost"], ip_addresses=["127.0.0.1"], client_auth=True)
         write_pair(directory, "etcd", pair)
     if not _fresh(directory, "operator", signer=ca):
@@ -192,7 +210,8 @@ def _names_cover(directory: Path, dns: list[str], ips: list[str]) -> bool:
 
 def write_client_config(path: Path, endpoint: str, pki: LocalPki | None) -> None:
     """Write the CLI config for the pool: its endpoint and, with TLS, the operator's
-    certificate (paths relative to the file, so the directory can move)."""
+    certificate (paths relative to the file, so the directory can move); mode 0600, as
+    it leads to the operator's key."""
     config: dict[str, str] = {"endpoint": endpoint}
     if pki is not None:
         base = path.parent.resolve()
@@ -203,4 +222,4 @@ def write_client_config(path: Path, endpoint: str, pki: LocalPki | None) -> None
         ):
             config[key] = str(value.resolve().relative_to(base))
     header = "# Written by `dxpool up`: how the dxpool CLI reaches this pool.\n"
-    path.write_text(header + yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    write_atomic(path, header + yaml.safe_dump(config, sort_keys=False))  # mode 0600

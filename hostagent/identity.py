@@ -1,11 +1,12 @@
 """The agent's identity for its host: a token that survives restarts on one machine.
 
-The token is kept in ``{state_dir}/agent-{host}.token`` and the file is held under an
-exclusive ``flock`` for the agent's lifetime, so two agent processes can never use the
-same identity at once. The agent sends the token in its session's hello, and the host's
-liveness record holds its SHA-256 digest: a restarted agent presents the same token and
-takes its live session over (through any broker) instead of waiting for the host to be
-declared gone, so its nodes survive the restart, while any other agent - elsewhere, or
+The token is kept in ``{state_dir}/agent-{host}.token`` (mode 0600: it is the key to the
+host's liveness) and the file is held under an exclusive ``flock`` for the agent's
+lifetime, so two agent processes can never use the same identity at once. The agent
+sends the token in its session's hello, and the host's liveness record holds its SHA-256
+digest: a restarted agent presents the same token and takes its live session over
+(through any broker) instead of waiting for the host to be declared gone, so its nodes
+survive the restart, while any other agent - elsewhere, or
 without the state - is refused the host. Without a state directory the token is new for
 each process: a restart then waits for the previous session's liveness TTL to pass.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import IO
 
 from dxpool.errors import FailedPrecondition
+from dxpool.private_files import PRIVATE_MODE
 
 
 class AgentIdentity:
@@ -31,7 +33,10 @@ class AgentIdentity:
             return
         state_dir.mkdir(parents=True, exist_ok=True)
         path = state_dir / f"agent-{host_id}.token"
-        handle = open(path, "a+", encoding="ascii")  # noqa: SIM115 - held while running
+        # Made 0600 from creation; one an older version left readable by others is fixed.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, PRIVATE_MODE)
+        os.fchmod(fd, PRIVATE_MODE)
+        handle = open(fd, "a+", encoding="ascii")  # noqa: SIM115 - held while running
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

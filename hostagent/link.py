@@ -117,7 +117,7 @@ class _Outgoing:
 
     def __init__(self, hello: agent_pb2.AgentHello) -> None:
         self._queue: queue.Queue[Any] = queue.Queue()
-        self._queue.put(agent_pb2.AgentMessage(hello=hello))
+        self._queue.put(agent_pb2.ConnectRequest(hello=hello))
         self._interval: float | None = None  # set by the welcome
         self._silence_limit = WELCOME_TIMEOUT_S
         self._heard_at = time.monotonic()
@@ -132,13 +132,13 @@ class _Outgoing:
     def heard(self) -> None:
         self._heard_at = time.monotonic()
 
-    def say(self, message: agent_pb2.AgentMessage) -> None:
+    def say(self, message: agent_pb2.ConnectRequest) -> None:
         self._queue.put(message)
 
     def close(self) -> None:
         self._queue.put(_STOP)
 
-    def messages(self) -> Iterator[agent_pb2.AgentMessage]:
+    def messages(self) -> Iterator[agent_pb2.ConnectRequest]:
         """Runs on a gRPC thread for the life of the stream."""
         while True:
             wait = self._interval if self._interval is not None else 0.5
@@ -160,7 +160,7 @@ class _Outgoing:
                 yield item
             elif self._interval is not None:
                 self._sequence += 1
-                yield agent_pb2.AgentMessage(
+                yield agent_pb2.ConnectRequest(
                     heartbeat=agent_pb2.AgentHeartbeat(sequence=self._sequence)
                 )
 
@@ -247,7 +247,7 @@ class BrokerLink:
         if outgoing is not None:
             if session is not None:
                 outgoing.say(
-                    agent_pb2.AgentMessage(goodbye=agent_pb2.AgentGoodbye(release=release))
+                    agent_pb2.ConnectRequest(goodbye=agent_pb2.AgentGoodbye(release=release))
                 )
             outgoing.close()
             if not self._ended.wait(GOODBYE_TIMEOUT_S) and outgoing.call is not None:
@@ -382,7 +382,7 @@ class BrokerLink:
 
     @staticmethod
     def _welcome(
-        endpoint: str, responses: Iterator[agent_pb2.BrokerMessage], call: Any
+        endpoint: str, responses: Iterator[agent_pb2.ConnectResponse], call: Any
     ) -> agent_pb2.AgentWelcome:
         """The stream's first message, which must be a welcome, within
         :data:`WELCOME_TIMEOUT_S` (the call is cancelled otherwise)."""

@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from dxpool.cli.errors import EXIT_API_ERROR
+from dxpool.cli.exits import EXIT_API_ERROR
 from dxpool.cli.extras import require_extras
+from dxpool.cli.help import SummaryGroup
 from dxpool.errors import DxpoolError, InvalidArgument
 from dxpool.etcd_users import agent_user
 from dxpool.store.keys import DEFAULT_PREFIX, KeySchema
@@ -148,7 +149,7 @@ def _refuse_agents(ctx: click.Context, param: click.Parameter, value: tuple[str,
         raise click.UsageError(f"--agents: {NO_AGENT_USERS}; leave it out", ctx=ctx)
 
 
-@click.group("etcd-auth")
+@click.group("etcd-auth", cls=SummaryGroup)
 def etcd_auth() -> None:
     """etcd users and roles: only brokers (and root) may touch the pool's keys."""
 

@@ -29,7 +29,7 @@ ATTACHED = pb.ATTACHMENT_PHASE_ATTACHED
 
 
 def hello(host: str = "h1", token: str = "token-1", ttl_ms: int = 60_000, **fields: Any) -> Any:
-    return agent_pb2.AgentMessage(
+    return agent_pb2.ConnectRequest(
         hello=agent_pb2.AgentHello(
             host=pb.Host(name=f"hosts/{host}", slot_capacity=8),
             token=token,
@@ -59,8 +59,8 @@ class RawSession:
     def send(self, message: Any) -> None:
         self._queue.put(message)
 
-    def receive(self) -> agent_pb2.BrokerMessage:
-        message: agent_pb2.BrokerMessage = next(self._responses)
+    def receive(self) -> agent_pb2.ConnectResponse:
+        message: agent_pb2.ConnectResponse = next(self._responses)
         return message
 
     def close(self) -> None:
@@ -232,7 +232,7 @@ def test_heartbeats_are_acknowledged_and_spec_changes_pushed(
     keys = KeySchema(key_prefix)
     session = plain(hello())
     assert session.receive().welcome.spec.spec_revision == 0
-    session.send(agent_pb2.AgentMessage(heartbeat=agent_pb2.AgentHeartbeat(sequence=7)))
+    session.send(agent_pb2.ConnectRequest(heartbeat=agent_pb2.AgentHeartbeat(sequence=7)))
     assert session.receive().heartbeat_ack.sequence == 7
 
     spec = pb.HostAllocation(
@@ -267,7 +267,7 @@ def test_a_session_must_start_with_a_readable_hello(
     broker: BrokerServer, plain: Callable[[Any], RawSession], etcd_client: Any, key_prefix: str
 ) -> None:
     before = pool_records(etcd_client, key_prefix)
-    heartbeat = agent_pb2.AgentMessage(heartbeat=agent_pb2.AgentHeartbeat(sequence=1))
+    heartbeat = agent_pb2.ConnectRequest(heartbeat=agent_pb2.AgentHeartbeat(sequence=1))
     assert refusal(plain(heartbeat).receive).reason == "NO_HELLO"
 
     channel = grpc.insecure_channel(broker.agent_endpoint)
@@ -277,6 +277,40 @@ def test_a_session_must_start_with_a_readable_hello(
     assert refusal(lambda: next(garbage)).reason == "UNDECODABLE_REQUEST"
     channel.close()
     assert pool_records(etcd_client, key_prefix) == before
+
+
+def test_messages_over_their_method_s_limit_are_refused_undecoded(
+    broker: BrokerServer, plain: Callable[[Any], RawSession], etcd_client: Any, key_prefix: str
+) -> None:
+    """A hello over Connect's 16 KiB ends REQUEST_TOO_LARGE, undecoded; a status over
+    ReportStatus's 2 MiB (the port's limit) RESOURCE_EXHAUSTED; neither writes anything.
+    A 1.2 MB status, larger than the API port takes, is decoded and judged on its merits:
+    the agent port's receive limit is ReportStatus's own."""
+    before = pool_records(etcd_client, key_prefix)
+    big = hello(token="t" * 20_000)
+    assert refusal(plain(big).receive).reason == "REQUEST_TOO_LARGE"
+    assert pool_records(etcd_client, key_prefix) == before
+    session = plain(hello())
+    welcome = session.receive().welcome
+    written = pool_records(etcd_client, key_prefix)
+
+    def status_of(size: int) -> agent_pb2.ReportStatusRequest:
+        entry = pb.ObservedAttachment(gpu="boxes/b1/gpus/0", message="m" * 1000)
+        count = size // entry.ByteSize()
+        record = pb.HostStatus(attachments=[entry] * count)
+        return agent_pb2.ReportStatusRequest(
+            host="hosts/h1", session=welcome.session, status=record
+        )
+
+    over = status_of(2 * 1024 * 1024 + 10_000)  # the port's limit: gRPC core refuses it
+    with pytest.raises(grpc.RpcError) as raised:
+        session.stub.ReportStatus(over, timeout=30)
+    assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+    under = status_of(1024 * 1024 + 200_000)
+    assert refusal(lambda: session.stub.ReportStatus(under, timeout=30)).reason == (
+        "STATUS_TOO_LARGE"
+    )
+    assert pool_records(etcd_client, key_prefix) == written
 
 
 def test_a_status_write_names_its_session(
@@ -313,7 +347,7 @@ def test_a_goodbye_with_release_ends_the_host_at_once(
     session.receive()
     assert etcd_client.get(keys.host_lease("h1"))[0] is not None
 
-    session.send(agent_pb2.AgentMessage(goodbye=agent_pb2.AgentGoodbye(release=True)))
+    session.send(agent_pb2.ConnectRequest(goodbye=agent_pb2.AgentGoodbye(release=True)))
     with pytest.raises(StopIteration):
         session.receive()  # the broker ends the stream with OK
     assert etcd_client.get(keys.host_lease("h1")) == (None, None)
@@ -330,7 +364,7 @@ def test_a_second_identity_is_refused_while_the_first_is_live(
 
     assert (refused.code, refused.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "HOST_HELD")
     assert pool_records(etcd_client, key_prefix) == before
-    first.send(agent_pb2.AgentMessage(heartbeat=agent_pb2.AgentHeartbeat(sequence=1)))
+    first.send(agent_pb2.ConnectRequest(heartbeat=agent_pb2.AgentHeartbeat(sequence=1)))
     assert first.receive().heartbeat_ack.sequence == 1  # the holder is undisturbed
 
 

@@ -84,12 +84,12 @@ def forge_forever(
     attempt, the status codes the broker answered with."""
     stub = agent_pb2_grpc.AgentServiceStub(channel)
     codes: dict[str, set[str]] = {"hello": set(), "heartbeat": set(), "status": set()}
-    hello = agent_pb2.AgentMessage(
+    hello = agent_pb2.ConnectRequest(
         hello=agent_pb2.AgentHello(
             host=pb.Host(name="hosts/h2", slot_capacity=8), token="guessed", liveness_ttl_ms=60_000
         )
     )
-    beat = agent_pb2.AgentMessage(heartbeat=agent_pb2.AgentHeartbeat(sequence=1))
+    beat = agent_pb2.ConnectRequest(heartbeat=agent_pb2.AgentHeartbeat(sequence=1))
     status = agent_pb2.ReportStatusRequest(
         host="hosts/h2", session=h2_session, status=pb.HostStatus()
     )
@@ -235,7 +235,7 @@ def test_another_hosts_records_are_unreadable_through_every_api_of_an_agent_cert
     try:
         stub = agent_pb2_grpc.AgentServiceStub(agent_channel)
         replies = stub.Connect(
-            iter([agent_pb2.AgentMessage(hello=agent_pb2.AgentHello(
+            iter([agent_pb2.ConnectRequest(hello=agent_pb2.AgentHello(
                 host=pb.Host(name="hosts/h1", slot_capacity=8), token="attacker",
             ))]),
             timeout=10,

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from dxpool.api.v1 import resources_pb2 as dxpool_dot_v1_dot_resources__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64xpool/v1/agent.proto\x12\tdxpool.v1\x1a\x19\x64xpool/v1/resources.proto\"\x9a\x01\n\x0c\x41gentMessage\x12&\n\x05hello\x18\x01 \x01(\x0b\x32\x15.dxpool.v1.AgentHelloH\x00\x12.\n\theartbeat\x18\x02 \x01(\x0b\x32\x19.dxpool.v1.AgentHeartbeatH\x00\x12*\n\x07goodbye\x18\x03 \x01(\x0b\x32\x17.dxpool.v1.AgentGoodbyeH\x00\x42\x06\n\x04kind\"\x92\x01\n\nAgentHello\x12\x1d\n\x04host\x18\x01 \x01(\x0b\x32\x0f.dxpool.v1.Host\x12\r\n\x05token\x18\x02 \x01(\t\x12\x17\n\x0fliveness_ttl_ms\x18\x03 \x01(\x03\x12\x15\n\rspec_revision\x18\x04 \x01(\x03\x12\x10\n\x08revision\x18\x05 \x01(\x03\x12\x14\n\x0cstatus_known\x18\x06 \x01(\x08\"\"\n\x0e\x41gentHeartbeat\x12\x10\n\x08sequence\x18\x01 \x01(\x03\"\x1f\n\x0c\x41gentGoodbye\x12\x0f\n\x07release\x18\x01 \x01(\x08\"\x9a\x01\n\rBrokerMessage\x12*\n\x07welcome\x18\x01 \x01(\x0b\x32\x17.dxpool.v1.AgentWelcomeH\x00\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x13.dxpool.v1.HostSpecH\x00\x12\x30\n\rheartbeat_ack\x18\x03 \x01(\x0b\x32\x17.dxpool.v1.HeartbeatAckH\x00\x42\x06\n\x04kind\"\xb1\x01\n\x0c\x41gentWelcome\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0e\n\x06\x62roker\x18\x02 \x01(\t\x12%\n\x06status\x18\x03 \x01(\x0b\x32\x15.dxpool.v1.HostStatus\x12\x17\n\x0fliveness_ttl_ms\x18\x04 \x01(\x03\x12\x1d\n\x15heartbeat_interval_ms\x18\x05 \x01(\x03\x12!\n\x04spec\x18\x06 \x01(\x0b\x32\x13.dxpool.v1.HostSpec\"b\n\x08HostSpec\x12-\n\nallocation\x18\x01 \x01(\x0b\x32\x19.dxpool.v1.HostAllocation\x12\x15\n\rspec_revision\x18\x02 \x01(\x03\x12\x10\n\x08revision\x18\x03 \x01(\x03\" \n\x0cHeartbeatAck\x12\x10\n\x08sequence\x18\x01 \x01(\x03\"r\n\x13ReportStatusRequest\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\x12%\n\x06status\x18\x03 \x01(\x0b\x32\x15.dxpool.v1.HostStatus\x12\x15\n\rspec_revision\x18\x04 \x01(\x03\"(\n\x14ReportStatusResponse\x12\x10\n\x08revision\x18\x01 \x01(\x03\x32\xa1\x01\n\x0c\x41gentService\x12@\n\x07\x43onnect\x12\x17.dxpool.v1.AgentMessage\x1a\x18.dxpool.v1.BrokerMessage(\x01\x30\x01\x12O\n\x0cReportStatus\x12\x1e.dxpool.v1.ReportStatusRequest\x1a\x1f.dxpool.v1.ReportStatusResponseB*Z(github.com/dxpool/dxpool/api/v1;dxpoolv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64xpool/v1/agent.proto\x12\tdxpool.v1\x1a\x19\x64xpool/v1/resources.proto\"\x9c\x01\n\x0e\x43onnectRequest\x12&\n\x05hello\x18\x01 \x01(\x0b\x32\x15.dxpool.v1.AgentHelloH\x00\x12.\n\theartbeat\x18\x02 \x01(\x0b\x32\x19.dxpool.v1.AgentHeartbeatH\x00\x12*\n\x07goodbye\x18\x03 \x01(\x0b\x32\x17.dxpool.v1.AgentGoodbyeH\x00\x42\x06\n\x04kind\"\x92\x01\n\nAgentHello\x12\x1d\n\x04host\x18\x01 \x01(\x0b\x32\x0f.dxpool.v1.Host\x12\r\n\x05token\x18\x02 \x01(\t\x12\x17\n\x0fliveness_ttl_ms\x18\x03 \x01(\x03\x12\x15\n\rspec_revision\x18\x04 \x01(\x03\x12\x10\n\x08revision\x18\x05 \x01(\x03\x12\x14\n\x0cstatus_known\x18\x06 \x01(\x08\"\"\n\x0e\x41gentHeartbeat\x12\x10\n\x08sequence\x18\x01 \x01(\x03\"\x1f\n\x0c\x41gentGoodbye\x12\x0f\n\x07release\x18\x01 \x01(\x08\"\x9c\x01\n\x0f\x43onnectResponse\x12*\n\x07welcome\x18\x01 \x01(\x0b\x32\x17.dxpool.v1.AgentWelcomeH\x00\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x13.dxpool.v1.HostSpecH\x00\x12\x30\n\rheartbeat_ack\x18\x03 \x01(\x0b\x32\x17.dxpool.v1.HeartbeatAckH\x00\x42\x06\n\x04kind\"\xb1\x01\n\x0c\x41gentWelcome\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0e\n\x06\x62roker\x18\x02 \x01(\t\x12%\n\x06status\x18\x03 \x01(\x0b\x32\x15.dxpool.v1.HostStatus\x12\x17\n\x0fliveness_ttl_ms\x18\x04 \x01(\x03\x12\x1d\n\x15heartbeat_interval_ms\x18\x05 \x01(\x03\x12!\n\x04spec\x18\x06 \x01(\x0b\x32\x13.dxpool.v1.HostSpec\"b\n\x08HostSpec\x12-\n\nallocation\x18\x01 \x01(\x0b\x32\x19.dxpool.v1.HostAllocation\x12\x15\n\rspec_revision\x18\x02 \x01(\x03\x12\x10\n\x08revision\x18\x03 \x01(\x03\" \n\x0cHeartbeatAck\x12\x10\n\x08sequence\x18\x01 \x01(\x03\"r\n\x13ReportStatusRequest\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\x12%\n\x06status\x18\x03 \x01(\x0b\x32\x15.dxpool.v1.HostStatus\x12\x15\n\rspec_revision\x18\x04 \x01(\x03\"(\n\x14ReportStatusResponse\x12\x10\n\x08revision\x18\x01 \x01(\x03\x32\xa5\x01\n\x0c\x41gentService\x12\x44\n\x07\x43onnect\x12\x19.dxpool.v1.ConnectRequest\x1a\x1a.dxpool.v1.ConnectResponse(\x01\x30\x01\x12O\n\x0cReportStatus\x12\x1e.dxpool.v1.ReportStatusRequest\x1a\x1f.dxpool.v1.ReportStatusResponseB*Z(github.com/dxpool/dxpool/api/v1;dxpoolv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,26 +34,26 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dxpool.v1.agent_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'Z(github.com/dxpool/dxpool/api/v1;dxpoolv1'
-  _globals['_AGENTMESSAGE']._serialized_start=64
-  _globals['_AGENTMESSAGE']._serialized_end=218
-  _globals['_AGENTHELLO']._serialized_start=221
-  _globals['_AGENTHELLO']._serialized_end=367
-  _globals['_AGENTHEARTBEAT']._serialized_start=369
-  _globals['_AGENTHEARTBEAT']._serialized_end=403
-  _globals['_AGENTGOODBYE']._serialized_start=405
-  _globals['_AGENTGOODBYE']._serialized_end=436
-  _globals['_BROKERMESSAGE']._serialized_start=439
-  _globals['_BROKERMESSAGE']._serialized_end=593
-  _globals['_AGENTWELCOME']._serialized_start=596
-  _globals['_AGENTWELCOME']._serialized_end=773
-  _globals['_HOSTSPEC']._serialized_start=775
-  _globals['_HOSTSPEC']._serialized_end=873
-  _globals['_HEARTBEATACK']._serialized_start=875
-  _globals['_HEARTBEATACK']._serialized_end=907
-  _globals['_REPORTSTATUSREQUEST']._serialized_start=909
-  _globals['_REPORTSTATUSREQUEST']._serialized_end=1023
-  _globals['_REPORTSTATUSRESPONSE']._serialized_start=1025
-  _globals['_REPORTSTATUSRESPONSE']._serialized_end=1065
-  _globals['_AGENTSERVICE']._serialized_start=1068
-  _globals['_AGENTSERVICE']._serialized_end=1229
+  _globals['_CONNECTREQUEST']._serialized_start=64
+  _globals['_CONNECTREQUEST']._serialized_end=220
+  _globals['_AGENTHELLO']._serialized_start=223
+  _globals['_AGENTHELLO']._serialized_end=369
+  _globals['_AGENTHEARTBEAT']._serialized_start=371
+  _globals['_AGENTHEARTBEAT']._serialized_end=405
+  _globals['_AGENTGOODBYE']._serialized_start=407
+  _globals['_AGENTGOODBYE']._serialized_end=438
+  _globals['_CONNECTRESPONSE']._serialized_start=441
+  _globals['_CONNECTRESPONSE']._serialized_end=597
+  _globals['_AGENTWELCOME']._serialized_start=600
+  _globals['_AGENTWELCOME']._serialized_end=777
+  _globals['_HOSTSPEC']._serialized_start=779
+  _globals['_HOSTSPEC']._serialized_end=877
+  _globals['_HEARTBEATACK']._serialized_start=879
+  _globals['_HEARTBEATACK']._serialized_end=911
+  _globals['_REPORTSTATUSREQUEST']._serialized_start=913
+  _globals['_REPORTSTATUSREQUEST']._serialized_end=1027
+  _globals['_REPORTSTATUSRESPONSE']._serialized_start=1029
+  _globals['_REPORTSTATUSRESPONSE']._serialized_end=1069
+  _globals['_AGENTSERVICE']._serialized_start=1072
+  _globals['_AGENTSERVICE']._serialized_end=1237
 # @@protoc_insertion_point(module_scope)

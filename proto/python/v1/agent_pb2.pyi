@@ -24,7 +24,7 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
-class AgentMessage(_message.Message):
+class ConnectRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     HELLO_FIELD_NUMBER: _builtins.int
@@ -51,7 +51,7 @@ class AgentMessage(_message.Message):
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
-Global___AgentMessage: _TypeAlias = AgentMessage  # noqa: Y015
+Global___ConnectRequest: _TypeAlias = ConnectRequest  # noqa: Y015
 
 @_typing.final
 class AgentHello(_message.Message):
@@ -149,7 +149,7 @@ class AgentGoodbye(_message.Message):
 Global___AgentGoodbye: _TypeAlias = AgentGoodbye  # noqa: Y015
 
 @_typing.final
-class BrokerMessage(_message.Message):
+class ConnectResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     WELCOME_FIELD_NUMBER: _builtins.int
@@ -176,7 +176,7 @@ class BrokerMessage(_message.Message):
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
-Global___BrokerMessage: _TypeAlias = BrokerMessage  # noqa: Y015
+Global___ConnectResponse: _TypeAlias = ConnectResponse  # noqa: Y015
 
 @_typing.final
 class AgentWelcome(_message.Message):

@@ -37,8 +37,8 @@ class AgentServiceStub:
         """
         self.Connect = channel.stream_stream(
                 '/dxpool.v1.AgentService/Connect',
-                request_serializer=dxpool_dot_v1_dot_agent__pb2.AgentMessage.SerializeToString,
-                response_deserializer=dxpool_dot_v1_dot_agent__pb2.BrokerMessage.FromString,
+                request_serializer=dxpool_dot_v1_dot_agent__pb2.ConnectRequest.SerializeToString,
+                response_deserializer=dxpool_dot_v1_dot_agent__pb2.ConnectResponse.FromString,
                 _registered_method=True)
         self.ReportStatus = channel.unary_unary(
                 '/dxpool.v1.AgentService/ReportStatus',
@@ -86,8 +86,8 @@ def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Connect': grpc.stream_stream_rpc_method_handler(
                     servicer.Connect,
-                    request_deserializer=dxpool_dot_v1_dot_agent__pb2.AgentMessage.FromString,
-                    response_serializer=dxpool_dot_v1_dot_agent__pb2.BrokerMessage.SerializeToString,
+                    request_deserializer=dxpool_dot_v1_dot_agent__pb2.ConnectRequest.FromString,
+                    response_serializer=dxpool_dot_v1_dot_agent__pb2.ConnectResponse.SerializeToString,
             ),
             'ReportStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportStatus,
@@ -120,8 +120,8 @@ class AgentService:
             request_iterator,
             target,
             '/dxpool.v1.AgentService/Connect',
-            dxpool_dot_v1_dot_agent__pb2.AgentMessage.SerializeToString,
-            dxpool_dot_v1_dot_agent__pb2.BrokerMessage.FromString,
+            dxpool_dot_v1_dot_agent__pb2.ConnectRequest.SerializeToString,
+            dxpool_dot_v1_dot_agent__pb2.ConnectResponse.FromString,
             options,
             channel_credentials,
             insecure,

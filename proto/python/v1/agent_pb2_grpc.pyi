@@ -37,7 +37,7 @@ class AgentServiceStub:
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> AgentServiceAsyncStub: ...
-    Connect: _grpc.StreamStreamMultiCallable[_agent_pb2.AgentMessage, _agent_pb2.BrokerMessage]
+    Connect: _grpc.StreamStreamMultiCallable[_agent_pb2.ConnectRequest, _agent_pb2.ConnectResponse]
     """One long-lived session per agent. The agent's first message is a hello; the broker
     answers with a welcome carrying the session, the host's status record and its spec,
     or ends the stream: FAILED_PRECONDITION (reason HOST_HELD) while another agent
@@ -64,7 +64,7 @@ class AgentServiceStub:
 @_typing.type_check_only
 class AgentServiceAsyncStub(AgentServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
-    Connect: _aio.StreamStreamMultiCallable[_agent_pb2.AgentMessage, _agent_pb2.BrokerMessage]  # type: ignore[assignment]
+    Connect: _aio.StreamStreamMultiCallable[_agent_pb2.ConnectRequest, _agent_pb2.ConnectResponse]  # type: ignore[assignment]
     """One long-lived session per agent. The agent's first message is a hello; the broker
     answers with a welcome carrying the session, the host's status record and its spec,
     or ends the stream: FAILED_PRECONDITION (reason HOST_HELD) while another agent
@@ -92,9 +92,9 @@ class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
     def Connect(
         self,
-        request_iterator: _MaybeAsyncIterator[_agent_pb2.AgentMessage],
+        request_iterator: _MaybeAsyncIterator[_agent_pb2.ConnectRequest],
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_agent_pb2.BrokerMessage], _abc.AsyncIterator[_agent_pb2.BrokerMessage]]:
+    ) -> _typing.Union[_abc.Iterator[_agent_pb2.ConnectResponse], _abc.AsyncIterator[_agent_pb2.ConnectResponse]]:
         """One long-lived session per agent. The agent's first message is a hello; the broker
         answers with a welcome carrying the session, the host's status record and its spec,
         or ends the stream: FAILED_PRECONDITION (reason HOST_HELD) while another agent
