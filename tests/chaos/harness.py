@@ -33,6 +33,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.client import Client
 from dxpool.fabric.sim import LOCK_FILE, SimFabric, SimGpuSpec
 from dxpool.store.client import connect
@@ -428,6 +429,23 @@ class ChaosPool:
                     return
                 time.sleep(0.2)
         raise RuntimeError(f"hosts {hosts} did not all register within {timeout_s}s")
+
+    def sessions_on(self, broker: Broker) -> list[str]:
+        """The hosts whose liveness record names ``broker`` (its agent's session is
+        there). A broker's id is ``HOST/PID/RANDOM``; an unreadable etcd gives none."""
+        pid = broker.pid
+        if pid is None:
+            return []
+        held = []
+        try:
+            with self.etcd_client() as client:
+                for host in self.host_ids:
+                    value = client.get(self.schema.host_lease(host))[0]
+                    if value is not None and f"/{pid}/" in pb.HostLiveness.FromString(value).broker:
+                        held.append(host)
+        except Exception:
+            return []
+        return held
 
     def stop(self) -> None:
         """Stop every process, agents first, then brokers, then etcd."""
