@@ -35,8 +35,8 @@ def check_host_registration(host_id: str, host: pb.Host) -> pb.Host:
     output-only fields (alive, slots used) cleared."""
     if host.name != host_name(host_id):
         raise InvalidArgument(
-            f"the registration names {host.name[:80]!r}; an agent registers its own host "
-            f"{host_name(host_id)}",
+            f"the registration names {host.name[:80]!r}; an agent may register its own "
+            f"host only: set host.name to {host_name(host_id)}",
             reason="NOT_OWN_HOST",
         )
     if not 1 <= host.slot_capacity <= MAX_HOST_SLOTS:
@@ -62,18 +62,18 @@ def check_host_status(host_id: str, status: pb.HostStatus) -> pb.HostStatus:
     """The HostStatus record to store for ``host_id``'s agent (its ``host`` set)."""
     if status.host and status.host != host_name(host_id):
         raise InvalidArgument(
-            f"status.host names {status.host[:80]!r}; an agent reports its own host "
-            f"{host_name(host_id)}",
+            f"status.host names {status.host[:80]!r}; an agent reports its own host only: "
+            f"leave status.host empty or set it to {host_name(host_id)}",
             reason="NOT_OWN_HOST",
         )
     if len(status.attachments) > MAX_STATUS_ENTRIES:
         raise InvalidArgument(
-            f"status has {len(status.attachments)} attachments; the limit is {MAX_STATUS_ENTRIES}",
+            f"status has {len(status.attachments)} attachments; send at most {MAX_STATUS_ENTRIES}",
             reason="STATUS_TOO_LARGE",
         )
     if len(status.round_trips) > MAX_ROUND_TRIPS:
         raise InvalidArgument(
-            f"status has {len(status.round_trips)} round trips; the limit is {MAX_ROUND_TRIPS}",
+            f"status has {len(status.round_trips)} round trips; send at most {MAX_ROUND_TRIPS}",
             reason="STATUS_TOO_LARGE",
         )
     seen: set[str] = set()
@@ -82,7 +82,7 @@ def check_host_status(host_id: str, status: pb.HostStatus) -> pb.HostStatus:
         parse_gpu(entry.gpu)
         if entry.gpu in seen:
             raise InvalidArgument(
-                f"{field}: {entry.gpu} is reported twice; report each GPU once",
+                f"{field}: {entry.gpu} is reported twice; send each GPU once",
                 reason="DUPLICATE_GPU",
             )
         seen.add(entry.gpu)
@@ -90,7 +90,8 @@ def check_host_status(host_id: str, status: pb.HostStatus) -> pb.HostStatus:
         check_enum(entry.health, pb.GpuHealth.DESCRIPTOR, f"{field}.health")
         if not 0 <= entry.host_slot < MAX_HOST_SLOTS:
             raise InvalidArgument(
-                f"{field}.host_slot {entry.host_slot} is out of range 0-{MAX_HOST_SLOTS - 1}",
+                f"{field}.host_slot {entry.host_slot} is out of range: give the proxy slot "
+                f"the GPU is at, 0-{MAX_HOST_SLOTS - 1}",
                 reason="INVALID_HOST_SLOT",
             )
         check_text(entry.bdf, f"{field}.bdf", MAX_TEXT)
@@ -102,7 +103,8 @@ def check_host_status(host_id: str, status: pb.HostStatus) -> pb.HostStatus:
         parse_box(sample.box)
         if sample.round_trip_ns < 0:
             raise InvalidArgument(
-                f"status.round_trips[{index}].round_trip_ns is negative",
+                f"status.round_trips[{index}].round_trip_ns is negative: send the measured "
+                "round trip, 0 or more",
                 reason="INVALID_ROUND_TRIP",
             )
     record = pb.HostStatus()

@@ -219,7 +219,7 @@ class AgentService:
         if identity.role is not Role.AGENT or identity.name != host_id:
             raise PermissionDenied(
                 f"{identity.uri} may not act for {host_name(host_id)}: only that host's "
-                f"agent (dxpool://agent/{host_id}) may",
+                f"agent may; use the certificate of dxpool://agent/{host_id}",
                 reason="NOT_OWN_HOST",
                 metadata={"host": host_name(host_id)},
             )
@@ -237,7 +237,12 @@ class AgentService:
             first = await asyncio.wait_for(context.read(), HELLO_TIMEOUT_S)
         except TimeoutError:
             await self._refuse(
-                context, InvalidArgument(f"no hello within {HELLO_TIMEOUT_S:g}s", reason="NO_HELLO")
+                context,
+                InvalidArgument(
+                    f"no hello within {HELLO_TIMEOUT_S:g}s: send the hello (host, token, "
+                    "liveness TTL) as the session's first message",
+                    reason="NO_HELLO",
+                ),
             )
             return
         if first is _EOF:
@@ -415,7 +420,9 @@ def _hello(message: Any) -> agent_pb2.AgentHello:
         raise _refused_payload("Connect", message)
     if message.WhichOneof("kind") != "hello":
         raise InvalidArgument(
-            "a session starts with a hello (host, token, liveness TTL)", reason="NO_HELLO"
+            "a session starts with a hello: send the hello (host, token, liveness TTL) as "
+            "its first message",
+            reason="NO_HELLO",
         )
     hello: agent_pb2.AgentHello = message.hello
     return hello
@@ -432,7 +439,8 @@ def _refused_payload(method: str, message: Undecodable | Oversized) -> DxpoolErr
             metadata={"size": str(message.size), "limit": str(message.limit)},
         )
     return InvalidArgument(
-        f"the message is not a valid {message.expected}: {message.error}",
+        f"the message is not a valid {message.expected} ({message.error}); send a "
+        f"serialized {message.expected}, e.g. through the generated dxpool.v1 stubs",
         reason="UNDECODABLE_REQUEST",
     )
 

@@ -273,7 +273,8 @@ class AgentSessions:
         record = check_host_registration(host_id, registration)
         if not token or len(token) > MAX_TEXT:
             raise InvalidArgument(
-                f"the hello's identity token must be 1-{MAX_TEXT} characters",
+                f"the hello's identity token has {len(token)} characters: send the "
+                f"agent's token, 1-{MAX_TEXT} characters",
                 reason="INVALID_TOKEN",
             )
         now = self._wall_clock()
