@@ -30,8 +30,9 @@ from tests.kernel.qemu_guest import GUEST_HOST, Guest
 from tests.kernel.rig import device_of, driver_of
 
 BOX = "kbox"
-# The guest's agent must keep its lease alive from a TCG guest on a loaded machine,
-# where a starved guest goes silent for tens of seconds: a TTL no real host needs.
+# The guest's agent must keep its host alive (a heartbeat within the liveness TTL) from a
+# TCG guest on a loaded machine, where a starved guest goes silent for tens of seconds: a
+# TTL no real host needs.
 LEASE_TTL_S = 60.0
 READY_S = 900.0  # a generous deadline: TCG on a loaded machine
 AGENT_PORTS = (PORTS[0], PORTS[1])  # host slots 0 and 1: ports with power controllers
@@ -155,8 +156,8 @@ def wait_node(stubs: Stubs, name: str, state: int, agent: GuestAgent) -> pb.Virt
 
 
 def wait_alive(stubs: Stubs, host: str) -> None:
-    """Wait until ``host``'s agent holds its lease (a starved guest may have let it
-    lapse and registered again)."""
+    """Wait until ``host``'s agent holds a session (a starved guest may have let it
+    lapse and connected again)."""
     wait_until(
         lambda: any(
             h.name == host and h.alive
@@ -215,7 +216,7 @@ def test_compose_ready_release_free_with_the_agent_in_a_guest(
 @pytest.mark.skipif(
     os.environ.get("DXPOOL_KERNEL_HOST_LOSS") != "1",
     reason="opt in with DXPOOL_KERNEL_HOST_LOSS=1: on a machine loaded enough to starve a "
-    "TCG guest, the guest's agent loses its lease before the host is killed on purpose",
+    "TCG guest, the guest's agent misses its heartbeats before the host is killed on purpose",
 )
 def test_host_loss_is_fenced_at_the_box_side_and_the_gpu_composed_on_another_guest(
     e2e: tuple[Stubs, Callable[[Guest, str], GuestAgent]],
