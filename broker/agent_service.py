@@ -252,8 +252,8 @@ class AgentService:
             await self._refuse(
                 context,
                 Unavailable(
-                    f"this broker is opening {self._opening} sessions already; try again "
-                    "shortly, or another broker",
+                    f"this broker is opening {self._opening} sessions already; retry "
+                    "shortly, or use another broker",
                     reason="BROKER_BUSY",
                 ),
             )

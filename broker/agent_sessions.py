@@ -303,7 +303,7 @@ class AgentSessions:
                 holder = parse_liveness(bytes(current.value))
                 raise HostHeldError(
                     f"{host_name(host_id)} is held by another live agent (its session on "
-                    f"broker {holder.broker or 'unknown'}); stop that agent, or wait until "
+                    f"broker {holder.broker or 'unknown'}); stop that agent, or retry once "
                     f"its broker has not heard from it for {holder.liveness_ttl_ms / 1000:g}s",
                     metadata={"host": host_name(host_id)},
                 )

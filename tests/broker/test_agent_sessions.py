@@ -360,7 +360,7 @@ def test_a_slow_etcd_costs_sessions_nothing_until_the_lease_must_have_expired(
 @pytest.mark.parametrize(
     ("host", "token", "match"),
     [
-        (pb.Host(name="hosts/h2", slot_capacity=8), "t", "its own host hosts/h1"),
+        (pb.Host(name="hosts/h2", slot_capacity=8), "t", "set host.name to hosts/h1"),
         (pb.Host(name="hosts/h1", slot_capacity=0), "t", "slot_capacity 0"),
         (pb.Host(name="hosts/h1", slot_capacity=8, labels={"a": "x\ny"}), "t", "non-printable"),
         (pb.Host(name="hosts/h1", slot_capacity=8), "", "identity token"),
@@ -388,7 +388,7 @@ def test_a_status_record_is_checked_before_it_is_written(
     too_many = status(*(f"boxes/b{i}/gpus/0" for i in range(513)))
     for bad, match in (
         (pb.HostStatus(host="hosts/h2"), "its own host"),
-        (too_many, "limit is 512"),
+        (too_many, "send at most 512"),
         (status("gpus/b1/0"), "gpu"),
         (status("boxes/b1/gpus/0", "boxes/b1/gpus/0"), "reported twice"),
     ):
