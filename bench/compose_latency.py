@@ -50,7 +50,7 @@ from dxpool.api.v1 import inventory_pb2, inventory_pb2_grpc, nodes_pb2, nodes_pb
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.fabric.sim import SimFabric, SimGpuSpec
 from dxpool.store.client import connect
-from dxpool.store.embedded import EmbeddedEtcd, free_port
+from dxpool.store.embedded import EmbeddedEtcd, free_ports
 
 BOXES = 16
 GPUS_PER_BOX = 8
@@ -133,9 +133,9 @@ class BareTxn:
 
 def start_stack(work: Path) -> tuple[EmbeddedEtcd, list[subprocess.Popen[bytes]], str, int]:
     etcd = EmbeddedEtcd(work / "etcd").start()
-    port = free_port()
+    port, agent_port, metrics_port = free_ports(3)
     endpoint = f"127.0.0.1:{port}"
-    metrics_port = free_port()
+    agent_endpoint = f"127.0.0.1:{agent_port}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     log = open(work / "processes.log", "ab")  # noqa: SIM115 - shared by the children
     fabric_dir = work / "fabric"
@@ -154,6 +154,8 @@ def start_stack(work: Path) -> tuple[EmbeddedEtcd, list[subprocess.Popen[bytes]]
                 etcd.endpoint,
                 "--listen",
                 endpoint,
+                "--agent-listen",
+                agent_endpoint,
                 "--log-level",
                 "WARNING",
                 "--metrics-port",
@@ -174,8 +176,8 @@ def start_stack(work: Path) -> tuple[EmbeddedEtcd, list[subprocess.Popen[bytes]]
                     "dxpool.hostagent",
                     "--host",
                     f"h{index}",
-                    "--etcd",
-                    etcd.endpoint,
+                    "--broker",
+                    agent_endpoint,
                     "--driver",
                     "sim",
                     "--sim-state",

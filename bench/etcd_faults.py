@@ -124,7 +124,7 @@ def watch_health(
     channel.close()
 
 
-def start_agent(work: Path, endpoints: str, prefix: str) -> subprocess.Popen[bytes]:
+def start_agent(work: Path, broker: str) -> subprocess.Popen[bytes]:
     log = open(work / "agent.log", "ab")  # noqa: SIM115 - handed to the child
     return subprocess.Popen(
         [
@@ -133,10 +133,8 @@ def start_agent(work: Path, endpoints: str, prefix: str) -> subprocess.Popen[byt
             "dxpool.hostagent",
             "--host",
             "h1",
-            "--etcd",
-            endpoints,
-            "--prefix",
-            prefix,
+            "--broker",
+            broker,
             "--driver",
             "sim",
             "--sim-state",
@@ -266,10 +264,15 @@ def main() -> None:
             boxes={f"box{i}": [SimGpuSpec("H100", 81920)] * 8 for i in range(GPUS // 8)},
             hosts={"h1": GPUS},
         )
-        agent = start_agent(work, endpoints, prefix)
         broker = BrokerServer(
-            BrokerConfig(etcd_endpoints=endpoints, key_prefix=prefix, listen="127.0.0.1:0")
+            BrokerConfig(
+                etcd_endpoints=endpoints,
+                key_prefix=prefix,
+                listen="127.0.0.1:0",
+                agent_listen="127.0.0.1:0",
+            )
         ).start()
+        agent = start_agent(work, broker.agent_endpoint)
         stop = threading.Event()
         try:
             prepare(broker.endpoint)

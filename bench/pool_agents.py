@@ -1,25 +1,28 @@
 """Stand-in host agents for a whole benchmark pool, in one process.
 
 ``bench/scale.py`` registers thousands of hosts through the store layer; running an agent
-process per host is beyond one machine. This process stands in for all of them so that
-composed nodes attach and released GPUs are freed, as in a pool with agents. Per host it
-runs the agent's own parts, unchanged: :class:`~dxpool.hostagent.desired.DesiredState`
-(the spec as adopted), :class:`~dxpool.hostagent.status.StatusStore` (the status record,
-written with the lease and spec-revision guards) and
+process per host is beyond one machine. This process stands in for all of them, and for
+the brokers' agent service that would write their status, so that composed nodes attach
+and released GPUs are freed, as in a pool with agents. Per host it runs the agent's own
+parts, unchanged: :class:`~dxpool.hostagent.desired.DesiredState` (the spec as adopted),
+:class:`~dxpool.hostagent.status.StatusStore` (the status record) and
 :class:`~dxpool.hostagent.reconcile.Reconciler`, fed from one keyed
 :class:`~dxpool.hostagent.workqueue.WorkQueue` by ``--workers`` threads running the agent's own
-:func:`~dxpool.hostagent.agent.reconcile_worker`. So etcd and the
-broker see the same status writes per attach and release as from real agents (attach:
-ATTACHING, ATTACHED; release: DETACHING, scrubbed, RELEASED).
+:func:`~dxpool.hostagent.agent.reconcile_worker`; the status is written by the broker's
+own :func:`~dxpool.broker.agent_sessions.commit_status`, with the session and
+spec-revision guards. So etcd and the brokers see the same status writes per attach and
+release as from real agents (attach: ATTACHING, ATTACHED; release: DETACHING, scrubbed,
+RELEASED), but no broker spends CPU on agent sessions: ``bench/agent_fleet.py``
+measures that.
 
 What differs from a real agent: the hardware is :class:`MemoryDriver` (a mapping table in
 memory: attach, scrub and detach succeed at once; the fake is for hardware this machine
 does not have, behind the agent's own driver interface); one watch on the whole
-``hostalloc/`` prefix replaces one watch per host; every host's liveness key is on one
-lease that the caller holds (``--lease``), so there is no registration or keepalive here;
+``hostalloc/`` prefix replaces one session per host; every host's liveness record is on
+one lease that the caller holds (``--lease``), so there is no session or heartbeat here;
 and there is no periodic resync. The pool starts with no status records.
 
-Usage: python bench/pool_agents.py --etcd HOST:PORT --prefix /p/ --lease ID [--workers 16]
+Usage: python bench/pool_agents.py --etcd HOST:PORT --prefix /p/ [--workers 16]
 Prints ``ready`` once the spec is listed and the workers run; stops on SIGTERM or SIGINT.
 """
 
@@ -34,6 +37,8 @@ from typing import Any
 import etcd3.events
 
 from dxpool.api.v1 import resources_pb2
+from dxpool.broker.agent_sessions import SessionNotLiveError, commit_status
+from dxpool.broker.agent_sessions import StaleSpecError as BrokerStaleSpecError
 from dxpool.hostagent.agent import reconcile_worker
 from dxpool.hostagent.desired import DesiredState
 from dxpool.hostagent.driver import AttachedGpu, AttachRequest, DriverCapabilities
@@ -41,7 +46,7 @@ from dxpool.hostagent.drivers.sim import SIM_CAPABILITIES
 from dxpool.hostagent.errors import AttachConflictError
 from dxpool.hostagent.nvml import HEALTHY, GpuIdentity
 from dxpool.hostagent.reconcile import Reconciler
-from dxpool.hostagent.status import StatusStore
+from dxpool.hostagent.status import NotRegisteredError, StaleSpecError, StatusStore
 from dxpool.hostagent.workqueue import ExponentialBackoff, WorkQueue
 from dxpool.names import GpuRef
 from dxpool.store.client import addresses_of, connect
@@ -97,15 +102,41 @@ class MemoryDriver:
             return dict(self._attached)
 
 
+class _StatusWriter:
+    """Writes one host's status as the broker holding its session would (a
+    :class:`~dxpool.hostagent.status.StatusWriter`): the session is the host's liveness
+    record as it was when this stand-in first wrote."""
+
+    def __init__(self, store: Store, host_id: str) -> None:
+        self._store = store
+        self._host_id = host_id
+        self._liveness_revision = 0
+
+    def write_status(self, record: resources_pb2.HostStatus, spec_revision: int) -> None:
+        if not self._liveness_revision:
+            found = self._store.get(self._store.keys.host_lease(self._host_id))
+            if found is None:
+                raise NotRegisteredError(f"hosts/{self._host_id} has no liveness record")
+            self._liveness_revision = found.mod_revision
+        try:
+            commit_status(
+                self._store, self._host_id, self._liveness_revision, record, spec_revision
+            )
+        except SessionNotLiveError as error:
+            raise NotRegisteredError(error.message) from None
+        except BrokerStaleSpecError as error:
+            raise StaleSpecError(error.message) from None
+
+
 class _Host:
     """One host's agent parts."""
 
-    def __init__(self, store: Store, keys: KeySchema, host_id: str, lease_id: int) -> None:
+    def __init__(self, store: Store, host_id: str) -> None:
         self.desired = DesiredState(host_id)
         self.reconciler = Reconciler(
             driver=MemoryDriver(),
             desired=self.desired,
-            status=StatusStore(store, keys, host_id, lambda: lease_id),
+            status=StatusStore(_StatusWriter(store, host_id), host_id),
             attach_attempts=ATTACH_ATTEMPTS,
         )
 
@@ -113,11 +144,10 @@ class _Host:
 class PoolAgents:
     """Every host's agent behind one watch and one work queue; see the module docstring."""
 
-    def __init__(self, client: Any, keys: KeySchema, lease_id: int, workers: int) -> None:
+    def __init__(self, client: Any, keys: KeySchema, workers: int) -> None:
         self._client = client
         self._keys = keys
         self._store = Store(client, keys, name="pool-agents")
-        self._lease_id = lease_id
         self._workers = workers
         self._spec_prefix = keys.collection(HOST_ALLOCATIONS)
         self._hosts: dict[str, _Host] = {}
@@ -152,9 +182,7 @@ class PoolAgents:
         with self._hosts_lock:
             host = self._hosts.get(host_id)
             if host is None:
-                host = self._hosts[host_id] = _Host(
-                    self._store, self._keys, host_id, self._lease_id
-                )
+                host = self._hosts[host_id] = _Host(self._store, host_id)
             return host
 
     def _on_list(self, kvs: Any, revision: int) -> None:
@@ -196,11 +224,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--etcd", required=True, help="etcd endpoint, HOST:PORT")
     parser.add_argument("--prefix", required=True, help="the pool's etcd key prefix")
-    parser.add_argument("--lease", type=int, required=True, help="lease of every liveness key")
     parser.add_argument("--workers", type=int, default=16, help="reconcile threads")
     args = parser.parse_args()
     client = connect(args.etcd, timeout_s=30)
-    agents = PoolAgents(client, KeySchema(args.prefix), args.lease, args.workers)
+    agents = PoolAgents(client, KeySchema(args.prefix), args.workers)
     stopping = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopping.set())

@@ -47,6 +47,7 @@ def main() -> None:
             etcd_endpoints=etcd.endpoint,
             key_prefix=PREFIX,
             listen="127.0.0.1:0",
+            agent_listen="127.0.0.1:0",
             attach_timeout_s=3600,
         )
         broker = BrokerServer(config).start()

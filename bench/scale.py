@@ -261,6 +261,8 @@ def start_broker(
             PREFIX,
             "--listen",
             endpoint,
+            "--agent-listen",
+            "127.0.0.1:0",
             "--attach-timeout",
             "3600",
             "--log-level",
@@ -438,12 +440,12 @@ def run_size(gpus: int, args: argparse.Namespace) -> Figures:
         try:
             began = time.monotonic()
             progress(f"{gpus:,} GPUs: loading the pool")
-            lease_id = load_pool(etcd.endpoint, store, boxes)
+            load_pool(etcd.endpoint, store, boxes)
             figures.load_s = time.monotonic() - began
             progress("placement in process")
             measure_placement(etcd.endpoint, store, boxes, figures, args)
             progress("broker start, idle CPU, compose windows")
-            measure_broker(etcd, work, figures, args, lease_id)
+            measure_broker(etcd, work, figures, args)
         finally:
             client.close()
     return figures
@@ -451,10 +453,12 @@ def run_size(gpus: int, args: argparse.Namespace) -> Figures:
 
 def load_pool(etcd: str, store: Store, boxes: int) -> int:
     """``boxes`` boxes through a broker's API, as many hosts alive through the store;
-    returns the id of the lease every host's liveness key is on."""
+    returns the id of the lease (an hour long) every host's liveness record is on."""
     lease = store.client.lease(3600)
     loader = BrokerServer(
-        BrokerConfig(etcd_endpoints=etcd, key_prefix=PREFIX, listen="127.0.0.1:0")
+        BrokerConfig(
+            etcd_endpoints=etcd, key_prefix=PREFIX, listen="127.0.0.1:0", agent_listen="127.0.0.1:0"
+        )
     ).start()
     try:
         load_boxes(loader.endpoint, boxes)
@@ -465,7 +469,7 @@ def load_pool(etcd: str, store: Store, boxes: int) -> int:
 
 
 def measure_broker(
-    etcd: EmbeddedEtcd, work: Path, figures: Figures, args: argparse.Namespace, lease_id: int
+    etcd: EmbeddedEtcd, work: Path, figures: Figures, args: argparse.Namespace
 ) -> None:
     metrics_port = free_port()
     process, endpoint, figures.start_s = start_broker(etcd.endpoint, work, metrics_port)
@@ -484,9 +488,7 @@ def measure_broker(
             figures.later_windows.append(rate)
             figures.exhausted += exhausted
         if args.pairs_s > 0:
-            measure_pairs(
-                etcd, work, endpoint, process.pid, metrics_port, lease_id, figures, args.pairs_s
-            )
+            measure_pairs(etcd, work, endpoint, process.pid, metrics_port, figures, args.pairs_s)
     finally:
         process.terminate()
         process.wait(30)
@@ -498,7 +500,6 @@ def measure_pairs(
     endpoint: str,
     broker_pid: int,
     metrics_port: int,
-    lease_id: int,
     figures: Figures,
     seconds: float,
 ) -> None:
@@ -512,8 +513,6 @@ def measure_pairs(
             etcd.endpoint,
             "--prefix",
             PREFIX,
-            "--lease",
-            str(lease_id),
         ],
         stdout=subprocess.PIPE,
         stderr=log,

@@ -34,7 +34,7 @@ runs, no newer assignment can hold a mapping, and every mapping it removes belon
 the GPU was freed and given to a new node removes the new node's mapping too - that
 fails safe (the new host loses the device; no one else gains it) and is reported by
 that host's agent; (2) an agent of the lost host that wrote its attach intent before
-its lease expired and sends its map after the fence is not refused by the fabric
+its session ended and sends its map after the fence is not refused by the fabric
 manager - but the next host's agent checks the GPU's zones itself before and after its
 own map and never shares it, so such a late map makes that compose fail, not two hosts
 reach one GPU.

@@ -10,7 +10,9 @@ from types import FrameType
 
 import click
 
+from dxpool.broker.agent_server import DEFAULT_AGENT_LISTEN
 from dxpool.broker.audit import DEFAULT_RETENTION_S as DEFAULT_AUDIT_RETENTION_S
+from dxpool.broker.duties import DEFAULT_RECONNECT_GRACE_S
 from dxpool.broker.server import DEFAULT_LISTEN, BrokerConfig, BrokerServer
 from dxpool.cli.params import DAEMON_SECONDS, DURATION
 from dxpool.errors import InvalidArgument, Unavailable
@@ -60,6 +62,12 @@ def start(server: BrokerServer) -> None:
 @click.option("--etcd", "etcd", required=True, help="etcd endpoints, host:port[,host:port...]")
 @click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, help="etcd key prefix")
 @click.option("--listen", default=DEFAULT_LISTEN, show_default=True, help="gRPC listen address")
+@click.option(
+    "--agent-listen",
+    default=DEFAULT_AGENT_LISTEN,
+    show_default=True,
+    help="where host agents connect (AgentService; same TLS and client CA as --listen)",
+)
 @click.option(
     "--topology",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -112,7 +120,15 @@ def start(server: BrokerServer) -> None:
     type=DAEMON_SECONDS,
     default="0s",
     show_default=True,
-    help="how long a host may stay without a live agent lease before it is lost",
+    help="how long a host may stay without a live agent session before it is lost",
+)
+@click.option(
+    "--host-reconnect-grace",
+    type=DAEMON_SECONDS,
+    default=f"{DEFAULT_RECONNECT_GRACE_S:g}s",
+    show_default=True,
+    help="after this broker becomes the leader or sees etcd again, how long agents have to "
+    "reconnect before any host is declared lost",
 )
 @click.option(
     "--retention",
@@ -204,6 +220,7 @@ def broker_command(
     etcd: str,
     prefix: str,
     listen: str,
+    agent_listen: str,
     topology: Path | None,
     latency_model: str | None,
     latency_matrix: Path | None,
@@ -212,6 +229,7 @@ def broker_command(
     fabric: str | None,
     fabric_hook_timeout: float,
     host_loss_grace: float,
+    host_reconnect_grace: float,
     retention: float,
     audit_retention: float,
     etcd_connect_timeout: float,
@@ -257,6 +275,7 @@ def broker_command(
             etcd_endpoints=etcd,
             key_prefix=prefix,
             listen=listen,
+            agent_listen=agent_listen,
             topology_path=topology,
             latency_model=latency_model,
             latency_matrix=latency_matrix,
@@ -265,6 +284,7 @@ def broker_command(
             fabric=fabric,
             fabric_hook_timeout_s=fabric_hook_timeout,
             host_loss_grace_s=host_loss_grace,
+            host_reconnect_grace_s=host_reconnect_grace,
             retention_s=retention,
             audit_retention_s=audit_retention,
             etcd_connect_timeout_s=etcd_connect_timeout,
@@ -276,7 +296,7 @@ def broker_command(
     except InvalidArgument as error:  # a bad topology, latency model, matrix or box fabric
         raise click.UsageError(error.message) from None
     start(server)
-    click.echo(f"broker serving on {server.endpoint}", err=True)
+    click.echo(f"broker serving on {server.endpoint}, agents on {server.agent_endpoint}", err=True)
     stopped = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

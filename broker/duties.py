@@ -1,10 +1,17 @@
 """Singleton duties, run by the elected leader among the brokers.
 
-* **Host loss.** A host whose liveness key is gone (its agent's lease expired, plus
-  ``host_loss_grace_s``) while GPUs are on it is lost: each of its PENDING, ATTACHING or
-  READY nodes becomes LOST, and every GPU on it goes FENCING, in transactions that also
-  require the liveness key to be still absent - a host that came back in time keeps its
-  nodes.
+* **Host loss.** A host whose liveness record is gone (no broker holds a session of its
+  agent: the agent fell silent for its liveness TTL, or said goodbye for good) while
+  GPUs are on it is lost once the record has been absent for ``host_loss_grace_s`` and
+  ``reconnect_grace_s`` has passed since this broker became the leader and since it last
+  saw etcd unreachable or its cache stale: a broker that starts, a leader that changes
+  and an etcd that restarts give agents time to reconnect before any host is declared
+  lost. Each of its PENDING, ATTACHING or READY nodes becomes LOST, and every GPU on it
+  goes FENCING, in transactions that also require the liveness record to be still
+  absent - a host that came back in time keeps its nodes. A host whose record went
+  with its *broker* (the broker's registration, on the same lease, is gone too: the
+  broker died, not the agent) gets the reconnect grace as well, counted from when its
+  record went, since its agent is reconnecting to another broker.
 * **Fencing and reclaim.** For each FENCING GPU the leader asks the box side to revoke
   every mapping made for the GPU's generation (:mod:`dxpool.broker.box_fabric`), scrubs
   it, and only then frees it, comparing the GPU's revision. A GPU whose fence or scrub
@@ -17,10 +24,11 @@
   thousands of them.
 
 Why it is safe when the host is merely partitioned, not dead: the fence is done at the
-box side, which the partitioned host cannot reach around; its agent, once its lease is
-gone, can no longer write status (writes compare the lease) and its late maps carry a
-fenced generation and are refused by the box side. When it returns, it registers anew,
-finds nothing wanted of it, and detaches what its host side still holds.
+box side, which the partitioned host cannot reach around; its agent, once its session
+is gone, can no longer write status (a broker writes status only for the session the
+liveness record names) and its late maps carry a fenced generation and are refused by
+the box side. When it returns, it opens a new session, finds nothing wanted of it, and
+detaches what its host side still holds.
 
 Attach deadlines are the node controller's, checked there only while this broker leads.
 """
@@ -38,6 +46,7 @@ from typing import Any
 from dxpool import lifecycle
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker import metrics
+from dxpool.broker.agent_sessions import parse_liveness
 from dxpool.broker.box_fabric import BoxFabric, BoxFabricError
 from dxpool.broker.cache import Cache
 from dxpool.broker.forget import forget_released
@@ -60,10 +69,15 @@ NO_FABRIC_MESSAGE = (
 )
 
 
+DEFAULT_RECONNECT_GRACE_S = 30.0
+
+
 @dataclass(frozen=True)
 class DutySettings:
     interval_s: float = 0.25
     host_loss_grace_s: float = 0.0
+    # Agents' time to come back after this broker became the leader or saw etcd again.
+    reconnect_grace_s: float = DEFAULT_RECONNECT_GRACE_S
     fence_attempts: int = 5
     retention_s: float = 3600.0
 
@@ -80,7 +94,13 @@ class SingletonDuties:
         settings: DutySettings = DutySettings(),
         *,
         clock: Callable[[], float] = time.time,
+        settled: Callable[[], bool] = lambda: True,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``settled()`` says whether this broker sees etcd as it is now (reachable, its
+        cache current); while it does not, and for ``reconnect_grace_s`` after, no host
+        is declared lost. ``clock`` is wall time (release times), ``monotonic`` times
+        absences and graces."""
         self._store = store
         self._cache = cache
         self._fabric = box_fabric
@@ -96,6 +116,14 @@ class SingletonDuties:
         self._released_at: dict[str, float] = {}
         self._release_heap: list[tuple[float, str]] = []
         self._absent_since: dict[str, float] = {}
+        # host id -> the broker that held its agent's session, as last seen
+        self._holder: dict[str, str] = {}
+        self._settled = settled
+        self._monotonic = monotonic
+        # When the agents' reconnect grace last started: this broker began to lead, or
+        # saw etcd again after it was unreachable or the cache stale. None: not leading,
+        # or not seeing etcd now.
+        self._calm_since: float | None = None
         self._failures: dict[str, int] = {}
         self._retry_at: dict[str, float] = {}
         self._stop = threading.Event()
@@ -108,6 +136,8 @@ class SingletonDuties:
             self._on_change(k.GPUS, name, record)
         for name, record in self._cache.items(k.NODES):
             self._on_change(k.NODES, name, record)
+        for name, record in self._cache.items(k.HOST_LEASES):
+            self._on_change(k.HOST_LEASES, name, record)
         self._thread = threading.Thread(target=self._loop, name="leader-duties", daemon=True)
         self._thread.start()
 
@@ -139,6 +169,9 @@ class SingletonDuties:
                     self._fencing.add(name)
                 else:
                     self._fencing.discard(name)
+            elif collection == k.HOST_LEASES:
+                if record is not None:
+                    self._holder[name] = parse_liveness(bytes(record.value)).broker
             elif collection == k.NODES:
                 if record is not None and record.value.state == pb.NODE_STATE_RELEASED:
                     self._note_released(name, seconds(record.value.update_time))
@@ -154,6 +187,7 @@ class SingletonDuties:
     def _loop(self) -> None:
         while not self._stop.wait(self._settings.interval_s):
             if not self._is_leader():
+                self._calm_since = None
                 continue
             try:
                 self.run_once()
@@ -174,7 +208,21 @@ class SingletonDuties:
     # -- host loss ----------------------------------------------------------------------
 
     def handle_host_loss(self) -> None:
-        now = time.monotonic()
+        """Declare lost the hosts with GPUs whose liveness record has been absent long
+        enough (see the module docstring). Called while leading."""
+        now = self._monotonic()
+        if not self._settled():
+            # etcd is away or the cache behind: what it shows cannot be trusted, and the
+            # agents' grace starts over once it can.
+            self._calm_since = None
+            self._absent_since.clear()
+            return
+        if self._calm_since is None:
+            # Leading just began, or etcd just came back: agents get their grace from
+            # now, and absences seen before do not count.
+            self._calm_since = now
+            self._absent_since.clear()
+        reconnected_by = self._calm_since + self._settings.reconnect_grace_s
         with self._lock:
             hosts = set(self._on_host)
         for host in list(self._absent_since):
@@ -185,12 +233,22 @@ class SingletonDuties:
                 self._absent_since.pop(host, None)
                 continue
             since = self._absent_since.setdefault(host, now)
-            if now - since >= self._settings.host_loss_grace_s:
+            grace = self._settings.host_loss_grace_s
+            if self._broker_gone(host):  # its agent is moving to another broker
+                grace = max(grace, self._settings.reconnect_grace_s)
+            if now - since >= grace and now >= reconnected_by:
                 self._lose_host(host)
+
+    def _broker_gone(self, host: str) -> bool:
+        """Whether the broker that last held ``host``'s session is no longer registered
+        (it died: its lease took its registration and its agents' records)."""
+        with self._lock:
+            holder = self._holder.get(host, "")
+        return bool(holder) and self._cache.get(k.BROKERS, holder) is None
 
     def _lose_host(self, host: str) -> None:
         host_name = f"hosts/{host}"
-        message = f"{host_name} was lost: its agent's lease expired"
+        message = f"{host_name} was lost: no broker holds a session of its agent"
         lost_nodes = 0
         for node_id, record in self._cache.items(k.NODES):
             if record.value.host == host_name and record.value.state in (
@@ -353,4 +411,4 @@ class SingletonDuties:
         return result
 
 
-__all__ = ["DutySettings", "SingletonDuties"]
+__all__ = ["DEFAULT_RECONNECT_GRACE_S", "DutySettings", "SingletonDuties"]

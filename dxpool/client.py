@@ -44,8 +44,6 @@ import grpc
 from google.protobuf.descriptor import EnumDescriptor
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 from tenacity import (
     RetryError,
     Retrying,
@@ -81,6 +79,7 @@ from dxpool.errors import (
     ResourceExhausted,
     Unavailable,
     from_code,
+    from_rpc_error,
 )
 from dxpool.fabric.overhead import check_slowdown
 from dxpool.hints import connection_hint
@@ -337,26 +336,7 @@ def _memory_mib(value: str | int | None, default: int) -> int:
 
 def _error_from_rpc(error: grpc.RpcError) -> DxpoolError:
     """The :mod:`dxpool.errors` exception for a failed call, with its ErrorInfo if any."""
-    call: grpc.Call = error  # type: ignore[assignment]  # every RpcError grpc raises is a Call
-    code = call.code()
-    message = call.details() or code.name
-    reason: str | None = None
-    metadata: dict[str, str] = {}
-    try:
-        status = rpc_status.from_call(call)
-    except ValueError:  # the rich status disagrees with the call's own code or message
-        status = None
-    if status is not None:
-        for detail in status.details:
-            info = error_details_pb2.ErrorInfo()
-            if detail.Is(info.DESCRIPTOR):
-                detail.Unpack(info)
-                reason = info.reason or None
-                metadata = dict(info.metadata)
-                break
-    domain_error = from_code(code, message, reason)
-    domain_error.metadata = metadata
-    return domain_error
+    return from_rpc_error(error)
 
 
 def _reached(full_name: str, node: resources_pb2.VirtualNode, wanted: frozenset[int]) -> bool:

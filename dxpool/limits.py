@@ -23,6 +23,10 @@ limit                    value          why
 ``MAX_TEXT``             256            free text: reasons, endpoints, tenants
 ``MAX_QUOTA``            1,000,000      a tenant limit (GPUs, nodes) above any pool's size
 ``MAX_QUOTA_MODELS``     64             per-model limits of one tenant quota
+``MAX_STATUS_ENTRIES``   512            a host's status: every desired GPU plus as many
+                                        left over on its hardware (twice its most slots)
+``MAX_ROUND_TRIPS``      1024           a host's round-trip samples, one per box it reaches
+``MAX_STATUS_TEXT``      1024           an agent's message or health reason for one GPU
 =======================  =============  ==================================================
 """
 
@@ -50,3 +54,6 @@ MAX_MODEL_LENGTH = 64
 MAX_PCI_ID = 16
 MAX_QUOTA = 1_000_000
 MAX_QUOTA_MODELS = 64
+MAX_STATUS_ENTRIES = 2 * MAX_HOST_SLOTS
+MAX_ROUND_TRIPS = 1024
+MAX_STATUS_TEXT = 1024

@@ -24,8 +24,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from dxpool.errors import InvalidArgument
-from dxpool.etcd_users import agent_user
-from dxpool.identity import SCHEME, Identity, Role
+from dxpool.identity import SCHEME, Identity
 from dxpool.private_files import write_atomic
 from dxpool.tls import read_pem
 
@@ -134,8 +133,9 @@ def issue(
     them must be given.
 
     ``common_name`` is the name etcd, with authentication on, takes as the user (see
-    :mod:`dxpool.etcd_users`). By default an agent's certificate names its etcd user
-    (``dxpool-agent-{host}``), another identity's its URI, a server's its first name.
+    :mod:`dxpool.etcd_users`). By default an identity's certificate names its URI (no
+    etcd user: agents, tenants and operators reach the pool through a broker), a
+    server's its first name.
     ``not_before`` (default: now) lets tests make expired certificates.
     """
     plain_client = client_auth and bool(common_name)
@@ -185,7 +185,7 @@ def _default_common_name(
     identity: Identity | None, dns_names: Sequence[str], ip_addresses: Sequence[str]
 ) -> str:
     if identity is not None:
-        return agent_user(identity.name) if identity.role is Role.AGENT else identity.uri
+        return identity.uri
     return (list(dns_names) or list(ip_addresses))[0]
 
 

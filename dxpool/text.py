@@ -51,4 +51,15 @@ def check_labels(labels: Mapping[str, str], field: str = "labels") -> None:
         check_text(value, f"{field}[{key[:_SHOWN]!r}]", MAX_LABEL_VALUE)
 
 
-__all__ = ["check_labels", "check_text"]
+def clean_text(value: str, limit: int) -> str:
+    """``value`` made acceptable to :func:`check_text`: each non-printable character
+    replaced by a space and the text cut to ``limit`` characters (ending in ``...``).
+    For text a program produced (an error message), which should be reported, not
+    refused."""
+    cleaned = "".join(c if c.isprintable() else " " for c in value)
+    if len(cleaned) <= limit:
+        return cleaned
+    return cleaned[: max(0, limit - 3)] + "..."
+
+
+__all__ = ["check_labels", "check_text", "clean_text"]

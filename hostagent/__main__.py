@@ -1,10 +1,14 @@
 """``python -m dxpool.hostagent``: run one host agent in the foreground.
 
 Every option has an environment variable ``DXPOOL_AGENT_<NAME>`` (for example
-``DXPOOL_AGENT_HOST``); a flag wins over the environment. SIGTERM and SIGINT stop the
-agent cleanly: it revokes its lease, so the host shows as gone at once. Exit status: 0
-after a clean stop, 1 when the agent cannot start (etcd or the fabric is not there), 2 for
-bad options. The click command is :data:`agent_command`, mounted as ``dxpool agent``.
+``DXPOOL_AGENT_HOST``); a flag wins over the environment. The agent talks to the pool's
+brokers only (``--broker``, their agent ports), never to etcd: the etcd options of older
+versions are a usage error that says what replaced them. SIGTERM and SIGINT stop the
+agent cleanly: it says goodbye to its broker (without a state directory the host shows
+as gone at once; with one, it stays alive for the liveness TTL, for the next run to take
+over). Exit status: 0 after a clean stop, 1 when the agent cannot start (no broker
+answers, the host is held by another agent, the fabric is not there), 2 for bad options.
+The click command is :data:`agent_command`, mounted as ``dxpool agent``.
 """
 
 from __future__ import annotations
@@ -24,12 +28,10 @@ import dxpool.grpc_env  # noqa: F401 - before anything imports grpc
 from dxpool.cli.params import DAEMON_SECONDS
 from dxpool.errors import DxpoolError, InvalidArgument
 from dxpool.hostagent.agent import Agent
-from dxpool.hostagent.config import DEFAULT_ETCD_ENDPOINTS, AgentConfig
+from dxpool.hostagent.config import DEFAULT_BROKERS, AgentConfig
 from dxpool.hostagent.drivers import DRIVERS, build_driver
 from dxpool.logs import configure_logging
 from dxpool.request import parse_host_memory_mib
-from dxpool.store.client import connect
-from dxpool.store.keys import DEFAULT_PREFIX
 
 log = logging.getLogger("dxpool.hostagent")
 
@@ -39,6 +41,49 @@ EXIT_START_FAILED = 1
 
 def _option(*names: str, env: str, **kwargs: Any) -> Callable[[Any], Any]:
     return click.option(*names, envvar=ENV_PREFIX + env, show_envvar=True, **kwargs)
+
+
+_REMOVED_ETCD_OPTIONS = (
+    ("--etcd-endpoints", "--etcd", "ETCD_ENDPOINTS"),
+    ("--etcd-ca", None, "ETCD_CA"),
+    ("--etcd-cert", None, "ETCD_CERT"),
+    ("--etcd-key", None, "ETCD_KEY"),
+    ("--key-prefix", "--prefix", "KEY_PREFIX"),
+)
+
+
+def _refuse_etcd_option(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+    if value is None:
+        return
+    source = ctx.get_parameter_source(param.name or "")
+    given = (
+        f"${param.envvar}"
+        if source is click.core.ParameterSource.ENVIRONMENT
+        else "/".join(param.opts)
+    )
+    raise click.UsageError(
+        f"{given}: host agents no longer talk to etcd (hosts hold no etcd credentials). "
+        "Give --broker HOST:PORT[,HOST:PORT...], the agent ports of the pool's brokers "
+        "(dxpool broker --agent-listen, default port 8471), and this host's certificate "
+        "with --tls-ca, --tls-cert and --tls-key; the broker knows the key prefix.",
+        ctx=ctx,
+    )
+
+
+def _removed_etcd_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Hidden options of older versions that only explain what replaced them."""
+    for long_name, alias, env in _REMOVED_ETCD_OPTIONS:
+        names = [long_name, alias] if alias else [long_name]
+        command = click.option(
+            *names,
+            f"removed_{long_name.lstrip('-').replace('-', '_')}",
+            envvar=ENV_PREFIX + env,
+            hidden=True,
+            expose_value=False,
+            callback=_refuse_etcd_option,
+            is_eager=True,
+        )(command)
+    return command
 
 
 def _parse_labels(labels: tuple[str, ...]) -> dict[str, str]:
@@ -78,11 +123,10 @@ def run_agent(config: AgentConfig) -> int:
         log.error("fabric driver unavailable", extra={"error": error.message})
         return EXIT_START_FAILED
     try:
-        client = connect(config.etcd_endpoints, tls=config.etcd_tls)
-    except DxpoolError as error:  # a TLS file that cannot be read
-        log.error("etcd client unavailable", extra={"error": error.message})
+        agent = Agent(config, driver)
+    except DxpoolError as error:  # a token file that cannot be read, a state dir in use
+        log.error("agent could not start", extra={"error": error.message})
         return EXIT_START_FAILED
-    agent = Agent(config, driver, client)
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         log.info("stop requested", extra={"signal": signal.Signals(signum).name})
@@ -101,42 +145,54 @@ def run_agent(config: AgentConfig) -> int:
         return EXIT_START_FAILED
     finally:
         agent.stop()
-        client.close()
 
 
 @click.command(name="agent", context_settings={"show_default": True})
 @_option("--host", "host_id", env="HOST", required=True, help="Host id (DNS label).")
 @_option(
-    "--etcd-endpoints",
-    "--etcd",
-    env="ETCD_ENDPOINTS",
-    default=DEFAULT_ETCD_ENDPOINTS,
-    help="etcd endpoints, host:port[,host:port...].",
+    "--broker",
+    "brokers",
+    env="BROKER",
+    default=DEFAULT_BROKERS,
+    help="The pool's brokers, their agent ports: host:port[,host:port...]. The agent holds "
+    "a session with one and fails over to the next.",
 )
 @_option(
-    "--etcd-ca",
-    env="ETCD_CA",
+    "--tls-ca",
+    env="TLS_CA",
     default=None,
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="CA (PEM) that signed etcd's certificate: talk to etcd over TLS.",
+    help="CA (PEM) that signed the brokers' certificates: talk to them over TLS.",
 )
 @_option(
-    "--etcd-cert",
-    env="ETCD_CERT",
+    "--tls-cert",
+    env="TLS_CERT",
     default=None,
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="Client certificate (PEM) for etcd's --client-cert-auth.",
+    help="This agent's client certificate (PEM), dxpool://agent/HOST "
+    "(`dxpool certs issue agent/HOST`).",
 )
 @_option(
-    "--etcd-key",
-    env="ETCD_KEY",
+    "--tls-key",
+    env="TLS_KEY",
     default=None,
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="Key of --etcd-cert (PEM).",
+    help="Key of --tls-cert (PEM).",
 )
 @_option(
-    "--key-prefix", "--prefix", env="KEY_PREFIX", default=DEFAULT_PREFIX, help="etcd key prefix."
+    "--tls-server-name",
+    env="TLS_SERVER_NAME",
+    default=None,
+    help="Name to check the brokers' certificates against, if not their address.",
 )
+@_option(
+    "--token-file",
+    env="TOKEN_FILE",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="File holding a bearer token (agent/HOST) for brokers that take tokens; needs TLS.",
+)
+@_removed_etcd_options
 @_option("--site", env="SITE", default="", help="Site of the host.")
 @_option("--pod", env="POD", default="", help="Pod of the host.")
 @_option("--rack", env="RACK", default="", help="Rack of the host.")
@@ -265,7 +321,8 @@ def run_agent(config: AgentConfig) -> int:
     env="LEASE_TTL",
     type=DAEMON_SECONDS,
     default=10.0,
-    help="Liveness lease TTL, seconds (etcd rounds it up to whole seconds).",
+    help="Liveness TTL, seconds: the host is gone once its broker has had no heartbeat for "
+    "this long (one is sent every third of it).",
 )
 @_option(
     "--detach-attempts",
@@ -291,7 +348,7 @@ def run_agent(config: AgentConfig) -> int:
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
     help="Directory for the agent's identity token: a restart with the same directory "
-    "adopts its live lease, so the host's nodes survive the restart.",
+    "takes its live session over, so the host's nodes survive the restart.",
 )
 @_option(
     "--resync-interval",
@@ -339,7 +396,7 @@ def run_agent(config: AgentConfig) -> int:
     env="STARTUP_TIMEOUT",
     type=DAEMON_SECONDS,
     default=60.0,
-    help="Wait for etcd at startup, seconds.",
+    help="Wait for a broker at startup, seconds.",
 )
 @_option(
     "--agent-endpoint", env="ENDPOINT", default="", help="Address of this agent (informational)."

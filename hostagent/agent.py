@@ -1,21 +1,22 @@
-"""The host agent: registration, the spec watch, and reconcile workers.
+"""The host agent: its session with a broker, the spec it receives, reconcile workers.
 
 Threads:
 
-* the spec watch (:class:`~dxpool.store.watch.PrefixWatch` on the one key
-  ``hostalloc/{host}``, which fails over between etcd members and resumes from its last
-  revision) adopts every change of the host's spec and queues the GPUs it touched;
+* the broker link (:class:`~dxpool.hostagent.link.BrokerLink`) holds the host's session
+  with one broker at a time (failing over between the brokers given, resuming from the
+  spec revision it holds), sends the heartbeats that keep the host alive, and adopts
+  every spec the broker pushes, queueing the GPUs it touched;
 * ``workers`` reconcile threads take GPUs from the work queue (one GPU never in two
   workers at once) and re-queue failures with per-GPU exponential backoff;
 * the resync thread queues desired | observed | reported GPUs every
   ``resync_interval_s``, catching drift on the hardware side;
-* the registration thread keeps the host's liveness lease alive;
 * with a round-trip prober, the probe thread measures the round trip to every box the
   host has GPUs from each ``probe_interval_s`` and reports it in the status record
   (:mod:`~dxpool.hostagent.latency_report`).
 
-Nothing the agent decides depends on its memory of earlier runs: restart it at any moment
-and it converges again from etcd and ``driver.observe()``.
+The agent holds no etcd client: registration, liveness, spec and status all go through
+its session. Nothing it decides depends on its memory of earlier runs: restart it at any
+moment and it converges again from what the broker sends and ``driver.observe()``.
 """
 
 from __future__ import annotations
@@ -23,13 +24,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Hashable
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import TypeVar
 
-import etcd3.events
-import tenacity
-
-from dxpool.api.v1 import resources_pb2
-from dxpool.errors import FailedPrecondition, Unavailable
+from dxpool.api.v1 import agent_pb2
+from dxpool.config import read_token
+from dxpool.errors import DxpoolError, Unavailable
 from dxpool.hostagent import metrics
 from dxpool.hostagent.config import AgentConfig
 from dxpool.hostagent.desired import DesiredState
@@ -37,47 +37,50 @@ from dxpool.hostagent.driver import FabricDriver
 from dxpool.hostagent.errors import DriverError
 from dxpool.hostagent.identity import AgentIdentity
 from dxpool.hostagent.latency_report import LatencyReporter, RoundTripProber
+from dxpool.hostagent.link import BrokerLink
 from dxpool.hostagent.reconcile import Outcome, Reconciler
-from dxpool.hostagent.registration import ETCD_ERRORS, HostHeldError, HostRegistration
+from dxpool.hostagent.registration import host_record
 from dxpool.hostagent.status import StatusStore, StatusWriteRefusedError
 from dxpool.hostagent.workqueue import ExponentialBackoff, WorkQueue
 from dxpool.names import GpuRef
-from dxpool.store.client import addresses_of
-from dxpool.store.typed import Store
-from dxpool.store.watch import PrefixWatch
 
 log = logging.getLogger(__name__)
-# Why a round-trip report may not be written this round (the next round tries again).
-_REPORT_ERRORS: tuple[type[BaseException], ...] = (StatusWriteRefusedError, *ETCD_ERRORS)
+# Why a status write may not happen now (retried with backoff, or next round).
+WRITE_ERRORS: tuple[type[BaseException], ...] = (StatusWriteRefusedError, DxpoolError)
 
 
 class Agent:
-    """One host's agent. ``client`` is an etcd client the caller owns (and closes).
+    """One host's agent.
 
-    Lifecycle: :meth:`start` (registers, reads status and spec, starts threads), then
-    :meth:`stop` from any thread. :meth:`request_stop` only signals, for signal handlers.
+    Lifecycle: :meth:`start` (opens the session, adopts status and spec, starts
+    threads), then :meth:`stop` from any thread. :meth:`request_stop` only signals, for
+    signal handlers.
     """
 
     def __init__(
         self,
         config: AgentConfig,
         driver: FabricDriver,
-        client: Any,
         prober: RoundTripProber | None = None,
     ) -> None:
         self._config = config
         self._driver = driver
-        self._client = client
-        self._spec_key = config.keys.host_allocation(config.host_id)
         self._desired = DesiredState(config.host_id)
         self._identity = AgentIdentity(config.host_id, config.state_dir)
-        # One typed store for every etcd call the agent makes (the spec watch aside).
-        self._store = Store(client, config.keys, name="agent-store")
-        self._registration = HostRegistration(self._store, config, self._identity.token)
-        self._detach_metrics: Callable[[], None] = lambda: None
-        self._status = StatusStore(
-            self._store, config.keys, config.host_id, lambda: self._registration.lease_id
+        token = read_token(Path(config.token_file)) if config.token_file is not None else None
+        self._link = BrokerLink(
+            config.broker_endpoints,
+            f"hosts/{config.host_id}",
+            self._hello,
+            self._on_welcome,
+            self._on_spec,
+            tls=config.broker_tls,
+            token=token,
+            backoff_max_s=config.backoff_max_s,
         )
+        self._status_adopted = False
+        self._detach_metrics: Callable[[], None] = lambda: None
+        self._status = StatusStore(self._link, config.host_id)
         self._queue: WorkQueue[GpuRef] = WorkQueue(
             ExponentialBackoff(config.backoff_base_s, config.backoff_max_s)
         )
@@ -96,46 +99,34 @@ class Agent:
         )
         self._stopping = threading.Event()
         self._wake_resync = threading.Event()
-        self._spec_watch: PrefixWatch | None = None
         self._threads: list[threading.Thread] = []
         self._stopped = False
 
     # -- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Register, load status and spec (retrying etcd for ``startup_timeout_s``), then
-        start the workers. Raises :class:`~dxpool.errors.Unavailable` if etcd stays
-        unreachable."""
-        retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_exception_type((*ETCD_ERRORS, HostHeldError)),
-            wait=tenacity.wait_exponential(multiplier=0.2, max=5.0),
-            stop=(
-                tenacity.stop_after_delay(self._config.startup_timeout_s)
-                | tenacity.stop_when_event_set(self._stopping)
-            ),
-            sleep=self._sleep_unless_stopping,
-            before_sleep=self._log_startup_retry,
-            reraise=True,
-        )
+        """Open the session (waiting up to ``startup_timeout_s`` for a broker), adopt the
+        host's status and spec, then start the workers. Raises
+        :class:`~dxpool.errors.FailedPrecondition` (``HOST_HELD``) when another agent
+        holds the host, :class:`~dxpool.errors.PermissionDenied` or
+        :class:`~dxpool.errors.Unauthenticated` when the brokers refuse this agent's
+        credentials, and :class:`~dxpool.errors.Unavailable` when no broker answers."""
         self._detach_metrics = metrics.COLLECTOR.attach(self._status)
-        try:
-            for attempt in retrying:
-                with attempt:
-                    self._registration.register()
-                    self._status.load()
-                    self._sync_spec()
-        except HostHeldError as error:
-            raise FailedPrecondition(str(error), reason="HOST_HELD") from error
-        except ETCD_ERRORS as error:
+        self._link.start()
+        if not self._link.wait_connected(self._config.startup_timeout_s):
             if self._stopping.is_set():
-                log.info("stop requested while waiting for etcd")
+                log.info("stop requested while waiting for a broker")
                 return
+            error = self._link.last_error
+            if error is not None and not isinstance(error, Unavailable):
+                raise error
             raise Unavailable(
-                f"etcd at {self._config.etcd_endpoints} did not answer within "
-                f"{self._config.startup_timeout_s:g}s ({error!r}); check --etcd-endpoints",
-                reason="ETCD_UNAVAILABLE",
-            ) from error
-        self._registration.start_keepalive()
+                f"no broker at {self._config.brokers} opened a session within "
+                f"{self._config.startup_timeout_s:g}s"
+                + (f" ({error.message})" if error is not None else "")
+                + "; check --broker and the TLS settings",
+                reason="BROKER_UNAVAILABLE",
+            )
         self.enqueue_all()
         for index in range(self._config.workers):
             self._spawn(self._work, f"dxpool-reconcile-{index}")
@@ -153,22 +144,9 @@ class Agent:
         return self._desired
 
     @property
-    def spec_watch_endpoint(self) -> str | None:
-        """The etcd member the spec watch uses now (``host:port``), if it runs."""
-        watch = self._spec_watch
-        address = watch.endpoint if watch is not None else None
-        return str(address) if address is not None else None
-
-    def _sleep_unless_stopping(self, seconds: float) -> None:
-        self._stopping.wait(seconds)
-
-    @staticmethod
-    def _log_startup_retry(state: tenacity.RetryCallState) -> None:
-        error = state.outcome.exception() if state.outcome is not None else None
-        log.warning(
-            "etcd not reachable; retrying",
-            extra={"attempt": state.attempt_number, "error": repr(error)},
-        )
+    def link(self) -> BrokerLink:
+        """The agent's link to the brokers (read-only use)."""
+        return self._link
 
     def _spawn(self, target: Callable[[], None], name: str) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)
@@ -188,91 +166,64 @@ class Agent:
         """Block until a stop is requested; True if it was."""
         return self._stopping.wait(timeout_s)
 
-    def stop(self, *, revoke_lease: bool | None = None) -> None:
-        """Stop: stop the watch, let each worker finish the GPU in hand, and join every
-        thread. Idempotent. ``revoke_lease`` (default: only when the agent has no state
-        directory to resume from) revokes the liveness lease, so the host shows as gone at
-        once and its nodes are lost; otherwise the next run adopts the lease, or it
-        expires within its TTL."""
-        if revoke_lease is None:
-            revoke_lease = self._config.state_dir is None
+    def stop(self, *, release: bool | None = None) -> None:
+        """Stop: say goodbye to the broker, let each worker finish the GPU in hand, and
+        join every thread. Idempotent. ``release`` (default: only when the agent has no
+        state directory to resume from) makes the host gone at once, so its nodes are
+        lost; otherwise the next run with the same identity takes the session over, or
+        the host goes when its liveness TTL has passed."""
+        if release is None:
+            release = self._config.state_dir is None
         if self._stopped:
             return
         self._stopped = True
         self.request_stop()
         self._queue.shutdown()
-        self._registration.stop(revoke=revoke_lease)
-        self._cancel_watch()
         for thread in self._threads:
             thread.join()
-        self._store.health.close()
+        self._link.stop(release=release)
         self._identity.close()
         self._detach_metrics()
         log.info("agent stopped", extra={"host": self._config.host_id})
 
-    # -- spec: list, then watch -----------------------------------------------------------
+    # -- the session: hello, welcome, spec ------------------------------------------------
 
-    def _sync_spec(self) -> None:
-        """List the spec, adopt it, and keep watching it (replacing any earlier watch).
-        Raises :class:`~dxpool.errors.Unavailable` if no etcd member can list it."""
-        self._cancel_watch()
-        watch = PrefixWatch(
-            addresses_of(self._client),
-            self._spec_key,
-            on_list=self._on_spec_list,
-            on_events=self._on_spec_events,
-            name="dxpool-spec-watch",
-            # The one key: etcd grants an agent its own host's spec and no other, not
-            # even one whose host id extends this one (h1, h10).
-            single_key=True,
+    def _hello(self) -> agent_pb2.AgentHello:
+        return agent_pb2.AgentHello(
+            host=host_record(self._config),
+            token=self._identity.token,
+            liveness_ttl_ms=round(self._config.lease_ttl_s * 1000),
+            spec_revision=self._desired.spec_revision,
+            revision=self._desired.revision,
+            status_known=self._status_adopted,
         )
-        watch.start(timeout_s=self._config.startup_timeout_s)
-        self._spec_watch = watch
 
-    def _cancel_watch(self) -> None:
-        watch, self._spec_watch = self._spec_watch, None
-        if watch is not None:
-            watch.stop()
+    def _on_welcome(self, welcome: agent_pb2.AgentWelcome) -> None:
+        """Runs on the link's thread. The stored status is adopted once, at the first
+        session: afterwards this process's copy is the newer one (it wrote it). A later
+        session (after a broker went) wakes the resync, so status writes that failed
+        meanwhile are tried again now rather than after their backoff."""
+        if not self._status_adopted:
+            self._status.adopt(welcome.status if welcome.HasField("status") else None)
+            self._status_adopted = True
+        else:
+            self._wake_resync.set()
+        if welcome.HasField("spec"):
+            self._on_spec(welcome.spec)
 
-    def _on_spec_list(self, kvs: Any, revision: int) -> None:
-        """Runs on the watch thread: a full listing at ``revision``."""
-        mine = [kv for kv in kvs if kv.key.decode() == self._spec_key]
-        if not mine:
-            self._adopt(None, revision, 0)
-            return
-        try:
-            allocation = resources_pb2.HostAllocation.FromString(mine[0].value)
-        except Exception:
-            log.exception("spec record unreadable; keeping the previous spec")
-            return
-        self._adopt(allocation, revision, int(mine[0].mod_revision))
-
-    def _on_spec_events(self, response: Any) -> None:
-        """Runs on the watch thread: adopt the newest event of this host's spec."""
-        mine = [e for e in response.events if e.key.decode() == self._spec_key]
-        if not mine:
-            return
-        event = mine[-1]
-        try:
-            if isinstance(event, etcd3.events.DeleteEvent):
-                allocation = None
-            else:
-                allocation = resources_pb2.HostAllocation.FromString(event.value)
-        except Exception:
-            log.exception("spec record unreadable; keeping the previous spec")
-            return
-        self._adopt(allocation, int(event.mod_revision), int(event.mod_revision))
-
-    def _adopt(
-        self, allocation: resources_pb2.HostAllocation | None, revision: int, spec_revision: int
-    ) -> None:
-        changed = self._desired.replace(allocation, revision, spec_revision)
+    def _on_spec(self, spec: agent_pb2.HostSpec) -> None:
+        """Runs on the link's thread: adopt a spec unless it is older than the one held."""
+        allocation = spec.allocation if spec.HasField("allocation") else None
+        changed = self._desired.replace(allocation, spec.revision, spec.spec_revision)
         for gpu in changed:
             self._queue.add(gpu)
         if changed:
             log.info(
                 "spec changed",
-                extra={"revision": revision, "gpus": ",".join(sorted(g.name for g in changed))},
+                extra={
+                    "revision": spec.revision,
+                    "gpus": ",".join(sorted(g.name for g in changed)),
+                },
             )
 
     # -- resync and workers ---------------------------------------------------------------
@@ -310,7 +261,7 @@ class Agent:
         while not self._stopping.wait(self._config.probe_interval_s):
             try:
                 self._reporter.probe_once()
-            except _REPORT_ERRORS as error:
+            except WRITE_ERRORS as error:
                 log.warning("round trips not reported", extra={"error": repr(error)})
             except Exception:
                 log.exception("round-trip probing failed; retrying at the next interval")
@@ -335,7 +286,7 @@ def reconcile_worker(
             return
         try:
             outcome = reconcile(key)
-        except ETCD_ERRORS as error:
+        except DxpoolError as error:  # the broker could not be reached, or refused
             log.warning("status write failed", extra={"gpu": describe(key), "error": repr(error)})
             outcome = Outcome.RETRY
         except StatusWriteRefusedError as error:
@@ -355,4 +306,4 @@ def reconcile_worker(
             queue.done(key)
 
 
-__all__ = ["Agent", "reconcile_worker"]
+__all__ = ["WRITE_ERRORS", "Agent", "reconcile_worker"]

@@ -7,17 +7,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+from dxpool.config import check_endpoint
 from dxpool.errors import InvalidArgument
 from dxpool.hostagent.driver import BDF_PATTERN
 from dxpool.limits import MAX_HOST_SLOTS
 from dxpool.names import check_id
 from dxpool.request import check_host_resources
-from dxpool.store.client import parse_endpoints
-from dxpool.store.keys import DEFAULT_PREFIX, KeySchema
 from dxpool.text import check_labels
 from dxpool.tls import ClientTls
 
-DEFAULT_ETCD_ENDPOINTS = "127.0.0.1:2379"
+# Where a broker serves agents by default (``dxpool broker --agent-listen``).
+DEFAULT_BROKERS = "127.0.0.1:8471"
+
+
+def parse_brokers(value: str) -> tuple[str, ...]:
+    """``host:port[,host:port...]`` -> the endpoints, in order; InvalidArgument when one
+    is not an endpoint or none is given."""
+    endpoints = tuple(part.strip() for part in value.split(",") if part.strip())
+    if not endpoints:
+        raise InvalidArgument(
+            f"no broker endpoint in {value!r}: give --broker HOST:PORT[,HOST:PORT...], the "
+            f"agent ports of the pool's brokers (default port 8471)",
+            reason="INVALID_ENDPOINT",
+        )
+    return tuple(check_endpoint(endpoint, "--broker") for endpoint in endpoints)
 
 
 @dataclass(frozen=True)
@@ -33,15 +46,20 @@ class AgentConfig:
     proxy presents that slot behind, ``"0000:40:01.0"``; read-only copy),
     ``proxy_hook`` (the executable that programs the proxy), ``proxy_hook_timeout_s``,
     ``sysfs_root`` and ``fabric_p2p`` (the fabric carries GPU peer-to-peer traffic).
-    ``startup_timeout_s`` bounds how long the agent waits for etcd when it starts.
+    ``brokers`` are the agent ports of the pool's brokers (``host:port[,host:port...]``;
+    the agent holds a session with one at a time and fails over between them), reached
+    over TLS when any of ``tls_ca``, ``tls_cert``, ``tls_key`` is given (mutual TLS with a
+    certificate ``dxpool://agent/HOST``), with ``token_file``'s bearer token on brokers
+    that take tokens.
+    ``startup_timeout_s`` bounds how long the agent waits for a broker when it starts.
     ``drain_timeout_s`` is how long a released GPU that still runs compute processes is
     waited for before it is detached anyway.
-    ``lease_ttl_s`` is rounded up to whole seconds, the unit of etcd leases.
+    ``lease_ttl_s`` is the host's liveness TTL: the broker declares the host gone once no
+    heartbeat of its agent has arrived for that long (the agent sends one every third).
     """
 
     host_id: str
-    etcd_endpoints: str = DEFAULT_ETCD_ENDPOINTS
-    key_prefix: str = DEFAULT_PREFIX
+    brokers: str = DEFAULT_BROKERS
     site: str = ""
     pod: str = ""
     rack: str = ""
@@ -76,27 +94,38 @@ class AgentConfig:
     # Redfish box-side mapping: the fabric map file (dxpool/redfish/fabric_map.py)
     # selects the Redfish proxy mapper in place of the driver's own.
     redfish_map: Path | None = None
-    # TLS to etcd: the CA that signed etcd's certificate, and a client certificate for
-    # etcd's --client-cert-auth (both or neither of cert and key).
-    etcd_ca: Path | None = None
-    etcd_cert: Path | None = None
-    etcd_key: Path | None = None
+    # TLS to the brokers: the CA that signed their certificates, and this agent's client
+    # certificate (both or neither of cert and key); a bearer token file for brokers
+    # that take tokens instead.
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_server_name: str | None = None
+    token_file: Path | None = None
 
     @property
-    def etcd_tls(self) -> ClientTls | None:
-        """How to reach etcd: TLS when any etcd TLS file is given, plaintext otherwise."""
-        if self.etcd_ca is None and self.etcd_cert is None and self.etcd_key is None:
+    def broker_endpoints(self) -> tuple[str, ...]:
+        return parse_brokers(self.brokers)
+
+    @property
+    def broker_tls(self) -> ClientTls | None:
+        """How to reach the brokers: TLS when any TLS setting or a token is given (a token
+        never travels in plaintext), plaintext otherwise."""
+        if (
+            self.tls_ca is None
+            and self.tls_cert is None
+            and self.tls_key is None
+            and self.token_file is None
+        ):
             return None
-        return ClientTls(ca=self.etcd_ca, cert=self.etcd_cert, key=self.etcd_key)
+        return ClientTls(
+            ca=self.tls_ca, cert=self.tls_cert, key=self.tls_key, server_name=self.tls_server_name
+        )
 
     def __post_init__(self) -> None:
         check_id(self.host_id, "host")
-        parse_endpoints(self.etcd_endpoints)
-        _ = self.etcd_tls  # a certificate without its key (or the reverse) is refused here
-        try:
-            KeySchema(self.key_prefix)
-        except ValueError as error:
-            raise InvalidArgument(f"invalid key_prefix: {error}") from error
+        _ = self.broker_endpoints
+        _ = self.broker_tls  # a certificate without its key (or the reverse) is refused here
         object.__setattr__(self, "labels", MappingProxyType(dict(self.labels)))
         for key in self.labels:
             if not key or "=" in key:
@@ -125,7 +154,7 @@ class AgentConfig:
                 f"slot_capacity {self.slot_capacity} is over the limit of {MAX_HOST_SLOTS} "
                 "proxy slots per host; give the host's real number of slots"
             )
-        _at_least("lease_ttl_s", self.lease_ttl_s, 2)
+        _at_least("lease_ttl_s", self.lease_ttl_s, 1)
         _at_least("attach_attempts", self.attach_attempts, 1)
         _at_least("workers", self.workers, 1)
         for name in ("resync_interval_s", "probe_interval_s", "backoff_base_s", "device_timeout_s"):
@@ -139,10 +168,6 @@ class AgentConfig:
                 f"({self.backoff_base_s:g})"
             )
 
-    @property
-    def keys(self) -> KeySchema:
-        return KeySchema(self.key_prefix)
-
 
 def _at_least(name: str, value: float, minimum: float) -> None:
     if value < minimum:
@@ -154,4 +179,4 @@ def _positive(name: str, value: float) -> None:
         raise InvalidArgument(f"{name} must be > 0, got {value:g}")
 
 
-__all__ = ["DEFAULT_ETCD_ENDPOINTS", "AgentConfig"]
+__all__ = ["DEFAULT_BROKERS", "AgentConfig", "parse_brokers"]

@@ -2,12 +2,13 @@
 
 The token is kept in ``{state_dir}/agent-{host}.token`` (mode 0600: it is the key to the
 host's liveness) and the file is held under an exclusive ``flock`` for the agent's
-lifetime, so two agent processes can never use the
-same identity at once. The token is the value of the host's liveness key: a restarted
-agent finds its own token there and adopts the live lease instead of waiting for it to
-expire (its nodes are not lost across a restart), while any other agent - elsewhere, or
+lifetime, so two agent processes can never use the same identity at once. The agent
+sends the token in its session's hello, and the host's liveness record holds its SHA-256
+digest: a restarted agent presents the same token and takes its live session over
+(through any broker) instead of waiting for the host to be declared gone, so its nodes
+survive the restart, while any other agent - elsewhere, or
 without the state - is refused the host. Without a state directory the token is new for
-each process: a restart then waits for the previous lease to expire.
+each process: a restart then waits for the previous session's liveness TTL to pass.
 """
 
 from __future__ import annotations

@@ -1,15 +1,17 @@
 """The host's status record, ``hoststatus/{host}``, owned by its agent.
 
-The agent is the only writer of the record. It keeps the record in memory, keyed by GPU,
+The agent is the only author of the record. It keeps the record in memory, keyed by GPU,
 and writes the whole record on every change (under a lock, so writes are ordered). The
 broker treats a GPU without an entry as detached, so callers remove an entry only once
 the GPU is off the host.
 
-Every write is one etcd transaction with two guards:
+Every write goes through a :class:`StatusWriter` - the agent's session with a broker
+(:class:`~dxpool.hostagent.link.BrokerLink`), which writes it in one etcd transaction
+with two guards:
 
-* **lease** - the host's liveness key must be held by *this* agent's lease, so an agent
-  whose lease expired (a partitioned or frozen host) or a second agent started for the
-  same host can never overwrite the status;
+* **session** - the host's liveness record must still name *this* agent's session, so
+  an agent whose session ended (a partitioned or frozen host) or a second agent started
+  for the same host can never overwrite the status (:class:`NotRegisteredError`);
 * **claim** - a write that claims a GPU (an entry for a GPU the spec wants: ATTACHING,
   ATTACHED, FAILED) also compares the ``mod_revision`` of the spec record the caller read.
   If the broker changed the spec since (e.g. released the node), the write fails with
@@ -20,10 +22,12 @@ Every write is one etcd transaction with two guards:
 
 The record also carries the round trips the agent measured to boxes
 (``round_trips``, for the broker's measured latency model, see
-:mod:`dxpool.fabric.measured`); they are written with the lease guard only, never claim
-anything, and every later write of the record keeps them.
+:mod:`dxpool.fabric.measured`); they are written with the session guard only, never
+claim anything, and every later write of the record keeps them.
 
-The in-memory copy changes only when a write succeeds.
+The in-memory copy changes only when a write succeeds. Text from drivers and hardware
+(messages, health reasons, identities) is cleaned to what the broker accepts
+(:func:`dxpool.text.clean_text`), so an odd error message never gets a write refused.
 """
 
 from __future__ import annotations
@@ -31,22 +35,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from dxpool.api.v1 import resources_pb2
 from dxpool.errors import InvalidArgument
+from dxpool.limits import MAX_STATUS_TEXT, MAX_TEXT
 from dxpool.names import GpuRef, host_name, parse_gpu
-from dxpool.store.keys import KeySchema
-from dxpool.store.typed import Store, Txn
+from dxpool.text import clean_text
 
 log = logging.getLogger(__name__)
 
 
 class StatusWriteRefusedError(Exception):
-    """etcd refused a status write because a guard failed; nothing was written."""
+    """A status write was refused because a guard failed; nothing was written."""
 
 
 class StaleSpecError(StatusWriteRefusedError):
@@ -54,7 +57,18 @@ class StaleSpecError(StatusWriteRefusedError):
 
 
 class NotRegisteredError(StatusWriteRefusedError):
-    """This agent does not hold the host's liveness lease (expired, or another agent)."""
+    """This agent holds no live session for the host (none yet, ended, or taken over)."""
+
+
+class StatusWriter(Protocol):
+    """Writes a host's whole status record for its agent."""
+
+    def write_status(self, record: resources_pb2.HostStatus, spec_revision: int) -> None:
+        """Write ``record``; ``spec_revision`` (0: none) is the spec's mod_revision the
+        claims in it were decided from. Raises :class:`StaleSpecError` or
+        :class:`NotRegisteredError` when a guard fails (nothing written), and
+        :class:`~dxpool.errors.Unavailable` when the outcome is not known."""
+        ...
 
 
 def now_timestamp() -> Timestamp:
@@ -75,38 +89,27 @@ def same_report(a: resources_pb2.ObservedAttachment, b: resources_pb2.ObservedAt
 
 
 class StatusStore:
-    """In-memory copy of one host's status record, written through to etcd.
+    """In-memory copy of one host's status record, written through a :class:`StatusWriter`.
 
-    ``lease_id`` returns the agent's current liveness lease (None before registration).
     :meth:`put` and :meth:`remove` write the record before they return. They raise
-    :class:`StaleSpecError` / :class:`NotRegisteredError` when a guard fails, and what the
-    etcd client raises when etcd cannot be reached; in every failure the in-memory copy
-    is left as it was. A change that leaves the record as last written does not write.
+    :class:`StaleSpecError` / :class:`NotRegisteredError` when a guard fails, and what
+    the writer raises when the broker cannot be reached; in every failure the in-memory
+    copy is left as it was. A change that leaves the record as last written does not
+    write.
     """
 
-    def __init__(
-        self,
-        store: Store | Any,
-        keys: KeySchema,
-        host_id: str,
-        lease_id: Callable[[], int | None],
-    ) -> None:
-        """``store``: the agent's :class:`Store` (or an etcd client to build one on)."""
-        self._store = store if isinstance(store, Store) else Store(store, keys)
-        self._key = keys.host_status(host_id)
-        self._lease_key = keys.host_lease(host_id)
-        self._spec_key = keys.host_allocation(host_id)
+    def __init__(self, writer: StatusWriter, host_id: str) -> None:
+        self._writer = writer
         self._host = host_name(host_id)
-        self._lease_id = lease_id
         self._entries: dict[GpuRef, resources_pb2.ObservedAttachment] = {}
         self._round_trips: tuple[resources_pb2.RoundTripSample, ...] = ()
-        self._in_sync = False  # True when etcd holds exactly self._entries
+        self._in_sync = False  # True when the stored record is exactly self._entries
         self._lock = threading.Lock()
 
-    def load(self) -> None:
-        """Replace the in-memory copy with the record in etcd (e.g. after a restart)."""
-        found = self._store.get(self._key)
-        record = found.value if found is not None else resources_pb2.HostStatus()
+    def adopt(self, record: resources_pb2.HostStatus | None) -> None:
+        """Replace the in-memory copy with ``record``, the record as stored (None: there
+        is none), e.g. after a restart."""
+        record = record if record is not None else resources_pb2.HostStatus()
         entries: dict[GpuRef, resources_pb2.ObservedAttachment] = {}
         for entry in record.attachments:
             try:
@@ -116,7 +119,7 @@ class StatusStore:
         with self._lock:
             self._entries = entries
             self._round_trips = tuple(record.round_trips)
-            self._in_sync = found is not None and len(entries) == len(record.attachments)
+            self._in_sync = bool(record.host) and len(entries) == len(record.attachments)
 
     def get(self, gpu: GpuRef) -> resources_pb2.ObservedAttachment | None:
         """A copy of ``gpu``'s entry, or None."""
@@ -155,10 +158,9 @@ class StatusStore:
         gpu = parse_gpu(entry.gpu)
         with self._lock:
             current = self._entries.get(gpu)
-            if current is not None and same_report(current, entry) and self._in_sync:
+            if current is not None and same_report(current, _cleaned(entry)) and self._in_sync:
                 return
-            stored = resources_pb2.ObservedAttachment()
-            stored.CopyFrom(entry)
+            stored = _cleaned(entry)
             stored.update_time.CopyFrom(now_timestamp())
             self._write_locked({**self._entries, gpu: stored}, spec_revision)
 
@@ -179,7 +181,7 @@ class StatusStore:
     def set_round_trips(self, samples: list[resources_pb2.RoundTripSample]) -> None:
         """Replace the reported round trips (one per box) and write the record; a no-op
         when they are what was last written. Raises :class:`NotRegisteredError` when the
-        lease guard fails, leaving the in-memory copy as it was."""
+        session guard fails, leaving the in-memory copy as it was."""
         report = tuple(_copy_sample(sample) for sample in samples)
         with self._lock:
             if report == self._round_trips and self._in_sync:
@@ -192,9 +194,6 @@ class StatusStore:
         spec_revision: int | None,
         round_trips: tuple[resources_pb2.RoundTripSample, ...] | None = None,
     ) -> None:
-        lease_id = self._lease_id()
-        if lease_id is None:
-            raise NotRegisteredError(f"{self._host} is not registered; status not written")
         samples = self._round_trips if round_trips is None else round_trips
         record = resources_pb2.HostStatus(
             host=self._host,
@@ -202,26 +201,22 @@ class StatusStore:
             update_time=now_timestamp(),
             round_trips=samples,
         )
-        txn = Txn().expect_lease(self._lease_key, lease_id)
-        if spec_revision is not None:
-            txn.expect_revision(self._spec_key, spec_revision).read_on_failure(self._spec_key)
-        txn.put(self._key, record)
         self._in_sync = False
-        result = self._store.commit(txn)
-        if not result.succeeded:
-            current = result.current.get(self._spec_key)
-            if spec_revision is not None and (current.mod_revision if current else 0) != (
-                spec_revision
-            ):
-                raise StaleSpecError(
-                    f"the spec of {self._host} changed since revision {spec_revision}"
-                )
-            raise NotRegisteredError(
-                f"{self._host}'s liveness key is not held by this agent's lease {lease_id}"
-            )
+        self._writer.write_status(record, spec_revision or 0)
         self._entries = entries
         self._round_trips = samples
         self._in_sync = True
+
+
+def _cleaned(entry: resources_pb2.ObservedAttachment) -> resources_pb2.ObservedAttachment:
+    """A copy of ``entry`` whose text the broker accepts (see the module docstring)."""
+    copy = resources_pb2.ObservedAttachment()
+    copy.CopyFrom(entry)
+    copy.message = clean_text(copy.message, MAX_STATUS_TEXT)
+    copy.health_reason = clean_text(copy.health_reason, MAX_STATUS_TEXT)
+    for field in ("bdf", "uuid", "serial"):
+        setattr(copy, field, clean_text(getattr(copy, field), MAX_TEXT))
+    return copy
 
 
 def _copy_sample(sample: resources_pb2.RoundTripSample) -> resources_pb2.RoundTripSample:
@@ -235,6 +230,7 @@ __all__ = [
     "StaleSpecError",
     "StatusStore",
     "StatusWriteRefusedError",
+    "StatusWriter",
     "now_timestamp",
     "same_report",
 ]

@@ -2,8 +2,9 @@
 
 One etcd server runs per test session; every test gets its own key prefix in it, so tests
 are isolated without paying for an etcd start each. Brokers listen on free loopback
-ports; host agents run as separate processes (``python -m dxpool.hostagent``) over a
-simulated fabric whose state lives in the test's temporary directory.
+ports (the public port and the agent port); host agents run as separate processes
+(``python -m dxpool.hostagent``) over a simulated fabric whose state lives in the test's
+temporary directory, and talk to the test's brokers only, never to etcd.
 """
 
 from __future__ import annotations
@@ -127,31 +128,43 @@ def etcd_cluster(_etcd_cluster: EtcdCluster) -> Iterator[EtcdCluster]:
     _heal(_etcd_cluster)
 
 
+# The agents' reconnect grace of test brokers: long enough for an agent that reconnects
+# to another broker, short enough not to slow tests of host loss. Tests of the grace
+# itself set their own.
+TEST_RECONNECT_GRACE_S = 1.0
+
+
+@pytest.fixture
+def started_brokers() -> list[BrokerServer]:
+    """The brokers ``broker_factory`` started in this test, in order."""
+    return []
+
+
 @pytest.fixture
 def broker_factory(
-    etcd_server: EmbeddedEtcd, key_prefix: str
+    etcd_server: EmbeddedEtcd, key_prefix: str, started_brokers: list[BrokerServer]
 ) -> Iterator[Callable[..., BrokerServer]]:
     from dxpool.broker.server import BrokerConfig, BrokerServer
-
-    started: list[BrokerServer] = []
 
     def start(**overrides: object) -> BrokerServer:
         config = BrokerConfig(
             etcd_endpoints=etcd_server.endpoint,
             key_prefix=key_prefix,
             listen="127.0.0.1:0",
+            agent_listen="127.0.0.1:0",
             controller_sweep_s=0.2,
+            host_reconnect_grace_s=TEST_RECONNECT_GRACE_S,
             # etcd on a loaded machine may take seconds to answer; a test that wants
             # failover within a second says so itself
             etcd_timeout_s=5.0,
         )
         config = BrokerConfig(**{**config.__dict__, **overrides})  # type: ignore[arg-type]
         server = BrokerServer(config).start()
-        started.append(server)
+        started_brokers.append(server)
         return server
 
     yield start
-    for server in started:
+    for server in started_brokers:
         server.stop(grace_s=0)
 
 
@@ -220,13 +233,20 @@ class AgentProcess:
 
 @dataclass
 class SimPool:
-    """A simulated fabric plus a launcher for host agents over it."""
+    """A simulated fabric plus a launcher for host agents over it. Agents connect to
+    ``broker_endpoints()``: the agent ports of the brokers the test started, unless
+    ``brokers`` is given to :meth:`start_agent`."""
 
     state_dir: Path
     fabric: SimFabric
-    etcd_endpoint: str
-    key_prefix: str
+    broker_endpoints: Callable[[], list[str]]
     agents: list[AgentProcess] = field(default_factory=list)
+
+    def brokers(self) -> str:
+        endpoints = self.broker_endpoints()
+        if not endpoints:
+            raise RuntimeError("start a broker before its agents: agents talk to brokers only")
+        return ",".join(endpoints)
 
     def start_agent(
         self,
@@ -237,6 +257,7 @@ class SimPool:
         map_delay_s: float = 0.0,
         lease_ttl_s: float = 3.0,
         extra: tuple[str, ...] = (),
+        brokers: str | None = None,
     ) -> AgentProcess:
         self.fabric.add_host(host, slots)
         log_path = self.state_dir / f"agent-{host}-{len(self.agents)}.log"
@@ -246,10 +267,8 @@ class SimPool:
             "dxpool.hostagent",
             "--host",
             host,
-            "--etcd",
-            self.etcd_endpoint,
-            "--prefix",
-            self.key_prefix,
+            "--broker",
+            brokers or self.brokers(),
             "--driver",
             "sim",
             "--sim-state",
@@ -285,11 +304,11 @@ class SimPool:
 
 
 @pytest.fixture
-def sim_pool(tmp_path: Path, etcd_server: EmbeddedEtcd, key_prefix: str) -> Iterator[SimPool]:
+def sim_pool(tmp_path: Path, started_brokers: list[BrokerServer]) -> Iterator[SimPool]:
     from dxpool.fabric.sim import SimFabric
 
     fabric = SimFabric.create(tmp_path / "fabric", boxes={}, hosts={})
-    pool = SimPool(tmp_path, fabric, etcd_server.endpoint, key_prefix)
+    pool = SimPool(tmp_path, fabric, lambda: [b.agent_endpoint for b in started_brokers])
     yield pool
     for agent in pool.agents:
         agent.kill()
@@ -376,6 +395,19 @@ class Pki:
             pair = issue(load_pair(self.root, "ca"), identity=Identity.make(role, name))
             write_pair(self.root, stem, pair)
         return stem
+
+    def agent_args(self, host: str) -> tuple[str, ...]:
+        """The agent flags that connect host ``host``'s agent to an mTLS broker with its
+        own certificate (``dxpool://agent/host``)."""
+        stem = self.client_identity("agent", host)
+        return (
+            "--tls-ca",
+            str(self.path("ca")),
+            "--tls-cert",
+            str(self.path(stem)),
+            "--tls-key",
+            str(self.path(stem, "key")),
+        )
 
 
 @pytest.fixture(scope="session")

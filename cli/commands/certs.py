@@ -86,8 +86,9 @@ def _identity(value: str | None) -> Identity | None:
     "--etcd-user",
     metavar="NAME",
     help="The etcd user the certificate acts as (its Common Name), and good for client "
-    "authentication: dxpool-broker for a broker, root for `dxpool etcd-auth`. An agent's "
-    "certificate names dxpool-agent-HOST without it.",
+    "authentication: dxpool-broker for a broker, root for `dxpool etcd-auth`, any name "
+    "for an etcd member's own certificate (peers authenticate with it). Host agents have "
+    "no etcd user: they reach brokers only.",
 )
 @click.option(
     "--client-auth",
@@ -118,11 +119,13 @@ def issue_command(
 
     \b
       dxpool certs issue operator/alice
-      dxpool certs issue agent/h7                  # etcd user dxpool-agent-h7
-      dxpool certs issue --dns broker.example --ip 10.0.0.5 --etcd-user dxpool-broker \\
-          --out broker
-      dxpool certs issue --etcd-user root          # for `dxpool etcd-auth`
-      dxpool certs issue --dns etcd.example --ip 10.0.0.5 --client-auth --out etcd
+      dxpool certs issue agent/h7                  # for the broker's agent port
+      dxpool certs issue --dns broker.example --ip 10.0.0.5 --out broker
+      # with a CA of etcd's own (--dir etcd-pki), for etcd and its clients only:
+      dxpool certs issue --dir etcd-pki --etcd-user dxpool-broker --out broker
+      dxpool certs issue --dir etcd-pki --etcd-user root     # for `dxpool etcd-auth`
+      dxpool certs issue --dir etcd-pki --dns etcd.example --ip 10.0.0.5 --client-auth \\
+          --out etcd
     """
     who = _identity(identity)
     if etcd_user is not None:

@@ -1,21 +1,22 @@
-"""``dxpool etcd-auth``: etcd users and roles for a pool, so an agent's certificate can
-write only its own host's keys.
+"""``dxpool etcd-auth``: etcd users and roles for a pool, so only brokers (and root) can
+touch its keys.
 
 With etcd's authentication on and ``--client-cert-auth``, etcd takes the user of a call
-from its client certificate's Common Name (``dxpool certs issue`` gives agents
-``dxpool-agent-{host}``, ``--etcd-user`` any other). These commands talk to etcd itself,
-not to a broker, with ``root``'s certificate once authentication is on::
+from its client certificate's Common Name (``dxpool certs issue --etcd-user NAME``).
+These commands talk to etcd itself, not to a broker, with ``root``'s certificate once
+authentication is on::
 
-    dxpool etcd-auth setup --etcd 10.0.0.2:2379 --etcd-ca ca.crt \\
-        --etcd-cert etcd-root.crt --etcd-key etcd-root.key --agents h1,h2
-    dxpool etcd-auth add-agent h3 ...        # a host that joins later
-    dxpool etcd-auth remove-agent h3 ...     # a host that leaves
+    dxpool etcd-auth setup --etcd 10.0.0.2:2379 --etcd-ca etcd-ca.crt \\
+        --etcd-cert etcd-root.crt --etcd-key etcd-root.key
     dxpool etcd-auth show ...
 
-Every command is idempotent. ``setup`` gives the broker's user and each named agent's
-user exactly their grants (taking back any added by hand), makes ``root`` if missing and
-turns authentication on. Exit status 1 when etcd refuses or cannot be reached, 2 for bad
-options. The grants are :mod:`dxpool.store.etcd_auth`'s table.
+``setup`` gives the broker's user exactly its grants (taking back any added by hand),
+removes the agent users older versions made (``dxpool-agent-*``), makes ``root`` if
+missing and turns authentication on. Host agents have no etcd user: they hold no etcd
+credentials and reach the pool through a broker's agent port, so ``add-agent`` only
+says so, and ``remove-agent`` removes a leftover user. Every command is idempotent.
+Exit status 1 when etcd refuses or cannot be reached, 2 for bad options. The grants are
+:mod:`dxpool.store.etcd_auth`'s table.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dxpool.cli.exits import EXIT_API_ERROR
 from dxpool.cli.extras import require_extras
 from dxpool.cli.help import SummaryGroup
 from dxpool.errors import DxpoolError, InvalidArgument
-from dxpool.etcd_users import BROKER_USER, agent_user
+from dxpool.etcd_users import agent_user
 from dxpool.store.keys import DEFAULT_PREFIX, KeySchema
 from dxpool.tls import ClientTls
 
@@ -136,71 +137,65 @@ def _run(action: Callable[[], None]) -> None:
         raise click.exceptions.Exit(EXIT_API_ERROR) from None
 
 
-def _report(wanted: list[str], changed: list[str]) -> None:
-    for user in wanted:
-        click.echo(f"etcd user {user}: {'updated' if user in changed else 'unchanged'}")
+NO_AGENT_USERS = (
+    "host agents no longer use etcd: they hold no etcd credentials and reach the pool "
+    "through a broker's agent port (dxpool agent --broker HOST:8471 with the host's "
+    "certificate from `dxpool certs issue agent/HOST`)"
+)
+
+
+def _refuse_agents(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> None:
+    if value:
+        raise click.UsageError(f"--agents: {NO_AGENT_USERS}; leave it out", ctx=ctx)
 
 
 @click.group("etcd-auth", cls=SummaryGroup)
 def etcd_auth() -> None:
-    """etcd users and roles: each agent may write only its own host's keys."""
+    """etcd users and roles: only brokers (and root) may touch the pool's keys."""
 
 
 @etcd_auth.command("setup")
 @click.option(
     "--agents",
-    "agents",
     multiple=True,
-    metavar="HOST[,HOST...]",
-    help="Hosts whose agents get an etcd user (comma-separated or repeated).",
+    hidden=True,
+    expose_value=False,
+    callback=_refuse_agents,
+    help="Older versions' agent users; a usage error now.",
 )
 @_etcd_options
 def setup(
-    agents: tuple[str, ...],
     endpoints: str,
     etcd_ca: Path | None,
     etcd_cert: Path | None,
     etcd_key: Path | None,
     prefix: str,
 ) -> None:
-    """Set up the broker's and the agents' etcd users, then turn etcd's auth on."""
-    hosts = _hosts(agents, "--agents")
+    """Set up the broker's etcd user, remove older versions' agent users, then turn etcd's
+    authentication on."""
     keys = _schema(prefix)
 
     def act() -> None:
+        from dxpool.etcd_users import BROKER_USER
         from dxpool.store.etcd_auth import setup_pool
 
         with _open(endpoints, etcd_ca, etcd_cert, etcd_key) as auth:
-            changed = setup_pool(auth, keys, agents=hosts)
-        _report([BROKER_USER, *(agent_user(h) for h in hosts)], changed)
+            done = setup_pool(auth, keys)
+        click.echo(
+            f"etcd user {BROKER_USER}: {'updated' if BROKER_USER in done.changed else 'unchanged'}"
+        )
+        for user in done.removed:
+            click.echo(f"etcd user {user}: removed ({NO_AGENT_USERS})")
         click.echo("etcd authentication is on")
 
     _run(act)
 
 
-@etcd_auth.command("add-agent")
-@click.argument("hosts", nargs=-1, required=True)
-@_etcd_options
-def add_agent(
-    hosts: tuple[str, ...],
-    endpoints: str,
-    etcd_ca: Path | None,
-    etcd_cert: Path | None,
-    etcd_key: Path | None,
-    prefix: str,
-) -> None:
-    """Give the agents of HOSTS their etcd users (other users are left as they are)."""
-    wanted = _hosts(hosts, "HOSTS")
-    keys = _schema(prefix)
-
-    def act() -> None:
-        from dxpool.store.etcd_auth import setup_pool
-
-        with _open(endpoints, etcd_ca, etcd_cert, etcd_key) as auth:
-            changed = setup_pool(auth, keys, agents=wanted, broker=False, enable=False)
-        _report([agent_user(h) for h in wanted], changed)
-
-    _run(act)
+@etcd_auth.command("add-agent", context_settings={"ignore_unknown_options": True})
+@click.argument("hosts", nargs=-1)
+def add_agent(hosts: tuple[str, ...]) -> None:
+    """Nothing to add: host agents no longer use etcd (usage error, exit 2)."""
+    raise click.UsageError(f"{NO_AGENT_USERS}; there is nothing to add")
 
 
 @etcd_auth.command("remove-agent")
@@ -214,11 +209,13 @@ def remove_agent(
     etcd_key: Path | None,
     prefix: str,
 ) -> None:
-    """Delete the etcd users of HOSTS' agents: their certificates lose all access."""
+    """Delete the etcd users older versions made for HOSTS' agents (`setup` removes
+    them all); host agents no longer use etcd."""
     gone = _hosts(hosts, "HOSTS")
     _schema(prefix)
 
     def act() -> None:
+        click.echo(f"note: {NO_AGENT_USERS}", err=True)
         with _open(endpoints, etcd_ca, etcd_cert, etcd_key) as auth:
             for host in gone:
                 user = agent_user(host)

@@ -229,11 +229,12 @@ def up(
     one `dxpool up` runs on a --data-dir at a time; running it again on the same
     --data-dir picks up where the last run left off.
 
-    The broker requires mutual TLS: a private CA in DATA_DIR/pki signs its certificate
-    and the operator's, and DATA_DIR/config.yaml points the CLI at both (found by itself
-    for the default --data-dir, otherwise export DXPOOL_CONFIG). etcd requires client
-    certificates too, with etcd users: each agent may write only its own host's keys.
-    --insecure serves plaintext instead.
+    The broker requires mutual TLS: a private CA in DATA_DIR/pki signs its certificate,
+    the operator's and each agent's (an agent may act for its own host only), and
+    DATA_DIR/config.yaml points the CLI at the broker (found by itself for the default
+    --data-dir, otherwise export DXPOOL_CONFIG). etcd trusts a CA of its own that signs
+    only its, the broker's and root's certificates: agents never reach etcd. --insecure
+    serves plaintext instead.
     """
     require_extras("up", "server")
     # Imported here: the local pool needs the server extra, which `dxpool --help` does not.

@@ -62,6 +62,16 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             sock.close()
 
 
+def _peer_tls_args(peer_tls: ServerTls | None) -> list[str]:
+    """etcd's flags for TLS on the peer port, peers' certificates required."""
+    if peer_tls is None:
+        return []
+    args = [f"--peer-cert-file={peer_tls.cert}", f"--peer-key-file={peer_tls.key}"]
+    if peer_tls.client_ca is not None:
+        args += [f"--peer-trusted-ca-file={peer_tls.client_ca}", "--peer-client-cert-auth"]
+    return args
+
+
 class EmbeddedEtcd:
     """One etcd member on loopback. Use as a context manager, or ``start``/``stop``.
 
@@ -75,8 +85,12 @@ class EmbeddedEtcd:
     ``tls`` serves clients over TLS (etcd's ``--cert-file``/``--key-file``) and, with a
     client CA, requires client certificates from it (``--trusted-ca-file``,
     ``--client-cert-auth``); ``client_tls`` is what this object's own probes, and
-    :attr:`address`, connect with (a certificate etcd accepts). Peers stay on plaintext
-    loopback.
+    :attr:`address`, connect with (a certificate etcd accepts). ``peer_tls`` does the same
+    for the peer port (``--peer-cert-file``, ``--peer-key-file``,
+    ``--peer-trusted-ca-file``, ``--peer-client-cert-auth``; the certificate must be good
+    for client authentication too, since peers show it to each other), so nothing without
+    a certificate of that CA reaches etcd's raft and lease traffic; without it peers talk
+    plaintext on loopback.
 
     ``kill``, ``pause`` and ``resume`` act on the running process and keep the data;
     ``start`` after ``kill`` or a crash brings the member back on the same data directory
@@ -101,6 +115,7 @@ class EmbeddedEtcd:
         initial_cluster: str | None = None,
         tls: ServerTls | None = None,
         client_tls: ClientTls | None = None,
+        peer_tls: ServerTls | None = None,
         binary: EtcdBinary | Path | str | None = None,
     ) -> None:
         if tls is not None and client_tls is None:
@@ -108,6 +123,7 @@ class EmbeddedEtcd:
         self.binary = binary if isinstance(binary, EtcdBinary) else resolve_etcd_binary(binary)
         self.tls = tls
         self.client_tls = client_tls
+        self.peer_tls = peer_tls
         self._own_dir = data_dir is None
         self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="dxpool-etcd-"))
         self.host = host
@@ -137,7 +153,8 @@ class EmbeddedEtcd:
 
     @property
     def peer_url(self) -> str:
-        return f"http://{self.host}:{self.peer_port}"
+        scheme = "https" if self.peer_tls is not None else "http"
+        return f"{scheme}://{self.host}:{self.peer_port}"
 
     def start(self, timeout_s: float = 20.0, *, wait: bool = True) -> EmbeddedEtcd:
         """Start etcd and wait until it answers; raise RuntimeError if it does not.
@@ -190,6 +207,7 @@ class EmbeddedEtcd:
             args += [f"--cert-file={self.tls.cert}", f"--key-file={self.tls.key}"]
             if self.tls.client_ca is not None:
                 args += [f"--trusted-ca-file={self.tls.client_ca}", "--client-cert-auth"]
+        args += _peer_tls_args(self.peer_tls)
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child process
         self._process = subprocess.Popen(
             args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

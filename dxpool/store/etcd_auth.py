@@ -9,22 +9,18 @@ permission table of a pool and applies it through etcd's own Auth API.
 user                     grants (below the pool's prefix P)    why
 =======================  ====================================  ============================
 ``root``                 everything (etcd's built-in role)     changes users and roles
-``dxpool-broker``        read/write ``P*`` and ``{P-}audit/*``  the whole pool, its elections
+``dxpool-broker``        read/write ``P*`` and ``{P-}audit/*``  the whole pool, its elections,
+                                                               the agents' liveness records
                                                                and its audit log
-``dxpool-agent-{host}``  write ``hosts/{host}``                registration
-                         read/write ``hostleases/{host}``      liveness key: created on the
-                                                               agent's lease, compared by
-                                                               status writes; revoking the
-                                                               lease needs write on it
-                         read/write ``hoststatus/{host}``      status: loaded, then written
-                         read ``hostalloc/{host}``             spec: listed and watched (the
-                                                               one key), compared by claims
-                         read ``P`` (the prefix key itself)    the store's reachability probe
 =======================  ====================================  ============================
 
-Grants are single keys where the agent's are concerned (an etcd permission without a
-range end is one key), so an agent cannot read another host's spec, even one whose id
-extends its own (``h1`` and ``h10``). Leases need no grant to be taken or kept alive.
+Host agents have no etcd user: they hold no etcd credentials and reach the pool only
+through a broker's agent port (:mod:`dxpool.broker.agent_service`). Older versions gave
+each agent a user ``dxpool-agent-{host}`` with its own host's keys; :func:`setup_pool`
+removes such users, so a certificate that once was an agent's can do nothing to etcd.
+The TLS layer keeps hosts out first: etcd should trust a CA of its own that signs only
+the brokers' and operators' certificates (see ``dxpool up``), so a host's certificate
+fails the handshake and never reaches these checks.
 
 Every function here is idempotent: :func:`ensure_user` makes a role's permissions exactly
 the table's (grants what is missing, revokes what is not in it), so running setup again
@@ -40,7 +36,7 @@ certificate: with users that have no password, that would lock everyone out for 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -52,9 +48,9 @@ from etcd3 import etcdrpc, utils
 from etcd3.etcdrpc import auth_pb2
 
 from dxpool.errors import DxpoolError, FailedPrecondition, PermissionDenied, Unavailable
-from dxpool.etcd_users import BROKER_USER, ROOT_USER, agent_user
+from dxpool.etcd_users import AGENT_USER_PREFIX, BROKER_USER, ROOT_USER
 from dxpool.store.client import REQUIRE_LEADER, EtcdAddress, channel
-from dxpool.store.keys import HOST_ALLOCATIONS, HOST_LEASES, HOST_STATUSES, HOSTS, KeySchema
+from dxpool.store.keys import KeySchema
 from dxpool.tls import read_pem
 
 __all__ = [
@@ -62,9 +58,10 @@ __all__ = [
     "Access",
     "EtcdAuth",
     "Grant",
+    "PoolUsers",
     "RoleView",
-    "agent_grants",
     "broker_grants",
+    "remove_agent_users",
     "role_of",
     "setup_pool",
 ]
@@ -122,18 +119,6 @@ def broker_grants(keys: KeySchema) -> tuple[Grant, ...]:
     return (
         Grant.prefix(keys.prefix, Access.READWRITE),
         Grant.prefix(keys.audit_prefix, Access.READWRITE),
-    )
-
-
-def agent_grants(keys: KeySchema, host: str) -> tuple[Grant, ...]:
-    """Exactly what the agent of ``host`` reads and writes; see the module's table."""
-    agent_user(host)  # validates the id
-    return (
-        Grant.one_key(keys.key(HOSTS, host), Access.WRITE),
-        Grant.one_key(keys.key(HOST_LEASES, host), Access.READWRITE),
-        Grant.one_key(keys.key(HOST_STATUSES, host), Access.READWRITE),
-        Grant.one_key(keys.key(HOST_ALLOCATIONS, host), Access.READ),
-        Grant.one_key(keys.prefix, Access.READ),
     )
 
 
@@ -359,27 +344,41 @@ def _user_add_request(user: str) -> Any:
     return etcdrpc.AuthUserAddRequest.FromString(plain + _NO_PASSWORD_OPTION)
 
 
+@dataclass(frozen=True)
+class PoolUsers:
+    """What :func:`setup_pool` did: users created or changed, and leftover agent users
+    removed."""
+
+    changed: list[str]
+    removed: list[str]
+
+
+def remove_agent_users(auth: EtcdAuth) -> list[str]:
+    """Delete every agent user older versions made (``dxpool-agent-*``) and its role;
+    returns their names. Idempotent."""
+    removed = []
+    for user in auth.users():
+        if user.startswith(AGENT_USER_PREFIX) and auth.remove_user(user):
+            removed.append(user)
+    return removed
+
+
 def setup_pool(
     auth: EtcdAuth,
     keys: KeySchema,
     *,
-    agents: Sequence[str] = (),
     broker: bool = True,
     enable: bool = True,
-) -> list[str]:
-    """Give the broker (``broker``) and the agent of each host in ``agents`` exactly their
-    grants, then (``enable``) make sure ``root`` exists and authentication is on.
+) -> PoolUsers:
+    """Give the broker (``broker``) exactly its grants, remove leftover agent users,
+    then (``enable``) make sure ``root`` exists and authentication is on.
 
-    Idempotent; returns the users that were created or changed, in order. Users of
-    other hosts are left as they are (see :meth:`EtcdAuth.remove_user`)."""
+    Idempotent. Refuses (``ETCD_AUTH_LOCKOUT``) before changing anything when it is to
+    turn authentication on without root's certificate (see :meth:`EtcdAuth.enable`)."""
     if enable:  # before any change: a setup that cannot finish changes nothing
         auth.check_root_certificate()
-    wanted: list[tuple[str, tuple[Grant, ...]]] = []
-    if broker:
-        wanted.append((BROKER_USER, broker_grants(keys)))
-    for host in dict.fromkeys(agents):  # validated (and deduplicated) before any change
-        wanted.append((agent_user(host), agent_grants(keys, host)))
-    changed = [user for user, grants in wanted if auth.ensure_user(user, grants)]
+    changed = [BROKER_USER] if broker and auth.ensure_user(BROKER_USER, broker_grants(keys)) else []
+    removed = remove_agent_users(auth)
     if enable:
         auth.enable()
-    return changed
+    return PoolUsers(changed, removed)

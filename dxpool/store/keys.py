@@ -9,11 +9,16 @@ key (below the prefix)                 value                 written by   lifeti
 =====================================  ====================  ===========  ===============
 ``boxes/{box}``                        Box                   broker       until deleted
 ``gpus/{box}/{slot}``                  Gpu (spec + state)    broker       with its box
-``hosts/{host}``                       Host (registration)   agent        persistent
-``hostleases/{host}``                  empty                 agent        etcd lease: the host
-                                                                          is alive while it exists
+``hosts/{host}``                       Host (registration)   broker, for  persistent
+                                                             the agent
+``hostleases/{host}``                  HostLiveness          broker       on the broker's etcd
+                                                                          lease, while the host's
+                                                                          agent holds a session:
+                                                                          the host is alive while
+                                                                          it exists
 ``hostalloc/{host}``                   HostAllocation        broker       spec: desired GPUs
-``hoststatus/{host}``                  HostStatus            agent        status: observed GPUs
+``hoststatus/{host}``                  HostStatus            broker, for  status: observed GPUs
+                                                             the agent
 ``nodes/{node}``                       VirtualNode           broker       until deleted
 ``requests/{request_id}``              node or box name      broker       with its node
                                        (utf-8)                            or box
@@ -21,10 +26,14 @@ key (below the prefix)                 value                 written by   lifeti
                                        usage)
 ``elections/{duty}``                   broker id (utf-8)     broker       etcd lease: the leader
                                                                           of a singleton duty
+``brokers/{broker id}``                agent endpoint        broker       on the broker's agent
+                                       (utf-8)                            lease: the broker holds
+                                                                          agent sessions
 =====================================  ====================  ===========  ===============
 
-Spec and status are apart: only the broker writes ``hostalloc``, only the host's agent
-writes ``hoststatus``, so neither overwrites the other.
+Spec and status are apart: ``hostalloc`` is the brokers' own; ``hoststatus`` holds only
+what the host's agent reported, written by the broker that holds its session. Agents
+never touch etcd.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ NODES = "nodes"
 REQUESTS = "requests"
 ELECTIONS = "elections"
 TENANTS = "tenants"
+BROKERS = "brokers"
 
 COLLECTIONS = (
     BOXES,
@@ -54,6 +64,7 @@ COLLECTIONS = (
     NODES,
     REQUESTS,
     TENANTS,
+    BROKERS,
 )
 
 
@@ -104,6 +115,11 @@ class KeySchema:
 
     def tenant(self, tenant_id: str) -> str:
         return f"{self.prefix}{TENANTS}/{tenant_id}"
+
+    def broker(self, broker_id: str) -> str:
+        """A broker's registration while it holds agent sessions: on the same etcd lease
+        as their liveness records, so both go together when the broker dies."""
+        return f"{self.prefix}{BROKERS}/{broker_id}"
 
     def election(self, duty: str) -> str:
         """The key a broker holds (on its lease) while it performs a singleton ``duty``.

@@ -34,12 +34,13 @@ MESSAGE_TYPES: dict[str, type[Message] | None] = {
     k.BOXES: pb.Box,
     k.GPUS: pb.Gpu,
     k.HOSTS: pb.Host,
-    k.HOST_LEASES: None,
+    k.HOST_LEASES: None,  # HostLiveness, read by agent_sessions.parse_liveness (tolerant)
     k.HOST_ALLOCATIONS: pb.HostAllocation,
     k.HOST_STATUSES: pb.HostStatus,
     k.NODES: pb.VirtualNode,
     k.REQUESTS: None,
     k.TENANTS: pb.Tenant,
+    k.BROKERS: None,
 }
 
 M = TypeVar("M")

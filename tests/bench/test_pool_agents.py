@@ -41,7 +41,7 @@ def agents(etcd_client: object, key_prefix: str, stubs: Stubs) -> Iterator[PoolA
     lease = etcd_client.lease(60)  # type: ignore[attr-defined]
     load_hosts(store, 2, lease)
     wait_hosts_alive(stubs, 2)
-    agents = PoolAgents(etcd_client, KeySchema(key_prefix), int(lease.id), workers=2)
+    agents = PoolAgents(etcd_client, KeySchema(key_prefix), workers=2)
     agents.start()
     yield agents
     agents.stop()

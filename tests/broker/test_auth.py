@@ -74,12 +74,12 @@ def connect(secure_broker: BrokerServer, pki: Pki) -> Iterator[Callable[..., Cli
 
 
 @pytest.fixture
-def pool(connect: Callable[..., Client], sim_pool: SimPool) -> SimPool:
+def pool(connect: Callable[..., Client], sim_pool: SimPool, pki: Pki) -> SimPool:
     """One live host (h1) and one box of four GPUs, registered by an operator."""
     operator = connect("operator", "alice")
     sim_pool.fabric.add_box("box1", [SimGpuSpec("H100", 81920)] * 4)
     operator.create_box("box1", gpus=4, model="H100", memory_mib=81920, location=("s1", "p1", "r1"))
-    sim_pool.start_agent("h1")
+    sim_pool.start_agent("h1", extra=pki.agent_args("h1"))
     wait_until(lambda: any(h.alive for h in operator.list_hosts()), 20, message="h1 alive")
     return sim_pool
 

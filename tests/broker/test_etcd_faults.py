@@ -46,6 +46,7 @@ def start_broker(key_prefix: str) -> Iterator[Callable[..., BrokerServer]]:
             etcd_endpoints=endpoints,
             key_prefix=key_prefix,
             listen="127.0.0.1:0",
+            agent_listen="127.0.0.1:0",
             controller_sweep_s=0.2,
             **overrides,
         )
@@ -295,10 +296,11 @@ def test_losing_the_watched_member_keeps_composes_and_releases_flowing(
     stubs = channels(broker)
     watched = etcd_cluster.member(str(broker.cache.watch_endpoint))
     etcd_cluster.move_leader(next(m for m in etcd_cluster.members if m is not watched))
-    survivors = ",".join(m.endpoint for m in etcd_cluster.members if m is not watched)
-    # The agent talks to the surviving members only: this test is about the broker.
+    # The agent talks to the broker only, whose etcd member this test takes away.
     pool = SimPool(
-        tmp_path, SimFabric.create(tmp_path / "fabric", boxes={}, hosts={}), survivors, key_prefix
+        tmp_path,
+        SimFabric.create(tmp_path / "fabric", boxes={}, hosts={}),
+        lambda: [broker.agent_endpoint],
     )
     try:
         pool.start_agent("h1", slots=2)

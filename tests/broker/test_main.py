@@ -33,6 +33,7 @@ def test_metrics_are_served_on_the_address_and_port_given(
     broker = subprocess.Popen(
         [sys.executable, "-m", "dxpool.broker", "--etcd", etcd_server.endpoint,
          "--prefix", key_prefix, "--listen", f"127.0.0.1:{port}",
+         "--agent-listen", "127.0.0.1:0",
          "--metrics-port", str(metrics_port), "--metrics-address", "127.0.0.1",
          "--log-level", "WARNING", "--insecure"],
         stdout=log,
@@ -66,7 +67,8 @@ def test_a_latency_matrix_flag_is_used_and_a_bad_one_is_a_usage_error(
     bad.write_text("round_trips: [{hosts: s1/p1/r1, boxes: s1/p1/r2, round_trip: soon}]\n")
     refused = subprocess.run(
         [sys.executable, "-m", "dxpool.broker", "--etcd", etcd_server.endpoint,
-         "--prefix", key_prefix, "--listen", "127.0.0.1:0", "--latency-matrix", str(bad),
+         "--prefix", key_prefix, "--listen", "127.0.0.1:0", "--agent-listen", "127.0.0.1:0",
+         "--latency-matrix", str(bad),
          "--insecure"],
         capture_output=True,
         check=False,
@@ -84,6 +86,7 @@ def test_a_latency_matrix_flag_is_used_and_a_bad_one_is_a_usage_error(
     broker = subprocess.Popen(
         [sys.executable, "-m", "dxpool.broker", "--etcd", etcd_server.endpoint,
          "--prefix", key_prefix, "--listen", f"127.0.0.1:{port}",
+         "--agent-listen", "127.0.0.1:0",
          "--latency-matrix", str(good), "--log-level", "WARNING", "--insecure"],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -185,8 +188,8 @@ def test_log_lines_carry_their_fields(
     with log_path.open("wb") as log:
         broker = subprocess.Popen(
             [sys.executable, "-m", "dxpool.broker", "--etcd", etcd_server.endpoint,
-             "--prefix", key_prefix, "--listen", f"127.0.0.1:{port}", "--log-level", "info",
-             "--insecure"],
+             "--prefix", key_prefix, "--listen", f"127.0.0.1:{port}",
+             "--agent-listen", "127.0.0.1:0", "--log-level", "info", "--insecure"],
             stdout=log,
             stderr=subprocess.STDOUT,
         )  # fmt: skip

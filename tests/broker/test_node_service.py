@@ -387,8 +387,8 @@ def test_stalled_watcher_keeps_broker_memory_flat(  # type: ignore[no-untyped-de
     log = (tmp_path / "broker.log").open("wb")
     broker = subprocess.Popen(
         [sys.executable, "-m", "dxpool.broker", "--etcd", etcd_server.endpoint,
-         "--prefix", key_prefix, "--listen", f"127.0.0.1:{port}", "--log-level", "WARNING",
-         "--insecure"],
+         "--prefix", key_prefix, "--listen", f"127.0.0.1:{port}",
+         "--agent-listen", "127.0.0.1:0", "--log-level", "WARNING", "--insecure"],
         stdout=log,
         stderr=subprocess.STDOUT,
     )  # fmt: skip

@@ -16,13 +16,14 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from prometheus_client import REGISTRY
 
-from dxpool.api.v1 import audit_pb2, fabric_pb2, inventory_pb2, nodes_pb2
+from dxpool.api.v1 import agent_pb2, audit_pb2, fabric_pb2, inventory_pb2, nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.audit import audit_prefix
 from dxpool.broker.decoding import Oversized, guard_deserializer
 from dxpool.broker.gang import gang_ops
 from dxpool.broker.metrics import method_label
 from dxpool.broker.request_limits import (
+    AGENT_SERVER_MAX_RECEIVE_BYTES,
     DEFAULT_MAX_REQUEST_BYTES,
     MAX_REQUEST_BYTES,
     SERVER_MAX_RECEIVE_BYTES,
@@ -35,12 +36,16 @@ from dxpool.limits import (
     MAX_GPUS_PER_BOX,
     MAX_HOST_CPUS,
     MAX_HOST_MEMORY_MIB,
+    MAX_HOST_SLOTS,
     MAX_LABEL_KEY,
     MAX_LABEL_VALUE,
     MAX_LABELS,
     MAX_LOCATION_PART,
     MAX_PAGE_TOKEN,
     MAX_QUOTA_MODELS,
+    MAX_ROUND_TRIPS,
+    MAX_STATUS_ENTRIES,
+    MAX_STATUS_TEXT,
     MAX_TENANT,
     MAX_TEXT,
     MAX_TXN_OPS,
@@ -54,6 +59,7 @@ SERVICES = {
     "NodeService": nodes_pb2,
     "FabricService": fabric_pb2,
     "AuditService": audit_pb2,
+    "AgentService": agent_pb2,
 }
 ID = "a" * 63  # the longest id
 REQUEST_ID = "r" * 128
@@ -85,6 +91,64 @@ def largest_spec() -> pb.NodeSpec:
         host_memory_mib=MAX_HOST_MEMORY_MIB,
     )
     return spec
+
+
+def _latest(stamp: Any) -> None:
+    stamp.seconds, stamp.nanos = 253402300799, 999999999  # the largest a Timestamp takes
+
+
+def largest_status() -> pb.HostStatus:
+    """A host's status with every entry and text at its limit (ASCII)."""
+    attachment = pb.ObservedAttachment(
+        gpu=f"boxes/{ID}/gpus/4095",
+        generation=2**62,
+        phase=pb.ATTACHMENT_PHASE_FAILED,
+        host_slot=MAX_HOST_SLOTS - 1,
+        bdf="b" * MAX_TEXT,
+        uuid="u" * MAX_TEXT,
+        serial="s" * MAX_TEXT,
+        health=pb.GPU_HEALTH_UNHEALTHY,
+        message="m" * MAX_STATUS_TEXT,
+        health_reason="h" * MAX_STATUS_TEXT,
+        scrubbed=True,
+        identity_mismatch=True,
+    )
+    _latest(attachment.update_time)
+    trip = pb.RoundTripSample(box=f"boxes/{ID}", round_trip_ns=2**62)
+    _latest(trip.measure_time)
+    status = pb.HostStatus(
+        host=f"hosts/{ID}",
+        attachments=[attachment] * MAX_STATUS_ENTRIES,
+        round_trips=[trip] * MAX_ROUND_TRIPS,
+    )
+    _latest(status.update_time)
+    return status
+
+
+def largest_hello() -> agent_pb2.ConnectRequest:
+    """An agent's hello with its registration at every limit (ASCII)."""
+    host = pb.Host(
+        name=f"hosts/{ID}",
+        location=pb.Location(
+            site="s" * MAX_LOCATION_PART, pod="p" * MAX_LOCATION_PART, rack="r" * MAX_LOCATION_PART
+        ),
+        agent_endpoint="e" * MAX_TEXT,
+        slot_capacity=MAX_HOST_SLOTS,
+        labels=_labels("h"),
+        driver="d" * MAX_TEXT,
+        cpu_cores=MAX_HOST_CPUS,
+        memory_mib=MAX_HOST_MEMORY_MIB,
+    )
+    _latest(host.register_time)
+    hello = agent_pb2.AgentHello(
+        host=host,
+        token="t" * MAX_TEXT,
+        liveness_ttl_ms=2**62,
+        spec_revision=2**62,
+        revision=2**62,
+        status_known=True,
+    )
+    return agent_pb2.ConnectRequest(hello=hello)
 
 
 def largest_requests() -> dict[str, Message]:
@@ -171,6 +235,10 @@ def largest_requests() -> dict[str, Message]:
         "FabricService.Predict": fabric_pb2.PredictRequest(
             host=f"hosts/{ID}", gpus=spec.gpus, workload="w" * MAX_TEXT
         ),
+        "AgentService.Connect": largest_hello(),
+        "AgentService.ReportStatus": agent_pb2.ReportStatusRequest(
+            host=f"hosts/{ID}", session="x" * MAX_TEXT, status=largest_status(), spec_revision=2**62
+        ),
     }
 
 
@@ -232,8 +300,14 @@ def test_every_method_is_sized() -> None:
 
 
 def test_the_table_names_only_methods_the_broker_serves() -> None:
+    """Each port's receive limit is the largest of its own methods': a host's status
+    raises the agent port's, never the API port's."""
     assert set(MAX_REQUEST_BYTES) <= set(_api_methods().values())
-    assert max(MAX_REQUEST_BYTES.values()) == SERVER_MAX_RECEIVE_BYTES
+    agent = {m: size for m, size in MAX_REQUEST_BYTES.items() if "/dxpool.v1.AgentService/" in m}
+    api = {m: size for m, size in MAX_REQUEST_BYTES.items() if m not in agent}
+    assert max(api.values()) == SERVER_MAX_RECEIVE_BYTES
+    assert max(agent.values()) == AGENT_SERVER_MAX_RECEIVE_BYTES
+    assert SERVER_MAX_RECEIVE_BYTES < AGENT_SERVER_MAX_RECEIVE_BYTES
 
 
 def test_a_guarded_deserializer_does_not_decode_an_oversized_payload() -> None:

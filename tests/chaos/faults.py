@@ -6,8 +6,8 @@ from it (:class:`FaultRecord`), so the report can say how long recovery took:
 =====================  ==================================================  =====================
 kind                   inject / heal                                       recovered when
 =====================  ==================================================  =====================
-``broker_kill``        SIGKILL a broker / start it again on its port       a compose is
-                                                                           acknowledged by it
+``broker_kill``        SIGKILL the broker holding the most agent sessions  a compose is
+                       / start it again on its port                        acknowledged by it
 ``agent_kill``         SIGKILL a host agent / start it again               a node pinned to the
                                                                            host is READY
 ``agent_partition``    SIGSTOP an agent for longer than its lease TTL      the host's GPUs are
@@ -28,7 +28,11 @@ kind                   inject / heal                                       recov
 =====================  ==================================================  =====================
 
 Recovery times count from injection. ``broker_kill`` counts until the killed broker
-itself acknowledges a compose (the other broker serves meanwhile); ``agent_kill``
+itself acknowledges a compose (the other broker serves meanwhile); it also reports
+``agents_moved_s`` (every agent the broker held has a session on another broker) and
+``victim_host_ready_s`` (a node pinned to one of those hosts is READY: its agent's
+status writes go through the broker that stays), and raises ``NOT_RECOVERED`` when one
+of those hosts' nodes became LOST - a broker kill must never lose a host; ``agent_kill``
 composes a node pinned to the host after the restart and counts until it is READY.
 ``stalled_watch`` also reports ``watch_after_heal_s``. ``agent_partition`` also reports
 ``lease_lost_s``, ``fenced_s`` (no live node, no attaching/attached/detaching GPU, no
@@ -61,6 +65,7 @@ from tests.chaos.invariants import (
     UNFENCED_GPU_STATES,
     EtcdSnapshot,
     FabricSnapshot,
+    Kind,
     Violation,
     check_fenced,
 )
@@ -241,14 +246,50 @@ def probe_watch(endpoint: str, timeout_s: float = 5.0) -> bool:
 
 
 class BrokerKill(Fault):
+    """SIGKILL the broker that holds the most agent sessions, so the agents must move:
+    their hosts stay alive, and a node composed on one of them becomes READY through the
+    broker that stays."""
+
     kind = "broker_kill"
 
     def inject(self) -> None:
-        self.broker = self.rng.choice(self.ctx.pool.brokers)
-        self.record.target = self.broker.name
+        pool = self.ctx.pool
+        held = {b.name: pool.sessions_on(b) for b in pool.brokers}
+        most = max(len(hosts) for hosts in held.values())
+        self.broker = self.rng.choice([b for b in pool.brokers if len(held[b.name]) == most])
+        self.hosts = held[self.broker.name]
+        self.record.target = f"{self.broker.name} ({len(self.hosts)} agents)"
         self.hold_s = self.rng.uniform(1.0, 3.0)
+        before = self.ctx.latest()  # nodes LOST already are not this kill's doing
+        self.lost: set[str] = {
+            name
+            for name, node in (before.nodes.items() if before is not None else ())
+            if node.value.state == pb.NODE_STATE_LOST
+        }
         self.record.injected_at = time.monotonic()
         self.broker.kill()
+        if self.hosts:
+            self._background(self._follow_agents, "agents")
+
+    def _follow_agents(self) -> None:
+        """Wait for the victim's agents to hold sessions elsewhere, then for a node on
+        one of their hosts to become READY."""
+        pool = self.ctx.pool
+        deadline = time.monotonic() + PROBE_TIMEOUT_S
+        while time.monotonic() < deadline:
+            others = [b for b in pool.brokers if b is not self.broker and b.running]
+            moved = {h for b in others for h in pool.sessions_on(b)}
+            if set(self.hosts) <= moved:
+                self.record.mark("agents_moved", time.monotonic())
+                break
+            time.sleep(0.2)
+        else:
+            self.record.notes.append("the killed broker's agents did not all move")
+        ready_at, _ = probe_pinned_ready(self.ctx, self.rng.choice(self.hosts))
+        if ready_at is not None:
+            self.record.mark("victim_host_ready", ready_at)
+        else:
+            self.record.notes.append("no node on the killed broker's hosts became READY")
 
     def heal(self) -> None:
         self.broker.start()
@@ -262,7 +303,24 @@ class BrokerKill(Fault):
             at = self.ctx.log.first_ack_after(self.record.healed_at, self.broker.endpoint)
             if at is not None:
                 self.record.recovered_at = at
-        return []
+        lost = {
+            name
+            for name, node in snap.nodes.items()
+            if node.value.state == pb.NODE_STATE_LOST
+            and node.value.host.removeprefix("hosts/") in self.hosts
+            and name not in self.lost
+        }
+        self.lost |= lost
+        return [
+            Violation(
+                Kind.NOT_RECOVERED,
+                name,
+                f"{name}, on a host whose agent was on {self.broker.name}, became LOST after "
+                "the broker was killed: its agent did not reach another broker in time",
+                snap.revision,
+            )
+            for name in sorted(lost)
+        ]
 
 
 class AgentKill(Fault):

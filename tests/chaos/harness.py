@@ -4,8 +4,10 @@
 simulated fabric (``SimFabric.create``), starts ``broker_count`` brokers
 (``python -m dxpool.broker``, the process ``dxpool broker`` runs), registers the boxes
 through the broker API (``dxpool.client.Client.create_box``) and starts one host agent
-per host (``python -m dxpool.hostagent --driver sim``), all on loopback with short lease
-TTLs. Every process is a :class:`ManagedProcess`, which faults kill, pause and restart.
+per host (``python -m dxpool.hostagent --driver sim``), all on loopback with short
+liveness TTLs. Agents reach the pool only through the brokers' agent ports, every
+broker's, each agent starting with another one, so killing a broker moves agents over.
+Every process is a :class:`ManagedProcess`, which faults kill, pause and restart.
 
 Brokers get the box side of the fabric (``--fabric sim:DIR``), which their leader uses
 to fence the GPUs of lost hosts. Extra broker arguments can come from
@@ -31,6 +33,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.client import Client
 from dxpool.fabric.sim import LOCK_FILE, SimFabric, SimGpuSpec
 from dxpool.store.client import connect
@@ -69,6 +72,9 @@ class PoolConfig:
     brokers: int = 2
     etcd_members: int = 1
     lease_ttl_s: float = 2.0
+    # After a leader change or an etcd outage the leader waits this long for agents to
+    # reconnect before it declares a host lost: short, so the fencing bound holds.
+    reconnect_grace_s: float = 2.0
     attach_timeout_s: float = 8.0
     map_delay_s: float = 0.05
     resync_interval_s: float = 2.0
@@ -181,15 +187,23 @@ class ManagedProcess:
 
 
 class Broker(ManagedProcess):
-    """One ``python -m dxpool.broker`` on a fixed loopback port."""
+    """One ``python -m dxpool.broker`` on fixed loopback ports: the public one and the
+    agent port."""
 
-    def __init__(self, name: str, args: list[str], log_path: Path, port: int) -> None:
+    def __init__(
+        self, name: str, args: list[str], log_path: Path, port: int, agent_port: int
+    ) -> None:
         super().__init__(name, args, log_path)
         self.port = port
+        self.agent_port = agent_port
 
     @property
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def agent_endpoint(self) -> str:
+        return f"127.0.0.1:{self.agent_port}"
 
     def wait_serving(self, timeout_s: float = 30.0) -> None:
         """Wait until gRPC health says SERVING; RuntimeError if the process exits."""
@@ -283,9 +297,9 @@ class ChaosPool:
             boxes={box: [spec] * cfg.gpus_per_box for box in self.box_ids},
             hosts={host: cfg.slots_per_host for host in self.host_ids},
         )
-        ports = free_ports(cfg.brokers)
-        for index, port in enumerate(ports):
-            self.brokers.append(self._broker(index, port))
+        ports = free_ports(2 * cfg.brokers)
+        for index in range(cfg.brokers):
+            self.brokers.append(self._broker(index, ports[2 * index], ports[2 * index + 1]))
         for broker in self.brokers:
             broker.start()
         for broker in self.brokers:
@@ -306,7 +320,7 @@ class ChaosPool:
         self.wait_hosts_alive(self.host_ids)
         return self
 
-    def _broker(self, index: int, port: int) -> Broker:
+    def _broker(self, index: int, port: int, agent_port: int) -> Broker:
         args = [
             sys.executable,
             "-m",
@@ -317,6 +331,10 @@ class ChaosPool:
             self.config.prefix,
             "--listen",
             f"127.0.0.1:{port}",
+            "--agent-listen",
+            f"127.0.0.1:{agent_port}",
+            "--host-reconnect-grace",
+            f"{self.config.reconnect_grace_s:g}s",
             "--attach-timeout",
             str(self.config.attach_timeout_s),
             "--log-level",
@@ -324,20 +342,19 @@ class ChaosPool:
             "--insecure",
             *broker_fabric_args(self.fabric_dir),
         ]
-        return Broker(f"broker{index}", args, self.root / f"broker{index}.log", port)
+        return Broker(f"broker{index}", args, self.root / f"broker{index}.log", port, agent_port)
 
     def _agent(self, host: str, rack: str) -> Agent:
         cfg = self.config
+        brokers = [b.agent_endpoint for b in self.brokers]  # each agent spreads itself
         args = [
             sys.executable,
             "-m",
             "dxpool.hostagent",
             "--host",
             host,
-            "--etcd",
-            self.etcd.endpoints,
-            "--prefix",
-            cfg.prefix,
+            "--broker",
+            ",".join(brokers),
             "--driver",
             "sim",
             "--sim-state",
@@ -360,7 +377,7 @@ class ChaosPool:
             "2",
             "--startup-timeout",
             "600",
-            # A killed and restarted agent adopts its live lease, as in production.
+            # A killed and restarted agent takes its live session over, as in production.
             "--state-dir",
             str(self.root / f"agent-{host}-state"),
             "--log-level",
@@ -397,7 +414,8 @@ class ChaosPool:
             client.close()
 
     def wait_hosts_alive(self, hosts: list[str], timeout_s: float = 60.0) -> None:
-        """Wait until every host in ``hosts`` holds its liveness lease."""
+        """Wait until every host in ``hosts`` has its liveness record (its agent holds a
+        session with a broker)."""
         deadline = time.monotonic() + timeout_s
         with self.etcd_client() as client:
             while time.monotonic() < deadline:
@@ -411,6 +429,23 @@ class ChaosPool:
                     return
                 time.sleep(0.2)
         raise RuntimeError(f"hosts {hosts} did not all register within {timeout_s}s")
+
+    def sessions_on(self, broker: Broker) -> list[str]:
+        """The hosts whose liveness record names ``broker`` (its agent's session is
+        there). A broker's id is ``HOST/PID/RANDOM``; an unreadable etcd gives none."""
+        pid = broker.pid
+        if pid is None:
+            return []
+        held = []
+        try:
+            with self.etcd_client() as client:
+                for host in self.host_ids:
+                    value = client.get(self.schema.host_lease(host))[0]
+                    if value is not None and f"/{pid}/" in pb.HostLiveness.FromString(value).broker:
+                        held.append(host)
+        except Exception:
+            return []
+        return held
 
     def stop(self) -> None:
         """Stop every process, agents first, then brokers, then etcd."""

@@ -286,6 +286,8 @@ class EtcdSnapshot:
         if collection == k.HOST_LEASES:
             self.leases.add(f"hosts/{rest}")
             return
+        if collection == k.BROKERS:
+            return  # a broker's registration: not pool state
         if collection == k.REQUESTS:
             self.requests[rest] = value.decode(errors="replace")
             return

@@ -85,8 +85,8 @@ def test_issued_certificates_name_the_etcd_user_they_act_as(tmp_path: Path) -> N
         name: run("show", str(tmp_path / "pki" / f"{name}.crt")).output.splitlines()[0]
         for name in ("agent-h7", "etcd-root", "broker", "operator-alice")
     }
-    assert subjects == {
-        "agent-h7": "subject:   CN=dxpool-agent-h7",
+    assert subjects == {  # an agent's names no etcd user: agents never reach etcd
+        "agent-h7": "subject:   CN=dxpool://agent/h7",
         "etcd-root": "subject:   CN=root",
         "broker": "subject:   CN=dxpool-broker",
         "operator-alice": "subject:   CN=dxpool://operator/alice",

@@ -1,6 +1,6 @@
 """``dxpool etcd-auth`` and ``dxpool certs issue --etcd-user`` against a real etcd serving
-TLS with client-certificate auth: an operator's whole round, from certificates to an
-agent that etcd holds to its own host."""
+TLS with client-certificate auth: an operator's whole round, from certificates to an etcd
+that only the broker and root may touch, and the agent users of older versions removed."""
 
 from __future__ import annotations
 
@@ -65,43 +65,22 @@ def _etcd_args(etcd: EmbeddedEtcd, pki_dir: Path, name: str = "etcd-root") -> li
     ]  # fmt: skip
 
 
-def test_setup_add_show_and_remove_agents(etcd: EmbeddedEtcd, pki_dir: Path) -> None:
+def test_setup_show_and_an_agent_certificate_refused(etcd: EmbeddedEtcd, pki_dir: Path) -> None:
     args = _etcd_args(etcd, pki_dir)
-    first = run("etcd-auth", "setup", "--agents", "h1", *args)
+    first = run("etcd-auth", "setup", *args)
     assert first.exit_code == 0, first.output
     assert first.output.splitlines() == [
         "etcd user dxpool-broker: updated",
-        "etcd user dxpool-agent-h1: updated",
         "etcd authentication is on",
     ]
-    again = run("etcd-auth", "setup", "--agents", "h1", *args)
+    again = run("etcd-auth", "setup", *args)
     assert again.exit_code == 0, again.output
-    assert "etcd user dxpool-agent-h1: unchanged" in again.output
+    assert "etcd user dxpool-broker: unchanged" in again.output
 
-    # The agent's certificate, as `dxpool certs issue agent/h1` made it, is held to h1.
-    h1 = connect([EtcdAddress(etcd.host, etcd.client_port, _tls(pki_dir, "agent-h1"))])
-    try:
-        h1.put(KEYS.host_status("h1"), b"mine")
-        with pytest.raises(grpc.RpcError) as refused:
-            h1.put(KEYS.host_status("h2"), b"forged")
-        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    finally:
-        h1.close()
-
-    added = run("etcd-auth", "add-agent", "h2", *args)
-    assert added.exit_code == 0, added.output
-    assert added.output.splitlines() == ["etcd user dxpool-agent-h2: updated"]
     shown = run("etcd-auth", "show", "-o", "json", *args)
     assert shown.exit_code == 0, shown.output
     users = json.loads(shown.output)
-    assert set(users) == {"root", "dxpool-broker", "dxpool-agent-h1", "dxpool-agent-h2"}
-    assert users["dxpool-agent-h2"]["dxpool-agent-h2"] == [
-        "read /dxpool/v1/",
-        "read /dxpool/v1/hostalloc/h2",
-        "read/write /dxpool/v1/hostleases/h2",
-        "write /dxpool/v1/hosts/h2",
-        "read/write /dxpool/v1/hoststatus/h2",
-    ]
+    assert set(users) == {"root", "dxpool-broker"}  # no agent has an etcd user
     assert users["dxpool-broker"]["dxpool-broker"] == [
         "read/write /dxpool/v1-audit/*",
         "read/write /dxpool/v1/*",
@@ -109,15 +88,54 @@ def test_setup_add_show_and_remove_agents(etcd: EmbeddedEtcd, pki_dir: Path) -> 
     table = run("etcd-auth", "show", *args)
     assert "  role root: everything" in table.output
 
-    removed = run("etcd-auth", "remove-agent", "h2", *args)
-    assert removed.output.splitlines() == ["etcd user dxpool-agent-h2: removed"]
-    removed = run("etcd-auth", "remove-agent", "h2", *args)
-    assert removed.output.splitlines() == ["etcd user dxpool-agent-h2: not there"]
+    # An agent's certificate, as `dxpool certs issue agent/h1` makes it, names no etcd
+    # user: etcd refuses it even its own host's keys (were it let through TLS at all).
+    h1 = connect([EtcdAddress(etcd.host, etcd.client_port, _tls(pki_dir, "agent-h1"))])
+    try:
+        for call in (
+            lambda: h1.put(KEYS.host_status("h1"), b"mine"),
+            lambda: h1.get(KEYS.host_allocation("h1")),
+            lambda: h1.get_prefix(KEYS.prefix),
+        ):
+            with pytest.raises(grpc.RpcError) as refused:
+                call()
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        h1.close()
+
+
+def test_setup_removes_the_agent_users_of_older_versions(etcd: EmbeddedEtcd, pki_dir: Path) -> None:
+    from dxpool.store.etcd_auth import Access, EtcdAuth, Grant
+
+    with EtcdAuth(etcd.address) as auth:  # what an older `etcd-auth setup --agents h1` made
+        auth.ensure_user("dxpool-agent-h1", [Grant.one_key("/dxpool/v1/hosts/h1", Access.WRITE)])
+    args = _etcd_args(etcd, pki_dir)
+
+    done = run("etcd-auth", "setup", *args)
+
+    assert done.exit_code == 0, done.output
+    assert "etcd user dxpool-agent-h1: removed (host agents no longer use etcd" in done.output
+    assert set(json.loads(run("etcd-auth", "show", "-o", "json", *args).output)) == {
+        "root",
+        "dxpool-broker",
+    }
+    removed = run("etcd-auth", "remove-agent", "h1", *args)
+    assert removed.exit_code == 0
+    assert removed.stdout.splitlines() == ["etcd user dxpool-agent-h1: not there"]
+    assert "host agents no longer use etcd" in removed.stderr
+
+
+def test_agents_need_no_etcd_user_any_more(etcd: EmbeddedEtcd, pki_dir: Path) -> None:
+    for args in (["add-agent", "h2"], ["setup", "--agents", "h1"]):
+        result = run("etcd-auth", *args, *_etcd_args(etcd, pki_dir))
+        assert result.exit_code == 2, result.output
+        assert "host agents no longer use etcd" in result.output
+        assert "--broker" in result.output
 
 
 def test_only_roots_certificate_may_change_users(etcd: EmbeddedEtcd, pki_dir: Path) -> None:
     assert run("etcd-auth", "setup", *_etcd_args(etcd, pki_dir)).exit_code == 0
-    refused = run("etcd-auth", "add-agent", "h2", *_etcd_args(etcd, pki_dir, "agent-h1"))
+    refused = run("etcd-auth", "remove-agent", "h2", *_etcd_args(etcd, pki_dir, "broker"))
     assert refused.exit_code == 1
     assert "error: PERMISSION_DENIED:" in refused.output
     assert "CN is 'root'" in refused.output
@@ -132,8 +150,8 @@ def test_unreachable_etcd_is_an_error_that_names_it(pki_dir: Path) -> None:
 @pytest.mark.parametrize(
     "args",
     [
-        ["etcd-auth", "setup", "--agents", "h1,bad id"],
-        ["etcd-auth", "add-agent", "-h1-"],
+        ["etcd-auth", "remove-agent", "bad id"],
+        ["etcd-auth", "remove-agent", "-h1-"],
         ["etcd-auth", "setup", "--etcd", "nowhere"],
         ["etcd-auth", "setup", "--prefix", "no-slash"],
         ["certs", "issue", "--etcd-user", "bad user"],
@@ -147,11 +165,11 @@ def test_bad_input_is_a_usage_error(args: list[str], tmp_path: Path) -> None:
 def test_setup_refuses_to_turn_auth_on_without_roots_certificate(
     etcd: EmbeddedEtcd, pki_dir: Path
 ) -> None:
-    refused = run("etcd-auth", "setup", "--agents", "h1", *_etcd_args(etcd, pki_dir, "agent-h1"))
+    refused = run("etcd-auth", "setup", *_etcd_args(etcd, pki_dir, "broker"))
     assert refused.exit_code == 1
     assert refused.output.startswith(
         "error: FAILED_PRECONDITION: not turning etcd's authentication on with a "
-        "certificate with CN dxpool-agent-h1"
+        "certificate with CN dxpool-broker"
     )
     shown = run("etcd-auth", "show", "-o", "json", *_etcd_args(etcd, pki_dir))
     assert json.loads(shown.output) == {}  # nothing was made

@@ -17,7 +17,7 @@ from dxpool.pki import identities_in, issue, load_pair, write_pair
 
 def test_every_certificate_is_made_with_private_keys(tmp_path: Path) -> None:
     pki = ensure_local_pki(tmp_path / "pki", listen="127.0.0.1:8470", hosts=["h1", "h2"])
-    for name in ("ca", "broker", "etcd", "operator", "agent-h1", "agent-h2"):
+    for name in ("ca", "etcd-ca", "broker", "broker-etcd", "etcd", "operator", "agent-h1"):
         assert stat.S_IMODE(pki.key(name).stat().st_mode) == 0o600, name
     assert identities_in(load_pair(pki.directory, "operator").cert) == [LOCAL_OPERATOR]
     assert identities_in(load_pair(pki.directory, "agent-h2").cert) == [Identity(Role.AGENT, "h2")]
@@ -59,24 +59,48 @@ def _common_name(pki_dir: Path, name: str) -> str:
 
 def test_certificates_name_their_etcd_users(tmp_path: Path) -> None:
     pki = ensure_local_pki(tmp_path / "pki", listen="127.0.0.1:8470", hosts=["h1"])
-    assert _common_name(pki.directory, "broker") == "dxpool-broker"
+    assert _common_name(pki.directory, "broker-etcd") == "dxpool-broker"
     assert _common_name(pki.directory, "etcd-root") == "root"
-    assert _common_name(pki.directory, "agent-h1") == "dxpool-agent-h1"
+    assert _common_name(pki.directory, "agent-h1") == "dxpool://agent/h1"  # no etcd user
     assert stat.S_IMODE(pki.key("etcd-root").stat().st_mode) == 0o600
 
 
-def test_an_agent_certificate_of_an_older_pool_is_issued_again_for_its_etcd_user(
-    tmp_path: Path,
-) -> None:
+def _signer(pki_dir: Path, name: str) -> str:
+    issuer = load_pair(pki_dir, name).cert.issuer
+    return str(issuer.get_attributes_for_oid(x509.NameOID.COMMON_NAME)[0].value)
+
+
+def test_etcd_trusts_a_ca_of_its_own_that_signs_no_hosts_certificate(tmp_path: Path) -> None:
+    pki = ensure_local_pki(tmp_path / "pki", listen="127.0.0.1:8470", hosts=["h1", "h2"])
+    etcd_side = {"etcd", "broker-etcd", "etcd-root"}
+    broker_side = {"broker", "operator", "agent-h1", "agent-h2"}
+    assert {_signer(pki.directory, name) for name in etcd_side} == {"dxpool local pool etcd CA"}
+    assert {_signer(pki.directory, name) for name in broker_side} == {"dxpool local pool CA"}
+    assert pki.etcd_tls().client_ca == pki.etcd_peer_tls().client_ca == pki.etcd_ca != pki.ca
+    assert pki.broker_etcd_tls().cert == pki.cert("broker-etcd")
+    assert pki.agent_args("h1")[1] == str(pki.ca)
+
+
+def test_a_pool_made_before_etcd_had_its_own_ca_is_issued_again(tmp_path: Path) -> None:
     from dxpool.pki import issue, write_pair
 
     pki = ensure_local_pki(tmp_path / "pki", listen="127.0.0.1:8470", hosts=["h1"])
     ca = load_pair(pki.directory, "ca")
-    old = issue(ca, identity=Identity(Role.AGENT, "h1"), common_name="dxpool://agent/h1")
+    # What an older pool kept: etcd's and root's certificates of the broker's CA, and an
+    # agent's naming its etcd user.
+    write_pair(pki.directory, "etcd", issue(ca, dns_names=["localhost"], client_auth=True))
+    write_pair(pki.directory, "etcd-root", issue(ca, common_name="root", client_auth=True))
+    old = issue(ca, identity=Identity(Role.AGENT, "h1"), common_name="dxpool-agent-h1")
     write_pair(pki.directory, "agent-h1", old)
+    operator = pki.cert("operator").read_bytes()
+
     ensure_local_pki(tmp_path / "pki", listen="127.0.0.1:8470", hosts=["h1"])
-    assert _common_name(pki.directory, "agent-h1") == "dxpool-agent-h1"
+
+    assert _signer(pki.directory, "etcd") == _signer(pki.directory, "etcd-root")
+    assert _signer(pki.directory, "etcd") == "dxpool local pool etcd CA"
+    assert _common_name(pki.directory, "agent-h1") == "dxpool://agent/h1"
     assert identities_in(load_pair(pki.directory, "agent-h1").cert) == [Identity(Role.AGENT, "h1")]
+    assert pki.cert("operator").read_bytes() == operator  # what was right is kept
 
 
 def _usages(directory: Path, name: str) -> set[x509.ObjectIdentifier]:

@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 from click.testing import CliRunner
 
@@ -89,7 +88,7 @@ def test_up_serves_a_pool_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
         assert created.exit_code == 0, created.output
         assert json.loads(created.stdout)["state"] == "NODE_STATE_READY"
         assert len(processes_mentioning(str(data_dir))) == 4  # up itself, etcd, two agents
-        assert_etcd_requires_client_certificates(data_dir)
+        assert_hosts_cannot_reach_etcd(data_dir)
 
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=30) == 0
@@ -102,35 +101,70 @@ def test_up_serves_a_pool_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     assert (data_dir / "logs" / "agent-h1.log").exists()
 
 
-def assert_etcd_requires_client_certificates(
-    data_dir: Path, host: str = "h1", other: str = "h2"
-) -> None:
-    """The pool's etcd serves TLS with client-certificate auth and etcd users: an agent's
-    certificate reads its own host's spec and writes its status, but may not write
-    another host's, and a client without a certificate is refused."""
+def etcd_ports(data_dir: Path) -> tuple[str, int]:
+    """The pool's etcd client endpoint and peer port, from its command line."""
+    (etcd,) = [line for line in processes_mentioning("--client-cert-auth") if str(data_dir) in line]
+    args = etcd.split()
+    client = next(a for a in args if a.startswith("--listen-client-urls=")).split("=", 1)[1]
+    peer = next(a for a in args if a.startswith("--listen-peer-urls=")).split("=", 1)[1]
+    return client.removeprefix("https://"), int(peer.rpartition(":")[2])
+
+
+def assert_hosts_cannot_reach_etcd(data_dir: Path, host: str = "h1") -> None:
+    """A host's certificate (the agent's, of the broker's CA) fails the TLS handshake of
+    etcd's client port, whatever it asks (a read, renewing a lease, compacting), and of
+    its peer port; so does a client without a certificate. The broker's certificate of
+    etcd's own CA gets in."""
+    import ssl
+
+    import etcd3
+
     from dxpool.store.client import connect
     from dxpool.tls import ClientTls
 
-    (etcd,) = [line for line in processes_mentioning("--client-cert-auth") if str(data_dir) in line]
-    url = next(arg for arg in etcd.split() if arg.startswith("--listen-client-urls="))
-    endpoint = url.split("=", 1)[1].removeprefix("https://")
+    endpoint, peer_port = etcd_ports(data_dir)
     pki = data_dir / "pki"
-    anonymous = connect(endpoint, timeout_s=2, tls=ClientTls(ca=pki / "ca.crt"))
-    agent = connect(
-        endpoint,
-        timeout_s=2,
-        tls=ClientTls(pki / "ca.crt", pki / f"agent-{host}.crt", pki / f"agent-{host}.key"),
-    )
+    agent_tls = ClientTls(pki / "etcd-ca.crt", pki / f"agent-{host}.crt", pki / f"agent-{host}.key")
+    anonymous = connect(endpoint, timeout_s=2, tls=ClientTls(ca=pki / "etcd-ca.crt"))
+    agent = connect(endpoint, timeout_s=2, tls=agent_tls)
+    broker = connect(endpoint, timeout_s=2, tls=ClientTls(
+        pki / "etcd-ca.crt", pki / "broker-etcd.crt", pki / "broker-etcd.key"
+    ))  # fmt: skip
     try:
-        with pytest.raises(Exception):  # noqa: B017 - refused at the handshake
-            anonymous.get("/")
-        agent.get(f"/dxpool/v1/hostalloc/{host}")
-        with pytest.raises(grpc.RpcError) as refused:
-            agent.put(f"/dxpool/v1/hoststatus/{other}", b"")
-        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        lease = broker.lease(30)
+        for attempt in (
+            lambda: anonymous.get("/"),
+            lambda: agent.get(f"/dxpool/v1/hostalloc/{host}"),
+            lambda: etcd3.Lease(lease.id, 30, etcd_client=agent).refresh(),
+            lambda: agent.compact(1),
+        ):
+            with pytest.raises(Exception) as refused:
+                attempt()
+            assert "PERMISSION_DENIED" not in str(refused.value)  # never got that far
+        assert broker.get(f"/dxpool/v1/hosts/{host}")[0] is not None
+        lease.revoke()
     finally:
         anonymous.close()
         agent.close()
+        broker.close()
+    peer = ssl.create_default_context(cafile=str(pki / "etcd-ca.crt"))
+    peer.load_cert_chain(pki / "etcd.crt", pki / "etcd.key")  # what a member shows
+    with (
+        socket.create_connection(("127.0.0.1", peer_port), timeout=5) as raw,
+        peer.wrap_socket(raw, server_hostname="localhost") as tls,
+    ):
+        tls.sendall(b"GET /members HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        assert tls.recv(12).startswith(b"HTTP/1.1 200")
+    context = ssl.create_default_context(cafile=str(pki / "etcd-ca.crt"))
+    context.load_cert_chain(pki / f"agent-{host}.crt", pki / f"agent-{host}.key")
+    with (
+        socket.create_connection(("127.0.0.1", peer_port), timeout=5) as raw,
+        pytest.raises((ssl.SSLError, ConnectionError)),
+        context.wrap_socket(raw, server_hostname="localhost") as tls,
+    ):
+        tls.sendall(b"GET /members HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        if not tls.recv(1):  # TLS 1.3 reports a refused client certificate here
+            raise ConnectionError("the peer port closed the connection")
 
 
 def pid_gone(pid: int) -> bool:
@@ -436,7 +470,7 @@ def test_a_box_deleted_by_hand_is_registered_again_by_the_next_up(
     assert second.process.wait(timeout=30) == 0
 
 
-def test_a_later_up_with_more_hosts_gives_the_new_agent_its_etcd_user(
+def test_a_later_up_with_more_hosts_gives_the_new_agent_its_certificate(
     up_factory: Callable[..., Up], tmp_path: Path
 ) -> None:
     data_dir = tmp_path / "pool"
@@ -445,8 +479,8 @@ def test_a_later_up_with_more_hosts_gives_the_new_agent_its_etcd_user(
     first.process.send_signal(signal.SIGINT)
     assert first.process.wait(timeout=30) == 0
 
-    # etcd's authentication is on since the first run; the new host's agent registers,
-    # so it got its user, and etcd holds it to its own host like the others.
+    # The new host's agent registers through the broker with a certificate of its own,
+    # which etcd refuses like the others'.
     second = up_factory("--hosts", "3", data_dir=data_dir, endpoint=first.endpoint)
     second.wait_up()
     assert sorted(h["name"] for h in second.cli("host", "list")) == [
@@ -454,7 +488,7 @@ def test_a_later_up_with_more_hosts_gives_the_new_agent_its_etcd_user(
         "hosts/h2",
         "hosts/h3",
     ]
-    assert_etcd_requires_client_certificates(data_dir, host="h3", other="h1")
+    assert_hosts_cannot_reach_etcd(data_dir, host="h3")
     second.process.send_signal(signal.SIGINT)
     assert second.process.wait(timeout=30) == 0
 
@@ -522,6 +556,60 @@ def test_up_with_a_taken_metrics_port_fails_before_starting_anything(tmp_path: P
     assert f"cannot serve metrics on 127.0.0.1:{port}" in result.stderr
     assert "choose another --metrics-port" in result.stderr
     assert not (tmp_path / "pool").exists()
+
+
+def test_a_restarted_up_gives_slow_agents_time_to_return_and_loses_no_node(
+    up_factory: Callable[..., Up], tmp_path: Path
+) -> None:
+    """A restart on a loaded machine: the new run's agents come back only after their
+    hosts' liveness records (left on the old broker's lease) are gone. The new broker,
+    leading since it started, gives them its reconnect grace (30 s): no node is LOST."""
+    data_dir = tmp_path / "pool"
+    first = up_factory(data_dir=data_dir)
+    first.wait_up()
+    node = first.cli("node", "create", "--gpus", "H100:2", "--wait")
+    assert node["state"] == "NODE_STATE_READY"
+    first.process.send_signal(signal.SIGINT)
+    assert first.process.wait(timeout=30) == 0
+
+    second = up_factory(data_dir=data_dir, endpoint=first.endpoint)
+    started = time.monotonic()
+    frozen: set[int] = set()
+
+    def agents_frozen() -> bool:  # as slow as a loaded machine could make them
+        for name, pid in second.children().items():
+            if name.startswith("host agent") and pid not in frozen:
+                os.kill(pid, signal.SIGSTOP)
+                frozen.add(pid)
+        return len(frozen) == 2
+
+    wait_until(agents_frozen, 30, "the new agents, to freeze them")
+    states: list[str] = []
+    try:
+        second.wait_up()
+
+        def hosts_gone() -> bool:
+            states.append(second.cli("node", "get", node["name"])["state"])
+            return not any(h.get("alive") for h in second.hosts().values())
+
+        wait_until(hosts_gone, 40, "the hosts' old liveness records to go")
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+
+    def hosts_back() -> bool:
+        states.append(second.cli("node", "get", node["name"])["state"])
+        return all(h.get("alive") for h in second.hosts().values())
+
+    wait_until(hosts_back, 30, "the agents to take their hosts back")
+    while time.monotonic() - started < 40:  # past the grace: the leader still loses nothing
+        states.append(second.cli("node", "get", node["name"])["state"])
+        time.sleep(0.5)
+    assert set(states) == {"NODE_STATE_READY"}
+    events = second.cli("node", "get", node["name"]).get("events", [])
+    assert "Lost" not in {event.get("reason") for event in events}
+    second.process.send_signal(signal.SIGINT)
+    assert second.process.wait(timeout=30) == 0
 
 
 @pytest.mark.skipif(

@@ -34,7 +34,7 @@ BOXES = {"box1": "dc1/p1/r1", "box2": "dc1/p1/r2", "box3": "dc1/p2/r3"}
 HOSTS = ("h1", "h2", "h3")
 GPUS_PER_BOX = 8
 STARTUP_TIMEOUT_S = 180.0
-LEASE_EXPIRY_TIMEOUT_S = 60.0  # the agents' lease TTL is 10 s
+LEASE_EXPIRY_TIMEOUT_S = 60.0  # the agents' liveness TTL is 10 s
 FABRIC_MAPPINGS = (
     "import json; from pathlib import Path; from dxpool.fabric.sim import SimFabric; "
     "f = SimFabric(Path('/fabric')); "
@@ -155,6 +155,23 @@ def test_setup_registers_boxes_and_hosts(pool: Pool) -> None:
     assert pool.fabric_mappings() == {host: [] for host in HOSTS}
 
 
+REACH_ETCD = (
+    "import socket\n"
+    "try:\n"
+    "    socket.create_connection(('etcd', 2379), timeout=5).close()\n"
+    "    print('reached')\n"
+    "except OSError as error:\n"
+    "    print('unreachable', error)"
+)
+
+
+def test_a_host_agents_container_cannot_reach_etcd(pool: Pool) -> None:
+    """etcd is on a network only the broker joins: from an agent's container its name
+    does not even resolve, let alone connect."""
+    assert pool.project.python_in("agent-h1", REACH_ETCD).startswith("unreachable")
+    assert pool.project.python_in("broker", REACH_ETCD).startswith("reached")
+
+
 def test_node_create_and_delete_through_the_cli(pool: Pool) -> None:
     node = pool.cli_json("node", "create", "--gpus", "H100:2", "--wait", "--timeout", "120s")
     assert node["state"] == "NODE_STATE_READY", node
@@ -181,7 +198,7 @@ def test_killed_agent_restarts_and_the_pool_converges(pool: Pool) -> None:
     # A crash and a quick restart: the agent finds its GPUs mapped and keeps them.
     project.compose("kill", "agent-h1")
     status = wait_for("agent-h1 to exit", lambda: project.exited_with("agent-h1"), 30)
-    assert status == 137  # SIGKILL: no graceful stop, the lease is left to expire
+    assert status == 137  # SIGKILL: no goodbye, the host lives until its liveness TTL
     project.compose("start", "agent-h1")
     wait_for("h1 alive after a restart", lambda: "h1" in pool.alive_hosts(), 60)
     wait_for(
@@ -191,10 +208,10 @@ def test_killed_agent_restarts_and_the_pool_converges(pool: Pool) -> None:
     )
     assert pool.fabric_mappings()["h1"] == mapped
 
-    # A crash long enough for the lease to expire: the broker sees h1 go, and the pool
-    # keeps serving from the other hosts meanwhile.
+    # A crash longer than the liveness TTL: the broker sees h1 go, and the pool keeps
+    # serving from the other hosts meanwhile.
     project.compose("kill", "agent-h1")
-    wait_for("h1's lease to expire", lambda: pool.alive_hosts() == {"h2", "h3"}, 60)
+    wait_for("h1's liveness to expire", lambda: pool.alive_hosts() == {"h2", "h3"}, 60)
     elsewhere = client.wait_for_node(
         client.compose_node("H100:2", request_id="compose-while-h1-down").name, timeout_s=120
     )

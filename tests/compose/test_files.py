@@ -68,3 +68,19 @@ def test_docker_compose_accepts_both_files() -> None:
             check=False,
         )
         assert checked.returncode == 0, checked.stderr
+
+
+def test_only_the_broker_shares_a_network_with_etcd() -> None:
+    compose = _load(BASE)
+    services = compose["services"]
+    assert compose["networks"]["store"] == {"internal": True}
+    assert services["etcd"]["networks"] == ["store"]
+    on_store = {name for name, service in services.items() if "store" in service["networks"]}
+    assert on_store == {"etcd", "broker"}
+    agents = {name: s for name, s in services.items() if name.startswith("agent-")}
+    assert len(agents) == 3
+    for name, agent in agents.items():
+        assert agent["networks"] == ["pool"], name
+        assert "--broker=broker:8471" in agent["command"], name
+        assert not any("etcd" in arg for arg in agent["command"]), name
+    assert "--agent-listen=0.0.0.0:8471" in services["broker"]["command"]

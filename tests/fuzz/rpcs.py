@@ -2,6 +2,8 @@
 
 The methods come from the service descriptors, so a new RPC is fuzzed as soon as it is
 added, and :data:`EXPECTED` must say what it may answer (a test checks that it does).
+The agent port's methods (:data:`AGENT_METHODS`, served apart from the API) have their
+own table, :data:`AGENT_EXPECTED`, and baselines, :data:`AGENT_BASELINES`.
 """
 
 from __future__ import annotations
@@ -16,9 +18,13 @@ from google.protobuf.message import Message
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from dxpool.api.v1 import audit_pb2, fabric_pb2, inventory_pb2, nodes_pb2
+from dxpool.api.v1 import agent_pb2, audit_pb2, fabric_pb2, inventory_pb2, nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker.request_limits import SERVER_MAX_RECEIVE_BYTES, limit_for
+from dxpool.broker.request_limits import (
+    AGENT_SERVER_MAX_RECEIVE_BYTES,
+    SERVER_MAX_RECEIVE_BYTES,
+    limit_for,
+)
 from tests.fuzz.strategies import message_class
 
 C = grpc.StatusCode
@@ -35,6 +41,11 @@ SERVICES = (
 )
 METHODS: dict[str, MethodDescriptor] = {
     f"{service.name}.{method.name}": method for service in SERVICES for method in service.methods
+}
+
+AGENT_SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AgentService"]
+AGENT_METHODS: dict[str, MethodDescriptor] = {
+    f"{AGENT_SERVICE.name}.{method.name}": method for method in AGENT_SERVICE.methods
 }
 
 _LOOKUP = frozenset({C.OK, C.INVALID_ARGUMENT, C.NOT_FOUND})
@@ -75,6 +86,43 @@ EXPECTED: dict[str, frozenset[grpc.StatusCode]] = {
     "FabricService.Predict": _LOOKUP | {C.RESOURCE_EXHAUSTED},
     "AuditService.ListAuditRecords": _LIST,
 }
+# The agent port, from a caller that holds no session (a plaintext broker: any host).
+AGENT_EXPECTED: dict[str, frozenset[grpc.StatusCode]] = {
+    # a welcome; a bad hello; another identity holds the host; the broker is busy
+    "AgentService.Connect": frozenset(
+        {C.OK, C.INVALID_ARGUMENT, C.FAILED_PRECONDITION, C.UNAVAILABLE}
+    ),
+    # no session is ever live for the fuzzer, so a write is never OK
+    "AgentService.ReportStatus": frozenset({C.INVALID_ARGUMENT, C.FAILED_PRECONDITION}),
+}
+AGENT_BASELINES: dict[str, Message] = {
+    "AgentService.Connect": agent_pb2.ConnectRequest(
+        hello=agent_pb2.AgentHello(
+            host=pb.Host(
+                name="hosts/fz1",
+                location=pb.Location(site="s1", pod="p1", rack="r1"),
+                slot_capacity=4,
+                driver="sim",
+                labels={"env": "fuzz"},
+            ),
+            token="fuzz-token",
+            liveness_ttl_ms=60_000,
+        )
+    ),
+    "AgentService.ReportStatus": agent_pb2.ReportStatusRequest(
+        host="hosts/fz2",
+        session="no-such-session",
+        status=pb.HostStatus(
+            attachments=[
+                pb.ObservedAttachment(
+                    gpu="boxes/box1/gpus/0", phase=pb.ATTACHMENT_PHASE_ATTACHED, host_slot=0
+                )
+            ]
+        ),
+        spec_revision=1,
+    ),
+}
+
 # Calls that may change etcd when they succeed; every other call never does.
 MUTATIONS = frozenset(
     {
@@ -199,6 +247,7 @@ GUIDANCE = (
     "ask for",
     "pass ",
     "repeat",
+    "connect again",
 )
 
 
@@ -206,6 +255,7 @@ GUIDANCE = (
 # RESOURCE_EXHAUSTED in gRPC's transport, before any dxpool code runs, with grpc's message.
 # Up to it, each method's own limit is checked before decoding (REQUEST_TOO_LARGE).
 MAX_MESSAGE_BYTES = SERVER_MAX_RECEIVE_BYTES
+AGENT_MAX_MESSAGE_BYTES = AGENT_SERVER_MAX_RECEIVE_BYTES
 
 
 def path(method: MethodDescriptor) -> str:
@@ -224,8 +274,21 @@ class Outcome:
 
 
 def call(channel: grpc.Channel, method: MethodDescriptor, payload: bytes) -> Outcome:
-    """Send ``payload`` (serialized or not) to ``method`` and see how the call ends."""
+    """Send ``payload`` (serialized or not) to ``method`` and see how the call ends. A
+    bidirectional stream gets ``payload`` as its one message: it is OK when its first
+    answer arrives (the agent port's welcome), and ends as the server ends it otherwise."""
     response_type = message_class(method.output_type)
+    if method.client_streaming and method.server_streaming:
+        stream = channel.stream_stream(
+            path(method), request_serializer=None, response_deserializer=response_type.FromString
+        )(iter([payload]), timeout=CALL_TIMEOUT_S)
+        try:
+            next(stream, None)
+        except grpc.RpcError as error:
+            return _failure(error)
+        finally:
+            stream.cancel()
+        return Outcome(C.OK)
     if method.server_streaming:
         watch = channel.unary_stream(
             path(method), request_serializer=None, response_deserializer=response_type.FromString
@@ -270,17 +333,19 @@ def _failure(error: grpc.RpcError) -> Outcome:
 def problems(name: str, outcome: Outcome, size: int = 0) -> list[str]:
     """What is wrong with how ``name`` answered a request of ``size`` bytes (empty when
     nothing is)."""
-    if size > MAX_MESSAGE_BYTES:
+    agent = name in AGENT_METHODS
+    if size > (AGENT_MAX_MESSAGE_BYTES if agent else MAX_MESSAGE_BYTES):
         if outcome.code == C.RESOURCE_EXHAUSTED:
             return []
         return [f"{name}: a {size}-byte request answered {outcome.code.name}"]
     found = []
-    if size > limit_for(path(METHODS[name])):
+    expected = AGENT_EXPECTED[name] if agent else EXPECTED[name]
+    if size > limit_for(path(AGENT_METHODS[name] if agent else METHODS[name])):
         if outcome.code != C.RESOURCE_EXHAUSTED or outcome.reason != "REQUEST_TOO_LARGE":
             found.append(f"{name}: a {size}-byte request answered {outcome}")
     elif outcome.reason == "REQUEST_TOO_LARGE":
         found.append(f"{name}: a {size}-byte request, within its limit, was refused as too large")
-    if outcome.code not in EXPECTED[name] and outcome.reason != "REQUEST_TOO_LARGE":
+    if outcome.code not in expected and outcome.reason != "REQUEST_TOO_LARGE":
         found.append(f"{name} answered {outcome.code.name}: {outcome.details!r}")
     if outcome.code == C.OK or outcome.code in (C.CANCELLED, C.DEADLINE_EXCEEDED):
         return found

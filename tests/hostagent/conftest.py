@@ -1,7 +1,8 @@
 """Fixtures for the host agent tests: a simulated fabric, its driver, agent processes.
 
-etcd comes from the suite-wide ``etcd_server`` fixture (one real server per session, a
-fresh key prefix per test).
+Agents talk to a real broker (the suite-wide ``broker`` fixture, over the one real etcd
+of the session with a fresh key prefix per test); tests write the host's spec into etcd
+as a broker's compose would and read what the broker wrote for the agent.
 """
 
 from __future__ import annotations
@@ -12,15 +13,20 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
+from dxpool.api.v1 import agent_pb2, resources_pb2
 from dxpool.fabric.sim import SimFabric, SimGpuSpec
 from dxpool.hostagent.driver import StepDriver
 from dxpool.hostagent.drivers.sim import make_sim_driver
-from dxpool.store.embedded import EmbeddedEtcd
+from dxpool.hostagent.link import BrokerLink
 from tests.conftest import AgentProcess
 from tests.patience import patient
+
+if TYPE_CHECKING:
+    from dxpool.broker.server import BrokerServer
 
 HOST = "h1"
 HOST_SLOTS = 4
@@ -60,9 +66,10 @@ def wait_for(predicate: Callable[[], object], *, timeout_s: float = 10.0, what: 
 
 @pytest.fixture
 def start_agent(
-    tmp_path: Path, sim_fabric: SimFabric, etcd_server: EmbeddedEtcd, key_prefix: str
+    tmp_path: Path, sim_fabric: SimFabric, broker: BrokerServer
 ) -> Iterator[Callable[..., AgentProcess]]:
-    """Start agents for host h1 on ``sim_fabric``; every one is killed at teardown.
+    """Start agents for host h1 on ``sim_fabric``, connected to ``broker``; every one is
+    killed at teardown.
 
     Keyword arguments become ``--option value`` flags (``map_delay=1.5`` ->
     ``--sim-map-delay 1.5``).
@@ -72,8 +79,7 @@ def start_agent(
     def start(*, map_delay: float = 0.0, lease_ttl: float = 2.0, **options: object) -> AgentProcess:
         flags = {
             "host": HOST,
-            "etcd-endpoints": etcd_server.endpoint,
-            "key-prefix": key_prefix,
+            "broker": broker.agent_endpoint,
             "driver": "sim",
             "sim-state-dir": str(sim_fabric.state_dir),
             "slot-capacity": HOST_SLOTS,
@@ -104,3 +110,35 @@ def start_agent(
     yield start
     for agent in started:
         agent.kill()
+
+
+@pytest.fixture
+def open_link(broker: BrokerServer) -> Iterator[Callable[..., BrokerLink]]:
+    """``open_link()``: a live session of host h1 (or ``host``) with ``broker``, as an
+    agent's link holds it, for a status store to write through. Specs the broker pushes
+    go to ``on_spec``. Each is stopped (its host released) at teardown."""
+    links: list[BrokerLink] = []
+
+    def open_one(
+        host: str = HOST,
+        *,
+        token: str | None = None,
+        ttl_s: float = 60.0,
+        on_spec: Callable[[agent_pb2.HostSpec], None] = lambda spec: None,
+    ) -> BrokerLink:
+        def hello() -> agent_pb2.AgentHello:
+            return agent_pb2.AgentHello(
+                host=resources_pb2.Host(name=f"hosts/{host}", slot_capacity=HOST_SLOTS),
+                token=token or f"token-{host}",
+                liveness_ttl_ms=round(ttl_s * 1000),
+            )
+
+        link = BrokerLink([broker.agent_endpoint], f"hosts/{host}", hello, lambda w: None, on_spec)
+        link.start()
+        links.append(link)
+        assert link.wait_connected(20), f"no session: {link.last_error}"
+        return link
+
+    yield open_one
+    for link in links:
+        link.stop(release=True)

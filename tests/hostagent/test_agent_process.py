@@ -1,7 +1,7 @@
-"""The agent as a separate process (``python -m dxpool.hostagent``) on a real etcd.
+"""The agent as a separate process (``python -m dxpool.hostagent``) on a real broker.
 
-The test writes the host's spec the way the broker does and watches the status record,
-the liveness key and the simulated fabric.
+The test writes the host's spec into etcd the way a compose does and watches the status
+record and the liveness record the broker writes for the agent, and the simulated fabric.
 """
 
 from __future__ import annotations
@@ -131,7 +131,9 @@ def test_liveness_key_outlives_its_ttl_while_running_and_expires_after_sigkill(
 
 @pytest.mark.parametrize(
     "slow_step",
-    [{"map_delay": 1.5}, {"sim_hotplug_delay": 1.5}],
+    # The slow step lasts long enough that a loaded machine's test process, polling for
+    # ATTACHING, cannot miss the whole of it (with 1.5 s it did, once, under load).
+    [{"map_delay": 5.0}, {"sim_hotplug_delay": 5.0}],
     ids=["during-proxy-mapping", "after-mapping-during-hotplug"],
 )
 def test_agent_killed_mid_attach_converges_after_restart(

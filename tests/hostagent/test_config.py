@@ -32,7 +32,14 @@ def test_defaults() -> None:
     assert config.attach_attempts == 3
     assert (config.backoff_base_s, config.backoff_max_s) == (0.2, 10)
     assert config.driver == "sim"
-    assert config.keys.host_status("h1") == "/dxpool/v1/hoststatus/h1"
+    assert config.broker_endpoints == ("127.0.0.1:8471",)
+    assert config.broker_tls is None  # plaintext unless TLS or a token is given
+
+
+def test_brokers_are_a_list_and_tls_comes_with_a_token() -> None:
+    config = AgentConfig(host_id="h1", brokers="10.0.0.5:8471, 10.0.0.6:8471", token_file=Path("t"))
+    assert config.broker_endpoints == ("10.0.0.5:8471", "10.0.0.6:8471")
+    assert config.broker_tls is not None  # a token never travels in plaintext
 
 
 def test_labels_are_read_only_copies() -> None:
@@ -46,13 +53,43 @@ def test_labels_are_read_only_copies() -> None:
 
 
 @pytest.mark.parametrize(
+    "args",
+    [
+        ["--etcd", "127.0.0.1:2379"],
+        ["--etcd-endpoints", "127.0.0.1:2379"],
+        ["--etcd-ca", "ca.crt"],
+        ["--etcd-cert", "a.crt"],
+        ["--etcd-key", "a.key"],
+        ["--prefix", "/dxpool/v1/"],
+    ],
+)
+def test_the_etcd_options_of_older_versions_say_what_replaced_them(args: list[str]) -> None:
+    result = CliRunner().invoke(agent_command, ["--host", "h1", *args])
+
+    assert result.exit_code == 2
+    assert "host agents no longer talk to etcd" in result.output
+    assert "--broker HOST:PORT" in result.output and "--tls-cert" in result.output
+
+
+def test_an_etcd_setting_left_in_the_environment_is_a_usage_error_too() -> None:
+    result = CliRunner().invoke(
+        agent_command, [], env={"DXPOOL_AGENT_HOST": "h1", "DXPOOL_AGENT_ETCD_ENDPOINTS": "e:2379"}
+    )
+
+    assert result.exit_code == 2
+    assert "$DXPOOL_AGENT_ETCD_ENDPOINTS: host agents no longer talk to etcd" in result.output
+
+
+@pytest.mark.parametrize(
     ("fields", "message"),
     [
         ({"host_id": "Host_1"}, "invalid host id 'Host_1'"),
-        ({"etcd_endpoints": "localhost"}, "invalid etcd endpoint 'localhost'"),
-        ({"key_prefix": "dxpool"}, "invalid key_prefix"),
+        ({"brokers": "localhost"}, "invalid broker endpoint 'localhost'"),
+        ({"brokers": " , "}, "no broker endpoint"),
+        ({"brokers": "https://b:8471"}, "cannot ask for TLS"),
+        ({"tls_cert": Path("c.crt")}, "a client certificate needs its key"),
         ({"slot_capacity": 0}, "slot_capacity must be >= 1"),
-        ({"lease_ttl_s": 1}, "lease_ttl_s must be >= 2"),
+        ({"lease_ttl_s": 0.5}, "lease_ttl_s must be >= 1"),
         ({"attach_attempts": 0}, "attach_attempts must be >= 1"),
         ({"backoff_base_s": 0}, "backoff_base_s must be > 0"),
         ({"backoff_base_s": 2, "backoff_max_s": 1}, "backoff_max_s (1) must be >= backoff_base_s"),
@@ -110,9 +147,11 @@ def test_cli_help_lists_every_option_with_its_environment_variable() -> None:
     result = CliRunner().invoke(agent_command, ["--help"])
 
     assert result.exit_code == 0
+    assert "etcd" not in result.output  # agents hold no etcd settings
     for option, env in [
         ("--host", "DXPOOL_AGENT_HOST"),
-        ("--etcd-endpoints", "DXPOOL_AGENT_ETCD_ENDPOINTS"),
+        ("--broker", "DXPOOL_AGENT_BROKER"),
+        ("--tls-cert", "DXPOOL_AGENT_TLS_CERT"),
         ("--sim-state-dir", "DXPOOL_AGENT_SIM_STATE_DIR"),
         ("--lease-ttl", "DXPOOL_AGENT_LEASE_TTL"),
         ("--resync-interval", "DXPOOL_AGENT_RESYNC_INTERVAL"),
@@ -122,7 +161,7 @@ def test_cli_help_lists_every_option_with_its_environment_variable() -> None:
 
 
 def test_cli_accepts_the_short_aliases_other_launchers_use() -> None:
-    args = ["--host", "h1", "--etcd", "127.0.0.1:2379", "--prefix", "/p/", "--sim-state", "/x"]
+    args = ["--host", "h1", "--broker", "127.0.0.1:8471", "--sim-state", "/x"]
     args += ["--slots", "4", "--map-delay", "0", "--hotplug-delay", "0.5", "--bind-delay", "0"]
     args += ["--lease-ttl", "3.0", "--attach-attempts", "0"]  # the last one is invalid
 

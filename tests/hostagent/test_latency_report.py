@@ -1,5 +1,5 @@
 """Round-trip reports: the status record carries them, the reporter writes only news, and
-an agent's probes reach a broker's measured model through etcd."""
+an agent's probes reach a broker's measured model through its session."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from dxpool.hostagent.agent import Agent
 from dxpool.hostagent.config import AgentConfig
 from dxpool.hostagent.drivers.sim import make_sim_driver
 from dxpool.hostagent.latency_report import LatencyReporter
+from dxpool.hostagent.link import BrokerLink
 from dxpool.hostagent.status import NotRegisteredError, StatusStore
 from dxpool.names import GpuRef
 from dxpool.store.client import connect
@@ -61,11 +62,8 @@ def client(etcd_server: EmbeddedEtcd) -> Iterator[Any]:
 
 
 @pytest.fixture
-def status(client: Any, key_prefix: str) -> StatusStore:
-    keys = KeySchema(key_prefix)
-    lease = client.lease(60)
-    client.put(keys.host_lease("h1"), b"", lease=lease)
-    return StatusStore(client, keys, "h1", lambda: int(lease.id))
+def status(open_link: Callable[..., BrokerLink]) -> StatusStore:
+    return StatusStore(open_link(), "h1")
 
 
 def stored(client: Any, key_prefix: str) -> tuple[resources_pb2.HostStatus, int]:
@@ -90,16 +88,18 @@ def test_round_trips_survive_attachment_writes_and_reloads(
     assert [e.gpu for e in record.attachments] == ["boxes/b1/gpus/0"]
     status.set_round_trips([sample("boxes/b1", 4_000)])  # nothing new: no write
     assert stored(client, key_prefix)[1] == revision
-    reloaded = StatusStore(client, KeySchema(key_prefix), "h1", lambda: None)
-    reloaded.load()
+    reloaded = StatusStore(status._writer, "h1")
+    reloaded.adopt(stored(client, key_prefix)[0])
     assert [s.round_trip_ns for s in reloaded.round_trips()] == [4_000]
 
 
-def test_a_report_without_the_lease_writes_nothing(client: Any, key_prefix: str) -> None:
+def test_a_report_without_a_session_writes_nothing(
+    open_link: Callable[..., BrokerLink], client: Any, key_prefix: str
+) -> None:
     keys = KeySchema(key_prefix)
-    stranger = client.lease(60)
-    client.put(keys.host_lease("h1"), b"", lease=client.lease(60))
-    status = StatusStore(client, keys, "h1", lambda: int(stranger.id))
+    link = open_link()
+    link.stop(release=False)  # the agent's session is gone
+    status = StatusStore(link, "h1")
     with pytest.raises(NotRegisteredError):
         status.set_round_trips([sample("boxes/b1", 4_000)])
     assert client.get(keys.host_status("h1"))[0] is None
@@ -155,8 +155,7 @@ def test_an_agents_probes_reach_the_brokers_measured_model(
     sim_pool.fabric.add_host("h1", 8)
     config = AgentConfig(
         host_id="h1",
-        etcd_endpoints=etcd_server.endpoint,
-        key_prefix=key_prefix,
+        brokers=broker.agent_endpoint,
         site="s1",
         pod="p1",
         rack="r1",
@@ -164,9 +163,8 @@ def test_an_agents_probes_reach_the_brokers_measured_model(
         state_dir=tmp_path / "agent",
         probe_interval_s=0.1,
     )
-    etcd = connect(etcd_server.endpoint)
     prober = FakeProber({"box2": 33_000})
-    agent = Agent(config, make_sim_driver(sim_pool.fabric, "h1"), etcd, prober=prober)
+    agent = Agent(config, make_sim_driver(sim_pool.fabric, "h1"), prober=prober)
     agent.start()
     host, box = Place("hosts/h1", "s1", "p1", "r1"), Place("boxes/box2", "s1", "p1", "r2")
     try:
@@ -184,27 +182,27 @@ def test_an_agents_probes_reach_the_brokers_measured_model(
         assert "box2" in prober.calls
     finally:
         agent.stop()
-        etcd.close()
 
 
 def test_a_report_and_an_attachment_write_at_once_lose_neither(
     status: StatusStore, client: Any, key_prefix: str
 ) -> None:
-    """The report's write is held inside etcd's commit while a reconcile worker writes an
-    attachment: the worker waits for it, then writes both, so neither is lost (and the
-    attachment entry, the one a release compares, is never written without the lease)."""
+    """The report's write is held inside the broker call while a reconcile worker writes
+    an attachment: the worker waits for it, then writes both, so neither is lost (and the
+    attachment entry, the one a release compares, is never written without the session)."""
     import threading
 
-    real_commit = status._store.commit
+    link = status._writer
     in_commit, release = threading.Event(), threading.Event()
 
-    def held_commit(txn: Any) -> Any:
-        if not in_commit.is_set():
-            in_commit.set()
-            assert release.wait(patient(10))
-        return real_commit(txn)
+    class HeldWriter:
+        def write_status(self, record: resources_pb2.HostStatus, spec_revision: int) -> None:
+            if not in_commit.is_set():
+                in_commit.set()
+                assert release.wait(patient(10))
+            link.write_status(record, spec_revision)
 
-    status._store.commit = held_commit  # type: ignore[method-assign]
+    status._writer = HeldWriter()
     reporter = threading.Thread(target=status.set_round_trips, args=([sample("boxes/b1", 4_000)],))
     reporter.start()
     assert in_commit.wait(patient(10))

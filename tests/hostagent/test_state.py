@@ -1,4 +1,5 @@
-"""DesiredState (the spec as read) and StatusStore (the status as written)."""
+"""DesiredState (the spec as read) and StatusStore (the status as written, through a
+real broker's session)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ from typing import Any
 
 import pytest
 
-from dxpool.api.v1 import resources_pb2
+from dxpool.api.v1 import agent_pb2, resources_pb2
+from dxpool.broker.server import BrokerServer
 from dxpool.hostagent.desired import DesiredState
+from dxpool.hostagent.link import BrokerLink
 from dxpool.hostagent.status import NotRegisteredError, StaleSpecError, StatusStore
+from dxpool.limits import MAX_STATUS_TEXT
 from dxpool.names import GpuRef
 from dxpool.store.client import connect
 from dxpool.store.embedded import EmbeddedEtcd
@@ -89,34 +93,27 @@ def entry(
     )
 
 
-@pytest.fixture
-def lease(client: Any, key_prefix: str) -> Iterator[Any]:
-    """h1's liveness key, held on a lease as its agent would hold it."""
-    granted = client.lease(60)
-    client.put(KeySchema(key_prefix).host_lease("h1"), b"", lease=granted)
-    yield granted
-    granted.revoke()
-
-
-def holder(lease: Any) -> Callable[[], int]:
-    return lambda: int(lease.id)
+def stored(client: Any, keys: KeySchema) -> resources_pb2.HostStatus:
+    value, _ = client.get(keys.host_status("h1"))
+    return resources_pb2.HostStatus.FromString(value)
 
 
 def test_status_store_writes_the_whole_record_and_loads_it_back(
-    client: Any, key_prefix: str, lease: Any
+    client: Any, key_prefix: str, open_link: Callable[..., BrokerLink]
 ) -> None:
     keys = KeySchema(key_prefix)
-    status = StatusStore(client, keys, "h1", holder(lease))
+    link = open_link()
+    status = StatusStore(link, "h1")
     status.put(entry(GPU, resources_pb2.ATTACHMENT_PHASE_ATTACHED))
     status.put(entry(OTHER_GPU, resources_pb2.ATTACHMENT_PHASE_ATTACHING))
     status.remove(GPU)
 
-    record = resources_pb2.HostStatus.FromString(client.get(keys.host_status("h1"))[0])
+    record = stored(client, keys)
     assert record.host == "hosts/h1"
     assert [e.gpu for e in record.attachments] == [OTHER_GPU.name]
 
-    reloaded = StatusStore(client, keys, "h1", holder(lease))
-    reloaded.load()
+    reloaded = StatusStore(link, "h1")
+    reloaded.adopt(record)
     assert reloaded.gpus() == {OTHER_GPU}
     loaded = reloaded.get(OTHER_GPU)
     assert loaded is not None
@@ -124,10 +121,10 @@ def test_status_store_writes_the_whole_record_and_loads_it_back(
 
 
 def test_status_store_skips_writes_that_change_nothing(
-    client: Any, key_prefix: str, lease: Any
+    client: Any, key_prefix: str, open_link: Callable[..., BrokerLink]
 ) -> None:
     keys = KeySchema(key_prefix)
-    status = StatusStore(client, keys, "h1", holder(lease))
+    status = StatusStore(open_link(), "h1")
     status.put(entry(GPU, resources_pb2.ATTACHMENT_PHASE_ATTACHED))
     _, first = client.get(keys.host_status("h1"))
 
@@ -141,11 +138,13 @@ def test_status_store_skips_writes_that_change_nothing(
     assert changed.mod_revision > first.mod_revision
 
 
-def test_a_claim_on_a_stale_spec_writes_nothing(client: Any, key_prefix: str, lease: Any) -> None:
+def test_a_claim_on_a_stale_spec_writes_nothing(
+    client: Any, key_prefix: str, open_link: Callable[..., BrokerLink]
+) -> None:
     keys = KeySchema(key_prefix)
     read = client.put(keys.host_allocation("h1"), b"")
     spec_revision = int(read.header.revision)
-    status = StatusStore(client, keys, "h1", holder(lease))
+    status = StatusStore(open_link(), "h1")
     status.put(entry(OTHER_GPU, resources_pb2.ATTACHMENT_PHASE_ATTACHED))
     _, before = client.get(keys.host_status("h1"))
 
@@ -160,20 +159,45 @@ def test_a_claim_on_a_stale_spec_writes_nothing(client: Any, key_prefix: str, le
     assert after.mod_revision == before.mod_revision
     assert status.get(GPU) is None  # nothing kept in memory to leak into a later write
     status.remove(OTHER_GPU)
-    record = resources_pb2.HostStatus.FromString(client.get(keys.host_status("h1"))[0])
-    assert list(record.attachments) == []
+    assert list(stored(client, keys).attachments) == []
 
 
-def test_only_the_lease_holder_writes_status(client: Any, key_prefix: str, lease: Any) -> None:
+def test_only_the_session_holder_writes_status(
+    client: Any, key_prefix: str, broker: BrokerServer, open_link: Callable[..., BrokerLink]
+) -> None:
     keys = KeySchema(key_prefix)
-    other = client.lease(60)
+    holder = open_link(token="the-holder")
+    intruder = BrokerLink(  # another identity for the same host: refused a session
+        [broker.agent_endpoint],
+        "hosts/h1",
+        lambda: agent_pb2.AgentHello(
+            host=resources_pb2.Host(name="hosts/h1", slot_capacity=4), token="an-intruder"
+        ),
+        lambda welcome: None,
+        lambda spec: None,
+    )
+    intruder.start()
     try:
-        intruder = StatusStore(client, keys, "h1", holder(other))
+        assert not intruder.wait_connected(2)
+        assert intruder.last_error is not None and intruder.last_error.reason == "HOST_HELD"
         with pytest.raises(NotRegisteredError):
-            intruder.put(entry(GPU, resources_pb2.ATTACHMENT_PHASE_ATTACHED))
-        assert client.get(keys.host_status("h1"))[0] is None
-        unregistered = StatusStore(client, keys, "h1", lambda: None)
-        with pytest.raises(NotRegisteredError):
-            unregistered.remove(GPU)
+            StatusStore(intruder, "h1").put(entry(GPU, resources_pb2.ATTACHMENT_PHASE_ATTACHED))
     finally:
-        other.revoke()
+        intruder.stop(release=True)
+    assert client.get(keys.host_status("h1"))[0] is None
+    holder.stop(release=False)  # the holder's own session gone: it writes nothing either
+    with pytest.raises(NotRegisteredError):
+        StatusStore(holder, "h1").remove(GPU)
+    assert client.get(keys.host_status("h1"))[0] is None
+
+
+def test_text_from_drivers_is_cleaned_not_refused(
+    client: Any, key_prefix: str, open_link: Callable[..., BrokerLink]
+) -> None:
+    status = StatusStore(open_link(), "h1")
+    message = "hook failed:\n" + "x" * 5000
+    status.put(entry(GPU, resources_pb2.ATTACHMENT_PHASE_FAILED, message=message))
+
+    written = stored(client, KeySchema(key_prefix)).attachments[0].message
+    assert written.startswith("hook failed: x") and written.endswith("...")
+    assert len(written) == MAX_STATUS_TEXT and written.isprintable()

@@ -33,8 +33,6 @@ from dxpool.hostagent.nvml import NvmlInspector
 from dxpool.names import GpuRef, parse_gpu
 from dxpool.redfish.fabric_map import load_fabric_map
 from dxpool.redfish.session import RedfishSession
-from dxpool.store.client import connect
-from dxpool.store.embedded import EmbeddedEtcd
 from tests.conftest import Stubs, wait_hosts_alive, wait_until
 from tests.hostagent.linux_host import LinuxHost
 from tests.hostagent.proxy_hook import box_log, fail_box_side, read_table
@@ -96,18 +94,15 @@ class RedfishLinuxHost(LinuxHost):
 
 
 @pytest.fixture
-def start_agent(
-    etcd_server: EmbeddedEtcd, key_prefix: str
-) -> Iterator[Callable[[LinuxHost], Agent]]:
-    """Start an agent for a fake Linux host; every one is stopped at teardown."""
+def start_agent(started_brokers: list[BrokerServer]) -> Iterator[Callable[[LinuxHost], Agent]]:
+    """Start an agent for a fake Linux host, connected to the test's brokers; every one
+    is stopped at teardown."""
     started: list[tuple[Agent, LinuxHost]] = []
-    client = connect(etcd_server.endpoint)
 
     def start(host: LinuxHost) -> Agent:
         config = AgentConfig(
             host_id=host.host,
-            etcd_endpoints=etcd_server.endpoint,
-            key_prefix=key_prefix,
+            brokers=",".join(b.agent_endpoint for b in started_brokers),
             site="s1",
             pod="p1",
             rack="r1",
@@ -122,7 +117,7 @@ def start_agent(
             backoff_max_s=0.5,
             workers=2,
         )
-        agent = Agent(config, host.driver(device_timeout_s=5), client)
+        agent = Agent(config, host.driver(device_timeout_s=5))
         agent.start()
         started.append((agent, host))
         return agent
@@ -131,7 +126,6 @@ def start_agent(
     for agent, host in started:
         agent.stop()
         host.close()
-    client.close()
 
 
 def fencing_broker(broker_factory: Callable[..., BrokerServer], fabric: str) -> Stubs:
@@ -159,9 +153,9 @@ def gpu(stubs: Stubs, name: str) -> pb.Gpu:
 
 
 def lose_host(stubs: Stubs, agent: Agent, node: str, gpus: list[str]) -> None:
-    """Stop the agent without revoking its lease (as if it died): the lease expires, the
-    node goes LOST and its GPUs FENCING."""
-    agent.stop(revoke_lease=False)
+    """Stop the agent without releasing its host (as if it died): its liveness TTL
+    passes, the node goes LOST and its GPUs FENCING."""
+    agent.stop(release=False)
     wait_state(stubs, node, pb.NODE_STATE_LOST, timeout_s=LEASE_TTL_S + 10)
     wait_until(
         lambda: all(gpu(stubs, g).state != pb.GPU_STATE_ATTACHED for g in gpus),

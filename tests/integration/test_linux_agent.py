@@ -12,24 +12,20 @@ import pytest
 
 from dxpool.api.v1 import inventory_pb2, nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
+from dxpool.broker.server import BrokerServer
 from dxpool.hostagent.agent import Agent
 from dxpool.hostagent.config import AgentConfig
 from dxpool.names import parse_gpu
-from dxpool.store.client import connect
-from dxpool.store.embedded import EmbeddedEtcd
 from tests.conftest import Stubs, wait_hosts_alive, wait_until
 from tests.hostagent.linux_host import LinuxHost, uuid_for
 
 
 @pytest.fixture
-def linux_agent(
-    tmp_path: Path, etcd_server: EmbeddedEtcd, key_prefix: str
-) -> Iterator[tuple[Agent, LinuxHost]]:
+def linux_agent(tmp_path: Path, broker: BrokerServer) -> Iterator[tuple[Agent, LinuxHost]]:
     host = LinuxHost(tmp_path / "host")
     config = AgentConfig(
         host_id="h1",
-        etcd_endpoints=etcd_server.endpoint,
-        key_prefix=key_prefix,
+        brokers=broker.agent_endpoint,
         site="s1",
         pod="p1",
         rack="r1",
@@ -44,12 +40,10 @@ def linux_agent(
         backoff_max_s=0.5,
         workers=2,
     )
-    client = connect(etcd_server.endpoint)
-    agent = Agent(config, host.driver(device_timeout_s=5), client)
+    agent = Agent(config, host.driver(device_timeout_s=5))
     agent.start()
     yield agent, host
     agent.stop()
-    client.close()
     host.close()
 
 

@@ -272,7 +272,7 @@ def test_usage_returns_to_zero_after_host_loss(
     node = pool.nodes.ComposeNode(compose_request("H100:3", "team-a", host="hosts/h1"))
     other = pool.nodes.ComposeNode(compose_request("H100:1", "team-a", host="hosts/h2"))
     assert get_tenant(pool, "team-a").usage.gpus == 4
-    etcd_client.delete(keys.host_lease("h1"))  # the agent's lease expired
+    etcd_client.delete(keys.host_lease("h1"))  # its agent fell silent: its broker let go
     wait_until(
         lambda: (
             pool.nodes.GetNode(nodes_pb2.GetNodeRequest(name=node.name)).state == pb.NODE_STATE_LOST

@@ -23,7 +23,6 @@ from dxpool.hostagent.config import AgentConfig
 from dxpool.hostagent.driver import AttachedGpu, AttachRequest, FabricDriver
 from dxpool.hostagent.drivers.sim import make_sim_driver
 from dxpool.names import GpuRef
-from dxpool.store.client import connect
 from tests.conftest import SimPool, Stubs, register_sim_box, wait_hosts_alive, wait_until
 from tests.integration.test_node_lifecycle import compose, wait_state
 from tests.patience import patient
@@ -63,12 +62,11 @@ class HeldDriver:
 
 
 @pytest.fixture
-def held_agent(sim_pool: SimPool) -> Iterator[tuple[Agent, HeldDriver]]:
+def held_agent(sim_pool: SimPool, broker: Any) -> Iterator[tuple[Agent, HeldDriver]]:
     sim_pool.fabric.add_host("h1", 8)
     config = AgentConfig(
         host_id="h1",
-        etcd_endpoints=sim_pool.etcd_endpoint,
-        key_prefix=sim_pool.key_prefix,
+        brokers=broker.agent_endpoint,
         site="s1",
         pod="p1",
         rack="r1",
@@ -77,13 +75,11 @@ def held_agent(sim_pool: SimPool) -> Iterator[tuple[Agent, HeldDriver]]:
         workers=1,
     )
     driver = HeldDriver(make_sim_driver(sim_pool.fabric, "h1", device_timeout_s=5))
-    client = connect(sim_pool.etcd_endpoint)
-    agent = Agent(config, driver, client)  # type: ignore[arg-type]
+    agent = Agent(config, driver)  # type: ignore[arg-type]
     agent.start()
     yield agent, driver
     driver.go.set()
     agent.stop()
-    client.close()
 
 
 def gpu_record(stubs: Stubs, gpu: GpuRef) -> pb.Gpu:

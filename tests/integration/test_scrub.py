@@ -1,9 +1,10 @@
 """Scrub on release: a GPU returns to the pool only on the agent's explicit "scrubbed
 clean" report, and a GPU that fails its scrub is quarantined, never FREE.
 
-The first test runs a real agent against etcd with no broker: the test writes the spec
-as the broker would and holds the broker's side, so it can check what the agent does
-between reporting a failed scrub and the quarantine being recorded.
+The first tests run a real agent with a broker that holds no GPU or node record: the test
+writes the spec as a compose would and plays the rest of the broker's part itself, so it
+can check what the agent does between reporting a failed scrub and the quarantine being
+recorded.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -20,25 +22,28 @@ from dxpool.fabric.sim import SimGpuSpec
 from dxpool.hostagent.agent import Agent
 from dxpool.hostagent.config import AgentConfig
 from dxpool.hostagent.drivers.sim import make_sim_driver
-from dxpool.store.client import connect
 from dxpool.store.keys import KeySchema
 from dxpool.store.typed import Store, Txn
 from tests.conftest import SimPool, Stubs, register_sim_box, wait_hosts_alive, wait_until
 from tests.integration.test_gpu_health import gpu_record
 from tests.integration.test_node_lifecycle import compose, wait_state
 
+if TYPE_CHECKING:
+    from dxpool.broker.server import BrokerServer
+
 GPU = "boxes/box1/gpus/0"
 
 
 @pytest.fixture
-def agent_store(sim_pool: SimPool) -> Iterator[tuple[Agent, Store]]:
+def agent_store(
+    sim_pool: SimPool, broker: BrokerServer, etcd_client: Any, key_prefix: str
+) -> Iterator[tuple[Agent, Store]]:
     """An agent for h1 in this process, and a store to play the broker's part with."""
     sim_pool.fabric.add_host("h1", 8)
     sim_pool.fabric.add_box("box1", [SimGpuSpec("H100", 81920)])
     config = AgentConfig(
         host_id="h1",
-        etcd_endpoints=sim_pool.etcd_endpoint,
-        key_prefix=sim_pool.key_prefix,
+        brokers=broker.agent_endpoint,
         site="s1",
         pod="p1",
         rack="r1",
@@ -49,13 +54,11 @@ def agent_store(sim_pool: SimPool) -> Iterator[tuple[Agent, Store]]:
         backoff_base_s=0.05,
         workers=1,
     )
-    client = connect(sim_pool.etcd_endpoint)
-    agent = Agent(config, make_sim_driver(sim_pool.fabric, "h1", device_timeout_s=5), client)
+    agent = Agent(config, make_sim_driver(sim_pool.fabric, "h1", device_timeout_s=5))
     agent.start()
-    store = Store(connect(sim_pool.etcd_endpoint), KeySchema(sim_pool.key_prefix))
+    store = Store(etcd_client, KeySchema(key_prefix))
     yield agent, store
     agent.stop()
-    client.close()
 
 
 def entry(store: Store) -> pb.ObservedAttachment | None:

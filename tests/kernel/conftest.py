@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from dxpool.store.embedded import EmbeddedEtcd
+from dxpool.store.embedded import EmbeddedEtcd, free_ports
 from tests.kernel.qemu_fabric import QemuFabric
 from tests.kernel.qemu_guest import Guest, GuestSpec, PortSpec, Timings, missing_tools
 
@@ -72,18 +72,21 @@ def fabric(etcd_server: EmbeddedEtcd) -> Iterator[QemuFabric]:
         yield fabric
 
 
-def _etcd_port(etcd_server: EmbeddedEtcd) -> int:
-    return int(etcd_server.endpoint.rsplit(":", 1)[1])
+@pytest.fixture(scope="session")
+def agent_port() -> int:
+    """The loopback port the tests' broker serves agents on. The guests are started
+    forwarding it and the fabric's port only: a host reaches brokers, never etcd."""
+    return free_ports(1, "127.0.0.1")[0]
 
 
 @pytest.fixture(scope="session")
 def _guests(
-    tmp_path_factory: pytest.TempPathFactory, etcd_server: EmbeddedEtcd, fabric: QemuFabric
+    tmp_path_factory: pytest.TempPathFactory, agent_port: int, fabric: QemuFabric
 ) -> Iterator[dict[str, Guest]]:
     reason = missing_tools()
     if reason is not None:  # only where DXPOOL_REQUIRE_KERNEL=1 says the lane must run
         pytest.fail(reason)
-    forwards = (_etcd_port(etcd_server), fabric.port)
+    forwards = (agent_port, fabric.port)
     guests = {
         mode: Guest(
             GuestSpec(f"dx-{mode}", hotplug=mode, ports=PORTS, forwards=forwards),

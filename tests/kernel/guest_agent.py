@@ -4,7 +4,7 @@ things of the guest's hardware put in: NVML is the stand-in ``pynvml``
 (:mod:`tests.hostagent.fake_nvml`) answering for the stand-in cards the kernel shows
 bound to their own driver, and the Linux driver runs those cards on ``e1000e`` (their
 native driver) and accepts their vendors. Everything else - sysfs, hot-plug, vfio, the
-proxy hook, etcd - is real.
+proxy hook, the broker it reaches - is real.
 """
 
 from __future__ import annotations

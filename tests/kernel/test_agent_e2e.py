@@ -22,7 +22,6 @@ import pytest
 
 from dxpool.api.v1 import inventory_pb2, nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.store.embedded import EmbeddedEtcd
 from tests.conftest import Stubs, wait_until
 from tests.kernel.box import E1000E_PCI_ID
 from tests.kernel.conftest import PORTS, TIMINGS
@@ -31,22 +30,20 @@ from tests.kernel.qemu_guest import GUEST_HOST, Guest
 from tests.kernel.rig import device_of, driver_of
 
 BOX = "kbox"
-# The guest's agent must keep its lease alive from a TCG guest on a loaded machine,
-# where a starved guest goes silent for tens of seconds: a TTL no real host needs.
+# The guest's agent must keep its host alive (a heartbeat within the liveness TTL) from a
+# TCG guest on a loaded machine, where a starved guest goes silent for tens of seconds: a
+# TTL no real host needs.
 LEASE_TTL_S = 60.0
 READY_S = 900.0  # a generous deadline: TCG on a loaded machine
 AGENT_PORTS = (PORTS[0], PORTS[1])  # host slots 0 and 1: ports with power controllers
 
 
-def agent_command_line(
-    *, host: str, etcd_port: int, key_prefix: str, hook: Path, state_dir: str
-) -> list[str]:
+def agent_command_line(*, host: str, agent_port: int, hook: Path, state_dir: str) -> list[str]:
     """How the agent is started inside a guest: the one place its options are listed."""
     return [
         sys.executable, "-m", "tests.kernel.guest_agent",
         "--host", host,
-        "--etcd", f"{GUEST_HOST}:{etcd_port}",
-        "--key-prefix", key_prefix,
+        "--broker", f"{GUEST_HOST}:{agent_port}",
         "--driver", "linux",
         "--slots", str(len(AGENT_PORTS)),
         *(f"--linux-port={slot}={port.bridge}" for slot, port in enumerate(AGENT_PORTS)),
@@ -84,15 +81,18 @@ class GuestAgent:
 def e2e(
     broker_factory: Callable[..., object],
     fabric: QemuFabric,
-    etcd_server: EmbeddedEtcd,
-    key_prefix: str,
+    agent_port: int,
     pciehp_guest: Guest,
     acpi_guest: Guest,
     tmp_path: Path,
 ) -> Iterator[tuple[Stubs, Callable[[Guest, str], GuestAgent]]]:
     hook = fabric.write_hook(tmp_path / "box-hook", f"127.0.0.1:{fabric.port}")
     broker = broker_factory(
-        fabric=f"hook:{hook}", leader_ttl_s=2.0, fabric_hook_timeout_s=300.0, retention_s=1.0
+        fabric=f"hook:{hook}",
+        leader_ttl_s=2.0,
+        fabric_hook_timeout_s=300.0,
+        retention_s=1.0,
+        agent_listen=f"127.0.0.1:{agent_port}",
     )
     channel = grpc.insecure_channel(broker.endpoint)  # type: ignore[attr-defined]
     stubs = Stubs(channel)
@@ -116,8 +116,7 @@ def e2e(
         state_dir.mkdir(exist_ok=True)
         argv = agent_command_line(
             host=host,
-            etcd_port=int(etcd_server.endpoint.rsplit(":", 1)[1]),
-            key_prefix=key_prefix,
+            agent_port=agent_port,
             hook=guest_hook,
             state_dir=str(state_dir),
         )
@@ -157,8 +156,8 @@ def wait_node(stubs: Stubs, name: str, state: int, agent: GuestAgent) -> pb.Virt
 
 
 def wait_alive(stubs: Stubs, host: str) -> None:
-    """Wait until ``host``'s agent holds its lease (a starved guest may have let it
-    lapse and registered again)."""
+    """Wait until ``host``'s agent holds a session (a starved guest may have let it
+    lapse and connected again)."""
     wait_until(
         lambda: any(
             h.name == host and h.alive
@@ -217,7 +216,7 @@ def test_compose_ready_release_free_with_the_agent_in_a_guest(
 @pytest.mark.skipif(
     os.environ.get("DXPOOL_KERNEL_HOST_LOSS") != "1",
     reason="opt in with DXPOOL_KERNEL_HOST_LOSS=1: on a machine loaded enough to starve a "
-    "TCG guest, the guest's agent loses its lease before the host is killed on purpose",
+    "TCG guest, the guest's agent misses its heartbeats before the host is killed on purpose",
 )
 def test_host_loss_is_fenced_at_the_box_side_and_the_gpu_composed_on_another_guest(
     e2e: tuple[Stubs, Callable[[Guest, str], GuestAgent]],

@@ -4,13 +4,14 @@ box side is a Redfish fabric manager.
 It runs what ``python -m dxpool.hostagent --driver linux --redfish-map MAP`` runs - the
 agent's own selection of the Redfish mapper from its config (``build_proxy_mapper``: load
 the map, log in, check it against the service), the Linux driver, the agent's reconcile
-loop over etcd - with only the hardware faked: the kernel's sysfs tree and NVML
-(:class:`~tests.hostagent.linux_host.LinuxHost`). The fake kernel shows a card behind a
-host slot's bridge while the host's zone at the fabric manager holds that GPU's endpoint
+loop and its session with the brokers' agent ports - with only the hardware faked: the
+kernel's sysfs tree and NVML (:class:`~tests.hostagent.linux_host.LinuxHost`). The fake
+kernel shows a card behind a host slot's bridge while the host's zone at the fabric
+manager holds that GPU's endpoint
 (read straight from the Mockup Server's store with ``--store``, so the fake's reads do not
 appear in the proxy's request log) at the slot the agent recorded for it.
 
-SIGTERM stops the agent cleanly (its lease revoked); SIGKILL is a host lost.
+SIGTERM stops the agent cleanly (it ends its session); SIGKILL is a host lost.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from dxpool.hostagent.drivers.redfish_slots import LEDGER_FILE
 from dxpool.hostagent.nvml import NvmlInspector
 from dxpool.names import GpuRef, parse_gpu
 from dxpool.redfish.fabric_map import load_fabric_map
-from dxpool.store.client import connect
 from tests.hostagent.linux_host import LinuxHost
 
 
@@ -65,8 +65,7 @@ class RedfishPortHost(LinuxHost):
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.redfish.host_agent")
     parser.add_argument("--host", required=True)
-    parser.add_argument("--etcd", required=True)
-    parser.add_argument("--prefix", required=True)
+    parser.add_argument("--broker", required=True, help="the brokers' agent ports: a,b")
     parser.add_argument("--redfish-map", type=Path, required=True)
     parser.add_argument("--slots", type=int, required=True)
     parser.add_argument("--root", type=Path, required=True, help="the fake host's files")
@@ -94,8 +93,7 @@ def main(argv: list[str]) -> int:
     )
     config = AgentConfig(
         host_id=args.host,
-        etcd_endpoints=args.etcd,
-        key_prefix=args.prefix,
+        brokers=args.broker,
         site="s1",
         pod="p1",
         rack="r1",
@@ -121,8 +119,7 @@ def main(argv: list[str]) -> int:
         inspector=NvmlInspector(host.nvml, xid_wait_ms=50),
         device_timeout_s=10,
     )
-    client = connect(config.etcd_endpoints)
-    agent = Agent(config, driver, client)
+    agent = Agent(config, driver)
 
     def on_signal(_signum: int, _frame: FrameType | None) -> None:
         agent.request_stop()
@@ -136,7 +133,6 @@ def main(argv: list[str]) -> int:
         return 0
     finally:
         agent.stop()
-        client.close()
         mapper.close()
         host.close()
 

@@ -2,7 +2,7 @@
 ``--fabric redfish:MAP`` and host agents mapping through the Redfish mapper.
 
 This is the one place that says how a broker and an agent are started and how an agent
-reaches its broker's pool (today: the etcd endpoints and key prefix), so a change in how
+reaches its pool (the brokers' agent ports: agents never touch etcd), so a change in how
 agents connect is an edit here. Every process is stopped by its own process id.
 """
 
@@ -54,35 +54,44 @@ class Process:
 
 @dataclass
 class RedfishPool:
-    """The processes of one pool: their etcd, key prefix and fabric map."""
+    """The processes of one pool: their etcd, key prefix and fabric map, and the agent
+    ports of the brokers started so far (what agents are given)."""
 
     root: Path
     etcd: str
     prefix: str
     fabric_map: Path
     processes: list[Process] = field(default_factory=list)
+    agent_endpoints: list[str] = field(default_factory=list)
 
     def start_broker(self) -> str:
         """A broker fencing at the map's fabric manager; returns its endpoint once it
         serves."""
-        port = free_port()
+        port, agent_port = free_port(), free_port()
+        # A reconnect grace of a second: the agents start after the broker leads, and the
+        # test loses a host on purpose.
         process = self._spawn(
             "broker",
             [sys.executable, "-m", "dxpool.broker", "--etcd", self.etcd, "--prefix",
              self.prefix, "--listen", f"127.0.0.1:{port}", "--insecure",
+             "--agent-listen", f"127.0.0.1:{agent_port}", "--host-reconnect-grace", "1s",
              "--fabric", f"redfish:{self.fabric_map}", "--attach-timeout", "60s"],
         )  # fmt: skip
         endpoint = f"127.0.0.1:{port}"
         _wait_serving(process, endpoint)
+        self.agent_endpoints.append(f"127.0.0.1:{agent_port}")
         return endpoint
 
     def start_agent(self, host: str, *, slots: int, store: str, lease_ttl_s: float) -> Process:
         """Host ``host``'s agent with the Redfish mapper, on a fake Linux host whose cards
-        follow the zones at ``store`` (the Mockup Server, read straight)."""
+        follow the zones at ``store`` (the Mockup Server, read straight), connected to
+        every broker started so far."""
+        if not self.agent_endpoints:
+            raise RuntimeError("start a broker before its agents")
         return self._spawn(
             f"agent-{host}",
-            [sys.executable, "-m", "tests.redfish.host_agent", "--host", host, "--etcd",
-             self.etcd, "--prefix", self.prefix, "--redfish-map", str(self.fabric_map),
+            [sys.executable, "-m", "tests.redfish.host_agent", "--host", host, "--broker",
+             ",".join(self.agent_endpoints), "--redfish-map", str(self.fabric_map),
              "--slots", str(slots), "--root", str(self.root / host), "--store", store,
              "--lease-ttl", str(lease_ttl_s)],
         )  # fmt: skip

@@ -1,6 +1,12 @@
 """etcd users and roles for a pool, against a real etcd serving TLS with client-certificate
-auth and authentication on: what an agent's certificate may and may not do, the broker's,
-idempotent setup, agents added later, and a broker and an agent working through it."""
+auth and authentication on: the broker's grants, a host's certificate holding no etcd
+user, idempotent setup that removes the agent users of older versions, and a broker
+working through its user for an agent that has none.
+
+etcd's users stop a certificate from reading and writing keys, not from renewing leases
+or compacting (etcd checks no permission for those): that is why etcd should trust a CA
+of its own that signs no host's certificate (``dxpool up`` does; see
+``tests/cli/test_up.py``), so a host never gets past the TLS handshake."""
 
 from __future__ import annotations
 
@@ -10,7 +16,6 @@ from pathlib import Path
 import grpc
 import pytest
 from etcd3 import etcdrpc
-from etcd3.utils import prefix_range_end
 
 from dxpool.api.v1 import resources_pb2
 from dxpool.errors import FailedPrecondition, PermissionDenied
@@ -23,7 +28,7 @@ from dxpool.store.etcd_auth import (
     Access,
     EtcdAuth,
     Grant,
-    agent_grants,
+    PoolUsers,
     broker_grants,
     setup_pool,
 )
@@ -62,8 +67,7 @@ def tls(certs: Path, name: str) -> ClientTls:
 def auth_etcd(
     pki: Pki, certs: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[EmbeddedEtcd]:
-    """etcd with TLS, client-certificate auth and authentication on; the broker and the
-    agents of h1 and h10 set up (h2 is left for a test that adds it)."""
+    """etcd with TLS, client-certificate auth and authentication on, the broker set up."""
     server = EmbeddedEtcd(
         tmp_path_factory.mktemp("auth-etcd"),
         unsafe_no_fsync=True,
@@ -72,8 +76,7 @@ def auth_etcd(
     )
     with server:
         with EtcdAuth(server.address) as auth:
-            changed = setup_pool(auth, KEYS, agents=["h1", "h10"])
-        assert changed == [BROKER_USER, agent_user("h1"), agent_user("h10")]
+            assert setup_pool(auth, KEYS) == PoolUsers([BROKER_USER], [])
         yield server
 
 
@@ -102,121 +105,46 @@ def test_the_certificates_name_their_etcd_users(certs: Path) -> None:
         cert = load_pair(certs, name).cert
         return str(cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value)
 
-    assert common_name("agent-h1") == "dxpool-agent-h1"
+    assert common_name("agent-h1") == "dxpool://agent/h1"  # no etcd user
     assert common_name("broker") == "dxpool-broker"
     assert common_name("root") == "root"
-
-
-def test_an_agent_writes_its_own_hosts_keys(auth_etcd: EmbeddedEtcd, agent_h1: object) -> None:
-    client = agent_h1
-    root = connect([auth_etcd.address], timeout_s=3)
-    try:
-        root.put(KEYS.host_allocation("h1"), b"spec")
-        client.put(KEYS.host("h1"), b"registration")  # type: ignore[attr-defined]
-        lease = client.lease(5)  # type: ignore[attr-defined]
-        client.put(KEYS.host_lease("h1"), b"token", lease=lease)  # type: ignore[attr-defined]
-        assert lease.refresh()[0].TTL > 0
-        client.put(KEYS.host_status("h1"), b"status")  # type: ignore[attr-defined]
-        assert client.get(KEYS.host_status("h1"))[0] == b"status"  # type: ignore[attr-defined]
-        assert client.get(KEYS.host_allocation("h1"))[0] == b"spec"  # type: ignore[attr-defined]
-        client.get(PREFIX)  # type: ignore[attr-defined] - the store's reachability probe
-        lease.revoke()  # needs write on the key attached to it
-        assert root.get(KEYS.host_lease("h1"))[0] is None
-    finally:
-        root.close()
 
 
 @pytest.mark.parametrize(
     "key",
     [
+        KEYS.host("h1"),
+        KEYS.host_lease("h1"),
+        KEYS.host_status("h1"),
         KEYS.host_status("h2"),
-        KEYS.host_status("h10"),
-        KEYS.host("h2"),
-        KEYS.host_lease("h2"),
         KEYS.gpu("box1", 0),
         KEYS.node("n1"),
-        KEYS.box("box1"),
-        KEYS.host_allocation("h1"),
-        KEYS.tenant("t1"),
         KEYS.election("duties"),
         KEYS.audit_prefix + "x",
         "/elsewhere",
     ],
 )
-def test_etcd_refuses_an_agent_writing_what_is_not_its_own(agent_h1: object, key: str) -> None:
+def test_a_hosts_certificate_writes_nothing_not_even_its_own_keys(
+    agent_h1: object, key: str
+) -> None:
     denied(lambda: agent_h1.put(key, b"forged"))  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(
-    "key", [KEYS.host_allocation("h10"), KEYS.host_allocation("h2"), KEYS.node("n1")]
+    "key", [KEYS.host_allocation("h1"), KEYS.host_allocation("h2"), KEYS.node("n1"), PREFIX]
 )
-def test_etcd_refuses_an_agent_reading_another_hosts_spec_or_the_pool(
-    agent_h1: object, key: str
-) -> None:
+def test_a_hosts_certificate_reads_nothing(agent_h1: object, key: str) -> None:
     denied(lambda: agent_h1.get(key))  # type: ignore[attr-defined]
     denied(lambda: agent_h1.get_prefix(KEYS.collection("hostalloc")))  # type: ignore[attr-defined]
 
 
-def test_a_transaction_touching_another_hosts_key_is_refused_whole(
-    auth_etcd: EmbeddedEtcd, agent_h1: object
-) -> None:
-    from etcd3 import transactions
-
-    denied(
-        lambda: agent_h1.transaction(  # type: ignore[attr-defined]
-            compare=[transactions.Version(KEYS.host_lease("h1")) > 0],
-            success=[
-                transactions.Put(KEYS.host_status("h1"), b"mine"),
-                transactions.Put(KEYS.host_status("h2"), b"forged"),
-            ],
-            failure=[],
-        )
-    )
-    root = connect([auth_etcd.address], timeout_s=3)
+def test_a_hosts_certificate_cannot_watch_the_pool(auth_etcd: EmbeddedEtcd, certs: Path) -> None:
+    """A watch from the pool's prefix to the end of the key space (the range a wildcard
+    grant would have let through) is refused."""
+    everything = etcdrpc.WatchCreateRequest(key=PREFIX.encode(), range_end=b"\0")
+    ch = channel(address(auth_etcd, certs, "agent-h1"))
     try:
-        assert root.get(KEYS.host_status("h2"))[0] is None
-    finally:
-        root.close()
-
-
-def test_an_agent_watches_its_own_spec_but_not_the_collection(
-    auth_etcd: EmbeddedEtcd, certs: Path
-) -> None:
-    from dxpool.store.watch import PrefixWatch
-
-    agent = address(auth_etcd, certs, "agent-h1")
-    seen: list[bytes] = []
-    watch = PrefixWatch(
-        [agent],
-        KEYS.host_allocation("h1"),
-        on_list=lambda kvs, revision: seen.extend(kv.key for kv in kvs),
-        on_events=lambda response: seen.extend(e.key for e in response.events),
-        single_key=True,
-    )
-    watch.start(timeout_s=5)
-    root = connect([auth_etcd.address], timeout_s=3)
-    try:
-        root.put(KEYS.host_allocation("h10"), b"not h1's")
-        root.put(KEYS.host_allocation("h1"), b"h1's")
-        wait_until(lambda: KEYS.host_allocation("h1").encode() in seen, 5, message="h1's spec")
-        assert KEYS.host_allocation("h10").encode() not in seen
-    finally:
-        watch.stop()
-        root.close()
-    ch = channel(agent)
-    try:
-        call = etcdrpc.WatchStub(ch).Watch(
-            iter(
-                [
-                    etcdrpc.WatchRequest(
-                        create_request=etcdrpc.WatchCreateRequest(
-                            key=KEYS.collection("hostalloc").encode(),
-                            range_end=prefix_range_end(KEYS.collection("hostalloc").encode()),
-                        )
-                    )
-                ]
-            )
-        )
+        call = etcdrpc.WatchStub(ch).Watch(iter([etcdrpc.WatchRequest(create_request=everything)]))
         first = next(call)
         assert first.canceled and "permission denied" in first.cancel_reason
         call.cancel()
@@ -261,21 +189,17 @@ def test_only_root_changes_users_and_roles(auth_etcd: EmbeddedEtcd, certs: Path)
             EtcdAuth(address(auth_etcd, certs, name)) as auth,
             pytest.raises(PermissionDenied, match="CN is 'root'"),
         ):
-            setup_pool(auth, KEYS, agents=["h1"], enable=False)  # etcd itself refuses
+            setup_pool(auth, KEYS, enable=False)  # etcd itself refuses
 
 
 def test_setup_is_idempotent_and_repairs_a_role_changed_by_hand(auth_etcd: EmbeddedEtcd) -> None:
     with EtcdAuth(auth_etcd.address) as auth:
-        assert setup_pool(auth, KEYS, agents=["h1", "h10"]) == []
-        # Someone widened h1's role by hand: the next setup takes it back.
-        auth.ensure_user(
-            agent_user("h1"),
-            [*agent_grants(KEYS, "h1"), Grant.prefix(KEYS.collection("gpus"), Access.READWRITE)],
-        )
-        assert setup_pool(auth, KEYS, agents=["h1"]) == [agent_user("h1")]
-        assert auth.role_grants(agent_user("h1")) == tuple(sorted(agent_grants(KEYS, "h1")))
+        assert setup_pool(auth, KEYS) == PoolUsers([], [])
+        # Someone widened the broker's role by hand: the next setup takes it back.
+        auth.ensure_user(BROKER_USER, [*broker_grants(KEYS), Grant.prefix("/x/", Access.READ)])
+        assert setup_pool(auth, KEYS) == PoolUsers([BROKER_USER], [])
         assert auth.role_grants(BROKER_USER) == tuple(sorted(broker_grants(KEYS)))
-        assert auth.user_roles(agent_user("h1")) == [agent_user("h1")]
+        assert auth.user_roles(BROKER_USER) == [BROKER_USER]
         assert auth.user_roles(ROOT_USER) == ["root"]
 
 
@@ -284,29 +208,23 @@ def test_users_have_no_password(auth_etcd: EmbeddedEtcd) -> None:
     try:
         with pytest.raises(grpc.RpcError, match="no password user"):
             etcdrpc.AuthStub(ch).Authenticate(
-                etcdrpc.AuthenticateRequest(name=agent_user("h1"), password="")
+                etcdrpc.AuthenticateRequest(name=BROKER_USER, password="")
             )
     finally:
         ch.close()
 
 
-def test_an_agent_added_later_gets_its_own_host_only(auth_etcd: EmbeddedEtcd, certs: Path) -> None:
-    h2 = connect([address(auth_etcd, certs, "agent-h2")], timeout_s=3)
-    try:
-        denied(lambda: h2.put(KEYS.host_status("h2"), b"before"))  # no user yet
-        with EtcdAuth(auth_etcd.address) as auth:
-            assert setup_pool(auth, KEYS, agents=["h2"], broker=False) == [agent_user("h2")]
-        h2.put(KEYS.host_status("h2"), b"after")
-        denied(lambda: h2.put(KEYS.host_status("h1"), b"forged"))
-        with EtcdAuth(auth_etcd.address) as auth:
-            assert auth.remove_user(agent_user("h2"))
-            assert not auth.remove_user(agent_user("h2"))
-        denied(lambda: h2.put(KEYS.host_status("h2"), b"removed"))
-    finally:
-        h2.close()
+def test_setup_removes_the_agent_users_of_older_versions(auth_etcd: EmbeddedEtcd) -> None:
+    with EtcdAuth(auth_etcd.address) as auth:
+        stale = [Grant.one_key(KEYS.host_status("h2"), Access.READWRITE)]
+        auth.ensure_user(agent_user("h2"), stale)  # as an older version made it
+        assert setup_pool(auth, KEYS) == PoolUsers([], [agent_user("h2")])
+        assert auth.view(agent_user("h2")) is None
+        assert auth.role_grants(agent_user("h2")) is None
+        assert setup_pool(auth, KEYS) == PoolUsers([], [])
 
 
-def test_broker_and_agent_compose_through_etcd_users(
+def test_a_broker_composes_through_its_etcd_user_for_an_agent_without_one(
     auth_etcd: EmbeddedEtcd, certs: Path, tmp_path: Path
 ) -> None:
     from dxpool.broker.server import BrokerConfig, BrokerServer
@@ -320,19 +238,16 @@ def test_broker_and_agent_compose_through_etcd_users(
             etcd_endpoints=auth_etcd.endpoint,
             key_prefix=PREFIX,
             listen="127.0.0.1:0",
+            agent_listen="127.0.0.1:0",
             etcd_tls=tls(certs, "broker"),
             controller_sweep_s=0.2,
         )
     ).start()
     fabric = SimFabric.create(tmp_path / "fabric", boxes={}, hosts={})
-    pool = SimPool(tmp_path, fabric, auth_etcd.endpoint, PREFIX)
+    pool = SimPool(tmp_path, fabric, lambda: [broker.agent_endpoint])
     try:
         fabric.add_box("box1", [SimGpuSpec("H100", 81920)] * 2)
-        agent = pool.start_agent(
-            "h1",
-            extra=("--etcd-ca", str(certs / "ca.crt"), "--etcd-cert",
-                   str(certs / "agent-h1.crt"), "--etcd-key", str(certs / "agent-h1.key")),
-        )  # fmt: skip
+        agent = pool.start_agent("h1")
         with Client(broker.endpoint, insecure=True) as client:
             client.create_box(
                 "box1", gpus=2, model="H100", memory_mib=81920, location=("s1", "p1", "r1")
@@ -364,7 +279,7 @@ def test_auth_is_not_turned_on_without_roots_certificate(
     authentication were on: setup refuses before it changes anything."""
     with EtcdAuth(private_etcd.address) as auth:
         with pytest.raises(FailedPrecondition, match="no client certificate") as refused:
-            setup_pool(auth, KEYS, agents=["h1"])
+            setup_pool(auth, KEYS)
         assert refused.value.reason == "ETCD_AUTH_LOCKOUT"
         assert auth.users() == []  # nothing was made
     tls_etcd = EmbeddedEtcd(
@@ -375,13 +290,10 @@ def test_auth_is_not_turned_on_without_roots_certificate(
     )
     with tls_etcd, EtcdAuth(address(tls_etcd, certs, "broker")) as auth:
         with pytest.raises(FailedPrecondition, match="CN dxpool-broker"):
-            setup_pool(auth, KEYS, agents=["h1"])
+            setup_pool(auth, KEYS)
         assert auth.users() == []
         # Without turning authentication on, any certificate may prepare the users.
-        assert setup_pool(auth, KEYS, agents=["h1"], enable=False) == [
-            BROKER_USER,
-            agent_user("h1"),
-        ]
+        assert setup_pool(auth, KEYS, enable=False) == PoolUsers([BROKER_USER], [])
         operator = connect([address(tls_etcd, certs, "operator")], timeout_s=3)
         try:
             operator.put(KEYS.node("n1"), b"still open")  # authentication stays off

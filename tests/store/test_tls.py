@@ -1,5 +1,5 @@
-"""etcd over TLS with client-certificate authentication: who gets in, and the broker and
-an agent working through it."""
+"""etcd over TLS with client-certificate authentication: who gets in, and a broker working
+through it for an agent that reaches the broker only."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_a_client_with_a_certificate_reads_and_writes(tls_etcd: EmbeddedEtcd, pk
         client.close()
 
 
-def test_broker_and_agent_work_through_etcd_with_tls(
+def test_a_broker_on_etcd_with_tls_serves_an_agent_over_mutual_tls(
     tls_etcd: EmbeddedEtcd, pki: Pki, tmp_path: Path
 ) -> None:
     prefix = "/dxpool-tls-test/"
@@ -84,21 +84,18 @@ def test_broker_and_agent_work_through_etcd_with_tls(
             etcd_endpoints=tls_etcd.endpoint,
             key_prefix=prefix,
             listen="127.0.0.1:0",
+            agent_listen="127.0.0.1:0",
+            tls=ServerTls(pki.path("server"), pki.path("server", "key"), client_ca=pki.path("ca")),
             etcd_tls=_client_tls(pki),
             controller_sweep_s=0.2,
         )
     ).start()
     fabric = SimFabric.create(tmp_path / "fabric", boxes={}, hosts={})
-    pool = SimPool(tmp_path, fabric, tls_etcd.endpoint, prefix)
+    pool = SimPool(tmp_path, fabric, lambda: [broker.agent_endpoint])
     try:
         fabric.add_box("box1", [SimGpuSpec("H100", 81920)] * 2)
-        stem = pki.client_identity("agent", "h1")
-        pool.start_agent(
-            "h1",
-            extra=("--etcd-ca", str(pki.path("ca")), "--etcd-cert", str(pki.path(stem)),
-                   "--etcd-key", str(pki.path(stem, "key"))),
-        )  # fmt: skip
-        with Client(broker.endpoint, insecure=True) as client:
+        pool.start_agent("h1", extra=pki.agent_args("h1"))
+        with Client(broker.endpoint, tls=_client_tls(pki)) as client:
             client.create_box(
                 "box1", gpus=2, model="H100", memory_mib=81920, location=("s1", "p1", "r1")
             )
@@ -118,15 +115,31 @@ def test_broker_and_agent_work_through_etcd_with_tls(
         broker.stop(grace_s=0)
 
 
-def test_agent_without_etcd_tls_fails_to_start(tls_etcd: EmbeddedEtcd, tmp_path: Path) -> None:
+def test_an_agent_the_broker_does_not_accept_fails_to_start(
+    tls_etcd: EmbeddedEtcd, pki: Pki, tmp_path: Path
+) -> None:
     import subprocess
 
+    broker = BrokerServer(
+        BrokerConfig(
+            etcd_endpoints=tls_etcd.endpoint,
+            key_prefix="/dxpool-tls-refused/",
+            listen="127.0.0.1:0",
+            agent_listen="127.0.0.1:0",
+            tls=ServerTls(pki.path("server"), pki.path("server", "key"), client_ca=pki.path("ca")),
+            etcd_tls=_client_tls(pki),
+        )
+    ).start()
     SimFabric.create(tmp_path / "fabric", boxes={}, hosts={"h9": 2})
-    result = subprocess.run(
-        [sys.executable, "-m", "dxpool.hostagent", "--host", "h9", "--etcd", tls_etcd.endpoint,
-         "--driver", "sim", "--sim-state", str(tmp_path / "fabric"), "--slots", "2",
-         "--startup-timeout", "2"],
-        check=False, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "dxpool.hostagent", "--host", "h9",
+             "--broker", broker.agent_endpoint, "--tls-ca", str(pki.path("ca")),
+             "--driver", "sim", "--sim-state", str(tmp_path / "fabric"), "--slots", "2",
+             "--startup-timeout", "2"],
+            check=False, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    finally:
+        broker.stop(grace_s=0)
     assert result.returncode == 1, result.stderr
-    assert f"etcd at {tls_etcd.endpoint} did not answer" in result.stderr
+    assert f"no broker at {broker.agent_endpoint} opened a session" in result.stderr

@@ -30,10 +30,10 @@ class PinnedHost:
 
 
 class HostAlive:
-    """Keeps hosts whose agent holds its etcd lease."""
+    """Keeps hosts whose agent holds a session with a broker (a liveness record)."""
 
     name = "host_alive"
-    _DEAD = Status.unschedulable("not alive: its agent's lease expired", plugin=name)
+    _DEAD = Status.unschedulable("not alive: its agent holds no session", plugin=name)
 
     def applies(self, request: PlacementRequest) -> bool:
         return True
@@ -47,7 +47,7 @@ class HostAlive:
         if not failed:
             return None
         if reached == 1:
-            return f"hosts: hosts/{failed[0].host} is not alive (its agent's lease expired)"
+            return f"hosts: hosts/{failed[0].host} is not alive (its agent holds no session)"
         if len(failed) == reached:
             return f"hosts: none of the {reached} hosts is alive"
         names = sample_names([f"hosts/{host.host}" for host in failed])

@@ -514,7 +514,9 @@ class Host(_message.Message):
     slot_capacity: _builtins.int
     """Number of proxy slots: the most GPUs that can be attached at once."""
     alive: _builtins.bool
-    """Output only: true while the agent keeps its etcd lease alive."""
+    """Output only: true while its agent holds a session with a broker (the liveness
+    record hostleases/{host} exists).
+    """
     slots_used: _builtins.int
     """Output only: slots in use by desired attachments."""
     driver: _builtins.str
@@ -558,6 +560,47 @@ class Host(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Host: _TypeAlias = Host  # noqa: Y015
+
+@_typing.final
+class HostLiveness(_message.Message):
+    """The liveness record of a host, hostleases/{host}: present while the host's agent holds
+    a session with a broker, on that broker's etcd lease. Written only by brokers: the host
+    is alive because its own agent proves it over its authenticated session, never because
+    some lease was renewed.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_DIGEST_FIELD_NUMBER: _builtins.int
+    BROKER_FIELD_NUMBER: _builtins.int
+    SESSION_FIELD_NUMBER: _builtins.int
+    SINCE_FIELD_NUMBER: _builtins.int
+    LIVENESS_TTL_MS_FIELD_NUMBER: _builtins.int
+    agent_digest: _builtins.bytes
+    """SHA-256 of the identity token of the agent that holds the session."""
+    broker: _builtins.str
+    """The broker that holds the session, and the session."""
+    session: _builtins.str
+    liveness_ttl_ms: _builtins.int
+    """The liveness TTL of the session."""
+    @_builtins.property
+    def since(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        agent_digest: _builtins.bytes = ...,
+        broker: _builtins.str = ...,
+        session: _builtins.str = ...,
+        since: _timestamp_pb2.Timestamp | None = ...,
+        liveness_ttl_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["since", b"since"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_digest", b"agent_digest", "broker", b"broker", "liveness_ttl_ms", b"liveness_ttl_ms", "session", b"session", "since", b"since"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HostLiveness: _TypeAlias = HostLiveness  # noqa: Y015
 
 @_typing.final
 class DesiredAttachment(_message.Message):

@@ -216,7 +216,7 @@ def test_every_host_is_reported_once_with_reasons() -> None:
     assert sorted(c.host for c in result.candidates) == ["dead", "full", "ok1", "ok2"]
     assert all(c.reasons for c in result.candidates)
     assert [c.host for c in result.candidates[:2]] == ["ok2", "ok1"]  # best first
-    assert report(result, "dead") == (False, ("not alive: its agent's lease expired",))
+    assert report(result, "dead") == (False, ("not alive: its agent holds no session",))
     assert report(result, "full") == (False, ("1 free proxy slot, 2 needed",))
     feasible, reasons = report(result, "ok2")
     assert feasible

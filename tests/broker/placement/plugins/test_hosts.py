@@ -35,7 +35,7 @@ def test_alive() -> None:
     assert plugin.filter_host(request, host("h1")).ok
     status = plugin.filter_host(request, host("h1", alive=False))
     assert status.code is Code.UNSCHEDULABLE
-    assert status.reasons == ("not alive: its agent's lease expired",)
+    assert status.reasons == ("not alive: its agent holds no session",)
 
 
 def test_alive_explains_one_some_or_all() -> None:
@@ -43,7 +43,7 @@ def test_alive_explains_one_some_or_all() -> None:
     request = PlacementRequest("", 1)
     dead = [host(f"h{i}", alive=False) for i in range(5)]
     assert plugin.explain(request, dead[:1], 1) == (
-        "hosts: hosts/h0 is not alive (its agent's lease expired)"
+        "hosts: hosts/h0 is not alive (its agent holds no session)"
     )
     assert plugin.explain(request, dead[:2], 2) == "hosts: none of the 2 hosts is alive"
     assert plugin.explain(request, dead, 9) == (
