@@ -23,6 +23,10 @@ limit                    value          why
 ``MAX_TEXT``             256            free text: reasons, endpoints, tenants
 ``MAX_QUOTA``            1,000,000      a tenant limit (GPUs, nodes) above any pool's size
 ``MAX_QUOTA_MODELS``     64             per-model limits of one tenant quota
+``MAX_PRIORITY``         1000           a node's priority (0 lowest); room for classes
+``MAX_QUEUE_TIMEOUT_S``  7 days         how long a queued request may be told to wait
+``MAX_GRACE_S``          3600           a preemption notice's grace period
+``MAX_GANG_MEMBERS``     4096           members of one gang (chunked over transactions)
 =======================  =============  ==================================================
 """
 
@@ -50,3 +54,7 @@ MAX_MODEL_LENGTH = 64
 MAX_PCI_ID = 16
 MAX_QUOTA = 1_000_000
 MAX_QUOTA_MODELS = 64
+MAX_PRIORITY = 1000
+MAX_QUEUE_TIMEOUT_S = 7 * 24 * 3600
+MAX_GRACE_S = 3600
+MAX_GANG_MEMBERS = 4096

@@ -19,6 +19,8 @@ key (below the prefix)                 value                 written by   lifeti
                                        (utf-8)                            or box
 ``tenants/{tenant}``                   Tenant (quota +       broker       persistent
                                        usage)
+``gangs/{gang}``                       GangRecord            broker       until its members
+                                                                          are collected
 ``elections/{duty}``                   broker id (utf-8)     broker       etcd lease: the leader
                                                                           of a singleton duty
 =====================================  ====================  ===========  ===============
@@ -43,6 +45,7 @@ NODES = "nodes"
 REQUESTS = "requests"
 ELECTIONS = "elections"
 TENANTS = "tenants"
+GANGS = "gangs"
 
 COLLECTIONS = (
     BOXES,
@@ -54,6 +57,7 @@ COLLECTIONS = (
     NODES,
     REQUESTS,
     TENANTS,
+    GANGS,
 )
 
 
@@ -104,6 +108,9 @@ class KeySchema:
 
     def tenant(self, tenant_id: str) -> str:
         return f"{self.prefix}{TENANTS}/{tenant_id}"
+
+    def gang(self, gang_id: str) -> str:
+        return f"{self.prefix}{GANGS}/{gang_id}"
 
     def election(self, duty: str) -> str:
         """The key a broker holds (on its lease) while it performs a singleton ``duty``.

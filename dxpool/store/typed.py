@@ -40,6 +40,7 @@ MESSAGE_TYPES: dict[str, type[Message] | None] = {
     k.NODES: pb.VirtualNode,
     k.REQUESTS: None,
     k.TENANTS: pb.Tenant,
+    k.GANGS: pb.GangRecord,
 }
 
 M = TypeVar("M")
