@@ -39,6 +39,7 @@ from dxpool.api.v1 import (
     nodes_pb2_grpc,
 )
 from dxpool.broker import pool_metrics
+from dxpool.broker.admission import Admitter
 from dxpool.broker.audit import DEFAULT_RETENTION_S as DEFAULT_AUDIT_RETENTION_S
 from dxpool.broker.audit import AuditLog, AuditRecorder
 from dxpool.broker.audit_service import AuditService
@@ -46,18 +47,27 @@ from dxpool.broker.auth import Authenticator, Authorizer, TokenTable
 from dxpool.broker.box_fabric import open_box_fabric
 from dxpool.broker.cache import Cache
 from dxpool.broker.compose import Composer, ComposeSettings
+from dxpool.broker.compose_gate import ComposeGate
 from dxpool.broker.controller import NodeController
 from dxpool.broker.decoding import Interceptor, RequestDecodingGuard
+from dxpool.broker.dispatcher import Dispatcher
 from dxpool.broker.duties import DutySettings, SingletonDuties
+from dxpool.broker.enqueue import QueuedComposer
 from dxpool.broker.fabric_service import FabricService
 from dxpool.broker.inventory_service import InventoryService
 from dxpool.broker.leader import LeaderElection
+from dxpool.broker.maintenance import Maintenance
 from dxpool.broker.measured_feed import MeasuredFeed, place_lookup
 from dxpool.broker.node_service import NodeService
 from dxpool.broker.node_watch import WatchSettings
+from dxpool.broker.notices import DEFAULT_GRACE_S, Notices
 from dxpool.broker.placement_index import PlacementIndex
 from dxpool.broker.pool_tally import PoolTally
+from dxpool.broker.queue_index import QueueIndex
 from dxpool.broker.serving import DEFAULT_MAX_STALENESS_S, ServingState, StalenessGate
+from dxpool.broker.sharing import Sharing
+from dxpool.broker.sharing_duties import SharingDuties, SharingSettings, Step
+from dxpool.broker.sharing_status import SharingStatus
 from dxpool.broker.streams import StreamLimiter, StreamLimits
 from dxpool.defaults import DEFAULT_ENDPOINT
 from dxpool.errors import InvalidArgument
@@ -135,6 +145,10 @@ class BrokerConfig:
     # Bearer tokens (``TOKEN: ROLE/NAME`` YAML); needs ``tls`` without a client CA.
     # Authentication is on when this or ``tls.client_ca`` is set (see broker/auth.py).
     token_file: Path | None = None
+    # The notice a preemption or a drain gives a node that sets no grace of its own.
+    preemption_grace_s: float = DEFAULT_GRACE_S
+    # How often the leader looks at the queue, notices and drains without being woken.
+    sharing: SharingSettings = field(default_factory=SharingSettings)
 
 
 class BrokerServer:
@@ -186,6 +200,12 @@ class BrokerServer:
         self.duties: SingletonDuties | None = None
         self.nodes: NodeService | None = None
         self.composer: Composer | None = None
+        self.queue: QueueIndex | None = None
+        self.notices: Notices | None = None
+        self.maintenance: Maintenance | None = None
+        self.dispatcher: Dispatcher | None = None
+        self.sharing_duties: SharingDuties | None = None
+        self._sharing_status: SharingStatus | None = None
         self.streams = StreamLimiter(config.stream_limits)
         self._executor: futures.ThreadPoolExecutor | None = None
         self._stopped = False
@@ -248,6 +268,7 @@ class BrokerServer:
             ),
         )
         self.duties.start()
+        sharing = self._start_sharing(composer)
         self.election.start()
         self._executor = futures.ThreadPoolExecutor(
             max_workers=self.config.max_workers + self.config.stream_limits.total,
@@ -270,13 +291,21 @@ class BrokerServer:
             interceptors.insert(0, AuditRecorder(audit, identify))
         server = grpc.server(self._executor, interceptors=interceptors, options=_SERVER_OPTIONS)
         inventory_pb2_grpc.add_InventoryServiceServicer_to_server(
-            InventoryService(self.store, self.cache, self.pool_tally), server
+            InventoryService(
+                self.store,
+                self.cache,
+                self.pool_tally,
+                maintenance=self.maintenance,
+                sharing=self._sharing_status,
+            ),
+            server,
         )
         self.nodes = NodeService(
             composer,
             self.cache,
             self.config.watch,
             identify=authenticator.identify if authenticator is not None else None,
+            sharing=sharing,
         )
         nodes_pb2_grpc.add_NodeServiceServicer_to_server(self.nodes, server)
         fabric_pb2_grpc.add_FabricServiceServicer_to_server(
@@ -295,6 +324,33 @@ class BrokerServer:
         self._server = server
         log.info("broker serving", extra={"endpoint": self.endpoint})
         return self
+
+    def _start_sharing(self, composer: Composer) -> Sharing:
+        """The queue, preemption notices and maintenance, and the leader's thread that
+        serves them (see broker/dispatcher.py, broker/notices.py, broker/maintenance.py)."""
+        queue = self.queue = QueueIndex(self.cache)
+        gate = ComposeGate(self.cache, queue)
+        notices = self.notices = Notices(
+            self.store,
+            self.cache,
+            composer.host_locks,
+            default_grace_s=self.config.preemption_grace_s,
+        )
+        self.maintenance = Maintenance(self.store, self.cache, notices, composer.resizer())
+        self._sharing_status = SharingStatus(self.cache, queue, notices)
+        self.dispatcher = Dispatcher(composer, queue, gate, Admitter(composer, gate), notices)
+        self.sharing_duties = SharingDuties(
+            self.cache,
+            self.election.is_leader,
+            [
+                Step("queue", self.dispatcher.serve),
+                Step("notices", notices.carry_out_due),
+                Step("drains", self.maintenance.step),
+            ],
+            self.config.sharing,
+        )
+        self.sharing_duties.start()
+        return Sharing(self.cache, queue, QueuedComposer(composer, gate))
 
     def _authenticator(self) -> Authenticator | None:
         """Who calls, when authentication is on (a client CA or a token file); None
@@ -370,6 +426,11 @@ class BrokerServer:
         self.election.stop()
         if self.duties is not None:
             self.duties.stop()
+        if self.sharing_duties is not None:
+            self.sharing_duties.stop()
+        for part in (self.notices, self.maintenance, self._sharing_status, self.queue):
+            if part is not None:
+                part.close()
         if self.box_fabric is not None:
             self.box_fabric.close()
         if self.controller is not None:
