@@ -191,20 +191,28 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
         self, request: nodes_pb2.ComposeGangRequest, context: grpc.ServicerContext
     ) -> nodes_pb2.Gang:
         caller = self._caller(context)
-        return self._gangs.compose(
-            _gang_charged_to_caller(request, caller), owner=caller.uri if caller else ""
-        )
+        charged = _gang_charged_to_caller(request, caller)
+        owner = caller.uri if caller else ""
+        if self._sharing is not None:
+            return self._sharing.compose_gang(charged, owner, self._gangs)
+        return self._gangs.compose(charged, owner=owner)
 
     @handler("NodeService.GetGang")
     def GetGang(
         self, request: nodes_pb2.GetGangRequest, context: grpc.ServicerContext
     ) -> nodes_pb2.Gang:
+        if self._sharing is not None:
+            return self._sharing.get_gang(request.name, self._scope(context), self._gangs)
         return self._gangs.get(request.name, owner=self._scope(context))
 
     @handler("NodeService.ReleaseGang")
     def ReleaseGang(
         self, request: nodes_pb2.ReleaseGangRequest, context: grpc.ServicerContext
     ) -> nodes_pb2.Gang:
+        if self._sharing is not None:
+            return self._sharing.release_gang(
+                request.name, request.force, self._scope(context), self._gangs
+            )
         return self._gangs.release(request.name, force=request.force, owner=self._scope(context))
 
     @stream_handler("NodeService.WatchNodes")

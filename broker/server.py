@@ -54,6 +54,7 @@ from dxpool.broker.dispatcher import Dispatcher
 from dxpool.broker.duties import DutySettings, SingletonDuties
 from dxpool.broker.enqueue import QueuedComposer
 from dxpool.broker.fabric_service import FabricService
+from dxpool.broker.gang_chunks import ChunkedGangs
 from dxpool.broker.inventory_service import InventoryService
 from dxpool.broker.leader import LeaderElection
 from dxpool.broker.maintenance import Maintenance
@@ -204,6 +205,7 @@ class BrokerServer:
         self.notices: Notices | None = None
         self.maintenance: Maintenance | None = None
         self.dispatcher: Dispatcher | None = None
+        self.gangs: ChunkedGangs | None = None
         self.sharing_duties: SharingDuties | None = None
         self._sharing_status: SharingStatus | None = None
         self.streams = StreamLimiter(config.stream_limits)
@@ -338,7 +340,12 @@ class BrokerServer:
         )
         self.maintenance = Maintenance(self.store, self.cache, notices, composer.resizer())
         self._sharing_status = SharingStatus(self.cache, queue, notices)
-        self.dispatcher = Dispatcher(composer, queue, gate, Admitter(composer, gate), notices)
+        gangs = self.gangs = ChunkedGangs(
+            composer, gate, broker=self.election.identity, retention_s=self.config.retention_s
+        )
+        self.dispatcher = Dispatcher(
+            composer, queue, gate, Admitter(composer, gate), notices, gangs=gangs
+        )
         self.sharing_duties = SharingDuties(
             self.cache,
             self.election.is_leader,
@@ -346,11 +353,12 @@ class BrokerServer:
                 Step("queue", self.dispatcher.serve),
                 Step("notices", notices.carry_out_due),
                 Step("drains", self.maintenance.step),
+                Step("gangs", gangs.reap),
             ],
             self.config.sharing,
         )
         self.sharing_duties.start()
-        return Sharing(self.cache, queue, QueuedComposer(composer, gate))
+        return Sharing(self.cache, queue, QueuedComposer(composer, gate), gangs, gate)
 
     def _authenticator(self) -> Authenticator | None:
         """Who calls, when authentication is on (a client CA or a token file); None

@@ -15,7 +15,10 @@ from collections.abc import Iterator
 from dxpool.api.v1 import nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.cache import Cache
+from dxpool.broker.compose_gate import ComposeGate
 from dxpool.broker.enqueue import QueuedComposer
+from dxpool.broker.gang import GangComposer
+from dxpool.broker.gang_chunks import ChunkedGangs
 from dxpool.broker.queue_index import QueueIndex
 from dxpool.broker.rpc import check_page_token, page
 from dxpool.broker.validation import check_page_size
@@ -25,12 +28,45 @@ from dxpool.store import keys as k
 
 
 class Sharing:
-    """The queue and queued composes, for NodeService. Thread-safe."""
+    """The queue, queued composes and gangs with a record, for NodeService. Thread-safe."""
 
-    def __init__(self, cache: Cache, queue: QueueIndex, composer: QueuedComposer) -> None:
+    def __init__(
+        self,
+        cache: Cache,
+        queue: QueueIndex,
+        composer: QueuedComposer,
+        gangs: ChunkedGangs,
+        gate: ComposeGate,
+    ) -> None:
         self._cache = cache
         self.queue = queue
         self.composer = composer
+        self.gangs = gangs
+        self._gate = gate
+
+    def compose_gang(
+        self, request: nodes_pb2.ComposeGangRequest, owner: str, small: GangComposer
+    ) -> nodes_pb2.Gang:
+        """A gang with a record (queued, options, or too large for one transaction), or
+        else a small one committed at once by ``small``, after the gate's checks."""
+        if ChunkedGangs.needs_record(request):
+            return self.gang_with_position(self.gangs.compose(request, owner))
+        if request.members:
+            first = request.members[0]
+            self._gate.check(first, sum(spec.gpus.count for spec in request.members))
+        return small.compose(request, owner)
+
+    def get_gang(self, name: str, owner: str | None, small: GangComposer) -> nodes_pb2.Gang:
+        if self.gangs.has_record(name):
+            return self.gang_with_position(self.gangs.get(name, owner=owner))
+        return small.get(name, owner=owner)
+
+    def release_gang(
+        self, name: str, force: bool, owner: str | None, small: GangComposer
+    ) -> nodes_pb2.Gang:
+        if self.gangs.has_record(name):
+            return self.gangs.release(name, force=force, owner=owner)
+        return small.release(name, force=force, owner=owner)
 
     def with_position(self, node: pb.VirtualNode) -> pb.VirtualNode:
         """``node`` with ``queue.position`` filled in when it is QUEUED (a copy; records
