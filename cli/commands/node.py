@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import click
 
 from dxpool.api.v1 import nodes_pb2, resources_pb2
+from dxpool.cli.commands.sharing import node_queue_options, sharing_kwargs
 from dxpool.cli.context import CliContext, pass_cli
 from dxpool.cli.describe import describe_node
 from dxpool.cli.errors import for_each
@@ -46,6 +47,7 @@ from dxpool.cli.params import (
     labels_dict,
     selector_option,
 )
+from dxpool.cli.sharing_view import plan_preemptions
 from dxpool.cli.views import (
     BINDING_VIEW,
     CANDIDATE_VIEW,
@@ -212,6 +214,7 @@ def node() -> None:
 
 @node.command("create")
 @_request_options
+@node_queue_options
 @click.option(
     "--name", "node_id", type=NODE_ID, default=None, help="Node id; generated when not given."
 )
@@ -230,6 +233,7 @@ def node() -> None:
 @pass_cli
 def create(
     cli: CliContext,
+    /,
     *,
     gpus: GpuSpec,
     mixed_models: bool,
@@ -251,13 +255,18 @@ def create(
     wait: bool,
     timeout: float,
     output: OutputFormat,
+    **sharing: Any,
 ) -> None:
-    """Compose a node, e.g. `dxpool node create --gpus H100:4 --max-latency 4us --wait`."""
+    """Compose a node, e.g. `dxpool node create --gpus H100:4 --max-latency 4us --wait`.
+
+    With --queue a node that does not fit now waits (QUEUED, `node describe` shows its
+    position and why) and is placed as capacity frees."""
     client = cli.client()
     created = client.compose_node(
         _gpu_request(gpus, mixed_models),
         node_id=node_id,
         request_id=request_id,
+        **sharing_kwargs(**sharing),
         **_request_kwargs(
             host_name=host_name,
             max_latency=max_latency,
@@ -274,7 +283,10 @@ def create(
             labels=labels,
         ),
     )
-    info(f"{created.name} created on {created.host or 'a host to be chosen'}")
+    if created.state == NodeState.NODE_STATE_QUEUED:
+        info(f"{created.name} queued: {created.queue.reason}")
+    else:
+        info(f"{created.name} created on {created.host or 'a host to be chosen'}")
     if wait:
         info(f"waiting up to {timeout:g}s for {created.name} to become READY")
         created = client.wait_for_node(created.name, timeout_s=timeout)
@@ -328,6 +340,9 @@ def plan(
         click.echo(dump(to_dict(result), output).rstrip("\n"))
         return
     _print_plan(result, wide=output is OutputFormat.WIDE)
+    preemptions = plan_preemptions(result)
+    if preemptions:
+        click.echo("\n" + preemptions)
 
 
 def _print_plan(result: nodes_pb2.NodePlan, *, wide: bool) -> None:
