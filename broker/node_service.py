@@ -99,7 +99,10 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
     def PlanNode(
         self, request: nodes_pb2.ComposeNodeRequest, context: grpc.ServicerContext
     ) -> nodes_pb2.NodePlan:
-        return self._composer.plan(_charged_to_caller(request, self._caller(context)))
+        charged = _charged_to_caller(request, self._caller(context))
+        if self._sharing is not None:
+            return self._sharing.planner.plan(charged)
+        return self._composer.plan(charged)
 
     @handler("NodeService.SetTenantQuota")
     def SetTenantQuota(

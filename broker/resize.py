@@ -270,6 +270,12 @@ class Resizer:
     def _grow(self, view: TxnView, node: pb.VirtualNode, extra: int) -> pb.VirtualNode:
         host_id = parse_host(node.host)
         spec = node.spec
+        if node.HasField("preemption"):
+            raise FailedPrecondition(
+                f"node {node.name} has a preemption notice ({node.preemption.reason}): it is "
+                "not grown while its GPUs are being taken; shrink it, or wait for the notice",
+                reason="NODE_PREEMPTING",
+            )
         if spec.affinity != pb.GPU_AFFINITY_UNSPECIFIED or spec.max_gpus_per_box:
             raise FailedPrecondition(
                 f"node {node.name} was composed with box or switch affinity or a per-box "

@@ -63,6 +63,7 @@ from dxpool.broker.node_service import NodeService
 from dxpool.broker.node_watch import WatchSettings
 from dxpool.broker.notices import DEFAULT_GRACE_S, Notices
 from dxpool.broker.placement_index import PlacementIndex
+from dxpool.broker.planning import Planner
 from dxpool.broker.pool_tally import PoolTally
 from dxpool.broker.queue_index import QueueIndex
 from dxpool.broker.serving import DEFAULT_MAX_STALENESS_S, ServingState, StalenessGate
@@ -358,7 +359,9 @@ class BrokerServer:
             self.config.sharing,
         )
         self.sharing_duties.start()
-        return Sharing(self.cache, queue, QueuedComposer(composer, gate), gangs, gate)
+        return Sharing(
+            self.cache, queue, QueuedComposer(composer, gate), gangs, gate, Planner(composer, gate)
+        )
 
     def _authenticator(self) -> Authenticator | None:
         """Who calls, when authentication is on (a client CA or a token file); None

@@ -19,6 +19,7 @@ from dxpool.broker.compose_gate import ComposeGate
 from dxpool.broker.enqueue import QueuedComposer
 from dxpool.broker.gang import GangComposer
 from dxpool.broker.gang_chunks import ChunkedGangs
+from dxpool.broker.planning import Planner
 from dxpool.broker.queue_index import QueueIndex
 from dxpool.broker.rpc import check_page_token, page
 from dxpool.broker.validation import check_page_size
@@ -37,12 +38,14 @@ class Sharing:
         composer: QueuedComposer,
         gangs: ChunkedGangs,
         gate: ComposeGate,
+        planner: Planner,
     ) -> None:
         self._cache = cache
         self.queue = queue
         self.composer = composer
         self.gangs = gangs
         self._gate = gate
+        self.planner = planner
 
     def compose_gang(
         self, request: nodes_pb2.ComposeGangRequest, owner: str, small: GangComposer
