@@ -98,6 +98,13 @@ def server_tls(
     help="how long a host may stay without a live agent lease before it is lost",
 )
 @click.option(
+    "--preemption-grace",
+    type=DAEMON_SECONDS,
+    default="30s",
+    show_default=True,
+    help="the notice a preemption or a drain gives a node that sets no grace of its own",
+)
+@click.option(
     "--retention",
     type=DAEMON_SECONDS,
     default="1h",
@@ -188,6 +195,7 @@ def broker_command(
     fabric: str | None,
     fabric_hook_timeout: float,
     host_loss_grace: float,
+    preemption_grace: float,
     retention: float,
     audit_retention: float,
     metrics_port: int,
@@ -240,6 +248,7 @@ def broker_command(
             fabric=fabric,
             fabric_hook_timeout_s=fabric_hook_timeout,
             host_loss_grace_s=host_loss_grace,
+            preemption_grace_s=preemption_grace,
             retention_s=retention,
             audit_retention_s=audit_retention,
             tls=tls,

@@ -53,6 +53,13 @@ Safety, at every revision (:func:`check_records`):
   state, and no GPU record lies outside a box: free + owned + fencing + quarantined +
   faulted = total.
 * ``RECORD_UNREADABLE`` — a record does not parse or its name disagrees with its key.
+* ``TENANT_USAGE`` — a tenant's recorded usage (nodes, GPUs, and of those the borrowed
+  ones) is not what its charged nodes in PENDING, ATTACHING, READY, RESIZING or DEGRADED
+  hold (every binding they still list): usage changes only with those nodes, in the same
+  transactions, so the two agree at every revision.
+* ``GUARANTEE_PREEMPTED`` — a node within its tenant's guarantee (not ``preemptible``)
+  carries a notice given for a waiting request: lent capacity is reclaimed, and lower
+  priority preempted, from borrowed nodes only.
 * ``ACK_LOST`` (:func:`check_acknowledged`) — a compose the client got a node back for is
   not in etcd, and the test did not release it (a released node may be collected).
 
@@ -184,6 +191,8 @@ class Kind(enum.StrEnum):
     ALLOCATION_LEFT = "ALLOCATION_LEFT"
     STATUS_LEFT = "STATUS_LEFT"
     FENCE_TIMEOUT = "FENCE_TIMEOUT"
+    TENANT_USAGE = "TENANT_USAGE"
+    GUARANTEE_PREEMPTED = "GUARANTEE_PREEMPTED"
     # Reported by the chaos run itself rather than by a snapshot check.
     UNEXPECTED_ERROR = "UNEXPECTED_ERROR"
     PROCESS_DIED = "PROCESS_DIED"
@@ -230,6 +239,8 @@ _MESSAGE_TYPES: dict[str, type[Message]] = {
     k.HOST_ALLOCATIONS: pb.HostAllocation,
     k.HOST_STATUSES: pb.HostStatus,
     k.NODES: pb.VirtualNode,
+    k.TENANTS: pb.Tenant,
+    k.GANGS: pb.GangRecord,
 }
 
 
@@ -252,6 +263,8 @@ class EtcdSnapshot:
     allocations: dict[str, Record[pb.HostAllocation]] = field(default_factory=dict)
     statuses: dict[str, Record[pb.HostStatus]] = field(default_factory=dict)
     nodes: dict[str, Record[pb.VirtualNode]] = field(default_factory=dict)
+    tenants: dict[str, Record[pb.Tenant]] = field(default_factory=dict)
+    gangs: dict[str, Record[pb.GangRecord]] = field(default_factory=dict)
     requests: dict[str, str] = field(default_factory=dict)
     unreadable: list[Violation] = field(default_factory=list)
 
@@ -314,6 +327,10 @@ class EtcdSnapshot:
             self.allocations[f"hosts/{rest}"] = Record(message, mod_revision)  # type: ignore[arg-type]
         elif collection == k.HOST_STATUSES:
             self.statuses[f"hosts/{rest}"] = Record(message, mod_revision)  # type: ignore[arg-type]
+        elif collection == k.TENANTS:
+            self.tenants[rest] = Record(message, mod_revision)  # type: ignore[arg-type]
+        elif collection == k.GANGS:
+            self.gangs[f"gangs/{rest}"] = Record(message, mod_revision)  # type: ignore[arg-type]
 
     def _expect_name(self, key: str, name: str, message: Message) -> None:
         found = getattr(message, "name", name)
@@ -441,6 +458,68 @@ def check_records(snap: EtcdSnapshot) -> list[Violation]:
     found += _check_claims(snap)
     found += _check_host_slots(snap)
     found += _check_allocations(snap)
+    found += _check_tenant_usage(snap)
+    found += _check_preemptions(snap)
+    return found
+
+
+# The states in which a charged node counts in its tenant's usage.
+_CHARGED_STATES = frozenset(
+    {
+        pb.NODE_STATE_PENDING,
+        pb.NODE_STATE_ATTACHING,
+        pb.NODE_STATE_READY,
+        pb.NODE_STATE_RESIZING,
+        pb.NODE_STATE_DEGRADED,
+    }
+)
+
+
+def _check_tenant_usage(snap: EtcdSnapshot) -> list[Violation]:
+    """A tenant's usage is what its charged nodes hold: nodes, GPUs (every binding the
+    node still lists), and of those the borrowed (preemptible) ones."""
+    held: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+    for _, node in snap.node_items():
+        if node.charged and node.spec.tenant and node.state in _CHARGED_STATES:
+            counts = held[node.spec.tenant]
+            counts[0] += 1
+            counts[1] += len(node.gpus)
+            if node.preemptible:
+                counts[2] += 1
+                counts[3] += len(node.gpus)
+    found: list[Violation] = []
+    for tenant in sorted(set(held) | set(snap.tenants)):
+        record = snap.tenants.get(tenant)
+        usage = record.value.usage if record is not None else pb.TenantUsage()
+        recorded = [usage.nodes, usage.gpus, usage.borrowed_nodes, usage.borrowed_gpus]
+        if recorded != held.get(tenant, [0, 0, 0, 0]):
+            found.append(
+                Violation(
+                    Kind.TENANT_USAGE,
+                    f"tenants/{tenant}",
+                    f"usage (nodes, gpus, borrowed nodes, borrowed gpus) {recorded}, its "
+                    f"charged nodes hold {held.get(tenant, [0, 0, 0, 0])}",
+                    snap.revision,
+                )
+            )
+    return found
+
+
+def _check_preemptions(snap: EtcdSnapshot) -> list[Violation]:
+    """A request (a node or gang waiting) takes GPUs only from borrowed nodes: a notice
+    for one on a node within its tenant's guarantee breaks the guarantee."""
+    found: list[Violation] = []
+    for name, node in snap.node_items():
+        by = node.preemption.by if node.HasField("preemption") else ""
+        if by.startswith(("nodes/", "gangs/")) and not node.preemptible:
+            found.append(
+                Violation(
+                    Kind.GUARANTEE_PREEMPTED,
+                    name,
+                    f"guaranteed node given a notice for {by}: {node.preemption.reason}",
+                    snap.revision,
+                )
+            )
     return found
 
 

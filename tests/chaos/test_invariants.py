@@ -548,3 +548,45 @@ def test_fenced_host_passes(state: PoolState) -> None:
     state.fabric.map("b0", 1, "h0", 1)
     state.client.delete(state.schema.host_lease("h0"))
     assert check_fenced(state.snapshot(), state.fabric_snapshot(), "hosts/h0", 9.0) == []
+
+
+# -- sharing: tenants' usage and preemption notices --------------------------------------------
+
+
+def charge(state: PoolState, node_id: str, tenant: str, *, preemptible: bool) -> None:
+    """Mark node ``node_id`` (written by :meth:`PoolState.node`) charged to ``tenant``."""
+    raw, _ = state.client.get(state.schema.node(node_id))
+    node = pb.VirtualNode.FromString(raw)
+    node.spec.tenant = tenant
+    node.charged = True
+    node.preemptible = preemptible
+    state.put(state.schema.node(node_id), node)
+
+
+def test_a_tenant_usage_that_matches_its_nodes_is_consistent(state: PoolState) -> None:
+    ready_node(state)
+    charge(state, "n1", "t", preemptible=True)
+    usage = pb.TenantUsage(gpus=2, nodes=1, borrowed_gpus=2, borrowed_nodes=1)
+    state.put(state.schema.tenant("t"), pb.Tenant(name="tenants/t", usage=usage))
+    assert not check_records(state.snapshot())
+
+
+def test_a_tenant_usage_that_drifted_from_its_nodes_is_reported(state: PoolState) -> None:
+    ready_node(state)
+    charge(state, "n1", "t", preemptible=True)
+    usage = pb.TenantUsage(gpus=2, nodes=1)  # the borrowed part was lost
+    state.put(state.schema.tenant("t"), pb.Tenant(name="tenants/t", usage=usage))
+    assert kinds(check_records(state.snapshot())) == {("TENANT_USAGE", "tenants/t")}
+
+
+def test_a_notice_on_a_guaranteed_node_for_a_request_is_reported(state: PoolState) -> None:
+    ready_node(state)
+    raw, _ = state.client.get(state.schema.node("n1"))
+    node = pb.VirtualNode.FromString(raw)
+    node.preemption.by = "nodes/waiting"
+    node.preemption.reason = "lent capacity"
+    state.put(state.schema.node("n1"), node)
+    assert kinds(check_records(state.snapshot())) == {("GUARANTEE_PREEMPTED", "nodes/n1")}
+    node.preemption.by = "hosts/h0"  # a drain may give any node a notice
+    state.put(state.schema.node("n1"), node)
+    assert not check_records(state.snapshot())
