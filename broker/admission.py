@@ -39,7 +39,7 @@ from dxpool.broker.fit import assign_gpus, placement_request, reserve_host_resou
 from dxpool.broker.placement import Placement, PlacementRequest, place
 from dxpool.broker.records import copy, seconds, timestamp
 from dxpool.broker.stm import TxnView, transact
-from dxpool.broker.tenants import breach, charged
+from dxpool.broker.tenants import breach, charged, new_tenant
 from dxpool.errors import Aborted, DxpoolError, NotFound, ResourceExhausted
 from dxpool.names import parse_host
 from dxpool.store import keys as k
@@ -250,7 +250,7 @@ class Admitter:
         if error is not None:
             raise _WaitError(f"quota: {error.message}")
         terms = loaning.terms(tenant, len(models))
-        updated = copy(tenant) if tenant is not None else pb.Tenant()
+        updated = copy(tenant) if tenant is not None else new_tenant(tenant_id)
         updated.usage.CopyFrom(charged(updated.usage, models, borrowed=terms.borrowed))
         view.put(k.TENANTS, tenant_id, updated)
         admitted.charged = True

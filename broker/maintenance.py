@@ -161,6 +161,8 @@ class Maintenance:
 
         def body(view: TxnView) -> None:
             record = view.get(k.HOST_ALLOCATIONS, host_id)
+            if record is None and not cordon:
+                return  # never cordoned: nothing to undo
             allocation = copy(record.value) if record is not None else pb.HostAllocation(host=name)
             changed = copy(allocation)
             changed.unschedulable = cordon
