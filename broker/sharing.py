@@ -22,8 +22,9 @@ from dxpool.broker.gang_chunks import ChunkedGangs
 from dxpool.broker.planning import Planner
 from dxpool.broker.queue_index import QueueIndex
 from dxpool.broker.rpc import check_page_token, page
-from dxpool.broker.validation import check_page_size
+from dxpool.broker.validation import check_page_size, check_text
 from dxpool.errors import InvalidArgument
+from dxpool.limits import MAX_TENANT
 from dxpool.names import ID_PATTERN, ID_RULE, parse_gang, parse_node
 from dxpool.store import keys as k
 
@@ -109,6 +110,7 @@ class Sharing:
         requests only, with their positions in the whole queue."""
         size = check_page_size(request.page_size)
         token = check_page_token(request.page_token)
+        check_text(request.tenant, "tenant", MAX_TENANT)
         if request.tenant and not ID_PATTERN.fullmatch(request.tenant):
             raise InvalidArgument(
                 f"invalid tenant {request.tenant!r}: a tenant id is {ID_RULE}, or leave it "
