@@ -91,6 +91,10 @@ class Job:
     reclaimed: bool = False  # had to take lent GPUs back to start
     awaiting_until: float = 0.0  # GPUs promised by its victims are free by then
     finished: float | None = None
+    entry: Waiting = field(init=False)  # as the queue order sees it
+
+    def __post_init__(self) -> None:
+        self.entry = Waiting(self.name, self.tenant, self.priority, self.arrival, self.gpus)
 
     @property
     def gpus(self) -> int:
@@ -297,31 +301,44 @@ class Replay:
     # -- the dispatcher ------------------------------------------------------------------------
 
     def _dispatch(self) -> None:
+        """One pass over the waiting jobs in queue order, as the broker's dispatcher
+        makes it (admit what fits, reclaim for a service within its guarantee, keep the
+        GPUs promised to a reclaiming service, pause lending meanwhile)."""
         if not self.waiting:
             return
-        order = ordered(
-            Waiting(j.name, j.tenant, j.priority, j.arrival, j.gpus)
-            for j in (self.jobs[n] for n in self.waiting)
-        )
+        # A tenant whose quota refuses even one GPU more admits nothing this pass.
+        blocked = {
+            name
+            for name, record in self.tenants.items()
+            if breach(name, record, ["H100"]) is not None
+        }
+        waiting = [self.jobs[n] for n in self.waiting]
+        waiting = [j for j in waiting if j.tenant not in blocked]
+        if not waiting:
+            return
+        order = ordered(j.entry for j in waiting)
         promised = 0
-        paused = any(
-            self.jobs[w.name].awaiting_until > self.now or self._reclaiming(self.jobs[w.name])
-            for w in order
-            if self.jobs[w.name].tenant == INFERENCE
+        paused = self.loaning_on and any(
+            j.tenant == INFERENCE and (j.awaiting_until > self.now or self._reclaiming(j))
+            for j in waiting
         )
+        lent_out = self.loaning_on and any(self.jobs[n].borrowed for n in self.running)
         failed: set[tuple[int, ...]] = set()
         for entry in order:
             job = self.jobs[entry.name]
             record = self.tenants[job.tenant]
-            if breach(job.tenant, record, ["H100"] * job.gpus, nodes=len(job.members)):
-                continue
-            terms = loaning.terms(record, job.gpus)
-            if terms.borrowed and paused:
-                continue
             if job.awaiting_until > self.now:
                 promised += job.gpus
                 continue
             free = self.pool.free_usable() - promised
+            terms = loaning.terms(record, job.gpus)
+            reclaim = self.loaning_on and terms.within_guarantee and lent_out
+            if free < job.gpus and not reclaim:
+                continue
+            if breach(job.tenant, record, ["H100"] * job.gpus, nodes=len(job.members)):
+                continue
+            if terms.borrowed and paused:
+                continue
             shape = tuple(job.members)
             placements = None
             if free >= job.gpus and shape not in failed:
@@ -332,7 +349,7 @@ class Replay:
             if placements is not None:
                 self._start(job, placements, terms.borrowed)
                 continue
-            if self.loaning_on and terms.within_guarantee and self._reclaim(job):
+            if reclaim and self._reclaim(job):
                 promised += job.gpus
                 job.reclaimed = True
 
