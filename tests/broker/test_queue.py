@@ -325,3 +325,29 @@ def test_admission_fails_a_node_whose_tenant_uid_changed(
     assert admission.tenant_changed("u1", pb.Tenant(uid="u2"))
     assert not admission.tenant_changed("u1", pb.Tenant(uid="u1"))
     assert not admission.tenant_changed("", None)
+
+
+def test_the_queue_survives_its_leader_and_is_served_by_the_next(
+    broker_factory: Callable[..., BrokerServer], etcd_client: Any, keys: KeySchema
+) -> None:
+    """The queue is the QUEUED records in etcd: the leader that would serve a request
+    stops; the other broker, leading next, serves it once capacity frees."""
+    first = broker_factory(sharing=FAST)
+    assert first.election.wait_until_leader(30)
+    second = broker_factory(sharing=FAST)
+    channel = grpc.insecure_channel(second.endpoint)
+    stubs = Stubs(channel)
+    try:
+        register_host(etcd_client, keys, "h1")
+        add_box(stubs, "box1", gpus=4, model="H100")
+        wait_until(lambda: len(second.index.snapshot().hosts) == 1, message="host")
+        stubs.nodes.ComposeNode(compose_request("H100:4", ""))
+        waiting = stubs.nodes.ComposeNode(queued("H100:2"))
+        assert waiting.state == pb.NODE_STATE_QUEUED
+        first.stop(grace_s=0)
+        assert second.election.wait_until_leader(30)
+        add_box(stubs, "box2", gpus=4, model="H100")
+        placed = wait_node(stubs, waiting.name, pb.NODE_STATE_PENDING, timeout_s=40)
+        assert {b.gpu.split("/")[1] for b in placed.gpus} == {"box2"}
+    finally:
+        channel.close()
