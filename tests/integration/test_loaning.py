@@ -335,3 +335,29 @@ def test_node_plan_shows_what_would_be_preempted_and_respects_quota(pool: Pool) 
     lent = pool.stubs.nodes.PlanNode(request(2, "borrower"))
     assert lent.host and lent.preemptible  # beyond its guarantee of 0: borrowed
     assert not pool.stubs.nodes.PlanNode(request(2, "owner")).preemptible
+
+
+def test_a_queued_gang_within_its_guarantee_takes_lent_capacity_back(pool: Pool) -> None:
+    borrowed = pool.stubs.nodes.ComposeNode(request(8, "borrower", grace=0))
+    wait_node(pool.stubs, borrowed.name, pb.NODE_STATE_READY)
+    member = pb.NodeSpec(gpus=pb.GpuRequest(model="H100", count=2), tenant="owner")
+    waiting = pool.stubs.nodes.ComposeGang(
+        nodes_pb2.ComposeGangRequest(members=[member, member], gang_id="g", queue=True)
+    )
+    assert waiting.state == pb.GANG_STATE_QUEUED and not waiting.nodes
+    composed = wait_until(
+        lambda: (
+            (g := pool.stubs.nodes.GetGang(nodes_pb2.GetGangRequest(name="gangs/g"))).state
+            == pb.GANG_STATE_VALID
+            and g
+        ),
+        60,
+        message="the gang composed from reclaimed GPUs",
+    )
+    assert isinstance(composed, nodes_pb2.Gang) and len(composed.nodes) == 2
+    gone = wait_node(pool.stubs, borrowed.name, pb.NODE_STATE_RELEASED)
+    assert gone.preemption.by == "gangs/g"
+    for node in composed.nodes:
+        wait_node(pool.stubs, node.name, pb.NODE_STATE_READY)
+    usage = get_tenant(pool.stubs, "owner").usage
+    assert (usage.gpus, usage.nodes, usage.borrowed_gpus) == (4, 2, 0)
