@@ -107,14 +107,29 @@ class Maintenance:
         self._on_host: dict[str, set[str]] = {}  # host id -> GPU ids on it (mapped maybe)
         self._host_of: dict[str, str] = {}
         self._blocks: dict[str, str] = {}  # node id -> why the last step could not move it
+        # What is being drained, so a step costs the drains, not a pass over the pool.
+        self._draining_hosts: set[str] = set()
+        self._draining_boxes: set[str] = set()
         self._unsubscribe = cache.subscribe(self._on_change)
-        for name, record in cache.items(k.GPUS):
-            self._on_change(k.GPUS, name, record)
+        for collection in (k.GPUS, k.HOST_ALLOCATIONS, k.BOXES):
+            for name, record in cache.items(collection):
+                self._on_change(collection, name, record)
 
     def close(self) -> None:
         self._unsubscribe()
 
     def _on_change(self, collection: str, name: str, record: Versioned[Any] | None) -> None:
+        if collection in (k.HOST_ALLOCATIONS, k.BOXES):
+            draining = record is not None and record.value.HasField("drain")
+            tracked = (
+                self._draining_hosts if collection == k.HOST_ALLOCATIONS else (self._draining_boxes)
+            )
+            with self._lock:
+                if draining:
+                    tracked.add(name)
+                else:
+                    tracked.discard(name)
+            return
         if collection != k.GPUS:
             return
         gpu = record.value if record is not None else None
@@ -273,16 +288,18 @@ class Maintenance:
     def step(self) -> None:
         """Drive every drain one step: notices for RELEASE, grow or shrink for MOVE."""
         blocks: dict[str, str] = {}
-        for host_id, record in self._cache.items(k.HOST_ALLOCATIONS):
-            if record.value.HasField("drain"):
-                for node_id in self._live_nodes_of(self.host_gpus(host_id)):
-                    self._notices.drain_notice(
-                        node_id, f"hosts/{host_id}", f"host hosts/{host_id} is draining"
-                    )
-        for box_id, record in self._cache.items(k.BOXES):
-            box: pb.Box = record.value
-            if not box.HasField("drain"):
+        with self._lock:
+            hosts, boxes = sorted(self._draining_hosts), sorted(self._draining_boxes)
+        for host_id in hosts:
+            for node_id in self._live_nodes_of(self.host_gpus(host_id)):
+                self._notices.drain_notice(
+                    node_id, f"hosts/{host_id}", f"host hosts/{host_id} is draining"
+                )
+        for box_id in boxes:
+            record = self._cache.get(k.BOXES, box_id)
+            if record is None or not record.value.HasField("drain"):
                 continue
+            box: pb.Box = record.value
             chunk, _ = self._cache.scan(k.GPUS, f"{box_id}/", 64)
             on_box = [
                 n for n, r in chunk if n.startswith(f"{box_id}/") and r.value.state in _ON_HOST

@@ -180,7 +180,9 @@ def test_a_member_whose_capacity_goes_mid_way_rolls_the_gang_back(
     stubs = make_pool(leader, etcd_client, key_prefix, hosts=13, boxes=12)
     other = broker_factory(sharing=FAST)
     other_stubs = Stubs(grpc.insecure_channel(other.endpoint))
-    wait_until(lambda: len(other.index.snapshot().gpus_by_box) == 12, message="other broker")
+    wait_until(
+        lambda: len(other.index.snapshot().gpus_by_box) == 12, timeout_s=90, message="other broker"
+    )
     assert leader.gangs is not None
     real = ChunkedGangs._commit
     commits = 0
@@ -192,23 +194,24 @@ def test_a_member_whose_capacity_goes_mid_way_rolls_the_gang_back(
         commits += 1
         if commits == 2:
             reached.set()
-            assert go_on.wait(30)
+            assert go_on.wait(90)
         return revision
 
     monkeypatch.setattr(ChunkedGangs, "_commit", held)
     with ThreadPoolExecutor(1) as executor:
         composing = executor.submit(stubs.nodes.ComposeGang, gang(12, gang_id="g"))
-        assert reached.wait(30)
+        assert reached.wait(90)
         wait_until(
             lambda: (
                 sum(g.free for b in other.index.snapshot().gpus_by_box.values() for g in b) == 8
             ),
+            timeout_s=90,
             message="the first chunk at the other broker",
         )
         taken = [other_stubs.nodes.ComposeNode(nodes_pb2.ComposeNodeRequest(spec=spec("H100:8")))]
         go_on.set()
         with pytest.raises(grpc.RpcError) as refused:
-            composing.result(60)
+            composing.result(120)
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "rolled back" in (refused.value.details() or "")
     stored = record(etcd_client, key_prefix, "g")
@@ -255,7 +258,7 @@ def test_a_broker_killed_mid_gang_is_rolled_back_by_the_leader(
                 break
         assert any("chunk committed" in line for line in lines), "".join(lines)
         child.kill()
-        child.wait(30)
+        child.wait(90)
         committed = record(etcd_client, key_prefix, "dead")
         assert committed is not None and committed.state == pb.GANG_STATE_RESERVING
         assert 0 < committed.committed < 13
@@ -300,13 +303,13 @@ def test_a_slow_broker_that_resumes_after_the_rollback_writes_nothing_more(
         commits += 1
         if commits == 2:
             reached.set()
-            assert go_on.wait(30)
+            assert go_on.wait(90)
         return revision
 
     monkeypatch.setattr(ChunkedGangs, "_commit", held)
     with ThreadPoolExecutor(1) as executor:
         composing = executor.submit(stubs.nodes.ComposeGang, gang(13, gang_id="slow"))
-        assert reached.wait(30)
+        assert reached.wait(90)
         committed = record(etcd_client, key_prefix, "slow")
         assert committed is not None
         wait_until(
@@ -319,7 +322,7 @@ def test_a_slow_broker_that_resumes_after_the_rollback_writes_nothing_more(
         )
         go_on.set()
         with pytest.raises(grpc.RpcError) as refused:
-            composing.result(30)
+            composing.result(120)
     assert refused.value.code() == grpc.StatusCode.ABORTED
     assert reason(refused.value) == "GANG_ROLLED_BACK"
     members = [n for n in stored_nodes(etcd_client, key_prefix) if n.gang == "gangs/slow"]

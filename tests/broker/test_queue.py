@@ -54,7 +54,7 @@ def pool(queued_broker: BrokerServer, etcd_client: Any, keys: KeySchema) -> Iter
     stubs = Stubs(channel)
     register_host(etcd_client, keys, "h1")
     add_box(stubs, "box1", gpus=4, model="H100")
-    wait_until(lambda: len(queued_broker.index.snapshot().hosts) == 1, message="host")
+    wait_until(lambda: len(queued_broker.index.snapshot().hosts) == 1, timeout_s=90, message="host")
     yield stubs
     channel.close()
 
@@ -74,7 +74,7 @@ def get(stubs: Stubs, name: str) -> pb.VirtualNode:
     return stubs.nodes.GetNode(nodes_pb2.GetNodeRequest(name=name))
 
 
-def wait_node(stubs: Stubs, name: str, state: int, timeout_s: float = 20) -> pb.VirtualNode:
+def wait_node(stubs: Stubs, name: str, state: int, timeout_s: float = 90) -> pb.VirtualNode:
     wait_until(
         lambda: get(stubs, name).state == state,
         timeout_s,
@@ -184,7 +184,11 @@ def test_a_request_over_its_quota_waits_for_the_tenant_to_release(pool: Stubs) -
     held = pool.nodes.ComposeNode(compose_request("H100:2", "a"))
     waiting = pool.nodes.ComposeNode(queued("H100:1", "a"))
     assert waiting.state == pb.NODE_STATE_QUEUED
-    wait_until(lambda: "quota" in get(pool, waiting.name).queue.reason, message="quota reason")
+    wait_until(
+        lambda: "quota" in get(pool, waiting.name).queue.reason,
+        timeout_s=90,
+        message="quota reason",
+    )
     pool.nodes.ReleaseNode(nodes_pb2.ReleaseNodeRequest(name=held.name))
     placed = wait_node(pool, waiting.name, pb.NODE_STATE_PENDING)
     assert placed.charged
@@ -224,7 +228,9 @@ def test_a_queued_request_served_by_two_brokers_at_once_is_committed_once(
     add_box(pool, "box2", gpus=4, model="H100")
     node_id = waiting.name.removeprefix("nodes/")
     for broker in (queued_broker, other):
-        wait_until(lambda b=broker: b.cache.get("boxes", "box2") is not None, message="box2")
+        wait_until(
+            lambda b=broker: b.cache.get("boxes", "box2") is not None, timeout_s=90, message="box2"
+        )
     first = Admitter(queued_broker.composer, ComposeGate(queued_broker.cache))  # type: ignore[arg-type]
     second = Admitter(other.composer, ComposeGate(other.cache))  # type: ignore[arg-type]
     real = Admitter._admit_in
@@ -234,16 +240,16 @@ def test_a_queued_request_served_by_two_brokers_at_once_is_committed_once(
         result = real(self, view, node, placement)
         if self is first and not reached.is_set():
             reached.set()
-            assert go_on.wait(30)
+            assert go_on.wait(90)
         return result
 
     monkeypatch.setattr(Admitter, "_admit_in", held)
     with ThreadPoolExecutor(1) as executor:
         held_admission = executor.submit(first.admit, node_id)
-        assert reached.wait(30)
+        assert reached.wait(90)
         assert second.admit(node_id).kind == ADMITTED
         go_on.set()
-        assert held_admission.result(30).kind == GONE
+        assert held_admission.result(120).kind == GONE
     nodes = {n.name: n for n in stored_nodes(etcd_client, keys)}
     assert nodes[waiting.name].state == pb.NODE_STATE_PENDING
     gpus = [pb.Gpu.FromString(v) for v, _ in etcd_client.get_prefix(keys.collection("gpus"))]
@@ -277,7 +283,7 @@ def test_a_queue_head_whose_tenant_is_deleted_fails_and_the_next_is_served(
             def held_body(view: Any) -> Any:
                 result = body(view)
                 checked.set()
-                assert go_on.wait(30)
+                assert go_on.wait(90)
                 return result
 
             return real_transact(store, cache, held_body, **kwargs)
@@ -288,11 +294,11 @@ def test_a_queue_head_whose_tenant_is_deleted_fails_and_the_next_is_served(
         deleting = executor.submit(
             pool.nodes.DeleteTenant, nodes_pb2.DeleteTenantRequest(name="tenants/gone")
         )
-        assert checked.wait(30)
+        assert checked.wait(90)
         head = pool.nodes.ComposeNode(queued("H100:2", "gone"))
         behind = pool.nodes.ComposeNode(queued("H100:2", "kept"))
         go_on.set()
-        deleting.result(30)
+        deleting.result(120)
     set_quota(pool, "gone", gpus=8)  # the tenant made anew: another uid
     assert [e.name for e in pool.nodes.ListQueue(nodes_pb2.ListQueueRequest()).entries] == [
         head.name,
@@ -340,7 +346,7 @@ def test_the_queue_survives_its_leader_and_is_served_by_the_next(
     try:
         register_host(etcd_client, keys, "h1")
         add_box(stubs, "box1", gpus=4, model="H100")
-        wait_until(lambda: len(second.index.snapshot().hosts) == 1, message="host")
+        wait_until(lambda: len(second.index.snapshot().hosts) == 1, timeout_s=90, message="host")
         stubs.nodes.ComposeNode(compose_request("H100:4", ""))
         waiting = stubs.nodes.ComposeNode(queued("H100:2"))
         assert waiting.state == pb.NODE_STATE_QUEUED

@@ -43,7 +43,7 @@ def get(stubs: Stubs, name: str) -> pb.VirtualNode:
     return stubs.nodes.GetNode(nodes_pb2.GetNodeRequest(name=name))
 
 
-def wait_node(stubs: Stubs, name: str, state: int, timeout_s: float = 40) -> pb.VirtualNode:
+def wait_node(stubs: Stubs, name: str, state: int, timeout_s: float = 90) -> pb.VirtualNode:
     wait_until(
         lambda: get(stubs, name).state == state,
         timeout_s,
@@ -81,11 +81,17 @@ def pool(broker_factory: Callable[..., BrokerServer], sim_pool: SimPool) -> Iter
     sim_pool.start_agent("h2", slots=8)
     wait_hosts_alive(stubs[0], 2, timeout_s=90)
     for broker in (leader, other):
-        wait_until(lambda b=broker: len(b.index.snapshot().hosts) == 2, message="hosts")
+        wait_until(
+            lambda b=broker: len(b.index.snapshot().hosts) == 2, timeout_s=90, message="hosts"
+        )
     set_quota(stubs[0], "owner", guaranteed_gpus=4)
     set_quota(stubs[0], "borrower", guaranteed_gpus=0)
     for broker in (leader, other):
-        wait_until(lambda b=broker: b.cache.get("tenants", "borrower") is not None, message="q")
+        wait_until(
+            lambda b=broker: b.cache.get("tenants", "borrower") is not None,
+            timeout_s=90,
+            message="q",
+        )
     yield Pool(leader, stubs[0], other, stubs[1])
     for channel in channels:
         channel.close()
@@ -101,7 +107,9 @@ def test_borrowed_nodes_are_marked_and_counted(pool: Pool) -> None:
     assert (owner.gpus, owner.borrowed_gpus, owner.borrowed_nodes) == (5, 3, 1)
     for node in (guaranteed, borrowed, beyond):
         release(pool.stubs, node.name)
-    wait_until(lambda: get_tenant(pool.stubs, "owner").usage == pb.TenantUsage(), message="0")
+    wait_until(
+        lambda: get_tenant(pool.stubs, "owner").usage == pb.TenantUsage(), timeout_s=90, message="0"
+    )
     assert get_tenant(pool.stubs, "borrower").usage == pb.TenantUsage()
 
 
@@ -115,6 +123,7 @@ def test_the_owner_takes_its_guarantee_back_after_the_borrowers_notice(pool: Poo
     assert waiting.state == pb.NODE_STATE_QUEUED
     noticed = wait_until(
         lambda: (n := get(pool.stubs, borrowed.name)).HasField("preemption") and n,
+        timeout_s=90,
         message="the borrower's notice",
     )
     assert isinstance(noticed, pb.VirtualNode)
@@ -149,7 +158,9 @@ def test_lending_is_paused_while_an_owner_reclaims(pool: Pool) -> None:
     borrowed = pool.stubs.nodes.ComposeNode(request(8, "borrower", grace=30))
     wait_node(pool.stubs, borrowed.name, pb.NODE_STATE_READY)
     waiting = pool.stubs.nodes.ComposeNode(request(4, "owner", queue=True))
-    wait_until(lambda: get(pool.stubs, waiting.name).queue.reclaiming, message="reclaiming")
+    wait_until(
+        lambda: get(pool.stubs, waiting.name).queue.reclaiming, timeout_s=90, message="reclaiming"
+    )
     # a box arrives; the borrower may not take it while the owner reclaims
     register_sim_box_via(pool, "box2")
     with pytest.raises(grpc.RpcError) as refused:
@@ -160,6 +171,7 @@ def test_lending_is_paused_while_an_owner_reclaims(pool: Pool) -> None:
     # the request was served from the new box: the borrower's notice is withdrawn
     kept = wait_until(
         lambda: not (n := get(pool.stubs, borrowed.name)).HasField("preemption") and n,
+        timeout_s=90,
         message="notice withdrawn",
     )
     assert isinstance(kept, pb.VirtualNode)
@@ -202,7 +214,7 @@ def test_a_release_and_a_reclaim_of_the_same_gpus_let_them_go_once(
         outcome = real(self, view, node_id)
         if outcome == "released" and not reached.is_set():
             reached.set()
-            assert go_on.wait(30)
+            assert go_on.wait(90)
         return outcome
 
     monkeypatch.setattr(Notices, "_carry_out_in", held)
@@ -210,7 +222,7 @@ def test_a_release_and_a_reclaim_of_the_same_gpus_let_them_go_once(
     ready = wait_node(pool.stubs, borrowed.name, pb.NODE_STATE_READY)
     generations = _generations(pool, ready)
     waiting = pool.stubs.nodes.ComposeNode(request(4, "owner", queue=True))
-    assert reached.wait(30)
+    assert reached.wait(90)
     released = pool.other_stubs.nodes.ReleaseNode(nodes_pb2.ReleaseNodeRequest(name=borrowed.name))
     assert released.state == pb.NODE_STATE_RELEASING
     go_on.set()
@@ -246,17 +258,17 @@ def test_a_notice_racing_a_release_is_not_given(
         real(self, view, cut, requester, now)
         if not reached.is_set():
             reached.set()
-            assert go_on.wait(30)
+            assert go_on.wait(90)
 
     monkeypatch.setattr(Notices, "_give", held)
     borrowed = pool.stubs.nodes.ComposeNode(request(8, "borrower", grace=30))
     wait_node(pool.stubs, borrowed.name, pb.NODE_STATE_READY)
     with ThreadPoolExecutor(1) as executor:
         queued = executor.submit(pool.stubs.nodes.ComposeNode, request(4, "owner", queue=True))
-        assert reached.wait(30)
+        assert reached.wait(90)
         release(pool.other_stubs, borrowed.name)
         go_on.set()
-        waiting = queued.result(30)
+        waiting = queued.result(120)
     gone = wait_node(pool.stubs, borrowed.name, pb.NODE_STATE_RELEASED)
     assert "PreemptionNotice" not in reasons(gone)
     assert not gone.HasField("preemption")
@@ -275,6 +287,7 @@ def test_a_borrower_shrinking_while_the_owners_compose_commits_on_its_host(
     set_quota(pool.stubs, "owner", guaranteed_gpus=8)
     wait_until(
         lambda: pool.other.cache.get("tenants", "owner").value.quota.guaranteed_gpus == 8,
+        timeout_s=90,
         message="quota at the other broker",
     )
     real = Notices._carry_out_in
@@ -284,7 +297,7 @@ def test_a_borrower_shrinking_while_the_owners_compose_commits_on_its_host(
         outcome = real(self, view, node_id)
         if outcome == "shrunk" and not reached.is_set():
             reached.set()
-            assert go_on.wait(30)
+            assert go_on.wait(90)
         return outcome
 
     monkeypatch.setattr(Notices, "_carry_out_in", held)
@@ -294,7 +307,7 @@ def test_a_borrower_shrinking_while_the_owners_compose_commits_on_its_host(
     wait_node(pool.stubs, borrowed.name, pb.NODE_STATE_READY)
     waiting = pool.stubs.nodes.ComposeNode(request(6, "owner", queue=True))
     assert waiting.state == pb.NODE_STATE_QUEUED
-    assert reached.wait(30)
+    assert reached.wait(90)
     other = pool.other_stubs.nodes.ComposeNode(request(1, "owner", host="hosts/h1"))
     go_on.set()
     placed = wait_node(pool.stubs, waiting.name, pb.NODE_STATE_READY)
@@ -325,7 +338,9 @@ def test_node_plan_shows_what_would_be_preempted_and_respects_quota(pool: Pool) 
     assert not borrowing.preemptions and not borrowing.host  # nothing of lower priority
     set_quota(pool.stubs, "owner", guaranteed_gpus=4, gpus=2)
     wait_until(
-        lambda: pool.leader.cache.get("tenants", "owner").value.quota.gpus == 2, message="quota"
+        lambda: pool.leader.cache.get("tenants", "owner").value.quota.gpus == 2,
+        timeout_s=90,
+        message="quota",
     )
     refused = pool.stubs.nodes.PlanNode(request(4, "owner"))
     assert not refused.host and not refused.preemptions

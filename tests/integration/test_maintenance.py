@@ -36,7 +36,7 @@ def pool(
     sim_pool.start_agent("h1", slots=8)
     sim_pool.start_agent("h2", slots=8)
     wait_hosts_alive(stubs, 2, timeout_s=90)
-    wait_until(lambda: len(broker.index.snapshot().hosts) == 2, message="hosts")
+    wait_until(lambda: len(broker.index.snapshot().hosts) == 2, timeout_s=90, message="hosts")
     yield broker, stubs, sim_pool
     channel.close()
 
@@ -105,7 +105,7 @@ def test_a_compose_placed_before_the_cordon_does_not_land_on_the_host(
     def held(self: Any, job: Any, group: Any) -> Any:
         if armed.is_set() and not reached.is_set():
             reached.set()
-            assert go_on.wait(30)
+            assert go_on.wait(90)
         return real(self, job, group)
 
     monkeypatch.setattr(compose_commit.ComposeCommitter, "_stage", held)
@@ -113,10 +113,10 @@ def test_a_compose_placed_before_the_cordon_does_not_land_on_the_host(
     armed.set()
     with ThreadPoolExecutor(1) as executor:
         composing = executor.submit(stubs.nodes.ComposeNode, request(4, ""))
-        assert reached.wait(30)
+        assert reached.wait(90)
         stubs.inventory.CordonHost(inventory_pb2.CordonHostRequest(name="hosts/h1"))
         go_on.set()
-        node = composing.result(30)
+        node = composing.result(120)
     assert node.host == "hosts/h2"
 
 
@@ -140,6 +140,7 @@ def test_draining_a_host_releases_its_nodes_after_their_notice(
         assert gone.preemption.by == "hosts/h1"
     drained = wait_until(
         lambda: (h := host(stubs, "hosts/h1")).drain.state == pb.DRAIN_STATE_DRAINED and h,
+        timeout_s=90,
         message="h1 drained",
     )
     assert isinstance(drained, pb.Host)
@@ -195,7 +196,9 @@ def test_a_node_that_cannot_move_is_reported_and_a_release_drain_releases_it(
     where = pinned.gpus[0].gpu.split("/")[1]
     stubs.inventory.DrainBox(inventory_pb2.DrainBoxRequest(name=f"boxes/{where}"))
     blocked = wait_until(
-        lambda: list(box(stubs, f"boxes/{where}").drain.blocked), message="a blocked node"
+        lambda: list(box(stubs, f"boxes/{where}").drain.blocked),
+        timeout_s=90,
+        message="a blocked node",
     )
     assert isinstance(blocked, list) and pinned.name in blocked[0]
     assert "affinity" in blocked[0]
@@ -205,5 +208,6 @@ def test_a_node_that_cannot_move_is_reported_and_a_release_drain_releases_it(
     wait_node(stubs, pinned.name, pb.NODE_STATE_RELEASED)
     wait_until(
         lambda: box(stubs, f"boxes/{where}").drain.state == pb.DRAIN_STATE_DRAINED,
+        timeout_s=90,
         message="drained",
     )
