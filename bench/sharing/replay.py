@@ -543,6 +543,46 @@ def run_trace(
     return results
 
 
+def mean_demand(jobs: list[TraceJob], compress: float, window_s: float) -> float:
+    """GPUs the jobs keep busy on average over ``window_s`` with arrivals ``compress``
+    times closer together, if every job started on arrival."""
+    busy = 0.0
+    for job in jobs:
+        arrival = job.arrival_s / compress
+        if arrival < window_s:
+            busy += max(job.gpus, 1) * min(job.duration_s, window_s - arrival)
+    return busy / window_s
+
+
+def compression(jobs: list[TraceJob], target: float, window_s: float) -> float:
+    """The compression of arrivals that keeps ``target`` GPUs busy on average over the
+    window (found by bisection; at least 1)."""
+    low, high = 1.0, 10_000.0
+    if mean_demand(jobs, low, window_s) >= target:
+        return low
+    for _ in range(60):
+        middle = (low * high) ** 0.5
+        if mean_demand(jobs, middle, window_s) < target:
+            low = middle
+        else:
+            high = middle
+    return high
+
+
+def openb_density(folder: Path, target: float, window_s: float) -> tuple[int, float]:
+    """How many copies of the openb pods, and how much their arrivals are compressed,
+    so that started on arrival they would keep ``target`` GPUs busy on average over the
+    window, compressing no more than to fit the trace's span into the window."""
+    single = openb(folder, 1.0)
+    span = max(job.arrival_s for job in single)
+    most = max(1.0, span / window_s)
+    for copies in range(1, 65):
+        jobs = openb(folder, 1.0, copies)
+        if mean_demand(jobs, most, window_s) >= target:
+            return copies, compression(jobs, target, window_s)
+    return 64, most
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", choices=["philly", "openb", "both"], default="both")
@@ -562,9 +602,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--openb-load",
         type=float,
-        default=0.8,
-        help="openb arrivals are compressed so its mean demand is this share of the "
-        "training guarantee",
+        default=1.0,
+        help="openb arrivals are compressed so that, started on arrival, its jobs would "
+        "keep this share of the training guarantee busy on average over the window",
     )
     args = parser.parse_args(argv)
     try:
@@ -583,13 +623,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.trace in ("philly", "both"):
         results += run_trace("philly", philly(folder), settings, args.days, args.philly_start)
     if args.trace in ("openb", "both"):
-        raw = openb(folder, 1.0)
-        span = max(j.arrival_s for j in raw)
-        demand = sum(max(j.gpus, 1) * j.duration_s for j in raw) / span
-        training = args.gpus * (1 - args.inference_share)
-        compress = max(1.0, args.openb_load * training / demand)
-        print(f"openb: arrivals compressed x{compress:.1f}", file=sys.stderr)
-        results += run_trace(f"openb x{compress:.0f}", openb(folder, compress), settings, args.days)
+        target = args.openb_load * args.gpus * (1 - args.inference_share)
+        copies, compress = openb_density(folder, target, args.days * DAY_S)
+        print(f"openb: {copies} copies, arrivals compressed x{compress:.1f}", file=sys.stderr)
+        jobs = openb(folder, compress, copies)
+        results += run_trace(f"openb {copies}x, x{compress:.0f}", jobs, settings, args.days)
     print(
         f"pool {args.gpus} GPUs (hosts of 16 slots), inference guaranteed "
         f"{args.inference_share:.0%}, services of 2 GPUs following 25%..90% of it over a day; "

@@ -73,10 +73,12 @@ def philly(traces: Path) -> list[TraceJob]:
     return jobs
 
 
-def openb(traces: Path, compress: float) -> list[TraceJob]:
+def openb(traces: Path, compress: float, copies: int = 1) -> list[TraceJob]:
     """The GPU pods of ``alibaba-gpu-v2023/openb_pod_list_default.csv`` as jobs (a
-    fractional pod takes one whole GPU), arrivals ``compress`` times closer together
-    (the trace alone keeps at most 71 GPUs busy at once; durations are kept)."""
+    fractional pod takes one whole GPU), arrivals ``compress`` times closer together.
+    The trace alone keeps at most 71 GPUs busy at once, so ``copies`` copies of it may be
+    laid over each other, copy ``i`` shifted by ``i / copies`` of the trace's span (the
+    job mix and durations are the trace's; only arrivals are denser)."""
     path = traces / "alibaba-gpu-v2023" / "openb_pod_list_default.csv"
     try:
         rows = [
@@ -85,8 +87,14 @@ def openb(traces: Path, compress: float) -> list[TraceJob]:
         ]
     except (KeyError, ValueError) as error:
         raise TraceError(f"{path}: not the openb pod schema ({error})") from None
+    span = max((created for created, _, _ in rows), default=0)
     jobs = [
-        TraceJob(created / compress, float(max(deleted - created, 1)), gpus)
+        TraceJob(
+            (created + copy * span / copies) % max(span, 1) / compress,
+            float(max(deleted - created, 1)),
+            gpus,
+        )
+        for copy in range(copies)
         for created, deleted, gpus in rows
         if gpus > 0
     ]
