@@ -97,9 +97,10 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
 
     @handler("NodeService.PlanNode")
     def PlanNode(
-        self, request: nodes_pb2.ComposeNodeRequest, context: grpc.ServicerContext
+        self, request: nodes_pb2.PlanNodeRequest, context: grpc.ServicerContext
     ) -> nodes_pb2.NodePlan:
-        charged = _charged_to_caller(request, self._caller(context))
+        compose = nodes_pb2.ComposeNodeRequest(spec=request.spec)
+        charged = _charged_to_caller(compose, self._caller(context))
         if self._sharing is not None:
             return self._sharing.planner.plan(charged)
         return self._composer.plan(charged)

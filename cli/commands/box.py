@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import click
 
+from dxpool.cli.commands.maintenance import drain_box
 from dxpool.cli.context import CliContext, pass_cli
 from dxpool.cli.describe import describe_box
 from dxpool.cli.errors import for_each
+from dxpool.cli.help import SummaryGroup
 from dxpool.cli.output import OutputFormat, output_option, print_many, print_one
 from dxpool.cli.params import (
     BOX,
@@ -21,9 +23,9 @@ from dxpool.cli.views import BOX_VIEW
 from dxpool.request import GpuSpec
 
 
-@click.group()
+@click.group(cls=SummaryGroup)
 def box() -> None:
-    """Register, list and cordon GPU boxes."""
+    """Register, list, cordon, drain and delete GPU boxes."""
 
 
 @box.command("add")
@@ -150,8 +152,11 @@ def delete(cli: CliContext, names: tuple[str, ...], ignore_not_found: bool) -> N
     is tried; each failure is reported and the command then exits 1."""
     client = cli.client()
 
-    def remove(name: str) -> None:
+    def remove(name: str) -> str:
         client.delete_box(name)
-        click.echo(f"{name} deleted")
+        return f"{name} deleted"
 
     for_each(names, remove, client.endpoint, ignore_not_found=ignore_not_found)
+
+
+box.add_command(drain_box)

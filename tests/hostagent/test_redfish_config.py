@@ -225,8 +225,8 @@ def test_the_sim_driver_refuses_a_redfish_map(tmp_path: Path) -> None:
         build_driver(config)
 
 
-def test_the_readme_fabric_map_loads_as_written(tmp_path: Path) -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+def test_the_operations_guide_fabric_map_loads_as_written(tmp_path: Path) -> None:
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "OPERATIONS.md").read_text()
     example = next(
         block
         for block in re.findall(r"```yaml\n(.*?)```", readme, re.DOTALL)

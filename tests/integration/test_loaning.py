@@ -326,7 +326,7 @@ def test_a_borrower_shrinking_while_the_owners_compose_commits_on_its_host(
 def test_node_plan_shows_what_would_be_preempted_and_respects_quota(pool: Pool) -> None:
     borrowed = pool.stubs.nodes.ComposeNode(request(8, "borrower", grace=30))
     wait_node(pool.stubs, borrowed.name, pb.NODE_STATE_READY)
-    plan = pool.stubs.nodes.PlanNode(request(4, "owner"))
+    plan = pool.stubs.nodes.PlanNode(nodes_pb2.PlanNodeRequest(spec=request(4, "owner").spec))
     assert plan.host and len(plan.gpus) == 4 and not plan.preemptible
     assert [(p.node, p.tenant, p.reason) for p in plan.preemptions] == [
         (borrowed.name, "borrower", "lent capacity")
@@ -334,7 +334,9 @@ def test_node_plan_shows_what_would_be_preempted_and_respects_quota(pool: Pool) 
     assert not plan.preemptions[0].gpus  # not elastic: released whole
     assert any("borrowed node" in line for line in plan.unsatisfied)
     assert not get(pool.stubs, borrowed.name).HasField("preemption")  # a plan writes nothing
-    borrowing = pool.stubs.nodes.PlanNode(request(1, "borrower"))
+    borrowing = pool.stubs.nodes.PlanNode(
+        nodes_pb2.PlanNodeRequest(spec=request(1, "borrower").spec)
+    )
     assert not borrowing.preemptions and not borrowing.host  # nothing of lower priority
     set_quota(pool.stubs, "owner", guaranteed_gpus=4, gpus=2)
     wait_until(
@@ -342,14 +344,16 @@ def test_node_plan_shows_what_would_be_preempted_and_respects_quota(pool: Pool) 
         timeout_s=90,
         message="quota",
     )
-    refused = pool.stubs.nodes.PlanNode(request(4, "owner"))
+    refused = pool.stubs.nodes.PlanNode(nodes_pb2.PlanNodeRequest(spec=request(4, "owner").spec))
     assert not refused.host and not refused.preemptions
     assert any(line.startswith("quota: ") for line in refused.unsatisfied)
     pool.stubs.nodes.ReleaseNode(nodes_pb2.ReleaseNodeRequest(name=borrowed.name))
     wait_node(pool.stubs, borrowed.name, pb.NODE_STATE_RELEASED)
-    lent = pool.stubs.nodes.PlanNode(request(2, "borrower"))
+    lent = pool.stubs.nodes.PlanNode(nodes_pb2.PlanNodeRequest(spec=request(2, "borrower").spec))
     assert lent.host and lent.preemptible  # beyond its guarantee of 0: borrowed
-    assert not pool.stubs.nodes.PlanNode(request(2, "owner")).preemptible
+    assert not pool.stubs.nodes.PlanNode(
+        nodes_pb2.PlanNodeRequest(spec=request(2, "owner").spec)
+    ).preemptible
 
 
 def test_a_queued_gang_within_its_guarantee_takes_lent_capacity_back(pool: Pool) -> None:
