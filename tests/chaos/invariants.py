@@ -31,7 +31,10 @@ Safety, at every revision (:func:`check_records`):
 
 * ``DOUBLE_CLAIM`` — a GPU is listed in the bindings of two live nodes. Whatever
   ``Gpu.node`` says, two tenants believe they hold one GPU. (A GPU listed by a live node
-  and by terminal nodes is normal: released and failed nodes keep their bindings.)
+  and by terminal nodes is normal: released and failed nodes keep their bindings. So is
+  a shrinking node's DETACHING binding of a GPU whose record no longer names it: the
+  release path freed the GPU, which another node may already hold, and the controller
+  drops the binding in a later transaction; nothing acts on such a binding.)
 * ``READY_NODE_GPU`` — a READY node lists a GPU that is not ATTACHED to it (owned by
   another node, free, or in another state). READY and ATTACHED are committed together.
 * ``OWNER_MISSING`` / ``OWNER_RELEASED`` / ``OWNER_UNAWARE`` — ``Gpu.node`` names a node
@@ -595,6 +598,19 @@ def _check_owners(snap: EtcdSnapshot) -> list[Violation]:
     return found
 
 
+def _let_go_by_shrink(
+    snap: EtcdSnapshot, node_name: str, node: pb.VirtualNode, binding: pb.GpuBinding
+) -> bool:
+    """A RESIZING node's DETACHING binding whose GPU no longer names the node: a shrink
+    the release path finished, whose binding the controller has not dropped yet."""
+    if node.state != pb.NODE_STATE_RESIZING:
+        return False
+    if binding.phase != pb.ATTACHMENT_PHASE_DETACHING:
+        return False
+    gpu = snap.gpu(binding.gpu)
+    return gpu is not None and gpu.node != node_name
+
+
 def _check_claims(snap: EtcdSnapshot) -> list[Violation]:
     found: list[Violation] = []
     rev = snap.revision
@@ -603,7 +619,8 @@ def _check_claims(snap: EtcdSnapshot) -> list[Violation]:
         if node.state not in LIVE_NODE_STATES:
             continue
         for binding in node.gpus:
-            claims[binding.gpu].append(f"{node_name} ({_node_state(node.state)})")
+            if not _let_go_by_shrink(snap, node_name, node, binding):
+                claims[binding.gpu].append(f"{node_name} ({_node_state(node.state)})")
         if node.state != pb.NODE_STATE_READY:
             continue
         for binding in node.gpus:

@@ -292,6 +292,26 @@ def test_gpu_claimed_by_a_degraded_node_too(state: PoolState) -> None:
     assert ("DOUBLE_CLAIM", gname("b0", 0)) in kinds(check_records(state.snapshot()))
 
 
+def test_a_shrinks_detaching_binding_of_a_gpu_another_node_holds_is_no_claim(
+    state: PoolState,
+) -> None:
+    ready_node(state)
+    # n2 shrank off b0/0: the release path freed it and n1 took it; the controller has
+    # not yet dropped n2's DETACHING binding.
+    shrinking = pb.VirtualNode(
+        name="nodes/n2",
+        host="hosts/h1",
+        state=pb.NODE_STATE_RESIZING,
+        gpus=[pb.GpuBinding(gpu=gname("b0", 0), host_slot=0, phase=pb.ATTACHMENT_PHASE_DETACHING)],
+    )
+    state.put(state.schema.node("n2"), shrinking)
+    assert ("DOUBLE_CLAIM", gname("b0", 0)) not in kinds(check_records(state.snapshot()))
+    # the same binding not DETACHING is a claim: n2 believes it holds the GPU
+    shrinking.gpus[0].phase = pb.ATTACHMENT_PHASE_ATTACHED
+    state.put(state.schema.node("n2"), shrinking)
+    assert ("DOUBLE_CLAIM", gname("b0", 0)) in kinds(check_records(state.snapshot()))
+
+
 def test_ready_node_whose_gpu_was_freed(state: PoolState) -> None:
     ready_node(state)
     state.gpu("b1", 1)  # freed behind the READY node's back

@@ -20,10 +20,13 @@ import pytest
 
 from dxpool.api.v1 import inventory_pb2, nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
+from dxpool.broker.controller import NodeController
 from dxpool.broker.notices import Notices
 from dxpool.broker.server import BrokerServer
 from dxpool.broker.sharing_duties import SharingSettings
 from dxpool.broker.stm import TxnView
+from dxpool.store.keys import KeySchema
+from tests.chaos.invariants import EtcdSnapshot, check_records
 from tests.conftest import SimPool, Stubs, register_sim_box, wait_hosts_alive, wait_until
 from tests.integration.test_quotas import error_info, get_tenant, set_quota
 
@@ -321,6 +324,42 @@ def test_a_borrower_shrinking_while_the_owners_compose_commits_on_its_host(
     owner = get_tenant(pool.stubs, "owner").usage
     assert (owner.gpus, owner.borrowed_gpus) == (7, 0)
     assert get_tenant(pool.stubs, "borrower").usage == pb.TenantUsage()
+
+
+def test_gpus_a_shrink_freed_serve_the_owner_before_the_borrower_drops_their_bindings(
+    pool: Pool, etcd_client: Any, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shrink frees its GPUs (the agent reported them scrubbed) in one transaction and
+    the controller drops the node's DETACHING bindings in a later one. The controller is
+    held before that second step while the owner's queued request is admitted onto the
+    freed GPUs and attached: the borrower, still RESIZING, lists them DETACHING while
+    their records name the owner. That is a node letting go, not a second claim: the
+    checker finds no violation, each GPU is in one host allocation, and once the
+    controller goes on the borrower is READY without them."""
+    real = NodeController._advance_shrink
+    go_on = threading.Event()
+
+    def held(self: NodeController, *args: Any) -> str | None:
+        if not go_on.is_set():
+            return None  # as if its turn had not come yet
+        return real(self, *args)
+
+    monkeypatch.setattr(NodeController, "_advance_shrink", held)
+    borrowed = pool.stubs.nodes.ComposeNode(request(8, "borrower", grace=0, min_gpus=2))
+    wait_node(pool.stubs, borrowed.name, pb.NODE_STATE_READY)
+    waiting = pool.stubs.nodes.ComposeNode(request(4, "owner", queue=True))
+    placed = wait_node(pool.stubs, waiting.name, pb.NODE_STATE_READY)
+    shrinking = get(pool.stubs, borrowed.name)
+    assert shrinking.state == pb.NODE_STATE_RESIZING
+    leaving = {b.gpu for b in shrinking.gpus if b.phase == pb.ATTACHMENT_PHASE_DETACHING}
+    taken = {b.gpu for b in placed.gpus}
+    assert taken <= leaving  # the interleaving happened: the owner holds what is leaving
+    snapshot = EtcdSnapshot.read(etcd_client, KeySchema(key_prefix))
+    assert check_records(snapshot) == []
+    go_on.set()
+    shrunk = wait_node(pool.stubs, borrowed.name, pb.NODE_STATE_READY)
+    assert len(shrunk.gpus) == 4 and not {b.gpu for b in shrunk.gpus} & taken
+    assert check_records(EtcdSnapshot.read(etcd_client, KeySchema(key_prefix))) == []
 
 
 def test_node_plan_shows_what_would_be_preempted_and_respects_quota(pool: Pool) -> None:
