@@ -74,6 +74,10 @@ MUTATIONS: Mapping[str, Target] = {
     f"/{_INVENTORY}/DeleteBox": lambda req, _: str(req.name),
     f"/{_INVENTORY}/ReclaimGpu": lambda req, _: str(req.name),
     f"/{_INVENTORY}/ClearGpuHealth": lambda req, _: str(req.name),
+    f"/{_INVENTORY}/CordonHost": lambda req, _: str(req.name),
+    f"/{_INVENTORY}/UncordonHost": lambda req, _: str(req.name),
+    f"/{_INVENTORY}/DrainHost": lambda req, _: str(req.name),
+    f"/{_INVENTORY}/DrainBox": lambda req, _: str(req.name),
     f"/{_NODES}/ComposeNode": lambda req, resp: (
         str(resp.name) if resp is not None else (f"nodes/{req.node_id}" if req.node_id else "")
     ),

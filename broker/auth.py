@@ -114,6 +114,10 @@ RULES: Mapping[str, Rule] = {
     f"/{_INVENTORY}/ClearGpuHealth": Rule(OPERATOR),
     f"/{_INVENTORY}/GetPoolStatus": Rule(OPERATOR),
     f"/{_INVENTORY}/ListHosts": Rule(OPERATOR),
+    f"/{_INVENTORY}/CordonHost": Rule(OPERATOR),
+    f"/{_INVENTORY}/UncordonHost": Rule(OPERATOR),
+    f"/{_INVENTORY}/DrainHost": Rule(OPERATOR),
+    f"/{_INVENTORY}/DrainBox": Rule(OPERATOR),
     # An agent may read its own host's record.
     f"/{_INVENTORY}/GetHost": Rule(
         frozenset({Role.OPERATOR, Role.AGENT}), agent_host=lambda r: _host_id(r.name)
@@ -130,6 +134,9 @@ RULES: Mapping[str, Rule] = {
     ),
     f"/{_NODES}/WatchNodes": Rule(NODE_USERS),
     f"/{_NODES}/ResizeNode": Rule(NODE_USERS),
+    # The queue: a tenant sees its own requests (NodeService scopes it), at their
+    # positions in the whole queue.
+    f"/{_NODES}/ListQueue": Rule(NODE_USERS, tenant_named=lambda r: str(r.tenant)),
     # Gangs: as their member nodes (a tenant's own only).
     f"/{_NODES}/ComposeGang": Rule(NODE_USERS, tenant_named=_gang_tenant),
     f"/{_NODES}/GetGang": Rule(NODE_USERS),

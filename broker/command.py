@@ -131,6 +131,13 @@ def start(server: BrokerServer) -> None:
     "reconnect before any host is declared lost",
 )
 @click.option(
+    "--preemption-grace",
+    type=DAEMON_SECONDS,
+    default="30s",
+    show_default=True,
+    help="the notice a preemption or a drain gives a node that sets no grace of its own",
+)
+@click.option(
     "--retention",
     type=DAEMON_SECONDS,
     default="1h",
@@ -230,6 +237,7 @@ def broker_command(
     fabric_hook_timeout: float,
     host_loss_grace: float,
     host_reconnect_grace: float,
+    preemption_grace: float,
     retention: float,
     audit_retention: float,
     etcd_connect_timeout: float,
@@ -285,6 +293,7 @@ def broker_command(
             fabric_hook_timeout_s=fabric_hook_timeout,
             host_loss_grace_s=host_loss_grace,
             host_reconnect_grace_s=host_reconnect_grace,
+            preemption_grace_s=preemption_grace,
             retention_s=retention,
             audit_retention_s=audit_retention,
             etcd_connect_timeout_s=etcd_connect_timeout,

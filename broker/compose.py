@@ -99,13 +99,37 @@ class Composer:
         # runs one thread at a time anyway, so this costs no parallelism.
         self._placing = threading.Lock()
         self._commits = ComposeCommitter(
-            store, cache, self._host_locks, self._node_for_request, clock
+            store, cache, self._host_locks, self.node_for_request, clock
         )
 
     @property
     def store(self) -> Store:
         """The etcd store this composer commits to."""
         return self._store
+
+    @property
+    def cache(self) -> Cache:
+        """The cache this composer reads."""
+        return self._cache
+
+    @property
+    def index(self) -> PlacementIndex:
+        """The placement index this composer places on (and holds choices in)."""
+        return self._index
+
+    @property
+    def latency(self) -> LatencySource:
+        """The latency source placement asks for its current model."""
+        return self._latency
+
+    @property
+    def settings(self) -> ComposeSettings:
+        return self._settings
+
+    @property
+    def tenant_locks(self) -> KeyedLocks:
+        """The per-tenant locks under which this broker changes a tenant's usage."""
+        return self._tenant_locks
 
     @property
     def host_locks(self) -> KeyedLocks:
@@ -161,7 +185,7 @@ class Composer:
             if error.reason != "QUOTA_EXCEEDED" or not request.request_id:
                 raise
             record = self.lookup(k.REQUESTS, request.request_id)
-            existing = self._node_for_request(request.request_id, request.spec, record, owner)
+            existing = self.node_for_request(request.request_id, request.spec, record, owner)
             if existing is None:
                 raise
             return existing
@@ -170,7 +194,7 @@ class Composer:
         placement_request = self._check(request)
         request_id = request.request_id
         if request_id:
-            existing = self._node_for_request(
+            existing = self.node_for_request(
                 request_id, request.spec, self._cache.get(k.REQUESTS, request_id), owner
             )
             if existing is not None:
@@ -275,7 +299,7 @@ class Composer:
             )
         return placement_request(request.spec, host)
 
-    def _node_for_request(
+    def node_for_request(
         self, request_id: str, spec: pb.NodeSpec, record: Versioned[Any] | None, owner: str
     ) -> pb.VirtualNode | None:
         """The node an earlier call with ``request_id`` made, given its request record.

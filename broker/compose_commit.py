@@ -339,6 +339,9 @@ class ComposeCommitter:
         )
         lifecycle.new_node_event(node, now)
         allocation = copy(group.allocation)
+        if allocation.unschedulable:  # cordoned after the snapshot placement read
+            job.finish(None)
+            return None
         used = {a.host_slot for a in allocation.attachments}
         host_record = self._cache.get(k.HOSTS, placement.host)
         if not reserve_host_resources(
@@ -356,12 +359,13 @@ class ComposeCommitter:
         write_assigned(part, keys, assigned)
         created: set[str] = set()
         if request.spec.tenant:
-            tenant_key, creates = charge_in(
+            charge = charge_in(
                 part, self._store, self._cache, request.spec.tenant, [b.model for b in node.gpus]
             )
             node.charged = True
-            if creates:
-                created.add(tenant_key)
+            node.preemptible = charge.borrowed
+            if charge.creates:
+                created.add(charge.key)
         node_key = keys.node(job.node_id)
         part.expect_absent(node_key).put(node_key, node).read_on_failure(node_key)
         created.add(node_key)

@@ -442,10 +442,10 @@ class GangComposer:
         host_name = f"hosts/{placement.host}"
         keys = self._store.keys
         host_record = self._cache.get(k.HOSTS, placement.host)
-        if not reserve_host_resources(
+        if allocation.unschedulable or not reserve_host_resources(
             host_record.value if host_record else None, allocation, spec, name
         ):
-            return None
+            return None  # cordoned, or its CPU or memory taken, since the snapshot
         node = pb.VirtualNode(
             name=name,
             spec=spec,
@@ -472,13 +472,12 @@ class GangComposer:
         created: set[str] = set()
         for tenant_id, members in sorted(_by_tenant(nodes, _node_tenant).items()):
             models = [binding.model for node in members for binding in node.gpus]
-            key, creates = charge_in(
-                txn, self._store, self._cache, tenant_id, models, nodes=len(members)
-            )
-            if creates:
-                created.add(key)
+            charge = charge_in(txn, self._store, self._cache, tenant_id, models, nodes=len(members))
+            if charge.creates:
+                created.add(charge.key)
             for node in members:
                 node.charged = True
+                node.preemptible = charge.borrowed
         return created
 
     def _gang_for_request(

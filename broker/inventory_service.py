@@ -11,9 +11,11 @@ from dxpool.api.v1 import inventory_pb2 as inv
 from dxpool.api.v1 import inventory_pb2_grpc
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.cache import Cache
+from dxpool.broker.maintenance import Maintenance
 from dxpool.broker.pool_tally import PoolTally
 from dxpool.broker.records import copy, timestamp
 from dxpool.broker.rpc import cache_page, check_page_token, handler
+from dxpool.broker.sharing_status import SharingStatus
 from dxpool.broker.stm import TxnView, transact
 from dxpool.broker.validation import (
     check_box,
@@ -48,10 +50,24 @@ MAX_ATTEMPTS = 8
 
 
 class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
-    def __init__(self, store: Store, cache: Cache, tally: PoolTally) -> None:
+    """``maintenance`` serves host cordons and drains and box drains; ``sharing`` adds the
+    queue and preemptions to the pool status. Without them those calls answer
+    FAILED_PRECONDITION and the status leaves them out."""
+
+    def __init__(
+        self,
+        store: Store,
+        cache: Cache,
+        tally: PoolTally,
+        *,
+        maintenance: Maintenance | None = None,
+        sharing: SharingStatus | None = None,
+    ) -> None:
         self._store = store
         self._cache = cache
         self._tally = tally
+        self._maintenance = maintenance
+        self._sharing = sharing
 
     # -- boxes -----------------------------------------------------------------------
 
@@ -168,6 +184,8 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
                 for name, record in chunk
                 if name.startswith(f"{box_id}/") and lifecycle.is_free(record.value)
             )
+        if self._maintenance is not None:
+            self._maintenance.describe_box(view)
         return view
 
     def _box_record(self, name: str):  # type: ignore[no-untyped-def]
@@ -209,11 +227,17 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
         for _ in range(MAX_ATTEMPTS):
             record = self._box_record(name)
             current: pb.Box = record.value
-            if current.state == state and current.cordon_reason == reason:
+            if (
+                current.state == state
+                and current.cordon_reason == reason
+                and (state != pb.BOX_STATE_ACTIVE or not current.HasField("drain"))
+            ):
                 return current
             box = copy(current)
             box.state = state
             box.cordon_reason = reason
+            if state == pb.BOX_STATE_ACTIVE:
+                box.ClearField("drain")  # uncordoning ends a drain
             key = self._store.keys.box(parse_box(name))
             txn = Txn().expect_revision(key, record.mod_revision).put(key, box)
             txn.read_on_failure(key)
@@ -400,7 +424,10 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
     def GetPoolStatus(
         self, request: inv.GetPoolStatusRequest, context: grpc.ServicerContext
     ) -> inv.PoolStatus:
-        return self._tally.status()
+        status = self._tally.status()
+        if self._sharing is not None:
+            self._sharing.fill(status)
+        return status
 
     @handler("InventoryService.ListHosts")
     def ListHosts(
@@ -424,7 +451,46 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
         used = sorted({a.host_slot for a in allocation.value.attachments} if allocation else ())
         view.slots_used = len(allocation.value.attachments) if allocation else 0
         view.used_slots.extend(used)
+        if self._maintenance is not None:
+            self._maintenance.describe_host(view, allocation.value if allocation else None)
         return view
+
+    # -- maintenance -------------------------------------------------------------------
+
+    def _needs_maintenance(self) -> Maintenance:
+        if self._maintenance is None:
+            raise FailedPrecondition(
+                "this broker does not serve host maintenance", reason="NOT_SERVED"
+            )
+        return self._maintenance
+
+    def _host_answer(self, host_id: str) -> pb.Host:
+        record = self._cache.get(k.HOSTS, host_id)
+        if record is None:
+            raise NotFound(f"host hosts/{host_id} is not registered", reason="HOST_NOT_FOUND")
+        return self._host_view(host_id, record.value)
+
+    @handler("InventoryService.CordonHost")
+    def CordonHost(self, request: inv.CordonHostRequest, context: grpc.ServicerContext) -> pb.Host:
+        host_id = self._needs_maintenance().cordon_host(request.name, request.reason)
+        return self._host_answer(host_id)
+
+    @handler("InventoryService.UncordonHost")
+    def UncordonHost(
+        self, request: inv.UncordonHostRequest, context: grpc.ServicerContext
+    ) -> pb.Host:
+        host_id = self._needs_maintenance().uncordon_host(request.name)
+        return self._host_answer(host_id)
+
+    @handler("InventoryService.DrainHost")
+    def DrainHost(self, request: inv.DrainHostRequest, context: grpc.ServicerContext) -> pb.Host:
+        host_id = self._needs_maintenance().drain_host(request.name, request.reason, request.policy)
+        return self._host_answer(host_id)
+
+    @handler("InventoryService.DrainBox")
+    def DrainBox(self, request: inv.DrainBoxRequest, context: grpc.ServicerContext) -> pb.Box:
+        box = self._needs_maintenance().drain_box(request.name, request.reason, request.policy)
+        return self._box_view(box)
 
 
 def _box_id(request: inv.CreateBoxRequest) -> str:

@@ -86,6 +86,31 @@ AUDIT_WRITE_FAILURES = Counter(
     "dxpool_audit_write_failures_total",
     "Audit records that could not be written to etcd (the call itself went through)",
 )
+QUEUE_ADMISSIONS = Counter(
+    "dxpool_queue_admissions_total",
+    "Queued requests (nodes and gangs) by what became of them: admitted, failed",
+    ["result"],
+)
+QUEUE_WAIT_SECONDS = Histogram(
+    "dxpool_queue_wait_seconds",
+    "How long admitted requests waited in the queue",
+    buckets=(0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 14400),
+)
+PREEMPTION_NOTICES = Counter(
+    "dxpool_preemption_notices_total",
+    "Preemption notices given to borrowed nodes, by kind: shrink or release",
+    ["kind"],
+)
+PREEMPTIONS = Counter(
+    "dxpool_preemptions_total",
+    "Preemption notices carried out or withdrawn, by outcome: released, shrunk, withdrawn",
+    ["outcome"],
+)
+GANG_CHUNKS = Counter(
+    "dxpool_gang_chunk_commits_total",
+    "Transactions committing members of gangs too large for one, by outcome",
+    ["result"],
+)
 AUDIT_REFUSED_CALLS = Counter(
     "dxpool_audit_refused_calls_total",
     "Mutating calls refused for want of authentication or permission: counted here, not "

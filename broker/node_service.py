@@ -31,6 +31,7 @@ from dxpool.broker.compose import Composer
 from dxpool.broker.hostdev import node_hostdev
 from dxpool.broker.node_watch import NodeFeed, WatchSettings
 from dxpool.broker.rpc import cache_page, check_page_token, handler, stream_handler
+from dxpool.broker.sharing import Sharing
 from dxpool.broker.tenants import Tenants
 from dxpool.broker.validation import check_page_size
 from dxpool.errors import InvalidArgument, NotFound
@@ -61,8 +62,10 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
         watch: WatchSettings | None = None,
         *,
         identify: Identify | None = None,
+        sharing: Sharing | None = None,
     ) -> None:
         self._composer = composer
+        self._sharing = sharing
         self._gangs = composer.gangs()
         self._resizer = composer.resizer()
         self._tenants = Tenants(composer.store, cache)
@@ -86,16 +89,21 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
         self, request: nodes_pb2.ComposeNodeRequest, context: grpc.ServicerContext
     ) -> pb.VirtualNode:
         caller = self._caller(context)
-        return self._composer.compose(
-            _charged_to_caller(request, caller), owner=caller.uri if caller else ""
-        )
+        charged = _charged_to_caller(request, caller)
+        owner = caller.uri if caller else ""
+        if self._sharing is not None:
+            return self._sharing.composer.compose(charged, owner=owner)
+        return self._composer.compose(charged, owner=owner)
 
     @handler("NodeService.PlanNode")
     def PlanNode(
         self, request: nodes_pb2.PlanNodeRequest, context: grpc.ServicerContext
     ) -> nodes_pb2.NodePlan:
         compose = nodes_pb2.ComposeNodeRequest(spec=request.spec)
-        return self._composer.plan(_charged_to_caller(compose, self._caller(context)))
+        charged = _charged_to_caller(compose, self._caller(context))
+        if self._sharing is not None:
+            return self._sharing.planner.plan(charged)
+        return self._composer.plan(charged)
 
     @handler("NodeService.SetTenantQuota")
     def SetTenantQuota(
@@ -143,7 +151,7 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
         if record is None or (scope is not None and record.value.owner != scope):
             raise _not_found(name)
         node: pb.VirtualNode = record.value
-        return node
+        return self._sharing.with_position(node) if self._sharing is not None else node
 
     @handler("NodeService.ListNodes")
     def ListNodes(
@@ -166,6 +174,8 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
             self._cache, k.NODES, check_page_size(request.page_size), request.page_token, keep
         )
         nodes = [r.value for _, r in chunk]
+        if self._sharing is not None:
+            nodes = [self._sharing.with_position(node) for node in nodes]
         return nodes_pb2.ListNodesResponse(nodes=nodes, next_page_token=token)
 
     @handler("NodeService.ReleaseNode")
@@ -185,20 +195,28 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
         self, request: nodes_pb2.ComposeGangRequest, context: grpc.ServicerContext
     ) -> nodes_pb2.Gang:
         caller = self._caller(context)
-        return self._gangs.compose(
-            _gang_charged_to_caller(request, caller), owner=caller.uri if caller else ""
-        )
+        charged = _gang_charged_to_caller(request, caller)
+        owner = caller.uri if caller else ""
+        if self._sharing is not None:
+            return self._sharing.compose_gang(charged, owner, self._gangs)
+        return self._gangs.compose(charged, owner=owner)
 
     @handler("NodeService.GetGang")
     def GetGang(
         self, request: nodes_pb2.GetGangRequest, context: grpc.ServicerContext
     ) -> nodes_pb2.Gang:
+        if self._sharing is not None:
+            return self._sharing.get_gang(request.name, self._scope(context), self._gangs)
         return self._gangs.get(request.name, owner=self._scope(context))
 
     @handler("NodeService.ReleaseGang")
     def ReleaseGang(
         self, request: nodes_pb2.ReleaseGangRequest, context: grpc.ServicerContext
     ) -> nodes_pb2.Gang:
+        if self._sharing is not None:
+            return self._sharing.release_gang(
+                request.name, request.force, self._scope(context), self._gangs
+            )
         return self._gangs.release(request.name, force=request.force, owner=self._scope(context))
 
     @stream_handler("NodeService.WatchNodes")
@@ -213,14 +231,25 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
                 reason="INVALID_REVISION",
             )
         scope = self._scope(context)
+        events = self.feed.watch(only, request.start_revision, context)
+        if self._sharing is not None:
+            events = self._sharing.events_with_position(events)
         if scope is None:
-            yield from self.feed.watch(only, request.start_revision, context)
+            yield from events
             return
         if only is not None:
             record = self._composer.lookup(k.NODES, only)
             if record is not None and record.value.owner != scope:
                 raise _not_found(request.name)
-        yield from _owned_events(self.feed.watch(only, request.start_revision, context), scope)
+        yield from _owned_events(events, scope)
+
+    @handler("NodeService.ListQueue")
+    def ListQueue(
+        self, request: nodes_pb2.ListQueueRequest, context: grpc.ServicerContext
+    ) -> nodes_pb2.ListQueueResponse:
+        if self._sharing is None:
+            return nodes_pb2.ListQueueResponse()
+        return self._sharing.list_queue(request, self._scope(context))
 
 
 def _charged_to_caller(

@@ -81,6 +81,9 @@ class PlacementIndex:
         self._used_slots: dict[str, frozenset[int]] = {}
         self._held: dict[str, tuple[int, int]] = {}  # (CPU cores, memory MiB) nodes hold
         self._alive: set[str] = set()
+        # Cordoned hosts (HostAllocation.unschedulable): placement sees them as unable to
+        # take nodes, as a dead host (see broker/maintenance.py).
+        self._cordoned: set[str] = set()
         self._hosts: dict[str, HostInfo] = {}
         self._held_gpus: Counter[tuple[str, int]] = Counter()  # (box, slot) held
         self._held_slots: dict[str, Counter[int]] = {}  # host -> its proxy slots held
@@ -188,6 +191,10 @@ class PlacementIndex:
             self._used_slots[name] = frozenset(
                 a.host_slot for a in (allocation.attachments if allocation else ())
             )
+            if allocation is not None and allocation.unschedulable:
+                self._cordoned.add(name)
+            else:
+                self._cordoned.discard(name)
             reservations = allocation.reservations if allocation else ()
             self._held[name] = (
                 sum(r.cpu_cores for r in reservations),
@@ -209,7 +216,7 @@ class PlacementIndex:
             used_slots=self._used_slots.get(name, frozenset()).union(
                 self._held_slots.get(name, ())
             ),
-            alive=name in self._alive,
+            alive=name in self._alive and name not in self._cordoned,
             labels=frozenset(host.labels.items()),
             cpu_cores=host.cpu_cores,
             memory_mib=host.memory_mib,

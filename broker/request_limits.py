@@ -24,7 +24,9 @@ by how much.
 =======================  =========  ====================================================
 method                   limit      what fills it
 =======================  =========  ====================================================
-ComposeGang              768 KiB    31 members (the transaction's bound) of 21 KiB specs
+ComposeGang              768 KiB    31 members of the largest specs (21 KiB), or the
+                                    most members (4096) of specs of up to 190 bytes
+                                    (a model, a count, a tenant, a few short labels)
 ComposeNode, PlanNode    32 KiB     a spec with 32 labels and 32 host selectors, 63-char
                                     keys and 256-char values (21 KiB)
 CreateBox                32 KiB     32 labels (10 KiB) and 64 slot specs (6 KiB)

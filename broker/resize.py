@@ -86,7 +86,7 @@ if TYPE_CHECKING:
     from dxpool.broker.compose import ComposeSettings
     from dxpool.broker.placement_index import PlacementIndex
 
-__all__ = ["Resizer", "resize_request_value"]
+__all__ = ["Resizer", "resize_request_value", "shrink_in"]
 
 PLACE_ATTEMPTS = 8
 
@@ -265,48 +265,17 @@ class Resizer:
         view.put(k.NODES, node.name.removeprefix("nodes/"), updated)
 
     def _shrink(self, view: TxnView, node: pb.VirtualNode, removes: list[str]) -> pb.VirtualNode:
-        gone = set(removes)
-        updated = lifecycle.node_to(
-            node,
-            pb.NODE_STATE_RESIZING,
-            f"shrinking from {len(node.gpus)} to {len(node.gpus) - len(gone)} GPUs; the host "
-            f"agent is detaching {', '.join(removes)}",
-            self._clock(),
-        )
-        for binding in updated.gpus:
-            if binding.gpu in gone:
-                binding.phase = pb.ATTACHMENT_PHASE_DETACHING
-        releasing: set[str] = set()
-        for name in removes:
-            record = view.get(k.GPUS, gpu_id(name))
-            if (
-                record is not None
-                and record.value.node == node.name
-                and record.value.state in (pb.GPU_STATE_ATTACHING, pb.GPU_STATE_ATTACHED)
-            ):
-                view.put(k.GPUS, gpu_id(name), lifecycle.begin_detach(record.value))
-                releasing.add(name)
-        host_id = parse_host(node.host)
-        allocation = view.get(k.HOST_ALLOCATIONS, host_id)
-        if allocation is not None:
-            # A GPU going DETACHING keeps its attachment, marked release: the agent scrubs
-            # and detaches it and reports the outcome, and only that report frees it.
-            trimmed = pb.HostAllocation()
-            trimmed.CopyFrom(allocation.value)
-            del trimmed.attachments[:]
-            for attachment in allocation.value.attachments:
-                if attachment.node != node.name or attachment.gpu not in gone:
-                    trimmed.attachments.append(attachment)
-                elif attachment.gpu in releasing:
-                    kept = trimmed.attachments.add()
-                    kept.CopyFrom(attachment)
-                    kept.release = True
-            view.put(k.HOST_ALLOCATIONS, host_id, trimmed)
-        return updated
+        return shrink_in(view, node, removes, self._clock())
 
     def _grow(self, view: TxnView, node: pb.VirtualNode, extra: int) -> pb.VirtualNode:
         host_id = parse_host(node.host)
         spec = node.spec
+        if node.HasField("preemption"):
+            raise FailedPrecondition(
+                f"node {node.name} has a preemption notice ({node.preemption.reason}): it is "
+                "not grown while its GPUs are being taken; shrink it, or wait for the notice",
+                reason="NODE_PREEMPTING",
+            )
         if spec.affinity != pb.GPU_AFFINITY_UNSPECIFIED or spec.max_gpus_per_box:
             raise FailedPrecondition(
                 f"node {node.name} was composed with box or switch affinity or a per-box "
@@ -372,13 +341,64 @@ class Resizer:
         tenant_id = node.spec.tenant
         if not node.charged or not tenant_id:
             return
-        error = confirmed_breach(self._store, self._cache, tenant_id, models, nodes=0)
+        error = confirmed_breach(
+            self._store, self._cache, tenant_id, models, nodes=0, borrowed=node.preemptible
+        )
         if error is not None:
             raise error
         record = view.get(k.TENANTS, tenant_id)
         tenant = copy(record.value) if record else pb.Tenant(name=tenant_name(tenant_id))
-        tenant.usage.CopyFrom(charged(tenant.usage, models, nodes=0))
+        tenant.usage.CopyFrom(charged(tenant.usage, models, nodes=0, borrowed=node.preemptible))
         view.put(k.TENANTS, tenant_id, tenant)
+
+
+def shrink_in(
+    view: TxnView, node: pb.VirtualNode, removes: list[str], now: float, *, reason: str = ""
+) -> pb.VirtualNode:
+    """Begin shrinking ``node`` (READY, the record the view read) by the GPUs ``removes``
+    names: the node goes RESIZING with their bindings DETACHING, the GPUs go DETACHING
+    and their attachments stay in the host's allocation marked ``release``; the release
+    path then frees them and the controller drops their bindings. Returns the new node
+    (the caller writes it). ``reason`` names the node's event (default: Resizing)."""
+    gone = set(removes)
+    updated = lifecycle.node_to(
+        node,
+        pb.NODE_STATE_RESIZING,
+        f"shrinking from {len(node.gpus)} to {len(node.gpus) - len(gone)} GPUs; the host "
+        f"agent is detaching {', '.join(removes)}",
+        now,
+        reason=reason,
+    )
+    for binding in updated.gpus:
+        if binding.gpu in gone:
+            binding.phase = pb.ATTACHMENT_PHASE_DETACHING
+    releasing: set[str] = set()
+    for name in removes:
+        record = view.get(k.GPUS, gpu_id(name))
+        if (
+            record is not None
+            and record.value.node == node.name
+            and record.value.state in (pb.GPU_STATE_ATTACHING, pb.GPU_STATE_ATTACHED)
+        ):
+            view.put(k.GPUS, gpu_id(name), lifecycle.begin_detach(record.value))
+            releasing.add(name)
+    host_id = parse_host(node.host)
+    allocation = view.get(k.HOST_ALLOCATIONS, host_id)
+    if allocation is not None:
+        # A GPU going DETACHING keeps its attachment, marked release: the agent scrubs
+        # and detaches it and reports the outcome, and only that report frees it.
+        trimmed = pb.HostAllocation()
+        trimmed.CopyFrom(allocation.value)
+        del trimmed.attachments[:]
+        for attachment in allocation.value.attachments:
+            if attachment.node != node.name or attachment.gpu not in gone:
+                trimmed.attachments.append(attachment)
+            elif attachment.gpu in releasing:
+                kept = trimmed.attachments.add()
+                kept.CopyFrom(attachment)
+                kept.release = True
+        view.put(k.HOST_ALLOCATIONS, host_id, trimmed)
+    return updated
 
 
 def _not_found(name: str) -> NotFound:

@@ -40,6 +40,7 @@ from dxpool.api.v1 import (
     nodes_pb2_grpc,
 )
 from dxpool.broker import pool_metrics
+from dxpool.broker.admission import Admitter
 from dxpool.broker.agent_server import DEFAULT_AGENT_LISTEN, ETCD_WORKERS, AgentServer
 from dxpool.broker.agent_service import AgentService
 from dxpool.broker.agent_sessions import AgentSessions, SessionSettings
@@ -50,20 +51,31 @@ from dxpool.broker.auth import Authenticator, Authorizer, TokenTable
 from dxpool.broker.box_fabric import open_box_fabric
 from dxpool.broker.cache import Cache
 from dxpool.broker.compose import Composer, ComposeSettings
+from dxpool.broker.compose_gate import ComposeGate
 from dxpool.broker.controller import NodeController
 from dxpool.broker.decoding import Interceptor, RequestDecodingGuard
+from dxpool.broker.dispatcher import Dispatcher
 from dxpool.broker.duties import DEFAULT_RECONNECT_GRACE_S, DutySettings, SingletonDuties
+from dxpool.broker.enqueue import QueuedComposer
 from dxpool.broker.fabric_service import FabricService
+from dxpool.broker.gang_chunks import ChunkedGangs
 from dxpool.broker.inventory_service import InventoryService
 from dxpool.broker.leader import LeaderElection
+from dxpool.broker.maintenance import Maintenance
 from dxpool.broker.measured_feed import MeasuredFeed, place_lookup
 from dxpool.broker.node_service import NodeService
 from dxpool.broker.node_watch import WatchSettings
+from dxpool.broker.notices import DEFAULT_GRACE_S, Notices
 from dxpool.broker.placement_index import PlacementIndex
+from dxpool.broker.planning import Planner
 from dxpool.broker.pool_tally import PoolTally
+from dxpool.broker.queue_index import QueueIndex
 from dxpool.broker.reflection import enable_reflection
 from dxpool.broker.request_limits import SERVER_MAX_RECEIVE_BYTES
 from dxpool.broker.serving import DEFAULT_MAX_STALENESS_S, ServingState, StalenessGate
+from dxpool.broker.sharing import Sharing
+from dxpool.broker.sharing_duties import SharingDuties, SharingSettings, Step
+from dxpool.broker.sharing_status import SharingStatus
 from dxpool.broker.streams import StreamLimiter, StreamLimits
 from dxpool.defaults import DEFAULT_ENDPOINT
 from dxpool.errors import InvalidArgument
@@ -153,6 +165,10 @@ class BrokerConfig:
     agent_listen: str = DEFAULT_AGENT_LISTEN
     # Agents' liveness TTL bounds and the broker lease that carries their liveness records.
     agent_sessions: SessionSettings = field(default_factory=SessionSettings)
+    # The notice a preemption or a drain gives a node that sets no grace of its own.
+    preemption_grace_s: float = DEFAULT_GRACE_S
+    # How often the leader looks at the queue, notices and drains without being woken.
+    sharing: SharingSettings = field(default_factory=SharingSettings)
 
 
 class BrokerServer:
@@ -208,6 +224,13 @@ class BrokerServer:
         self.agent_server: AgentServer | None = None
         self.nodes: NodeService | None = None
         self.composer: Composer | None = None
+        self.queue: QueueIndex | None = None
+        self.notices: Notices | None = None
+        self.maintenance: Maintenance | None = None
+        self.dispatcher: Dispatcher | None = None
+        self.gangs: ChunkedGangs | None = None
+        self.sharing_duties: SharingDuties | None = None
+        self._sharing_status: SharingStatus | None = None
         self.streams = StreamLimiter(config.stream_limits)
         self._executor: futures.ThreadPoolExecutor | None = None
         self._stopped = False
@@ -273,6 +296,7 @@ class BrokerServer:
             settled=self._settled,
         )
         self.duties.start()
+        sharing = self._start_sharing(composer)
         self.election.start()
         self._executor = futures.ThreadPoolExecutor(
             max_workers=self.config.max_workers + self.config.stream_limits.total,
@@ -297,13 +321,21 @@ class BrokerServer:
         interceptors.insert(0, RequestDecodingGuard())
         server = grpc.server(self._executor, interceptors=interceptors, options=_SERVER_OPTIONS)
         inventory_pb2_grpc.add_InventoryServiceServicer_to_server(
-            InventoryService(self.store, self.cache, self.pool_tally), server
+            InventoryService(
+                self.store,
+                self.cache,
+                self.pool_tally,
+                maintenance=self.maintenance,
+                sharing=self._sharing_status,
+            ),
+            server,
         )
         self.nodes = NodeService(
             composer,
             self.cache,
             self.config.watch,
             identify=authenticator.identify if authenticator is not None else None,
+            sharing=sharing,
         )
         nodes_pb2_grpc.add_NodeServiceServicer_to_server(self.nodes, server)
         fabric_pb2_grpc.add_FabricServiceServicer_to_server(
@@ -341,6 +373,41 @@ class BrokerServer:
     def agent_endpoint(self) -> str:
         """Where host agents connect (``host:port``), once started."""
         return self.agent_server.endpoint if self.agent_server is not None else ""
+
+    def _start_sharing(self, composer: Composer) -> Sharing:
+        """The queue, preemption notices and maintenance, and the leader's thread that
+        serves them (see broker/dispatcher.py, broker/notices.py, broker/maintenance.py)."""
+        queue = self.queue = QueueIndex(self.cache)
+        gate = ComposeGate(self.cache, queue)
+        notices = self.notices = Notices(
+            self.store,
+            self.cache,
+            composer.host_locks,
+            default_grace_s=self.config.preemption_grace_s,
+        )
+        self.maintenance = Maintenance(self.store, self.cache, notices, composer.resizer())
+        self._sharing_status = SharingStatus(self.cache, queue, notices)
+        gangs = self.gangs = ChunkedGangs(
+            composer, gate, broker=self.election.identity, retention_s=self.config.retention_s
+        )
+        self.dispatcher = Dispatcher(
+            composer, queue, gate, Admitter(composer, gate), notices, gangs=gangs
+        )
+        self.sharing_duties = SharingDuties(
+            self.cache,
+            self.election.is_leader,
+            [
+                Step("queue", self.dispatcher.serve),
+                Step("notices", notices.carry_out_due),
+                Step("drains", self.maintenance.step),
+                Step("gangs", gangs.reap),
+            ],
+            self.config.sharing,
+        )
+        self.sharing_duties.start()
+        return Sharing(
+            self.cache, queue, QueuedComposer(composer, gate), gangs, gate, Planner(composer, gate)
+        )
 
     def _authenticator(self) -> Authenticator | None:
         """Who calls, when authentication is on (a client CA or a token file); None
@@ -417,6 +484,11 @@ class BrokerServer:
         self.election.stop()
         if self.duties is not None:
             self.duties.stop()
+        if self.sharing_duties is not None:
+            self.sharing_duties.stop()
+        for part in (self.notices, self.maintenance, self._sharing_status, self.queue):
+            if part is not None:
+                part.close()
         if self.box_fabric is not None:
             self.box_fabric.close()
         if self.controller is not None:

@@ -24,19 +24,21 @@ against the tenant would only delay its next node without protecting anybody.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from dxpool import lifecycle
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker import metrics, records
+from dxpool.broker import loaning, metrics, records
 from dxpool.broker.cache import Cache
 from dxpool.broker.rpc import cache_page
 from dxpool.broker.stm import TxnView, read_through, transact
 from dxpool.broker.validation import check_page_size
 from dxpool.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from dxpool.limits import MAX_QUOTA, MAX_QUOTA_MODELS
+from dxpool.limits import MAX_PRIORITY, MAX_QUOTA, MAX_QUOTA_MODELS
 from dxpool.names import parse_tenant, tenant_name
 from dxpool.request import check_model
 from dxpool.store import keys as k
@@ -50,13 +52,26 @@ lost host would take from it."""
 
 def check_quota(quota: pb.TenantQuota) -> None:
     """INVALID_ARGUMENT unless every limit is 0..MAX_QUOTA and every model name valid."""
-    for field in ("gpus", "nodes"):
+    for field in ("gpus", "nodes", "guaranteed_gpus", "borrow_limit"):
         if quota.HasField(field) and not 0 <= getattr(quota, field) <= MAX_QUOTA:
             raise InvalidArgument(
                 f"quota.{field} {getattr(quota, field)} is out of range: use 0 (nothing "
                 f"allowed) up to {MAX_QUOTA}, or leave it unset for no limit",
                 reason="INVALID_QUOTA",
             )
+    if quota.HasField("max_priority") and not 0 <= quota.max_priority <= MAX_PRIORITY:
+        raise InvalidArgument(
+            f"quota.max_priority {quota.max_priority} is out of range: use 0 up to "
+            f"{MAX_PRIORITY}, or leave it unset to allow any priority",
+            reason="INVALID_QUOTA",
+        )
+    if quota.HasField("borrow_limit") and not quota.HasField("guaranteed_gpus"):
+        raise InvalidArgument(
+            "quota.borrow_limit is set without quota.guaranteed_gpus: a tenant borrows "
+            "only beyond a guarantee; set guaranteed_gpus too (0 for a tenant that only "
+            "borrows), or leave borrow_limit out",
+            reason="INVALID_QUOTA",
+        )
     if len(quota.gpus_by_model) > MAX_QUOTA_MODELS:
         raise InvalidArgument(
             f"quota.gpus_by_model has {len(quota.gpus_by_model)} models: at most "
@@ -81,16 +96,25 @@ def check_quota(quota: pb.TenantQuota) -> None:
 
 
 def charged(
-    usage: pb.TenantUsage, models: Iterable[str], sign: int = 1, *, nodes: int = 1
+    usage: pb.TenantUsage,
+    models: Iterable[str],
+    sign: int = 1,
+    *,
+    nodes: int = 1,
+    borrowed: bool = False,
 ) -> pb.TenantUsage:
     """``usage`` with ``nodes`` nodes of GPUs of ``models`` (one entry per GPU, all nodes
     together) added (``sign`` 1) or taken away (-1); ``nodes`` 0 changes GPUs only (a
-    resize). Models whose count reaches 0 are dropped."""
+    resize). ``borrowed``: the nodes are on lent capacity, so the borrowed counts move
+    too (see :mod:`~dxpool.broker.loaning`). Models whose count reaches 0 are dropped."""
     updated = pb.TenantUsage()
     updated.CopyFrom(usage)
     counted = Counter(models)
     updated.nodes += sign * nodes
     updated.gpus += sign * sum(counted.values())
+    if borrowed:
+        updated.borrowed_nodes += sign * nodes
+        updated.borrowed_gpus += sign * sum(counted.values())
     for model, count in counted.items():
         left = updated.gpus_by_model.get(model, 0) + sign * count
         if left:
@@ -101,12 +125,19 @@ def charged(
 
 
 def breach(
-    tenant_id: str, record: pb.Tenant | None, models: list[str], *, nodes: int = 1
+    tenant_id: str,
+    record: pb.Tenant | None,
+    models: list[str],
+    *,
+    nodes: int = 1,
+    borrowed: bool | None = None,
 ) -> ResourceExhausted | None:
     """The QUOTA_EXCEEDED error ``nodes`` new nodes with GPUs ``models`` (all of them
     together) would cause for the tenant whose record is ``record`` (None: no record, no
     limits), or None if it fits. ``nodes`` 0: GPUs added to a node that is counted
-    already (a resize); several: the members of a gang.
+    already (a resize), whose kind ``borrowed`` gives (a guaranteed node grows within
+    the guarantee only, a borrowed one within ``borrow_limit``); several: the members of
+    a gang. A new node's kind is the one :func:`~dxpool.broker.loaning.terms` gives.
 
     ``models`` may hold empty strings for GPUs whose model is not known yet (before
     placement): they count against the total only.
@@ -115,6 +146,31 @@ def breach(
         return None
     quota, usage = record.quota, record.usage
     wanted = len(models)
+    if quota.HasField("guaranteed_gpus"):
+        lent = loaning.terms(record, wanted).borrowed if borrowed is None else borrowed
+        used = loaning.guaranteed_in_use(usage)
+        if not lent and nodes == 0 and used + wanted > quota.guaranteed_gpus:
+            return _exceeded(
+                tenant_id,
+                "guaranteed_gpus",
+                quota.guaranteed_gpus,
+                used,
+                wanted,
+                "guaranteed GPUs (a node composed within the guarantee grows within it)",
+            )
+        if (
+            lent
+            and quota.HasField("borrow_limit")
+            and usage.borrowed_gpus + wanted > quota.borrow_limit
+        ):
+            return _exceeded(
+                tenant_id,
+                "borrow_limit",
+                quota.borrow_limit,
+                usage.borrowed_gpus,
+                wanted,
+                f"borrowed GPUs beyond its guarantee of {quota.guaranteed_gpus}",
+            )
     if nodes and quota.HasField("nodes") and usage.nodes + nodes > quota.nodes:
         return _exceeded(tenant_id, "nodes", quota.nodes, usage.nodes, nodes, "nodes")
     if quota.HasField("gpus") and usage.gpus + wanted > quota.gpus:
@@ -167,7 +223,9 @@ def discharge(view: TxnView, node: pb.VirtualNode) -> None:
         # missing one means it was removed by hand, and there is nothing to lower.
         return
     tenant = records.copy(current)
-    tenant.usage.CopyFrom(charged(tenant.usage, node_models(node), sign=-1))
+    tenant.usage.CopyFrom(
+        charged(tenant.usage, node_models(node), sign=-1, borrowed=node.preemptible)
+    )
     view.put(k.TENANTS, node.spec.tenant, tenant)
 
 
@@ -184,12 +242,20 @@ def discharge_gpus(view: TxnView, node: pb.VirtualNode, models: list[str]) -> No
     if current is None:
         return
     tenant = records.copy(current)
-    tenant.usage.CopyFrom(charged(tenant.usage, models, sign=-1, nodes=0))
+    tenant.usage.CopyFrom(
+        charged(tenant.usage, models, sign=-1, nodes=0, borrowed=node.preemptible)
+    )
     view.put(k.TENANTS, node.spec.tenant, tenant)
 
 
 def confirmed_breach(
-    store: Store, cache: Cache, tenant_id: str, models: list[str], *, nodes: int = 1
+    store: Store,
+    cache: Cache,
+    tenant_id: str,
+    models: list[str],
+    *,
+    nodes: int = 1,
+    borrowed: bool | None = None,
 ) -> ResourceExhausted | None:
     """The QUOTA_EXCEEDED error ``nodes`` nodes of GPUs ``models`` would cause, judged on
     the tenant's record as etcd holds it now; None if they fit.
@@ -198,7 +264,9 @@ def confirmed_breach(
     (the cache may lag behind a release another broker committed), which the cache
     takes. A pass is never final: the commit compares the record it was based on."""
     cached = cache.get(k.TENANTS, tenant_id)
-    error = breach(tenant_id, cached.value if cached else None, models, nodes=nodes)
+    error = breach(
+        tenant_id, cached.value if cached else None, models, nodes=nodes, borrowed=borrowed
+    )
     if error is None:
         return None
     key = store.keys.tenant(tenant_id)
@@ -206,7 +274,7 @@ def confirmed_breach(
     if current is None:
         return None
     cache.apply_read(key, current, cache.revision)
-    return breach(tenant_id, current.value, models, nodes=nodes)
+    return breach(tenant_id, current.value, models, nodes=nodes, borrowed=borrowed)
 
 
 def refuse_breach(
@@ -219,21 +287,58 @@ def refuse_breach(
         raise error
 
 
+@dataclass(frozen=True, slots=True)
+class Charge:
+    """What :func:`charge_in` did: the tenant record's key, whether the commit creates
+    it, and whether the nodes are on lent capacity (to set ``VirtualNode.preemptible``)."""
+
+    key: str
+    creates: bool
+    borrowed: bool
+
+
+def new_tenant(tenant_id: str) -> pb.Tenant:
+    """A tenant record made now: no quota, no usage, a fresh ``uid``."""
+    return pb.Tenant(name=tenant_name(tenant_id), uid=secrets.token_hex(8))
+
+
 def charge_in(
     txn: Txn, store: Store, cache: Cache, tenant_id: str, models: list[str], *, nodes: int = 1
-) -> tuple[str, bool]:
+) -> Charge:
     """Charge ``nodes`` nodes of GPUs ``models`` to ``tenant_id`` in ``txn``: compare the
-    tenant's record as the cache holds it and write it with them added to its usage.
-    Raises QUOTA_EXCEEDED when they do not fit its quota (confirmed against etcd, see
-    :func:`confirmed_breach`). Returns the record's key and whether the commit creates it."""
+    tenant's record as the cache holds it and write it with them added to its usage,
+    as guaranteed or borrowed nodes (:func:`~dxpool.broker.loaning.terms` on that very
+    record: all ``nodes`` are one kind). Raises QUOTA_EXCEEDED when they do not fit its
+    quota (confirmed against etcd, see :func:`confirmed_breach`)."""
     refuse_breach(store, cache, tenant_id, models, nodes=nodes)
     record = cache.get(k.TENANTS, tenant_id)
-    tenant = records.copy(record.value) if record else pb.Tenant(name=tenant_name(tenant_id))
-    tenant.usage.CopyFrom(charged(tenant.usage, models, nodes=nodes))
+    tenant = records.copy(record.value) if record else new_tenant(tenant_id)
+    borrowed = loaning.terms(record.value if record else None, len(models)).borrowed
+    tenant.usage.CopyFrom(charged(tenant.usage, models, nodes=nodes, borrowed=borrowed))
     key = store.keys.tenant(tenant_id)
     txn.expect_revision(key, record.mod_revision if record else 0).put(key, tenant)
     txn.read_on_failure(key)
-    return key, record is None
+    return Charge(key, record is None, borrowed)
+
+
+def _waiting_for(cache: Cache, tenant_id: str) -> list[str]:
+    """The QUEUED nodes and gangs charged to ``tenant_id``, as this broker's cache holds
+    them (a request queued after the check is failed at admission: its tenant's uid
+    no longer matches)."""
+    waiting = [
+        f"nodes/{node_id}"
+        for node_id, record in cache.items(k.NODES)
+        if record.value.state == pb.NODE_STATE_QUEUED and record.value.spec.tenant == tenant_id
+    ]
+    for gang_id, record in cache.items(k.GANGS):
+        members = record.value.members
+        if (
+            record.value.state == pb.GANG_STATE_QUEUED
+            and members
+            and members[0].tenant == tenant_id
+        ):
+            waiting.append(f"gangs/{gang_id}")
+    return sorted(waiting)
 
 
 class Tenants:
@@ -251,11 +356,7 @@ class Tenants:
 
         def body(view: TxnView) -> pb.Tenant:
             record = view.get(k.TENANTS, tenant_id)
-            tenant = (
-                records.copy(record.value)
-                if record is not None
-                else pb.Tenant(name=tenant_name(tenant_id))
-            )
+            tenant = records.copy(record.value) if record is not None else new_tenant(tenant_id)
             tenant.quota.CopyFrom(quota)
             tenant.quota_update_time.CopyFrom(records.timestamp(self._clock()))
             view.put(k.TENANTS, tenant_id, tenant)
@@ -299,6 +400,16 @@ class Tenants:
                 for node_id, node in self._cache.items(k.NODES)
                 if node.value.spec.tenant == tenant_id and node.value.state in CHARGED_NODE_STATES
             )
+            waiting = _waiting_for(self._cache, tenant_id)
+            if waiting:
+                shown = ", ".join(waiting[:5]) + (", ..." if len(waiting) > 5 else "")
+                raise FailedPrecondition(
+                    f"tenant {tenant_name(tenant_id)} has {len(waiting)} request(s) waiting in "
+                    f"the queue ({shown}); release them first (`dxpool node delete NODE`, "
+                    "`dxpool gang delete GANG`), then delete the tenant",
+                    reason="TENANT_HAS_NODES",
+                    metadata={"tenant": tenant_id, "queued": str(len(waiting))},
+                )
             if record.value.usage.nodes or live:
                 count = max(record.value.usage.nodes, len(live))
                 shown = ", ".join(f"nodes/{n}" for n in live[:5]) + (
@@ -323,6 +434,7 @@ class Tenants:
 
 __all__ = [
     "CHARGED_NODE_STATES",
+    "Charge",
     "Tenants",
     "breach",
     "charged",
@@ -330,5 +442,6 @@ __all__ = [
     "confirmed_breach",
     "discharge",
     "discharge_gpus",
+    "new_tenant",
     "node_models",
 ]

@@ -61,6 +61,8 @@ def let_go(
         elif gpu.state in (pb.GPU_STATE_ATTACHING, pb.GPU_STATE_ATTACHED):
             view.put(k.GPUS, gpu_key, lifecycle.begin_detach(gpu))
             releasing.add(binding.gpu)
+    if not node.host:
+        return updated  # a QUEUED node: no host, no GPUs
     host_id = parse_host(node.host)
     # what this view writes already (another node let go on the same host in this
     # transaction, e.g. a gang's members), else the record read
@@ -107,9 +109,11 @@ def drop_release(view: TxnView, gpu: pb.Gpu) -> None:
         return a.gpu == gpu.name and a.release and a.generation <= gpu.generation
 
     if any(stale(a) for a in allocation.attachments):
-        spec = pb.HostAllocation(host=allocation.host or gpu.host)
+        spec = pb.HostAllocation()
+        spec.CopyFrom(allocation)  # other nodes' CPU and memory, a cordon, stay
+        spec.host = allocation.host or gpu.host
+        del spec.attachments[:]
         spec.attachments.extend(a for a in allocation.attachments if not stale(a))
-        spec.reservations.extend(allocation.reservations)  # other nodes' CPU and memory
         view.put(k.HOST_ALLOCATIONS, host_id, spec)
 
 

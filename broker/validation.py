@@ -21,6 +21,7 @@ from dxpool.limits import (
     DEFAULT_PAGE_SIZE,
     MAX_GPU_MEMORY_MIB,
     MAX_GPUS_PER_BOX,
+    MAX_GRACE_S,
     MAX_LABEL_KEY,
     MAX_LABEL_VALUE,
     MAX_LABELS,
@@ -28,6 +29,8 @@ from dxpool.limits import (
     MAX_LOCATION_PART,
     MAX_PAGE_SIZE,
     MAX_PCI_ID,
+    MAX_PRIORITY,
+    MAX_QUEUE_TIMEOUT_S,
     MAX_TENANT,
     MAX_TEXT,
 )
@@ -52,6 +55,7 @@ __all__ = [
     "check_node_spec",
     "check_page_size",
     "check_pci_id",
+    "check_queue_timeout",
     "check_text",
 ]
 
@@ -118,6 +122,47 @@ def check_node_spec(spec: pb.NodeSpec) -> None:
     check_host_resources(
         spec.cpu_cores, spec.host_memory_mib, "spec.cpu_cores", "spec.host_memory_mib"
     )
+    _check_sharing(spec)
+
+
+def _check_sharing(spec: pb.NodeSpec) -> None:
+    """The spec's priority, elastic minimum and preemption grace period."""
+    if not 0 <= spec.priority <= MAX_PRIORITY:
+        raise InvalidArgument(
+            f"spec.priority {spec.priority} is out of range: use 0 (the lowest, the "
+            f"default) up to {MAX_PRIORITY}",
+            reason="INVALID_PRIORITY",
+        )
+    if spec.min_gpus and not 1 <= spec.min_gpus <= spec.gpus.count:
+        raise InvalidArgument(
+            f"spec.min_gpus {spec.min_gpus} is out of range: an elastic node shrinks to 1 "
+            f"up to its {spec.gpus.count} GPUs (spec.gpus.count); use 0 for a node that "
+            "is not elastic",
+            reason="INVALID_GPU_COUNT",
+        )
+    if spec.HasField("preemption_grace_s") and not 0 <= spec.preemption_grace_s <= MAX_GRACE_S:
+        raise InvalidArgument(
+            f"spec.preemption_grace_s {spec.preemption_grace_s} is out of range: use 0 "
+            f"(no notice) up to {MAX_GRACE_S}, or leave it unset for the broker's default",
+            reason="INVALID_DURATION",
+        )
+
+
+def check_queue_timeout(queue: bool, timeout_s: int, field: str = "queue_timeout_s") -> None:
+    """A queue timeout is 0 (wait until released) up to ``MAX_QUEUE_TIMEOUT_S``, and
+    only with ``queue``."""
+    if not 0 <= timeout_s <= MAX_QUEUE_TIMEOUT_S:
+        raise InvalidArgument(
+            f"{field} {timeout_s} is out of range: use 0 (wait until released) up to "
+            f"{MAX_QUEUE_TIMEOUT_S} (7 days)",
+            reason="INVALID_DURATION",
+        )
+    if timeout_s and not queue:
+        raise InvalidArgument(
+            f"{field} is set without queue: a request waits only when it is queued; set "
+            "queue too, or leave the timeout out",
+            reason="INVALID_DURATION",
+        )
 
 
 def check_box(box_id: str, box: pb.Box, gpu_count: int) -> None:

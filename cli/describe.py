@@ -15,6 +15,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.cli.output import format_table
+from dxpool.cli.sharing_view import drain_fields, node_fields
 from dxpool.cli.views import (
     BINDING_VIEW,
     GPU_VIEW,
@@ -91,6 +92,7 @@ def describe_node(node: pb.VirtualNode, now: float | None = None) -> str:
             ("Created", _stamp(node.create_time)),
             ("Ready", _stamp(node.ready_time)),
             ("Updated", _stamp(node.update_time)),
+            *node_fields(node, now),
         ]
     )
     bindings = [
@@ -128,6 +130,7 @@ def describe_box(
             ("GPUs free/total", f"{box.gpus_free}/{box.gpu_count}"),
             ("Labels", labels(box.labels)),
             ("Created", _stamp(box.create_time)),
+            *drain_fields(box.drain),
         ]
     )
     lines += _section("GPUs", GPU_VIEW.headers(False), [GPU_VIEW.row(gpu, False) for gpu in gpus])
@@ -148,6 +151,11 @@ def describe_host(host: pb.Host, nodes: Sequence[pb.VirtualNode], now: float | N
             ("Agent", host.agent_endpoint or NONE),
             ("Labels", labels(host.labels)),
             ("Registered", _stamp(host.register_time)),
+            (
+                "Cordoned",
+                f"yes ({host.cordon_reason or 'no reason given'})" if host.unschedulable else "no",
+            ),
+            *drain_fields(host.drain),
         ]
     )
     rows = [

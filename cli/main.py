@@ -49,7 +49,7 @@ COMMANDS: dict[str, LazyCommand] = {
         "Show the audit log: every mutating call, who made it and how it ended",
     ),
     "box": LazyCommand(
-        "dxpool.cli.commands.box", "box", "Register, list, cordon and delete GPU boxes"
+        "dxpool.cli.commands.box", "box", "Register, list, cordon, drain and delete GPU boxes"
     ),
     "broker": LazyCommand(
         "dxpool.broker.command",
@@ -87,9 +87,18 @@ COMMANDS: dict[str, LazyCommand] = {
         "gpu",
         "List GPUs and their state; reclaim quarantined ones, clear unhealthy ones",
     ),
-    "host": LazyCommand("dxpool.cli.commands.host", "host", "List hosts and their proxy slots"),
+    "host": LazyCommand(
+        "dxpool.cli.commands.host",
+        "host",
+        "List hosts and their proxy slots; cordon, drain and uncordon them",
+    ),
     "node": LazyCommand(
         "dxpool.cli.commands.node", "node", "Compose, inspect and release virtual nodes"
+    ),
+    "queue": LazyCommand(
+        "dxpool.cli.commands.sharing",
+        "queue",
+        "The requests waiting for capacity, in the order they will be served",
     ),
     "status": LazyCommand(
         "dxpool.cli.commands.status",

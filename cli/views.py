@@ -239,12 +239,23 @@ def tenant_models(tenant: resources_pb2.Tenant) -> str:
     return " ".join(cells) or NONE
 
 
+def tenant_guarantee(tenant: resources_pb2.Tenant) -> str:
+    """Guaranteed GPUs in use/guarantee and borrowed GPUs (/limit): ``2/4 +3``,
+    ``2/4 +3/8``; ``-`` for a tenant without a guarantee."""
+    quota, usage = tenant.quota, tenant.usage
+    if not quota.HasField("guaranteed_gpus"):
+        return "-"
+    text = f"{usage.gpus - usage.borrowed_gpus}/{quota.guaranteed_gpus} +{usage.borrowed_gpus}"
+    return text + (f"/{quota.borrow_limit}" if quota.HasField("borrow_limit") else "")
+
+
 TENANT_VIEW: View[resources_pb2.Tenant] = View(
     "tenants",
     [
         Column("name", lambda t: short(t.name)),
         Column("nodes", tenant_nodes),
         Column("gpus", tenant_gpus),
+        Column("guaranteed", tenant_guarantee, wide_only=True),
         Column("by model", tenant_models),
         Column("quota set", lambda t: age(t.quota_update_time), wide_only=True),
     ],

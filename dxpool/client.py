@@ -135,6 +135,15 @@ _CHANNEL_OPTIONS: Final = [
 Location = resources_pb2.Location
 NodeState = resources_pb2.NodeState
 GpuState = resources_pb2.GpuState
+_GANG_STATE = resources_pb2.GangState
+# Gangs with a record that are not composed yet: waited for by wait_for_gang.
+_GANG_WAITING = frozenset(
+    {
+        _GANG_STATE.GANG_STATE_QUEUED,
+        _GANG_STATE.GANG_STATE_RESERVING,
+        _GANG_STATE.GANG_STATE_ABORTING,
+    }
+)
 LocationLike = Location | tuple[str, str, str]
 """A location as a message or as ``(site, pod, rack)``."""
 NodeStateLike = int | str
@@ -631,6 +640,39 @@ class Client:
 
     # -- audit ---------------------------------------------------------------------------
 
+    def cordon_host(self, name: str, reason: str = "") -> resources_pb2.Host:
+        """Stop placement from giving host ``name`` new nodes; its nodes stay."""
+        request = inventory_pb2.CordonHostRequest(name=host_name(name), reason=reason)
+        return self._unary(self._inventory.CordonHost, request)
+
+    def uncordon_host(self, name: str) -> resources_pb2.Host:
+        """Make host ``name`` schedulable again, ending a drain of it."""
+        request = inventory_pb2.UncordonHostRequest(name=host_name(name))
+        return self._unary(self._inventory.UncordonHost, request)
+
+    def drain_host(self, name: str, reason: str = "") -> resources_pb2.Host:
+        """Cordon host ``name`` and release its nodes, each after its preemption notice;
+        ``Host.drain`` reports progress (see :meth:`get_host`)."""
+        request = inventory_pb2.DrainHostRequest(
+            name=host_name(name), reason=reason, policy=resources_pb2.DRAIN_POLICY_RELEASE
+        )
+        return self._unary(self._inventory.DrainHost, request)
+
+    def drain_box(self, name: str, reason: str = "", *, policy: str = "move") -> resources_pb2.Box:
+        """Cordon box ``name`` and move (``policy="move"``: onto other boxes, on each node's
+        own host) or release (``"release"``) the GPUs nodes hold in it; ``Box.drain``
+        reports progress."""
+        policies = {
+            "move": resources_pb2.DRAIN_POLICY_MOVE,
+            "release": resources_pb2.DRAIN_POLICY_RELEASE,
+        }
+        if policy not in policies:
+            raise InvalidArgument(f"policy must be move or release, got {policy!r}")
+        request = inventory_pb2.DrainBoxRequest(
+            name=box_name(name), reason=reason, policy=policies[policy]
+        )
+        return self._unary(self._inventory.DrainBox, request)
+
     def list_audit_records(
         self,
         *,
@@ -680,6 +722,11 @@ class Client:
         tenant: str,
         labels: Mapping[str, str] | None,
         request_id: str | None,
+        priority: int = 0,
+        min_gpus: int = 0,
+        preemption_grace_s: int | None = None,
+        queue: bool = False,
+        queue_timeout_s: int = 0,
     ) -> nodes_pb2.ComposeNodeRequest:
         spec = parse_gpus(gpus)
         request = nodes_pb2.ComposeNodeRequest(
@@ -705,7 +752,13 @@ class Client:
             ),
             node_id=names.check_id(node_id.removeprefix("nodes/"), "node") if node_id else "",
             request_id=names.check_request_id(request_id or str(uuid.uuid4())),
+            queue=queue,
+            queue_timeout_s=queue_timeout_s,
         )
+        request.spec.priority = priority
+        request.spec.min_gpus = min_gpus
+        if preemption_grace_s is not None:
+            request.spec.preemption_grace_s = preemption_grace_s
         return request
 
     def compose_node(
@@ -727,6 +780,11 @@ class Client:
         tenant: str = "",
         labels: Mapping[str, str] | None = None,
         request_id: str | None = None,
+        priority: int = 0,
+        min_gpus: int = 0,
+        preemption_grace_s: int | None = None,
+        queue: bool = False,
+        queue_timeout_s: int = 0,
     ) -> resources_pb2.VirtualNode:
         """Place and commit a node; it comes back PENDING (see :meth:`wait_for_node`).
 
@@ -741,6 +799,14 @@ class Client:
         and ``host_memory`` (a size such as "64GiB", or MiB) must be free on the host.
         Retrying with the same ``request_id`` returns the same node.
         Raises ResourceExhausted when nothing fits, NotFound for an unknown host.
+
+        With ``queue`` a node that does not fit now comes back QUEUED instead and is
+        placed as capacity frees (``queue_timeout_s``: how long it may wait, 0 until
+        released); :meth:`wait_for_node` waits through QUEUED. ``priority`` (0-1000)
+        orders waiting requests and lets one preempt borrowed nodes of lower priority;
+        ``min_gpus`` makes the node elastic (shrunk toward it, not preempted, when the
+        lent capacity it holds is reclaimed); ``preemption_grace_s`` is the notice it
+        gets before its GPUs are taken (default: the broker's).
         """
         request = self._compose_request(
             gpus,
@@ -759,6 +825,11 @@ class Client:
             tenant=tenant,
             labels=labels,
             request_id=request_id,
+            priority=priority,
+            min_gpus=min_gpus,
+            preemption_grace_s=preemption_grace_s,
+            queue=queue,
+            queue_timeout_s=queue_timeout_s,
         )
         return self._unary(self._nodes.ComposeNode, request)
 
@@ -781,8 +852,12 @@ class Client:
         tenant: str = "",
         labels: Mapping[str, str] | None = None,
         request_id: str | None = None,
+        priority: int = 0,
+        min_gpus: int = 0,
     ) -> nodes_pb2.NodePlan:
-        """Explain where :meth:`compose_node` with these arguments would go; commits nothing.
+        """Explain where :meth:`compose_node` with these arguments would go, what it
+        would preempt to fit (``preemptions``) and whether its tenant's quota holds it;
+        commits nothing.
 
         ``node_id`` and ``request_id`` are accepted, as :meth:`compose_node` takes them,
         and checked, but a plan does not use them."""
@@ -803,6 +878,8 @@ class Client:
             tenant=tenant,
             labels=labels,
             request_id=request_id,
+            priority=priority,
+            min_gpus=min_gpus,
         )
         return self._unary(self._nodes.PlanNode, nodes_pb2.PlanNodeRequest(spec=request.spec))
 
@@ -887,6 +964,12 @@ class Client:
         tenant: str = "",
         labels: Mapping[str, str] | None = None,
         request_id: str | None = None,
+        priority: int = 0,
+        preemption_grace_s: int | None = None,
+        queue: bool = False,
+        queue_timeout_s: int = 0,
+        distinct_hosts: bool = False,
+        same_switch: bool = False,
     ) -> nodes_pb2.Gang:
         """Compose ``count`` nodes of the same spec all or nothing; they come back
         PENDING as ``nodes/{gang}-0`` ... (see :meth:`wait_for_gang`).
@@ -894,8 +977,11 @@ class Client:
         The spec arguments are :meth:`compose_node`'s. Retrying with the same
         ``request_id`` returns the same gang. Raises ResourceExhausted when some member
         does not fit or the members together exceed the tenant's quota (reason
-        QUOTA_EXCEEDED; nothing is composed), InvalidArgument for a gang too large for
-        one etcd transaction (the message states the limit)."""
+        QUOTA_EXCEEDED; nothing is composed), InvalidArgument for more members than a
+        gang may have (the message states the limit). ``distinct_hosts`` puts every
+        member on a host of its own, ``same_switch`` every member's GPUs under one rack
+        switch; with ``queue`` a gang that does not fit now comes back QUEUED (no member
+        yet) and is composed whole as capacity frees."""
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise InvalidArgument(
                 f"count must be a whole number of members, 1 or more; got {count!r}"
@@ -917,11 +1003,17 @@ class Client:
             tenant=tenant,
             labels=labels,
             request_id=request_id,
+            priority=priority,
+            preemption_grace_s=preemption_grace_s,
         )
         request = nodes_pb2.ComposeGangRequest(
             members=[one.spec] * count,
             gang_id=gang_name(gang_id).removeprefix("gangs/") if gang_id else "",
             request_id=one.request_id,
+            queue=queue,
+            queue_timeout_s=queue_timeout_s,
+            distinct_hosts=distinct_hosts,
+            same_switch=same_switch,
         )
         return self._unary(self._nodes.ComposeGang, request)
 
@@ -947,10 +1039,13 @@ class Client:
 
         Raises FailedPrecondition as soon as any member can no longer get there (e.g. its
         host was lost: the message names the member; the others are left as they are,
-        release the gang), TimeoutError when ``timeout_s`` passes first for any member."""
-        gang = self.get_gang(name)
+        release the gang), TimeoutError when ``timeout_s`` passes first for any member.
+        A gang that waits in the queue, or is still being committed, is waited for
+        first; one that failed (rolled back, timed out) raises FailedPrecondition."""
         deadline = time.monotonic() + timeout_s
         wanted = tuple(until)
+        releasing = NodeState.NODE_STATE_RELEASED in {node_state(w) for w in wanted}
+        gang = self._wait_gang_valid(name, deadline, timeout_s, releasing=releasing)
         members = []
         for node in gang.nodes:
             # every member is looked at at least once, even after the deadline
@@ -967,7 +1062,51 @@ class Client:
                 raise TimeoutError(
                     f"gang {gang.name} not ready after {timeout_s:g}s: {error}"
                 ) from None
-        return nodes_pb2.Gang(name=gang.name, nodes=members)
+        return nodes_pb2.Gang(
+            name=gang.name, nodes=members, state=gang.state, message=gang.message, size=gang.size
+        )
+
+    def _wait_gang_valid(
+        self, name: str, deadline: float, timeout_s: float, *, releasing: bool = False
+    ) -> nodes_pb2.Gang:
+        """The gang once it exists whole (polled with backoff while QUEUED or being
+        committed); ``releasing``: a gang that ended (FAILED, RELEASED) is what is
+        waited for, not an error."""
+        pause = 0.05
+        while True:
+            gang = self.get_gang(name)
+            state = gang.state
+            ended = (_GANG_STATE.GANG_STATE_FAILED, _GANG_STATE.GANG_STATE_RELEASED)
+            if releasing and state in ended:
+                return gang
+            if state in ended:
+                raise FailedPrecondition(
+                    f"gang {gang.name} is {_GANG_STATE.Name(state)}: {gang.message}",
+                    reason="GANG_NOT_COMPOSED",
+                )
+            if state not in _GANG_WAITING:
+                return gang
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"gang {gang.name} not composed after {timeout_s:g}s: "
+                    f"{_GANG_STATE.Name(state)} ({gang.message})"
+                )
+            time.sleep(min(pause, max(deadline - time.monotonic(), 0.01)))
+            pause = min(pause * 2, 2.0)
+
+    # -- the queue -----------------------------------------------------------------------
+
+    def list_queue(self, *, tenant: str = "") -> list[nodes_pb2.QueueEntry]:
+        """The waiting requests in the order they will be served (a tenant caller: its
+        own, at their positions in the whole queue)."""
+        tenant_id = tenant_name(tenant).removeprefix("tenants/") if tenant else ""
+        return self._collect(
+            self._nodes.ListQueue,
+            lambda token: nodes_pb2.ListQueueRequest(
+                tenant=tenant_id, page_size=_PAGE_SIZE, page_token=token
+            ),
+            lambda response: (response.entries, response.next_page_token),
+        )
 
     # -- tenants -------------------------------------------------------------------------
 
@@ -978,15 +1117,27 @@ class Client:
         gpus: int | None = None,
         gpus_by_model: Mapping[str, int] | None = None,
         nodes: int | None = None,
+        guaranteed_gpus: int | None = None,
+        borrow_limit: int | None = None,
+        max_priority: int | None = None,
     ) -> resources_pb2.Tenant:
         """Replace tenant ``name``'s quota (``"team-a"`` or ``"tenants/team-a"``). A
         limit left out (None, or a model not named) is no limit; 0 allows nothing.
-        Returns the tenant with its current usage. Operators only."""
+        ``guaranteed_gpus`` makes the tenant take part in loaning (nodes beyond it are
+        borrowed and preemptible), ``borrow_limit`` bounds its borrowing, ``max_priority``
+        caps its nodes' priority. Returns the tenant with its current usage. Operators
+        only."""
         quota = resources_pb2.TenantQuota(gpus_by_model=dict(gpus_by_model or {}))
         if gpus is not None:
             quota.gpus = gpus
         if nodes is not None:
             quota.nodes = nodes
+        if guaranteed_gpus is not None:
+            quota.guaranteed_gpus = guaranteed_gpus
+        if borrow_limit is not None:
+            quota.borrow_limit = borrow_limit
+        if max_priority is not None:
+            quota.max_priority = max_priority
         request = nodes_pb2.SetTenantQuotaRequest(name=tenant_name(name), quota=quota)
         return self._unary(self._nodes.SetTenantQuota, request)
 

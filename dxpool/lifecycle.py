@@ -24,6 +24,8 @@ generation (and the GPU was scrubbed): no path frees a GPU that a host may still
 
 Node (``NodeState``)::
 
+    QUEUED ─► (admitted) PENDING; QUEUED ─► FAILED (timed out) or RELEASING (cancelled)
+
     PENDING ─► ATTACHING ─► READY ─► RELEASING ─► RELEASED
        │           │         │ ▲         ▲  ▲
        │           │    grow ▼ │ done    │  │
@@ -65,6 +67,10 @@ NodeStateValue: TypeAlias = pb.NodeState.ValueType
 GpuStateValue: TypeAlias = pb.GpuState.ValueType
 
 NODE_TRANSITIONS: Mapping[int, frozenset[int]] = {
+    # admitted (placed and committed), given up (queue timeout, tenant deleted), cancelled
+    pb.NODE_STATE_QUEUED: frozenset(
+        {pb.NODE_STATE_PENDING, pb.NODE_STATE_FAILED, pb.NODE_STATE_RELEASING}
+    ),
     pb.NODE_STATE_PENDING: frozenset(
         {
             pb.NODE_STATE_ATTACHING,
@@ -126,6 +132,7 @@ NODE_STATE_REASONS: Mapping[int, str] = {
     pb.NODE_STATE_LOST: "Lost",
     pb.NODE_STATE_DEGRADED: "Degraded",
     pb.NODE_STATE_RESIZING: "Resizing",
+    pb.NODE_STATE_QUEUED: "Queued",
 }
 _WARNING_STATES = frozenset({pb.NODE_STATE_FAILED, pb.NODE_STATE_LOST, pb.NODE_STATE_DEGRADED})
 

@@ -27,6 +27,10 @@ limit                    value          why
                                         left over on its hardware (twice its most slots)
 ``MAX_ROUND_TRIPS``      1024           a host's round-trip samples, one per box it reaches
 ``MAX_STATUS_TEXT``      1024           an agent's message or health reason for one GPU
+``MAX_PRIORITY``         1000           a node's priority (0 lowest); room for classes
+``MAX_QUEUE_TIMEOUT_S``  7 days         how long a queued request may be told to wait
+``MAX_GRACE_S``          3600           a preemption notice's grace period
+``MAX_GANG_MEMBERS``     4096           members of one gang (chunked over transactions)
 =======================  =============  ==================================================
 """
 
@@ -57,3 +61,7 @@ MAX_QUOTA_MODELS = 64
 MAX_STATUS_ENTRIES = 2 * MAX_HOST_SLOTS
 MAX_ROUND_TRIPS = 1024
 MAX_STATUS_TEXT = 1024
+MAX_PRIORITY = 1000
+MAX_QUEUE_TIMEOUT_S = 7 * 24 * 3600
+MAX_GRACE_S = 3600
+MAX_GANG_MEMBERS = 4096

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from dxpool.cli.commands.maintenance import drain_box
 from dxpool.cli.context import CliContext, pass_cli
 from dxpool.cli.describe import describe_box
 from dxpool.cli.errors import for_each
@@ -24,7 +25,7 @@ from dxpool.request import GpuSpec
 
 @click.group(cls=SummaryGroup)
 def box() -> None:
-    """Register, list, cordon and delete GPU boxes."""
+    """Register, list, cordon, drain and delete GPU boxes."""
 
 
 @box.command("add")
@@ -156,3 +157,6 @@ def delete(cli: CliContext, names: tuple[str, ...], ignore_not_found: bool) -> N
         return f"{name} deleted"
 
     for_each(names, remove, client.endpoint, ignore_not_found=ignore_not_found)
+
+
+box.add_command(drain_box)

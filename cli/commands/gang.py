@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from dxpool.api.v1 import nodes_pb2, resources_pb2
@@ -11,6 +13,7 @@ from dxpool.cli.commands.node import (
     _request_kwargs,
     _request_options,
 )
+from dxpool.cli.commands.sharing import gang_queue_options, sharing_kwargs
 from dxpool.cli.context import CliContext, pass_cli
 from dxpool.cli.errors import MAX_CONCURRENT_WAITS, for_each
 from dxpool.cli.help import SummaryGroup
@@ -46,6 +49,7 @@ def gang() -> None:
 
 @gang.command("create")
 @_request_options
+@gang_queue_options
 @click.option(
     "--count",
     type=click.IntRange(min=1),
@@ -70,6 +74,7 @@ def gang() -> None:
 @pass_cli
 def create(
     cli: CliContext,
+    /,
     *,
     gpus: GpuSpec,
     mixed_models: bool,
@@ -92,17 +97,21 @@ def create(
     wait: bool,
     timeout: float,
     output: OutputFormat,
+    **sharing: Any,
 ) -> None:
     """Compose COUNT nodes at once, all or none.
 
     Members are nodes named GANG-0 ... GANG-(COUNT-1), e.g.
-    `dxpool gang create --count 4 --gpus H100:8 --wait`."""
+    `dxpool gang create --count 4 --gpus H100:8 --wait`. A gang too large for one etcd
+    transaction is committed in chunks and becomes valid at once; with --queue a gang
+    that does not fit now waits as one."""
     client = cli.client()
     created = client.compose_gang(
         _gpu_request(gpus, mixed_models),
         count,
         gang_id=gang_id,
         request_id=request_id,
+        **sharing_kwargs(**sharing),
         **_request_kwargs(
             host_name=host_name,
             max_latency=max_latency,
@@ -120,7 +129,10 @@ def create(
         ),
     )
     hosts = sorted({n.host.removeprefix("hosts/") for n in created.nodes})
-    info(f"{created.name} created: {len(created.nodes)} nodes on {', '.join(hosts)}")
+    if created.state == resources_pb2.GANG_STATE_QUEUED:
+        info(f"{created.name} queued (position {created.queue.position}): {created.queue.reason}")
+    else:
+        info(f"{created.name} created: {len(created.nodes)} nodes on {', '.join(hosts)}")
     if wait:
         info(f"waiting up to {timeout:g}s for every member of {created.name} to become READY")
         created = client.wait_for_gang(created.name, timeout_s=timeout)

@@ -1,10 +1,11 @@
-"""``dxpool host list|get|describe``: the hosts GPUs are attached to (registered by their
-agents)."""
+"""``dxpool host list|get|describe|cordon|uncordon|drain``: the hosts GPUs are attached
+to (registered by their agents)."""
 
 from __future__ import annotations
 
 import click
 
+from dxpool.cli.commands.maintenance import cordon, drain_host, uncordon
 from dxpool.cli.context import CliContext, pass_cli
 from dxpool.cli.describe import describe_host
 from dxpool.cli.help import SummaryGroup
@@ -15,7 +16,7 @@ from dxpool.cli.views import HOST_VIEW
 
 @click.group(cls=SummaryGroup)
 def host() -> None:
-    """List hosts and their proxy slots."""
+    """List hosts and their proxy slots; cordon, drain and uncordon them."""
 
 
 @host.command("list")
@@ -44,3 +45,8 @@ def describe(cli: CliContext, names: tuple[str, ...]) -> None:
     client = cli.client()
     texts = [describe_host(client.get_host(name), client.list_nodes(host=name)) for name in names]
     click.echo("\n\n".join(texts))
+
+
+host.add_command(cordon)
+host.add_command(uncordon)
+host.add_command(drain_host)

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import click
 
 from dxpool.api.v1 import nodes_pb2, resources_pb2
+from dxpool.cli.commands.sharing import node_queue_options, sharing_kwargs
 from dxpool.cli.context import CliContext, pass_cli
 from dxpool.cli.describe import describe_node
 from dxpool.cli.errors import MAX_CONCURRENT_WAITS, for_each
@@ -51,6 +52,7 @@ from dxpool.cli.params import (
     labels_dict,
     selector_option,
 )
+from dxpool.cli.sharing_view import plan_preemptions
 from dxpool.cli.views import (
     BINDING_VIEW,
     CANDIDATE_VIEW,
@@ -218,6 +220,7 @@ def node() -> None:
 
 @node.command("create")
 @_request_options
+@node_queue_options
 @click.option(
     "--name", "node_id", type=NODE_ID, default=None, help="Node id; generated when not given."
 )
@@ -237,6 +240,7 @@ def node() -> None:
 @pass_cli
 def create(
     cli: CliContext,
+    /,
     *,
     gpus: GpuSpec,
     mixed_models: bool,
@@ -259,8 +263,12 @@ def create(
     timeout: float,
     dry_run: bool,
     output: OutputFormat,
+    **sharing: Any,
 ) -> None:
     """Compose a node, e.g. `dxpool node create --gpus H100:4 --max-latency 4us --wait`.
+
+    With --queue a node that does not fit now waits (QUEUED, `node describe` shows its
+    position and why) and is placed as capacity frees.
 
     With --dry-run, print where it would go (as `node plan` does) and create nothing;
     exit 1 when nothing fits now."""
@@ -284,13 +292,15 @@ def create(
                 vfio=vfio,
                 tenant=tenant,
                 labels=labels,
-            ),
+            )
+            | {"priority": sharing["priority"], "min_gpus": sharing["min_gpus"]},
         )
         return
     created = client.compose_node(
         _gpu_request(gpus, mixed_models),
         node_id=node_id,
         request_id=request_id,
+        **sharing_kwargs(**sharing),
         **_request_kwargs(
             host_name=host_name,
             max_latency=max_latency,
@@ -307,7 +317,10 @@ def create(
             labels=labels,
         ),
     )
-    info(f"{created.name} created on {created.host or 'a host to be chosen'}")
+    if created.state == NodeState.NODE_STATE_QUEUED:
+        info(f"{created.name} queued: {created.queue.reason}")
+    else:
+        info(f"{created.name} created on {created.host or 'a host to be chosen'}")
     if wait:
         info(f"waiting up to {timeout:g}s for {created.name} to become READY")
         with _interrupted_wait(created.name, "is still being attached"):
@@ -329,6 +342,9 @@ def _dry_run_create(
         )
     bound = ", ".join(short(b.gpu) for b in result.gpus)
     click.echo(f"{name} would be created on {short(result.host)} with {bound} (dry run)")
+    preemptions = plan_preemptions(result)
+    if preemptions:
+        click.echo(preemptions)
 
 
 @contextmanager
@@ -394,6 +410,9 @@ def plan(
         click.echo(dump(to_dict(result), output).rstrip("\n"))
         return
     _print_plan(result, wide=output is OutputFormat.WIDE)
+    preemptions = plan_preemptions(result)
+    if preemptions:
+        click.echo("\n" + preemptions)
 
 
 def _print_plan(result: nodes_pb2.NodePlan, *, wide: bool) -> None:

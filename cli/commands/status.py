@@ -16,6 +16,7 @@ from dxpool.cli import picture
 from dxpool.cli.context import CliContext, pass_cli
 from dxpool.cli.output import OutputFormat, dump, format_table, output_option, to_dict
 from dxpool.cli.params import SECONDS
+from dxpool.cli.sharing_view import status_lines
 from dxpool.cli.views import enum_label
 from dxpool.client import Client
 
@@ -145,5 +146,6 @@ def render(pool: inventory_pb2.PoolStatus) -> str:
             f"Hosts:  {pool.hosts_alive} alive, {pool.hosts_dead} dead, "
             f"{pool.free_host_slots} free proxy slots on live hosts",
             f"Fit now (nodes that could still be composed, one after another): {fits}",
+            *status_lines(pool),
         ]
     )

@@ -28,6 +28,19 @@ def tenant() -> None:
     help="GPUs of one model, MODEL=COUNT (e.g. H100=8); repeat for more models.",
 )
 @click.option("--nodes", type=click.IntRange(0), help="Nodes.")
+@click.option(
+    "--guaranteed",
+    "guaranteed_gpus",
+    type=click.IntRange(0),
+    help="GPUs guaranteed to the tenant: never preempted, and taken back from borrowers "
+    "when it needs them; beyond it the tenant borrows (preemptible nodes).",
+)
+@click.option(
+    "--borrow-limit",
+    type=click.IntRange(0),
+    help="Most GPUs it may borrow beyond --guaranteed (0: a hard quota at the guarantee).",
+)
+@click.option("--max-priority", type=click.IntRange(0), help="Highest priority its nodes may ask.")
 @output_option()
 @pass_cli
 def set_quota(
@@ -36,6 +49,9 @@ def set_quota(
     gpus: int | None,
     gpus_model: tuple[tuple[str, int], ...],
     nodes: int | None,
+    guaranteed_gpus: int | None,
+    borrow_limit: int | None,
+    max_priority: int | None,
     output: OutputFormat,
 ) -> None:
     """Replace a tenant's quota.
@@ -47,7 +63,17 @@ def set_quota(
     by_model = dict(gpus_model)
     if len(by_model) != len(gpus_model):
         raise click.UsageError("--gpus-model names a model more than once")
-    updated = cli.client().set_tenant_quota(name, gpus=gpus, gpus_by_model=by_model, nodes=nodes)
+    if borrow_limit is not None and guaranteed_gpus is None:
+        raise click.UsageError("--borrow-limit needs --guaranteed (a tenant borrows beyond it)")
+    updated = cli.client().set_tenant_quota(
+        name,
+        gpus=gpus,
+        gpus_by_model=by_model,
+        nodes=nodes,
+        guaranteed_gpus=guaranteed_gpus,
+        borrow_limit=borrow_limit,
+        max_priority=max_priority,
+    )
     print_one(updated, TENANT_VIEW, output)
 
 

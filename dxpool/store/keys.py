@@ -24,6 +24,8 @@ key (below the prefix)                 value                 written by   lifeti
                                        (utf-8)                            or box
 ``tenants/{tenant}``                   Tenant (quota +       broker       persistent
                                        usage)
+``gangs/{gang}``                       GangRecord            broker       until its members
+                                                                          are collected
 ``elections/{duty}``                   broker id (utf-8)     broker       etcd lease: the leader
                                                                           of a singleton duty
 ``brokers/{broker id}``                agent endpoint        broker       on the broker's agent
@@ -53,6 +55,7 @@ REQUESTS = "requests"
 ELECTIONS = "elections"
 TENANTS = "tenants"
 BROKERS = "brokers"
+GANGS = "gangs"
 
 COLLECTIONS = (
     BOXES,
@@ -65,6 +68,7 @@ COLLECTIONS = (
     REQUESTS,
     TENANTS,
     BROKERS,
+    GANGS,
 )
 
 
@@ -120,6 +124,9 @@ class KeySchema:
         """A broker's registration while it holds agent sessions: on the same etcd lease
         as their liveness records, so both go together when the broker dies."""
         return f"{self.prefix}{BROKERS}/{broker_id}"
+
+    def gang(self, gang_id: str) -> str:
+        return f"{self.prefix}{GANGS}/{gang_id}"
 
     def election(self, duty: str) -> str:
         """The key a broker holds (on its lease) while it performs a singleton ``duty``.

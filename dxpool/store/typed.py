@@ -41,6 +41,7 @@ MESSAGE_TYPES: dict[str, type[Message] | None] = {
     k.REQUESTS: None,
     k.TENANTS: pb.Tenant,
     k.BROKERS: None,
+    k.GANGS: pb.GangRecord,
 }
 
 M = TypeVar("M")

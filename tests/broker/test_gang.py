@@ -23,7 +23,7 @@ from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.gang import gang_ops, without_placement
 from dxpool.broker.placement import Binding, Placement
 from dxpool.broker.server import BrokerServer
-from dxpool.limits import MAX_TXN_OPS
+from dxpool.limits import MAX_GANG_MEMBERS, MAX_TXN_OPS
 from dxpool.store.keys import KeySchema
 from dxpool.store.typed import MAX_TXN_OPS as STORE_MAX_TXN_OPS
 from tests.conftest import Stubs, add_box, pool_records, wait_until
@@ -236,26 +236,28 @@ def test_a_gang_whose_last_member_does_not_fit_writes_nothing(
     assert pool_records(etcd_client, key_prefix) == before
 
 
-def test_a_gang_too_large_for_one_transaction_is_refused_before_anything_is_read(
+def test_a_gang_beyond_one_transaction_is_placed_whole_before_anything_is_written(
     pool: Stubs, etcd_client: Any, key_prefix: str
 ) -> None:
+    """A gang too large for one etcd transaction goes the chunked way (a gang record,
+    see tests/broker/test_gang_chunks.py); one the pool cannot hold is refused for
+    capacity before anything is written, and one over the member limit is invalid."""
     assert MAX_TXN_OPS == STORE_MAX_TXN_OPS
     largest = gang_request(11, "H100:8")
     assert gang_ops(largest.members) <= MAX_TXN_OPS  # 88 + 33 + 1
+    assert gang_ops(gang_request(12, "H100:8").members) > MAX_TXN_OPS
     before = pool_records(etcd_client, key_prefix)
 
-    with pytest.raises(grpc.RpcError) as refused:
+    with pytest.raises(grpc.RpcError) as capacity:
         pool.nodes.ComposeGang(gang_request(12, "H100:8"))
-
+    assert capacity.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "Nothing was committed" in (capacity.value.details() or "")
+    assert pool_records(etcd_client, key_prefix) == before
+    with pytest.raises(grpc.RpcError) as refused:
+        pool.nodes.ComposeGang(gang_request(MAX_GANG_MEMBERS + 1, "H100:1"))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert reason(refused.value) == "GANG_TOO_LARGE"
-    assert "at most 128" in (refused.value.details() or "")
     assert pool_records(etcd_client, key_prefix) == before
-    # Too large is judged on the request, not on what the pool holds: 11 x 8 is only
-    # refused for capacity.
-    with pytest.raises(grpc.RpcError) as capacity:
-        pool.nodes.ComposeGang(largest)
-    assert capacity.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,7 @@ from dxpool.broker.request_limits import (
 from dxpool.broker.server import BrokerServer
 from dxpool.broker.validation import check_box, check_node_spec
 from dxpool.limits import (
+    MAX_GANG_MEMBERS,
     MAX_GPU_MEMORY_MIB,
     MAX_GPUS_PER_BOX,
     MAX_HOST_CPUS,
@@ -217,6 +218,18 @@ def largest_requests() -> dict[str, Message]:
         "InventoryService.CordonBox": inventory_pb2.CordonBoxRequest(
             name=f"boxes/{ID}", reason=reason
         ),
+        "InventoryService.CordonHost": inventory_pb2.CordonHostRequest(
+            name=f"hosts/{ID}", reason=reason
+        ),
+        "InventoryService.DrainHost": inventory_pb2.DrainHostRequest(
+            name=f"hosts/{ID}", reason=reason, policy=pb.DRAIN_POLICY_RELEASE
+        ),
+        "InventoryService.DrainBox": inventory_pb2.DrainBoxRequest(
+            name=f"boxes/{ID}", reason=reason, policy=pb.DRAIN_POLICY_RELEASE
+        ),
+        "NodeService.ListQueue": nodes_pb2.ListQueueRequest(
+            page_size=1000, page_token=TOKEN, tenant="t" * MAX_TENANT
+        ),
         "InventoryService.ReclaimGpu": inventory_pb2.ReclaimGpuRequest(
             name=f"boxes/{ID}/gpus/4095", reason=reason
         ),
@@ -263,6 +276,23 @@ def test_the_largest_request_of_each_method_fits_its_limit(name: str) -> None:
     assert limit <= max(2 * size, DEFAULT_MAX_REQUEST_BYTES), f"{name}: {size} of {limit}"
 
 
+def test_a_gang_of_the_most_members_with_ordinary_specs_fits_its_limit() -> None:
+    """Gangs are chunked over transactions, so a gang may have MAX_GANG_MEMBERS members;
+    with specs of an ordinary size (a model and count, a tenant, two labels, a priority,
+    a grace) the largest such request still fits ComposeGang's limit."""
+    spec = pb.NodeSpec(
+        gpus=pb.GpuRequest(model="H100", count=8),
+        tenant="t" * 32,
+        labels={"job": "j" * 40, "team": "t" * 24},
+        priority=1000,
+        preemption_grace_s=3600,
+    )
+    request = nodes_pb2.ComposeGangRequest(
+        members=[spec] * MAX_GANG_MEMBERS, gang_id=ID, request_id=REQUEST_ID
+    )
+    assert len(request.SerializeToString()) <= limit_for(_path("NodeService.ComposeGang"))
+
+
 def _api_methods() -> dict[str, str]:
     """``Service.Method`` -> method path, for every service of every ``dxpool.v1`` proto
     module (a service added later is found here without an edit)."""
@@ -282,6 +312,7 @@ def _api_methods() -> dict[str, str]:
 # Methods whose requests are a name or two, ids, a page size and token: the default limit.
 SMALL = {
     "InventoryService.GetBox", "InventoryService.UncordonBox", "InventoryService.DeleteBox",
+    "InventoryService.UncordonHost",
     "InventoryService.GetGpu", "InventoryService.GetHost", "InventoryService.GetPoolStatus",
     "NodeService.GetNode", "NodeService.GetNodeHostdev", "NodeService.ReleaseNode",
     "NodeService.WatchNodes", "NodeService.GetGang", "NodeService.ReleaseGang",

@@ -31,7 +31,10 @@ Safety, at every revision (:func:`check_records`):
 
 * ``DOUBLE_CLAIM`` — a GPU is listed in the bindings of two live nodes. Whatever
   ``Gpu.node`` says, two tenants believe they hold one GPU. (A GPU listed by a live node
-  and by terminal nodes is normal: released and failed nodes keep their bindings.)
+  and by terminal nodes is normal: released and failed nodes keep their bindings. So is
+  a shrinking node's DETACHING binding of a GPU whose record no longer names it: the
+  release path freed the GPU, which another node may already hold, and the controller
+  drops the binding in a later transaction; nothing acts on such a binding.)
 * ``READY_NODE_GPU`` — a READY node lists a GPU that is not ATTACHED to it (owned by
   another node, free, or in another state). READY and ATTACHED are committed together.
 * ``OWNER_MISSING`` / ``OWNER_RELEASED`` / ``OWNER_UNAWARE`` — ``Gpu.node`` names a node
@@ -53,6 +56,13 @@ Safety, at every revision (:func:`check_records`):
   state, and no GPU record lies outside a box: free + owned + fencing + quarantined +
   faulted = total.
 * ``RECORD_UNREADABLE`` — a record does not parse or its name disagrees with its key.
+* ``TENANT_USAGE`` — a tenant's recorded usage (nodes, GPUs, and of those the borrowed
+  ones) is not what its charged nodes in PENDING, ATTACHING, READY, RESIZING or DEGRADED
+  hold (every binding they still list): usage changes only with those nodes, in the same
+  transactions, so the two agree at every revision.
+* ``GUARANTEE_PREEMPTED`` — a node within its tenant's guarantee (not ``preemptible``)
+  carries a notice given for a waiting request: lent capacity is reclaimed, and lower
+  priority preempted, from borrowed nodes only.
 * ``ACK_LOST`` (:func:`check_acknowledged`) — a compose the client got a node back for is
   not in etcd, and the test did not release it (a released node may be collected).
 
@@ -184,6 +194,8 @@ class Kind(enum.StrEnum):
     ALLOCATION_LEFT = "ALLOCATION_LEFT"
     STATUS_LEFT = "STATUS_LEFT"
     FENCE_TIMEOUT = "FENCE_TIMEOUT"
+    TENANT_USAGE = "TENANT_USAGE"
+    GUARANTEE_PREEMPTED = "GUARANTEE_PREEMPTED"
     # Reported by the chaos run itself rather than by a snapshot check.
     UNEXPECTED_ERROR = "UNEXPECTED_ERROR"
     PROCESS_DIED = "PROCESS_DIED"
@@ -230,6 +242,8 @@ _MESSAGE_TYPES: dict[str, type[Message]] = {
     k.HOST_ALLOCATIONS: pb.HostAllocation,
     k.HOST_STATUSES: pb.HostStatus,
     k.NODES: pb.VirtualNode,
+    k.TENANTS: pb.Tenant,
+    k.GANGS: pb.GangRecord,
 }
 
 
@@ -252,6 +266,8 @@ class EtcdSnapshot:
     allocations: dict[str, Record[pb.HostAllocation]] = field(default_factory=dict)
     statuses: dict[str, Record[pb.HostStatus]] = field(default_factory=dict)
     nodes: dict[str, Record[pb.VirtualNode]] = field(default_factory=dict)
+    tenants: dict[str, Record[pb.Tenant]] = field(default_factory=dict)
+    gangs: dict[str, Record[pb.GangRecord]] = field(default_factory=dict)
     requests: dict[str, str] = field(default_factory=dict)
     unreadable: list[Violation] = field(default_factory=list)
 
@@ -316,6 +332,10 @@ class EtcdSnapshot:
             self.allocations[f"hosts/{rest}"] = Record(message, mod_revision)  # type: ignore[arg-type]
         elif collection == k.HOST_STATUSES:
             self.statuses[f"hosts/{rest}"] = Record(message, mod_revision)  # type: ignore[arg-type]
+        elif collection == k.TENANTS:
+            self.tenants[rest] = Record(message, mod_revision)  # type: ignore[arg-type]
+        elif collection == k.GANGS:
+            self.gangs[f"gangs/{rest}"] = Record(message, mod_revision)  # type: ignore[arg-type]
 
     def _expect_name(self, key: str, name: str, message: Message) -> None:
         found = getattr(message, "name", name)
@@ -443,6 +463,68 @@ def check_records(snap: EtcdSnapshot) -> list[Violation]:
     found += _check_claims(snap)
     found += _check_host_slots(snap)
     found += _check_allocations(snap)
+    found += _check_tenant_usage(snap)
+    found += _check_preemptions(snap)
+    return found
+
+
+# The states in which a charged node counts in its tenant's usage.
+_CHARGED_STATES = frozenset(
+    {
+        pb.NODE_STATE_PENDING,
+        pb.NODE_STATE_ATTACHING,
+        pb.NODE_STATE_READY,
+        pb.NODE_STATE_RESIZING,
+        pb.NODE_STATE_DEGRADED,
+    }
+)
+
+
+def _check_tenant_usage(snap: EtcdSnapshot) -> list[Violation]:
+    """A tenant's usage is what its charged nodes hold: nodes, GPUs (every binding the
+    node still lists), and of those the borrowed (preemptible) ones."""
+    held: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+    for _, node in snap.node_items():
+        if node.charged and node.spec.tenant and node.state in _CHARGED_STATES:
+            counts = held[node.spec.tenant]
+            counts[0] += 1
+            counts[1] += len(node.gpus)
+            if node.preemptible:
+                counts[2] += 1
+                counts[3] += len(node.gpus)
+    found: list[Violation] = []
+    for tenant in sorted(set(held) | set(snap.tenants)):
+        record = snap.tenants.get(tenant)
+        usage = record.value.usage if record is not None else pb.TenantUsage()
+        recorded = [usage.nodes, usage.gpus, usage.borrowed_nodes, usage.borrowed_gpus]
+        if recorded != held.get(tenant, [0, 0, 0, 0]):
+            found.append(
+                Violation(
+                    Kind.TENANT_USAGE,
+                    f"tenants/{tenant}",
+                    f"usage (nodes, gpus, borrowed nodes, borrowed gpus) {recorded}, its "
+                    f"charged nodes hold {held.get(tenant, [0, 0, 0, 0])}",
+                    snap.revision,
+                )
+            )
+    return found
+
+
+def _check_preemptions(snap: EtcdSnapshot) -> list[Violation]:
+    """A request (a node or gang waiting) takes GPUs only from borrowed nodes: a notice
+    for one on a node within its tenant's guarantee breaks the guarantee."""
+    found: list[Violation] = []
+    for name, node in snap.node_items():
+        by = node.preemption.by if node.HasField("preemption") else ""
+        if by.startswith(("nodes/", "gangs/")) and not node.preemptible:
+            found.append(
+                Violation(
+                    Kind.GUARANTEE_PREEMPTED,
+                    name,
+                    f"guaranteed node given a notice for {by}: {node.preemption.reason}",
+                    snap.revision,
+                )
+            )
     return found
 
 
@@ -518,6 +600,19 @@ def _check_owners(snap: EtcdSnapshot) -> list[Violation]:
     return found
 
 
+def _let_go_by_shrink(
+    snap: EtcdSnapshot, node_name: str, node: pb.VirtualNode, binding: pb.GpuBinding
+) -> bool:
+    """A RESIZING node's DETACHING binding whose GPU no longer names the node: a shrink
+    the release path finished, whose binding the controller has not dropped yet."""
+    if node.state != pb.NODE_STATE_RESIZING:
+        return False
+    if binding.phase != pb.ATTACHMENT_PHASE_DETACHING:
+        return False
+    gpu = snap.gpu(binding.gpu)
+    return gpu is not None and gpu.node != node_name
+
+
 def _check_claims(snap: EtcdSnapshot) -> list[Violation]:
     found: list[Violation] = []
     rev = snap.revision
@@ -526,7 +621,8 @@ def _check_claims(snap: EtcdSnapshot) -> list[Violation]:
         if node.state not in LIVE_NODE_STATES:
             continue
         for binding in node.gpus:
-            claims[binding.gpu].append(f"{node_name} ({_node_state(node.state)})")
+            if not _let_go_by_shrink(snap, node_name, node, binding):
+                claims[binding.gpu].append(f"{node_name} ({_node_state(node.state)})")
         if node.state != pb.NODE_STATE_READY:
             continue
         for binding in node.gpus:

@@ -46,6 +46,7 @@ from tests.chaos.invariants import (
 )
 from tests.chaos.monitor import Monitor
 from tests.chaos.report import ChaosReport, ViolationBook
+from tests.chaos.sharing_load import set_quotas, sharing_summary, sharing_workers
 from tests.chaos.workload import OpLog, Worker
 
 
@@ -54,6 +55,9 @@ class RunConfig:
     seed: int = 20240611
     seconds: float = 75.0
     workers: int = 4
+    # Workers of two tenants that share the pool (loaning, reclaim, shrink, preemption,
+    # the queue); see tests/chaos/sharing_load.py.
+    sharing_workers: int = 3
     warmup_s: float = 3.0
     gap_s: tuple[float, float] = (2.0, 4.0)
     check_interval_s: float = 1.0
@@ -115,6 +119,16 @@ class ChaosRun:
                 Worker(i, self.pool.endpoints, self.log, stop, cfg.seed * 100 + i)
                 for i in range(cfg.workers)
             ]
+            if cfg.sharing_workers:
+                set_quotas(self.pool.endpoints)
+                workers += sharing_workers(
+                    cfg.workers,
+                    self.pool.endpoints,
+                    self.log,
+                    stop,
+                    cfg.seed,
+                    cfg.sharing_workers,
+                )
             for worker in workers:
                 worker.start()
             time.sleep(cfg.warmup_s)
@@ -266,6 +280,7 @@ class ChaosRun:
             "seed": cfg.seed,
             "seconds": cfg.seconds,
             "workers": cfg.workers,
+            "sharing_workers": cfg.sharing_workers,
             "fence_bound_s": cfg.fence_bound_s,
             "etcd_members": cfg.pool.etcd_members,
             "brokers": cfg.pool.brokers,
@@ -286,6 +301,7 @@ class ChaosRun:
                 "revision": snap.revision,
                 "gpus": snap.gpu_counts(),
                 "nodes": snap.node_counts(),
+                "sharing": sharing_summary(snap),
             },
             violations=[seen.to_json() for seen in self.book.entries()],
         )

@@ -292,6 +292,26 @@ def test_gpu_claimed_by_a_degraded_node_too(state: PoolState) -> None:
     assert ("DOUBLE_CLAIM", gname("b0", 0)) in kinds(check_records(state.snapshot()))
 
 
+def test_a_shrinks_detaching_binding_of_a_gpu_another_node_holds_is_no_claim(
+    state: PoolState,
+) -> None:
+    ready_node(state)
+    # n2 shrank off b0/0: the release path freed it and n1 took it; the controller has
+    # not yet dropped n2's DETACHING binding.
+    shrinking = pb.VirtualNode(
+        name="nodes/n2",
+        host="hosts/h1",
+        state=pb.NODE_STATE_RESIZING,
+        gpus=[pb.GpuBinding(gpu=gname("b0", 0), host_slot=0, phase=pb.ATTACHMENT_PHASE_DETACHING)],
+    )
+    state.put(state.schema.node("n2"), shrinking)
+    assert ("DOUBLE_CLAIM", gname("b0", 0)) not in kinds(check_records(state.snapshot()))
+    # the same binding not DETACHING is a claim: n2 believes it holds the GPU
+    shrinking.gpus[0].phase = pb.ATTACHMENT_PHASE_ATTACHED
+    state.put(state.schema.node("n2"), shrinking)
+    assert ("DOUBLE_CLAIM", gname("b0", 0)) in kinds(check_records(state.snapshot()))
+
+
 def test_ready_node_whose_gpu_was_freed(state: PoolState) -> None:
     ready_node(state)
     state.gpu("b1", 1)  # freed behind the READY node's back
@@ -548,3 +568,45 @@ def test_fenced_host_passes(state: PoolState) -> None:
     state.fabric.map("b0", 1, "h0", 1)
     state.client.delete(state.schema.host_lease("h0"))
     assert check_fenced(state.snapshot(), state.fabric_snapshot(), "hosts/h0", 9.0) == []
+
+
+# -- sharing: tenants' usage and preemption notices --------------------------------------------
+
+
+def charge(state: PoolState, node_id: str, tenant: str, *, preemptible: bool) -> None:
+    """Mark node ``node_id`` (written by :meth:`PoolState.node`) charged to ``tenant``."""
+    raw, _ = state.client.get(state.schema.node(node_id))
+    node = pb.VirtualNode.FromString(raw)
+    node.spec.tenant = tenant
+    node.charged = True
+    node.preemptible = preemptible
+    state.put(state.schema.node(node_id), node)
+
+
+def test_a_tenant_usage_that_matches_its_nodes_is_consistent(state: PoolState) -> None:
+    ready_node(state)
+    charge(state, "n1", "t", preemptible=True)
+    usage = pb.TenantUsage(gpus=2, nodes=1, borrowed_gpus=2, borrowed_nodes=1)
+    state.put(state.schema.tenant("t"), pb.Tenant(name="tenants/t", usage=usage))
+    assert not check_records(state.snapshot())
+
+
+def test_a_tenant_usage_that_drifted_from_its_nodes_is_reported(state: PoolState) -> None:
+    ready_node(state)
+    charge(state, "n1", "t", preemptible=True)
+    usage = pb.TenantUsage(gpus=2, nodes=1)  # the borrowed part was lost
+    state.put(state.schema.tenant("t"), pb.Tenant(name="tenants/t", usage=usage))
+    assert kinds(check_records(state.snapshot())) == {("TENANT_USAGE", "tenants/t")}
+
+
+def test_a_notice_on_a_guaranteed_node_for_a_request_is_reported(state: PoolState) -> None:
+    ready_node(state)
+    raw, _ = state.client.get(state.schema.node("n1"))
+    node = pb.VirtualNode.FromString(raw)
+    node.preemption.by = "nodes/waiting"
+    node.preemption.reason = "lent capacity"
+    state.put(state.schema.node("n1"), node)
+    assert kinds(check_records(state.snapshot())) == {("GUARANTEE_PREEMPTED", "nodes/n1")}
+    node.preemption.by = "hosts/h0"  # a drain may give any node a notice
+    state.put(state.schema.node("n1"), node)
+    assert not check_records(state.snapshot())

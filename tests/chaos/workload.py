@@ -145,6 +145,7 @@ class _Pending:
     request_id: str
     gpus: str
     tries: int = 0
+    kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 class Worker(threading.Thread):
@@ -188,6 +189,14 @@ class Worker(threading.Thread):
             for client in self.clients:
                 client.close()
 
+    def hold_s(self) -> tuple[float, float]:
+        """How long (from, to) this worker holds a node before releasing it."""
+        return (0.2, 1.5)
+
+    def compose_kwargs(self, gpus: str) -> dict[str, Any]:
+        """Extra arguments of this worker's composes (the same for a retry of one)."""
+        return {}
+
     def _order(self) -> list[int]:
         others = [i for i in range(len(self.clients)) if i != self.preferred]
         return [self.preferred, *others]
@@ -213,18 +222,19 @@ class Worker(threading.Thread):
         self._retry_pending()
         gpus = f"H100:{self.rng.randint(1, self.max_gpus)}"
         request_id = f"chaos-w{self.index}-{self.rng.getrandbits(48):012x}"
+        kwargs = self.compose_kwargs(gpus)
         node, code, endpoint = self._call(
-            "compose", lambda c: c.compose_node(gpus, request_id=request_id)
+            "compose", lambda c: c.compose_node(gpus, request_id=request_id, **kwargs)
         )
         if node is None:
             if code in AMBIGUOUS_CODES:
-                self.unresolved.append(_Pending(request_id, gpus))
+                self.unresolved.append(_Pending(request_id, gpus, kwargs=kwargs))
             self._pause(0.2, 0.6)
             return
         self.log.result("compose", "OK")
         self.log.ack(node.name, endpoint, request_id)
         self._wait(node.name)
-        self._pause(0.2, 1.5)
+        self._pause(*self.hold_s())
         self._release(node.name)
         self._pause(0.05, 0.2)
 
@@ -263,7 +273,7 @@ class Worker(threading.Thread):
             pending.tries += 1
             node, code, endpoint = self._call(
                 "adopt",
-                lambda c, p=pending: c.compose_node(p.gpus, request_id=p.request_id),
+                lambda c, p=pending: c.compose_node(p.gpus, request_id=p.request_id, **p.kwargs),
             )
             if node is not None:
                 self.log.result("adopt", "OK")

@@ -64,6 +64,10 @@ EXPECTED: dict[str, frozenset[grpc.StatusCode]] = {
     "InventoryService.GetHost": _LOOKUP,
     "InventoryService.GetPoolStatus": _LIST,
     "InventoryService.ListHosts": _LIST,
+    "InventoryService.CordonHost": _LOOKUP,
+    "InventoryService.UncordonHost": _LOOKUP,
+    "InventoryService.DrainHost": _LOOKUP,
+    "InventoryService.DrainBox": _LOOKUP,
     "NodeService.ComposeNode": _LOOKUP
     | {C.ALREADY_EXISTS, C.RESOURCE_EXHAUSTED, C.FAILED_PRECONDITION},
     "NodeService.PlanNode": _LOOKUP | {C.FAILED_PRECONDITION},  # UNKNOWN_MODEL
@@ -82,6 +86,7 @@ EXPECTED: dict[str, frozenset[grpc.StatusCode]] = {
     "NodeService.GetTenant": _LIST,  # a tenant never seen has no quota and no usage
     "NodeService.ListTenants": _LIST,
     "NodeService.DeleteTenant": _LOOKUP | {C.FAILED_PRECONDITION},
+    "NodeService.ListQueue": _LIST,
     "FabricService.GetLatency": _LOOKUP,
     "FabricService.Predict": _LOOKUP | {C.RESOURCE_EXHAUSTED},
     "AuditService.ListAuditRecords": _LIST,
@@ -132,6 +137,10 @@ MUTATIONS = frozenset(
         "InventoryService.DeleteBox",
         "InventoryService.ReclaimGpu",
         "InventoryService.ClearGpuHealth",
+        "InventoryService.CordonHost",
+        "InventoryService.UncordonHost",
+        "InventoryService.DrainHost",
+        "InventoryService.DrainBox",
         "NodeService.ComposeNode",
         "NodeService.ReleaseNode",
         "NodeService.ComposeGang",
@@ -151,6 +160,10 @@ FOLLOWED_UP = frozenset(
         "NodeService.ResizeNode",
         "InventoryService.ReclaimGpu",
         "InventoryService.ClearGpuHealth",
+        "InventoryService.DrainHost",
+        "InventoryService.DrainBox",
+        "InventoryService.UncordonHost",
+        "InventoryService.UncordonBox",
     }
 )
 
@@ -196,6 +209,16 @@ BASELINES: dict[str, Message] = {
     "InventoryService.GetHost": inventory_pb2.GetHostRequest(name="hosts/h1"),
     "InventoryService.GetPoolStatus": inventory_pb2.GetPoolStatusRequest(),
     "InventoryService.ListHosts": inventory_pb2.ListHostsRequest(page_size=5),
+    "InventoryService.CordonHost": inventory_pb2.CordonHostRequest(
+        name="hosts/h1", reason="maintenance"
+    ),
+    "InventoryService.UncordonHost": inventory_pb2.UncordonHostRequest(name="hosts/h1"),
+    "InventoryService.DrainHost": inventory_pb2.DrainHostRequest(
+        name="hosts/h1", reason="kernel upgrade", policy=pb.DRAIN_POLICY_RELEASE
+    ),
+    "InventoryService.DrainBox": inventory_pb2.DrainBoxRequest(
+        name="boxes/box2", reason="firmware", policy=pb.DRAIN_POLICY_MOVE
+    ),
     "NodeService.ComposeNode": nodes_pb2.ComposeNodeRequest(spec=_SPEC, request_id="r-node"),
     "NodeService.PlanNode": nodes_pb2.PlanNodeRequest(spec=_SPEC),
     "NodeService.GetNode": nodes_pb2.GetNodeRequest(name="nodes/n1"),
@@ -217,6 +240,7 @@ BASELINES: dict[str, Message] = {
     "NodeService.GetTenant": nodes_pb2.GetTenantRequest(name="tenants/ml"),
     "NodeService.DeleteTenant": nodes_pb2.DeleteTenantRequest(name="tenants/idle"),
     "NodeService.ListTenants": nodes_pb2.ListTenantsRequest(page_size=2),
+    "NodeService.ListQueue": nodes_pb2.ListQueueRequest(page_size=2, tenant="ml"),
     "FabricService.GetLatency": fabric_pb2.GetLatencyRequest(host="hosts/h1", box="boxes/box1"),
     "FabricService.Predict": fabric_pb2.PredictRequest(
         host="hosts/h1", gpus=pb.GpuRequest(model="H100", count=2), workload="400@5ms"

@@ -432,6 +432,103 @@ class ListHostsResponse(_message.Message):
 Global___ListHostsResponse: _TypeAlias = ListHostsResponse  # noqa: Y015
 
 @_typing.final
+class CordonHostRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """"hosts/{host}" """
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CordonHostRequest: _TypeAlias = CordonHostRequest  # noqa: Y015
+
+@_typing.final
+class UncordonHostRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """"hosts/{host}" """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UncordonHostRequest: _TypeAlias = UncordonHostRequest  # noqa: Y015
+
+@_typing.final
+class DrainHostRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    POLICY_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """"hosts/{host}" """
+    reason: _builtins.str
+    policy: _resources_pb2.DrainPolicy.ValueType
+    """UNSPECIFIED or RELEASE (a node cannot keep running on another host)."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        policy: _resources_pb2.DrainPolicy.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "policy", b"policy", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainHostRequest: _TypeAlias = DrainHostRequest  # noqa: Y015
+
+@_typing.final
+class DrainBoxRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    POLICY_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """"boxes/{box}" """
+    reason: _builtins.str
+    policy: _resources_pb2.DrainPolicy.ValueType
+    """UNSPECIFIED (MOVE), MOVE or RELEASE."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        policy: _resources_pb2.DrainPolicy.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "policy", b"policy", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainBoxRequest: _TypeAlias = DrainBoxRequest  # noqa: Y015
+
+@_typing.final
 class GetPoolStatusRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -545,10 +642,17 @@ class PoolStatus(_message.Message):
     HOSTS_DEAD_FIELD_NUMBER: _builtins.int
     FREE_HOST_SLOTS_FIELD_NUMBER: _builtins.int
     FITS_FIELD_NUMBER: _builtins.int
+    QUEUE_FIELD_NUMBER: _builtins.int
+    PREEMPTIONS_PENDING_FIELD_NUMBER: _builtins.int
+    HOSTS_CORDONED_FIELD_NUMBER: _builtins.int
     hosts_alive: _builtins.int
     hosts_dead: _builtins.int
     free_host_slots: _builtins.int
     """on live hosts"""
+    preemptions_pending: _builtins.int
+    """Nodes with a preemption notice not yet carried out."""
+    hosts_cordoned: _builtins.int
+    """Cordoned hosts (draining ones included)."""
     @_builtins.property
     def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelStatus]:
         """the first is all models together"""
@@ -559,6 +663,10 @@ class PoolStatus(_message.Message):
 
     @_builtins.property
     def fits(self) -> _containers.RepeatedCompositeFieldContainer[Global___FitCount]: ...
+    @_builtins.property
+    def queue(self) -> _containers.RepeatedCompositeFieldContainer[Global___TenantQueue]:
+        """The queue, per tenant ("" for requests charged to no one), by tenant name."""
+
     def __init__(
         self,
         *,
@@ -568,11 +676,49 @@ class PoolStatus(_message.Message):
         hosts_dead: _builtins.int = ...,
         free_host_slots: _builtins.int = ...,
         fits: _abc.Iterable[Global___FitCount] | None = ...,
+        queue: _abc.Iterable[Global___TenantQueue] | None = ...,
+        preemptions_pending: _builtins.int = ...,
+        hosts_cordoned: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fits", b"fits", "free_host_slots", b"free_host_slots", "hosts_alive", b"hosts_alive", "hosts_dead", b"hosts_dead", "models", b"models", "nodes_by_state", b"nodes_by_state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fits", b"fits", "free_host_slots", b"free_host_slots", "hosts_alive", b"hosts_alive", "hosts_cordoned", b"hosts_cordoned", "hosts_dead", b"hosts_dead", "models", b"models", "nodes_by_state", b"nodes_by_state", "preemptions_pending", b"preemptions_pending", "queue", b"queue"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PoolStatus: _TypeAlias = PoolStatus  # noqa: Y015
+
+@_typing.final
+class TenantQueue(_message.Message):
+    """One tenant's waiting requests."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    WAITING_FIELD_NUMBER: _builtins.int
+    GPUS_FIELD_NUMBER: _builtins.int
+    OLDEST_WAIT_S_FIELD_NUMBER: _builtins.int
+    HEAD_REASON_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    waiting: _builtins.int
+    gpus: _builtins.int
+    oldest_wait_s: _builtins.float
+    """The longest wait so far, in seconds."""
+    head_reason: _builtins.str
+    """Why its first request in queue order waits."""
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        waiting: _builtins.int = ...,
+        gpus: _builtins.int = ...,
+        oldest_wait_s: _builtins.float = ...,
+        head_reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus", "head_reason", b"head_reason", "oldest_wait_s", b"oldest_wait_s", "tenant", b"tenant", "waiting", b"waiting"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TenantQueue: _TypeAlias = TenantQueue  # noqa: Y015

@@ -101,6 +101,26 @@ class InventoryServiceStub:
                 request_serializer=dxpool_dot_v1_dot_inventory__pb2.ListHostsRequest.SerializeToString,
                 response_deserializer=dxpool_dot_v1_dot_inventory__pb2.ListHostsResponse.FromString,
                 _registered_method=True)
+        self.CordonHost = channel.unary_unary(
+                '/dxpool.v1.InventoryService/CordonHost',
+                request_serializer=dxpool_dot_v1_dot_inventory__pb2.CordonHostRequest.SerializeToString,
+                response_deserializer=dxpool_dot_v1_dot_resources__pb2.Host.FromString,
+                _registered_method=True)
+        self.UncordonHost = channel.unary_unary(
+                '/dxpool.v1.InventoryService/UncordonHost',
+                request_serializer=dxpool_dot_v1_dot_inventory__pb2.UncordonHostRequest.SerializeToString,
+                response_deserializer=dxpool_dot_v1_dot_resources__pb2.Host.FromString,
+                _registered_method=True)
+        self.DrainHost = channel.unary_unary(
+                '/dxpool.v1.InventoryService/DrainHost',
+                request_serializer=dxpool_dot_v1_dot_inventory__pb2.DrainHostRequest.SerializeToString,
+                response_deserializer=dxpool_dot_v1_dot_resources__pb2.Host.FromString,
+                _registered_method=True)
+        self.DrainBox = channel.unary_unary(
+                '/dxpool.v1.InventoryService/DrainBox',
+                request_serializer=dxpool_dot_v1_dot_inventory__pb2.DrainBoxRequest.SerializeToString,
+                response_deserializer=dxpool_dot_v1_dot_resources__pb2.Box.FromString,
+                _registered_method=True)
 
 
 class InventoryServiceServicer:
@@ -198,6 +218,38 @@ class InventoryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CordonHost(self, request, context):
+        """Stops placement from giving the host new nodes; its nodes stay. Idempotent.
+        NOT_FOUND for an unknown host.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UncordonHost(self, request, context):
+        """Makes the host schedulable again and ends a drain of it. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DrainHost(self, request, context):
+        """Cordons the host and releases its nodes, each after its preemption notice (grace
+        period); the host's `drain` reports progress until DRAINED. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DrainBox(self, request, context):
+        """Cordons the box and moves (or releases) the GPUs nodes hold in it: with policy MOVE
+        each node's GPUs there are replaced by GPUs of other boxes on the node's own host;
+        the box's `drain` reports progress until DRAINED. UncordonBox ends the drain.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InventoryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -265,6 +317,26 @@ def add_InventoryServiceServicer_to_server(servicer, server):
                     servicer.ListHosts,
                     request_deserializer=dxpool_dot_v1_dot_inventory__pb2.ListHostsRequest.FromString,
                     response_serializer=dxpool_dot_v1_dot_inventory__pb2.ListHostsResponse.SerializeToString,
+            ),
+            'CordonHost': grpc.unary_unary_rpc_method_handler(
+                    servicer.CordonHost,
+                    request_deserializer=dxpool_dot_v1_dot_inventory__pb2.CordonHostRequest.FromString,
+                    response_serializer=dxpool_dot_v1_dot_resources__pb2.Host.SerializeToString,
+            ),
+            'UncordonHost': grpc.unary_unary_rpc_method_handler(
+                    servicer.UncordonHost,
+                    request_deserializer=dxpool_dot_v1_dot_inventory__pb2.UncordonHostRequest.FromString,
+                    response_serializer=dxpool_dot_v1_dot_resources__pb2.Host.SerializeToString,
+            ),
+            'DrainHost': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainHost,
+                    request_deserializer=dxpool_dot_v1_dot_inventory__pb2.DrainHostRequest.FromString,
+                    response_serializer=dxpool_dot_v1_dot_resources__pb2.Host.SerializeToString,
+            ),
+            'DrainBox': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainBox,
+                    request_deserializer=dxpool_dot_v1_dot_inventory__pb2.DrainBoxRequest.FromString,
+                    response_serializer=dxpool_dot_v1_dot_resources__pb2.Box.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -618,6 +690,114 @@ class InventoryService:
             '/dxpool.v1.InventoryService/ListHosts',
             dxpool_dot_v1_dot_inventory__pb2.ListHostsRequest.SerializeToString,
             dxpool_dot_v1_dot_inventory__pb2.ListHostsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CordonHost(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dxpool.v1.InventoryService/CordonHost',
+            dxpool_dot_v1_dot_inventory__pb2.CordonHostRequest.SerializeToString,
+            dxpool_dot_v1_dot_resources__pb2.Host.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UncordonHost(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dxpool.v1.InventoryService/UncordonHost',
+            dxpool_dot_v1_dot_inventory__pb2.UncordonHostRequest.SerializeToString,
+            dxpool_dot_v1_dot_resources__pb2.Host.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainHost(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dxpool.v1.InventoryService/DrainHost',
+            dxpool_dot_v1_dot_inventory__pb2.DrainHostRequest.SerializeToString,
+            dxpool_dot_v1_dot_resources__pb2.Host.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainBox(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dxpool.v1.InventoryService/DrainBox',
+            dxpool_dot_v1_dot_inventory__pb2.DrainBoxRequest.SerializeToString,
+            dxpool_dot_v1_dot_resources__pb2.Box.FromString,
             options,
             channel_credentials,
             insecure,

@@ -64,6 +64,21 @@ class InventoryServiceStub:
     and how many nodes of 1, 2, 4 and 8 GPUs would fit now.
     """
     ListHosts: _grpc.UnaryUnaryMultiCallable[_inventory_pb2.ListHostsRequest, _inventory_pb2.ListHostsResponse]
+    CordonHost: _grpc.UnaryUnaryMultiCallable[_inventory_pb2.CordonHostRequest, _resources_pb2.Host]
+    """Stops placement from giving the host new nodes; its nodes stay. Idempotent.
+    NOT_FOUND for an unknown host.
+    """
+    UncordonHost: _grpc.UnaryUnaryMultiCallable[_inventory_pb2.UncordonHostRequest, _resources_pb2.Host]
+    """Makes the host schedulable again and ends a drain of it. Idempotent."""
+    DrainHost: _grpc.UnaryUnaryMultiCallable[_inventory_pb2.DrainHostRequest, _resources_pb2.Host]
+    """Cordons the host and releases its nodes, each after its preemption notice (grace
+    period); the host's `drain` reports progress until DRAINED. Idempotent.
+    """
+    DrainBox: _grpc.UnaryUnaryMultiCallable[_inventory_pb2.DrainBoxRequest, _resources_pb2.Box]
+    """Cordons the box and moves (or releases) the GPUs nodes hold in it: with policy MOVE
+    each node's GPUs there are replaced by GPUs of other boxes on the node's own host;
+    the box's `drain` reports progress until DRAINED. UncordonBox ends the drain.
+    """
 
 @_typing.type_check_only
 class InventoryServiceAsyncStub(InventoryServiceStub):
@@ -99,6 +114,21 @@ class InventoryServiceAsyncStub(InventoryServiceStub):
     and how many nodes of 1, 2, 4 and 8 GPUs would fit now.
     """
     ListHosts: _aio.UnaryUnaryMultiCallable[_inventory_pb2.ListHostsRequest, _inventory_pb2.ListHostsResponse]  # type: ignore[assignment]
+    CordonHost: _aio.UnaryUnaryMultiCallable[_inventory_pb2.CordonHostRequest, _resources_pb2.Host]  # type: ignore[assignment]
+    """Stops placement from giving the host new nodes; its nodes stay. Idempotent.
+    NOT_FOUND for an unknown host.
+    """
+    UncordonHost: _aio.UnaryUnaryMultiCallable[_inventory_pb2.UncordonHostRequest, _resources_pb2.Host]  # type: ignore[assignment]
+    """Makes the host schedulable again and ends a drain of it. Idempotent."""
+    DrainHost: _aio.UnaryUnaryMultiCallable[_inventory_pb2.DrainHostRequest, _resources_pb2.Host]  # type: ignore[assignment]
+    """Cordons the host and releases its nodes, each after its preemption notice (grace
+    period); the host's `drain` reports progress until DRAINED. Idempotent.
+    """
+    DrainBox: _aio.UnaryUnaryMultiCallable[_inventory_pb2.DrainBoxRequest, _resources_pb2.Box]  # type: ignore[assignment]
+    """Cordons the box and moves (or releases) the GPUs nodes hold in it: with policy MOVE
+    each node's GPUs there are replaced by GPUs of other boxes on the node's own host;
+    the box's `drain` reports progress until DRAINED. UncordonBox ends the drain.
+    """
 
 class InventoryServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -209,5 +239,44 @@ class InventoryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _inventory_pb2.ListHostsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_inventory_pb2.ListHostsResponse, _abc.Awaitable[_inventory_pb2.ListHostsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def CordonHost(
+        self,
+        request: _inventory_pb2.CordonHostRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_resources_pb2.Host, _abc.Awaitable[_resources_pb2.Host]]:
+        """Stops placement from giving the host new nodes; its nodes stay. Idempotent.
+        NOT_FOUND for an unknown host.
+        """
+
+    @_abc_1.abstractmethod
+    def UncordonHost(
+        self,
+        request: _inventory_pb2.UncordonHostRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_resources_pb2.Host, _abc.Awaitable[_resources_pb2.Host]]:
+        """Makes the host schedulable again and ends a drain of it. Idempotent."""
+
+    @_abc_1.abstractmethod
+    def DrainHost(
+        self,
+        request: _inventory_pb2.DrainHostRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_resources_pb2.Host, _abc.Awaitable[_resources_pb2.Host]]:
+        """Cordons the host and releases its nodes, each after its preemption notice (grace
+        period); the host's `drain` reports progress until DRAINED. Idempotent.
+        """
+
+    @_abc_1.abstractmethod
+    def DrainBox(
+        self,
+        request: _inventory_pb2.DrainBoxRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_resources_pb2.Box, _abc.Awaitable[_resources_pb2.Box]]:
+        """Cordons the box and moves (or releases) the GPUs nodes hold in it: with policy MOVE
+        each node's GPUs there are replaced by GPUs of other boxes on the node's own host;
+        the box's `drain` reports progress until DRAINED. UncordonBox ends the drain.
+        """
 
 def add_InventoryServiceServicer_to_server(servicer: InventoryServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

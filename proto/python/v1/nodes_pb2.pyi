@@ -117,12 +117,25 @@ class ComposeNodeRequest(_message.Message):
     SPEC_FIELD_NUMBER: _builtins.int
     NODE_ID_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    QUEUE_FIELD_NUMBER: _builtins.int
+    QUEUE_TIMEOUT_S_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """Optional id for the node ("nodes/{node_id}"); generated when empty. Same rules
     as box ids.
     """
     request_id: _builtins.str
     """Makes the call idempotent: up to 128 characters of [A-Za-z0-9._:-]."""
+    queue: _builtins.bool
+    """Wait instead of being refused: when the node does not fit now (no capacity, the
+    tenant's quota, lent capacity being reclaimed), it is committed in state QUEUED
+    and placed as capacity frees, in queue order (see QueueStatus). A request within its
+    tenant's guarantee may take lent GPUs back, and one of higher priority may preempt
+    borrowed nodes of lower priority, while it waits.
+    """
+    queue_timeout_s: _builtins.int
+    """With queue: how long the node may wait, in seconds (0: until released; at most 7
+    days); past it the node is FAILED.
+    """
     @_builtins.property
     def spec(self) -> _resources_pb2.NodeSpec: ...
     def __init__(
@@ -131,10 +144,12 @@ class ComposeNodeRequest(_message.Message):
         spec: _resources_pb2.NodeSpec | None = ...,
         node_id: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        queue: _builtins.bool = ...,
+        queue_timeout_s: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "request_id", b"request_id", "spec", b"spec"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "queue", b"queue", "queue_timeout_s", b"queue_timeout_s", "request_id", b"request_id", "spec", b"spec"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -207,8 +222,14 @@ class NodePlan(_message.Message):
     GPUS_FIELD_NUMBER: _builtins.int
     HOSTS_FIELD_NUMBER: _builtins.int
     UNSATISFIED_FIELD_NUMBER: _builtins.int
+    PREEMPTIONS_FIELD_NUMBER: _builtins.int
+    PREEMPTIBLE_FIELD_NUMBER: _builtins.int
     host: _builtins.str
     """Empty when nothing fits."""
+    preemptible: _builtins.bool
+    """The node would be composed on lent capacity (its tenant is beyond its guarantee),
+    so it would be preemptible.
+    """
     @_builtins.property
     def gpus(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.GpuBinding]: ...
     @_builtins.property
@@ -217,6 +238,12 @@ class NodePlan(_message.Message):
     def unsatisfied(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Per-constraint account of what is missing when nothing fits."""
 
+    @_builtins.property
+    def preemptions(self) -> _containers.RepeatedCompositeFieldContainer[Global___PlannedPreemption]:
+        """Nodes that would be preempted or shrunk for the request (its placement then being
+        `host` and `gpus`): lent capacity its tenant may take back, or lower priority.
+        """
+
     def __init__(
         self,
         *,
@@ -224,14 +251,60 @@ class NodePlan(_message.Message):
         gpus: _abc.Iterable[_resources_pb2.GpuBinding] | None = ...,
         hosts: _abc.Iterable[Global___PlanCandidate] | None = ...,
         unsatisfied: _abc.Iterable[_builtins.str] | None = ...,
+        preemptions: _abc.Iterable[Global___PlannedPreemption] | None = ...,
+        preemptible: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus", "host", b"host", "hosts", b"hosts", "unsatisfied", b"unsatisfied"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus", "host", b"host", "hosts", b"hosts", "preemptible", b"preemptible", "preemptions", b"preemptions", "unsatisfied", b"unsatisfied"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___NodePlan: _TypeAlias = NodePlan  # noqa: Y015
+
+@_typing.final
+class PlannedPreemption(_message.Message):
+    """A node a request would preempt (or shrink) to fit."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    GPUS_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    GPU_HOURS_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    """"nodes/{node}" """
+    tenant: _builtins.str
+    priority: _builtins.int
+    reason: _builtins.str
+    """Why it may be preempted: "lent capacity" (reclaimed for a guarantee) or "lower
+    priority".
+    """
+    gpu_hours: _builtins.float
+    """The GPU-hours it has run so far (lost if the work is not checkpointed)."""
+    @_builtins.property
+    def gpus(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The GPUs it would give up when shrunk (an elastic node); empty: released whole."""
+
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        gpus: _abc.Iterable[_builtins.str] | None = ...,
+        tenant: _builtins.str = ...,
+        priority: _builtins.int = ...,
+        reason: _builtins.str = ...,
+        gpu_hours: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_hours", b"gpu_hours", "gpus", b"gpus", "node", b"node", "priority", b"priority", "reason", b"reason", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlannedPreemption: _TypeAlias = PlannedPreemption  # noqa: Y015
 
 @_typing.final
 class GetNodeRequest(_message.Message):
@@ -526,12 +599,25 @@ class ComposeGangRequest(_message.Message):
     MEMBERS_FIELD_NUMBER: _builtins.int
     GANG_ID_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    QUEUE_FIELD_NUMBER: _builtins.int
+    QUEUE_TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    DISTINCT_HOSTS_FIELD_NUMBER: _builtins.int
+    SAME_SWITCH_FIELD_NUMBER: _builtins.int
     gang_id: _builtins.str
     """Optional id for the gang ("gangs/{gang_id}"); generated when empty. Same rules as
     node ids, and "{gang_id}-{i}" must be a valid node id for every member i.
     """
     request_id: _builtins.str
     """Makes the call idempotent: up to 128 characters of [A-Za-z0-9._:-]."""
+    queue: _builtins.bool
+    """Wait as one instead of being refused (see ComposeNodeRequest.queue): the gang's
+    record is QUEUED and no member exists until every member can be placed.
+    """
+    queue_timeout_s: _builtins.int
+    distinct_hosts: _builtins.bool
+    """Every member on a host of its own."""
+    same_switch: _builtins.bool
+    """Every member's GPUs under one top-of-rack switch, the same switch for all members."""
     @_builtins.property
     def members(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.NodeSpec]:
         """One spec per member, in member order (at least one)."""
@@ -542,10 +628,14 @@ class ComposeGangRequest(_message.Message):
         members: _abc.Iterable[_resources_pb2.NodeSpec] | None = ...,
         gang_id: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        queue: _builtins.bool = ...,
+        queue_timeout_s: _builtins.int = ...,
+        distinct_hosts: _builtins.bool = ...,
+        same_switch: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gang_id", b"gang_id", "members", b"members", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["distinct_hosts", b"distinct_hosts", "gang_id", b"gang_id", "members", b"members", "queue", b"queue", "queue_timeout_s", b"queue_timeout_s", "request_id", b"request_id", "same_switch", b"same_switch"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -561,21 +651,41 @@ class Gang(_message.Message):
 
     NAME_FIELD_NUMBER: _builtins.int
     NODES_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    QUEUE_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """"gangs/{gang}" """
+    state: _resources_pb2.GangState.ValueType
+    """The gang's own state, for gangs with a record (queued, large, or asking for
+    distinct hosts or one switch); UNSPECIFIED for a small gang committed at once,
+    whose members alone say how it stands.
+    """
+    message: _builtins.str
+    size: _builtins.int
+    """How many members it has."""
     @_builtins.property
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.VirtualNode]:
         """The members, in member order."""
+
+    @_builtins.property
+    def queue(self) -> _resources_pb2.QueueStatus:
+        """While QUEUED: where it stands."""
 
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         nodes: _abc.Iterable[_resources_pb2.VirtualNode] | None = ...,
+        state: _resources_pb2.GangState.ValueType = ...,
+        message: _builtins.str = ...,
+        queue: _resources_pb2.QueueStatus | None = ...,
+        size: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["queue", b"queue"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "nodes", b"nodes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "name", b"name", "nodes", b"nodes", "queue", b"queue", "size", b"size", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -695,3 +805,88 @@ class DeleteTenantResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DeleteTenantResponse: _TypeAlias = DeleteTenantResponse  # noqa: Y015
+
+@_typing.final
+class ListQueueRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    page_size: _builtins.int
+    page_token: _builtins.str
+    tenant: _builtins.str
+    """Only this tenant's requests; empty for all (a tenant caller gets its own)."""
+    def __init__(
+        self,
+        *,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListQueueRequest: _TypeAlias = ListQueueRequest  # noqa: Y015
+
+@_typing.final
+class QueueEntry(_message.Message):
+    """One waiting request."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    GPUS_FIELD_NUMBER: _builtins.int
+    QUEUE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """"nodes/{node}" or "gangs/{gang}" """
+    tenant: _builtins.str
+    priority: _builtins.int
+    gpus: _builtins.int
+    """GPUs it asks for (all members of a gang together)."""
+    @_builtins.property
+    def queue(self) -> _resources_pb2.QueueStatus: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        priority: _builtins.int = ...,
+        gpus: _builtins.int = ...,
+        queue: _resources_pb2.QueueStatus | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["queue", b"queue"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus", "name", b"name", "priority", b"priority", "queue", b"queue", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___QueueEntry: _TypeAlias = QueueEntry  # noqa: Y015
+
+@_typing.final
+class ListQueueResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___QueueEntry]: ...
+    def __init__(
+        self,
+        *,
+        entries: _abc.Iterable[Global___QueueEntry] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "next_page_token", b"next_page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListQueueResponse: _TypeAlias = ListQueueResponse  # noqa: Y015

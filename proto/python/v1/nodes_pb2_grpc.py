@@ -111,6 +111,11 @@ class NodeServiceStub:
                 request_serializer=dxpool_dot_v1_dot_nodes__pb2.DeleteTenantRequest.SerializeToString,
                 response_deserializer=dxpool_dot_v1_dot_nodes__pb2.DeleteTenantResponse.FromString,
                 _registered_method=True)
+        self.ListQueue = channel.unary_unary(
+                '/dxpool.v1.NodeService/ListQueue',
+                request_serializer=dxpool_dot_v1_dot_nodes__pb2.ListQueueRequest.SerializeToString,
+                response_deserializer=dxpool_dot_v1_dot_nodes__pb2.ListQueueResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServiceServicer:
@@ -287,6 +292,15 @@ class NodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListQueue(self, request, context):
+        """The waiting requests (QUEUED nodes and gangs) in the order they will be served,
+        each with its position and why it waits. A tenant sees its own only (positions
+        stay those of the whole queue).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -364,6 +378,11 @@ def add_NodeServiceServicer_to_server(servicer, server):
                     servicer.DeleteTenant,
                     request_deserializer=dxpool_dot_v1_dot_nodes__pb2.DeleteTenantRequest.FromString,
                     response_serializer=dxpool_dot_v1_dot_nodes__pb2.DeleteTenantResponse.SerializeToString,
+            ),
+            'ListQueue': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListQueue,
+                    request_deserializer=dxpool_dot_v1_dot_nodes__pb2.ListQueueRequest.FromString,
+                    response_serializer=dxpool_dot_v1_dot_nodes__pb2.ListQueueResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -771,6 +790,33 @@ class NodeService:
             '/dxpool.v1.NodeService/DeleteTenant',
             dxpool_dot_v1_dot_nodes__pb2.DeleteTenantRequest.SerializeToString,
             dxpool_dot_v1_dot_nodes__pb2.DeleteTenantResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListQueue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dxpool.v1.NodeService/ListQueue',
+            dxpool_dot_v1_dot_nodes__pb2.ListQueueRequest.SerializeToString,
+            dxpool_dot_v1_dot_nodes__pb2.ListQueueResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -140,6 +140,11 @@ class NodeServiceStub:
     (TENANT_HAS_NODES) while any node charged to it, or naming it, holds GPUs: release
     them first. NOT_FOUND for a tenant without a record. Operators only.
     """
+    ListQueue: _grpc.UnaryUnaryMultiCallable[_nodes_pb2.ListQueueRequest, _nodes_pb2.ListQueueResponse]
+    """The waiting requests (QUEUED nodes and gangs) in the order they will be served,
+    each with its position and why it waits. A tenant sees its own only (positions
+    stay those of the whole queue).
+    """
 
 @_typing.type_check_only
 class NodeServiceAsyncStub(NodeServiceStub):
@@ -250,6 +255,11 @@ class NodeServiceAsyncStub(NodeServiceStub):
     """Deletes a tenant's record, its quota and usage with it. FAILED_PRECONDITION
     (TENANT_HAS_NODES) while any node charged to it, or naming it, holds GPUs: release
     them first. NOT_FOUND for a tenant without a record. Operators only.
+    """
+    ListQueue: _aio.UnaryUnaryMultiCallable[_nodes_pb2.ListQueueRequest, _nodes_pb2.ListQueueResponse]  # type: ignore[assignment]
+    """The waiting requests (QUEUED nodes and gangs) in the order they will be served,
+    each with its position and why it waits. A tenant sees its own only (positions
+    stay those of the whole queue).
     """
 
 class NodeServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -448,6 +458,17 @@ class NodeServiceServicer(metaclass=_abc_1.ABCMeta):
         """Deletes a tenant's record, its quota and usage with it. FAILED_PRECONDITION
         (TENANT_HAS_NODES) while any node charged to it, or naming it, holds GPUs: release
         them first. NOT_FOUND for a tenant without a record. Operators only.
+        """
+
+    @_abc_1.abstractmethod
+    def ListQueue(
+        self,
+        request: _nodes_pb2.ListQueueRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_nodes_pb2.ListQueueResponse, _abc.Awaitable[_nodes_pb2.ListQueueResponse]]:
+        """The waiting requests (QUEUED nodes and gangs) in the order they will be served,
+        each with its position and why it waits. A tenant sees its own only (positions
+        stay those of the whole queue).
         """
 
 def add_NodeServiceServicer_to_server(servicer: NodeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

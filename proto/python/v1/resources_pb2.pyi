@@ -47,6 +47,59 @@ BOX_STATE_CORDONED: BoxState.ValueType  # 2
 """Not schedulable for new nodes; GPUs already attached stay attached."""
 Global___BoxState: _TypeAlias = BoxState  # noqa: Y015
 
+class _DrainPolicy:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _DrainPolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DrainPolicy.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    DRAIN_POLICY_UNSPECIFIED: _DrainPolicy.ValueType  # 0
+    """RELEASE for a host; MOVE for a box."""
+    DRAIN_POLICY_RELEASE: _DrainPolicy.ValueType  # 1
+    """Each node gets a preemption notice (its grace period) and is then released."""
+    DRAIN_POLICY_MOVE: _DrainPolicy.ValueType  # 2
+    """A box only: each node's GPUs in the box are replaced by GPUs of other boxes on
+    the node's own host (grown, then the box's GPUs removed); the node keeps running.
+    A node that cannot be grown (not READY, affinity or spread, no capacity) is
+    reported as blocked and waits.
+    """
+
+class DrainPolicy(_DrainPolicy, metaclass=_DrainPolicyEnumTypeWrapper):
+    """What a drain does with the nodes that use a host or a box."""
+
+DRAIN_POLICY_UNSPECIFIED: DrainPolicy.ValueType  # 0
+"""RELEASE for a host; MOVE for a box."""
+DRAIN_POLICY_RELEASE: DrainPolicy.ValueType  # 1
+"""Each node gets a preemption notice (its grace period) and is then released."""
+DRAIN_POLICY_MOVE: DrainPolicy.ValueType  # 2
+"""A box only: each node's GPUs in the box are replaced by GPUs of other boxes on
+the node's own host (grown, then the box's GPUs removed); the node keeps running.
+A node that cannot be grown (not READY, affinity or spread, no capacity) is
+reported as blocked and waits.
+"""
+Global___DrainPolicy: _TypeAlias = DrainPolicy  # noqa: Y015
+
+class _DrainState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _DrainStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DrainState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    DRAIN_STATE_UNSPECIFIED: _DrainState.ValueType  # 0
+    DRAIN_STATE_DRAINING: _DrainState.ValueType  # 1
+    """Nodes still use the host or box."""
+    DRAIN_STATE_DRAINED: _DrainState.ValueType  # 2
+    """No node uses it any more."""
+
+class DrainState(_DrainState, metaclass=_DrainStateEnumTypeWrapper): ...
+
+DRAIN_STATE_UNSPECIFIED: DrainState.ValueType  # 0
+DRAIN_STATE_DRAINING: DrainState.ValueType  # 1
+"""Nodes still use the host or box."""
+DRAIN_STATE_DRAINED: DrainState.ValueType  # 2
+"""No node uses it any more."""
+Global___DrainState: _TypeAlias = DrainState  # noqa: Y015
+
 class _GpuState:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -201,6 +254,12 @@ class _NodeStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_NodeState.V
     if their attach fails or times out, without them (see `message`); or when the
     removed GPUs are detached and freed.
     """
+    NODE_STATE_QUEUED: _NodeState.ValueType  # 10
+    """Waiting in the queue (ComposeNode with queue): no host and no GPUs yet. Placed and
+    committed (PENDING) as capacity frees, in queue order (see QueueStatus); FAILED when
+    its queue_timeout passes or its tenant is deleted while it waits; releasing it
+    cancels it.
+    """
 
 class NodeState(_NodeState, metaclass=_NodeStateEnumTypeWrapper):
     """Lifecycle of a virtual node.
@@ -241,6 +300,12 @@ GPUs stay attached and in use. Back to READY when the new GPUs are attached, or,
 if their attach fails or times out, without them (see `message`); or when the
 removed GPUs are detached and freed.
 """
+NODE_STATE_QUEUED: NodeState.ValueType  # 10
+"""Waiting in the queue (ComposeNode with queue): no host and no GPUs yet. Placed and
+committed (PENDING) as capacity frees, in queue order (see QueueStatus); FAILED when
+its queue_timeout passes or its tenant is deleted while it waits; releasing it
+cancels it.
+"""
 Global___NodeState: _TypeAlias = NodeState  # noqa: Y015
 
 class _GpuAffinity:
@@ -276,6 +341,56 @@ peer-to-peer between the node's GPUs crosses at most that switch. The host may b
 elsewhere. A box registered without a full location is a switch of its own.
 """
 Global___GpuAffinity: _TypeAlias = GpuAffinity  # noqa: Y015
+
+class _GangState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _GangStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_GangState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    GANG_STATE_UNSPECIFIED: _GangState.ValueType  # 0
+    GANG_STATE_QUEUED: _GangState.ValueType  # 1
+    """Waiting in the queue as one: no member exists yet."""
+    GANG_STATE_RESERVING: _GangState.ValueType  # 2
+    """Members are being committed in chunks; the gang is not valid yet, and is rolled
+    back (every member released) when this fails or its broker goes away
+    (`reserve_deadline`).
+    """
+    GANG_STATE_VALID: _GangState.ValueType  # 3
+    """Every member is committed: the gang exists as a whole."""
+    GANG_STATE_ABORTING: _GangState.ValueType  # 4
+    """Being rolled back: the members committed so far are released."""
+    GANG_STATE_FAILED: _GangState.ValueType  # 5
+    """Not composed (rolled back, its queue_timeout passed, or its tenant was deleted);
+    see `message`. No member holds GPUs.
+    """
+    GANG_STATE_RELEASED: _GangState.ValueType  # 6
+    """Released by its owner (ReleaseGang)."""
+
+class GangState(_GangState, metaclass=_GangStateEnumTypeWrapper):
+    """Lifecycle of a gang with a record (a queued gang, or one too large for one etcd
+    transaction, or one asking for distinct hosts or one switch).
+    """
+
+GANG_STATE_UNSPECIFIED: GangState.ValueType  # 0
+GANG_STATE_QUEUED: GangState.ValueType  # 1
+"""Waiting in the queue as one: no member exists yet."""
+GANG_STATE_RESERVING: GangState.ValueType  # 2
+"""Members are being committed in chunks; the gang is not valid yet, and is rolled
+back (every member released) when this fails or its broker goes away
+(`reserve_deadline`).
+"""
+GANG_STATE_VALID: GangState.ValueType  # 3
+"""Every member is committed: the gang exists as a whole."""
+GANG_STATE_ABORTING: GangState.ValueType  # 4
+"""Being rolled back: the members committed so far are released."""
+GANG_STATE_FAILED: GangState.ValueType  # 5
+"""Not composed (rolled back, its queue_timeout passed, or its tenant was deleted);
+see `message`. No member holds GPUs.
+"""
+GANG_STATE_RELEASED: GangState.ValueType  # 6
+"""Released by its owner (ReleaseGang)."""
+Global___GangState: _TypeAlias = GangState  # noqa: Y015
 
 @_typing.final
 class Location(_message.Message):
@@ -340,6 +455,7 @@ class Box(_message.Message):
     CORDON_REASON_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     GPUS_FREE_FIELD_NUMBER: _builtins.int
+    DRAIN_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name: "boxes/{box}"."""
     fabric_endpoint: _builtins.str
@@ -369,6 +485,12 @@ class Box(_message.Message):
 
     @_builtins.property
     def create_time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def drain(self) -> Global___DrainStatus:
+        """The drain an operator asked for (DrainBox), if any; `state`, `nodes_left`,
+        `gpus_left` and `blocked` are filled in on read (GetBox, ListBoxes), never stored.
+        """
+
     def __init__(
         self,
         *,
@@ -382,14 +504,58 @@ class Box(_message.Message):
         cordon_reason: _builtins.str = ...,
         request_id: _builtins.str = ...,
         gpus_free: _builtins.int = ...,
+        drain: Global___DrainStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "location", b"location"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "drain", b"drain", "location", b"location"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cordon_reason", b"cordon_reason", "create_time", b"create_time", "fabric_endpoint", b"fabric_endpoint", "gpu_count", b"gpu_count", "gpus_free", b"gpus_free", "labels", b"labels", "location", b"location", "name", b"name", "request_id", b"request_id", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cordon_reason", b"cordon_reason", "create_time", b"create_time", "drain", b"drain", "fabric_endpoint", b"fabric_endpoint", "gpu_count", b"gpu_count", "gpus_free", b"gpus_free", "labels", b"labels", "location", b"location", "name", b"name", "request_id", b"request_id", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Box: _TypeAlias = Box  # noqa: Y015
+
+@_typing.final
+class DrainStatus(_message.Message):
+    """A drain asked for, and (filled in on read) how far it got."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POLICY_FIELD_NUMBER: _builtins.int
+    START_TIME_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    NODES_LEFT_FIELD_NUMBER: _builtins.int
+    GPUS_LEFT_FIELD_NUMBER: _builtins.int
+    BLOCKED_FIELD_NUMBER: _builtins.int
+    policy: Global___DrainPolicy.ValueType
+    state: Global___DrainState.ValueType
+    """Output only."""
+    nodes_left: _builtins.int
+    """Output only: live nodes still on the host, or still holding GPUs of the box."""
+    gpus_left: _builtins.int
+    """Output only: GPUs those nodes hold there."""
+    @_builtins.property
+    def start_time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def blocked(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Output only: why some of them are not moving or being released yet."""
+
+    def __init__(
+        self,
+        *,
+        policy: Global___DrainPolicy.ValueType = ...,
+        start_time: _timestamp_pb2.Timestamp | None = ...,
+        state: Global___DrainState.ValueType = ...,
+        nodes_left: _builtins.int = ...,
+        gpus_left: _builtins.int = ...,
+        blocked: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["start_time", b"start_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocked", b"blocked", "gpus_left", b"gpus_left", "nodes_left", b"nodes_left", "policy", b"policy", "start_time", b"start_time", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainStatus: _TypeAlias = DrainStatus  # noqa: Y015
 
 @_typing.final
 class Gpu(_message.Message):
@@ -507,6 +673,9 @@ class Host(_message.Message):
     CPU_CORES_FIELD_NUMBER: _builtins.int
     MEMORY_MIB_FIELD_NUMBER: _builtins.int
     USED_SLOTS_FIELD_NUMBER: _builtins.int
+    UNSCHEDULABLE_FIELD_NUMBER: _builtins.int
+    CORDON_REASON_FIELD_NUMBER: _builtins.int
+    DRAIN_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name: "hosts/{host}"."""
     agent_endpoint: _builtins.str
@@ -527,6 +696,12 @@ class Host(_message.Message):
     go to the host.
     """
     memory_mib: _builtins.int
+    unschedulable: _builtins.bool
+    """Output only, from the host's allocation record (written by the broker, never by
+    the agent): cordoned, so placement gives it no new node; why; and the drain asked
+    for, with its progress.
+    """
+    cordon_reason: _builtins.str
     @_builtins.property
     def location(self) -> Global___Location: ...
     @_builtins.property
@@ -537,6 +712,8 @@ class Host(_message.Message):
     def used_slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Output only: the proxy slot numbers that desired attachments use, ascending."""
 
+    @_builtins.property
+    def drain(self) -> Global___DrainStatus: ...
     def __init__(
         self,
         *,
@@ -552,10 +729,13 @@ class Host(_message.Message):
         cpu_cores: _builtins.int = ...,
         memory_mib: _builtins.int = ...,
         used_slots: _abc.Iterable[_builtins.int] | None = ...,
+        unschedulable: _builtins.bool = ...,
+        cordon_reason: _builtins.str = ...,
+        drain: Global___DrainStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["location", b"location", "register_time", b"register_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["drain", b"drain", "location", b"location", "register_time", b"register_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_endpoint", b"agent_endpoint", "alive", b"alive", "cpu_cores", b"cpu_cores", "driver", b"driver", "labels", b"labels", "location", b"location", "memory_mib", b"memory_mib", "name", b"name", "register_time", b"register_time", "slot_capacity", b"slot_capacity", "slots_used", b"slots_used", "used_slots", b"used_slots"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_endpoint", b"agent_endpoint", "alive", b"alive", "cordon_reason", b"cordon_reason", "cpu_cores", b"cpu_cores", "drain", b"drain", "driver", b"driver", "labels", b"labels", "location", b"location", "memory_mib", b"memory_mib", "name", b"name", "register_time", b"register_time", "slot_capacity", b"slot_capacity", "slots_used", b"slots_used", "unschedulable", b"unschedulable", "used_slots", b"used_slots"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -676,7 +856,16 @@ class HostAllocation(_message.Message):
     HOST_FIELD_NUMBER: _builtins.int
     ATTACHMENTS_FIELD_NUMBER: _builtins.int
     RESERVATIONS_FIELD_NUMBER: _builtins.int
+    UNSCHEDULABLE_FIELD_NUMBER: _builtins.int
+    UNSCHEDULABLE_REASON_FIELD_NUMBER: _builtins.int
+    DRAIN_FIELD_NUMBER: _builtins.int
     host: _builtins.str
+    unschedulable: _builtins.bool
+    """Cordoned by an operator (CordonHost, DrainHost): placement gives the host no new
+    node; the nodes on it stay until released (or drained). The broker's own spec of
+    the host, so an agent's registration never overwrites it.
+    """
+    unschedulable_reason: _builtins.str
     @_builtins.property
     def attachments(self) -> _containers.RepeatedCompositeFieldContainer[Global___DesiredAttachment]: ...
     @_builtins.property
@@ -685,16 +874,23 @@ class HostAllocation(_message.Message):
         attachments by the compose transaction, removed with them on release.
         """
 
+    @_builtins.property
+    def drain(self) -> Global___DrainStatus:
+        """The drain an operator asked for (DrainHost), if any."""
+
     def __init__(
         self,
         *,
         host: _builtins.str = ...,
         attachments: _abc.Iterable[Global___DesiredAttachment] | None = ...,
         reservations: _abc.Iterable[Global___HostReservation] | None = ...,
+        unschedulable: _builtins.bool = ...,
+        unschedulable_reason: _builtins.str = ...,
+        drain: Global___DrainStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["drain", b"drain"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attachments", b"attachments", "host", b"host", "reservations", b"reservations"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attachments", b"attachments", "drain", b"drain", "host", b"host", "reservations", b"reservations", "unschedulable", b"unschedulable", "unschedulable_reason", b"unschedulable_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -962,6 +1158,9 @@ class NodeSpec(_message.Message):
     HOST_SELECTOR_FIELD_NUMBER: _builtins.int
     CPU_CORES_FIELD_NUMBER: _builtins.int
     HOST_MEMORY_MIB_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    MIN_GPUS_FIELD_NUMBER: _builtins.int
+    PREEMPTION_GRACE_S_FIELD_NUMBER: _builtins.int
     host: _builtins.str
     """Pin to this host ("hosts/{host}"); empty lets placement choose."""
     max_latency_ns: _builtins.int
@@ -997,6 +1196,20 @@ class NodeSpec(_message.Message):
     declare them (Host.cpu_cores, Host.memory_mib) with that much not held by other nodes.
     """
     host_memory_mib: _builtins.int
+    priority: _builtins.int
+    """Priority among waiting requests (higher first) and for preemption: a request may
+    preempt borrowed nodes of lower priority. 0 to 1000; a tenant's quota may cap it
+    (TenantQuota.max_priority).
+    """
+    min_gpus: _builtins.int
+    """Elastic: the node may be shrunk down to this many GPUs when the lent capacity it
+    holds is reclaimed, instead of being preempted whole (1 up to gpus.count); 0: not
+    elastic.
+    """
+    preemption_grace_s: _builtins.int
+    """The notice a preemption or a drain gives this node before its GPUs are detached, in
+    seconds (0 to 3600); unset: the broker's default (--preemption-grace).
+    """
     @_builtins.property
     def gpus(self) -> Global___GpuRequest: ...
     @_builtins.property
@@ -1023,14 +1236,124 @@ class NodeSpec(_message.Message):
         host_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         cpu_cores: _builtins.int = ...,
         host_memory_mib: _builtins.int = ...,
+        priority: _builtins.int = ...,
+        min_gpus: _builtins.int = ...,
+        preemption_grace_s: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_preemption_grace_s", b"_preemption_grace_s", "gpus", b"gpus", "preemption_grace_s", b"preemption_grace_s"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["affinity", b"affinity", "cpu_cores", b"cpu_cores", "gpus", b"gpus", "host", b"host", "host_memory_mib", b"host_memory_mib", "host_selector", b"host_selector", "labels", b"labels", "max_gpus_per_box", b"max_gpus_per_box", "max_latency_ns", b"max_latency_ns", "max_slowdown", b"max_slowdown", "tenant", b"tenant", "vfio", b"vfio", "workload", b"workload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_preemption_grace_s", b"_preemption_grace_s", "affinity", b"affinity", "cpu_cores", b"cpu_cores", "gpus", b"gpus", "host", b"host", "host_memory_mib", b"host_memory_mib", "host_selector", b"host_selector", "labels", b"labels", "max_gpus_per_box", b"max_gpus_per_box", "max_latency_ns", b"max_latency_ns", "max_slowdown", b"max_slowdown", "min_gpus", b"min_gpus", "preemption_grace_s", b"preemption_grace_s", "priority", b"priority", "tenant", b"tenant", "vfio", b"vfio", "workload", b"workload"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__preemption_grace_s: _TypeAlias = _typing.Literal["preemption_grace_s"]  # noqa: Y015
+    _WhichOneofArgType__preemption_grace_s: _TypeAlias = _typing.Literal["_preemption_grace_s", b"_preemption_grace_s"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__preemption_grace_s) -> _WhichOneofReturnType__preemption_grace_s | None: ...
+
+Global___NodeSpec: _TypeAlias = NodeSpec  # noqa: Y015
+
+@_typing.final
+class QueueStatus(_message.Message):
+    """Where a queued request stands. Kept on a QUEUED node (and a queued gang's record)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENQUEUE_TIME_FIELD_NUMBER: _builtins.int
+    DEADLINE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
+    PREEMPTING_FIELD_NUMBER: _builtins.int
+    TENANT_UID_FIELD_NUMBER: _builtins.int
+    RECLAIMING_FIELD_NUMBER: _builtins.int
+    reason: _builtins.str
+    """Why it waits, as the broker serving the queue last found (written when it changes)."""
+    position: _builtins.int
+    """Output only, filled in on read: 1 for the next request to be served. Waiting
+    requests are ordered by priority (higher first), then in turns between tenants
+    (each tenant's oldest, then each tenant's second oldest, ...), then by age.
+    """
+    tenant_uid: _builtins.str
+    """The uid of the tenant record when the request was queued: a tenant deleted (and
+    perhaps created again) meanwhile fails the request instead of charging a stranger.
+    """
+    reclaiming: _builtins.bool
+    """Within its tenant's guarantee and taking lent capacity back: while any request
+    does, no tenant borrows more.
+    """
+    @_builtins.property
+    def enqueue_time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def deadline(self) -> _timestamp_pb2.Timestamp:
+        """When the request gives up waiting (FAILED); unset: it waits until released."""
+
+    @_builtins.property
+    def preempting(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The nodes given a preemption notice so that this request fits (lent capacity
+        reclaimed, or lower priority preempted).
+        """
+
+    def __init__(
+        self,
+        *,
+        enqueue_time: _timestamp_pb2.Timestamp | None = ...,
+        deadline: _timestamp_pb2.Timestamp | None = ...,
+        reason: _builtins.str = ...,
+        position: _builtins.int = ...,
+        preempting: _abc.Iterable[_builtins.str] | None = ...,
+        tenant_uid: _builtins.str = ...,
+        reclaiming: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "enqueue_time", b"enqueue_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "enqueue_time", b"enqueue_time", "position", b"position", "preempting", b"preempting", "reason", b"reason", "reclaiming", b"reclaiming", "tenant_uid", b"tenant_uid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___NodeSpec: _TypeAlias = NodeSpec  # noqa: Y015
+Global___QueueStatus: _TypeAlias = QueueStatus  # noqa: Y015
+
+@_typing.final
+class PreemptionNotice(_message.Message):
+    """Why and when a node will lose its GPUs (all of them, or those in `gpus`): lent
+    capacity reclaimed by its owner, a higher priority request, or a drain. The node keeps
+    running until `deadline`, its grace period, then is released (or shrunk).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIME_FIELD_NUMBER: _builtins.int
+    DEADLINE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    BY_FIELD_NUMBER: _builtins.int
+    GPUS_FIELD_NUMBER: _builtins.int
+    reason: _builtins.str
+    by: _builtins.str
+    """What it is for: the request ("nodes/{node}", "gangs/{gang}") or the drain
+    ("hosts/{host}", "boxes/{box}").
+    """
+    @_builtins.property
+    def time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def deadline(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def gpus(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The GPUs the node gives up ("boxes/{box}/gpus/{slot}"): a shrink of an elastic
+        node; empty: the whole node is released.
+        """
+
+    def __init__(
+        self,
+        *,
+        time: _timestamp_pb2.Timestamp | None = ...,
+        deadline: _timestamp_pb2.Timestamp | None = ...,
+        reason: _builtins.str = ...,
+        by: _builtins.str = ...,
+        gpus: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "time", b"time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["by", b"by", "deadline", b"deadline", "gpus", b"gpus", "reason", b"reason", "time", b"time"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PreemptionNotice: _TypeAlias = PreemptionNotice  # noqa: Y015
 
 @_typing.final
 class GpuBinding(_message.Message):
@@ -1135,6 +1458,9 @@ class VirtualNode(_message.Message):
     GANG_FIELD_NUMBER: _builtins.int
     GANG_SIZE_FIELD_NUMBER: _builtins.int
     RESIZE_REQUEST_ID_FIELD_NUMBER: _builtins.int
+    PREEMPTIBLE_FIELD_NUMBER: _builtins.int
+    QUEUE_FIELD_NUMBER: _builtins.int
+    PREEMPTION_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name: "nodes/{node}"."""
     host: _builtins.str
@@ -1162,6 +1488,12 @@ class VirtualNode(_message.Message):
     """The request id of the last ResizeNode call that changed the node, if it had one:
     a retry with it returns the node without resizing again.
     """
+    preemptible: _builtins.bool
+    """Composed on lent capacity: its tenant held its guarantee already (TenantQuota.
+    guaranteed_gpus), so the node is borrowed and may be reclaimed (shrunk, if elastic,
+    else released after a notice) when an owner needs its guarantee back, or preempted
+    by a higher priority request.
+    """
     @_builtins.property
     def spec(self) -> Global___NodeSpec: ...
     @_builtins.property
@@ -1181,6 +1513,14 @@ class VirtualNode(_message.Message):
         """Output only: the node's most recent events, oldest first; at most 16 are kept
         (older ones are dropped as new ones arrive).
         """
+
+    @_builtins.property
+    def queue(self) -> Global___QueueStatus:
+        """While QUEUED: where the request stands."""
+
+    @_builtins.property
+    def preemption(self) -> Global___PreemptionNotice:
+        """Set when the node is to lose its GPUs (see PreemptionNotice); watchers see it."""
 
     def __init__(
         self,
@@ -1202,10 +1542,13 @@ class VirtualNode(_message.Message):
         gang: _builtins.str = ...,
         gang_size: _builtins.int = ...,
         resize_request_id: _builtins.str = ...,
+        preemptible: _builtins.bool = ...,
+        queue: Global___QueueStatus | None = ...,
+        preemption: Global___PreemptionNotice | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["attach_deadline", b"attach_deadline", "create_time", b"create_time", "ready_time", b"ready_time", "spec", b"spec", "update_time", b"update_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["attach_deadline", b"attach_deadline", "create_time", b"create_time", "preemption", b"preemption", "queue", b"queue", "ready_time", b"ready_time", "spec", b"spec", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attach_deadline", b"attach_deadline", "charged", b"charged", "create_time", b"create_time", "events", b"events", "gang", b"gang", "gang_size", b"gang_size", "gpus", b"gpus", "host", b"host", "message", b"message", "name", b"name", "owner", b"owner", "ready_time", b"ready_time", "request_id", b"request_id", "resize_request_id", b"resize_request_id", "spec", b"spec", "state", b"state", "update_time", b"update_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attach_deadline", b"attach_deadline", "charged", b"charged", "create_time", b"create_time", "events", b"events", "gang", b"gang", "gang_size", b"gang_size", "gpus", b"gpus", "host", b"host", "message", b"message", "name", b"name", "owner", b"owner", "preemptible", b"preemptible", "preemption", b"preemption", "queue", b"queue", "ready_time", b"ready_time", "request_id", b"request_id", "resize_request_id", b"resize_request_id", "spec", b"spec", "state", b"state", "update_time", b"update_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1240,10 +1583,26 @@ class TenantQuota(_message.Message):
     GPUS_FIELD_NUMBER: _builtins.int
     GPUS_BY_MODEL_FIELD_NUMBER: _builtins.int
     NODES_FIELD_NUMBER: _builtins.int
+    GUARANTEED_GPUS_FIELD_NUMBER: _builtins.int
+    BORROW_LIMIT_FIELD_NUMBER: _builtins.int
+    MAX_PRIORITY_FIELD_NUMBER: _builtins.int
     gpus: _builtins.int
     """GPUs of every model together."""
     nodes: _builtins.int
     """Nodes."""
+    guaranteed_gpus: _builtins.int
+    """GPUs of the pool the tenant is guaranteed: up to this many (all models together)
+    its nodes are never preempted, and, when it asks within it and nothing is free,
+    lent GPUs are taken back for it (borrowed nodes shrunk or preempted). Beyond it the
+    tenant borrows: its nodes are preemptible. Unset: the tenant takes no part in
+    loaning (nothing it holds is preemptible, and it reclaims nothing).
+    """
+    borrow_limit: _builtins.int
+    """The most GPUs it may hold beyond its guarantee (borrowed); unset: no limit, 0: no
+    borrowing (a hard quota at the guarantee).
+    """
+    max_priority: _builtins.int
+    """The highest NodeSpec.priority its nodes may ask for; unset: any."""
     @_builtins.property
     def gpus_by_model(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """GPUs per model ("H100" -> 8); models not named are limited by `gpus` only."""
@@ -1254,17 +1613,32 @@ class TenantQuota(_message.Message):
         gpus: _builtins.int | None = ...,
         gpus_by_model: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         nodes: _builtins.int | None = ...,
+        guaranteed_gpus: _builtins.int | None = ...,
+        borrow_limit: _builtins.int | None = ...,
+        max_priority: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_gpus", b"_gpus", "_nodes", b"_nodes", "gpus", b"gpus", "nodes", b"nodes"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_borrow_limit", b"_borrow_limit", "_gpus", b"_gpus", "_guaranteed_gpus", b"_guaranteed_gpus", "_max_priority", b"_max_priority", "_nodes", b"_nodes", "borrow_limit", b"borrow_limit", "gpus", b"gpus", "guaranteed_gpus", b"guaranteed_gpus", "max_priority", b"max_priority", "nodes", b"nodes"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_gpus", b"_gpus", "_nodes", b"_nodes", "gpus", b"gpus", "gpus_by_model", b"gpus_by_model", "nodes", b"nodes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_borrow_limit", b"_borrow_limit", "_gpus", b"_gpus", "_guaranteed_gpus", b"_guaranteed_gpus", "_max_priority", b"_max_priority", "_nodes", b"_nodes", "borrow_limit", b"borrow_limit", "gpus", b"gpus", "gpus_by_model", b"gpus_by_model", "guaranteed_gpus", b"guaranteed_gpus", "max_priority", b"max_priority", "nodes", b"nodes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__borrow_limit: _TypeAlias = _typing.Literal["borrow_limit"]  # noqa: Y015
+    _WhichOneofArgType__borrow_limit: _TypeAlias = _typing.Literal["_borrow_limit", b"_borrow_limit"]  # noqa: Y015
     _WhichOneofReturnType__gpus: _TypeAlias = _typing.Literal["gpus"]  # noqa: Y015
     _WhichOneofArgType__gpus: _TypeAlias = _typing.Literal["_gpus", b"_gpus"]  # noqa: Y015
+    _WhichOneofReturnType__guaranteed_gpus: _TypeAlias = _typing.Literal["guaranteed_gpus"]  # noqa: Y015
+    _WhichOneofArgType__guaranteed_gpus: _TypeAlias = _typing.Literal["_guaranteed_gpus", b"_guaranteed_gpus"]  # noqa: Y015
+    _WhichOneofReturnType__max_priority: _TypeAlias = _typing.Literal["max_priority"]  # noqa: Y015
+    _WhichOneofArgType__max_priority: _TypeAlias = _typing.Literal["_max_priority", b"_max_priority"]  # noqa: Y015
     _WhichOneofReturnType__nodes: _TypeAlias = _typing.Literal["nodes"]  # noqa: Y015
     _WhichOneofArgType__nodes: _TypeAlias = _typing.Literal["_nodes", b"_nodes"]  # noqa: Y015
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__borrow_limit) -> _WhichOneofReturnType__borrow_limit | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__gpus) -> _WhichOneofReturnType__gpus | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__guaranteed_gpus) -> _WhichOneofReturnType__guaranteed_gpus | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_priority) -> _WhichOneofReturnType__max_priority | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__nodes) -> _WhichOneofReturnType__nodes | None: ...
 
@@ -1299,8 +1673,13 @@ class TenantUsage(_message.Message):
     GPUS_FIELD_NUMBER: _builtins.int
     GPUS_BY_MODEL_FIELD_NUMBER: _builtins.int
     NODES_FIELD_NUMBER: _builtins.int
+    BORROWED_GPUS_FIELD_NUMBER: _builtins.int
+    BORROWED_NODES_FIELD_NUMBER: _builtins.int
     gpus: _builtins.int
     nodes: _builtins.int
+    borrowed_gpus: _builtins.int
+    """Of those, the GPUs and nodes held beyond the guarantee (preemptible nodes)."""
+    borrowed_nodes: _builtins.int
     @_builtins.property
     def gpus_by_model(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
     def __init__(
@@ -1309,10 +1688,12 @@ class TenantUsage(_message.Message):
         gpus: _builtins.int = ...,
         gpus_by_model: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         nodes: _builtins.int = ...,
+        borrowed_gpus: _builtins.int = ...,
+        borrowed_nodes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus", "gpus_by_model", b"gpus_by_model", "nodes", b"nodes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["borrowed_gpus", b"borrowed_gpus", "borrowed_nodes", b"borrowed_nodes", "gpus", b"gpus", "gpus_by_model", b"gpus_by_model", "nodes", b"nodes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1330,8 +1711,13 @@ class Tenant(_message.Message):
     QUOTA_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     QUOTA_UPDATE_TIME_FIELD_NUMBER: _builtins.int
+    UID_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name: "tenants/{tenant}"."""
+    uid: _builtins.str
+    """Set when the record is created (never changed): a queued request remembers it, so a
+    tenant deleted while the request waited is told apart from a tenant made anew.
+    """
     @_builtins.property
     def quota(self) -> Global___TenantQuota:
         """Absent: no limits."""
@@ -1349,11 +1735,95 @@ class Tenant(_message.Message):
         quota: Global___TenantQuota | None = ...,
         usage: Global___TenantUsage | None = ...,
         quota_update_time: _timestamp_pb2.Timestamp | None = ...,
+        uid: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["quota", b"quota", "quota_update_time", b"quota_update_time", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "quota", b"quota", "quota_update_time", b"quota_update_time", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "quota", b"quota", "quota_update_time", b"quota_update_time", "uid", b"uid", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Tenant: _TypeAlias = Tenant  # noqa: Y015
+
+@_typing.final
+class GangRecord(_message.Message):
+    """A gang's own record, gangs/{gang}: the one place that says whether its members form
+    a whole. Members are nodes/{gang}-{i} for i < size.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    DISTINCT_HOSTS_FIELD_NUMBER: _builtins.int
+    SAME_SWITCH_FIELD_NUMBER: _builtins.int
+    CREATE_TIME_FIELD_NUMBER: _builtins.int
+    UPDATE_TIME_FIELD_NUMBER: _builtins.int
+    COMMITTED_FIELD_NUMBER: _builtins.int
+    RESERVE_DEADLINE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    QUEUE_FIELD_NUMBER: _builtins.int
+    BROKER_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """"gangs/{gang}" """
+    state: Global___GangState.ValueType
+    size: _builtins.int
+    request_id: _builtins.str
+    owner: _builtins.str
+    distinct_hosts: _builtins.bool
+    """Every member on a host of its own."""
+    same_switch: _builtins.bool
+    """Every member's GPUs under one top-of-rack switch (the same for all members)."""
+    committed: _builtins.int
+    """RESERVING: members committed so far (members 0 .. committed-1)."""
+    message: _builtins.str
+    broker: _builtins.str
+    """The broker committing the members (informational)."""
+    @_builtins.property
+    def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeSpec]:
+        """One spec per member, or a single spec that every member shares."""
+
+    @_builtins.property
+    def create_time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def update_time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def reserve_deadline(self) -> _timestamp_pb2.Timestamp:
+        """RESERVING or ABORTING past this time: the broker doing it is taken for gone, and
+        the leader rolls the gang back. Every chunk moves it on.
+        """
+
+    @_builtins.property
+    def queue(self) -> Global___QueueStatus:
+        """While QUEUED: where the gang stands."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        state: Global___GangState.ValueType = ...,
+        members: _abc.Iterable[Global___NodeSpec] | None = ...,
+        size: _builtins.int = ...,
+        request_id: _builtins.str = ...,
+        owner: _builtins.str = ...,
+        distinct_hosts: _builtins.bool = ...,
+        same_switch: _builtins.bool = ...,
+        create_time: _timestamp_pb2.Timestamp | None = ...,
+        update_time: _timestamp_pb2.Timestamp | None = ...,
+        committed: _builtins.int = ...,
+        reserve_deadline: _timestamp_pb2.Timestamp | None = ...,
+        message: _builtins.str = ...,
+        queue: Global___QueueStatus | None = ...,
+        broker: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "queue", b"queue", "reserve_deadline", b"reserve_deadline", "update_time", b"update_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["broker", b"broker", "committed", b"committed", "create_time", b"create_time", "distinct_hosts", b"distinct_hosts", "members", b"members", "message", b"message", "name", b"name", "owner", b"owner", "queue", b"queue", "request_id", b"request_id", "reserve_deadline", b"reserve_deadline", "same_switch", b"same_switch", "size", b"size", "state", b"state", "update_time", b"update_time"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GangRecord: _TypeAlias = GangRecord  # noqa: Y015
