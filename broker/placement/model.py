@@ -19,6 +19,7 @@ from dxpool.request import (
     check_box_spread,
     check_host_resources,
     model_set,
+    normalize_model_set,
     validate_gpu_request,
 )
 from dxpool.text import check_labels
@@ -177,9 +178,10 @@ class PlacementRequest:
     """What a node asks of placement.
 
     ``model`` "" matches any model and compares case-insensitively; a set ``"H100|A100"``
-    matches any of its models, and :func:`~dxpool.broker.placement.placer.place` then
-    gives the node GPUs of one model (the first of the set, in order, that fits) unless
-    ``mixed_models``, when the pipeline takes any mix of them; ``host`` pins the node
+    matches any of its models (a model named twice counts once: ``model`` holds the set
+    with each named once), and :func:`~dxpool.broker.placement.placer.place` then gives
+    the node GPUs of one model (see there which) unless ``mixed_models``, when the
+    pipeline takes any mix of them; ``host`` pins the node
     to that host id; ``max_latency_ns`` 0 means no latency bound; ``max_slowdown`` 0 means
     no slowdown bound, else the predicted slowdown of ``workload`` (a profile name or
     ``ROUND_TRIPS@STEP_TIME``, see :mod:`dxpool.fabric.overhead`) on every GPU must be at
@@ -213,6 +215,9 @@ class PlacementRequest:
 
     def __post_init__(self) -> None:
         validate_gpu_request(self.model, self.count, self.min_memory_mib, self.mixed_models)
+        normalized = normalize_model_set(self.model)
+        if normalized != self.model:  # one spelling per set: what placement keys on
+            object.__setattr__(self, "model", normalized)
         if self.host is not None:
             check_id(self.host, "host")
         if self.max_latency_ns < 0:

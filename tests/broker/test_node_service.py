@@ -481,7 +481,6 @@ def test_list_nodes_refuses_a_bad_selector(nodes: nodes_pb2_grpc.NodeServiceStub
 @pytest.mark.parametrize(
     ("gpus", "message"),
     [
-        (pb.GpuRequest(model="H100|h100", count=2), "h100 is named twice; name each model once"),
         (pb.GpuRequest(model="H100||A100", count=2), "join several models with '|'"),
         (pb.GpuRequest(model="H100", count=2, mixed_models=True), "mixed_models needs a model set"),
     ],
