@@ -42,7 +42,9 @@ __all__ = [
     "Placement",
     "PlacementRequest",
     "PlacementResult",
+    "ResourceScale",
     "Snapshot",
+    "count_free_by_model",
 ]
 
 
@@ -104,6 +106,50 @@ class HostInfo:
         return self._free_count
 
 
+@dataclass(frozen=True, slots=True)
+class ResourceScale:
+    """The most CPU cores and memory any host declares: the scale that makes a host's
+    free CPU and memory comparable with another's (0: no host declares it)."""
+
+    cpu_cores: int
+    memory_mib: int
+
+    def room(self, host: HostInfo) -> int:
+        """How much CPU and memory ``host`` has free, each as a share of the largest
+        host's, summed (in integers: ``cpu x M + memory x C`` for the largest host's
+        ``C`` cores and ``M`` MiB). Placement breaks ties between hosts by it, least
+        room first: a node goes where its CPU and memory fit most tightly, so the
+        roomiest hosts stay roomy for the nodes that need them. 0 for a host that
+        declares neither."""
+        cpu = max(host.cpu_cores - host.used_cpu_cores, 0)
+        memory = max(host.memory_mib - host.used_memory_mib, 0)
+        return cpu * max(self.memory_mib, 1) + memory * max(self.cpu_cores, 1)
+
+
+def count_free_by_model(snapshot: Snapshot) -> dict[str, int]:
+    """Free, healthy GPUs in the schedulable boxes of ``snapshot``, by model."""
+    counts: dict[str, int] = {}
+    boxes = snapshot.boxes
+    for box_id, gpus in snapshot.gpus_by_box.items():
+        box = boxes.get(box_id)
+        if box is None or not box.schedulable:
+            continue
+        for gpu in gpus:
+            if gpu.free and gpu.healthy:
+                counts[gpu.model] = counts.get(gpu.model, 0) + 1
+    return counts
+
+
+def _scale_of(snapshot: Snapshot) -> ResourceScale:
+    if snapshot.largest_host is not None:
+        return ResourceScale(*snapshot.largest_host)
+    hosts = snapshot.hosts.values()
+    return ResourceScale(
+        max((host.cpu_cores for host in hosts), default=0),
+        max((host.memory_mib for host in hosts), default=0),
+    )
+
+
 class ChangeJournal(Protocol):
     """Which records changed between two versions of one inventory view."""
 
@@ -137,6 +183,10 @@ class Snapshot:
     gpus_by_box: Mapping[str, Sequence[GpuInfo]]
     version: int = field(default=0, compare=False)
     journal: ChangeJournal | None = field(default=None, repr=False, compare=False)
+    # What a source keeps counted as records change, so that placement need not count
+    # them per snapshot (None: counted from the records when first asked):
+    free_models: Mapping[str, int] | None = field(default=None, repr=False, compare=False)
+    largest_host: tuple[int, int] | None = field(default=None, repr=False, compare=False)
     _derived: dict[Hashable, object] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
@@ -144,6 +194,19 @@ class Snapshot:
     def __reduce__(self) -> tuple[type[Snapshot], tuple[object, ...]]:
         # what was derived stays behind: it may hold plugins and latency models
         return Snapshot, (self.boxes, self.hosts, self.gpus_by_box)
+
+    def free_by_model(self) -> Mapping[str, int]:
+        """Free, healthy GPUs in schedulable boxes, by model as the GPUs name it (models
+        with none free are left out): ``free_models`` when the source keeps the count,
+        else counted once per snapshot."""
+        if self.free_models is not None:
+            return self.free_models
+        return self.derived("free by model", lambda: count_free_by_model(self))
+
+    def resource_scale(self) -> ResourceScale:
+        """The CPU cores and memory of the largest hosts: ``largest_host`` when the
+        source keeps it, else found once per snapshot."""
+        return self.derived("resource scale", lambda: _scale_of(self))
 
     def host_ids(self) -> tuple[str, ...]:
         """Every host id, sorted; computed once per snapshot."""

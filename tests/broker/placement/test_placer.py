@@ -333,7 +333,7 @@ def mixed_pool() -> Pool:
     return Pool().box("h", 2).box("a", 3, model="A100").host("h1")
 
 
-def test_a_model_set_gives_one_model_the_first_that_fits_in_the_order_written() -> None:
+def test_a_model_set_gives_one_model_in_the_order_written_when_as_many_are_free() -> None:
     snapshot = Pool().box("h", 4).box("a", 4, model="A100").host("h1").snapshot()
     first = place(PlacementRequest("H100|A100", 4), snapshot, TableLatency())
     assert boxes_of(first) == ["h"] * 4
@@ -343,9 +343,48 @@ def test_a_model_set_gives_one_model_the_first_that_fits_in_the_order_written() 
     assert boxes_of(other) == ["a"] * 4
 
 
+def test_a_model_set_takes_the_model_with_the_most_free_gpus_first() -> None:
+    """The scarcer model is left to the requests that can use only it."""
+    pool = Pool().box("h", 2).box("a1", 8, model="A100").box("a2", 3, model="a100")
+    snapshot = pool.host("h1").snapshot()
+    for written in ("H100|A100", "A100|H100"):
+        result = place(PlacementRequest(written, 2), snapshot, TableLatency())
+        assert {b.model.casefold() for b in result.placement.bindings} == {"a100"}  # type: ignore[union-attr]
+    (kept,) = [c for c in result.candidates if c.feasible]
+    assert kept.reasons[0] == "model A100"
+
+
+def test_a_request_for_any_model_takes_one_model_the_most_free_first() -> None:
+    pool = Pool().box("h1", 3).box("h2", 3).box("a", 4, model="A100").host("h1")
+    result = place(PlacementRequest("", 4), pool.snapshot(), TableLatency())
+    assert boxes_of(result) == ["h1", "h1", "h1", "h2"]  # 6 H100 free against 4 A100
+    one = place(
+        PlacementRequest("", 4),
+        Pool().box("h1", 3).box("a", 4, model="A100").host("h1").snapshot(),
+        TableLatency(),
+    )
+    assert boxes_of(one) == ["a"] * 4  # 4 A100 free against 3 H100
+
+
+def test_a_request_for_any_model_mixes_models_only_when_no_model_alone_fits() -> None:
+    pool = Pool().box("h", 3).box("a", 2, model="A100").host("h1")
+    result = place(PlacementRequest("", 5), pool.snapshot(), TableLatency())
+    assert sorted(boxes_of(result)) == ["a", "a", "h", "h", "h"]
+    reasons = next(c for c in result.candidates if c.feasible).reasons
+    assert not reasons[0].startswith("model ")  # the mixed run, as a run of any model
+
+
+def test_a_request_for_any_model_in_a_pool_of_one_model_runs_as_written() -> None:
+    snapshot = Pool().box("h", 4).host("h1").snapshot()
+    result = place(PlacementRequest("", 2), snapshot, TableLatency())
+    (kept,) = [c for c in result.candidates if c.feasible]
+    assert not kept.reasons[0].startswith("model ")
+
+
 def test_a_model_set_falls_back_to_a_later_model_and_says_why() -> None:
-    snapshot = mixed_pool().snapshot()
-    result = place(PlacementRequest("H100|A100", 3), snapshot, TableLatency())
+    # more H100 free than A100, but no box holds 3 of them
+    snapshot = Pool().box("h1", 2).box("h2", 2).box("a", 3, model="A100").host("h1").snapshot()
+    result = place(PlacementRequest("H100|A100", 3, same_box=True), snapshot, TableLatency())
     assert result.placement is not None
     assert {b.model for b in result.placement.bindings} == {"A100"}
     feasible, reasons = report(result, "h1")
