@@ -224,6 +224,24 @@ class HostFilterPlugin(Protocol):
         ...
 
 
+class HostCheckPlugin(HostFilterPlugin, Protocol):
+    """A host filter that can also say yes or no without a :class:`Status`.
+
+    Placement carries over its work between requests by what they read (see
+    :func:`~dxpool.broker.placement.model.box_key`): the hosts other filters keep are
+    grouped once per distinct value of the fields those filters read, and a check like
+    this, whose fields (CPU and memory asked for, hosts excluded) take many values, is
+    applied at decision time to the few hosts a decision looks at. ``keeps`` must
+    agree with ``filter_host`` (SUCCESS exactly when it returns True, never raising
+    where ``filter_host`` does not). ``reads`` names the request fields it depends on,
+    as every host filter may (a filter without it is taken to read every field).
+    """
+
+    reads: frozenset[str]
+
+    def keeps(self, request: PlacementRequest, host: HostInfo) -> bool: ...
+
+
 class LinkFilterPlugin(Protocol):
     """Keeps or drops one box for one host, given the fabric's latency estimate."""
 

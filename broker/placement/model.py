@@ -8,12 +8,13 @@ anything else, so a placement is a pure function of (request, snapshot, latency 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar, cast
 
 from dxpool.errors import InvalidArgument
 from dxpool.fabric.latency import LatencyEstimate, LatencyModel, Place
 from dxpool.fabric.overhead import check_slowdown
+from dxpool.limits import MAX_EXCLUDED_HOSTS
 from dxpool.names import check_id, parse_gpu
 from dxpool.request import (
     check_box_spread,
@@ -44,6 +45,8 @@ __all__ = [
     "PlacementResult",
     "ResourceScale",
     "Snapshot",
+    "box_key",
+    "check_excluded_hosts",
     "count_free_by_model",
 ]
 
@@ -256,8 +259,15 @@ class PlacementRequest:
     ``max_gpus_per_box`` (0: no limit) spreads the node so that no
     box gives it more than that many GPUs; ``host_selector`` holds (key, value) pairs
     every chosen host's labels must include; ``cpu_cores`` and ``host_memory_mib`` (0:
-    none) must be free on the host. Construction raises
-    :class:`~dxpool.errors.InvalidArgument` naming the field to fix.
+    none) must be free on the host; ``exclude_hosts`` holds host ids the node must not
+    go to (anti-affinity: the caller names the hosts running what the node must avoid).
+    Construction raises :class:`~dxpool.errors.InvalidArgument` naming the field to
+    fix.
+
+    Placement keeps what it works out for a request keyed by the fields each part reads:
+    box and GPU filters (and the score plugins that work by host class) must not read
+    the host-side fields (``host``, ``host_selector``, ``cpu_cores``,
+    ``host_memory_mib``, ``exclude_hosts``); see :func:`box_key`.
     """
 
     model: str
@@ -275,6 +285,7 @@ class PlacementRequest:
     cpu_cores: int = 0
     host_memory_mib: int = 0
     same_switch: bool = False
+    exclude_hosts: frozenset[str] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:
         validate_gpu_request(self.model, self.count, self.min_memory_mib, self.mixed_models)
@@ -310,11 +321,49 @@ class PlacementRequest:
             )
         check_labels(dict(self.host_selector), "host_selector")
         check_host_resources(self.cpu_cores, self.host_memory_mib, memory_field="host_memory_mib")
+        check_excluded_hosts(self.exclude_hosts)
 
     @property
     def models(self) -> tuple[str, ...]:
         """The models of ``model`` in the order written; () for any model."""
         return model_set(self.model)
+
+
+def check_excluded_hosts(hosts: object, field_name: str = "exclude_hosts") -> None:
+    """``hosts`` must be a frozenset of at most ``MAX_EXCLUDED_HOSTS`` host ids."""
+    if not isinstance(hosts, frozenset):
+        raise InvalidArgument(
+            f"{field_name} must be a frozenset of host ids, got {type(hosts).__name__}"
+        )
+    if len(hosts) > MAX_EXCLUDED_HOSTS:
+        raise InvalidArgument(
+            f"{field_name} names {len(hosts)} hosts: exclude at most {MAX_EXCLUDED_HOSTS}, "
+            "or select the hosts to use with host_selector instead",
+            reason="TOO_MANY_EXCLUDED_HOSTS",
+        )
+    for host in sorted(hosts):
+        check_id(host, "host")
+
+
+def box_key(request: PlacementRequest) -> PlacementRequest:
+    """``request`` with its host-side fields cleared: what box and GPU filters, the
+    supply and the chooser depend on (they judge whatever the host)."""
+    if not (
+        request.host is not None
+        or request.host_selector
+        or request.cpu_cores
+        or request.host_memory_mib
+        or request.exclude_hosts
+    ):
+        return request
+    return replace(
+        request,
+        host=None,
+        host_selector=frozenset(),
+        cpu_cores=0,
+        host_memory_mib=0,
+        exclude_hosts=frozenset(),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,9 +404,10 @@ class PlacementResult:
     """The answer: a placement, or None and a per-constraint account in ``unsatisfied``.
 
     ``candidates`` explains every host in the snapshot: feasible hosts first (best score
-    first), then dropped hosts, each group by host id. It may be given as a function that
-    makes it: it is then made on first read (a compose never reads it; a plan does), and
-    the result reads and compares the same either way. Immutable.
+    first, then as ties go: least room, then host id), then dropped hosts by host id. It
+    may be given as a function that makes it: it is then made on first read (a compose
+    never reads it; a plan does), and the result reads and compares the same either
+    way. Immutable.
     """
 
     __slots__ = ("_candidates", "_explain", "placement", "unsatisfied")
