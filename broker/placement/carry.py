@@ -42,8 +42,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, replace
 from typing import cast
 
 from sortedcontainers import SortedList
@@ -70,13 +70,16 @@ from dxpool.broker.placement.model import (
     Snapshot,
     box_key,
 )
+from dxpool.broker.placement.plugins.hosts import HostNotExcluded, HostResources
 from dxpool.broker.placement.status import Code
 from dxpool.broker.placement.tiered import TieredChooser
 from dxpool.fabric.latency import Place, TieredLatencyModel
 
-MAX_BOX_SIDES = 24
-"""Box sides kept (least recently used dropped): each holds a supply and a chooser of
-the whole pool, tens of MB at 100,000 GPUs."""
+MAX_SUPPLIES = 16
+"""Supplies kept (least recently used dropped): each judges every box of the pool, tens
+of MB at 100,000 GPUs."""
+MAX_BOX_SIDES = 32
+"""Choosers kept: each holds the boxes of a supply by class."""
 MAX_HOST_BASES = 8
 MAX_TABLES = 48
 LOG_LENGTH = 512
@@ -86,8 +89,11 @@ MAX_SCORED = 65536
 
 GroupKey = tuple[int, int]
 """(latency class of the host, free proxy slots)."""
-Member = tuple[int, str]
-"""A host in its group: (room, host id)."""
+Member = tuple[int, str, int, int]
+"""A host in its group: (room, host id, free CPU cores, free memory MiB), the free
+amounts -1 where the host declares none."""
+Rank = tuple[int, str]
+"""Where a host stands when ties go: (room, host id)."""
 Entry = tuple[int, str, GroupKey]
 """A group in a list of groups: its first member's (room, host id), then the group."""
 Raw = tuple[float, ...]
@@ -125,8 +131,9 @@ class _Log:
         return found
 
 
-class BoxSide:
-    """The supply and the chooser of one box key, at one version."""
+class SupplySide:
+    """The supply of one supply key (the box key, with the size left out when no box
+    or GPU filter reads it), at one version: requests of every size share it."""
 
     def __init__(
         self,
@@ -134,41 +141,73 @@ class BoxSide:
         snapshot: Snapshot,
         box_filters: Sequence[BoxFilterPlugin],
         gpu_filters: Sequence[GpuFilterPlugin],
-        chooser_of: Callable[[Sequence[BoxSupply]], TieredChooser],
         supply: LiveSupply,
     ) -> None:
         self.request = request
         self.box_filters = tuple(box_filters)
         self.gpu_filters = tuple(gpu_filters)
         self.supply = supply
-        self.chooser = chooser_of(supply.supply.boxes)
+        self.version = snapshot.version
+        self.journal = snapshot.journal
+
+    def advance(self, snapshot: Snapshot, boxes: Iterable[str]) -> bool:
+        """Brings the supply up to ``snapshot``, judging the ``boxes`` changed since;
+        False (this side then unusable) when it ran short or a plugin failed."""
+        supply = self.supply.advance(
+            self.request, snapshot, boxes, self.box_filters, self.gpu_filters
+        )
+        if supply is None:
+            return False
+        self.supply = supply
+        self.version = snapshot.version
+        return True
+
+
+class BoxSide:
+    """The chooser of one box key, made from a supply side's supply, at one version."""
+
+    def __init__(
+        self,
+        request: PlacementRequest,
+        snapshot: Snapshot,
+        supply: LiveSupply,
+        chooser: TieredChooser,
+    ) -> None:
+        self.request = request
+        self.supply = supply  # the supply the chooser holds the boxes of
+        self.chooser = chooser
         self.version = snapshot.version
         self.journal = snapshot.journal
         self.log = _Log(snapshot.version)
         self.scored: dict[tuple[object, ...], _Scored] = {}
         self.key: Hashable = None  # set by whoever keeps it
 
-    def advance(self, snapshot: Snapshot, boxes: Iterable[str]) -> bool:
-        """Brings this side up to ``snapshot``, judging the ``boxes`` changed since;
-        False (this side then unusable) when the supply ran short or a plugin failed."""
+    def advance(self, snapshot: Snapshot, boxes: Iterable[str], supply: LiveSupply) -> None:
+        """Brings the chooser up to ``supply`` (the supply side's, at ``snapshot``): of
+        the ``boxes`` changed since, those whose usable GPUs changed leave it and come
+        back as they are now."""
         removed: list[BoxSupply] = []
         added: list[BoxSupply] = []
-        supply = self.supply.advance(
-            self.request, snapshot, boxes, self.box_filters, self.gpu_filters, removed, added
-        )
-        if supply is None:
-            return False
+        before, now = self.supply.parts, supply.parts
+        for box_id in boxes:
+            old, new = before.get(box_id), now.get(box_id)
+            old_supply = old.supply if old is not None else None
+            new_supply = new.supply if new is not None else None
+            if old_supply is new_supply:
+                continue
+            if old_supply is not None:
+                removed.append(old_supply)
+            if new_supply is not None:
+                added.append(new_supply)
         if removed or added:
             chooser = self.chooser.advance(removed, added)
-            self.log.add(
-                snapshot.version, cast(frozenset[Hashable] | None, chooser.changed_classes())
-            )
+            changed = chooser.changed_classes()
+            self.log.add(snapshot.version, cast(frozenset[Hashable] | None, changed))
             self.chooser = chooser
         self.supply = supply
         self.version = snapshot.version
         if len(self.scored) >= MAX_SCORED:
             self.scored = {}
-        return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +281,12 @@ class HostBase:
         except Exception:
             self.unknown.add(host.host)
             return
-        member = (self.scale.room(host), host.host)
+        member = (
+            self.scale.room(host),
+            host.host,
+            host.cpu_cores - host.used_cpu_cores if host.cpu_cores else -1,
+            host.memory_mib - host.used_memory_mib if host.memory_mib else -1,
+        )
         members = self.groups.get(key)
         if members is None:
             members = self.groups[key] = SortedList()
@@ -269,7 +313,7 @@ class ClassTable:
         self.places: dict[int, Place] = {}
         self.of_class: dict[int, set[GroupKey]] = {}
         self.raws: dict[GroupKey, tuple[Raw, ...]] = {}
-        self.first: dict[GroupKey, Member] = {}
+        self.first: dict[GroupKey, Rank] = {}
         self.by_raw: dict[Raw, SortedList[Entry]] = {}
         self.near: dict[int, tuple[int, int]] | None = None
         self.few: tuple[tuple[int, BoxSupply], ...] = ()
@@ -320,7 +364,8 @@ class ClassTable:
         for key in redo:
             members = base.groups.get(key)
             if members and key[1] >= self.min_free:
-                self._add(key, members[0], side, snapshot)
+                room, host_id, _, _ = members[0]
+                self._add(key, (room, host_id), side, snapshot)
         self.chooser = chooser
         self.box_version = side.version
         self.host_version = base.version
@@ -342,8 +387,8 @@ class ClassTable:
         raws = self.raws.pop(key, None)
         if raws is None:
             return
-        member = self.first.pop(key)
-        entry = (*member, key)
+        rank = self.first.pop(key)
+        entry = (*rank, key)
         for raw in set(raws):
             entries = self.by_raw[raw]
             entries.remove(entry)
@@ -357,11 +402,11 @@ class ClassTable:
             if not entries:
                 del self.by_tight[tight]
 
-    def _add(self, key: GroupKey, member: Member, side: BoxSide, snapshot: Snapshot) -> None:
+    def _add(self, key: GroupKey, rank: Rank, side: BoxSide, snapshot: Snapshot) -> None:
         host_class = key[0]
         found = self.options.get(host_class)
         if found is None:
-            host = snapshot.hosts[member[1]]
+            host = snapshot.hosts[rank[1]]
             found, _ = side.chooser.parts(host.place)
             self.options[host_class] = found
             # a new mapping: the chooser answers the tightest boxes again for it
@@ -369,8 +414,8 @@ class ClassTable:
         # a class that reaches too little gets no option: its hosts propose nothing
         raws = tuple(raw_scores(side, self.plugins, option, key[1]) for option in found)
         self.raws[key] = raws
-        self.first[key] = member
-        entry = (*member, key)
+        self.first[key] = rank
+        entry = (*rank, key)
         for raw in set(raws):
             entries = self.by_raw.get(raw)
             if entries is None:
@@ -398,9 +443,9 @@ class ClassTable:
         self.near = near
         self.tight.clear()
         self.by_tight.clear()
-        for key, member in self.first.items():
+        for key, rank in self.first.items():
             if self.raws[key]:  # a group with no option has no tightest box either
-                self._enter_tight(key, (*member, key))
+                self._enter_tight(key, (*rank, key))
 
     def _enter_tight(self, key: GroupKey, entry: Entry) -> None:
         assert self.near is not None
@@ -453,6 +498,7 @@ class Carried:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        self.supplies: OrderedDict[Hashable, SupplySide] = OrderedDict()
         self.box_sides: OrderedDict[Hashable, BoxSide] = OrderedDict()
         self.host_bases: OrderedDict[Hashable, HostBase] = OrderedDict()
         self.tables: OrderedDict[Hashable, ClassTable] = OrderedDict()
@@ -541,6 +587,46 @@ def decide(
             return None
 
 
+def supply_key(request: PlacementRequest, filters: Sequence[object]) -> PlacementRequest:
+    """The box key of the supply: ``request`` of size 1 when no box or GPU filter that
+    applies reads the size (every filter that does not say is taken to), since sizes
+    then share the supply and only the chooser (and a supply too short) differs."""
+    for plugin in filters:
+        reads = getattr(plugin, "reads", None)
+        if reads is None or "count" in reads:
+            return request
+    return replace(request, count=1) if request.count != 1 else request
+
+
+def _supply_side(
+    carried: Carried, parts: Parts, request: PlacementRequest, snapshot: Snapshot
+) -> SupplySide | None:
+    key = supply_key(request, (*parts.box_filters, *parts.gpu_filters))
+    side = carried.supplies.get(key)
+    if side is not None:
+        if side.version > snapshot.version and side.journal is snapshot.journal:
+            return None  # an older snapshot: prepared from itself
+        changes = journal_changes(side.journal, side.version, snapshot)
+        if changes is not None:
+            if changes[0] and not side.advance(snapshot, changes[0]):
+                del carried.supplies[key]
+                return None
+            side.version = snapshot.version
+            kept(cast(OrderedDict[Hashable, object], carried.supplies), key, MAX_SUPPLIES)
+            return side
+        del carried.supplies[key]
+    try:
+        supply = LiveSupply.build(key, snapshot, parts.box_filters, parts.gpu_filters)
+    except Exception:
+        return None
+    if supply is None:
+        return None
+    side = SupplySide(key, snapshot, parts.box_filters, parts.gpu_filters, supply)
+    carried.supplies[key] = side
+    kept(cast(OrderedDict[Hashable, object], carried.supplies), key, MAX_SUPPLIES)
+    return side
+
+
 def _box_side(
     carried: Carried,
     parts: Parts,
@@ -548,36 +634,25 @@ def _box_side(
     snapshot: Snapshot,
     model: TieredLatencyModel,
 ) -> BoxSide | None:
+    supplies = _supply_side(carried, parts, request, snapshot)
+    if supplies is None or supplies.supply.supply.usable < request.count:
+        return None  # short of GPUs: a run host by host gives the account
+    supply = supplies.supply
     key = (id(model), request)
     side = carried.box_sides.get(key)
     if side is not None:
         if side.version > snapshot.version and side.journal is snapshot.journal:
-            return None  # an older snapshot: prepared from itself
+            return None
         changes = journal_changes(side.journal, side.version, snapshot)
         if changes is not None and side.chooser.model is model:
-            if changes[0] and not side.advance(snapshot, changes[0]):
-                del carried.box_sides[key]
-                return None
-            side.version = snapshot.version
+            side.advance(snapshot, changes[0], supply)
             kept(cast(OrderedDict[Hashable, object], carried.box_sides), key, MAX_BOX_SIDES)
             return side
         del carried.box_sides[key]
-    try:
-        supply = LiveSupply.build(request, snapshot, parts.box_filters, parts.gpu_filters)
-        if supply is None:
-            return None
-        side = BoxSide(
-            request,
-            snapshot,
-            parts.box_filters,
-            parts.gpu_filters,
-            lambda boxes: TieredChooser(
-                model, boxes, request.count, parts.bound, same_switch=request.same_switch
-            ),
-            supply,
-        )
-    except Exception:
-        return None
+    chooser = TieredChooser(
+        model, supply.supply.boxes, request.count, parts.bound, same_switch=request.same_switch
+    )
+    side = BoxSide(request, snapshot, supply, chooser)
     side.key = key
     carried.box_sides[key] = side
     kept(cast(OrderedDict[Hashable, object], carried.box_sides), key, MAX_BOX_SIDES)
@@ -628,7 +703,10 @@ def _table(
 
 class _Fitting:
     """Finds the first host, by (room, id), that the request's own checks keep, among
-    the groups of a list (each group's hosts by (room, id))."""
+    the groups of a list (each group's hosts by (room, id)).
+
+    The checks of the default pipeline (CPU and memory free, hosts excluded) are read
+    off the members themselves; any other check is asked host by host."""
 
     def __init__(
         self,
@@ -637,38 +715,59 @@ class _Fitting:
         snapshot: Snapshot,
         base: HostBase,
     ) -> None:
-        self.checks = [check for check in parts.checks if check.applies(request)]
+        checks = [check for check in parts.checks if check.applies(request)]
+        self.any = bool(checks)
+        self.cpu = self.memory = 0
+        self.excluded: frozenset[str] = frozenset()
+        self.least = 0
+        self.others: list[HostCheckPlugin] = []
+        for check in checks:
+            if type(check) is HostResources:
+                self.cpu, self.memory = request.cpu_cores, request.host_memory_mib
+                self.least = check.least_room(request, base.scale)
+            elif type(check) is HostNotExcluded:
+                self.excluded = request.exclude_hosts
+            else:
+                self.others.append(check)
         self.request = request
         self.hosts = snapshot.hosts
         self.groups = base.groups
-        least = 0
-        for check in self.checks:
-            room_of = getattr(check, "least_room", None)
-            if room_of is not None:
-                least = max(least, room_of(request, base.scale))
-        self.least = least
 
-    def first(self, entries: SortedList[Entry], exact: bool) -> Member | None:
+    def keeps(self, member: Member) -> bool:
+        """Whether the request's checks keep the host ``member`` stands for."""
+        cpu, memory = self.cpu, self.memory
+        if (cpu and member[2] < cpu) or (memory and member[3] < memory):
+            return False
+        if member[1] in self.excluded:
+            return False
+        others = self.others
+        if others:
+            host = self.hosts[member[1]]
+            return all(check.keeps(self.request, host) for check in others)
+        return True
+
+    def first(self, entries: SortedList[Entry], exact: bool) -> Rank | None:
         """The first host kept among the groups of ``entries`` (each entry a group by
         its first host); with ``exact`` the least of them all, else any (the first
         found). None when no group holds one."""
         if not entries:
             return None
-        if not self.checks:
+        if not self.any:
             return entries[0][0], entries[0][1]
-        best: Member | None = None
-        request, hosts, checks = self.request, self.hosts, self.checks
+        best: Rank | None = None
+        keeps = self.keeps
+        floor: Member = (self.least, "", -1, -1)
         for room, host_id, key in entries:
             if best is not None and (room, host_id) >= best:
                 break  # every host of this group and those after has more room
             members = self.groups[key]
-            start = members.bisect_left((self.least, "")) if self.least else 0
+            start = members.bisect_left(floor) if self.least else 0
             for member in members.islice(start):
-                if best is not None and member >= best:
+                rank = (member[0], member[1])
+                if best is not None and rank >= best:
                     break
-                host = hosts[member[1]]
-                if all(check.keeps(request, host) for check in checks):
-                    best = member
+                if keeps(member):
+                    best = rank
                     break
             if best is not None and not exact:
                 return best
@@ -684,7 +783,7 @@ def _best(
     table: ClassTable,
 ) -> Chosen | None:
     fitting = _Fitting(parts, request, snapshot, base)
-    found: dict[Raw, Member] = {}
+    found: dict[Raw, Rank] = {}
     sources: dict[Raw, list[SortedList[Entry]]] = {}
     for raw, entries in table.by_raw.items():
         member = fitting.first(entries, exact=False)
@@ -710,7 +809,7 @@ def _best(
     totals = totals_of(parts.plugins, parts.weights, list(found))
     best = max(totals.values())
     winners = [raw for raw, total in totals.items() if total == best]
-    if fitting.checks:
+    if fitting.any:
         exact = [fitting.first(entries, exact=True) for raw in winners for entries in sources[raw]]
         winner = min(member for member in exact if member is not None)
     else:
@@ -747,7 +846,7 @@ def _pinned(
     if host is None or where is None or where[0][1] < parts.min_free:
         return None
     if not all(check.keeps(request, host) for check in parts.checks if check.applies(request)):
-        return None
+        return None  # the run that looks at it alone says why
     first, tight = side.chooser.parts(host.place)
     options = list(first)
     if tight is not None:
