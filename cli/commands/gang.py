@@ -81,6 +81,7 @@ def create(
     affinity: str | None,
     spread: int | None,
     host_selector: tuple[tuple[str, str], ...],
+    exclude_hosts: tuple[str, ...],
     cpus: int | None,
     host_memory: int | None,
     vfio: bool,
@@ -116,6 +117,7 @@ def create(
             vfio=vfio,
             tenant=tenant,
             labels=labels,
+            exclude_hosts=exclude_hosts,
         ),
     )
     hosts = sorted({n.host.removeprefix("hosts/") for n in created.nodes})

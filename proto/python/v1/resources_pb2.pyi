@@ -919,6 +919,7 @@ class NodeSpec(_message.Message):
     HOST_SELECTOR_FIELD_NUMBER: _builtins.int
     CPU_CORES_FIELD_NUMBER: _builtins.int
     HOST_MEMORY_MIB_FIELD_NUMBER: _builtins.int
+    EXCLUDE_HOSTS_FIELD_NUMBER: _builtins.int
     host: _builtins.str
     """Pin to this host ("hosts/{host}"); empty lets placement choose."""
     max_latency_ns: _builtins.int
@@ -964,6 +965,12 @@ class NodeSpec(_message.Message):
         these key=value pairs.
         """
 
+    @_builtins.property
+    def exclude_hosts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Hosts the node must not go to ("hosts/{host}", at most 1024): anti-affinity, the
+        caller naming the hosts that run what the node must keep away from.
+        """
+
     def __init__(
         self,
         *,
@@ -980,10 +987,11 @@ class NodeSpec(_message.Message):
         host_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         cpu_cores: _builtins.int = ...,
         host_memory_mib: _builtins.int = ...,
+        exclude_hosts: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["affinity", b"affinity", "cpu_cores", b"cpu_cores", "gpus", b"gpus", "host", b"host", "host_memory_mib", b"host_memory_mib", "host_selector", b"host_selector", "labels", b"labels", "max_gpus_per_box", b"max_gpus_per_box", "max_latency_ns", b"max_latency_ns", "max_slowdown", b"max_slowdown", "tenant", b"tenant", "vfio", b"vfio", "workload", b"workload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["affinity", b"affinity", "cpu_cores", b"cpu_cores", "exclude_hosts", b"exclude_hosts", "gpus", b"gpus", "host", b"host", "host_memory_mib", b"host_memory_mib", "host_selector", b"host_selector", "labels", b"labels", "max_gpus_per_box", b"max_gpus_per_box", "max_latency_ns", b"max_latency_ns", "max_slowdown", b"max_slowdown", "tenant", b"tenant", "vfio", b"vfio", "workload", b"workload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
