@@ -16,6 +16,7 @@ among those the tightest fit keeps roomy hosts roomy, as for GPU nodes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dxpool.broker.placement.framework import HostFilterPlugin
@@ -108,11 +109,13 @@ def choose_host(
     hosts = snapshot.hosts
     visited = [request.host] if request.host is not None else snapshot.host_ids()
     room = snapshot.resource_scale().room
+    found = _fewest_free_slots(asked, filters, [hosts[host] for host in visited], room)
+    if found is not None:
+        return HostChoice(found)
     failed: dict[str, list[HostInfo]] = {plugin.name: [] for plugin in filters}
     stops = [0] * len(filters)
     errors: list[str] = []
-    best: tuple[int, int, str] | None = None
-    for host_id in visited:
+    for host_id in visited:  # nothing fits: say why, filter by filter
         host = hosts[host_id]
         dropped = False
         for index, plugin in enumerate(filters):
@@ -129,13 +132,8 @@ def choose_host(
                 failed[plugin.name].append(host)
             dropped = True
             break
-        if dropped:
-            continue
-        key = (host.free_slot_count(), room(host), host_id)
-        if best is None or key < best:
-            best = key
-    if best is not None:
-        return HostChoice(best[2])
+        if not dropped:  # only a check that disagrees with its filter gets here
+            errors.append(f"hosts/{host_id}: a host filter's check disagrees with the filter")
     lines: list[str] = []
     reached = len(visited)
     for index, plugin in enumerate(filters):
@@ -146,3 +144,39 @@ def choose_host(
         reached -= stops[index]
     lines.extend(errors)
     return HostChoice(None, tuple(lines) or ("no host is registered",))
+
+
+def _fewest_free_slots(
+    request: PlacementRequest,
+    filters: tuple[HostFilterPlugin, ...],
+    hosts: list[HostInfo],
+    room: Callable[[HostInfo], int],
+) -> str | None:
+    """The host every filter keeps with the fewest free slots, then the least room, then
+    the lowest id; a host is filtered only when it could beat the best so far, and by
+    a filter's ``keeps`` where it has one (no status is made)."""
+    checks: list[Callable[[PlacementRequest, HostInfo], bool]] = []
+    for plugin in filters:
+        keeps = getattr(plugin, "keeps", None)
+        checks.append(keeps if callable(keeps) else _keeps_by_status(plugin))
+    best: tuple[int, int, str] | None = None
+    for host in hosts:
+        free = host.free_slot_count()
+        if best is not None and free > best[0]:
+            continue
+        try:
+            if not all(check(request, host) for check in checks):
+                continue
+        except Exception:
+            continue  # the pass that explains reports it
+        key = (free, room(host), host.host)
+        if best is None or key < best:
+            best = key
+    return None if best is None else best[2]
+
+
+def _keeps_by_status(plugin: HostFilterPlugin) -> Callable[[PlacementRequest, HostInfo], bool]:
+    def keeps(request: PlacementRequest, host: HostInfo) -> bool:
+        return plugin.filter_host(request, host).code is Code.SUCCESS
+
+    return keeps
