@@ -45,3 +45,14 @@ def test_the_python_example_runs_twice(
         printed = capsys.readouterr().out.splitlines()
         assert len(printed) == 4, printed  # one line per GPU of H100:4
         assert all(line.startswith("boxes/box1/gpus/") for line in printed), printed
+
+
+def test_the_embedding_example_runs_as_written() -> None:
+    """README's second Python example: the in-memory pool, no broker."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
+    assert len(blocks) >= 2 and "InMemoryPool" in blocks[1]
+    scope: dict[str, object] = {}
+    exec(compile(blocks[1], "README.md", "exec"), scope)  # our own README, run as written
+    pool = scope["pool"]
+    assert pool.node("n1") is None  # type: ignore[attr-defined]
+    assert pool.node("etl").host == "hosts/h1"  # type: ignore[attr-defined]
