@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import cast
 
@@ -87,6 +87,8 @@ LOG_LENGTH = 512
 MAX_SCORED = 65536
 """Raw scores a box side keeps by takes; beyond, it starts afresh."""
 
+_MISSING = object()
+
 GroupKey = tuple[int, int]
 """(latency class of the host, free proxy slots)."""
 Member = tuple[int, str, int, int]
@@ -98,8 +100,8 @@ Entry = tuple[int, str, GroupKey]
 """A group in a list of groups: its first member's (room, host id), then the group."""
 Raw = tuple[float, ...]
 TightKey = tuple[int, int, int]
-"""A tightest-single-box option for a group: (round trip, index into the chooser's
-tightest boxes, free slots)."""
+"""A tightest-single-box option for a group: (round trip, the class of the tightest box,
+which holds one such box, free slots)."""
 
 
 class _Log:
@@ -316,7 +318,8 @@ class ClassTable:
         self.first: dict[GroupKey, Rank] = {}
         self.by_raw: dict[Raw, SortedList[Entry]] = {}
         self.near: dict[int, tuple[int, int]] | None = None
-        self.few: tuple[tuple[int, BoxSupply], ...] = ()
+        self.tight_box: dict[int, BoxSupply] = {}  # box class -> its tightest box
+        self.class_tight: dict[int, tuple[int, int]] = {}  # host class -> (ns, box class)
         self.tight: dict[GroupKey, TightKey] = {}
         self.by_tight: dict[TightKey, SortedList[Entry]] = {}
         self.side = side
@@ -379,7 +382,8 @@ class ClassTable:
         self.first.clear()
         self.by_raw.clear()
         self.near = None
-        self.few = ()
+        self.tight_box = {}
+        self.class_tight.clear()
         self.tight.clear()
         self.by_tight.clear()
 
@@ -424,32 +428,50 @@ class ClassTable:
         self.of_class.setdefault(host_class, set()).add(key)
 
     def _retighten(self, chooser: TieredChooser, redo: set[GroupKey]) -> None:
-        """The tightest box of each group's class, when the chooser answers it apart:
-        only the groups judged again move while the chooser keeps its mapping of
-        classes to tightest boxes, every group otherwise."""
+        """The tightest box of each group's class, when the chooser answers it apart.
+        A group is filed by the round trip to that box and the box's class (a class
+        holds one tightest box), so when the chooser's mapping of classes to tightest
+        boxes changes only the host classes whose answer changed move their groups; the
+        groups judged again (``redo``) are filed afresh."""
         answer = chooser.tightest_near(self.places) if chooser.few_tightest() else None
         if answer is None:
-            self.near, self.few = None, ()
+            self.near, self.tight_box = None, {}
+            self.class_tight.clear()
             self.tight.clear()
             self.by_tight.clear()
             return
         near, few = answer
-        self.few = few
-        if near is self.near:
-            for key in redo:
-                if self.raws.get(key) and key not in self.tight:
-                    self._enter_tight(key, (*self.first[key], key))
-            return
-        self.near = near
-        self.tight.clear()
-        self.by_tight.clear()
-        for key, rank in self.first.items():
-            if self.raws[key]:  # a group with no option has no tightest box either
-                self._enter_tight(key, (*rank, key))
+        self.tight_box = dict(few)
+        if near is not self.near:
+            self.near = near
+            for host_class in self.places:
+                ns, index = near[host_class]
+                now = (ns, few[index][0])
+                if self.class_tight.get(host_class) == now:
+                    continue
+                self.class_tight[host_class] = now
+                for key in self.of_class.get(host_class, ()):
+                    if key in self.tight:
+                        self._leave_tight(key)
+                    if self.raws.get(key):  # a group with no option has no tightest box
+                        self._enter_tight(key, (*self.first[key], key))
+        for key in redo:
+            if self.raws.get(key) and key not in self.tight:
+                host_class = key[0]
+                if host_class not in self.class_tight:
+                    ns, index = near[host_class]
+                    self.class_tight[host_class] = (ns, few[index][0])
+                self._enter_tight(key, (*self.first[key], key))
+
+    def _leave_tight(self, key: GroupKey) -> None:
+        tight = self.tight.pop(key)
+        entries = self.by_tight[tight]
+        entries.remove((*self.first[key], key))
+        if not entries:
+            del self.by_tight[tight]
 
     def _enter_tight(self, key: GroupKey, entry: Entry) -> None:
-        assert self.near is not None
-        tight = (*self.near[key[0]], key[1])
+        tight = (*self.class_tight[key[0]], key[1])
         self.tight[key] = tight
         entries = self.by_tight.get(tight)
         if entries is None:
@@ -493,15 +515,32 @@ class Chosen:
     total: float
 
 
+MAX_PARTS = 4096
+"""Requests whose :class:`Parts` are remembered; beyond, the record starts afresh."""
+
+
 class Carried:
     """Every part a pipeline carries over, by key, least recently used dropped."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        self._parts: dict[PlacementRequest, Parts | None] = {}
         self.supplies: OrderedDict[Hashable, SupplySide] = OrderedDict()
         self.box_sides: OrderedDict[Hashable, BoxSide] = OrderedDict()
         self.host_bases: OrderedDict[Hashable, HostBase] = OrderedDict()
         self.tables: OrderedDict[Hashable, ClassTable] = OrderedDict()
+
+    def parts_of(self, request: PlacementRequest, make: Callable[[], Parts | None]) -> Parts | None:
+        """What a decision needs of the pipeline for ``request`` (``make()``, which
+        depends on the request alone), remembered per request: a stream repeats its
+        shapes. Safe from several threads (it may then be made twice)."""
+        found = self._parts.get(request, _MISSING)
+        if found is _MISSING:
+            found = make()
+            if len(self._parts) >= MAX_PARTS:
+                self._parts.clear()
+            self._parts[request] = found
+        return cast(Parts | None, found)
 
 
 def kept(cache: OrderedDict[Hashable, object], key: Hashable, limit: int) -> None:
@@ -796,8 +835,8 @@ def _best(
             member = fitting.first(entries, exact=False)
             if member is None:
                 continue
-            ns, index, free = tight
-            option = _tight_option(table.few[index][1], request.count, ns)
+            ns, box_class, free = tight
+            option = _tight_option(table.tight_box[box_class], request.count, ns)
             raw = raw_scores(side, table.plugins, option, free)
             tight_raws[tight] = raw
             seen = found.get(raw)
@@ -820,8 +859,8 @@ def _best(
     raws = list(table.raws[key])
     tight_key = table.tight.get(key)
     if tight_key is not None:
-        ns, index, _ = tight_key
-        supply = table.few[index][1]
+        ns, box_class, _ = tight_key
+        supply = table.tight_box[box_class]
         if not any(
             len(takes) == 1 and takes[0].supply.box.box == supply.box.box for _, takes in options
         ):  # parts() puts the tightest box after the others

@@ -316,7 +316,9 @@ class _Run:
             and self.snapshot.journal is not None
             and _is_tiered(type(self.latency))
         ):
-            parts = _carried_parts(self.pipeline, self.request)
+            parts = self.pipeline._carried.parts_of(
+                self.request, functools.partial(_carried_parts, self.pipeline, self.request)
+            )
             if parts is not None:
                 model = cast(TieredLatencyModel, self.latency)
                 chosen = decide(self.pipeline._carried, parts, self.request, self.snapshot, model)
