@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import json
 import random
 import statistics
 import sys
@@ -67,7 +68,7 @@ from bench.traces.pool import DecisionTimes, DxpoolPool, PoolLayout, boxes_of
 from bench.traces.report import positive_int, pyplot, save, table
 from bench.traces.servers import FixedServers
 
-TUNE = 1.3  # pods are drawn until the GPUs asked reach 130% of capacity
+TUNE = 1.3  # pods are drawn until the GPUs asked reach 130% of capacity (--until)
 DEFAULT_PLOT = Path(__file__).parent / "plots" / "openb.png"
 DXPOOL, SERVERS, MOSTFREE = "dxpool", "best-fit servers", "most-free-model"
 CLUSTER_KEYS = {"dxpool": DXPOOL, "servers": SERVERS, "mostfree": MOSTFREE}
@@ -96,12 +97,15 @@ def cluster_keys(text: str) -> list[str]:
     return [CLUSTER_KEYS[key] for key in keys]
 
 
-def sample_requests(pods: Sequence[Pod], capacity: int, seed: int) -> list[Pod]:
-    """Pods drawn with replacement until the GPUs they ask reach ``TUNE`` x ``capacity``."""
+def sample_requests(
+    pods: Sequence[Pod], capacity: int, seed: int, until: float = TUNE
+) -> list[Pod]:
+    """Pods drawn with replacement until the GPUs they ask reach ``until`` x
+    ``capacity`` (a shorter draw is the start of a longer one)."""
     rng = random.Random(seed)
     requests: list[Pod] = []
     demand = 0
-    while demand < TUNE * capacity:
+    while demand < until * capacity:
         pod = rng.choice(pods)
         requests.append(pod)
         demand += pod.gpus
@@ -120,6 +124,7 @@ class FillRun:
     refusals: list[tuple[float, int, Cause]] = field(default_factory=list)  # (% arrived, size)
     cpu_pods: int = 0  # CPU-only pods submitted
     times: list[float] = field(default_factory=list)  # dxpool's decisions, seconds
+    until: float = TUNE  # the draw's end, as a share of capacity
 
     def allocation_at(self, percent: float) -> float:
         """GPUs allocated (% of capacity) once ``percent``% of capacity was asked for."""
@@ -130,14 +135,14 @@ class FillRun:
         return 100 - self.allocation_at(percent)
 
     def first_refusal(self) -> float:
-        """% of capacity asked for when the first GPU pod was refused (``TUNE`` x 100
-        when none was)."""
-        return next((at for at, size, _ in self.refusals if size), TUNE * 100)
+        """% of capacity asked for when the first GPU pod was refused (the end of the
+        draw, ``until`` x 100, when none was)."""
+        return next((at for at, size, _ in self.refusals if size), self.until * 100)
 
 
-def fill(allocator: Allocator, requests: Sequence[Pod], seed: int) -> FillRun:
+def fill(allocator: Allocator, requests: Sequence[Pod], seed: int, until: float = TUNE) -> FillRun:
     """Submits ``requests`` in order, each asking for its CPU, memory and models."""
-    run = FillRun(allocator.name, seed, allocator.capacity)
+    run = FillRun(allocator.name, seed, allocator.capacity, until=until)
     demand = 0
     for pod in requests:
         demand += pod.gpus
@@ -162,6 +167,7 @@ class Setup:
     pipeline: str
     verify: bool
     clusters: tuple[str, ...]
+    until: float = TUNE
 
 
 def clusters(setup: Setup, pods: Sequence[Pod]) -> list[tuple[str, Callable[[], Allocator]]]:
@@ -195,8 +201,8 @@ def run_seed(setup: Setup, traces: Path, workload: str, seed: int) -> list[FillR
     """Every cluster filled with the seed's draw of the workload's pods."""
     pods = openb_pods(traces, workload, cpu_only=True)
     capacity = sum(server.gpus for server in setup.servers)
-    requests = sample_requests(pods, capacity, seed)
-    return [fill(make(), requests, seed) for _, make in clusters(setup, pods)]
+    requests = sample_requests(pods, capacity, seed, setup.until)
+    return [fill(make(), requests, seed, setup.until) for _, make in clusters(setup, pods)]
 
 
 def mean_sd(values: Sequence[float]) -> tuple[float, float]:
@@ -255,7 +261,8 @@ def summarize(
     )
     print(
         f"Unallocated GPUs at 100% of capacity asked (% of {capacity:,}) and the first "
-        "refused GPU pod (% of capacity asked), mean ± sd over seeds:"
+        "refused GPU pod (% of capacity asked; the end of the draw when none was), mean ± "
+        "sd over seeds:"
     )
     print(table(header, rows))
     return met_all
@@ -349,6 +356,33 @@ def plot(results: dict[str, dict[str, list[FillRun]]], names: Sequence[str], pat
     save(figure, path)
 
 
+def save_runs(path: Path, workload: str, runs: dict[str, list[FillRun]]) -> None:
+    """Appends one JSON line per cluster: the figures of every seed, read at 100%."""
+    with path.open("a", encoding="utf-8") as handle:
+        for name, done in runs.items():
+            line = {
+                "workload": workload,
+                "cluster": name,
+                "seeds": [run.seed for run in done],
+                "unallocated_at_100": [run.unallocated_at(100) for run in done],
+                "first_refusal": [run.first_refusal() for run in done],
+                "refusals_to_100": [
+                    {
+                        c.name: n
+                        for c, n in Counter(
+                            c for at, size, c in run.refusals if at <= 100 and size
+                        ).items()
+                    }
+                    for run in done
+                ],
+                "decision_ms_p50_p99": [
+                    [DecisionTimes(run.times).percentile(q) * 1e3 for q in (0.5, 0.99)]
+                    for run in done
+                ],
+            }
+            handle.write(json.dumps(line) + "\n")
+
+
 def parse_seeds(text: str) -> list[int]:
     """``42-51`` or ``42,45``."""
     try:
@@ -362,7 +396,8 @@ def parse_seeds(text: str) -> list[int]:
         ) from None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parser_of() -> argparse.ArgumentParser:
+    """The command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--traces", help="folder of the trace folders")
     parser.add_argument(
@@ -386,7 +421,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--jobs", type=positive_int, default=1, help="worker processes (seeds run in parallel)"
     )
+    parser.add_argument(
+        "--until",
+        type=positive_int,
+        default=round(TUNE * 100),
+        help="draw pods until the GPUs asked reach this %% of capacity (130; the figures "
+        "read at 100%% are the same for any value from 100 up)",
+    )
+    parser.add_argument(
+        "--save", type=Path, help="append each workload's runs to this file (JSON lines)"
+    )
     parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = parser_of()
     args = parser.parse_args(argv)
     try:
         traces = traces_dir(args.traces)
@@ -407,7 +457,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.workloads == "all":
             workloads = ["default", "gpuspec33", "multigpu50"]
     setup = Setup(
-        tuple(servers), args.slots, args.pipeline, args.verify_refusals, tuple(args.clusters)
+        tuple(servers),
+        args.slots,
+        args.pipeline,
+        args.verify_refusals,
+        tuple(args.clusters),
+        args.until / 100,
     )
     names = [name for name in CLUSTER_KEYS.values() if name in args.clusters]
     capacity = sum(server.gpus for server in servers)
@@ -416,20 +471,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"workloads, seeds {seeds[0]}-{seeds[-1]}, whole GPUs, CPU, memory and models, "
         f"dxpool hosts with {args.slots} slots, pipeline {args.pipeline}"
     )
-    results: dict[str, dict[str, list[FillRun]]] = {w: {n: [] for n in names} for w in workloads}
+    results: dict[str, dict[str, list[FillRun]]] = {}
     began = time.monotonic()
-    tasks = [(workload, seed) for workload in workloads for seed in seeds]
     with ProcessPoolExecutor(args.jobs) if args.jobs > 1 else _Inline() as workers:
-        futures = [
-            (workload, workers.submit(run_seed, setup, traces, workload, seed))
-            for workload, seed in tasks
-        ]
-        for workload, future in futures:
-            for run in future.result():
-                results[workload][run.cluster].append(run)
-            if all(len(results[workload][n]) == len(seeds) for n in names):
-                print(f"  {workload}: done at {time.monotonic() - began:.0f} s", file=sys.stderr)
-    print()
+        for workload in workloads:  # one at a time, its seeds side by side
+            futures = [workers.submit(run_seed, setup, traces, workload, s) for s in seeds]
+            runs: dict[str, list[FillRun]] = {name: [] for name in names}
+            for future in futures:
+                for run in future.result():
+                    runs[run.cluster].append(run)
+            results[workload] = runs
+            print(f"  {workload}: done at {time.monotonic() - began:.0f} s", file=sys.stderr)
+            summarize({workload: runs}, names, capacity)
+            sys.stdout.flush()
+            if args.save is not None:
+                save_runs(args.save, workload, runs)
+    print("\nEvery workload:")
     met = summarize(results, names, capacity)
     if DXPOOL in names:
         causes(results, DXPOOL)
