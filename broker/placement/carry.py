@@ -166,17 +166,20 @@ class SupplySide:
 
 
 class BoxSide:
-    """The chooser of one box key, made from a supply side's supply, at one version."""
+    """The chooser of one box key, made from a supply side's supply, at one version.
+    It follows that supply side alone: a supply made again holds other objects for the
+    same boxes, which the chooser would not recognize as the ones it holds."""
 
     def __init__(
         self,
         request: PlacementRequest,
         snapshot: Snapshot,
-        supply: LiveSupply,
+        origin: SupplySide,
         chooser: TieredChooser,
     ) -> None:
         self.request = request
-        self.supply = supply  # the supply the chooser holds the boxes of
+        self.origin = origin
+        self.supply = origin.supply  # the supply the chooser holds the boxes of
         self.chooser = chooser
         self.version = snapshot.version
         self.journal = snapshot.journal
@@ -683,7 +686,7 @@ def _box_side(
         if side.version > snapshot.version and side.journal is snapshot.journal:
             return None
         changes = journal_changes(side.journal, side.version, snapshot)
-        if changes is not None and side.chooser.model is model:
+        if changes is not None and side.chooser.model is model and side.origin is supplies:
             side.advance(snapshot, changes[0], supply)
             kept(cast(OrderedDict[Hashable, object], carried.box_sides), key, MAX_BOX_SIDES)
             return side
@@ -691,7 +694,7 @@ def _box_side(
     chooser = TieredChooser(
         model, supply.supply.boxes, request.count, parts.bound, same_switch=request.same_switch
     )
-    side = BoxSide(request, snapshot, supply, chooser)
+    side = BoxSide(request, snapshot, supplies, chooser)
     side.key = key
     carried.box_sides[key] = side
     kept(cast(OrderedDict[Hashable, object], carried.box_sides), key, MAX_BOX_SIDES)

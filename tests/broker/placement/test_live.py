@@ -459,3 +459,32 @@ def test_shapes_that_differ_in_host_fields_share_one_supply_and_one_host_groupin
     assert len(carried.box_sides) == 2  # one per size
     assert len(carried.host_bases) == 1
     assert len(carried.tables) == 2
+
+
+def test_a_supply_made_again_starts_its_choosers_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A supply dropped (here: room for one kept, two models asked in turn) and made
+    again holds new objects for the boxes that did not change: the choosers made from
+    the old one must start again rather than be brought forward by it (they would hold
+    a box twice)."""
+    from dxpool.broker.placement import carry
+
+    monkeypatch.setattr(carry, "MAX_SUPPLIES", 1)
+    rng = random.Random(11)
+    inventory = Inventory()
+    for index in range(8):
+        box, gpus = make_box(f"b{index:02d}", rng.choice(RACKS), [True] * 8)
+        if index % 2:
+            gpus = tuple(replace(gpu, model="A100") for gpu in gpus)
+        inventory.put_box(box, box.box, gpus)
+    for index in range(6):
+        place = Place(f"hosts/h{index:02d}", *rng.choice(RACKS))
+        inventory.put_host(HostInfo(f"h{index:02d}", place, 16, frozenset(), True))
+    model = TopologyLatencyModel(Topology.default())
+    pipeline = default_pipeline()
+    for turn in range(24):  # 36 of the 64 GPUs
+        request = PlacementRequest(("H100", "A100")[turn % 2], 1 + turn % 3)
+        live = pipeline.run(request, inventory.snapshot(), model)
+        fresh = default_pipeline().run(request, inventory.alone(), model)
+        assert live.placement == fresh.placement, turn
+        assert live.placement is not None
+        commit(inventory, live.placement)
