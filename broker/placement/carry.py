@@ -620,9 +620,9 @@ def decide(
             base = _host_base(carried, parts, request, snapshot, model)
             if base is None:
                 return None
-            table = _table(carried, parts, side, base, snapshot)
-            if parts.pinned:
+            if parts.pinned:  # its host alone: no table to read
                 return _pinned(parts, request, snapshot, side, base)
+            table = _table(carried, parts, side, base, snapshot)
             return _best(parts, request, snapshot, side, base, table)
         except Exception:
             # a plugin or the latency model failed: a run host by host says which
