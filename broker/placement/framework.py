@@ -280,11 +280,12 @@ class ScorePlugin(Protocol):
     """Rates proposals. Higher normalized scores are better.
 
     A plugin may set ``by_host_class = True`` when its raw score depends only on the
-    proposal's takes and free slot count, never on which host of a latency class it is,
-    and its ``normalize`` only on the best raw score (max or min), not on how many
-    proposals there are. Placement then scores one host per class (see
-    ``pipeline._filter_and_select_by_class``); a plugin without it makes every host be
-    scored.
+    proposal's takes and free slot count (and on the request's box key, never on its
+    host-side fields), never on which host of a latency class it is, and its
+    ``normalize`` only on the best raw score (max or min), not on how many proposals
+    there are. Placement then scores each group of hosts alike (latency class, free
+    slots) once (see :mod:`~dxpool.broker.placement.carry`); a plugin without it makes
+    every host be scored.
     """
 
     name: str

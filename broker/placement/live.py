@@ -150,7 +150,7 @@ def _funnel(
 
 class SortedSupplies(Sequence[BoxSupply]):
     """The usable boxes of a live supply by (usable GPUs, box id), sorted when first
-    read. A decision brought forward reads the chooser and the group table, not this
+    read. A decision carried over reads the chooser and the class table, not this
     list (only a run host by host, an explanation or a chooser made from scratch does),
     so the next version no longer copies one pointer per usable box for each change.
     Safe to share between threads: two first reads sort the same boxes the same way."""

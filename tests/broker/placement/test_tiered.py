@@ -421,7 +421,7 @@ def test_an_advanced_chooser_chooses_as_one_built_from_scratch(
         changed = chooser.changed_classes()
         for host in hosts:  # a class not named answers the first part as before, while
             # the model numbered no class since (the caller checks that part, see
-            # _GroupTable.made)
+            # carry.ClassTable.sync)
             first, ranking = answered[host]
             number = chooser.host_class(host)
             if changed is not None and number not in changed and model.ranking(number) is ranking:
