@@ -59,13 +59,20 @@ class Node:
 
 @dataclass(slots=True)
 class DecisionTimes:
-    """Seconds per placement decision (snapshot plus ``place()``), granted or not."""
+    """Seconds per placement decision (snapshot plus ``place()``), granted or not: wall
+    clock, and this process's CPU time (what the decision cost, without the time other
+    processes of a shared machine took meanwhile)."""
 
     samples: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
 
-    def percentile(self, fraction: float) -> float:
+    def add(self, wall: float, cpu: float) -> None:
+        self.samples.append(wall)
+        self.cpu.append(cpu)
+
+    def percentile(self, fraction: float, *, of_cpu: bool = False) -> float:
         """The sample at ``fraction`` (0-1) of the sorted samples; 0 when there are none."""
-        ordered = sorted(self.samples)
+        ordered = sorted(self.cpu if of_cpu else self.samples)
         if not ordered:
             return 0.0
         return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
@@ -157,9 +164,9 @@ class DxpoolPool:
             cpu_cores=needs.cpu,
             host_memory_mib=needs.memory_mib,
         )
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.process_time()
         result = self._pool.place(request)
-        self.times.samples.append(time.perf_counter() - began)
+        self.times.add(time.perf_counter() - began, time.process_time() - began_cpu)
         placement = result.placement
         if placement is None:
             if refused is None:
@@ -196,9 +203,9 @@ class DxpoolPool:
     def _reserve_only(self, needs: Resources) -> Grant | Cause:
         """A CPU-only pod: its CPU and memory held on a host by placement."""
         node = self._node_id()
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.process_time()
         held = self._pool.reserve(node, HostRequest(needs.cpu, needs.memory_mib))
-        self.times.samples.append(time.perf_counter() - began)
+        self.times.add(time.perf_counter() - began, time.process_time() - began_cpu)
         if isinstance(held, HostChoice):
             raise RuntimeError(
                 f"{self.name}: no host for a CPU-only pod the counts admit: "

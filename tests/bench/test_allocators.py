@@ -78,9 +78,11 @@ def test_every_decision_is_timed_and_percentiles_read_the_sorted_samples() -> No
     for _ in range(3):
         cluster.allocate(1)
     assert len(cluster.times.samples) == 3
-    times = DecisionTimes([0.003, 0.001, 0.002, 0.004])
+    assert len(cluster.times.cpu) == 3 and all(t >= 0 for t in cluster.times.cpu)
+    times = DecisionTimes([0.003, 0.001, 0.002, 0.004], [0.002, 0.001, 0.001, 0.003])
     assert times.percentile(0.5) == 0.003
     assert times.percentile(0.99) == 0.004
+    assert times.percentile(0.5, of_cpu=True) == 0.002
     assert DecisionTimes().percentile(0.5) == 0.0
 
 
