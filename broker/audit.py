@@ -20,6 +20,15 @@ writes exactly one record per call after the call ends and before its answer is 
 A record that cannot be written (etcd away) is logged and counted
 (``dxpool_audit_write_failures_total``); the call's own result stands, since the
 mutation, if any, has already been committed.
+
+Nobody writes without a reason to: a record holds bounded fields in their own grammar
+(:mod:`~dxpool.broker.audit_fields`; a request's oversized or malformed field is kept as
+its size and digest), and calls refused for want of authentication or permission
+(UNAUTHENTICATED, PERMISSION_DENIED) are counted in
+``dxpool_audit_refused_calls_total{rpc,code,role}`` and logged at most once a minute,
+not written to etcd one record each: anyone who can reach the broker could otherwise
+grow etcd at will. Requests too large for their method, or undecodable, never reach the
+recorder (see :mod:`~dxpool.broker.decoding`).
 """
 
 from __future__ import annotations
@@ -39,10 +48,13 @@ import grpc
 from dxpool.api.v1 import audit_pb2, inventory_pb2, nodes_pb2
 from dxpool.broker import metrics
 from dxpool.broker.audit_commit import CURRENT, PendingRecord
+from dxpool.broker.audit_fields import MAX_RECORD_BYTES, normalised
 from dxpool.broker.decoding import Handler, Interceptor
+from dxpool.broker.log_throttle import LogThrottle
 from dxpool.errors import InvalidArgument, Unauthenticated
 from dxpool.identity import Identity
 from dxpool.limits import MAX_PAGE_TOKEN
+from dxpool.store.errors import classify
 from dxpool.store.keys import KeySchema
 
 __all__ = ["MUTATIONS", "AuditLog", "AuditRecorder", "audit_prefix"]
@@ -77,10 +89,16 @@ MUTATIONS: Mapping[str, Target] = {
 
 DEFAULT_RETENTION_S = 30 * 24 * 3600.0
 OK = grpc.StatusCode.OK
+REFUSED = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+"""Calls that end so are counted, not recorded (see the module docstring)."""
 PRUNE_INTERVAL_S = 60.0
+REFUSED_LOG_INTERVAL_S = 60.0
 MAX_PAGE_SIZE = 1000
 DEFAULT_PAGE_SIZE = 100
 _SCAN_BATCH = 500
+# The latest time a Timestamp may hold (9999-12-31T23:59:59Z), and the largest key time.
+_MAX_TIMESTAMP_S = 253_402_300_799
+_MAX_KEY_NS = 10**20 - 1
 
 
 def audit_prefix(key_prefix: str) -> str:
@@ -106,18 +124,20 @@ class _Filter:
 
 
 MAX_RECORDS_PER_TXN = 128
-"""Records per transaction of a group write: etcd's limit on operations per txn."""
+"""Records per transaction of a group write: etcd's limit on operations per txn. With
+records of at most ``MAX_RECORD_BYTES`` a transaction stays under 300 KiB, far below
+etcd's request limit."""
 
 
 class _Group:
-    """Records written together, and how their write ended."""
+    """Records written together, and how the write of each ended (None: stored)."""
 
-    __slots__ = ("done", "error", "records")
+    __slots__ = ("done", "errors", "records")
 
     def __init__(self) -> None:
         self.records: list[tuple[str, bytes]] = []
         self.done = False
-        self.error: Exception | None = None
+        self.errors: list[Exception | None] = []
 
 
 class AuditLog:
@@ -146,16 +166,20 @@ class AuditLog:
         self._writing = False
 
     def write(self, record: audit_pb2.AuditRecord) -> None:
-        """Store ``record`` (its time and broker are set here); returns once etcd holds
-        it. Raises what etcd raises.
+        """Store ``record`` (its time and broker are set here, its fields bounded);
+        returns once etcd holds it. Raises what etcd raises.
 
         Records written while another write is in flight wait for it and then go to
         etcd together, one transaction (up to 128 records) for all of them, written by
         the first of their callers: under load a call costs a share of one etcd
-        request instead of one, and still returns only after its record is stored."""
+        request instead of one, and still returns only after its record is stored.
+        When etcd refuses such a transaction (rather than being unreachable) each of
+        its records is put on its own, so one record's trouble never costs another
+        call its record."""
         key, data = self.prepare(record)
         with self._flushed:
             group = self._open
+            index = len(group.records)
             group.records.append((key, data))
             while self._writing and not group.done:
                 self._flushed.wait()
@@ -165,27 +189,53 @@ class AuditLog:
         if not group.done:
             try:
                 self._put_all(group.records)
+                group.errors = [None] * len(group.records)
             except Exception as error:
-                group.error = error
+                group.errors = self._put_each_if_refused(group.records, error)
             with self._flushed:
                 group.done = True
                 self._writing = False
                 self._flushed.notify_all()
-        if group.error is not None:
-            raise group.error
+        failed = group.errors[index]
+        if failed is not None:
+            raise failed
         self.maybe_prune()
+
+    def _put_each_if_refused(
+        self, records: list[tuple[str, bytes]], error: Exception
+    ) -> list[Exception | None]:
+        """How each of ``records`` ended after their group's write failed with
+        ``error``: that error for every one when etcd is away (or there is one record),
+        else the outcome of putting each on its own."""
+        failure = classify(error)
+        if len(records) == 1 or failure is None or failure.outage:
+            return [error] * len(records)
+        log.warning(
+            "audit group write refused; writing its records one by one",
+            extra={"records": len(records), "error": str(failure)},
+        )
+        outcomes: list[Exception | None] = []
+        for key, data in records:
+            try:
+                self._etcd.put(key, data)
+                outcomes.append(None)
+            except Exception as single:
+                outcomes.append(single)
+        return outcomes
 
     def prepare(self, record: audit_pb2.AuditRecord) -> tuple[str, bytes]:
         """The etcd key and bytes ``record`` is stored as (its time and broker are set
-        here), for a caller that puts it into a transaction of its own."""
+        here, its fields bounded: :func:`~dxpool.broker.audit_fields.normalised`), for a
+        caller that puts it into a transaction of its own."""
         now_ns = self._clock_ns()
         record.time.FromNanoseconds(now_ns)
         record.broker = self.broker
+        data = normalised(record).SerializeToString()
+        if len(data) > MAX_RECORD_BYTES:  # not reached (a test holds every record to it)
+            raise ValueError(f"audit record of {len(data)} bytes; the bound is {MAX_RECORD_BYTES}")
         with self._lock:
             seq = next(self._seq)
-        return f"{self.prefix}{_time_key(now_ns)}-{self.broker}-{seq:010d}", (
-            record.SerializeToString()
-        )
+        return f"{self.prefix}{_time_key(now_ns)}-{self.broker}-{seq:010d}", data
 
     def _put_all(self, records: list[tuple[str, bytes]]) -> None:
         """Put ``records``: one put for one, else transactions of up to
@@ -231,9 +281,7 @@ class AuditLog:
                 f"{DEFAULT_PAGE_SIZE})",
                 reason="INVALID_PAGE_SIZE",
             )
-        since_ns = request.since.ToNanoseconds() if request.HasField("since") else 0
-        if since_ns < 0:
-            raise InvalidArgument("invalid since: give a time after 1970", reason="INVALID_TIME")
+        since_ns = _since_ns(request)
         if request.identity:  # a malformed filter is refused, not answered with nothing
             Identity.parse(request.identity)
         wanted = _Filter(since_ns, request.identity, request.target)
@@ -273,6 +321,24 @@ class AuditLog:
         return f"{self.prefix}{token}".encode() + b"\0"
 
 
+def _since_ns(request: audit_pb2.ListAuditRecordsRequest) -> int:
+    """``since`` in nanoseconds since 1970 (0 when unset); InvalidArgument for a time
+    before 1970 or one a Timestamp cannot hold (after 9999, or nanos outside 0-999999999).
+    Times past the largest key time are clamped to it: nothing is that recent."""
+    if not request.HasField("since"):
+        return 0
+    seconds, nanos = request.since.seconds, request.since.nanos
+    if seconds < 0:
+        raise InvalidArgument("invalid since: give a time after 1970", reason="INVALID_TIME")
+    if seconds > _MAX_TIMESTAMP_S or not 0 <= nanos <= 999_999_999:
+        raise InvalidArgument(
+            f"invalid since (seconds={seconds}, nanos={nanos}): give a time up to "
+            "9999-12-31T23:59:59Z, with nanos 0 to 999999999",
+            reason="INVALID_TIME",
+        )
+    return min(seconds * 1_000_000_000 + nanos, _MAX_KEY_NS)
+
+
 def _status(context: grpc.ServicerContext) -> tuple[grpc.StatusCode, str]:
     """The code and details a call ended with (OK when none was set). The servicer
     context has ``code()`` and ``details()`` since grpcio 1.38; the type stubs lack them."""
@@ -290,6 +356,16 @@ def _peer(context: grpc.ServicerContext) -> str:
         return ""
 
 
+@dataclass(frozen=True)
+class _Caller:
+    """Who made a call: identity URI (see :class:`AuditRecord`), role (a metric label:
+    ``operator``, ``tenant``, ``agent`` or ``none``) and peer address."""
+
+    identity: str
+    role: str
+    peer: str
+
+
 class AuditRecorder(Interceptor):
     """Writes one :class:`AuditRecord` per call of a method in :data:`MUTATIONS`.
 
@@ -305,6 +381,7 @@ class AuditRecorder(Interceptor):
         self._audit = audit
         self._identify = identify
         self._mutations = mutations
+        self._refused_log = LogThrottle(REFUSED_LOG_INTERVAL_S)
 
     def intercept_service(
         self,
@@ -322,7 +399,7 @@ class AuditRecorder(Interceptor):
 
         def recorded(request: Any, context: grpc.ServicerContext) -> Any:
             response = None
-            caller = (self._caller(context), _peer(context))  # once per call
+            caller = self._caller(context)  # once per call
             pending = PendingRecord(
                 lambda answer: self._audit.prepare(
                     self._record_of(name, target, request, answer, caller, OK, "")
@@ -342,13 +419,15 @@ class AuditRecorder(Interceptor):
             response_serializer=handler.response_serializer,
         )
 
-    def _caller(self, context: grpc.ServicerContext) -> str:
+    def _caller(self, context: grpc.ServicerContext) -> _Caller:
+        peer = _peer(context)
         if self._identify is None:
-            return ""
+            return _Caller("", "none", peer)
         try:
-            return self._identify(context).uri
+            identity = self._identify(context)
         except Unauthenticated:
-            return "unauthenticated"
+            return _Caller("unauthenticated", "none", peer)
+        return _Caller(identity.uri, identity.role.value, peer)
 
     def _record_of(
         self,
@@ -356,14 +435,15 @@ class AuditRecorder(Interceptor):
         target: Target,
         request: Any,
         response: Any,
-        caller: tuple[str, str],
+        caller: _Caller,
         code: grpc.StatusCode,
         details: str,
     ) -> audit_pb2.AuditRecord:
-        """The record of a call by ``caller`` (identity, peer) that ended with ``code``."""
+        """The record of a call by ``caller`` that ended with ``code`` (its fields are
+        bounded when it is stored, see :meth:`AuditLog.prepare`)."""
         record = audit_pb2.AuditRecord(
-            identity=caller[0],
-            peer=caller[1],
+            identity=caller.identity,
+            peer=caller.peer,
             rpc=rpc,
             request_id=str(getattr(request, "request_id", "") or ""),
             code=code.name,
@@ -382,11 +462,12 @@ class AuditRecorder(Interceptor):
         request: Any,
         response: Any,
         context: grpc.ServicerContext,
-        caller: tuple[str, str],
+        caller: _Caller,
         committed: bool,
     ) -> None:
         """Writes the call's record, unless it was committed with the call's mutation
-        and the call ended OK (see :mod:`~dxpool.broker.audit_commit`)."""
+        and the call ended OK (see :mod:`~dxpool.broker.audit_commit`), or it was
+        refused for want of authentication or permission (counted instead)."""
         code, details = _status(context)
         if response is None and code == OK:
             code = grpc.StatusCode.UNKNOWN  # raised without setting a status
@@ -394,6 +475,9 @@ class AuditRecorder(Interceptor):
             self._audit.maybe_prune()
             if code == OK:
                 return
+        elif code in REFUSED:
+            self._count_refused(rpc, code, caller)
+            return
         record = self._record_of(rpc, target, request, response, caller, code, details)
         try:
             self._audit.write(record)
@@ -402,4 +486,21 @@ class AuditRecorder(Interceptor):
             log.warning(
                 "audit record not written",
                 extra={"rpc": rpc, "target": record.target, "error": str(error)},
+            )
+
+    def _count_refused(self, rpc: str, code: grpc.StatusCode, caller: _Caller) -> None:
+        """A refused call: a counter (labels from fixed sets only) and a log line at most
+        once a minute, which names the last caller."""
+        metrics.AUDIT_REFUSED_CALLS.labels(rpc=rpc, code=code.name, role=caller.role).inc()
+        held = self._refused_log.admit()
+        if held is not None:
+            log.warning(
+                "refused mutating call not recorded in the audit log",
+                extra={
+                    "rpc": rpc,
+                    "code": code.name,
+                    "identity": caller.identity[:256],
+                    "peer": caller.peer[:128],
+                    "suppressed": held,
+                },
             )

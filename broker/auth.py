@@ -45,6 +45,7 @@ from dxpool.broker.rpc import to_status
 from dxpool.errors import DxpoolError, InvalidArgument, PermissionDenied, Unauthenticated
 from dxpool.identity import Identity, Role
 from dxpool.pki import identities_in
+from dxpool.private_files import check_private
 
 __all__ = [
     "RULES",
@@ -164,15 +165,17 @@ def _digest(token: str) -> bytes:
 class TokenTable:
     """Bearer tokens and the identities they stand for.
 
-    The file is YAML, a mapping ``TOKEN: ROLE/NAME`` (or ``dxpool://ROLE/NAME``); keep it
-    mode 0600. Lookups compare the SHA-256 of the token with every entry's in constant
-    time and look at every entry, so timing tells nothing about which token is close.
+    The file is YAML, a mapping ``TOKEN: ROLE/NAME`` (or ``dxpool://ROLE/NAME``); one that
+    group or others may read is refused (keep it mode 0600). Lookups compare the SHA-256
+    of the token with every entry's in constant time and look at every entry, so timing
+    tells nothing about which token is close.
     """
 
     entries: tuple[tuple[bytes, Identity], ...] = field(default=())
 
     @classmethod
     def load(cls, path: Path) -> TokenTable:
+        check_private(path, "token file", reason="INVALID_TOKEN_FILE")
         try:
             data = yaml.safe_load(path.read_text(encoding="utf-8"))
         except OSError as error:

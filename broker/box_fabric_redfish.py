@@ -1,23 +1,27 @@
 """The broker's box fabric over a DMTF Redfish fabric manager (``--fabric redfish:MAP``).
 
 ``MAP`` is the same YAML fabric map the host agents are given (``--redfish-map``,
-:mod:`dxpool.redfish.fabric_map`): the service's URL, fabric id, user and password file,
-CA bundle or ``verify: false``, per-request timeout and attempts, and which Redfish
-endpoint is which GPU. The broker logs in on its first fence, not at start, so a fabric
-manager that is down when the broker starts delays fencing, not the broker.
+:mod:`dxpool.redfish.fabric_map`): the service's URL, fabric id, credentials, TLS,
+per-request timeout and attempts, which Redfish endpoint is which GPU, and how a GPU is
+reset. The broker logs in on its first fence, not at start, so a fabric manager that is
+down when the broker starts delays fencing, not the broker.
 
-**fence(gpu, generation)** checks that the service has the GPU's endpoint as a device
-(``Target``) - a map naming a wrong id would otherwise find the GPU in no zone and
-"fence" nothing - then removes the endpoint from every zone of the fabric that
-holds it - the host's slot zones, a zone shared by several hosts, one made by hand -
-and nothing else (the host ports stay in their zones). Each zone is changed by a
-read-modify-write conditional on its ETag, so a zone that changed underneath (412) is
-read and decided again; 429, 5xx and no answer are retried the same way, up to the map's
-``attempts``; a zone deleted meanwhile (404) holds nothing and is passed over. Then
-every zone is read again, and the fence returns only when none holds the endpoint: a
-map that slipped in meanwhile is removed in another round, and one that keeps coming
-back fails the fence. An endpoint already in no zone is a fence that succeeds without
-a write.
+**fence(gpu, generation)** reads the GPU's endpoint and checks that the service has it as
+a device (``Target``) - a map naming a wrong id would otherwise find the GPU in no zone
+and "fence" nothing. It then takes the endpoint out of every zone that holds it - the
+host's slot or port zones, a zone shared by several hosts, one made by hand - and nothing
+else: host ports, a switch's endpoint, other devices stay where they are. Each zone is
+changed through ``#Zone.RemoveEndpoint`` where the zone offers it, else by a PATCH of
+``Links.Endpoints``, conditional on the zone's ETag (:mod:`dxpool.redfish.zones`): a zone
+that changed underneath (412) is read and decided again; 429, 5xx and no answer are
+retried the same way, up to the map's ``attempts``; a zone deleted meanwhile (404) holds
+nothing. Then the zones holding the endpoint are looked up again, and the fence returns
+only when there are none: a map that slipped in meanwhile is removed in another round,
+and one that keeps coming back fails the fence. An endpoint in no zone is a fence without
+a write. The zones holding an endpoint are read from the endpoint's own ``Links.Zones``
+where the service keeps it current (learned, or pinned by ``zone_lookup``), so a fence
+costs a handful of requests whatever the fabric's size; otherwise every zone is read, in
+one request where the service takes ``$expand``.
 
 **What the generation guarantees here.** Redfish zones carry no dxpool generation, so
 this backend can neither refuse a map made later for a fenced generation nor tell an
@@ -31,21 +35,23 @@ the GPU was freed and given to a new node removes the new node's mapping too - t
 fails safe (the new host loses the device; no one else gains it) and is reported by
 that host's agent; (2) an agent of the lost host that wrote its attach intent before
 its lease expired and sends its map after the fence is not refused by the fabric
-manager. Services that keep a target endpoint in one zone at a time (as the ones dxpool
-was written against do) then refuse the next host's map as a conflict rather than
-share the GPU, until the returning agent drops what it no longer owns.
+manager - but the next host's agent checks the GPU's zones itself before and after its
+own map and never shares it, so such a late map makes that compose fail, not two hosts
+reach one GPU.
 
-**scrub(gpu, generation)** resets the GPU through the service when the GPU's endpoint
-links (``ConnectedEntities[].EntityLink``) a resource with a Reset action
-(``#Processor.Reset``, ``#PCIeDevice.Reset``, ...): it POSTs ``ResetType``
-``ForceRestart`` (or ``PowerCycle``, ``GracefulRestart``: the first the action allows)
-and follows a 202's task monitor to its end. It refuses while any zone still holds the
-endpoint. A service that offers no such action makes scrub fail with a message saying
-so - the broker does not pretend a GPU of a lost host was cleared: the lost host's
-agent, which scrubs on an ordinary release, cannot be asked, and an attach does not
-reset. Such GPUs are quarantined after repeated failures; a hook (``--fabric
-hook:PATH``) whose ``scrub-gpu`` resets the box through the vendor's own tool is the
-way to reclaim them on such a fabric.
+**scrub(gpu, generation)** refuses while any zone holds the endpoint, then resets the GPU
+with the first of the map's ``scrub.actions`` (default ``#Processor.Reset``) found on the
+GPU's endpoint or on a resource the endpoint links (``ConnectedEntities[].EntityLink``),
+in ``Actions`` or ``Actions.Oem``. A ``Reset`` action gets a ``ResetType`` it allows
+(``ForceRestart``, else ``PowerCycle``, ``GracefulRestart``); an action named with
+parameters in the map gets those. A 202 is followed to the operation's end as DSP0266
+says (:mod:`dxpool.redfish.tasks`, bounded by ``task_timeout_s``). Where the service
+offers none of the actions, the map's ``scrub.hook`` runs (``HOOK scrub-gpu BOX SLOT
+GENERATION``, the command-hook contract); without one, scrub fails and says what it
+looked for and where - ``PCIeDevice`` has no ``Reset`` action in DMTF's schema, so a
+fabric manager that only models PCIe devices needs the hook or a vendor action. The
+broker does not pretend a GPU of a lost host was cleared: such GPUs are quarantined after
+repeated failures.
 
 Errors are :class:`~dxpool.broker.box_fabric.BoxFabricError` naming the GPU, its
 endpoint, the zone and what the service said.
@@ -56,22 +62,28 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Callable
 from functools import partial
 from http import HTTPStatus
 from typing import Any
 
 from dxpool.broker.box_fabric import BoxFabricError
+from dxpool.hooks import HookError, run_hook
 from dxpool.names import GpuRef
-from dxpool.redfish.fabric_map import RedfishFabricMap, RedfishService
-from dxpool.redfish.session import RedfishError, RedfishSession, RedfishStatusError
+from dxpool.redfish.fabric_map import RedfishFabricMap, RedfishService, ResetAction
+from dxpool.redfish.session import (
+    RedfishError,
+    RedfishResource,
+    RedfishSession,
+    RedfishStatusError,
+)
+from dxpool.redfish.tasks import await_operation
 from dxpool.redfish.zones import (
     BOTH,
     RETRY_WAIT_MIN_S,
     TARGET,
     FabricZones,
-    members,
+    action,
     odata_id,
     roles,
 )
@@ -79,9 +91,7 @@ from dxpool.redfish.zones import (
 log = logging.getLogger(__name__)
 
 RESET_TYPES = ("ForceRestart", "PowerCycle", "GracefulRestart")
-TASK_DONE = "Completed"
-TASK_FAILED = frozenset({"Exception", "Killed", "Cancelled", "Interrupted"})
-TASK_POLL_S = 0.2
+SCRUB_VERB = "scrub-gpu"
 
 
 class RedfishBoxFabric:
@@ -108,6 +118,11 @@ class RedfishBoxFabric:
     def url(self) -> str:
         return self._map.service.url
 
+    @property
+    def zones(self) -> FabricZones | None:
+        """The zone access in use once connected (tests read what it learned)."""
+        return self._zones
+
     # -- BoxFabric -----------------------------------------------------------------------
 
     def fence(self, gpu: GpuRef, generation: int) -> None:
@@ -116,9 +131,11 @@ class RedfishBoxFabric:
         rounds = self._map.service.attempts
         removed_from: list[str] = []
         try:
-            self._check_endpoint(zones, gpu, endpoint)
+            current: RedfishResource | None = self._check_endpoint(zones, gpu, endpoint)
+            changed = False
             for round_ in itertools.count():
-                holding = zones.holding(endpoint)  # the read-back of the round before
+                holding = zones.holding(endpoint, endpoint_now=current, after_change=changed)
+                current, changed = None, False
                 if not holding:
                     break
                 if round_ == rounds:
@@ -129,8 +146,9 @@ class RedfishBoxFabric:
                         "running?); retrying"
                     )
                 for zone in holding:
-                    zones.retrying(partial(_remove, zones, zone, endpoint))
-                    removed_from.append(zone)
+                    if zones.retrying(partial(zones.remove, zone, [endpoint])):
+                        removed_from.append(zone)
+                        changed = True
         except RedfishError as error:
             raise BoxFabricError(
                 f"fencing {gpu.name} (endpoint {endpoint}) at {self.url} failed: {error.message}"
@@ -156,22 +174,25 @@ class RedfishBoxFabric:
                     f"{', '.join(sorted(holding))} at {self.url}; it is fenced before it is "
                     "scrubbed"
                 )
-            target, reset_type = self._reset_action(zones, gpu, endpoint)
-            reply = zones.session.post(target, {"ResetType": reset_type})
-            if reply.status == HTTPStatus.ACCEPTED and reply.location:
-                self._wait_for_task(zones.session, gpu, reply.location)
-            elif reply.status == HTTPStatus.ACCEPTED:
-                log.warning(  # Redfish requires a task monitor with a 202; nothing to follow
-                    "gpu reset accepted without a task monitor; not waiting for it",
-                    extra={"gpu": gpu.name, "url": self.url},
-                )
+            found = self._reset_action(zones, gpu, endpoint)
+            if found is None:
+                self._scrub_by_hook(gpu, generation, endpoint)
+                return
+            name, target, body = found
+            reply = zones.session.post(target, body)
+            await_operation(
+                zones.session,
+                reply,
+                what=f"the reset of {gpu.name} ({name} at {target})",
+                timeout_s=self._map.service.task_timeout_s,
+            )
         except RedfishError as error:
             raise BoxFabricError(
                 f"scrubbing {gpu.name} (endpoint {endpoint}) at {self.url} failed: {error.message}"
             ) from error
         log.info(
             "gpu reset at the box side",
-            extra={"gpu": gpu.name, "generation": generation, "reset_type": reset_type},
+            extra={"gpu": gpu.name, "generation": generation, "action": name},
         )
 
     def close(self) -> None:
@@ -207,14 +228,17 @@ class RedfishBoxFabric:
                     service.fabric,
                     attempts=service.attempts,
                     retry_wait_s=self._retry_wait_s,
+                    membership=service.membership,
+                    zone_lookup=service.zone_lookup,
+                    task_timeout_s=service.task_timeout_s,
                 )
             return self._zones
 
-    def _check_endpoint(self, zones: FabricZones, gpu: GpuRef, endpoint: str) -> None:
-        """The service has ``endpoint`` as a device (Target): a map naming a wrong id would
-        otherwise make every fence find the GPU in no zone and succeed."""
+    def _check_endpoint(self, zones: FabricZones, gpu: GpuRef, endpoint: str) -> RedfishResource:
+        """The endpoint as read now, once checked to be a device (Target): a map naming a
+        wrong id would otherwise make every fence find the GPU in no zone and succeed."""
         try:
-            found = roles(zones.endpoint(endpoint))
+            current = zones.retrying(lambda: zones.read_endpoint(endpoint))
         except RedfishStatusError as error:
             if error.status != HTTPStatus.NOT_FOUND:
                 raise
@@ -223,97 +247,90 @@ class RedfishBoxFabric:
                 f"{self.url} fabric {zones.fabric} does not have; correct boxes.{gpu.box} in "
                 "the map (until then the GPU cannot be fenced and is not reused)"
             ) from error
+        found = roles(current.body)
         if TARGET not in found and BOTH not in found:
             raise BoxFabricError(
                 f"the Redfish fabric map names endpoint {endpoint} for {gpu.name}, but at "
                 f"{self.url} it has EntityRole {', '.join(sorted(found)) or 'none'}, not "
                 f"{TARGET}; correct boxes.{gpu.box} in the map"
             )
+        return current
 
-    def _reset_action(self, zones: FabricZones, gpu: GpuRef, endpoint: str) -> tuple[str, str]:
-        """The target and ResetType of a Reset action on a resource the endpoint links."""
-        looked_at: list[str] = []
-        for entity in zones.endpoint(endpoint).get("ConnectedEntities", []):
+    def _reset_action(
+        self, zones: FabricZones, gpu: GpuRef, endpoint: str
+    ) -> tuple[str, str, dict[str, Any]] | None:
+        """(name, target, body) of the first of the map's reset actions offered by the
+        endpoint or a resource it links; None when none is."""
+        endpoint_path = zones.endpoint_path(endpoint)
+        body = zones.endpoint(endpoint)
+        resources: list[tuple[str, dict[str, Any]]] = [(endpoint_path, body)]
+        for entity in body.get("ConnectedEntities", []):
             link = odata_id(entity.get("EntityLink")) if isinstance(entity, dict) else ""
-            if not link:
-                continue
-            looked_at.append(link)
-            resource = zones.retrying(partial(zones.session.get, link)).body
-            actions = resource.get("Actions", {})
-            if not isinstance(actions, dict):
-                continue
-            for name, action in sorted(actions.items()):
-                if name.startswith("#") and name.endswith(".Reset") and isinstance(action, dict):
-                    target = action.get("target")
-                    if isinstance(target, str) and target:
-                        return target, self._reset_type(zones, gpu, name, action)
-        where = f"the resources it links ({', '.join(looked_at)})" if looked_at else "no resource"
-        raise BoxFabricError(
-            f"{gpu.name} cannot be reset at the box side: its endpoint {endpoint} at {self.url} "
-            f"links {where} with a Reset action, so the memory of its last tenant cannot be "
-            "cleared before it is reused; give the fabric manager a device Reset action, or "
-            "fence with a hook (--fabric hook:PATH) whose scrub-gpu resets it. The GPU is "
-            "quarantined after repeated failures"
-        )
+            if link and link not in (path for path, _ in resources):
+                resources.append((link, zones.retrying(partial(zones.session.get, link)).body))
+        for wanted in self._map.scrub.actions:
+            for _, resource in resources:
+                offered = action(resource, wanted.name)
+                target = offered.get("target") if offered else None
+                if offered is not None and isinstance(target, str) and target:
+                    return wanted.name, target, self._reset_body(zones, gpu, wanted, offered)
+        if self._map.scrub.hook is None:
+            names = " or ".join(a.name for a in self._map.scrub.actions) or "no action"
+            raise BoxFabricError(
+                f"{gpu.name} cannot be reset at the box side: looked for {names} on its "
+                f"endpoint {endpoint} and the resources it links "
+                f"({', '.join(path for path, _ in resources[1:]) or 'none'}) at {self.url} and "
+                "found none, so the memory of its last tenant cannot be cleared before it is "
+                "reused (PCIeDevice has no Reset action in DMTF's schema). Name the device's "
+                "reset action under scrub.actions in the fabric map, or give scrub.hook (or "
+                "fence with --fabric hook:PATH). The GPU is quarantined after repeated failures"
+            )
+        return None
 
-    def _reset_type(
-        self, zones: FabricZones, gpu: GpuRef, name: str, action: dict[str, Any]
-    ) -> str:
-        allowed = action.get("ResetType@Redfish.AllowableValues")
-        info = odata_id({"@odata.id": action.get("@Redfish.ActionInfo")})
+    def _reset_body(
+        self, zones: FabricZones, gpu: GpuRef, wanted: ResetAction, offered: dict[str, Any]
+    ) -> dict[str, Any]:
+        if wanted.parameters is not None:
+            return dict(wanted.parameters)
+        allowed = offered.get("ResetType@Redfish.AllowableValues")
+        info = odata_id({"@odata.id": offered.get("@Redfish.ActionInfo")})
         if allowed is None and info:
             parameters = zones.retrying(partial(zones.session.get, info)).body.get("Parameters")
             for parameter in parameters if isinstance(parameters, list) else []:
                 if isinstance(parameter, dict) and parameter.get("Name") == "ResetType":
                     allowed = parameter.get("AllowableValues")
         if allowed is None:
-            return RESET_TYPES[0]
-        offered = [str(value) for value in allowed] if isinstance(allowed, list) else []
+            return {"ResetType": RESET_TYPES[0]} if wanted.name.endswith(".Reset") else {}
+        offered_types = [str(value) for value in allowed] if isinstance(allowed, list) else []
         for reset_type in RESET_TYPES:
-            if reset_type in offered:
-                return reset_type
+            if reset_type in offered_types:
+                return {"ResetType": reset_type}
         raise BoxFabricError(
-            f"{gpu.name}'s {name} at {self.url} allows ResetType {', '.join(offered) or 'none'}, "
-            f"none of which restarts the device ({', '.join(RESET_TYPES)})"
+            f"{gpu.name}'s {wanted.name} at {self.url} allows ResetType "
+            f"{', '.join(offered_types) or 'none'}, none of which restarts the device "
+            f"({', '.join(RESET_TYPES)})"
         )
 
-    def _wait_for_task(self, session: RedfishSession, gpu: GpuRef, monitor: str) -> None:
-        """Poll a task monitor until the task ends; raise if it did not complete."""
-        service = self._map.service
-        deadline = time.monotonic() + service.timeout_s * service.attempts
-        while True:
-            try:
-                state = str(session.get(monitor).body.get("TaskState", ""))
-            except RedfishStatusError as error:
-                if error.status < HTTPStatus.BAD_REQUEST:
-                    return  # the monitor answered the action's own empty result: done
-                raise
-            if state == TASK_DONE:
-                return
-            if state in TASK_FAILED:
-                raise BoxFabricError(
-                    f"the reset of {gpu.name} at {self.url} ended {state} (task {monitor})"
-                )
-            if time.monotonic() >= deadline:
-                waited = service.timeout_s * service.attempts
-                raise BoxFabricError(
-                    f"the reset of {gpu.name} at {self.url} did not finish within {waited:g}s "
-                    f"(task {monitor}, {state or 'no state'})"
-                )
-            time.sleep(TASK_POLL_S)
-
-
-def _remove(zones: FabricZones, zone: str, endpoint: str) -> None:
-    """Take ``endpoint`` out of ``zone`` if it is there (a read, then a conditional write).
-    A zone deleted meanwhile (404) holds nothing any more: done."""
-    try:
-        current = zones.read(zone)
-        held = members(current)
-        if endpoint in held:
-            zones.write(zone, [m for m in held if m != endpoint], current.etag)
-    except RedfishStatusError as error:
-        if error.status != HTTPStatus.NOT_FOUND:
-            raise
+    def _scrub_by_hook(self, gpu: GpuRef, generation: int, endpoint: str) -> None:
+        hook = self._map.scrub.hook
+        assert hook is not None
+        what = f"scrub hook {hook} for {gpu.name} generation {generation}"
+        try:
+            run_hook(
+                hook,
+                [SCRUB_VERB, gpu.box, str(gpu.slot), str(generation)],
+                timeout_s=self._map.scrub.hook_timeout_s,
+                what=what,
+            )
+        except HookError as error:
+            raise BoxFabricError(
+                f"{gpu.name} (endpoint {endpoint}): the service offers no reset action and "
+                f"the scrub hook failed: {error.message}"
+            ) from error
+        log.info(
+            "gpu reset by the scrub hook",
+            extra={"gpu": gpu.name, "generation": generation, "hook": str(hook)},
+        )
 
 
 __all__ = ["RedfishBoxFabric"]

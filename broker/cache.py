@@ -116,10 +116,11 @@ class Cache:
 
     # -- lifecycle -------------------------------------------------------------------
 
-    def start(self, timeout_s: float = 30.0) -> None:
+    def start(self, timeout_s: float = 30.0, *, wait_for_etcd: bool = False) -> None:
         """List everything and start watching. Raises :class:`~dxpool.errors.Unavailable`
-        if no etcd member can be listed and watched."""
-        self._watch.start(timeout_s)
+        if no etcd member can be listed and watched (after one try of each, or with
+        ``wait_for_etcd`` after trying again with backoff for ``timeout_s``)."""
+        self._watch.start(timeout_s, wait_for_etcd=wait_for_etcd)
 
     def stop(self) -> None:
         self._watch.stop()

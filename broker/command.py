@@ -13,9 +13,10 @@ import click
 from dxpool.broker.audit import DEFAULT_RETENTION_S as DEFAULT_AUDIT_RETENTION_S
 from dxpool.broker.server import DEFAULT_LISTEN, BrokerConfig, BrokerServer
 from dxpool.cli.params import DAEMON_SECONDS, DURATION
-from dxpool.errors import InvalidArgument
+from dxpool.errors import InvalidArgument, Unavailable
 from dxpool.fabric.models import MODELS
 from dxpool.logs import configure_logging
+from dxpool.request import format_duration_ns
 from dxpool.store.keys import DEFAULT_PREFIX
 from dxpool.tls import ClientTls, ServerTls
 
@@ -37,6 +38,22 @@ def server_tls(
             "`dxpool certs`), or --insecure for plaintext"
         )
     return ServerTls(cert=cert, key=key, client_ca=client_ca)
+
+
+def start(server: BrokerServer) -> None:
+    """Start ``server``, or say in one line why it cannot start: a usage error (exit 2)
+    for a bad token file or TLS file, exit 1 when etcd stays unreachable for
+    ``--etcd-connect-timeout`` or the address cannot be listened on."""
+    try:
+        server.start()
+    except InvalidArgument as error:
+        server.stop(grace_s=0)
+        raise click.UsageError(error.message) from None
+    except (Unavailable, OSError) as error:
+        server.stop(grace_s=0)
+        message = error.message if isinstance(error, Unavailable) else str(error)
+        click.echo(f"error: the broker cannot start: {message}", err=True)
+        raise click.exceptions.Exit(1) from None
 
 
 @click.command("broker", context_settings={"auto_envvar_prefix": "DXPOOL_BROKER"})
@@ -107,10 +124,17 @@ def server_tls(
 @click.option(
     "--audit-retention",
     type=DAEMON_SECONDS,
-    default=f"{DEFAULT_AUDIT_RETENTION_S:g}",
+    default=format_duration_ns(round(DEFAULT_AUDIT_RETENTION_S * 1e9)),
     show_default=True,
     help="how long audit records of mutating calls are kept in etcd, e.g. 720h or seconds "
     "(0: keep no audit log)",
+)
+@click.option(
+    "--etcd-connect-timeout",
+    type=DAEMON_SECONDS,
+    default="60s",
+    show_default=True,
+    help="how long to keep trying (with backoff) to reach etcd at start before exiting",
 )
 @click.option(
     "--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)"
@@ -190,6 +214,7 @@ def broker_command(
     host_loss_grace: float,
     retention: float,
     audit_retention: float,
+    etcd_connect_timeout: float,
     metrics_port: int,
     metrics_address: str,
     tls_cert: Path | None,
@@ -242,6 +267,7 @@ def broker_command(
             host_loss_grace_s=host_loss_grace,
             retention_s=retention,
             audit_retention_s=audit_retention,
+            etcd_connect_timeout_s=etcd_connect_timeout,
             tls=tls,
             token_file=token_file,
             etcd_tls=etcd_tls,
@@ -249,7 +275,7 @@ def broker_command(
         server = BrokerServer(config)
     except InvalidArgument as error:  # a bad topology, latency model, matrix or box fabric
         raise click.UsageError(error.message) from None
-    server.start()
+    start(server)
     click.echo(f"broker serving on {server.endpoint}", err=True)
     stopped = threading.Event()
 

@@ -32,6 +32,7 @@ from dxpool.broker import metrics
 from dxpool.broker.cache import Cache
 from dxpool.broker.compose_commit import ComposeCommitter, ComposeJob
 from dxpool.broker.fit import placement_request
+from dxpool.broker.forget import free_released_names
 from dxpool.broker.gang import GangComposer
 from dxpool.broker.locks import KeyedLocks
 from dxpool.broker.model_check import check_model_known
@@ -175,6 +176,8 @@ class Composer:
             if existing is not None:
                 return existing
         node_id = request.node_id or _generate_node_id()
+        if request.node_id:
+            free_released_names(self._store, self._cache, [node_id])
         if request.node_id and self._cache.get(k.NODES, node_id) is not None:
             raise AlreadyExists(
                 f"node nodes/{node_id} already exists; pick another node_id or omit it",
@@ -364,6 +367,7 @@ class Composer:
         node's GPUs are already fencing, so its release never waits for its agent.
         """
         node_id = parse_node(name)
+        started = [False]  # whether the attempt that committed started a release
 
         def body(view: TxnView) -> pb.VirtualNode:
             record = view.get(k.NODES, node_id)
@@ -373,10 +377,12 @@ class Composer:
                     reason="NODE_NOT_FOUND",
                 )
             node: pb.VirtualNode = record.value
+            started[0] = False
             if node.state in (pb.NODE_STATE_RELEASING, pb.NODE_STATE_RELEASED):
                 if force and node.state == pb.NODE_STATE_RELEASING:
                     fence_detaching(view, node)
                 return node
+            started[0] = True
             message = (
                 "force release requested; fencing GPUs at the box side"
                 if force
@@ -398,7 +404,8 @@ class Composer:
                 operation="release",
                 audited=True,
             )
-        metrics.RELEASE_TOTAL.inc()
+        if started[0]:
+            metrics.RELEASE_TOTAL.inc()
         return released
 
 

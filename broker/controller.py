@@ -12,7 +12,9 @@ it simply looks again). Transitions:
   deadline passes (checked by the leader only); the node's GPUs go DETACHING (released
   through the agent, see below). A GPU whose identity is not the one recorded on its
   first attach (the agent found another UUID, serial, PCI id or model, or reports a
-  UUID or serial other than the recorded one) is QUARANTINED as suspect instead;
+  UUID or serial other than the recorded one) is QUARANTINED as suspect instead. After
+  such a mismatch the node fails only once every GPU's attach has an outcome (or the
+  deadline passed), so each GPU the agent refuses is quarantined, none freed unchecked;
 * GPU DETACHING -> FREE only when its host's agent reports it RELEASED for the GPU's
   generation: drained, reset and found healthy, then detached (or it never reached the
   host). No entry, or any other phase, frees nothing;
@@ -389,9 +391,15 @@ class NodeController:
             if name in observed and observed[name].generation == gpu.value.generation
         }
         failed = [a for a in current.values() if a.phase == pb.ATTACHMENT_PHASE_FAILED]
-        if failed:
+        now = self._clock()
+        if failed and not _awaiting_verdicts(failed, current, gpus, node, now):
             detail = "; ".join(f"{a.gpu}: {a.message}" for a in failed)
             suspects = {a.gpu: a.message for a in failed if a.identity_mismatch}
+            for name, seen in current.items():
+                if seen.phase == pb.ATTACHMENT_PHASE_ATTACHED:
+                    problem = identity_changed(gpus[name].value, seen)
+                    if problem is not None:
+                        suspects[name] = problem
             return self._fail(
                 view,
                 node,
@@ -399,7 +407,8 @@ class NodeController:
                 suspects,
                 reason="AttachFailed",
             )
-        now = self._clock()
+        if failed:
+            return None  # the other GPUs' verdicts first (see _awaiting_verdicts)
         if len(current) == len(gpus) and all(
             a.phase == pb.ATTACHMENT_PHASE_ATTACHED for a in current.values()
         ):
@@ -646,6 +655,29 @@ class NodeController:
             if failure is not None:
                 log.warning("node failed", extra={"node": subject, "reason": failure})
         return state
+
+
+def _awaiting_verdicts(
+    failed: list[pb.ObservedAttachment],
+    current: Mapping[str, pb.ObservedAttachment],
+    gpus: Mapping[str, Versioned[pb.Gpu]],
+    node: pb.VirtualNode,
+    now: float,
+) -> bool:
+    """Whether a node whose attach failed waits for its other GPUs' outcomes first.
+
+    An identity mismatch says the inventory may be wrong about more than one GPU (a box
+    registered with the wrong model has every slot wrong). Failing the node at once
+    would release the GPUs whose attach had not reported yet, and free them unchecked
+    for the next node to fail on; waiting until every GPU is ATTACHED or FAILED for the
+    node's generation quarantines each one the agent refuses. Other failures say
+    nothing about the other GPUs, and the wait ends at the attach deadline whatever
+    happens.
+    """
+    if not any(a.identity_mismatch for a in failed) or now > seconds(node.attach_deadline):
+        return False
+    settled = (pb.ATTACHMENT_PHASE_ATTACHED, pb.ATTACHMENT_PHASE_FAILED)
+    return any(name not in current or current[name].phase not in settled for name in gpus)
 
 
 def _quarantine_suspects(

@@ -1,4 +1,4 @@
-"""Undecodable request payloads end as INVALID_ARGUMENT, quietly.
+"""Requests too large for their method, or that do not decode, are refused quietly.
 
 grpc decodes a request with the handler's ``request_deserializer`` (the generated
 ``Message.FromString``) before any servicer code runs. When that raises, grpc logs the
@@ -15,22 +15,30 @@ alternative, a filter on grpc's logger, would hide the traceback but leave the a
 INTERNAL. Rejections are counted in ``dxpool_rpc_undecodable_total`` and logged as one
 short line at most once a minute (with the count since the last line), never with a
 traceback.
+
+The same wrapper first compares the payload's length with the method's limit
+(:mod:`~dxpool.broker.request_limits`): a larger payload is not decoded at all and the
+call ends RESOURCE_EXHAUSTED (reason REQUEST_TOO_LARGE), counted in
+``dxpool_rpc_oversized_total``. The guard is the broker's outermost interceptor, so a
+refused request reaches no other: it is neither authorized, admitted as a stream, nor
+audited (a record of garbage would be one more thing for a client to fill etcd with).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from dxpool.broker import metrics
+from dxpool.broker.log_throttle import LogThrottle
+from dxpool.broker.request_limits import MAX_REQUEST_BYTES, limit_for
 from dxpool.broker.rpc import to_status
-from dxpool.errors import InvalidArgument
+from dxpool.errors import DxpoolError, InvalidArgument, ResourceExhausted
 
 log = logging.getLogger(__name__)
 
@@ -45,26 +53,13 @@ class Undecodable:
     error: str  # the decoder's complaint, one line
 
 
-class _Throttle:
-    """Lets one log line through per ``interval_s``; counts the ones held back."""
+@dataclass(frozen=True)
+class Oversized:
+    """What a guarded deserializer returns for a payload over its method's limit."""
 
-    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self._interval_s = interval_s
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._next = 0.0
-        self._held = 0
-
-    def admit(self) -> int | None:
-        """The number held back since the last admitted line, or None to hold this one."""
-        with self._lock:
-            now = self._clock()
-            if now < self._next:
-                self._held += 1
-                return None
-            held, self._held = self._held, 0
-            self._next = now + self._interval_s
-            return held
+    expected: str  # the full name of the message type
+    size: int  # the payload's length in bytes
+    limit: int  # the method's limit in bytes
 
 
 def _message_name(deserializer: Callable[[bytes], Any]) -> str:
@@ -78,11 +73,16 @@ def _one_line(error: Exception) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-def guard_deserializer(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
-    """``deserializer`` that returns :class:`Undecodable` instead of raising."""
+def guard_deserializer(
+    deserializer: Callable[[bytes], Any], max_bytes: int | None = None
+) -> Callable[[bytes], Any]:
+    """``deserializer`` that returns :class:`Undecodable` instead of raising, and
+    :class:`Oversized`, without decoding, for a payload over ``max_bytes``."""
     expected = _message_name(deserializer)
 
     def decode(payload: bytes) -> Any:
+        if max_bytes is not None and len(payload) > max_bytes:
+            return Oversized(expected, len(payload), max_bytes)
         try:
             return deserializer(payload)
         except Exception as error:  # whatever the decoder raises, the payload is at fault
@@ -100,10 +100,17 @@ else:
 
 
 class RequestDecodingGuard(Interceptor):
-    """Server interceptor: undecodable requests get INVALID_ARGUMENT; see the module doc."""
+    """Server interceptor: requests over their method's limit (``limits``, by method path;
+    see :mod:`~dxpool.broker.request_limits`) get RESOURCE_EXHAUSTED and undecodable ones
+    INVALID_ARGUMENT; see the module doc. ``limits`` None checks no size."""
 
-    def __init__(self, log_interval_s: float = LOG_INTERVAL_S) -> None:
-        self._throttle = _Throttle(log_interval_s)
+    def __init__(
+        self,
+        log_interval_s: float = LOG_INTERVAL_S,
+        limits: Mapping[str, int] | None = MAX_REQUEST_BYTES,
+    ) -> None:
+        self._throttle = LogThrottle(log_interval_s)
+        self._limits = limits
         self._lock = threading.Lock()
         self._guarded: dict[str, tuple[Handler, Handler]] = {}
 
@@ -127,7 +134,8 @@ class RequestDecodingGuard(Interceptor):
 
     def _guard(self, method: str, handler: Handler) -> Handler:
         assert handler.request_deserializer is not None
-        decode = guard_deserializer(handler.request_deserializer)
+        max_bytes = None if self._limits is None else limit_for(method, self._limits)
+        decode = guard_deserializer(handler.request_deserializer, max_bytes)
         serialize = handler.response_serializer
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
@@ -149,7 +157,7 @@ class RequestDecodingGuard(Interceptor):
 
     def _unary(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
         def call(request: Any, context: grpc.ServicerContext) -> Any:
-            if isinstance(request, Undecodable):
+            if isinstance(request, Undecodable | Oversized):
                 self._reject(method, request, context)
             return behavior(request, context)
 
@@ -158,7 +166,7 @@ class RequestDecodingGuard(Interceptor):
     def _streaming(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
         def checked(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
             for request in requests:
-                if isinstance(request, Undecodable):
+                if isinstance(request, Undecodable | Oversized):
                     self._reject(method, request, context)
                 yield request
 
@@ -167,23 +175,33 @@ class RequestDecodingGuard(Interceptor):
 
         return call
 
-    def _reject(self, method: str, request: Undecodable, context: grpc.ServicerContext) -> None:
-        """End the call with INVALID_ARGUMENT (``abort`` raises); count and maybe log it."""
-        metrics.RPC_UNDECODABLE.labels(method=method).inc()
+    def _reject(
+        self, method: str, request: Undecodable | Oversized, context: grpc.ServicerContext
+    ) -> None:
+        """End the call with its error (``abort`` raises); count and maybe log it."""
+        error: DxpoolError
+        if isinstance(request, Oversized):
+            metrics.RPC_OVERSIZED.labels(method=metrics.method_label(method)).inc()
+            what = "request over its method's size limit refused"
+            details = f"{request.size} bytes, limit {request.limit}"
+            error = ResourceExhausted(
+                f"the request is {request.size} bytes; {method.rsplit('/', 1)[-1]} takes at "
+                f"most {request.limit} bytes: send less (fewer or shorter labels, texts or "
+                "items)",
+                reason="REQUEST_TOO_LARGE",
+                metadata={"size": str(request.size), "limit": str(request.limit)},
+            )
+        else:
+            metrics.RPC_UNDECODABLE.labels(method=metrics.method_label(method)).inc()
+            what, details = "undecodable request rejected", request.error
+            error = InvalidArgument(
+                f"the request body is not a valid {request.expected} message "
+                f"({request.error}); send a serialized {request.expected}, e.g. "
+                "through the generated dxpool.v1 stubs or dxpool.client",
+                reason="UNDECODABLE_REQUEST",
+                metadata={"expected": request.expected},
+            )
         held = self._throttle.admit()
         if held is not None:
-            log.warning(
-                "undecodable request rejected",
-                extra={"method": method, "error": request.error, "suppressed": held},
-            )
-        context.abort_with_status(
-            to_status(
-                InvalidArgument(
-                    f"the request body is not a valid {request.expected} message "
-                    f"({request.error}); send a serialized {request.expected}, e.g. "
-                    "through the generated dxpool.v1 stubs or dxpool.client",
-                    reason="UNDECODABLE_REQUEST",
-                    metadata={"expected": request.expected},
-                )
-            )
-        )
+            log.warning(what, extra={"method": method, "error": details, "suppressed": held})
+        context.abort_with_status(to_status(error))

@@ -40,8 +40,8 @@ from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker import metrics
 from dxpool.broker.box_fabric import BoxFabric, BoxFabricError
 from dxpool.broker.cache import Cache
+from dxpool.broker.forget import forget_released
 from dxpool.broker.records import copy, seconds
-from dxpool.broker.resize import resize_request_value
 from dxpool.broker.stm import TxnView, transact
 from dxpool.broker.transitions import drop_release, let_go
 from dxpool.errors import DxpoolError, Unavailable
@@ -334,28 +334,7 @@ class SingletonDuties:
 
     def _forget_node(self, node_id: str, cutoff: float) -> Callable[[TxnView], Any]:
         def body(view: TxnView) -> str | None:
-            record = view.get(k.NODES, node_id)
-            if record is None or record.value.state != pb.NODE_STATE_RELEASED:
-                return None
-            node: pb.VirtualNode = record.value
-            if seconds(node.update_time) > cutoff:
-                return None
-            view.delete(k.NODES, node_id)
-            if node.request_id:
-                request = view.get(k.REQUESTS, node.request_id)
-                # a gang's request id names the gang: it goes with the first member
-                if request is not None and bytes(request.value).decode() in (
-                    node.name,
-                    node.gang or node.name,
-                ):
-                    view.delete(k.REQUESTS, node.request_id)
-            if node.resize_request_id:
-                request = view.get(k.REQUESTS, node.resize_request_id)
-                if request is not None and bytes(request.value).decode() == (
-                    resize_request_value(node.name)
-                ):
-                    view.delete(k.REQUESTS, node.resize_request_id)
-            return "DELETED"
+            return "DELETED" if forget_released(view, node_id, released_before=cutoff) else None
 
         return body
 

@@ -67,6 +67,7 @@ from dxpool.broker.fit import (
     reserve_host_resources,
     write_assigned,
 )
+from dxpool.broker.forget import free_released_names
 from dxpool.broker.locks import KeyedLocks
 from dxpool.broker.model_check import check_model_known
 from dxpool.broker.placement import (
@@ -232,6 +233,9 @@ class GangComposer:
             if existing is not None:
                 return existing
         gang_id = request.gang_id or f"gang-{secrets.token_hex(4)}"
+        if request.gang_id:
+            member_ids = [gang_member_id(gang_id, i) for i in range(len(request.members))]
+            free_released_names(self._store, self._cache, member_ids)
         if request.gang_id and self._cache.get(k.NODES, gang_member_id(gang_id, 0)) is not None:
             raise _gang_exists(gang_id)
         # Before placement, refuse what the quota refuses whatever GPUs are chosen (the
@@ -563,8 +567,11 @@ class GangComposer:
             else "release of the gang requested; detaching GPUs"
         )
 
+        started = [0]  # members the attempt that committed started releasing
+
         def body(view: TxnView) -> nodes_pb2.Gang:
             released = []
+            started[0] = 0
             for i in range(known[0].gang_size):
                 record = view.get(k.NODES, gang_member_id(gang_id, i))
                 if record is None or record.value.gang != name:
@@ -580,6 +587,7 @@ class GangComposer:
                 released.append(
                     let_go(view, node, pb.NODE_STATE_RELEASING, message, self._clock(), fence=force)
                 )
+                started[0] += 1
             if not released:
                 raise _gang_not_found(name)
             return nodes_pb2.Gang(name=name, nodes=released)
@@ -587,7 +595,7 @@ class GangComposer:
         hosts = sorted({parse_host(node.host) for node in known if node.host})
         with self._locked(hosts):
             gang = transact(self._store, self._cache, body, what=f"releasing {name}")
-        metrics.RELEASE_TOTAL.inc()
+        metrics.RELEASE_TOTAL.inc(started[0])
         return gang
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import grpc
 
 from dxpool import lifecycle
@@ -59,6 +61,7 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
         box_id = _box_id(request)
         gpus = _gpu_records(box_id, request)
         check_box(box_id, request.box, len(gpus))
+        _spell_models_as_the_pool_does(gpus, (model for model, _ in self._tally.gpu_states()))
         box = pb.Box(
             name=box_name(box_id),
             location=request.box.location,
@@ -89,6 +92,7 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
                 if isinstance(earlier, pb.Box):
                     return earlier
                 request_revision = earlier
+            _number_generations_from(self._store.current_revision(), gpus)
             txn = Txn().expect_absent(box_key).put(box_key, box)
             for gpu in gpus:
                 gpu_key = keys.gpu(box_id, gpu.slot)
@@ -335,11 +339,11 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
                     and seen.generation == gpu.generation
                     and seen.health == pb.GPU_HEALTH_UNHEALTHY
                 ):
+                    node = gpu.node.removeprefix("nodes/") or "NODE"
                     raise FailedPrecondition(
                         f"GPU {request.name} is still reported unhealthy by the agent of "
                         f"{gpu.host}: {seen.health_reason or 'no reason given'}; release its "
-                        f"node (`dxpool node release {gpu.node or 'NODE'}`) or fix the GPU, "
-                        "then clear it",
+                        f"node (`dxpool node delete {node}`) or fix the GPU, then clear it",
                         reason="GPU_STILL_UNHEALTHY",
                     )
             updated = lifecycle.health_cleared(gpu, message)
@@ -498,6 +502,31 @@ def _gpu_records(box_id: str, request: inv.CreateBoxRequest) -> list[pb.Gpu]:
             )
         )
     return gpus
+
+
+def _spell_models_as_the_pool_does(gpus: list[pb.Gpu], known: Iterable[str]) -> None:
+    """Give each GPU the spelling of its model that the pool already uses (``h100`` ->
+    ``H100``): models compare case-insensitively everywhere, so two spellings of one
+    model would only show up as two rows of one model in every listing."""
+    spelled = {model.casefold(): model for model in known}
+    for gpu in gpus:
+        gpu.model = spelled.get(gpu.model.casefold(), gpu.model)
+
+
+def _number_generations_from(revision: int, gpus: list[pb.Gpu]) -> None:
+    """Start every GPU's generation at ``revision``, etcd's revision before the commit
+    that registers them.
+
+    A generation is the fencing token the box side keeps per slot, and it must never
+    repeat for the same slot, also when its box is deleted and added again (the
+    documented step after a GPU is replaced): the box side still refuses every
+    generation up to the last one it fenced. A generation only grows in a commit that
+    writes its GPU, and every commit raises the revision by one, so no generation the
+    slot held before can exceed the revision read now, and the first assignment of the
+    registered GPU (``revision + 1``) is newer than any fence the slot has seen.
+    """
+    for gpu in gpus:
+        gpu.generation = revision
 
 
 def _same_box(stored: pb.Box, stored_gpus: list[pb.Gpu], box: pb.Box, gpus: list[pb.Gpu]) -> bool:

@@ -22,6 +22,7 @@ from typing import Any
 import etcd3
 from etcd3 import transactions
 
+from dxpool.broker import metrics
 from dxpool.errors import Unavailable
 from dxpool.store.typed import Store, key_holder
 
@@ -115,6 +116,7 @@ class LeaderElection:
         self._lease = lease
         self._deadline = time.monotonic() + self._ttl * 2 / 3
         self._leading.set()
+        metrics.LEADER.set(1)
         log.info(message, extra={"key": self._key, "identity": self._identity})
 
     def _refresh(self) -> None:
@@ -129,6 +131,8 @@ class LeaderElection:
     def _step_down(self, *, resign: bool) -> None:
         was_leading = self._leading.is_set()
         self._leading.clear()
+        if was_leading:
+            metrics.LEADER.set(0)
         lease, self._lease = self._lease, None
         if lease is not None and resign:
             try:

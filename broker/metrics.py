@@ -13,11 +13,32 @@ TRANSACTION_CONFLICTS = Counter(
     "Read-modify-commit transactions that lost a compare to a concurrent change, by operation",
     ["operation"],
 )
-RELEASE_TOTAL = Counter("dxpool_release_total", "ReleaseNode calls that started a release")
+RELEASE_TOTAL = Counter(
+    "dxpool_release_total",
+    "Releases started (ReleaseNode, ReleaseGang members); one of a node already "
+    "RELEASING or RELEASED changes nothing and is not counted",
+)
+LEADER = Gauge(
+    "dxpool_leader",
+    "1 while this broker is the elected leader and runs the singleton duties (host loss, "
+    "fencing, garbage collection, attach deadlines), else 0",
+)
 NODE_TRANSITIONS = Counter(
     "dxpool_node_transitions_total", "Node state changes made by the controller", ["state"]
 )
 GPU_FREED = Counter("dxpool_gpus_freed_total", "GPUs returned to the pool after a confirmed detach")
+
+
+def method_label(method: str) -> str:
+    """The ``method`` label every metric uses: ``Service.Method``, as the RPC metrics
+    name it (``/dxpool.v1.NodeService/WatchNodes`` -> ``NodeService.WatchNodes``), so one
+    method's series join across metrics."""
+    if not method.startswith("/"):
+        return method
+    service, _, name = method[1:].partition("/")
+    return f"{service.rsplit('.', 1)[-1]}.{name}"
+
+
 RPC_TOTAL = Counter(
     "dxpool_rpc_total",
     "Broker RPCs by method and the status code they ended with (OK, NOT_FOUND, ...)",
@@ -45,6 +66,11 @@ RPC_UNDECODABLE = Counter(
     "Requests rejected because their payload is not the method's request message",
     ["method"],
 )
+RPC_OVERSIZED = Counter(
+    "dxpool_rpc_oversized_total",
+    "Requests refused undecoded because they were larger than their method's limit",
+    ["method"],
+)
 
 # Streams (broker/streams.py, broker/node_watch.py).
 STREAMS_OPEN = Gauge("dxpool_streams_open", "Streaming RPCs being served now", ["method"])
@@ -59,4 +85,15 @@ WATCH_CUTOFFS = Counter(
 AUDIT_WRITE_FAILURES = Counter(
     "dxpool_audit_write_failures_total",
     "Audit records that could not be written to etcd (the call itself went through)",
+)
+AUDIT_REFUSED_CALLS = Counter(
+    "dxpool_audit_refused_calls_total",
+    "Mutating calls refused for want of authentication or permission: counted here, not "
+    "recorded in the audit log one by one (role: the caller's, or none)",
+    ["rpc", "code", "role"],
+)
+AUDIT_FIELDS_DIGESTED = Counter(
+    "dxpool_audit_fields_digested_total",
+    "Request fields recorded in the audit log by size and digest instead of their content",
+    ["field"],
 )

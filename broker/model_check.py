@@ -17,6 +17,7 @@ retryable NO_CAPACITY.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 
 from dxpool.broker.cache import Cache
@@ -77,12 +78,29 @@ def check_model_known(store: Store, cache: Cache, model: str) -> None:
     several = len(model_set(model)) > 1
     what = f"of any model of {model!r}" if several else f"of model {model!r}"
     register = f"one of {model.replace('|', ', ')}" if several else model
+    meant = _count_written_as_part_of_the_model(model, known)
     raise FailedPrecondition(
-        f"no GPU {what} is in the pool; {have}, or register boxes of {register} "
+        f"no GPU {what} is in the pool; {meant}{have}, or register boxes of {register} "
         "with `dxpool box add`",
         reason="UNKNOWN_MODEL",
         metadata={"model": model, "models": ",".join(known)},
     )
+
+
+_MODEL_DASH_COUNT = re.compile(r"(?P<model>.+)-(?P<count>[0-9]{1,3})")
+
+
+def _count_written_as_part_of_the_model(model: str, known: list[str]) -> str:
+    """``"did you mean H100:4 (MODEL:COUNT)? "`` for ``H100-4`` when the pool has H100s
+    (a dash is part of many model names, so the grammar reads it as one); else ""."""
+    match = _MODEL_DASH_COUNT.fullmatch(model)
+    if match is None:
+        return ""
+    spelled = {found.casefold(): found for found in known}
+    base = spelled.get(match.group("model").casefold())
+    if base is None:
+        return ""
+    return f"did you mean {base}:{int(match.group('count'))} (MODEL:COUNT)? "
 
 
 __all__ = ["check_model_known", "models_in_pool"]

@@ -92,9 +92,10 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
 
     @handler("NodeService.PlanNode")
     def PlanNode(
-        self, request: nodes_pb2.ComposeNodeRequest, context: grpc.ServicerContext
+        self, request: nodes_pb2.PlanNodeRequest, context: grpc.ServicerContext
     ) -> nodes_pb2.NodePlan:
-        return self._composer.plan(_charged_to_caller(request, self._caller(context)))
+        compose = nodes_pb2.ComposeNodeRequest(spec=request.spec)
+        return self._composer.plan(_charged_to_caller(compose, self._caller(context)))
 
     @handler("NodeService.SetTenantQuota")
     def SetTenantQuota(

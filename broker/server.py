@@ -26,7 +26,6 @@ from types import TracebackType
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from dxpool.api.v1 import (
     audit_pb2,
@@ -57,6 +56,8 @@ from dxpool.broker.node_service import NodeService
 from dxpool.broker.node_watch import WatchSettings
 from dxpool.broker.placement_index import PlacementIndex
 from dxpool.broker.pool_tally import PoolTally
+from dxpool.broker.reflection import enable_reflection
+from dxpool.broker.request_limits import SERVER_MAX_RECEIVE_BYTES
 from dxpool.broker.serving import DEFAULT_MAX_STALENESS_S, ServingState, StalenessGate
 from dxpool.broker.streams import StreamLimiter, StreamLimits
 from dxpool.defaults import DEFAULT_ENDPOINT
@@ -82,11 +83,13 @@ SERVICE_NAMES = (
 # How long stop() waits, beyond the grace period, for calls and stream threads to end.
 STOP_MARGIN_S = 3.0
 # Ping idle connections so a vanished client's streams end instead of holding a thread.
+# No request larger than the largest method's limit reaches Python (request_limits.py).
 _SERVER_OPTIONS = [
     ("grpc.so_reuseport", 0),
     ("grpc.keepalive_time_ms", 60_000),
     ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", SERVER_MAX_RECEIVE_BYTES),
 ]
 # The services whose answers come from the cache (all of dxpool's); health and
 # reflection stay answerable while etcd is away.
@@ -124,6 +127,9 @@ class BrokerConfig:
     # Each etcd call gives up after this long (an unanswered call is one to a dead or
     # paused member, or one without quorum; failing it lets the next member be tried).
     etcd_timeout_s: float = 1.0
+    # How long start tries, with backoff, to list and watch etcd the first time before it
+    # gives up (Unavailable): etcd may be starting too, or a first handshake may fail.
+    etcd_connect_timeout_s: float = 60.0
     # TLS to etcd (its CA, and a client certificate for --client-cert-auth); None: plaintext.
     etcd_tls: ClientTls | None = None
     # How long audit records are kept (broker/audit.py); 0 keeps no audit log.
@@ -205,11 +211,12 @@ class BrokerServer:
         """Load the cache, start the controller, bind and serve. Returns once serving.
 
         TLS files are read first: a missing one raises InvalidArgument before anything
-        starts."""
+        starts. etcd is tried, with backoff, for ``etcd_connect_timeout_s``; then
+        :class:`~dxpool.errors.Unavailable` says what failed."""
         authenticator = self._authenticator()
         tls = self.config.tls
         credentials = tls.credentials() if tls is not None else None
-        self.cache.start()
+        self.cache.start(self.config.etcd_connect_timeout_s, wait_for_etcd=True)
         self.pool_tally = PoolTally(self.cache)
         self._detach_pool_metrics = pool_metrics.COLLECTOR.attach(self.cache, self.pool_tally)
         self.index = PlacementIndex(self.cache)
@@ -256,7 +263,6 @@ class BrokerServer:
         interceptors: list[Interceptor] = [
             self.streams,
             StalenessGate(self.serving, GATED_PREFIXES),
-            RequestDecodingGuard(),
         ]
         if authenticator is not None:  # checks each call before its servicer runs
             interceptors.insert(1, Authorizer(authenticator))
@@ -265,9 +271,12 @@ class BrokerServer:
             if self.config.audit_retention_s > 0
             else None
         )
-        if audit is not None:  # outermost: it sees every outcome, denials included
+        if audit is not None:  # outside the others: it sees every outcome, denials included
             identify = authenticator.identify if authenticator is not None else None
             interceptors.insert(0, AuditRecorder(audit, identify))
+        # Outermost: a request too large for its method, or not decodable, is refused
+        # before anything else looks at it (see decoding.py).
+        interceptors.insert(0, RequestDecodingGuard())
         server = grpc.server(self._executor, interceptors=interceptors, options=_SERVER_OPTIONS)
         inventory_pb2_grpc.add_InventoryServiceServicer_to_server(
             InventoryService(self.store, self.cache, self.pool_tally), server
@@ -285,9 +294,7 @@ class BrokerServer:
         audit_pb2_grpc.add_AuditServiceServicer_to_server(AuditService(audit), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         self.serving.start()
-        reflection.enable_server_reflection(
-            (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
+        enable_reflection((*SERVICE_NAMES, health.SERVICE_NAME), server)
         self._port = self._bind(server, credentials)
         if self._port == 0:
             raise OSError(f"cannot listen on {self.config.listen}: address in use or invalid")

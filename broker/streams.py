@@ -29,10 +29,10 @@ from typing import Any, TypeAlias
 
 import grpc
 from grpc_health.v1 import health
-from grpc_reflection.v1alpha import reflection
 
 from dxpool.api.v1 import nodes_pb2
 from dxpool.broker import metrics
+from dxpool.broker.reflection import V1_REFLECTION_INFO, V1ALPHA_REFLECTION_INFO
 from dxpool.broker.rpc import to_status
 from dxpool.errors import ResourceExhausted
 
@@ -41,11 +41,11 @@ _Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 
 WATCH_NODES = f"/{nodes_pb2.DESCRIPTOR.services_by_name['NodeService'].full_name}/WatchNodes"
 HEALTH_WATCH = f"/{health.SERVICE_NAME}/Watch"
-REFLECTION_INFO = f"/{reflection.SERVICE_NAME}/ServerReflectionInfo"
+REFLECTION_INFO = V1ALPHA_REFLECTION_INFO
 
 
 def _default_per_method() -> dict[str, int]:
-    return {WATCH_NODES: 256, HEALTH_WATCH: 64, REFLECTION_INFO: 16}
+    return {WATCH_NODES: 256, HEALTH_WATCH: 64, REFLECTION_INFO: 16, V1_REFLECTION_INFO: 16}
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class StreamLimiter(grpc.ServerInterceptor):  # type: ignore[type-arg]
                 return False
             self._open[method] = self._open.get(method, 0) + 1
             self._total += 1
-        metrics.STREAMS_OPEN.labels(method=method).inc()
+        metrics.STREAMS_OPEN.labels(method=metrics.method_label(method)).inc()
         return True
 
     def _release(self, method: str) -> None:
@@ -100,7 +100,7 @@ class StreamLimiter(grpc.ServerInterceptor):  # type: ignore[type-arg]
             self._open[method] -= 1
             self._total -= 1
             self._lock.notify_all()
-        metrics.STREAMS_OPEN.labels(method=method).dec()
+        metrics.STREAMS_OPEN.labels(method=metrics.method_label(method)).dec()
 
     def open_streams(self) -> dict[str, int]:
         """Streams being served now, by method."""
@@ -119,7 +119,7 @@ class StreamLimiter(grpc.ServerInterceptor):  # type: ignore[type-arg]
             return True
 
     def _reject(self, method: str, context: grpc.ServicerContext) -> None:
-        metrics.STREAMS_REJECTED.labels(method=method).inc()
+        metrics.STREAMS_REJECTED.labels(method=metrics.method_label(method)).inc()
         with self._lock:
             open_now, total = self._open.get(method, 0), self._total
         log.debug(  # counted in dxpool_streams_rejected_total; a refusing client may retry often

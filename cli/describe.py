@@ -25,6 +25,7 @@ from dxpool.cli.views import (
     labels,
     latency,
     location,
+    node_gpus,
     short,
 )
 
@@ -63,6 +64,13 @@ def _stamp(stamp: Timestamp) -> str:
     return f"{stamp.ToJsonString()} ({age(stamp)} ago)"
 
 
+def _gpus_line(node: pb.VirtualNode) -> str:
+    """``H100:6``, and what it was composed with when a resize changed that."""
+    now = node_gpus(node)
+    composed = gpu_request(node.spec.gpus)
+    return now if now == composed else f"{now} (composed as {composed})"
+
+
 def describe_node(node: pb.VirtualNode, now: float | None = None) -> str:
     """A node: its spec, placement and state, its GPUs, and its own events."""
     spec = node.spec
@@ -72,7 +80,7 @@ def describe_node(node: pb.VirtualNode, now: float | None = None) -> str:
             ("State", enum_label(pb.NodeState.Name(node.state), "NODE_STATE_")),
             ("Message", node.message or NONE),
             ("Host", short(node.host)),
-            ("GPUs", gpu_request(spec.gpus)),
+            ("GPUs", _gpus_line(node)),
             ("Max latency", latency(spec.max_latency_ns)),
             ("Max slowdown", f"{spec.max_slowdown:g} ({spec.workload})" if spec.workload else NONE),
             ("VFIO", "yes" if spec.vfio else "no"),
@@ -146,7 +154,7 @@ def describe_host(host: pb.Host, nodes: Sequence[pb.VirtualNode], now: float | N
         [
             short(n.name),
             enum_label(pb.NodeState.Name(n.state), "NODE_STATE_"),
-            gpu_request(n.spec.gpus),
+            node_gpus(n),
             ",".join(str(g.host_slot) for g in n.gpus) or NONE,
         ]
         for n in nodes

@@ -7,16 +7,16 @@ colleague would; it never repeats the message.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import click
 import grpc
 
+from dxpool.cli.exits import EXIT_API_ERROR
 from dxpool.errors import DxpoolError, NotFound
 
-EXIT_OK = 0
-EXIT_API_ERROR = 1
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
+MAX_CONCURRENT_WAITS = 16
+"""How many names a command with ``--wait`` acts on at once (each holds a watch)."""
 
 
 def _looks_like_tls(message: str) -> bool:
@@ -71,23 +71,57 @@ def format_error(error: DxpoolError, endpoint: str, *, verbose: bool = False) ->
 
 def for_each(
     names: Iterable[str],
-    act: Callable[[str], None],
+    act: Callable[[str], str | None],
     endpoint: str,
     *,
     ignore_not_found: bool = False,
+    concurrency: int = 1,
 ) -> None:
-    """Run ``act`` on every name, even after one fails; each failure is printed as it
-    happens (``error: NAME: CODE: message``) and the command then exits 1. With
-    ``ignore_not_found`` a name that does not exist is skipped quietly."""
+    """Run ``act`` on every name, even after one fails, and print what each returns (a
+    line for stdout, or None) in the order the names were given. Each failure is printed
+    in its place (``error: NAME: CODE: message``) and the command then exits 1. With
+    ``ignore_not_found`` a name that does not exist is skipped quietly.
+
+    With ``concurrency`` above 1, up to that many names are acted on at once (each
+    ``act`` must then be safe to run beside the others, as calls on one client are): a
+    wait for one name no longer holds up the next one's request."""
+    ordered = list(names)
     failed = 0
-    for name in names:
+
+    def report(name: str, outcome: Future[str | None]) -> None:
+        nonlocal failed
         try:
-            act(name)
+            line = outcome.result()
         except DxpoolError as error:
             if ignore_not_found and isinstance(error, NotFound):
-                continue
+                return
             failed += 1
             text = format_error(error, endpoint).replace("error: ", f"error: {name}: ", 1)
             click.echo(text, err=True)
+            return
+        except TimeoutError as error:  # a --wait that ran out; the others go on
+            failed += 1
+            click.echo(f"error: {name}: DEADLINE_EXCEEDED: {error}", err=True)
+            return
+        if line is not None:
+            click.echo(line)
+
+    if concurrency <= 1 or len(ordered) <= 1:
+        for name in ordered:
+            outcome: Future[str | None] = Future()
+            try:
+                outcome.set_result(act(name))
+            except (DxpoolError, TimeoutError) as error:
+                outcome.set_exception(error)
+            report(name, outcome)
+    else:
+        with ThreadPoolExecutor(max_workers=min(concurrency, len(ordered))) as pool:
+            outcomes = [(name, pool.submit(act, name)) for name in ordered]
+            try:
+                for name, outcome in outcomes:
+                    report(name, outcome)
+            except BaseException:  # Ctrl-C: do not start the names still queued
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
     if failed:
         raise click.exceptions.Exit(EXIT_API_ERROR)

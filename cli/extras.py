@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 
 import click
 
-from dxpool.cli.errors import EXIT_API_ERROR
+from dxpool.cli.exits import EXIT_API_ERROR
 from dxpool.extras import install_hint, missing_modules
 
 

@@ -31,6 +31,7 @@ import yaml
 from dxpool.etcd_users import BROKER_USER, ROOT_USER, agent_user
 from dxpool.identity import Identity, Role
 from dxpool.pki import CertPair, create_ca, issue, load_pair, write_pair
+from dxpool.private_files import write_atomic
 from dxpool.tls import ClientTls, ServerTls
 
 __all__ = ["LOCAL_OPERATOR", "LocalPki", "ensure_local_pki", "write_client_config"]
@@ -105,6 +106,21 @@ def _fresh(directory: Path, name: str, common_name: str | None = None) -> bool:
     return expires - dt.datetime.now(dt.UTC) > _RENEW_BEFORE
 
 
+def _good_for_clients(directory: Path, name: str) -> bool:
+    """Whether ``name``'s certificate may authenticate a client (extended key usage);
+    one made before etcd's certificate had to be is made again."""
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    try:
+        usage = load_pair(directory, name).cert.extensions.get_extension_for_class(
+            x509.ExtendedKeyUsage
+        )
+    except Exception:
+        return False
+    return ExtendedKeyUsageOID.CLIENT_AUTH in usage.value
+
+
 def _server_names(listen_host: str) -> tuple[list[str], list[str]]:
     dns, ips = ["localhost"], ["127.0.0.1", "::1"]
     host = listen_host.strip("[]")
@@ -137,8 +153,11 @@ def ensure_local_pki(directory: Path, *, listen: str, hosts: Sequence[str]) -> L
         write_pair(directory, "broker", pair)
     if not _fresh(directory, "etcd-root", ROOT_USER):
         write_pair(directory, "etcd-root", issue(ca, common_name=ROOT_USER, client_auth=True))
-    if not _fresh(directory, "etcd"):
-        pair = issue(ca, dns_names=["localhost"], ip_addresses=["127.0.0.1"])
+    if not _fresh(directory, "etcd") or not _good_for_clients(directory, "etcd"):
+        # etcd also connects to itself with its certificate (its gRPC gateway), so it
+        # must be good for client authentication too, or etcd logs "incompatible key
+        # usage" for every such connection.
+        pair = issue(ca, dns_names=["localhost"], ip_addresses=["127.0.0.1"], client_auth=True)
         write_pair(directory, "etcd", pair)
     if not _fresh(directory, "operator"):
         write_pair(directory, "operator", issue(ca, identity=LOCAL_OPERATOR))
@@ -163,7 +182,8 @@ def _names_cover(directory: Path, dns: list[str], ips: list[str]) -> bool:
 
 def write_client_config(path: Path, endpoint: str, pki: LocalPki | None) -> None:
     """Write the CLI config for the pool: its endpoint and, with TLS, the operator's
-    certificate (paths relative to the file, so the directory can move)."""
+    certificate (paths relative to the file, so the directory can move); mode 0600, as
+    it leads to the operator's key."""
     config: dict[str, str] = {"endpoint": endpoint}
     if pki is not None:
         base = path.parent.resolve()
@@ -174,4 +194,4 @@ def write_client_config(path: Path, endpoint: str, pki: LocalPki | None) -> None
         ):
             config[key] = str(value.resolve().relative_to(base))
     header = "# Written by `dxpool up`: how the dxpool CLI reaches this pool.\n"
-    path.write_text(header + yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    write_atomic(path, header + yaml.safe_dump(config, sort_keys=False))  # mode 0600

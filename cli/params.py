@@ -11,8 +11,11 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import click
+from click.shell_completion import CompletionItem
 
 from dxpool import client
+from dxpool.client import Client
+from dxpool.config import resolve_connection
 from dxpool.errors import InvalidArgument
 from dxpool.fabric.overhead import WORKLOAD_GRAMMAR, parse_slowdown, parse_workload
 from dxpool.identity import SCHEME, Identity
@@ -35,13 +38,30 @@ from dxpool.selector import SELECTOR_GRAMMAR, parse_selector
 _T = TypeVar("_T")
 
 
-class _GrammarType(click.ParamType[_T, Any]):
-    """Parses with a :mod:`dxpool` parser; its InvalidArgument becomes a usage error."""
+class GrammarType(click.ParamType[_T, Any]):
+    """Parses with a :mod:`dxpool` parser; its InvalidArgument becomes a usage error.
 
-    def __init__(self, name: str, parse: Callable[[str], _T], grammar: str = "") -> None:
+    With ``names``, the shell's tab completion offers the names the broker knows (see
+    :func:`_complete_names`)."""
+
+    def __init__(
+        self,
+        name: str,
+        parse: Callable[[str], _T],
+        grammar: str = "",
+        names: Callable[[Client], list[str]] | None = None,
+    ) -> None:
         self.name = name
         self._parse = parse
         self._grammar = grammar
+        self._names = names
+
+    def shell_complete(
+        self, ctx: click.Context, param: click.Parameter, incomplete: str
+    ) -> list[CompletionItem]:
+        if self._names is None:
+            return []
+        return [CompletionItem(name) for name in _complete_names(ctx, self._names, incomplete)]
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> _T:
         if not isinstance(value, str):
@@ -53,6 +73,49 @@ class _GrammarType(click.ParamType[_T, Any]):
             if self._grammar and self._grammar not in message:
                 message = f"{message}; expected {self._grammar}"
             self.fail(message, param, ctx)
+
+
+COMPLETION_TIMEOUT_S = 2.0
+"""How long tab completion waits for the broker before it offers nothing."""
+
+
+def _complete_names(
+    ctx: click.Context, names: Callable[[Client], list[str]], incomplete: str
+) -> list[str]:
+    """The short names (``box1``, ``box1/3``, ``n1``) the broker knows that start with
+    ``incomplete``, for the shell's completion; nothing when the broker cannot answer in
+    :data:`COMPLETION_TIMEOUT_S` (completion must never hang a shell or print an error).
+    The broker and its TLS settings come from the root's flags on the command line, else
+    the environment and the config file, as for the command itself."""
+    root = ctx.find_root().params
+    try:
+        tls, token = resolve_connection(
+            ca=root.get("tls_ca"),
+            cert=root.get("tls_cert"),
+            key=root.get("tls_key"),
+            token_file=root.get("token_file"),
+        )
+        with Client(
+            root.get("endpoint"),
+            timeout_s=COMPLETION_TIMEOUT_S,
+            max_attempts=1,
+            tls=tls,
+            token=token,
+            insecure=tls is None and token is None,
+        ) as client:
+            found = names(client)
+    except Exception:  # completion offers what it can; errors are for the command itself
+        return []
+    short = [_short_name(name) for name in found]
+    return sorted(name for name in short if name.startswith(incomplete))
+
+
+def _short_name(name: str) -> str:
+    """``boxes/box1/gpus/3`` -> ``box1/3``; ``nodes/n1`` -> ``n1``."""
+    parts = name.split("/")
+    if len(parts) == 4 and parts[0] == "boxes" and parts[2] == "gpus":
+        return f"{parts[1]}/{parts[3]}"
+    return parts[-1]
 
 
 def _seconds(value: str) -> float:
@@ -73,7 +136,17 @@ def _seconds_or_number(value: str) -> float:
 
 
 def _gpus(value: str) -> GpuSpec:
-    return parse_gpus(value)
+    spec = parse_gpus(value)
+    if spec.model and ":" not in value:
+        # MODEL alone means one GPU. Said out loud, because an unquoted set is cut by the
+        # shell at '|' (`--gpus H100|A100:4` runs `dxpool ... --gpus H100 | A100:4`).
+        several = "a model set" if len(spec.models) > 1 else "a model"
+        click.echo(
+            f"warning: --gpus {value.strip()} is {several} without a count: one GPU "
+            f"({spec}); write MODEL:COUNT, and quote a model set: --gpus 'H100|A100:4'",
+            err=True,
+        )
+    return spec
 
 
 def _label(value: str) -> tuple[str, str]:
@@ -106,9 +179,9 @@ def _model_limit(value: str) -> tuple[str, int]:
     return check_model(model), int(count)
 
 
-GPUS = _GrammarType("MODEL:COUNT", _gpus, GPU_GRAMMAR)
+GPUS = GrammarType("MODEL:COUNT", _gpus, GPU_GRAMMAR)
 """``H100:4``, ``A100``, ``8``, ``*:2`` or ``H100|A100:4`` -> :class:`~dxpool.request.GpuSpec`."""
-DURATION = _GrammarType("DURATION", parse_duration_ns)
+DURATION = GrammarType("DURATION", parse_duration_ns)
 """``4us`` -> 4000 (nanoseconds)."""
 
 
@@ -122,11 +195,11 @@ def _latency(value: str) -> int:
     return ns
 
 
-LATENCY = _GrammarType("DURATION", _latency)
+LATENCY = GrammarType("DURATION", _latency)
 """A round-trip bound (``--max-latency``): a duration up to ``MAX_LATENCY_NS``."""
 
-NODE_ID = _GrammarType("ID", lambda value: check_id(value, "node"))
-GANG_ID = _GrammarType("ID", lambda value: check_id(value, "gang"))
+NODE_ID = GrammarType("ID", lambda value: check_id(value, "node"))
+GANG_ID = GrammarType("ID", lambda value: check_id(value, "gang"))
 
 
 def _tenant_as_given(value: str) -> str:
@@ -135,7 +208,7 @@ def _tenant_as_given(value: str) -> str:
     return value
 
 
-TENANT_ID = _GrammarType("TENANT", _tenant_as_given)
+TENANT_ID = GrammarType("TENANT", _tenant_as_given)
 
 
 def _identity(value: str) -> str:
@@ -145,44 +218,46 @@ def _identity(value: str) -> str:
     return Identity.parse(value if value.startswith(prefix) else prefix + value).uri
 
 
-IDENTITY = _GrammarType("ROLE/NAME", _identity)
+IDENTITY = GrammarType("ROLE/NAME", _identity)
 """``tenant/team-a`` or ``dxpool://tenant/team-a`` -> ``dxpool://tenant/team-a``."""
-REQUEST_ID = _GrammarType("REQUEST_ID", check_request_id)
+REQUEST_ID = GrammarType("REQUEST_ID", check_request_id)
 CPUS = click.IntRange(min=1, max=MAX_HOST_CPUS)
-SECONDS = _GrammarType("DURATION", _seconds)
+SECONDS = GrammarType("DURATION", _seconds)
 """``120s`` or ``500ms`` -> seconds as a float."""
-SLOWDOWN = _GrammarType("RATIO", parse_slowdown)
+SLOWDOWN = GrammarType("RATIO", parse_slowdown)
 """``1.05`` -> 1.05 (at most 5% slower)."""
-HOST_MEMORY = _GrammarType("SIZE", parse_host_memory_mib)
+HOST_MEMORY = GrammarType("SIZE", parse_host_memory_mib)
 """``64GiB`` -> 65536 (MiB): a host's memory or a node's need of it."""
-SPREAD = _GrammarType("boxes[:M]", parse_spread, SPREAD_GRAMMAR)
+SPREAD = GrammarType("boxes[:M]", parse_spread, SPREAD_GRAMMAR)
 """``boxes`` -> 1, ``boxes:2`` -> 2: the most GPUs a node may take from one box."""
-WORKLOAD = _GrammarType("WORKLOAD", _workload, WORKLOAD_GRAMMAR)
+WORKLOAD = GrammarType("WORKLOAD", _workload, WORKLOAD_GRAMMAR)
 """``training`` or ``400@5ms`` -> the same text, once it parses as a workload."""
-DAEMON_SECONDS = _GrammarType("DURATION", _seconds_or_number)
+DAEMON_SECONDS = GrammarType("DURATION", _seconds_or_number)
 """``120s``, ``5m`` or a bare number of seconds (``120``, as daemon flags always took) ->
 seconds as a float."""
-MEMORY = _GrammarType("SIZE", parse_memory_mib)
+MEMORY = GrammarType("SIZE", parse_memory_mib)
 """``80GiB`` -> 81920 (MiB)."""
-LABEL = _GrammarType("KEY=VALUE", _label)
+LABEL = GrammarType("KEY=VALUE", _label)
 """``team=ml`` -> ``("team", "ml")``."""
-SELECTOR = _GrammarType("SELECTOR", _selector, SELECTOR_GRAMMAR)
+SELECTOR = GrammarType("SELECTOR", _selector, SELECTOR_GRAMMAR)
 """``team=ml,tier!=dev`` -> the same text, once it parses as a label selector."""
-BOX = _GrammarType("BOX", client.box_name)
+BOX = GrammarType("BOX", client.box_name, names=lambda c: [b.name for b in c.list_boxes()])
 """``box1`` or ``boxes/box1`` -> ``boxes/box1``."""
-HOST = _GrammarType("HOST", client.host_name)
+HOST = GrammarType("HOST", client.host_name, names=lambda c: [h.name for h in c.list_hosts()])
 """``h1`` or ``hosts/h1`` -> ``hosts/h1``."""
-NODE = _GrammarType("NODE", client.node_name)
+NODE = GrammarType("NODE", client.node_name, names=lambda c: [n.name for n in c.list_nodes()])
 """``n1`` or ``nodes/n1`` -> ``nodes/n1``."""
-GANG = _GrammarType("GANG", client.gang_name)
+GANG = GrammarType("GANG", client.gang_name)
 """``g1`` or ``gangs/g1`` -> ``gangs/g1``."""
-GPU = _GrammarType("GPU", client.gpu_name)
+GPU = GrammarType("GPU", client.gpu_name, names=lambda c: [g.name for g in c.list_gpus()])
 """``box1/3`` or ``boxes/box1/gpus/3`` -> ``boxes/box1/gpus/3``."""
-TENANT = _GrammarType("TENANT", client.tenant_name)
+TENANT = GrammarType(
+    "TENANT", client.tenant_name, names=lambda c: [t.name for t in c.list_tenants()]
+)
 """``team-a`` or ``tenants/team-a`` -> ``tenants/team-a``."""
-MODEL_LIMIT = _GrammarType("MODEL=COUNT", _model_limit)
+MODEL_LIMIT = GrammarType("MODEL=COUNT", _model_limit)
 """``H100=8`` -> ``("H100", 8)``."""
-GPU_STATE = _GrammarType("STATE", client.gpu_state)
+GPU_STATE = GrammarType("STATE", client.gpu_state)
 """``free`` -> ``GpuState.GPU_STATE_FREE``."""
 
 
@@ -197,8 +272,15 @@ selector_option = click.option(
     "selector",
     type=SELECTOR,
     default="",
-    help="Only objects whose labels match: KEY=VALUE, KEY!=VALUE, KEY or !KEY, "
-    "comma-separated (all must hold), e.g. -l team=ml,tier!=dev.",
+    help="Only objects whose labels match: KEY=VALUE, KEY!=VALUE, 'KEY in (V1,V2)', "
+    "'KEY notin (V1,V2)', KEY or !KEY, comma-separated (all must hold), e.g. "
+    "-l 'team=ml,tier notin (dev)'.",
+)
+
+dry_run_option = click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Only show what would be done: the objects are read, nothing is changed.",
 )
 
 ignore_not_found_option = click.option(

@@ -86,12 +86,24 @@ def _node_state(node: resources_pb2.VirtualNode) -> str:
     return enum_label(resources_pb2.NodeState.Name(node.state), "NODE_STATE_")
 
 
-def _node_gpus(node: resources_pb2.VirtualNode) -> str:
-    """What the node asked for, with the count it has now (a resize changes that)."""
+def node_gpu_count(node: resources_pb2.VirtualNode) -> int:
+    """How many GPUs the node has, or is on its way to (a resize changes that from what
+    it was composed with): its bindings, less those a shrink is taking away."""
+    leaving = resources_pb2.ATTACHMENT_PHASE_DETACHING
+    return sum(1 for binding in node.gpus if binding.phase != leaving)
+
+
+def node_gpus(node: resources_pb2.VirtualNode) -> str:
+    """The node's GPUs as a request reads (``H100:6``): the model asked for, with the
+    count :func:`node_gpu_count` gives (the composed count until it has bindings)."""
     request = resources_pb2.GpuRequest()
     request.CopyFrom(node.spec.gpus)
     if node.gpus:
-        request.count = len(node.gpus)
+        request.count = node_gpu_count(node)
+        # The pool's spelling of the model (h100 asked for, H100 bound): one model, one row.
+        bound = {binding.model for binding in node.gpus}
+        if len(bound) == 1 and request.model.casefold() == next(iter(bound)).casefold():
+            request.model = next(iter(bound))
     return gpu_request(request)
 
 
@@ -152,7 +164,7 @@ NODE_VIEW: View[resources_pb2.VirtualNode] = View(
         Column("name", lambda n: short(n.name)),
         Column("state", _node_state),
         Column("host", lambda n: short(n.host)),
-        Column("gpus", _node_gpus),
+        Column("gpus", node_gpus),
         Column("latency", _node_latency),
         Column("age", lambda n: age(n.create_time)),
         Column("tenant", lambda n: n.spec.tenant or NONE, wide_only=True),

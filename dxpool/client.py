@@ -49,9 +49,11 @@ from grpc_status import rpc_status
 from tenacity import (
     RetryError,
     Retrying,
+    retry_if_exception,
     retry_if_exception_type,
     retry_if_result,
     stop_after_attempt,
+    stop_after_delay,
     stop_before_delay,
     wait_exponential,
     wait_random,
@@ -81,6 +83,7 @@ from dxpool.errors import (
     from_code,
 )
 from dxpool.fabric.overhead import check_slowdown
+from dxpool.hints import connection_hint
 from dxpool.lifecycle import NODE_REACHABLE
 from dxpool.limits import MAX_GPU_MEMORY_MIB, MAX_GPUS_PER_BOX, MAX_LATENCY_NS
 from dxpool.request import (
@@ -118,6 +121,9 @@ _log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S: Final = 10.0
 DEFAULT_MAX_ATTEMPTS: Final = 5
 DEFAULT_WAIT_TIMEOUT_S: Final = 120.0
+DEFAULT_RECONNECT_TIMEOUT_S: Final = 120.0
+"""How long a watch keeps trying to resume while the broker cannot be reached (a
+restart on a loaded machine takes seconds; an informer-style consumer wants minutes)."""
 _PAGE_SIZE: Final = 500
 _CHANNEL_OPTIONS: Final = [
     # Reconnect quickly after a refused connection, so a retry can reach a broker that
@@ -482,7 +488,12 @@ class Client:
         try:
             return rpc(request, timeout=self.timeout_s)
         except grpc.RpcError as error:
-            raise _error_from_rpc(error) from None
+            raise self._hinted(_error_from_rpc(error)) from None
+
+    def _hinted(self, error: DxpoolError) -> DxpoolError:
+        """``error`` with a next step when the broker could not be reached."""
+        error.hint = connection_hint(error.code, error.message, self.endpoint)
+        return error
 
     def _unary(self, rpc: grpc.UnaryUnaryMultiCallable[_Req, _Resp], request: _Req) -> _Resp:
         return self._retry(lambda: self._once(rpc, request))
@@ -805,7 +816,10 @@ class Client:
         labels: Mapping[str, str] | None = None,
         request_id: str | None = None,
     ) -> nodes_pb2.NodePlan:
-        """Explain where :meth:`compose_node` with these arguments would go; commits nothing."""
+        """Explain where :meth:`compose_node` with these arguments would go; commits nothing.
+
+        ``node_id`` and ``request_id`` are accepted, as :meth:`compose_node` takes them,
+        and checked, but a plan does not use them."""
         request = self._compose_request(
             gpus,
             host=host,
@@ -825,7 +839,7 @@ class Client:
             labels=labels,
             request_id=request_id,
         )
-        return self._unary(self._nodes.PlanNode, request)
+        return self._unary(self._nodes.PlanNode, nodes_pb2.PlanNodeRequest(spec=request.spec))
 
     def get_node(self, name: str) -> resources_pb2.VirtualNode:
         return self._unary(self._nodes.GetNode, nodes_pb2.GetNodeRequest(name=node_name(name)))
@@ -1055,6 +1069,7 @@ class Client:
         start_revision: int = 0,
         resume: bool = True,
         include_synced: bool = False,
+        reconnect_timeout_s: float = DEFAULT_RECONNECT_TIMEOUT_S,
     ) -> Iterator[nodes_pb2.NodeEvent]:
         """Stream the current state of one node (or all), then every change.
 
@@ -1062,10 +1077,11 @@ class Client:
         ``start_revision`` replays every change after it instead of listing again.
         The iterator resumes by itself (``resume=True``) when the broker cuts the watch
         off because the consumer stopped reading (ABORTED, WATCH_TOO_SLOW), when the
-        broker stops, or when the connection drops (UNAVAILABLE, tried up to
-        ``max_attempts`` times in a row with backoff): it watches again from the last
-        event it yielded, so nothing is missed, though events may repeat. With
-        ``resume=False`` those errors are raised instead.
+        broker stops or restarts, or when the connection drops (UNAVAILABLE): it watches
+        again from the last event it yielded, with backoff, so nothing is missed, though
+        events may repeat. It gives up, raising the last error, once the broker has been
+        out of reach for ``reconnect_timeout_s`` with no event in between. With
+        ``resume=False`` those errors are raised at once.
 
         TYPE_SYNCED events (end of a listing or replay, progress marks) are yielded only
         with ``include_synced``. A consumer that keeps a view of all nodes needs them: a
@@ -1083,7 +1099,13 @@ class Client:
                 f"invalid start_revision {start_revision!r}: give 0 (start with a listing) "
                 "or the revision of the last event handled"
             )
-        return self._watch(request_name, timeout_s, start_revision, resume, include_synced)
+        if reconnect_timeout_s < 0:
+            raise InvalidArgument(
+                f"invalid reconnect_timeout_s {reconnect_timeout_s!r}: give 0 or more seconds"
+            )
+        return self._watch(
+            request_name, timeout_s, start_revision, resume, include_synced, reconnect_timeout_s
+        )
 
     def _watch(
         self,
@@ -1092,42 +1114,46 @@ class Client:
         revision: int,
         resume: bool,
         include_synced: bool,
+        reconnect_timeout_s: float,
     ) -> Iterator[nodes_pb2.NodeEvent]:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        failures = 0
-        backoff = 0.1
-        while True:
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise from_code(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"the watch of {name or 'all nodes'} ran past its {timeout_s:g}s timeout",
-                )
-            request = nodes_pb2.WatchNodesRequest(name=name, start_revision=revision)
-            stream = self._stream(self._nodes.WatchNodes, request, remaining)
-            try:
-                for event in stream:
-                    revision = event.revision
-                    failures, backoff = 0, 0.1
-                    if event.type != nodes_pb2.NodeEvent.TYPE_SYNCED or include_synced:
-                        yield event
+        retrying = Retrying(
+            retry=retry_if_exception(
+                lambda error: resume and isinstance(error, DxpoolError) and self._resumable(error)
+            ),
+            stop=stop_after_delay(reconnect_timeout_s),
+            wait=wait_exponential(multiplier=0.1, max=2.0) + wait_random(0, 0.05),
+            reraise=True,
+            before_sleep=lambda state: _log.debug(
+                "watch ended; resuming",
+                extra={
+                    "endpoint": self.endpoint,
+                    "revision": revision,
+                    "attempt": state.attempt_number,
+                },
+            ),
+        )
+        for attempt in retrying:
+            with attempt:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise from_code(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"the watch of {name or 'all nodes'} ran past its {timeout_s:g}s timeout",
+                    )
+                request = nodes_pb2.WatchNodesRequest(name=name, start_revision=revision)
+                stream = self._stream(self._nodes.WatchNodes, request, remaining)
+                try:
+                    for event in stream:
+                        revision = event.revision
+                        # Progress: an outage after this one is timed, and backs off, anew.
+                        attempt.retry_state.start_time = time.monotonic()
+                        attempt.retry_state.attempt_number = 1
+                        if event.type != nodes_pb2.NodeEvent.TYPE_SYNCED or include_synced:
+                            yield event
+                finally:
+                    stream.close()
                 return
-            except DxpoolError as error:
-                if not resume or not self._resumable(error):
-                    raise
-                _log.debug(
-                    "watch ended; resuming",
-                    extra={"endpoint": self.endpoint, "revision": revision, "code": error.code},
-                )
-                if isinstance(error, Unavailable):
-                    failures += 1
-                    if failures >= self.max_attempts:
-                        raise
-                    pause = backoff if remaining is None else min(backoff, remaining)
-                    time.sleep(max(0.0, pause))
-                    backoff = min(backoff * 2, 2.0)
-            finally:
-                stream.close()
 
     def _resumable(self, error: DxpoolError) -> bool:
         """Whether a watch that ended with ``error`` should be resumed."""
@@ -1136,15 +1162,17 @@ class Client:
         # A cancel this client did not ask for: the broker ended the call.
         return error.code == grpc.StatusCode.CANCELLED and not self._closed
 
-    @staticmethod
     def _stream(
-        rpc: grpc.UnaryStreamMultiCallable[_Req, _Resp], request: _Req, timeout_s: float | None
+        self,
+        rpc: grpc.UnaryStreamMultiCallable[_Req, _Resp],
+        request: _Req,
+        timeout_s: float | None,
     ) -> Generator[_Resp, None, None]:
         call = rpc(request, timeout=timeout_s)
         try:
             yield from call
         except grpc.RpcError as error:
-            raise _error_from_rpc(error) from None
+            raise self._hinted(_error_from_rpc(error)) from None
         finally:
             call.cancel()  # type: ignore[no-untyped-call]  # the iterator is also a grpc.Call
 

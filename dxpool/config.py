@@ -31,6 +31,7 @@ import yaml
 
 from dxpool.defaults import DEFAULT_ENDPOINT
 from dxpool.errors import InvalidArgument
+from dxpool.private_files import check_private
 from dxpool.tls import ClientTls
 
 ENDPOINT_ENV = "DXPOOL_ENDPOINT"
@@ -225,7 +226,9 @@ def _security_setting(
 
 
 def read_token(path: Path) -> str:
-    """The bearer token in ``path`` (its first line, stripped)."""
+    """The bearer token in ``path`` (its first line, stripped); InvalidArgument when the
+    file may be read by others (it must be mode 0600 or stricter)."""
+    check_private(path.expanduser(), "token file", reason="INVALID_CONFIG")
     try:
         token = path.expanduser().read_text(encoding="utf-8").strip().splitlines()
     except OSError as error:

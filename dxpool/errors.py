@@ -37,6 +37,11 @@ class DxpoolError(Exception):
         self.message = message
         self.reason = reason or self.default_reason
         self.metadata = dict(metadata or {})
+        self.hint: str | None = None
+        """What to do next, where the client could tell (a broker it could not reach)."""
+
+    def __str__(self) -> str:
+        return self.message if not self.hint else f"{self.message} (hint: {self.hint})"
 
 
 class InvalidArgument(DxpoolError):

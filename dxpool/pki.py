@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from dxpool.errors import InvalidArgument
 from dxpool.etcd_users import agent_user
 from dxpool.identity import SCHEME, Identity, Role
+from dxpool.private_files import write_atomic
 from dxpool.tls import read_pem
 
 __all__ = [
@@ -212,16 +212,7 @@ def write_pair(directory: Path, name: str, pair: CertPair) -> tuple[Path, Path]:
 
 def _write(path: Path, data: bytes, mode: int) -> None:
     """Write ``data`` to a temporary file made with ``mode``, then rename it into place."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        os.fchmod(fd, mode)  # the umask may have taken bits away; set exactly ``mode``
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    tmp.replace(path)
+    write_atomic(path, data, mode)
 
 
 def load_pair(directory: Path, name: str) -> CertPair:

@@ -3,7 +3,8 @@
 The CLI, the Python client and configuration files all go through here, so ``"H100:4"``,
 ``{"model": "H100", "count": 4}`` and ``GpuSpec("H100", 4)`` mean the same thing.
 
-GPU grammar (case of the model is kept; models compare case-insensitively)::
+GPU grammar (case of the model is kept; models compare case-insensitively, the pool keeps
+one spelling of each, the first registered, and listings print that one)::
 
     MODEL:COUNT   "H100:4"       four H100s
     MODEL         "A100"         one A100
@@ -11,12 +12,16 @@ GPU grammar (case of the model is kept; models compare case-insensitively)::
     *:COUNT       "*:2"          two GPUs of any model
     SET:COUNT     "H100|A100:4"  four GPUs, all H100 or all A100
 
-A model set (``MODEL|MODEL...``, up to :data:`MAX_MODELS_IN_SET` models) asks for any of
-its models; a model named twice counts once. All GPUs of the node are then of one model
-(placement tries the set's models with the most free GPUs first, so the models that few
-requests can use are taken last), unless the request also says ``mixed_models``: any mix
-of the set's models is then fine. The set travels as written in the ``model`` field of
-every form.
+A dash is part of many model names (``A100-80GB``), so ``H100-4`` is a model name; the
+broker's "no such model" answer then suggests ``H100:4``. A MODEL without a COUNT is one
+GPU, and the CLI says so on stderr: a shell cuts an unquoted set at ``|``.
+
+A model set (``MODEL|MODEL...``, up to :data:`MAX_MODELS_IN_SET` names) asks for
+any of its models; a model named twice counts once. All GPUs of the node are then of
+one model (placement tries the set's models with the most free GPUs first, so the models
+that few requests can use are taken last), unless the request also says
+``mixed_models``: any mix of the set's models is then fine. The set travels as written in
+the ``model`` field of every form.
 
 Affinity and spread (where a node's GPUs come from together)::
 
@@ -28,7 +33,8 @@ Affinity and spread (where a node's GPUs come from together)::
     --spread boxes     every GPU from a different box (at most 1 per box)
     --spread boxes:M   at most M GPUs from any one box
 
-Durations: an integer or decimal followed by ``ns``, ``us`` (or ``µs``), ``ms`` or ``s``.
+Durations: an integer or decimal followed by ``ns``, ``us`` (or ``µs``), ``ms``, ``s``,
+``m`` or ``h``, or several such parts largest unit first, as Go writes them (``1m30s``).
 Memory sizes: a number followed by ``MiB``, ``GiB`` (or ``M``/``G``, read as binary).
 Slowdown bounds (``1.05``) and workloads (a profile name, or ``ROUND_TRIPS@STEP_TIME``
 such as ``400@5ms``) are read by :mod:`dxpool.fabric.overhead`, next to the model that
@@ -70,7 +76,10 @@ _GPU_STRING = re.compile(
 )
 # Bounded digits, so float() never overflows and int() never meets a 5,000-digit string.
 _NUMBER = r"([0-9]{1,15}(?:\.[0-9]{1,9})?)"
-_DURATION = re.compile(r"\s*" + _NUMBER + r"\s*(ns|us|µs|ms|s|m|h)\s*")
+_UNIT = r"(ns|us|µs|ms|s|m|h)"
+_DURATION_PART = re.compile(_NUMBER + r"\s*" + _UNIT)
+# One part ("90s"), or Go's form of several, largest unit first ("1m30s", "1h15m").
+_DURATION = re.compile(r"\s*(?:" + _NUMBER + r"\s*" + _UNIT + r"){1,7}\s*")
 _MEMORY = re.compile(r"\s*" + _NUMBER + r"\s*(MiB|GiB|TiB|M|G|T)\s*", re.IGNORECASE)
 _INTEGER = re.compile(r"\s*-?[0-9]{1,18}\s*", re.ASCII)
 _DIGITS = re.compile(r"[0-9]+")
@@ -135,7 +144,8 @@ def validate_gpu_request(
 
 def check_model(model: str) -> str:
     """Return ``model`` if it is empty (any model), a valid GPU model name, or a set of
-    up to :data:`MAX_MODELS_IN_SET` distinct such names joined by ``|``."""
+    up to :data:`MAX_MODELS_IN_SET` such names joined by ``|`` (a name repeated counts
+    once)."""
     model_set(model)
     return model
 
@@ -270,15 +280,18 @@ def _shown(value: str) -> str:
 
 
 def parse_duration_ns(value: str) -> int:
-    """``"4us"`` -> 4000. Raises :class:`InvalidArgument` on anything else."""
+    """``"4us"`` -> 4000, ``"1m30s"`` -> 90_000_000_000 (Go's form: parts largest unit
+    first). Raises :class:`InvalidArgument` on anything else."""
     match = _DURATION.fullmatch(value)
-    if not match:
+    parts = _DURATION_PART.findall(value) if match else []
+    scales = [_NS_PER_UNIT[unit] for _, unit in parts]
+    if not match or scales != sorted(set(scales), reverse=True):
         raise InvalidArgument(
             f"cannot parse duration {_shown(value)}: expected a number and a unit, "
-            "one of ns, us, ms, s, m, h (e.g. 4us, 5m)",
+            "one of ns, us, ms, s, m, h, or several largest first (e.g. 4us, 5m, 1m30s)",
             reason="INVALID_DURATION",
         )
-    ns = round(float(match.group(1)) * _NS_PER_UNIT[match.group(2)])
+    ns = round(sum(float(number) * _NS_PER_UNIT[unit] for number, unit in parts))
     if ns > MAX_DURATION_NS:
         raise InvalidArgument(
             f"duration {_shown(value)} is too long: use at most {MAX_DURATION_NS // 10**9}s "
@@ -289,7 +302,11 @@ def parse_duration_ns(value: str) -> int:
 
 
 def format_duration_ns(ns: int) -> str:
-    """4000 -> ``"4us"``; 1500 -> ``"1.5us"``; picks the largest unit that reads well."""
+    """4000 -> ``"4us"``; 1500 -> ``"1.5us"``; 2_592_000 s -> ``"720h"``; picks the
+    largest unit that reads well."""
+    for unit, scale in (("h", 3_600_000_000_000), ("m", 60_000_000_000)):
+        if ns >= scale and ns % scale == 0:
+            return f"{ns // scale}{unit}"
     for unit, scale in (("s", 1_000_000_000), ("ms", 1_000_000), ("us", 1_000)):
         if ns >= scale:
             return f"{ns / scale:.3g}{unit}"

@@ -93,7 +93,8 @@ class AttachRequest:
 
     @property
     def kernel_driver(self) -> str:
-        """The kernel driver the device must end up bound to."""
+        """The kernel driver the device must end up bound to, with NVIDIA's driver as the
+        native one (a driver with another native driver asks :meth:`AttachedGpu.wanted_driver`)."""
         return VFIO_DRIVER if self.vfio else NATIVE_DRIVER
 
 
@@ -128,7 +129,8 @@ class AttachedGpu:
 
     ``bdf`` is empty while the mapping exists but the device has not appeared on the bus
     (a partial attach). ``identity`` is None when NVML cannot read the device and no
-    earlier reading of it is known (bound to ``vfio-pci`` or unbound).
+    earlier reading of it is known (bound to ``vfio-pci`` or unbound). ``native_driver``
+    is the kernel driver the host runs its GPUs on when they are not passed to a VM.
     """
 
     gpu: GpuRef
@@ -138,6 +140,7 @@ class AttachedGpu:
     identity: GpuIdentity | None = None
     health: resources_pb2.GpuHealth.ValueType = NO_HEALTH_SIGNAL
     health_reason: str = ""
+    native_driver: str = NATIVE_DRIVER
 
     @property
     def present(self) -> bool:
@@ -152,9 +155,13 @@ class AttachedGpu:
             request.gpu == self.gpu
             and request.host_slot == self.host_slot
             and self.present
-            and self.driver == request.kernel_driver
+            and self.driver == self.wanted_driver(request)
             and (self.identity is None or identity_problem(request, self.identity) is None)
         )
+
+    def wanted_driver(self, request: AttachRequest) -> str:
+        """The kernel driver ``request`` wants the device bound to on this host."""
+        return VFIO_DRIVER if request.vfio else self.native_driver
 
 
 def model_matches(wanted: str, reported: str) -> bool:
@@ -317,7 +324,9 @@ class StepDriver:
     Identities read before a ``vfio-pci`` bind are remembered per GPU and device (address,
     PCI id, serial number), so :meth:`observe` can still name a GPU that NVML can no longer
     see, as long as the device's configuration space says it is the same device; every
-    other field of an observation is read from the hardware.
+    other field of an observation is read from the hardware. ``native_driver`` is the
+    kernel driver GPUs run on when not passed to a VM (``nvidia``; a stand-in device's own
+    driver where the bus carries one, as in the real-kernel tests).
     """
 
     def __init__(
@@ -328,9 +337,11 @@ class StepDriver:
         inspector: GpuInspector,
         capabilities: DriverCapabilities,
         device_timeout_s: float = DEFAULT_DEVICE_TIMEOUT_S,
+        native_driver: str = NATIVE_DRIVER,
     ) -> None:
         if device_timeout_s <= 0:
             raise ValueError(f"device_timeout_s must be > 0, got {device_timeout_s}")
+        self._native = native_driver
         self._proxy = proxy
         self._bus = bus
         self._inspector = inspector
@@ -366,8 +377,8 @@ class StepDriver:
         except IdentityMismatchError:
             self._roll_back(request.gpu)
             raise
-        if device.driver != NATIVE_DRIVER:
-            self._bus.bind(device.bdf, NATIVE_DRIVER)
+        if device.driver != self._native:
+            self._bus.bind(device.bdf, self._native)
         identity = self._inspector.identify(device.bdf)
         problem = identity_problem(request, identity)
         if problem is not None:
@@ -381,10 +392,11 @@ class StepDriver:
             gpu=request.gpu,
             host_slot=request.host_slot,
             bdf=device.bdf,
-            driver=request.kernel_driver,
+            driver=VFIO_DRIVER if request.vfio else self._native,
             identity=identity,
             health=health.state,
             health_reason=health.reason,
+            native_driver=self._native,
         )
 
     def _roll_back(self, gpu: GpuRef) -> None:
@@ -398,7 +410,7 @@ class StepDriver:
         if host_slot is not None:
             device = next((d for d in self._bus.devices() if d.host_slot == host_slot), None)
             if device is not None:
-                if not force and device.driver == NATIVE_DRIVER:
+                if not force and device.driver == self._native:
                     self._refuse_if_busy(gpu, device.bdf)
                 if device.driver is not None:
                     self._bus.bind(device.bdf, None)
@@ -416,12 +428,12 @@ class StepDriver:
                 f"{gpu.name} is mapped at host slot {host_slot} but its device is not on the "
                 "bus; it cannot be reset from this host"
             )
-        if not force and device.driver == NATIVE_DRIVER:
+        if not force and device.driver == self._native:
             self._refuse_if_busy(gpu, device.bdf)
         if device.driver is not None:
             self._bus.bind(device.bdf, None)
         self._bus.reset(device.bdf)
-        self._bus.bind(device.bdf, NATIVE_DRIVER)
+        self._bus.bind(device.bdf, self._native)
         health = self._inspector.health(device.bdf)
         if health.state == resources_pb2.GPU_HEALTH_UNHEALTHY:
             raise ScrubError(
@@ -456,10 +468,10 @@ class StepDriver:
 
     def _describe(self, gpu: GpuRef, host_slot: int, device: PciDevice | None) -> AttachedGpu:
         if device is None:
-            return AttachedGpu(gpu=gpu, host_slot=host_slot)
+            return AttachedGpu(gpu=gpu, host_slot=host_slot, native_driver=self._native)
         identity = self._remembered(gpu, device)
         health = NO_HEALTH_REPORT
-        if device.driver == NATIVE_DRIVER:
+        if device.driver == self._native:
             try:
                 identity = self._inspector.identify(device.bdf)
                 health = self._inspector.health(device.bdf)
@@ -478,6 +490,7 @@ class StepDriver:
             identity=identity,
             health=health.state,
             health_reason=health.reason,
+            native_driver=self._native,
         )
 
     def _remember(self, gpu: GpuRef, device: PciDevice, identity: GpuIdentity) -> None:

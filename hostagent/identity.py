@@ -1,7 +1,8 @@
 """The agent's identity for its host: a token that survives restarts on one machine.
 
-The token is kept in ``{state_dir}/agent-{host}.token`` and the file is held under an
-exclusive ``flock`` for the agent's lifetime, so two agent processes can never use the
+The token is kept in ``{state_dir}/agent-{host}.token`` (mode 0600: it is the key to the
+host's liveness) and the file is held under an exclusive ``flock`` for the agent's
+lifetime, so two agent processes can never use the
 same identity at once. The token is the value of the host's liveness key: a restarted
 agent finds its own token there and adopts the live lease instead of waiting for it to
 expire (its nodes are not lost across a restart), while any other agent - elsewhere, or
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import IO
 
 from dxpool.errors import FailedPrecondition
+from dxpool.private_files import PRIVATE_MODE
 
 
 class AgentIdentity:
@@ -30,7 +32,10 @@ class AgentIdentity:
             return
         state_dir.mkdir(parents=True, exist_ok=True)
         path = state_dir / f"agent-{host_id}.token"
-        handle = open(path, "a+", encoding="ascii")  # noqa: SIM115 - held while running
+        # Made 0600 from creation; one an older version left readable by others is fixed.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, PRIVATE_MODE)
+        os.fchmod(fd, PRIVATE_MODE)
+        handle = open(fd, "a+", encoding="ascii")  # noqa: SIM115 - held while running
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

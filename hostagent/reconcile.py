@@ -214,7 +214,9 @@ class Reconciler:
         """Attached at another host slot, or bound to the driver of another binding."""
         if have.host_slot != request.host_slot:
             return True
-        return have.present and have.driver is not None and have.driver != request.kernel_driver
+        return (
+            have.present and have.driver is not None and have.driver != have.wanted_driver(request)
+        )
 
     def _wait_for_slot(
         self,

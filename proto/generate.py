@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import filecmp
+import os
 import re
 import shutil
 import sys
@@ -31,6 +32,9 @@ def generate(out_dir: Path) -> None:
     import grpc_tools
     from grpc_tools import protoc  # build-time dependency, see the "dev" extra
 
+    # protoc finds its mypy plugins on PATH: look beside this interpreter first, so the
+    # check runs the same from a virtual environment that was never activated.
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])
     with tempfile.TemporaryDirectory() as raw:
         raw_dir = Path(raw)
         include = Path(grpc_tools.__file__).parent / "_proto"

@@ -5,12 +5,8 @@
 # CLI at it). Ctrl-C stops everything. Extra arguments go to `dxpool up` (see --help).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-python3}"
-if [ ! -x .venv/bin/python ]; then
-  "$PYTHON" -m venv .venv
-fi
-.venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet -e '.[server]'
+. scripts/venv.sh
+ensure_venv server  # skipped when nothing changed since the last start
 # exec: `dxpool up` takes this script's pid, so a SIGTERM sent to it stops the pool in order
 # (a shell in between would die and leave `dxpool up` running).
 exec .venv/bin/dxpool up "$@"

@@ -25,6 +25,7 @@ import pytest
 from dxpool.api.v1 import inventory_pb2, inventory_pb2_grpc, nodes_pb2_grpc, resources_pb2
 from dxpool.store.client import connect
 from dxpool.store.embedded import EmbeddedEtcd, EtcdCluster
+from tests.patience import patient
 
 if TYPE_CHECKING:  # imported lazily so one broken component does not hide every test
     from dxpool.broker.server import BrokerServer
@@ -122,6 +123,9 @@ def broker_factory(
             key_prefix=key_prefix,
             listen="127.0.0.1:0",
             controller_sweep_s=0.2,
+            # etcd on a loaded machine may take seconds to answer; a test that wants
+            # failover within a second says so itself
+            etcd_timeout_s=5.0,
         )
         config = BrokerConfig(**{**config.__dict__, **overrides})  # type: ignore[arg-type]
         server = BrokerServer(config).start()
@@ -295,7 +299,9 @@ def wait_until(
     interval_s: float = 0.05,
     message: str = "condition",
 ) -> object:
-    """Poll ``predicate`` until it returns a truthy value; fail the test on timeout."""
+    """Poll ``predicate`` until it returns a truthy value; fail the test once
+    ``timeout_s`` (at least :data:`tests.patience.PATIENCE_S`) has passed."""
+    timeout_s = patient(timeout_s)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()

@@ -20,6 +20,7 @@ from dxpool.broker.node_watch import NodeFeed, WatcherInfo
 from dxpool.broker.server import BrokerServer
 from dxpool.records import timestamp
 from dxpool.store.keys import KeySchema
+from tests.patience import patient
 
 # A client channel whose receive window stays at HTTP/2's 64 KiB (no BDP probing), so a
 # client that stops reading blocks the broker's sends after a few events.
@@ -98,6 +99,7 @@ def delete_nodes(etcd_client, prefix: str, names: Iterable[str]) -> int:  # type
 
 
 def wait_for(predicate: Callable[[], object], timeout_s: float, what: str) -> object:
+    timeout_s = patient(timeout_s)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()

@@ -25,6 +25,7 @@ from prometheus_client import REGISTRY
 
 from dxpool.api.v1 import inventory_pb2, inventory_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 from dxpool.api.v1 import resources_pb2 as pb
+from dxpool.broker.metrics import method_label
 from dxpool.broker.node_watch import WatchSettings
 from dxpool.broker.streams import WATCH_NODES, StreamLimits
 from dxpool.client import (
@@ -429,7 +430,7 @@ def _cut_offs() -> float:
 
 
 def _refusals() -> float:
-    labels = {"method": WATCH_NODES}
+    labels = {"method": method_label(WATCH_NODES)}
     return REGISTRY.get_sample_value("dxpool_streams_rejected_total", labels) or 0
 
 
@@ -509,7 +510,7 @@ def test_watch_resumes_by_itself_after_a_cut_off(  # type: ignore[no-untyped-def
         delete_nodes(etcd_client, key_prefix, ["n0", "n1", "n2"])
         settle(broker, write_nodes(etcd_client, key_prefix, [node("n3", note="changed")]))
         view.apply_all(events, until=lambda v: v.synced == 2)  # the resumed stream's
-        assert _cut_offs() - before == 1
+        assert _cut_offs() - before >= 1  # a loaded machine may read slowly twice
         assert view.resets == 1  # only the first listing
         assert view.nodes == listed(nodes_pb2_grpc.NodeServiceStub(client._channel))
         assert view.nodes["nodes/n3"].message == "changed" and "nodes/n0" not in view.nodes
@@ -532,6 +533,35 @@ def test_watch_resumes_on_a_restarted_broker_with_a_reset_listing(  # type: igno
         view.apply_all(events, until=lambda v: v.synced == 2)
         assert view.resets == 2
         assert sorted(view.nodes) == ["nodes/b"]
+
+
+def test_watch_resumes_when_the_broker_comes_back_seconds_later(  # type: ignore[no-untyped-def]
+    broker_factory, etcd_client, key_prefix: str
+) -> None:
+    """A broker killed and started again takes seconds to serve (a process start on a
+    loaded machine); the iterator keeps resuming until it answers, not a few tries."""
+    listen = f"127.0.0.1:{free_port()}"
+    first = broker_factory(listen=listen)
+    settle(first, write_nodes(etcd_client, key_prefix, [node("a")]))
+    with Client(listen) as client:
+        events = client.watch_nodes(include_synced=True)
+        view = View()
+        view.apply_all(events, until=lambda v: v.synced == 1)
+        first.stop(grace_s=0)
+        restart = threading.Timer(4.0, lambda: broker_factory(listen=listen))
+        restart.start()
+        try:
+            view.apply_all(events, until=lambda v: v.synced == 2)
+        finally:
+            restart.join()
+        assert sorted(view.nodes) == ["nodes/a"]
+
+
+def test_watch_gives_up_once_the_broker_stays_away_past_the_reconnect_timeout() -> None:
+    with Client(f"127.0.0.1:{free_port()}") as client:
+        events = client.watch_nodes(reconnect_timeout_s=0.5)
+        with pytest.raises(Unavailable):
+            next(events)
 
 
 def test_watch_rejects_a_negative_start_revision() -> None:

@@ -172,9 +172,19 @@ def test_no_tls_settings_mean_plaintext() -> None:
 
 def test_a_token_file_is_read_and_implies_tls(tmp_path: Path) -> None:
     (tmp_path / "token").write_text("s3cret\n")
+    (tmp_path / "token").chmod(0o600)
     connection = resolve_connection(env={"DXPOOL_TOKEN_FILE": str(tmp_path / "token")})
     assert connection.token == "s3cret"
     assert connection.tls == ClientTls()
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o602])
+def test_a_token_file_others_may_read_is_refused(tmp_path: Path, mode: int) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    token.chmod(mode)
+    with pytest.raises(InvalidArgument, match=rf"run `chmod 600 {token}`"):
+        resolve_connection(env={"DXPOOL_TOKEN_FILE": str(token)})
 
 
 @pytest.mark.parametrize(

@@ -65,13 +65,17 @@ def test_spec_is_immutable() -> None:
         ("2s", 2 * 10**9),
         ("5m", 300 * 10**9),
         ("1.5h", 5400 * 10**9),
+        ("1m30s", 90 * 10**9),  # Go's form, as etcd and Kubernetes take it
+        ("1h15m", 4500 * 10**9),
+        ("2m0.5s", 120_500_000_000),
+        ("1s500ms", 1_500_000_000),
     ],
 )
 def test_durations(text: str, ns: int) -> None:
     assert parse_duration_ns(text) == ns
 
 
-@pytest.mark.parametrize("text", ["4", "4 parsecs", "-1us", "us"])
+@pytest.mark.parametrize("text", ["4", "4 parsecs", "-1us", "us", "30s1m", "1m1m", "1m 30s"])
 def test_bad_durations(text: str) -> None:
     with pytest.raises(InvalidArgument, match="unit"):
         parse_duration_ns(text)
@@ -81,6 +85,8 @@ def test_format_duration() -> None:
     assert format_duration_ns(4000) == "4us"
     assert format_duration_ns(1500) == "1.5us"
     assert format_duration_ns(999) == "999ns"
+    assert format_duration_ns(30 * 24 * 3600 * 10**9) == "720h"  # not 2.592e+06s
+    assert format_duration_ns(300 * 10**9) == "5m"
 
 
 def test_memory() -> None:

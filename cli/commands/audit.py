@@ -11,17 +11,33 @@ from dxpool.cli.context import CliContext, pass_cli
 from dxpool.cli.output import Column, OutputFormat, View, output_option, print_many
 from dxpool.cli.params import IDENTITY, NODE, SECONDS
 
+
+def _target(record: audit_pb2.AuditRecord) -> str:
+    """The resource the call named, or, for a name that was not one, its size and digest."""
+    if record.target:
+        return record.target
+    for field in record.rejected_fields:
+        if field.field == "target":
+            return f"({field.size} bytes, sha256 {field.sha256[:12]})"
+    return "-"
+
+
+def _rejected(record: audit_pb2.AuditRecord) -> str:
+    return ",".join(f"{f.field}:{f.size}B:{f.sha256[:12]}" for f in record.rejected_fields) or "-"
+
+
 AUDIT_VIEW: View[audit_pb2.AuditRecord] = View(
     "audit records",
     [
         Column("time", lambda r: r.time.ToDatetime(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")),
         Column("identity", lambda r: r.identity or "-"),
         Column("rpc", lambda r: r.rpc),
-        Column("target", lambda r: r.target or "-"),
+        Column("target", _target),
         Column("code", lambda r: r.code),
         Column("request-id", lambda r: r.request_id or "-", wide_only=True),
         Column("peer", lambda r: r.peer or "-", wide_only=True),
         Column("message", lambda r: r.message or "-", wide_only=True),
+        Column("rejected", _rejected, wide_only=True),
     ],
     name=lambda r: f"{r.rpc} {r.target}",
 )

@@ -7,6 +7,7 @@ import click
 from dxpool.cli.context import CliContext, pass_cli
 from dxpool.cli.describe import describe_box
 from dxpool.cli.errors import for_each
+from dxpool.cli.help import SummaryGroup
 from dxpool.cli.output import OutputFormat, output_option, print_many, print_one
 from dxpool.cli.params import (
     BOX,
@@ -21,9 +22,9 @@ from dxpool.cli.views import BOX_VIEW
 from dxpool.request import GpuSpec
 
 
-@click.group()
+@click.group(cls=SummaryGroup)
 def box() -> None:
-    """Register, list and cordon GPU boxes."""
+    """Register, list, cordon and delete GPU boxes."""
 
 
 @box.command("add")
@@ -150,8 +151,8 @@ def delete(cli: CliContext, names: tuple[str, ...], ignore_not_found: bool) -> N
     is tried; each failure is reported and the command then exits 1."""
     client = cli.client()
 
-    def remove(name: str) -> None:
+    def remove(name: str) -> str:
         client.delete_box(name)
-        click.echo(f"{name} deleted")
+        return f"{name} deleted"
 
     for_each(names, remove, client.endpoint, ignore_not_found=ignore_not_found)

@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 from cryptography import x509
 
+from dxpool.cli.help import SummaryGroup
 from dxpool.errors import InvalidArgument
 from dxpool.identity import SCHEME, Identity
 from dxpool.names import check_id
@@ -43,7 +44,7 @@ def _fail(message: str) -> click.exceptions.Exit:
     return click.exceptions.Exit(1)
 
 
-@click.group("certs")
+@click.group("certs", cls=SummaryGroup)
 def certs() -> None:
     """Create a private CA and issue certificates for dxpool identities."""
 
@@ -89,6 +90,12 @@ def _identity(value: str | None) -> Identity | None:
     "certificate names dxpool-agent-HOST without it.",
 )
 @click.option(
+    "--client-auth",
+    is_flag=True,
+    help="Good for client authentication too: etcd's own certificate needs it (etcd "
+    "connects to itself with it); --etcd-user implies it.",
+)
+@click.option(
     "--out",
     help="File name stem (default: ROLE-NAME, else etcd-USER, else the first server name).",
 )
@@ -99,6 +106,7 @@ def issue_command(
     dns: tuple[str, ...],
     ip: tuple[str, ...],
     etcd_user: str | None,
+    client_auth: bool,
     out: str | None,
     days: int,
 ) -> None:
@@ -114,6 +122,7 @@ def issue_command(
       dxpool certs issue --dns broker.example --ip 10.0.0.5 --etcd-user dxpool-broker \\
           --out broker
       dxpool certs issue --etcd-user root          # for `dxpool etcd-auth`
+      dxpool certs issue --dns etcd.example --ip 10.0.0.5 --client-auth --out etcd
     """
     who = _identity(identity)
     if etcd_user is not None:
@@ -152,7 +161,7 @@ def issue_command(
         common_name=etcd_user,
         dns_names=dns,
         ip_addresses=ip,
-        client_auth=etcd_user is not None,
+        client_auth=client_auth or etcd_user is not None,
         valid_days=days,
     )
     cert_path, key_path = write_pair(directory, stem, pair)

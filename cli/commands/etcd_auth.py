@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from dxpool.cli.errors import EXIT_API_ERROR
+from dxpool.cli.exits import EXIT_API_ERROR
 from dxpool.cli.extras import require_extras
+from dxpool.cli.help import SummaryGroup
 from dxpool.errors import DxpoolError, InvalidArgument
 from dxpool.etcd_users import BROKER_USER, agent_user
 from dxpool.store.keys import DEFAULT_PREFIX, KeySchema
@@ -140,7 +141,7 @@ def _report(wanted: list[str], changed: list[str]) -> None:
         click.echo(f"etcd user {user}: {'updated' if user in changed else 'unchanged'}")
 
 
-@click.group("etcd-auth")
+@click.group("etcd-auth", cls=SummaryGroup)
 def etcd_auth() -> None:
     """etcd users and roles: each agent may write only its own host's keys."""
 

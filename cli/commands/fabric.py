@@ -8,6 +8,7 @@ import click
 from dxpool.api.v1 import fabric_pb2
 from dxpool.cli.commands.fabric_sim import sim
 from dxpool.cli.context import CliContext, pass_cli
+from dxpool.cli.help import SummaryGroup
 from dxpool.cli.output import (
     DOCUMENT_FORMATS,
     OutputFormat,
@@ -22,7 +23,7 @@ from dxpool.cli.views import LATENCY_VIEW, latency, short
 from dxpool.request import GpuSpec
 
 
-@click.group()
+@click.group(cls=SummaryGroup)
 def fabric() -> None:
     """Inspect the fabric latency model; set up a simulated fabric."""
 

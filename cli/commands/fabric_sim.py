@@ -19,7 +19,8 @@ from pathlib import Path
 
 import click
 
-from dxpool.cli.errors import EXIT_API_ERROR
+from dxpool.cli.exits import EXIT_API_ERROR
+from dxpool.cli.help import SummaryGroup
 from dxpool.cli.params import GPUS, MEMORY
 from dxpool.errors import InvalidArgument
 from dxpool.fabric.sim import SimFabric, SimFabricError, SimGpuSpec, UnknownTarget
@@ -43,7 +44,7 @@ def install_fabric(
     return fabric
 
 
-@click.group("sim")
+@click.group("sim", cls=SummaryGroup)
 def sim() -> None:
     """The simulated fabric (driver `sim`): boxes and hosts in a state directory."""
 

@@ -12,7 +12,8 @@ from dxpool.cli.commands.node import (
     _request_options,
 )
 from dxpool.cli.context import CliContext, pass_cli
-from dxpool.cli.errors import for_each
+from dxpool.cli.errors import MAX_CONCURRENT_WAITS, for_each
+from dxpool.cli.help import SummaryGroup
 from dxpool.cli.output import (
     OutputFormat,
     dump,
@@ -37,7 +38,7 @@ def _print_gang(gang: nodes_pb2.Gang, output: OutputFormat) -> None:
         print_many(list(gang.nodes), NODE_VIEW, output)
 
 
-@click.group()
+@click.group(cls=SummaryGroup)
 def gang() -> None:
     """Compose several nodes all or nothing (a job larger than one host), inspect and
     release them together."""
@@ -161,14 +162,15 @@ def delete(
     failure is reported and the command then exits 1."""
     client = cli.client()
 
-    def release(name: str) -> None:
+    def release(name: str) -> str:
         released = client.release_gang(name, force=force)
         if wait:
-            info(f"waiting up to {timeout:g}s for {released.name} to be RELEASED")
             released = client.wait_for_gang(
                 released.name, until=(NodeState.NODE_STATE_RELEASED,), timeout_s=timeout
             )
-        for node in released.nodes:
-            click.echo(f"{node.name} {node_state_name(node.state).lower()}")
+        return "\n".join(f"{n.name} {node_state_name(n.state).lower()}" for n in released.nodes)
 
-    for_each(names, release, client.endpoint, ignore_not_found=False)
+    if wait:
+        what = names[0] if len(names) == 1 else f"{len(names)} gangs"
+        info(f"waiting up to {timeout:g}s for {what} to be RELEASED")
+    for_each(names, release, client.endpoint, concurrency=MAX_CONCURRENT_WAITS if wait else 1)

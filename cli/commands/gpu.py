@@ -5,12 +5,13 @@ from __future__ import annotations
 import click
 
 from dxpool.cli.context import CliContext, pass_cli
+from dxpool.cli.help import SummaryGroup
 from dxpool.cli.output import OutputFormat, output_option, print_many, print_one
 from dxpool.cli.params import BOX, GPU, GPU_STATE
 from dxpool.cli.views import GPU_VIEW
 
 
-@click.group()
+@click.group(cls=SummaryGroup)
 def gpu() -> None:
     """List GPUs and their state; reclaim quarantined ones, clear unhealthy ones."""
 

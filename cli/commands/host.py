@@ -7,12 +7,13 @@ import click
 
 from dxpool.cli.context import CliContext, pass_cli
 from dxpool.cli.describe import describe_host
+from dxpool.cli.help import SummaryGroup
 from dxpool.cli.output import OutputFormat, output_option, print_many, print_one
 from dxpool.cli.params import HOST, selector_option
 from dxpool.cli.views import HOST_VIEW
 
 
-@click.group()
+@click.group(cls=SummaryGroup)
 def host() -> None:
     """List hosts and their proxy slots."""
 

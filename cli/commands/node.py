@@ -3,7 +3,8 @@ host plus GPUs)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -12,9 +13,11 @@ import click
 from dxpool.api.v1 import nodes_pb2, resources_pb2
 from dxpool.cli.context import CliContext, pass_cli
 from dxpool.cli.describe import describe_node
-from dxpool.cli.errors import for_each
+from dxpool.cli.errors import MAX_CONCURRENT_WAITS, for_each
+from dxpool.cli.help import SummaryGroup
 from dxpool.cli.output import (
     DOCUMENT_FORMATS,
+    Output,
     OutputFormat,
     StreamPrinter,
     dump,
@@ -38,10 +41,12 @@ from dxpool.cli.params import (
     NODE_ID,
     REQUEST_ID,
     SECONDS,
+    SELECTOR,
     SLOWDOWN,
     SPREAD,
     TENANT_ID,
     WORKLOAD,
+    dry_run_option,
     ignore_not_found_option,
     labels_dict,
     selector_option,
@@ -51,10 +56,11 @@ from dxpool.cli.views import (
     CANDIDATE_VIEW,
     NODE_STREAM_WIDTHS,
     NODE_VIEW,
+    node_gpu_count,
     short,
 )
-from dxpool.client import node_state_name
-from dxpool.errors import FailedPrecondition
+from dxpool.client import Client, node_state_name
+from dxpool.errors import FailedPrecondition, ResourceExhausted
 from dxpool.fabric.overhead import known_profiles
 from dxpool.request import GpuSpec
 from dxpool.selector import parse_selector
@@ -214,7 +220,7 @@ def _request_kwargs(
     }
 
 
-@click.group()
+@click.group(cls=SummaryGroup)
 def node() -> None:
     """Compose, inspect and release virtual nodes."""
 
@@ -235,6 +241,7 @@ def node() -> None:
     show_default=True,
     help="How long --wait waits.",
 )
+@dry_run_option
 @output_option()
 @pass_cli
 def create(
@@ -260,10 +267,36 @@ def create(
     request_id: str | None,
     wait: bool,
     timeout: float,
+    dry_run: bool,
     output: OutputFormat,
 ) -> None:
-    """Compose a node, e.g. `dxpool node create --gpus H100:4 --max-latency 4us --wait`."""
+    """Compose a node, e.g. `dxpool node create --gpus H100:4 --max-latency 4us --wait`.
+
+    With --dry-run, print where it would go (as `node plan` does) and create nothing;
+    exit 1 when nothing fits now."""
     client = cli.client()
+    if dry_run:
+        _dry_run_create(
+            client,
+            _gpu_request(gpus, mixed_models),
+            node_id,
+            _request_kwargs(
+                host_name=host_name,
+                max_latency=max_latency,
+                max_slowdown=max_slowdown,
+                workload=workload,
+                min_memory=min_memory,
+                affinity=affinity,
+                spread=spread,
+                host_selector=host_selector,
+                cpus=cpus,
+                host_memory=host_memory,
+                vfio=vfio,
+                tenant=tenant,
+                labels=labels,
+            ),
+        )
+        return
     created = client.compose_node(
         _gpu_request(gpus, mixed_models),
         node_id=node_id,
@@ -288,8 +321,41 @@ def create(
     info(f"{created.name} created on {created.host or 'a host to be chosen'}")
     if wait:
         info(f"waiting up to {timeout:g}s for {created.name} to become READY")
-        created = client.wait_for_node(created.name, timeout_s=timeout)
+        with _interrupted_wait(created.name, "is still being attached"):
+            created = client.wait_for_node(created.name, timeout_s=timeout)
     print_one(created, NODE_VIEW, output)
+
+
+def _dry_run_create(
+    client: Client, gpus: GpuSpec, node_id: str | None, kwargs: dict[str, Any]
+) -> None:
+    """``node create --dry-run``: the plan, told as what create would do."""
+    result = client.plan_node(gpus, **kwargs)
+    name = f"nodes/{node_id}" if node_id else "a new node"
+    if not result.host:
+        reasons = "; ".join(result.unsatisfied) or "no host can take the node"
+        raise ResourceExhausted(
+            f"{name} would not be created now: {reasons} (dry run: nothing was created)",
+            reason="NO_CAPACITY",
+        )
+    bound = ", ".join(short(b.gpu) for b in result.gpus)
+    click.echo(f"{name} would be created on {short(result.host)} with {bound} (dry run)")
+
+
+@contextmanager
+def _interrupted_wait(name: str, going_on: str) -> Iterator[None]:
+    """Ctrl-C during a ``--wait`` stops the wait, not the work: say so, and how to follow
+    the node from here (the interrupt then ends the command with exit status 130)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        short_name = name.removeprefix("nodes/")
+        info(
+            f"\ninterrupted: stopped waiting; {name} {going_on} all the same. "
+            f"`dxpool node get {short_name}` shows where it stands, `dxpool node delete "
+            f"{short_name}` releases it"
+        )
+        raise
 
 
 @node.command("plan")
@@ -384,7 +450,7 @@ def list_(
 ) -> None:
     """List nodes (RELEASED ones only with --all), e.g. `dxpool node list -l team=ml -w`."""
     if watch:
-        _watch_list(cli, host_name, show_released, selector, output)
+        _watch_list(cli, host_name, show_released, selector, _streamable(output))
         return
     found = cli.client().list_nodes(
         host=host_name, show_released=show_released, label_selector=selector
@@ -437,6 +503,16 @@ def _watch_list(
             printer.emit(current)
 
 
+def _streamable(output: OutputFormat | Output) -> OutputFormat:
+    """``output`` for a stream of changes, which prints each as it comes: no templates."""
+    if isinstance(output, Output):
+        raise click.UsageError(
+            f"-o {output.format.value}=... prints a whole list; a watch prints one change "
+            "at a time: use -o table, wide, json, yaml or name with it"
+        )
+    return output
+
+
 @node.command("get")
 @click.argument("names", metavar="NODE...", type=NODE, nargs=-1, required=True)
 @output_option()
@@ -486,7 +562,16 @@ def hostdev(cli: CliContext, name: str, output: str) -> None:
 
 
 @node.command("delete")
-@click.argument("names", metavar="NODE...", type=NODE, nargs=-1, required=True)
+@click.argument("names", metavar="[NODE...]", type=NODE, nargs=-1)
+@click.option(
+    "-l",
+    "--selector",
+    "selector",
+    type=SELECTOR,
+    default="",
+    help="Delete the nodes whose labels match instead of naming them, e.g. -l team=ml "
+    "(the grammar of `node list -l`).",
+)
 @click.option("--wait", is_flag=True, help="Wait until the nodes are RELEASED.")
 @click.option(
     "--force",
@@ -499,32 +584,76 @@ def hostdev(cli: CliContext, name: str, output: str) -> None:
     type=SECONDS,
     default=DEFAULT_WAIT,
     show_default=True,
-    help="How long --wait waits for each node.",
+    help="How long --wait waits (the nodes are waited for together).",
 )
+@dry_run_option
 @ignore_not_found_option
 @pass_cli
 def delete(
     cli: CliContext,
     names: tuple[str, ...],
+    selector: str,
     wait: bool,
     force: bool,
     timeout: float,
+    dry_run: bool,
     ignore_not_found: bool,
 ) -> None:
-    """Release nodes: detach their GPUs and return them to the pool. Idempotent. Every
-    name is tried; each failure is reported and the command then exits 1."""
-    client = cli.client()
+    """Release nodes: detach their GPUs and return them to the pool. Idempotent.
 
-    def release(name: str) -> None:
+    Name the nodes, or select them by label with -l. Every node is tried; each failure
+    is reported and the command then exits 1. With --wait the nodes are released
+    together and waited for together."""
+    if bool(names) == bool(selector):
+        raise click.UsageError("name the nodes to delete, or select them with -l (not both)")
+    client = cli.client()
+    if selector:
+        names = tuple(n.name for n in client.list_nodes(label_selector=selector))
+        if not names:
+            info(f"no nodes match {selector}")
+            return
+    if dry_run:
+        for_each(
+            names,
+            lambda name: _would_release(client, name),
+            client.endpoint,
+            ignore_not_found=ignore_not_found,
+        )
+        return
+
+    def release(name: str) -> str:
         released = client.release_node(name, force=force)
         if wait and released.state != NodeState.NODE_STATE_RELEASED:
-            info(f"waiting up to {timeout:g}s for {name} to be RELEASED")
             released = client.wait_for_node(
                 name, until=(NodeState.NODE_STATE_RELEASED,), timeout_s=timeout
             )
-        click.echo(f"{name} {node_state_name(released.state).lower()}")
+        return f"{name} {node_state_name(released.state).lower()}"
 
-    for_each(names, release, client.endpoint, ignore_not_found=ignore_not_found)
+    if wait:
+        what = names[0] if len(names) == 1 else f"{len(names)} nodes"
+        info(f"waiting up to {timeout:g}s for {what} to be RELEASED")
+    try:
+        for_each(
+            names,
+            release,
+            client.endpoint,
+            ignore_not_found=ignore_not_found,
+            concurrency=MAX_CONCURRENT_WAITS if wait else 1,
+        )
+    except KeyboardInterrupt:
+        info(
+            "\ninterrupted: stopped waiting; the releases already asked for go on all the "
+            "same (`dxpool node list -a` shows them)"
+        )
+        raise
+
+
+def _would_release(client: Client, name: str) -> str:
+    """What ``node delete --dry-run`` prints for ``name``: the node is read, not changed."""
+    found = client.get_node(name)
+    if found.state == NodeState.NODE_STATE_RELEASED:
+        return f"{name} released (dry run: already)"
+    return f"{name} would be released (dry run)"
 
 
 @node.command("resize")
@@ -579,10 +708,13 @@ def resize(
         raise click.UsageError("give --gpus N (the count wanted) or --remove GPU")
     client = cli.client()
     resized = client.resize_node(name, count or 0, remove=removes, request_id=request_id)
-    info(f"{resized.name} {node_state_name(resized.state).lower()} with {len(resized.gpus)} GPUs")
+    info(
+        f"{resized.name} {node_state_name(resized.state).lower()} to {node_gpu_count(resized)} GPUs"
+    )
     if wait and resized.state != NodeState.NODE_STATE_READY:
         info(f"waiting up to {timeout:g}s for {resized.name} to be READY again")
-        resized = client.wait_for_node(resized.name, timeout_s=timeout)
+        with _interrupted_wait(resized.name, "is still being resized"):
+            resized = client.wait_for_node(resized.name, timeout_s=timeout)
         if count is not None and len(resized.gpus) != count:
             print_one(resized, NODE_VIEW, output)
             raise FailedPrecondition(
@@ -596,8 +728,8 @@ def resize(
 @click.argument("name", metavar="[NODE]", type=NODE, required=False)
 @output_option()
 @pass_cli
-def watch(cli: CliContext, name: str | None, output: OutputFormat) -> None:
+def watch(cli: CliContext, name: str | None, output: OutputFormat | Output) -> None:
     """Stream node changes until Ctrl-C: rows, or one JSON object (an event) per line."""
-    printer = StreamPrinter(NODE_VIEW, output, NODE_STREAM_WIDTHS)
+    printer = StreamPrinter(NODE_VIEW, _streamable(output), NODE_STREAM_WIDTHS)
     for event in cli.client().watch_nodes(name):
         printer.emit(event.node, event)

@@ -6,12 +6,13 @@ import click
 
 from dxpool.cli.context import CliContext, pass_cli
 from dxpool.cli.errors import for_each
+from dxpool.cli.help import SummaryGroup
 from dxpool.cli.output import OutputFormat, output_option, print_many, print_one
 from dxpool.cli.params import MODEL_LIMIT, TENANT
 from dxpool.cli.views import TENANT_VIEW
 
 
-@click.group()
+@click.group(cls=SummaryGroup)
 def tenant() -> None:
     """Set and show tenants' quotas (GPUs, GPUs per model, nodes) and usage."""
 
@@ -75,8 +76,8 @@ def delete(cli: CliContext, names: tuple[str, ...]) -> None:
     nodes. Every name is tried; each failure is reported and the command then exits 1."""
     client = cli.client()
 
-    def remove(name: str) -> None:
+    def remove(name: str) -> str:
         client.delete_tenant(name)
-        click.echo(f"{name} deleted")
+        return f"{name} deleted"
 
     for_each(names, remove, client.endpoint)

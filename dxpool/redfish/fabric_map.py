@@ -10,33 +10,66 @@ which, in one YAML file for the whole fabric: host agents are given it with
       fabric: PCIe                         # /redfish/v1/Fabrics/PCIe
       username: dxpool
       password_file: /etc/dxpool/redfish.password
+      auth: session                        # session (default) or basic (HTTP Basic)
       ca_bundle: /etc/dxpool/fabric-ca.pem # optional; default: the bundled public CAs
       verify: true                         # false only for a lab; never in production
       timeout_s: 10                        # per HTTP request
       attempts: 3                          # tries of an operation that failed safely
+      membership: auto                     # auto, actions or patch (below)
+      zone_lookup: auto                    # auto, endpoint or scan (below)
+      task_timeout_s: 120                  # how long a task monitor is followed
     hosts:
-      h1:
+      h1:                                  # zone per host slot
         endpoint: HostPort-h1              # the host port's Endpoint (EntityRole Initiator)
         zones: [Zone-h1-0, Zone-h1-1]      # host slot i -> the Zone that maps into slot i
+      h2:                                  # zone per host port
+        endpoint: HostPort-h2
+        zone: Zone-h2                      # one zone holds the port and all its GPUs
+        slots: 4                           # how many GPUs the port takes at once
     boxes:
       b1: [GPU-b1-0, GPU-b1-1]             # GPU slot i -> its Endpoint (EntityRole Target)
+    scrub:                                 # the broker's reset of a fenced GPU (optional)
+      actions:                             # looked for, in order, on the GPU's endpoint
+        - "#Processor.Reset"               # and on the resources it links (the default)
+        - name: "#Oem.Contoso.ResetGpu"    # a vendor's action, with the body it takes
+          parameters: {Mode: Full}
+      hook: /usr/local/libexec/dxpool-scrub  # HOOK scrub-gpu BOX SLOT GENERATION, used
+      hook_timeout_s: 30                     # where the service offers none of them
 
-One Zone per host slot: the zone holds the host's initiator endpoint and, while the slot
-is mapped, exactly one GPU's target endpoint. A GPU is mapped into a slot by adding its
-endpoint to the slot's zone (``PATCH .../Zones/{zone}`` with ``Links.Endpoints``) and
-unmapped by removing it. Every host of the fabric is listed, not only the agent's own:
-fencing a host needs its endpoint, and an endpoint is told apart as a host's or a GPU's
-by the map. :func:`load_fabric_map` raises :class:`~dxpool.errors.InvalidArgument`
-naming the field to fix.
+**Zones.** A host reaches a GPU when one zone holds both the host's initiator endpoint
+and the GPU's target endpoint. A fabric manager either gives each host slot a zone of its
+own (one GPU per zone; ``zones:``) or gives each host port one zone holding all the
+port's GPUs (``zone:`` and ``slots:``, H3 Platform's model). Either way a zone may hold
+other endpoints too - DMTF's CXL mockups put the switch's endpoint in every zone: only
+the endpoints listed under ``boxes:`` are GPUs, and dxpool never adds or removes any
+other. Every host of the fabric is listed, not only the agent's own: fencing a host needs
+its endpoint, and an endpoint is told apart as a host's or a GPU's by the map.
+
+**membership** says how a zone's members are changed. ``Zone.Links.Endpoints`` is
+read-only in DMTF's schema; the schema's way is the ``#Zone.AddEndpoint`` and
+``#Zone.RemoveEndpoint`` actions (Zone v1.5+). ``auto`` uses the actions a zone offers
+and, for a zone without them, a PATCH of ``Links.Endpoints`` (which older services
+accept), remembering a service that refuses such a PATCH; ``actions`` never PATCHes;
+``patch`` never uses the actions.
+
+**zone_lookup** says how the zones holding an endpoint are found. ``endpoint`` trusts
+the endpoint's own ``Links.Zones``; ``scan`` reads every zone of the fabric; ``auto``
+scans until the service has shown, after a change dxpool made, that it keeps
+``Links.Zones`` current, and trusts it from then on (a service seen otherwise is
+scanned for good).
+
+:func:`load_fabric_map` raises :class:`~dxpool.errors.InvalidArgument` naming the field
+to fix.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
@@ -48,7 +81,35 @@ from dxpool.names import GpuRef, check_id
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_ATTEMPTS = 3
 MAX_ATTEMPTS = 10
+DEFAULT_TASK_TIMEOUT_S = 120.0
+DEFAULT_SCRUB_HOOK_TIMEOUT_S = 30.0
+PROCESSOR_RESET = "#Processor.Reset"
 REDFISH_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:~")
+ACTION_NAME_CHARS = REDFISH_ID_CHARS | {"#"}
+E = TypeVar("E", bound=enum.StrEnum)
+
+
+class AuthMethod(enum.StrEnum):
+    """How dxpool authenticates: a Redfish session (``X-Auth-Token``) or HTTP Basic."""
+
+    SESSION = "session"
+    BASIC = "basic"
+
+
+class Membership(enum.StrEnum):
+    """How zone membership is changed (see the module docstring)."""
+
+    AUTO = "auto"
+    ACTIONS = "actions"
+    PATCH = "patch"
+
+
+class ZoneLookup(enum.StrEnum):
+    """How the zones holding an endpoint are found (see the module docstring)."""
+
+    AUTO = "auto"
+    ENDPOINT = "endpoint"
+    SCAN = "scan"
 
 
 @dataclass(frozen=True)
@@ -63,6 +124,10 @@ class RedfishService:
     verify: bool = True
     timeout_s: float = DEFAULT_TIMEOUT_S
     attempts: int = DEFAULT_ATTEMPTS
+    auth: AuthMethod = AuthMethod.SESSION
+    membership: Membership = Membership.AUTO
+    zone_lookup: ZoneLookup = ZoneLookup.AUTO
+    task_timeout_s: float = DEFAULT_TASK_TIMEOUT_S
 
     def __repr__(self) -> str:  # never print the password
         return f"RedfishService(url={self.url!r}, fabric={self.fabric!r}, user={self.username!r})"
@@ -70,10 +135,64 @@ class RedfishService:
 
 @dataclass(frozen=True)
 class RedfishHost:
-    """A host port: its initiator endpoint and the zone of each of its host slots."""
+    """A host port: its initiator endpoint and its zones.
+
+    Zone per host slot (``port_slots`` 0): ``zones[i]`` maps into host slot ``i`` and
+    holds at most one GPU. Zone per host port (``port_slots`` > 0): ``zones`` is the
+    port's one zone, holding up to ``port_slots`` GPUs at once.
+    """
 
     endpoint: str
     zones: tuple[str, ...]
+    port_slots: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.zones:
+            raise InvalidArgument(f"host endpoint {self.endpoint} needs at least one zone")
+        if self.port_slots < 0 or (self.port_slots > 0 and len(self.zones) != 1):
+            raise InvalidArgument(
+                f"host endpoint {self.endpoint}: a zone per host port is one zone with slots >= 1"
+            )
+
+    @property
+    def per_port(self) -> bool:
+        """True for a zone per host port (several GPUs in one zone)."""
+        return self.port_slots > 0
+
+    @property
+    def slots(self) -> int:
+        """How many GPUs the host can hold at once."""
+        return self.port_slots if self.per_port else len(self.zones)
+
+    def zone_for_slot(self, host_slot: int) -> str | None:
+        """The zone that maps GPUs into ``host_slot``, or None for a slot out of range."""
+        if not 0 <= host_slot < self.slots:
+            return None
+        return self.zones[0] if self.per_port else self.zones[host_slot]
+
+
+@dataclass(frozen=True)
+class ResetAction:
+    """An action that resets (clears) a GPU: its name as the ``Actions`` object keys it
+    (``#Processor.Reset``; an OEM action under ``Actions.Oem`` the same way), and the body
+    to POST - None lets dxpool pick a ``ResetType`` the action allows."""
+
+    name: str
+    parameters: Mapping[str, Any] | None = None
+
+    def __repr__(self) -> str:  # parameters may carry a secret (a passphrase): names only
+        shown = sorted(self.parameters) if self.parameters is not None else None
+        return f"ResetAction(name={self.name!r}, parameters={shown!r})"
+
+
+@dataclass(frozen=True)
+class RedfishScrub:
+    """How the broker resets a fenced GPU: the actions looked for, in order, and the hook
+    run where the service offers none of them."""
+
+    actions: tuple[ResetAction, ...] = (ResetAction(PROCESSOR_RESET),)
+    hook: Path | None = None
+    hook_timeout_s: float = DEFAULT_SCRUB_HOOK_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -83,18 +202,32 @@ class RedfishFabricMap:
     service: RedfishService
     hosts: Mapping[str, RedfishHost]
     boxes: Mapping[str, tuple[str, ...]]
+    scrub: RedfishScrub = field(default_factory=RedfishScrub)
+    _gpus: Mapping[str, GpuRef] = field(init=False, repr=False, compare=False, default_factory=dict)
+    _zone_hosts: Mapping[str, str] = field(
+        init=False, repr=False, compare=False, default_factory=dict
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hosts", MappingProxyType(dict(self.hosts)))
         object.__setattr__(self, "boxes", MappingProxyType(dict(self.boxes)))
         owners: dict[str, str] = {}
+        gpus: dict[str, GpuRef] = {}
+        zone_hosts: dict[str, str] = {}
         for host, entry in self.hosts.items():
             _claim(owners, entry.endpoint, f"host {host}")
             for slot, zone in enumerate(entry.zones):
-                _claim(owners, f"zone:{zone}", f"slot {slot} of host {host}")
+                where = (
+                    f"the port of host {host}" if entry.per_port else f"slot {slot} of host {host}"
+                )
+                _claim(owners, f"zone:{zone}", where)
+                zone_hosts[zone] = host
         for box, endpoints in self.boxes.items():
             for slot, endpoint in enumerate(endpoints):
                 _claim(owners, endpoint, f"GPU {box}/{slot}")
+                gpus[endpoint] = GpuRef(box, slot)
+        object.__setattr__(self, "_gpus", MappingProxyType(gpus))
+        object.__setattr__(self, "_zone_hosts", MappingProxyType(zone_hosts))
 
     def gpu_endpoint(self, gpu: GpuRef) -> str | None:
         """The target endpoint id of ``gpu``, or None when the map does not list it."""
@@ -102,11 +235,13 @@ class RedfishFabricMap:
         return endpoints[gpu.slot] if 0 <= gpu.slot < len(endpoints) else None
 
     def gpu_of(self, endpoint: str) -> GpuRef | None:
-        """The GPU whose target endpoint is ``endpoint``, or None."""
-        for box, endpoints in self.boxes.items():
-            if endpoint in endpoints:
-                return GpuRef(box, endpoints.index(endpoint))
-        return None
+        """The GPU whose target endpoint is ``endpoint``, or None (a host port, a switch,
+        any endpoint the map does not list as a GPU)."""
+        return self._gpus.get(endpoint)
+
+    def host_of_zone(self, zone: str) -> str | None:
+        """The host whose zone ``zone`` is in the map, or None."""
+        return self._zone_hosts.get(zone)
 
     def host_endpoints(self) -> frozenset[str]:
         """Every host's initiator endpoint id."""
@@ -118,7 +253,7 @@ def _claim(owners: dict[str, str], key: str, owner: str) -> None:
         name = key.removeprefix("zone:")
         raise InvalidArgument(
             f"Redfish id {name!r} is given to both {owners[key]} and {owner}; every endpoint "
-            "and every zone belongs to one host slot, host or GPU"
+            "and every zone belongs to one host slot, host port, host or GPU"
         )
     owners[key] = owner
 
@@ -132,7 +267,7 @@ def load_fabric_map(path: Path) -> RedfishFabricMap:
     except yaml.YAMLError as error:
         raise InvalidArgument(f"the Redfish fabric map {path} is not YAML: {error}") from error
     document = _mapping(document, "the fabric map")
-    _only(document, {"service", "hosts", "boxes"}, "the fabric map")
+    _only(document, {"service", "hosts", "boxes", "scrub"}, "the fabric map")
     service = _service(_mapping(document.get("service"), "service"), path.parent)
     hosts = {
         check_id(str(host), "host"): _host(str(host), entry)
@@ -144,7 +279,13 @@ def load_fabric_map(path: Path) -> RedfishFabricMap:
     }
     if not hosts or not boxes:
         raise InvalidArgument("the Redfish fabric map needs at least one host and one box")
-    return RedfishFabricMap(service=service, hosts=hosts, boxes=boxes)
+    scrub = document.get("scrub")
+    return RedfishFabricMap(
+        service=service,
+        hosts=hosts,
+        boxes=boxes,
+        scrub=RedfishScrub() if scrub is None else _scrub(_mapping(scrub, "scrub"), path.parent),
+    )
 
 
 def _service(section: Mapping[str, Any], base: Path) -> RedfishService:
@@ -155,10 +296,14 @@ def _service(section: Mapping[str, Any], base: Path) -> RedfishService:
             "fabric",
             "username",
             "password_file",
+            "auth",
             "ca_bundle",
             "verify",
             "timeout_s",
             "attempts",
+            "membership",
+            "zone_lookup",
+            "task_timeout_s",
         },
         "service",
     )
@@ -177,9 +322,6 @@ def _service(section: Mapping[str, Any], base: Path) -> RedfishService:
     verify = section.get("verify", True)
     if not isinstance(verify, bool):
         raise InvalidArgument(f"service.verify must be true or false, got {verify!r}")
-    timeout_s = section.get("timeout_s", DEFAULT_TIMEOUT_S)
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0:
-        raise InvalidArgument(f"service.timeout_s must be a number > 0, got {timeout_s!r}")
     attempts = section.get("attempts", DEFAULT_ATTEMPTS)
     if (
         isinstance(attempts, bool)
@@ -194,23 +336,98 @@ def _service(section: Mapping[str, Any], base: Path) -> RedfishService:
         password=password,
         ca_bundle=base / _text(ca_bundle, "service.ca_bundle") if ca_bundle is not None else None,
         verify=verify,
-        timeout_s=float(timeout_s),
+        timeout_s=_seconds(section, "timeout_s", DEFAULT_TIMEOUT_S, "service"),
         attempts=attempts,
+        auth=_choice(section, "auth", AuthMethod, AuthMethod.SESSION),
+        membership=_choice(section, "membership", Membership, Membership.AUTO),
+        zone_lookup=_choice(section, "zone_lookup", ZoneLookup, ZoneLookup.AUTO),
+        task_timeout_s=_seconds(section, "task_timeout_s", DEFAULT_TASK_TIMEOUT_S, "service"),
     )
 
 
 def _host(host: str, entry: object) -> RedfishHost:
-    section = _mapping(entry, f"hosts.{host}")
-    _only(section, {"endpoint", "zones"}, f"hosts.{host}")
-    zones = _id_list(section.get("zones"), f"hosts.{host}.zones")
-    if len(zones) > MAX_HOST_SLOTS:
+    where = f"hosts.{host}"
+    section = _mapping(entry, where)
+    _only(section, {"endpoint", "zones", "zone", "slots"}, where)
+    endpoint = _redfish_id(section.get("endpoint"), f"{where}.endpoint")
+    if ("zones" in section) == ("zone" in section):
         raise InvalidArgument(
-            f"hosts.{host}.zones lists {len(zones)} zones; a host has at most {MAX_HOST_SLOTS} "
-            "slots"
+            f"{where} needs either zones: (one zone per host slot) or zone: with slots: (one "
+            "zone for the host port, holding several GPUs)"
         )
-    return RedfishHost(
-        endpoint=_redfish_id(section.get("endpoint"), f"hosts.{host}.endpoint"), zones=zones
+    if "zones" in section:
+        if "slots" in section:
+            raise InvalidArgument(
+                f"{where}.slots goes with zone: (a zone per host port); with zones: the host "
+                "has one slot per zone"
+            )
+        zones = _id_list(section.get("zones"), f"{where}.zones")
+        if len(zones) > MAX_HOST_SLOTS:
+            raise InvalidArgument(
+                f"{where}.zones lists {len(zones)} zones; a host has at most {MAX_HOST_SLOTS} slots"
+            )
+        return RedfishHost(endpoint=endpoint, zones=zones)
+    slots = section.get("slots")
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_HOST_SLOTS:
+        raise InvalidArgument(
+            f"{where}.slots must be 1..{MAX_HOST_SLOTS} (how many GPUs the port's zone takes), "
+            f"got {slots!r}"
+        )
+    zone = _redfish_id(section.get("zone"), f"{where}.zone")
+    return RedfishHost(endpoint=endpoint, zones=(zone,), port_slots=slots)
+
+
+def _scrub(section: Mapping[str, Any], base: Path) -> RedfishScrub:
+    _only(section, {"actions", "hook", "hook_timeout_s"}, "scrub")
+    listed = section.get("actions", [PROCESSOR_RESET])
+    if not isinstance(listed, list):
+        raise InvalidArgument("scrub.actions must be a list of action names or {name, parameters}")
+    actions = tuple(_reset_action(item, f"scrub.actions[{i}]") for i, item in enumerate(listed))
+    hook = section.get("hook")
+    if not actions and hook is None:
+        raise InvalidArgument("scrub needs at least one action or a hook")
+    return RedfishScrub(
+        actions=actions,
+        hook=base / _text(hook, "scrub.hook") if hook is not None else None,
+        hook_timeout_s=_seconds(section, "hook_timeout_s", DEFAULT_SCRUB_HOOK_TIMEOUT_S, "scrub"),
     )
+
+
+def _reset_action(item: object, where: str) -> ResetAction:
+    if isinstance(item, str):
+        return ResetAction(_action_name(item, where))
+    entry = _mapping(item, where)
+    _only(entry, {"name", "parameters"}, where)
+    parameters = entry.get("parameters")
+    if parameters is not None:
+        parameters = MappingProxyType(dict(_mapping(parameters, f"{where}.parameters")))
+    return ResetAction(_action_name(entry.get("name"), f"{where}.name"), parameters)
+
+
+def _action_name(value: object, where: str) -> str:
+    text = _text(value, where)
+    if not text.startswith("#") or "." not in text or not set(text) <= ACTION_NAME_CHARS:
+        raise InvalidArgument(
+            f"{where} {text!r} is not an action name: write it as the Actions object keys it, "
+            "e.g. #Processor.Reset or #Contoso.ResetGpu"
+        )
+    return text
+
+
+def _choice(section: Mapping[str, Any], key: str, kind: type[E], default: E) -> E:
+    value = section.get(key, default.value)
+    try:
+        return kind(value)
+    except ValueError:
+        allowed = ", ".join(member.value for member in kind)
+        raise InvalidArgument(f"service.{key} must be one of {allowed}, got {value!r}") from None
+
+
+def _seconds(section: Mapping[str, Any], key: str, default: float, where: str) -> float:
+    value = section.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise InvalidArgument(f"{where}.{key} must be a number > 0, got {value!r}")
+    return float(value)
 
 
 def _mapping(value: object, where: str) -> Mapping[str, Any]:
@@ -234,6 +451,8 @@ def _text(value: object, where: str) -> str:
 
 
 def _redfish_id(value: object, where: str) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        value = str(value)  # DMTF's mockups number their zones: zone: 3
     text = _text(value, where)
     if not set(text) <= REDFISH_ID_CHARS:
         raise InvalidArgument(
@@ -250,8 +469,13 @@ def _id_list(value: object, where: str) -> tuple[str, ...]:
 
 
 __all__ = [
+    "AuthMethod",
+    "Membership",
     "RedfishFabricMap",
     "RedfishHost",
+    "RedfishScrub",
     "RedfishService",
+    "ResetAction",
+    "ZoneLookup",
     "load_fabric_map",
 ]

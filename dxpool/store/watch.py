@@ -57,6 +57,7 @@ _PROGRESS_WATCH_ID = -1  # etcd answers a progress request outside any watch
 # A session that ran at least this long and then broke fails over at once; one that broke
 # sooner counts as a failed attempt, so a member that keeps dropping watches is backed off.
 _SETTLED_S = 1.0
+WAIT_WARNING_INTERVAL_S = 5.0
 
 
 class WatchLostError(Exception):
@@ -117,12 +118,23 @@ class PrefixWatch:
         self._stopped = threading.Event()
         self._first = threading.Event()
         self._thread: threading.Thread | None = None
+        self._wait_for_etcd = False
+        self._waiting_since = 0.0
+        self._warned_at = 0.0
 
     # -- lifecycle -------------------------------------------------------------------
 
-    def start(self, timeout_s: float = 30.0) -> None:
+    def start(self, timeout_s: float = 30.0, *, wait_for_etcd: bool = False) -> None:
         """List and start watching. Raises :class:`Unavailable` when no member could
-        list and watch (each is tried once) or the first list took over ``timeout_s``."""
+        list and watch (each is tried once) or the first list took over ``timeout_s``.
+
+        ``wait_for_etcd`` keeps trying (with the watch's backoff) until ``timeout_s``
+        instead of giving up after one round of the members: for a process that starts
+        beside an etcd that may not answer yet, or whose first connection fails once (a
+        TLS handshake cut short). It logs a warning when it starts waiting and every
+        ``WAIT_WARNING_INTERVAL_S`` after."""
+        self._wait_for_etcd = wait_for_etcd
+        self._waiting_since = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"{self._name}", daemon=True)
         self._thread.start()
         self._first.wait(timeout_s)
@@ -240,9 +252,27 @@ class PrefixWatch:
         self._stopped.wait(seconds)
 
     def _after_failed_attempt(self, state: tenacity.RetryCallState) -> None:
-        # A whole round failed before the watch ever ran: let ``start`` give up.
-        if state.attempt_number >= len(self._addresses) and not self._first.is_set():
-            self._first.set()
+        if self._first.is_set():
+            return
+        if self._wait_for_etcd:
+            self._warn_waiting()
+        elif state.attempt_number >= len(self._addresses):
+            self._first.set()  # a whole round failed before the watch ever ran: give up
+
+    def _warn_waiting(self) -> None:
+        """While ``start`` waits for etcd: one warning now and then, naming the error."""
+        now = time.monotonic()
+        if self._warned_at and now - self._warned_at < WAIT_WARNING_INTERVAL_S:
+            return
+        self._warned_at = now
+        log.warning(
+            "etcd not reachable yet; retrying",
+            extra={
+                "watch": self._name,
+                "waited_s": round(now - self._waiting_since, 1),
+                "error": self.last_error,
+            },
+        )
 
     def _one_session(self) -> None:
         """One session on the next member. Returns when stopped, or when a session that

@@ -118,16 +118,17 @@ def build_proxy_mapper(config: AgentConfig) -> ProxyMapper | None:
     if config.host_id not in fabric_map.hosts:
         raise InvalidArgument(
             f"host {config.host_id!r} is not in the Redfish fabric map {config.redfish_map}; "
-            "add it under hosts: with its endpoint and one zone per host slot"
+            "add it under hosts: with its endpoint and its zones"
         )
-    zones = len(fabric_map.hosts[config.host_id].zones)
-    if zones < config.slot_capacity:
+    entry = fabric_map.hosts[config.host_id]
+    if entry.slots < config.slot_capacity:
+        given = f"a port zone of {entry.slots} slots" if entry.per_port else f"{entry.slots} zones"
         raise InvalidArgument(
-            f"the Redfish fabric map gives host {config.host_id!r} {zones} zones for "
-            f"{config.slot_capacity} slots; list one zone per slot or pass --slot-capacity {zones}"
+            f"the Redfish fabric map gives host {config.host_id!r} {given} for "
+            f"{config.slot_capacity} slots; give it as many or pass --slot-capacity {entry.slots}"
         )
     try:
-        return connect_redfish_mapper(fabric_map, config.host_id)
+        return connect_redfish_mapper(fabric_map, config.host_id, state_dir=config.state_dir)
     except DriverError as error:
         raise FailedPrecondition(f"Redfish fabric map {config.redfish_map}: {error}") from error
 

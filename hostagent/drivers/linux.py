@@ -21,12 +21,13 @@ from typing import Any
 from dxpool.errors import FailedPrecondition, InvalidArgument
 from dxpool.hostagent.driver import (
     DEFAULT_DEVICE_TIMEOUT_S,
+    NATIVE_DRIVER,
     DriverCapabilities,
     ProxyMapper,
     StepDriver,
 )
 from dxpool.hostagent.drivers.command_hook import DEFAULT_HOOK_TIMEOUT_S, CommandHookMapper
-from dxpool.hostagent.drivers.linux_pci import SysfsPciBus
+from dxpool.hostagent.drivers.linux_pci import NVIDIA_VENDOR, SysfsPciBus
 from dxpool.hostagent.drivers.sysfs import DEFAULT_SYSFS_ROOT, Sysfs
 from dxpool.hostagent.errors import DriverError
 from dxpool.hostagent.nvml import GpuInspector, NvmlInspector
@@ -44,6 +45,8 @@ def make_linux_driver(
     hook_timeout_s: float = DEFAULT_HOOK_TIMEOUT_S,
     device_timeout_s: float = DEFAULT_DEVICE_TIMEOUT_S,
     p2p: bool = False,
+    native_driver: str = NATIVE_DRIVER,
+    vendors: frozenset[str] | None = None,
 ) -> StepDriver:
     """The Linux driver for ``host_id``.
 
@@ -53,6 +56,8 @@ def make_linux_driver(
     mapper to use instead (e.g. Redfish); exactly one of the two is given. ``sysfs``
     defaults to ``/sys``; ``inspector`` to an :class:`NvmlInspector` over ``nvml`` (the
     real ``pynvml`` when None). ``p2p``: the fabric carries peer-to-peer traffic between GPUs.
+    ``native_driver`` and ``vendors`` (PCI vendor ids accepted when an attach names no PCI
+    id) default to NVIDIA's; the real-kernel tests run the driver on stand-in devices.
 
     Raises FailedPrecondition when the hook is not an executable file, the sysfs root
     has no PCI bus, or a port's bridge is not on it.
@@ -75,7 +80,7 @@ def make_linux_driver(
             f"no PCI bus under {sysfs.root} (bus/pci/devices is missing); run the agent on "
             "the host itself, with sysfs mounted, or correct --sysfs-root"
         )
-    bus = SysfsPciBus(ports, sysfs=sysfs)
+    bus = SysfsPciBus(ports, sysfs=sysfs, vendors=vendors or frozenset({NVIDIA_VENDOR}))
     for host_slot in sorted(ports):
         try:
             bus.device_address(host_slot)
@@ -96,6 +101,7 @@ def make_linux_driver(
         inspector=inspector if inspector is not None else NvmlInspector(nvml),
         capabilities=capabilities,
         device_timeout_s=device_timeout_s,
+        native_driver=native_driver,
     )
 
 

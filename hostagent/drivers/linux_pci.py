@@ -5,15 +5,25 @@ the operator names it in the configuration (host slot -> bridge address). The GP
 to that slot appears as device 0, function 0 on the bridge's secondary bus, read from
 ``devices/<bridge>/pci_bus/``.
 
-Attach side: :meth:`~SysfsPciBus.rescan` powers on the port's hotplug slot when it has a
-``power`` attribute that reads 0, else rescans below the bridge
-(``devices/<bridge>/rescan``), else the whole bus (``bus/pci/rescan``);
-:meth:`~SysfsPciBus.wait_for_device` waits, until a
-deadline, for the device at the slot's address and checks its vendor/device id and Device
-Serial Number; :meth:`~SysfsPciBus.bind` binds ``nvidia``, or ``vfio-pci`` through
+Attach side: :meth:`~SysfsPciBus.rescan` brings up each configured slot whose device is
+absent, leaving to the kernel what the kernel does by itself. A port the kernel's hot-plug
+driver (pciehp, acpiphp) manages has a hotplug slot in ``bus/pci/slots``: the proxy
+presenting a card there raises a presence event, and the hot-plug driver powers the
+slot on and enumerates the card on its own. So a managed slot whose ``power`` reads 0
+with a card present (``adapter``) is powered on; one that reads 1 is left to the
+hot-plug driver, and only if no device has appeared after ``hotplug_settle_s`` is the
+port rescanned (a device that was removed through its ``remove`` attribute stays away
+until then). A port without a hotplug slot is rescanned below its bridge
+(``devices/<bridge>/rescan``) at once. The whole bus is never rescanned: that would
+bring back every removed device of every slot whose card is still present, mapped or
+not. :meth:`~SysfsPciBus.wait_for_device` waits, until a deadline, for the device at
+the slot's address and checks its vendor/device id and Device Serial Number; its
+timeout names what was done and what the slot shows (power, card present).
+:meth:`~SysfsPciBus.bind` binds the native driver, or ``vfio-pci`` through
 ``driver_override`` + ``drivers_probe`` after checking that the device's IOMMU group is
-viable for passthrough. Detach side: unbind, :meth:`~SysfsPciBus.remove` (slot power off,
-or the device's ``remove``), then wait until the device is gone.
+viable for passthrough. Detach side: unbind, :meth:`~SysfsPciBus.remove` (slot power off
+where the port has a power controller, else the device's ``remove``), then wait until
+the device is gone.
 
 All sysfs access goes through :class:`~dxpool.hostagent.drivers.sysfs.Sysfs`, so the
 same code runs on ``/sys`` and on a fake tree in tests. Every failure is a
@@ -41,6 +51,14 @@ PCI_CLASS_BRIDGE = 0x06
 PASSTHROUGH_SAFE_DRIVERS = frozenset({VFIO_DRIVER, "pci-stub"})
 DEFAULT_POLL_S = 0.05
 DEFAULT_REMOVE_TIMEOUT_S = 10.0
+# How long a slot the kernel's hot-plug driver manages is left to it before the driver
+# rescans the port itself: pciehp powers a slot on and enumerates its card within about
+# a second of the presence event (link training plus 100 ms); a rescan racing it makes
+# it skip (or, on some kernels, fail) its own hot-add.
+DEFAULT_HOTPLUG_SETTLE_S = 5.0
+# How long a bind waits for its driver to be loaded: udev loads a hot-added device's
+# module on the kernel's add event, possibly after the device is already visible.
+DEFAULT_DRIVER_LOAD_S = 10.0
 NO_OVERRIDE = ("", "(null)")
 
 
@@ -70,7 +88,10 @@ class PciLink:
 class BusCapabilities:
     """What the host's ports and kernel support, read from sysfs.
 
-    ``slot_power``: every configured port has a hotplug slot with a ``power`` attribute.
+    ``slot_power``: every configured port has a hotplug slot with a ``power`` attribute
+    and a power controller (Slot Capabilities). Without the controller the kernel still
+    shows ``power``, reading 1 even on an empty slot, and writing 0 to it only
+    unconfigures the device: the slot stays powered and the card present.
     ``surprise_removal``: every port's Slot Capabilities declare hot-plug surprise.
     ``vfio``: the ``vfio-pci`` driver is loaded and the IOMMU is on (IOMMU groups exist).
     """
@@ -140,7 +161,10 @@ class SysfsPciBus(PciSysfsReader):
     ``ports`` maps each host slot to the address of the downstream port (bridge) the proxy
     slot sits behind. ``vendors`` are the PCI vendor ids (hex, no ``0x``) accepted when an
     attach gives no expected id. ``poll_s`` is the interval of every wait;
-    ``remove_timeout_s`` bounds the wait for a removed device to vanish.
+    ``remove_timeout_s`` bounds the wait for a removed device to vanish;
+    ``hotplug_settle_s`` is how long a powered hotplug slot without its device is left to
+    the kernel's hot-plug driver before the port is rescanned; ``driver_load_s`` how long
+    a bind waits for its driver's module to be loaded.
     Safe to call from several threads for different host slots.
     """
 
@@ -152,11 +176,15 @@ class SysfsPciBus(PciSysfsReader):
         vendors: frozenset[str] = frozenset({NVIDIA_VENDOR}),
         poll_s: float = DEFAULT_POLL_S,
         remove_timeout_s: float = DEFAULT_REMOVE_TIMEOUT_S,
+        hotplug_settle_s: float = DEFAULT_HOTPLUG_SETTLE_S,
+        driver_load_s: float = DEFAULT_DRIVER_LOAD_S,
     ) -> None:
         if not ports:
             raise ValueError("ports must name at least one host slot's bridge")
         if poll_s <= 0 or remove_timeout_s <= 0:
             raise ValueError("poll_s and remove_timeout_s must be > 0")
+        if hotplug_settle_s < 0 or driver_load_s < 0:
+            raise ValueError("hotplug_settle_s and driver_load_s must be >= 0")
         self._ports = {
             slot: check_bdf(bridge, f"the bridge of host slot {slot}")
             for slot, bridge in sorted(ports.items())
@@ -165,7 +193,12 @@ class SysfsPciBus(PciSysfsReader):
         self._vendors = frozenset(v.lower().removeprefix("0x") for v in vendors)
         self._poll_s = poll_s
         self._remove_timeout_s = remove_timeout_s
+        self._hotplug_settle_s = hotplug_settle_s
+        self._driver_load_s = driver_load_s
         self._rescan_notes: dict[int, str] = {}
+        # host slot -> when its port is rescanned unless the hot-plug driver brought the
+        # device up first (monotonic time)
+        self._deferred_rescans: dict[int, float] = {}
         self._lock = threading.Lock()
 
     # -- addresses ------------------------------------------------------------------------
@@ -209,10 +242,37 @@ class SysfsPciBus(PciSysfsReader):
         return None
 
     def _power_file(self, bdf: str) -> str | None:
+        """The ``power`` attribute of the hotplug slot holding ``bdf``, present when the
+        kernel's hot-plug driver manages the slot."""
         slot = self._hotplug_slot(bdf)
         if slot is None or not self._sysfs.exists(f"bus/pci/slots/{slot}/power"):
             return None
         return f"bus/pci/slots/{slot}/power"
+
+    def _power_control(self, host_slot: int, bdf: str) -> str | None:
+        """The slot's ``power`` attribute when writing 0 to it really powers the slot off:
+        the hot-plug driver manages the slot and the port's Slot Capabilities declare a
+        power controller. None otherwise, also when the capabilities are not readable."""
+        power = self._power_file(bdf)
+        if power is None:
+            return None
+        config = self._sysfs.read_bytes(f"{self._device_dir(self._bridge(host_slot))}/config")
+        caps = pci_config.slot_capabilities(config) if config is not None else None
+        return power if caps is not None and caps.power_controller else None
+
+    def _slot_state(self, bdf: str) -> str:
+        """What the hotplug slot holding ``bdf`` shows, for messages."""
+        power = self._power_file(bdf)
+        if power is None:
+            return "its port has no hotplug slot"
+        slot = power.split("/")[-2]
+        shown = [f"power {self._sysfs.read_text(power)}"]
+        adapter = self._sysfs.read_text(f"bus/pci/slots/{slot}/adapter")
+        if adapter is not None:
+            shown.append(
+                "a card present (adapter 1)" if adapter == "1" else "no card present (adapter 0)"
+            )
+        return f"hotplug slot {slot} shows {', '.join(shown)}"
 
     @staticmethod
     def _slot_name(power_file: str) -> str:
@@ -230,7 +290,7 @@ class SysfsPciBus(PciSysfsReader):
             except DriverError:
                 slot_power = surprise = False
                 continue
-            slot_power = slot_power and self._power_file(address) is not None
+            slot_power = slot_power and self._power_control(host_slot, address) is not None
             config = self._sysfs.read_bytes(f"{self._device_dir(bridge)}/config")
             caps = pci_config.slot_capabilities(config) if config is not None else None
             surprise = surprise and caps is not None and caps.hotplug_surprise
@@ -267,40 +327,55 @@ class SysfsPciBus(PciSysfsReader):
     def rescan(self) -> None:
         """Bring up every configured slot whose device is absent. Idempotent.
 
-        A failed write is logged and remembered: the device then does not appear, and
-        :meth:`wait_for_device`'s timeout names the failure.
+        A slot the kernel's hot-plug driver manages is powered on when it reads 0 with a
+        card present, and otherwise left to that driver for ``hotplug_settle_s``
+        (:meth:`wait_for_device` rescans its port after that); any other port is
+        rescanned below its bridge. A failed write is logged and remembered: the device
+        then does not appear, and :meth:`wait_for_device`'s timeout names the failure.
         """
-        bus_rescan_done = False
         for host_slot, bridge in self._ports.items():
             bdf = self.device_address(host_slot)
             if self._sysfs.exists(self._device_dir(bdf)):
                 continue
             power = self._power_file(bdf)
-            if power is not None and self._sysfs.read_text(power) == "1":
-                power = None  # already on and still no device: rescan below the bridge
-            if power is not None:
-                how, target = f"powering on hotplug slot {self._slot_name(power)}", power
-            elif self._sysfs.exists(f"{self._device_dir(bridge)}/rescan"):
-                how, target = (
-                    f"rescanning below bridge {bridge}",
-                    f"{self._device_dir(bridge)}/rescan",
-                )
-            elif not bus_rescan_done:
-                how, target = "rescanning the whole PCI bus", "bus/pci/rescan"
-                bus_rescan_done = True
-            else:
+            if power is None:
+                self._rescan_port(host_slot, bridge)
                 continue
+            slot = self._slot_name(power)
+            adapter = self._sysfs.read_text(f"bus/pci/slots/{slot}/adapter")
+            if self._sysfs.read_text(power) == "1" or adapter == "0":
+                # Powered (by the hot-plug driver itself, on the card's presence event), or
+                # empty so far: the hot-plug driver enumerates the card when it comes.
+                # Its port is rescanned only if nothing has appeared after the settle
+                # time, e.g. a device removed through its remove attribute.
+                with self._lock:  # from this rescan on, not an earlier one's
+                    self._deferred_rescans[host_slot] = time.monotonic() + self._hotplug_settle_s
+                self._note(host_slot, f"left hotplug slot {slot} to the kernel's hot-plug driver")
+                continue
+            how = f"powering on hotplug slot {slot}"
             try:
-                self._sysfs.write(target, "1")
+                self._sysfs.write(power, "1")
             except OSError as error:
-                # Expected for slots nothing is mapped to; the wait for a slot that
-                # should have come up names it.
-                note = f"{how} failed: {error.strerror or error}"
-                log.debug("rescan failed", extra={"host_slot": host_slot, "error": note})
+                # ENODEV: pciehp found no card in the slot. Expected for slots nothing is
+                # mapped to; the wait for a slot that should have come up names it.
+                self._note(host_slot, f"{how} failed: {error.strerror or error}")
             else:
-                note = how
-            with self._lock:
-                self._rescan_notes[host_slot] = note
+                self._note(host_slot, how)
+
+    def _rescan_port(self, host_slot: int, bridge: str, after: str = "") -> None:
+        target = f"{self._device_dir(bridge)}/rescan"
+        how = f"{after}rescanning below bridge {bridge}"
+        try:
+            self._sysfs.write(target, "1")
+        except OSError as error:
+            self._note(host_slot, f"{how} failed: {error.strerror or error}")
+        else:
+            self._note(host_slot, how)
+
+    def _note(self, host_slot: int, note: str) -> None:
+        log.debug("rescan", extra={"host_slot": host_slot, "note": note})
+        with self._lock:
+            self._rescan_notes[host_slot] = note
 
     def wait_for_device(
         self, host_slot: int, timeout_s: float, expected: ExpectedDevice | None = None
@@ -316,16 +391,31 @@ class SysfsPciBus(PciSysfsReader):
         deadline = time.monotonic() + timeout_s
         while True:
             if self._sysfs.exists(self._device_dir(bdf)) and self.pci_id(bdf) is not None:
+                with self._lock:
+                    self._deferred_rescans.pop(host_slot, None)
                 device = self._device(host_slot, bdf)
                 self._check_identity(device, expected)
                 return device
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            with self._lock:
+                due = self._deferred_rescans.get(host_slot)
+                if due is not None and now >= due:
+                    del self._deferred_rescans[host_slot]
+            if due is not None and now >= due:
+                self._rescan_port(
+                    host_slot,
+                    self._ports[host_slot],
+                    after=f"nothing appeared {self._hotplug_settle_s:g}s after leaving its "
+                    "hotplug slot to the kernel's hot-plug driver, so ",
+                )
+            if now >= deadline:
                 with self._lock:
                     note = self._rescan_notes.get(host_slot, "no rescan was made")
                 raise DeviceTimeoutError(
                     f"no PCI device appeared at {bdf} (host slot {host_slot}, behind bridge "
-                    f"{self._ports[host_slot]}) within {timeout_s:g}s ({note}); check that the "
-                    "proxy mapped the GPU and that the link came up (dmesg: pciehp, AER)"
+                    f"{self._ports[host_slot]}) within {timeout_s:g}s ({note}; "
+                    f"{self._slot_state(bdf)}); check that the proxy mapped the GPU and that "
+                    "the link came up (dmesg: pciehp, AER)"
                 )
             time.sleep(self._poll_s)
 
@@ -365,12 +455,15 @@ class SysfsPciBus(PciSysfsReader):
             self._check_iommu_group(bdf)
         if current == driver:
             return
-        if not self._sysfs.exists(f"bus/pci/drivers/{driver}"):
-            hint = "modprobe vfio-pci" if driver == VFIO_DRIVER else "load the NVIDIA driver"
+        if not self._driver_loaded(driver):
+            hint = "modprobe vfio-pci" if driver == VFIO_DRIVER else f"load the {driver} module"
             raise DriverError(
-                f"the {driver} driver is not loaded on this host ({hint}); cannot bind {bdf}",
-                retryable=False,
+                f"the {driver} driver is not loaded on this host {self._driver_load_s:g}s after "
+                f"{bdf} appeared ({hint}); cannot bind {bdf}"
             )
+        current = self.driver_of(bdf)  # the kernel's own probe may have bound it meanwhile
+        if current == driver:
+            return
         if driver == VFIO_DRIVER:
             self._write(f"{base}/driver_override", driver, f"setting driver_override of {bdf}")
         else:
@@ -391,6 +484,16 @@ class SysfsPciBus(PciSysfsReader):
                 f"{bdf} is bound to {bound or 'no driver'} after binding it to {driver}; check "
                 f"dmesg for the {driver} probe error"
             )
+
+    def _driver_loaded(self, driver: str) -> bool:
+        """Whether ``driver`` is loaded, waiting ``driver_load_s`` for it: after a hot-add
+        udev loads the module the device's id asks for, which may come after the device."""
+        deadline = time.monotonic() + self._driver_load_s
+        while not self._sysfs.exists(f"bus/pci/drivers/{driver}"):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(self._poll_s)
+        return True
 
     def _unbind(self, bdf: str, current: str) -> None:
         self._write_settling(
@@ -476,13 +579,16 @@ class SysfsPciBus(PciSysfsReader):
     # -- detach ---------------------------------------------------------------------------
 
     def remove(self, bdf: str) -> None:
-        """Hot-remove the device at ``bdf`` (slot power off when the slot has power
-        control, else ``remove``) and wait until it is gone. A no-op if it is absent."""
+        """Hot-remove the device at ``bdf`` and wait until it is gone: slot power off
+        where the port has a power controller, else the device's ``remove`` (which leaves
+        the card present and its link up: a rescan of the port brings it back, so the
+        proxy must unmap it next). A no-op if it is absent."""
         bdf = check_bdf(bdf, "device")
         base = self._device_dir(bdf)
         if not self._sysfs.exists(base):
             return
-        power = self._power_file(bdf)
+        host_slot = next((s for s in self._ports if self.device_address(s) == bdf), None)
+        power = self._power_control(host_slot, bdf) if host_slot is not None else None
         if power is not None:
             self._write(power, "0", f"powering off the slot of {bdf}")
             how = f"powering off hotplug slot {self._slot_name(power)}"

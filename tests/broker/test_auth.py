@@ -296,8 +296,16 @@ def test_tokens_without_tls_are_refused(
 def test_bad_token_files_say_what_to_fix(tmp_path: Path, text: str, expected: str) -> None:
     path = tmp_path / "tokens.yaml"
     path.write_text(text)
+    path.chmod(0o600)
     with pytest.raises(InvalidArgument, match=expected):
         TokenTable.load(path)
+
+
+def test_a_token_file_others_may_read_is_refused(token_file: Path) -> None:
+    token_file.chmod(0o640)
+    with pytest.raises(InvalidArgument, match=r"mode 0640.*chmod 600") as refused:
+        TokenTable.load(token_file)
+    assert refused.value.reason == "INVALID_TOKEN_FILE"
 
 
 def test_token_lookup_finds_the_identity_of_an_exact_match_only(token_file: Path) -> None:

@@ -8,6 +8,7 @@ from dxpool.store import keys as k
 from dxpool.store.keys import KeySchema
 from dxpool.store.typed import Store, Txn, Versioned
 from tests.conftest import wait_until
+from tests.patience import patient
 
 
 def test_list_then_watch_sees_later_writes(etcd_client, key_prefix: str) -> None:  # type: ignore[no-untyped-def]
@@ -123,7 +124,7 @@ def test_notified_revision_stays_below_a_change_whose_listeners_still_run(  # ty
     cache.subscribe(held)
     try:
         etcd_client.put(schema.box("gate"), pb.Box(name="boxes/gate").SerializeToString())
-        assert gate_held.wait(5)  # the watch thread is held
+        assert gate_held.wait(patient(5))  # the watch thread is held
         store = Store(etcd_client, schema)
         key = schema.box("b1")
         txn = Txn().expect_absent(key).put(key, pb.Box(name="boxes/b1"))
@@ -132,7 +133,7 @@ def test_notified_revision_stays_below_a_change_whose_listeners_still_run(  # ty
             target=cache.apply_commit, args=(revision, txn.writes, {key}), daemon=True
         )
         applying.start()
-        assert entered.wait(5)  # the commit is applied, its listener is running
+        assert entered.wait(patient(5))  # the commit is applied, its listener is running
         open_gate.set()
         assert cache.wait_for_revision(revision, 5)  # the watch has passed it
         assert cache.notified_revision == revision - 1

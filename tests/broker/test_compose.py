@@ -21,6 +21,7 @@ from dxpool.broker import compose
 from dxpool.broker.placement_index import PlacementIndex
 from dxpool.broker.server import BrokerServer
 from tests.conftest import SimPool, Stubs, register_sim_box, wait_hosts_alive
+from tests.patience import patient
 
 NOT_BEFORE_S = 1.0  # how long the second compose is given to (wrongly) start placing
 
@@ -46,7 +47,7 @@ class HeldFirstPlacement:
             calls = sum(1 for event, _ in self.events if event == "place")
         if calls == 1:
             self.first_placing.set()
-            assert self.release.wait(30)
+            assert self.release.wait(patient(30))
         elif calls == 2:
             self.second_placing.set()
         return real(*args)
@@ -89,7 +90,7 @@ def test_a_compose_places_only_once_the_one_placing_before_it_holds_its_choice(
 
     first = threading.Thread(target=compose_one, args=("first",))
     first.start()
-    assert held.first_placing.wait(30)
+    assert held.first_placing.wait(patient(30))
     second = threading.Thread(target=compose_one, args=("second",))
     second.start()
     # The second compose waits for the first's placement and hold, not beside it.

@@ -20,8 +20,10 @@ from prometheus_client import REGISTRY
 
 from dxpool.api.v1 import inventory_pb2, inventory_pb2_grpc, resources_pb2
 from dxpool.broker.cache import Cache
-from dxpool.broker.decoding import RequestDecodingGuard, Undecodable, _Throttle, guard_deserializer
+from dxpool.broker.decoding import RequestDecodingGuard, Undecodable, guard_deserializer
 from dxpool.broker.inventory_service import InventoryService
+from dxpool.broker.log_throttle import LogThrottle
+from dxpool.broker.metrics import method_label
 from dxpool.broker.pool_tally import PoolTally
 from dxpool.store.client import connect
 from dxpool.store.keys import KeySchema
@@ -160,7 +162,7 @@ def test_a_burst_logs_one_short_line_and_counts_every_call(
     caplog.set_level(logging.DEBUG)
 
     def counted() -> float:
-        labels = {"method": CREATE_BOX}
+        labels = {"method": method_label(CREATE_BOX)}
         return REGISTRY.get_sample_value("dxpool_rpc_undecodable_total", labels) or 0.0
 
     before = counted()
@@ -177,7 +179,7 @@ def test_a_burst_logs_one_short_line_and_counts_every_call(
 
 def test_the_throttle_reports_what_it_held_back() -> None:
     now = [0.0]
-    throttle = _Throttle(60.0, clock=lambda: now[0])
+    throttle = LogThrottle(60.0, clock=lambda: now[0])
     assert throttle.admit() == 0
     assert throttle.admit() is None and throttle.admit() is None
     now[0] = 61.0

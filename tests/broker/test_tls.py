@@ -12,6 +12,7 @@ from dxpool.broker.command import broker_command
 from dxpool.broker.server import BrokerServer
 from dxpool.client import Client
 from dxpool.errors import InvalidArgument, Unavailable
+from dxpool.store.embedded import free_port
 from dxpool.tls import ClientTls, ServerTls, is_loopback_listen
 from tests.conftest import Pki
 
@@ -73,8 +74,19 @@ def test_mutual_tls_refuses_the_handshake(
     client_tls: Callable[[Pki], ClientTls | None],
 ) -> None:
     broker = broker_factory(tls=_mtls(pki))
-    with _client(broker, client_tls(pki)) as client, pytest.raises(Unavailable):
+    with _client(broker, client_tls(pki)) as client, pytest.raises(Unavailable) as refused:
         client.list_boxes()
+    # the Python client says what to check, as the CLI does
+    assert refused.value.hint is not None
+    assert any(word in refused.value.hint for word in ("TLS", "ClientTls")), str(refused.value)
+    assert refused.value.hint in str(refused.value)
+
+
+def test_a_broker_that_is_not_running_gets_a_hint() -> None:
+    client = Client(f"127.0.0.1:{free_port()}", insecure=True, max_attempts=1)
+    with client, pytest.raises(Unavailable) as refused:
+        client.list_boxes()
+    assert refused.value.hint is not None and "is the broker running" in refused.value.hint
 
 
 def test_missing_tls_file_fails_the_start_naming_it(

@@ -72,6 +72,7 @@ def test_unauthenticated_call_hints_at_credentials(
 ) -> None:
     tokens = tmp_path / "tokens.yaml"
     tokens.write_text("token-for-team-a-0123456789abcdef: tenant/team-a\n")
+    tokens.chmod(0o600)
     broker = broker_factory(
         tls=ServerTls(pki.path("server"), pki.path("server", "key")), token_file=tokens
     )

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from dxpool.cli.lifeline import EXIT_NOT_FOUND, EXIT_PARENT_GONE, lifeline_argv
+from tests.patience import patient
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG")
 
@@ -46,7 +47,7 @@ def cmdline(pid: int) -> bytes:
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + patient(timeout_s)
     while time.monotonic() < deadline:
         if condition():
             return True
@@ -82,7 +83,7 @@ def test_the_program_keeps_the_launchers_pid(tmp_path: Path) -> None:
     launched = subprocess.Popen(
         [*lifeline_argv(os.getpid(), signal.SIGKILL), "sh", "-c", f"echo $$ > {pidfile}"]
     )
-    assert launched.wait(10) == 0
+    assert launched.wait(patient(10)) == 0
     assert int(pidfile.read_text()) == launched.pid
 
 

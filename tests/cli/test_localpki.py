@@ -7,11 +7,12 @@ from pathlib import Path
 
 import yaml
 from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from dxpool.cli.localpki import LOCAL_OPERATOR, ensure_local_pki, write_client_config
 from dxpool.config import resolve_connection, resolve_endpoint
 from dxpool.identity import Identity, Role
-from dxpool.pki import identities_in, load_pair
+from dxpool.pki import identities_in, issue, load_pair, write_pair
 
 
 def test_every_certificate_is_made_with_private_keys(tmp_path: Path) -> None:
@@ -38,6 +39,7 @@ def test_client_config_points_the_cli_at_the_pool(tmp_path: Path) -> None:
     pki = ensure_local_pki(tmp_path / "pool" / "pki", listen="127.0.0.1:8470", hosts=[])
     config = tmp_path / "pool" / "config.yaml"
     write_client_config(config, "127.0.0.1:9999", pki)
+    assert stat.S_IMODE(config.stat().st_mode) == 0o600  # it leads to the operator's key
     assert yaml.safe_load(config.read_text())["cert"] == "pki/operator.crt"
     env = {"DXPOOL_CONFIG": str(config)}
     assert resolve_endpoint(env=env) == "127.0.0.1:9999"
@@ -75,3 +77,30 @@ def test_an_agent_certificate_of_an_older_pool_is_issued_again_for_its_etcd_user
     ensure_local_pki(tmp_path / "pki", listen="127.0.0.1:8470", hosts=["h1"])
     assert _common_name(pki.directory, "agent-h1") == "dxpool-agent-h1"
     assert identities_in(load_pair(pki.directory, "agent-h1").cert) == [Identity(Role.AGENT, "h1")]
+
+
+def _usages(directory: Path, name: str) -> set[x509.ObjectIdentifier]:
+    extension = load_pair(directory, name).cert.extensions.get_extension_for_class(
+        x509.ExtendedKeyUsage
+    )
+    return set(extension.value)
+
+
+def test_etcds_certificate_serves_and_authenticates_as_a_client(tmp_path: Path) -> None:
+    """etcd dials itself with its own certificate; without client usage it logs an
+    "incompatible key usage" error for every such connection."""
+    pki = ensure_local_pki(tmp_path / "pki", listen="127.0.0.1:8470", hosts=["h1"])
+    assert _usages(pki.directory, "etcd") == {
+        ExtendedKeyUsageOID.SERVER_AUTH,
+        ExtendedKeyUsageOID.CLIENT_AUTH,
+    }
+
+
+def test_an_etcd_certificate_of_an_older_pool_is_issued_again_with_client_usage(
+    tmp_path: Path,
+) -> None:
+    pki = ensure_local_pki(tmp_path / "pki", listen="127.0.0.1:8470", hosts=["h1"])
+    older = issue(load_pair(pki.directory, "ca"), dns_names=["localhost"])
+    write_pair(pki.directory, "etcd", older)
+    again = ensure_local_pki(tmp_path / "pki", listen="127.0.0.1:8470", hosts=["h1"])
+    assert ExtendedKeyUsageOID.CLIENT_AUTH in _usages(again.directory, "etcd")

@@ -8,6 +8,7 @@ from click.testing import CliRunner
 
 from dxpool.cli import main as cli_main
 from dxpool.cli.errors import format_error
+from dxpool.cli.help import summary
 from dxpool.cli.main import DxpoolGroup, cli
 from dxpool.errors import NotFound, ResourceExhausted
 from dxpool.store.embedded import free_port
@@ -33,7 +34,7 @@ def runner(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> CliRunner:
         (["node", "create", "--gpus", "2", "--timeout", "soon"], "cannot parse duration"),
         (["node", "plan", "--gpus", "H100:99"], "1 to 64 GPUs"),
         (["node", "get", "nodes/"], "invalid node id"),
-        (["node", "list", "-o", "xml"], "'xml' is not one of"),
+        (["node", "list", "-o", "xml"], "'xml' is not a format: use one of table"),
         (["gpu", "list", "--state", "busy"], "unknown GPU state 'busy'"),
         (["gpu", "get", "box1"], "expected 'BOX/SLOT'"),
         (["gpu", "get", "box1/\u00b3"], "expected an integer 0-4095"),
@@ -135,7 +136,9 @@ def test_missing_lazy_command_is_not_mounted(
     runner: CliRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(
-        cli_main.LAZY_COMMANDS, "ghost", ("dxpool.no_such_module", "command", "server")
+        cli_main.COMMANDS,
+        "ghost",
+        cli_main.LazyCommand("dxpool.no_such_module", "command", "Haunt", "server"),
     )
     listed = runner.invoke(cli, ["--help"])
     assert listed.exit_code == 0
@@ -144,12 +147,56 @@ def test_missing_lazy_command_is_not_mounted(
 
 
 def test_installed_lazy_commands_are_mounted(runner: CliRunner) -> None:
-    for name, (module, _, _) in cli_main.LAZY_COMMANDS.items():
-        if not cli_main._module_exists(module):
+    for name, entry in cli_main.COMMANDS.items():
+        if not cli_main._module_exists(entry.module):
             continue
         result = runner.invoke(cli, [name, "--help"])
         assert result.exit_code == 0, result.output
         assert "Usage: dxpool " + name in result.stdout
+
+
+def test_the_roots_summaries_are_the_commands_own() -> None:
+    """The root lists commands from its table without importing them; each summary
+    there must say what the command's own help says first."""
+    context = click.Context(cli)
+    for name, entry in cli_main.COMMANDS.items():
+        command = cli.get_command(context, name)
+        assert command is not None, name
+        own = summary(command.help or "")
+        assert entry.summary.split()[:3] == own.split()[:3], (name, entry.summary, own)
+
+
+def test_help_imports_no_command_and_no_grpc() -> None:
+    """``dxpool --help`` is what a newcomer runs first: it loads click and the table."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys; from dxpool.cli.main import main; sys.argv = ['dxpool', '--help']\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "heavy = [m for m in sys.modules if m == 'grpc' or m.startswith(('dxpool.cli.commands',"
+        " 'dxpool.broker', 'dxpool.hostagent', 'google.protobuf', 'rich'))]\n"
+        "print(','.join(sorted(heavy)), file=sys.stderr)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert "Commands:" in done.stdout
+    assert done.stderr.strip() == ""
+
+
+@pytest.mark.parametrize(
+    ("text", "first"),
+    [
+        ("Compose a node, e.g. `dxpool node create --gpus H100:4`.", "Compose a node, e.g. "
+         "`dxpool node create --gpus H100:4`"),
+        ("List nodes, i.e. the ones not RELEASED. With -a all of them.", "List nodes, i.e. "
+         "the ones not RELEASED"),
+        ("One line.\n\nMore.", "One line"),
+    ],
+)  # fmt: skip
+def test_summaries_end_at_the_first_sentence_not_at_an_abbreviation(text: str, first: str) -> None:
+    assert summary(text) == first
 
 
 def test_hints_say_what_to_do_next_without_repeating_the_message() -> None:
@@ -189,3 +236,23 @@ def test_completion_scripts_complete_commands() -> None:
         check=True,
     )  # fmt: skip
     assert "plain,node" in answer.stdout.splitlines()
+
+
+def test_ctrl_c_while_a_command_loads_exits_130_without_a_traceback() -> None:
+    import subprocess
+    import sys
+
+    probe = (
+        "import importlib, sys\n"
+        "from dxpool.cli.main import main\n"
+        "def interrupted(name, *args):\n"
+        "    raise KeyboardInterrupt\n"
+        "importlib.import_module = interrupted\n"
+        "sys.argv = ['dxpool', 'node', 'list']\n"
+        "main()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=False, timeout=120
+    )
+    assert done.returncode == 130, done.stderr
+    assert "Traceback" not in done.stderr

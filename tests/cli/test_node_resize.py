@@ -18,11 +18,17 @@ def test_node_resize_grows_with_wait_then_shrinks_by_count_and_by_name(
     grown = run(*shlex.split("node resize n1 --gpus 3 --wait -o json"))
     node = json.loads(ok(grown))
     assert node["state"] == "NODE_STATE_READY" and len(node["gpus"]) == 3
-    assert "nodes/n1 resizing with 3 GPUs" in grown.stderr
+    assert "nodes/n1 resizing to 3 GPUs" in grown.stderr
     assert "waiting up to 120s for nodes/n1 to be READY again" in grown.stderr
     assert ok(run("node", "list")).splitlines()[1].split()[:4] == ["n1", "Ready", "h1", "H100:3"]
 
-    shrunk = json.loads(ok(run(*shlex.split("node resize n1 --gpus 2 --wait -o json"))))
+    described = ok(run("node", "describe", "n1")).splitlines()
+    assert [line.split()[1:] for line in described if line.startswith("GPUs:")] == [
+        ["H100:3", "(composed", "as", "H100:1)"]
+    ]
+    shrinking = run(*shlex.split("node resize n1 --gpus 2 --wait -o json"))
+    assert "nodes/n1 resizing to 2 GPUs" in shrinking.stderr  # not the 3 it had
+    shrunk = json.loads(ok(shrinking))
     assert [g["gpu"] for g in shrunk["gpus"]] == [g["gpu"] for g in node["gpus"][:2]]
     first = node["gpus"][0]["gpu"].removeprefix("boxes/").replace("/gpus/", "/")
     named = json.loads(ok(run("node", "resize", "n1", "--remove", first, "--wait", "-o", "json")))

@@ -25,6 +25,7 @@ from dxpool.cli.statedir import (
     stop_leftovers,
 )
 from dxpool.store.embedded import EmbeddedEtcd
+from tests.patience import patient
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
 
@@ -87,7 +88,7 @@ def test_a_second_holder_fails_at_once_naming_the_first(
     started = time.monotonic()
     with pytest.raises(PoolBusyError) as raised:
         StateLock(tmp_path).acquire()
-    assert time.monotonic() - started < 2
+    assert time.monotonic() - started < 30  # refused, not queued behind the holder
     assert raised.value.pid == holder.pid
     assert str(raised.value) == (
         f"another `dxpool up` (pid {holder.pid}) is already running on {tmp_path}; stop it "
@@ -223,8 +224,8 @@ def test_recorded_leftovers_are_stopped_with_sigkill_when_sigterm_is_ignored(
 
     started = time.monotonic()
     stop_leftovers([found], grace_s=0.5)
-    assert time.monotonic() - started < 5
-    assert stubborn.wait(5) == -signal.SIGKILL
+    assert time.monotonic() - started < 30  # killed after the grace, not waited for
+    assert stubborn.wait(patient(5)) == -signal.SIGKILL
 
 
 @pytest.mark.parametrize(

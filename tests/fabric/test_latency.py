@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import random
-import time
 
 import pytest
 
@@ -182,12 +181,11 @@ def test_many_pairs_are_cheap() -> None:
     model = TopologyLatencyModel(Topology.default())
     hosts = [host("s", f"p{i % 4}", f"r{i % 16}", name=f"hosts/h{i}") for i in range(200)]
     boxes = [box("s", f"p{i % 4}", f"r{i % 8}", name=f"boxes/b{i}") for i in range(100)]
-    started = time.perf_counter()
-    for _ in range(2):  # the second pass is served from the cache
-        total = sum(model.round_trip(h, b).round_trip_ns for h in hosts for b in boxes)
-    elapsed = time.perf_counter() - started
-    assert total > 0
-    assert elapsed < 2.0, f"40,000 estimates took {elapsed:.2f} s"
+    # How fast is bench/placement_bench.py's to say; here: the cache answers the same.
+    passes = [
+        sum(model.round_trip(h, b).round_trip_ns for h in hosts for b in boxes) for _ in range(2)
+    ]
+    assert passes[0] > 0 and passes[0] == passes[1]
 
 
 # -- places hash once; the model ranks boxes by class --------------------------------

@@ -16,8 +16,9 @@ from google.protobuf.message import Message
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from dxpool.api.v1 import fabric_pb2, inventory_pb2, nodes_pb2
+from dxpool.api.v1 import audit_pb2, fabric_pb2, inventory_pb2, nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
+from dxpool.broker.request_limits import SERVER_MAX_RECEIVE_BYTES, limit_for
 from tests.fuzz.strategies import message_class
 
 C = grpc.StatusCode
@@ -30,6 +31,7 @@ SERVICES = (
     inventory_pb2.DESCRIPTOR.services_by_name["InventoryService"],
     nodes_pb2.DESCRIPTOR.services_by_name["NodeService"],
     fabric_pb2.DESCRIPTOR.services_by_name["FabricService"],
+    audit_pb2.DESCRIPTOR.services_by_name["AuditService"],
 )
 METHODS: dict[str, MethodDescriptor] = {
     f"{service.name}.{method.name}": method for service in SERVICES for method in service.methods
@@ -71,6 +73,7 @@ EXPECTED: dict[str, frozenset[grpc.StatusCode]] = {
     "NodeService.DeleteTenant": _LOOKUP | {C.FAILED_PRECONDITION},
     "FabricService.GetLatency": _LOOKUP,
     "FabricService.Predict": _LOOKUP | {C.RESOURCE_EXHAUSTED},
+    "AuditService.ListAuditRecords": _LIST,
 }
 # Calls that may change etcd when they succeed; every other call never does.
 MUTATIONS = frozenset(
@@ -146,7 +149,7 @@ BASELINES: dict[str, Message] = {
     "InventoryService.GetPoolStatus": inventory_pb2.GetPoolStatusRequest(),
     "InventoryService.ListHosts": inventory_pb2.ListHostsRequest(page_size=5),
     "NodeService.ComposeNode": nodes_pb2.ComposeNodeRequest(spec=_SPEC, request_id="r-node"),
-    "NodeService.PlanNode": nodes_pb2.ComposeNodeRequest(spec=_SPEC),
+    "NodeService.PlanNode": nodes_pb2.PlanNodeRequest(spec=_SPEC),
     "NodeService.GetNode": nodes_pb2.GetNodeRequest(name="nodes/n1"),
     "NodeService.GetNodeHostdev": nodes_pb2.GetNodeHostdevRequest(name="nodes/vm1"),
     "NodeService.ListNodes": nodes_pb2.ListNodesRequest(host="hosts/h1", page_size=3),
@@ -169,6 +172,9 @@ BASELINES: dict[str, Message] = {
     "FabricService.GetLatency": fabric_pb2.GetLatencyRequest(host="hosts/h1", box="boxes/box1"),
     "FabricService.Predict": fabric_pb2.PredictRequest(
         host="hosts/h1", gpus=pb.GpuRequest(model="H100", count=2), workload="400@5ms"
+    ),
+    "AuditService.ListAuditRecords": audit_pb2.ListAuditRecordsRequest(
+        page_size=5, identity="dxpool://operator/alice", target="nodes/n1"
     ),
 }
 
@@ -196,9 +202,10 @@ GUIDANCE = (
 )
 
 
-# grpc's own limit on a received message: larger requests end RESOURCE_EXHAUSTED in the
-# transport, before any dxpool code runs, with grpc's message.
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+# The broker's server-wide limit on a received message: larger requests end
+# RESOURCE_EXHAUSTED in gRPC's transport, before any dxpool code runs, with grpc's message.
+# Up to it, each method's own limit is checked before decoding (REQUEST_TOO_LARGE).
+MAX_MESSAGE_BYTES = SERVER_MAX_RECEIVE_BYTES
 
 
 def path(method: MethodDescriptor) -> str:
@@ -268,7 +275,12 @@ def problems(name: str, outcome: Outcome, size: int = 0) -> list[str]:
             return []
         return [f"{name}: a {size}-byte request answered {outcome.code.name}"]
     found = []
-    if outcome.code not in EXPECTED[name]:
+    if size > limit_for(path(METHODS[name])):
+        if outcome.code != C.RESOURCE_EXHAUSTED or outcome.reason != "REQUEST_TOO_LARGE":
+            found.append(f"{name}: a {size}-byte request answered {outcome}")
+    elif outcome.reason == "REQUEST_TOO_LARGE":
+        found.append(f"{name}: a {size}-byte request, within its limit, was refused as too large")
+    if outcome.code not in EXPECTED[name] and outcome.reason != "REQUEST_TOO_LARGE":
         found.append(f"{name} answered {outcome.code.name}: {outcome.details!r}")
     if outcome.code == C.OK or outcome.code in (C.CANCELLED, C.DEADLINE_EXCEEDED):
         return found

@@ -20,6 +20,7 @@ from dxpool.hostagent.driver import StepDriver
 from dxpool.hostagent.drivers.sim import make_sim_driver
 from dxpool.store.embedded import EmbeddedEtcd
 from tests.conftest import AgentProcess
+from tests.patience import patient
 
 HOST = "h1"
 HOST_SLOTS = 4
@@ -44,7 +45,9 @@ def sim_driver(sim_fabric: SimFabric) -> StepDriver:
 
 
 def wait_for(predicate: Callable[[], object], *, timeout_s: float = 10.0, what: str) -> object:
-    """Poll ``predicate`` until it returns something truthy; fail the test on timeout."""
+    """Poll ``predicate`` until it returns something truthy; fail the test once
+    ``timeout_s`` (at least :data:`tests.patience.PATIENCE_S`) has passed."""
+    timeout_s = patient(timeout_s)
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()

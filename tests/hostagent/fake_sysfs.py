@@ -3,10 +3,26 @@
 :class:`FakeKernel` is a :class:`~dxpool.hostagent.drivers.sysfs.Sysfs` over a real
 directory laid out like ``/sys`` (``bus/pci/devices``, ``bus/pci/drivers``,
 ``bus/pci/slots``, ``kernel/iommu_groups``). Reads are the real ones; writes to the kernel's
-control attributes are acted on as the kernel would: a rescan or slot power-on makes the
-card behind a bridge appear (and bind to ``nvidia`` when that driver is loaded), ``remove``
-or power-off makes it vanish, ``bind``/``unbind``/``drivers_probe`` move the ``driver``
-symlink, honouring ``driver_override``.
+control attributes are acted on as Linux 6.1 does (each rule below was checked against
+that kernel in a QEMU guest, ``tests/kernel``):
+
+* A port with a hotplug slot is managed by a hot-plug driver (pciehp by default, or
+  acpiphp). A card presented there (:meth:`FakeKernel.insert`, or
+  :meth:`FakeKernel.presence_changed`) is powered on and enumerated by that driver
+  itself. The slot's ``power`` shows the hardware: under pciehp 0 on an empty slot with a
+  power controller and 1 always on a port without one, under acpiphp 0 on any empty
+  slot; ``adapter`` shows whether a card is there.
+  Writing 1 to ``power`` of an empty slot fails with ENODEV under pciehp (acpiphp takes
+  it and nothing appears); writing 0 powers the slot off and removes the device, except
+  without a power controller, where it only removes the device (the card stays present,
+  the slot powered).
+* A rescan below a bridge, or of the whole bus, brings up the card of every powered slot
+  whose device is absent - also one the driver removed through ``remove``, since the
+  card is still there. A powered-off slot's card stays down.
+* ``bind``: ENODEV when the driver does not match the device (its ``driver_override``
+  names another driver; ``vfio-pci`` without one), EBUSY when the device has a driver.
+  ``unbind`` of a device the driver does not hold: ENODEV. ``drivers_probe`` of a bound
+  device does nothing. ``reset`` works with a driver bound.
 
 Cards can misbehave: never appear, appear late, carry another vendor/device id or serial
 number, or stay after ``remove`` (:class:`FakeCard`). Devices that share an IOMMU group
@@ -22,12 +38,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dxpool.hostagent.drivers.pci_config import SLOT_CAP_HOTPLUG_SURPRISE, build_config
+from dxpool.hostagent.drivers.pci_config import (
+    SLOT_CAP_HOTPLUG_CAPABLE,
+    SLOT_CAP_HOTPLUG_SURPRISE,
+    SLOT_CAP_POWER_CONTROLLER,
+    build_config,
+)
 from dxpool.hostagent.drivers.sysfs import Sysfs
 
 H100_DEVICE = 0x2330
 NVIDIA = 0x10DE
 BRIDGE_CLASS = 0x060400
+PCIEHP = "pciehp"
+ACPIPHP = "acpiphp"
 
 
 @dataclass(frozen=True)
@@ -49,8 +72,11 @@ class FakeCard:
 class _Port:
     bridge: str
     secondary: str  # "0000:41"
-    slot: str | None  # hotplug slot name, when the port has power control
+    slot: str | None  # hotplug slot name, when a hot-plug driver manages the port
     iommu_group: int
+    power_controller: bool = True
+    hotplug: str = PCIEHP
+    powered: bool = False  # the slot's power (always True without a slot or controller)
 
     @property
     def device_bdf(self) -> str:
@@ -92,10 +118,16 @@ class FakeKernel(Sysfs):
     # -- building the tree ----------------------------------------------------------------
 
     def load_driver(self, name: str) -> None:
-        base = self.path(f"bus/pci/drivers/{name}")
-        base.mkdir(parents=True, exist_ok=True)
-        for attribute in ("bind", "unbind"):
-            (base / attribute).touch()
+        """Load a driver: it takes every unbound device it matches, as a module does."""
+        with self._lock:
+            base = self.path(f"bus/pci/drivers/{name}")
+            base.mkdir(parents=True, exist_ok=True)
+            for attribute in ("bind", "unbind"):
+                (base / attribute).touch()
+            for bdf in self.listdir("bus/pci/devices"):
+                unbound = self.link_name(f"bus/pci/devices/{bdf}/driver") is None
+                if unbound and self._default_driver(bdf) == name:
+                    self._set_driver(bdf, name)
 
     def unload_driver(self, name: str) -> None:
         base = self.path(f"bus/pci/drivers/{name}")
@@ -112,12 +144,28 @@ class FakeKernel(Sysfs):
         iommu_group: int = 1,
         surprise: bool = False,
         rescan_file: bool = True,
+        power_controller: bool = True,
+        hotplug: str = PCIEHP,
     ) -> None:
         """A downstream port at ``bridge`` whose secondary bus is ``secondary``; ``slot``
-        names its hotplug slot (with a ``power`` attribute) when it has one."""
+        names its hotplug slot when a hot-plug driver (``hotplug``: pciehp or acpiphp)
+        manages it, with a power controller unless ``power_controller`` is False."""
         with self._lock:
-            self._ports[bridge] = _Port(bridge, secondary, slot, iommu_group)
+            has_controller = slot is not None and power_controller
+            self._ports[bridge] = _Port(
+                bridge,
+                secondary,
+                slot,
+                iommu_group,
+                power_controller=has_controller,
+                hotplug=hotplug,
+                powered=not has_controller,
+            )
             caps = SLOT_CAP_HOTPLUG_SURPRISE if surprise else 0
+            if slot is not None:
+                caps |= SLOT_CAP_HOTPLUG_CAPABLE
+            if has_controller:
+                caps |= SLOT_CAP_POWER_CONTROLLER
             self._make_device(
                 bridge,
                 build_config(vendor=0x1000, device=0xC010, class_code=BRIDGE_CLASS, slot_caps=caps),
@@ -132,15 +180,32 @@ class FakeKernel(Sysfs):
                 self.path(f"bus/pci/devices/{bridge}/rescan").unlink()
             if slot is not None:
                 self._plain(f"bus/pci/slots/{slot}/address", f"{secondary}:00\n")
-                self._plain(f"bus/pci/slots/{slot}/power", "0\n")
+                self._show_slot(self._ports[bridge])
+
+    def presence_changed(self, bridge: str) -> None:
+        """The card behind ``bridge`` came or went (the proxy mapped or unmapped): the
+        hot-plug driver of a managed slot powers a new card on and enumerates it."""
+        with self._lock:
+            port = self._ports[bridge]
+            if port.slot is None:
+                return
+            card = self._cards(bridge)
+            if card is not None and port.power_controller:
+                port.powered = True
+            self._show_slot(port)
+            if card is not None:
+                self._bring_up(port)
 
     def insert(self, bridge: str, card: FakeCard | None) -> None:
-        """Put ``card`` behind ``bridge`` (None: take it away); it appears on a rescan."""
+        """Put ``card`` behind ``bridge`` (None: take it away). Behind a managed hotplug
+        slot it comes up by itself; behind any other port on a rescan."""
         with self._lock:
             if card is None:
                 self._inserted.pop(bridge, None)
             else:
                 self._inserted[bridge] = card
+            if bridge in self._ports:
+                self.presence_changed(bridge)
 
     def add_device(
         self,
@@ -184,7 +249,8 @@ class FakeKernel(Sysfs):
                 raise OSError(code, os.strerror(code), relative)
             if relative == "bus/pci/rescan":
                 for port in self._ports.values():
-                    self._bring_up(port)
+                    if port.powered:
+                        self._bring_up(port)
             elif relative == "bus/pci/drivers_probe":
                 self._probe(value.strip())
             elif parts[:3] == ["bus", "pci", "devices"] and len(parts) == 5:
@@ -198,13 +264,12 @@ class FakeKernel(Sysfs):
 
     def _device_write(self, bdf: str, attribute: str, value: str) -> None:
         if attribute == "rescan" and bdf in self._ports:
-            self._bring_up(self._ports[bdf])
+            if self._ports[bdf].powered:
+                self._bring_up(self._ports[bdf])
         elif attribute == "remove":
             self._take_down(bdf)
         elif attribute == "reset":
-            if self.path(f"bus/pci/devices/{bdf}/driver").is_symlink():
-                raise OSError(errno.EBUSY, "Device or resource busy")  # the fake's rule
-            self.resets.append(bdf)
+            self.resets.append(bdf)  # with or without a driver bound, as Linux does
         elif attribute == "driver_override":
             self._plain(
                 f"bus/pci/devices/{bdf}/driver_override", (value.strip() or "(null)") + "\n"
@@ -221,9 +286,23 @@ class FakeKernel(Sysfs):
                 raise OSError(errno.ENODEV, os.strerror(errno.ENODEV), bdf)
             self._set_driver(bdf, None)
         elif attribute == "bind":
+            if not self._matches(driver, bdf):
+                raise OSError(errno.ENODEV, os.strerror(errno.ENODEV), bdf)
             if current is not None:
                 raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), bdf)
             self._set_driver(bdf, driver)
+
+    def _matches(self, driver: str, bdf: str) -> bool:
+        """Whether ``driver`` takes the device: its ``driver_override`` alone decides when
+        set; else the driver's id table (vfio-pci and pci-stub have none of their own)."""
+        override = self.read_text(f"bus/pci/devices/{bdf}/driver_override")
+        if override not in (None, "(null)"):
+            return driver == override
+        if driver in ("vfio-pci", "pci-stub"):
+            return False
+        if driver == "nvidia":
+            return self.read_text(f"bus/pci/devices/{bdf}/vendor") == f"0x{NVIDIA:04x}"
+        return True
 
     def _probe(self, bdf: str) -> None:
         if not self.present(bdf):
@@ -247,11 +326,28 @@ class FakeKernel(Sysfs):
         port = next((p for p in self._ports.values() if p.slot == slot), None)
         if port is None or value not in ("0", "1"):
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), slot)
-        self._plain(f"bus/pci/slots/{slot}/power", value + "\n")
+        card = self._cards(port.bridge)
         if value == "1":
+            if card is None and port.hotplug == PCIEHP:
+                raise OSError(errno.ENODEV, os.strerror(errno.ENODEV), slot)  # empty slot
+            if port.power_controller:
+                port.powered = True
             self._bring_up(port)
         else:
-            self._take_down(port.device_bdf)
+            if port.power_controller:
+                port.powered = False
+            self._take_down(port.device_bdf, forced=True)
+        self._show_slot(port)
+
+    def _show_slot(self, port: _Port) -> None:
+        """``power`` and ``adapter`` as the slot's hardware shows them."""
+        if port.slot is None:
+            return
+        present = self._cards(port.bridge) is not None
+        # acpiphp reads the slot's state from ACPI (_STA), which is off while empty
+        powered = port.powered and (present or port.hotplug == PCIEHP)
+        self._plain(f"bus/pci/slots/{port.slot}/power", f"{int(powered)}\n")
+        self._plain(f"bus/pci/slots/{port.slot}/adapter", f"{int(present)}\n")
 
     def _bring_up(self, port: _Port) -> None:
         card = self._cards(port.bridge)
@@ -283,10 +379,12 @@ class FakeKernel(Sysfs):
             )
             self._set_driver(port.device_bdf, self._default_driver(port.device_bdf))
 
-    def _take_down(self, bdf: str) -> None:
+    def _take_down(self, bdf: str, *, forced: bool = False) -> None:
+        """Remove the device at ``bdf``; a sticky card stays unless its slot's power is
+        cut (``forced``)."""
         bridge = next((p.bridge for p in self._ports.values() if p.device_bdf == bdf), None)
         card = self._cards(bridge) if bridge is not None else None
-        if card is not None and card.sticky:
+        if card is not None and card.sticky and not forced:
             return
         base = self.path(f"bus/pci/devices/{bdf}")
         if not base.is_dir():

@@ -4,7 +4,6 @@ which a plain etcd watch never notices."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -57,7 +56,6 @@ def test_the_spec_watch_leaves_a_frozen_member(
     writer = connect(others[0].endpoint)
     try:
         watched.pause()
-        frozen_at = time.monotonic()
         response = writer.put(spec_key, pb.HostAllocation(host="hosts/h1").SerializeToString())
         revision = int(response.header.revision)
 
@@ -66,9 +64,7 @@ def test_the_spec_watch_leaves_a_frozen_member(
             timeout_s=6,
             message="the agent to adopt the spec written while its member was frozen",
         )
-        adopted_s = time.monotonic() - frozen_at
         assert agent.spec_watch_endpoint != endpoint
-        assert adopted_s < 6
     finally:
         watched.resume()
         writer.close()

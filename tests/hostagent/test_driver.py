@@ -7,6 +7,7 @@ import pytest
 from dxpool.api.v1 import resources_pb2
 from dxpool.fabric.sim import InjectedFault, SimFabric
 from dxpool.hostagent.driver import (
+    AttachedGpu,
     AttachRequest,
     DriverCapabilities,
     StepDriver,
@@ -367,3 +368,17 @@ def test_a_serial_in_device_serial_number_form_goes_to_the_bus() -> None:
     request = AttachRequest(GPU, host_slot=0, expected_serial="01-23-45-67-89-ab-cd-ef")
 
     assert request.expected_device.dsn == "01-23-45-67-89-ab-cd-ef"
+
+
+def test_an_attachment_on_another_native_driver_satisfies_its_requests() -> None:
+    """A host whose GPUs run on another kernel driver than nvidia (the stand-in cards of
+    the real-kernel tests) is attached as asked once bound to that driver, or vfio-pci."""
+    native = AttachedGpu(GPU, 0, bdf="0000:01:00.0", driver="e1000e", native_driver="e1000e")
+    passed = AttachedGpu(GPU, 0, bdf="0000:01:00.0", driver="vfio-pci", native_driver="e1000e")
+
+    assert native.satisfies(AttachRequest(GPU, host_slot=0))
+    assert not native.satisfies(AttachRequest(GPU, host_slot=0, vfio=True))
+    assert passed.satisfies(AttachRequest(GPU, host_slot=0, vfio=True))
+    assert not AttachedGpu(GPU, 0, bdf="0000:01:00.0", driver="e1000e").satisfies(
+        AttachRequest(GPU, host_slot=0)
+    )

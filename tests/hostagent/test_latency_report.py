@@ -24,6 +24,7 @@ from dxpool.store.client import connect
 from dxpool.store.embedded import EmbeddedEtcd
 from dxpool.store.keys import KeySchema
 from tests.conftest import SimPool, Stubs, register_sim_box, wait_until
+from tests.patience import patient
 
 if TYPE_CHECKING:
     from dxpool.broker.server import BrokerServer
@@ -200,13 +201,13 @@ def test_a_report_and_an_attachment_write_at_once_lose_neither(
     def held_commit(txn: Any) -> Any:
         if not in_commit.is_set():
             in_commit.set()
-            assert release.wait(10)
+            assert release.wait(patient(10))
         return real_commit(txn)
 
     status._store.commit = held_commit  # type: ignore[method-assign]
     reporter = threading.Thread(target=status.set_round_trips, args=([sample("boxes/b1", 4_000)],))
     reporter.start()
-    assert in_commit.wait(10)
+    assert in_commit.wait(patient(10))
     entry = resources_pb2.ObservedAttachment(
         gpu="boxes/b1/gpus/0", phase=resources_pb2.ATTACHMENT_PHASE_ATTACHING
     )

@@ -1,4 +1,9 @@
-"""RedfishProxyMapper against a local Redfish fabric service over HTTPS."""
+"""RedfishProxyMapper against the local Redfish fabric service over HTTPS.
+
+The service behaves as DMTF's standard allows by default (read-only ``Links.Endpoints``,
+zone actions, no 409 for a second zone, ETags); tests of older or stricter services say
+which option they turn on.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +11,21 @@ import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from dxpool.hostagent.drivers.redfish import RedfishProxyMapper, connect_redfish_mapper
 from dxpool.hostagent.errors import AttachConflictError, DriverError
 from dxpool.names import GpuRef
-from dxpool.redfish.fabric_map import RedfishFabricMap, RedfishHost, RedfishService
+from dxpool.redfish.fabric_map import (
+    AuthMethod,
+    Membership,
+    RedfishFabricMap,
+    RedfishHost,
+    RedfishService,
+    ZoneLookup,
+)
 from dxpool.redfish.session import (
     RedfishLoginError,
     RedfishSession,
@@ -24,7 +37,9 @@ from .redfish_service import (
     FABRIC,
     PASSWORD,
     USERNAME,
+    ZONES,
     RedfishFabricService,
+    Write,
     install,
     running_service,
     self_signed_cert,
@@ -34,10 +49,17 @@ GPU0 = GpuRef("b1", 0)
 GPU1 = GpuRef("b1", 1)
 GPU2 = GpuRef("b1", 2)
 GPU3 = GpuRef("b1", 3)
-ZONE_PATH = f"/redfish/v1/Fabrics/{FABRIC}/Zones"
+ZONE_PATH = ZONES
 
 
-def fabric_map(service: RedfishFabricService, cert: Path | None) -> RedfishFabricMap:
+def fabric_map(
+    service: RedfishFabricService,
+    cert: Path | None,
+    *,
+    hosts: dict[str, RedfishHost] | None = None,
+    **options: Any,
+) -> RedfishFabricMap:
+    """The map of :func:`install`'s fabric at ``service``; ``options`` set service fields."""
     return RedfishFabricMap(
         service=RedfishService(
             url=service.url,
@@ -47,8 +69,10 @@ def fabric_map(service: RedfishFabricService, cert: Path | None) -> RedfishFabri
             ca_bundle=cert,
             timeout_s=0.5,
             attempts=3,
+            **options,
         ),
-        hosts={
+        hosts=hosts
+        or {
             "h1": RedfishHost(endpoint="HostPort-h1", zones=("h1-s0", "h1-s1")),
             "h2": RedfishHost(endpoint="HostPort-h2", zones=("h2-s0",)),
         },
@@ -62,11 +86,26 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 @pytest.fixture
-def service(tls: tuple[Path, Path]) -> Iterator[RedfishFabricService]:
-    fabric = RedfishFabricService()
-    install(fabric)
-    with running_service(fabric, tls=tls) as running:
-        yield running
+def serve(tls: tuple[Path, Path]) -> Iterator[Any]:
+    """Start a service with the options given (installed, over HTTPS); stopped at the end."""
+    stack: list[Any] = []
+
+    def start(service: RedfishFabricService | None = None) -> RedfishFabricService:
+        fabric = service or RedfishFabricService()
+        install(fabric)
+        context = running_service(fabric, tls=tls)
+        stack.append(context)
+        return context.__enter__()
+
+    yield start
+    for context in reversed(stack):
+        context.__exit__(None, None, None)
+
+
+@pytest.fixture
+def service(serve: Any) -> RedfishFabricService:
+    started: RedfishFabricService = serve()
+    return started
 
 
 @pytest.fixture
@@ -81,8 +120,12 @@ def status_of(error: DriverError) -> int:
     return cause.status
 
 
-def mapper_for(fmap: RedfishFabricMap, host: str = "h1") -> RedfishProxyMapper:
-    return RedfishProxyMapper(fmap, host, RedfishSession(fmap.service), retry_wait_s=0)
+def mapper_for(
+    fmap: RedfishFabricMap, host: str = "h1", state_dir: Path | None = None
+) -> RedfishProxyMapper:
+    return RedfishProxyMapper(
+        fmap, host, RedfishSession(fmap.service), retry_wait_s=0, state_dir=state_dir
+    )
 
 
 @pytest.fixture
@@ -95,7 +138,7 @@ def mapper(fmap: RedfishFabricMap) -> Iterator[RedfishProxyMapper]:
 # -- good path -------------------------------------------------------------------------------
 
 
-def test_map_adds_the_gpu_endpoint_to_the_slot_zone_with_if_match(
+def test_map_adds_the_gpu_through_the_zone_action_with_both_etags(
     service: RedfishFabricService, mapper: RedfishProxyMapper
 ) -> None:
     mapper.map(GPU1, 1, generation=3)
@@ -103,7 +146,8 @@ def test_map_adds_the_gpu_endpoint_to_the_slot_zone_with_if_match(
     assert service.zone("h1-s1") == ["HostPort-h1", "GPU-b1-1"]
     assert service.zone("h1-s0") == ["HostPort-h1"]
     assert mapper.mappings() == {1: GPU1}
-    assert service.patches() == [(f"{ZONE_PATH}/h1-s1", '"h1-s1-1"')]
+    assert service.writes() == [Write("h1-s1", "add", "GPU-b1-1", '"h1-s1-1"', '"GPU-b1-1-1"')]
+    assert service.patches() == []  # Links.Endpoints is read-only: never PATCHed
 
 
 def test_map_is_idempotent_and_unmap_removes_only_that_gpu(
@@ -112,14 +156,14 @@ def test_map_is_idempotent_and_unmap_removes_only_that_gpu(
     mapper.map(GPU0, 0, generation=1)
     mapper.map(GPU1, 1, generation=1)
     mapper.map(GPU0, 0, generation=1)  # already so: no write
-    assert len(service.patches()) == 2
+    assert len(service.writes()) == 2
 
     mapper.unmap(GPU0)
     mapper.unmap(GPU0)  # no-op
 
     assert mapper.mappings() == {1: GPU1}
     assert service.zone("h1-s0") == ["HostPort-h1"]
-    assert len(service.patches()) == 3
+    assert [w.kind for w in service.writes()] == ["add", "add", "remove"]
 
 
 def test_connect_checks_the_map_against_the_service(fmap: RedfishFabricMap) -> None:
@@ -134,11 +178,12 @@ def test_discovery_names_every_mismatch(
     service: RedfishFabricService, fmap: RedfishFabricMap
 ) -> None:
     service.add_endpoint("HostPort-h3", "Target")  # a host port that claims to be a device
+    service.add_zone("h1-s2", ["HostPort-h2"])  # h1's zone, but it holds h2's port
     wrong = replace(
         fmap,
         hosts={
             **fmap.hosts,
-            "h1": RedfishHost(endpoint="HostPort-h1", zones=("h1-s0", "h1-s9")),
+            "h1": RedfishHost(endpoint="HostPort-h1", zones=("h1-s0", "h1-s9", "h1-s2")),
             "h3": RedfishHost(endpoint="HostPort-h3", zones=("h3-s0",)),
         },
         boxes={"b1": ("GPU-b1-0", "GPU-b1-7")},
@@ -150,6 +195,16 @@ def test_discovery_names_every_mismatch(
     assert "endpoint HostPort-h3 (host h3) has EntityRole Target, not Initiator" in message
     assert "endpoint GPU-b1-7 (GPU b1/1) does not exist" in message
     assert "zone h1-s9 (host slot 1 of h1) does not exist" in message
+    assert "zone h1-s2 (host slot 2 of h1) does not hold the host's endpoint HostPort-h1" in message
+
+
+def test_discovery_names_a_fabric_the_service_lacks(
+    service: RedfishFabricService, fmap: RedfishFabricMap
+) -> None:
+    wrong = replace(fmap, service=replace(fmap.service, fabric="CXL"))
+    with pytest.raises(DriverError, match=r"has no fabric CXL .* its fabrics are PCIe") as raised:
+        connect_redfish_mapper(wrong, "h1")
+    assert not raised.value.retryable
 
 
 def test_plain_http_works_when_the_service_has_no_tls() -> None:
@@ -162,48 +217,168 @@ def test_plain_http_works_when_the_service_has_no_tls() -> None:
         mapper.close()
 
 
-def test_a_service_without_etags_is_patched_unconditionally() -> None:
-    fabric = RedfishFabricService(etags=False)
-    install(fabric)
-    with running_service(fabric) as running:
-        mapper = mapper_for(fabric_map(running, None))
+def test_basic_authentication_needs_no_session(serve: Any, tls: tuple[Path, Path]) -> None:
+    service = serve()
+    mapper = mapper_for(fabric_map(service, tls[0], auth=AuthMethod.BASIC))
+    mapper.map(GPU0, 0, generation=1)
+    assert service.zone("h1-s0") == ["HostPort-h1", "GPU-b1-0"]
+    assert service.state.sessions == {}
+    mapper.close()
+
+
+def test_a_service_without_etags_is_changed_without_preconditions(
+    serve: Any, tls: tuple[Path, Path]
+) -> None:
+    service = serve(RedfishFabricService(etags="none"))
+    mapper = mapper_for(fabric_map(service, tls[0]))
+    mapper.map(GPU0, 0, generation=1)
+    assert service.writes() == [Write("h1-s0", "add", "GPU-b1-0", "", "")]
+    mapper.close()
+
+
+def test_an_etag_only_in_the_payload_makes_the_change_conditional(
+    serve: Any, tls: tuple[Path, Path]
+) -> None:
+    # DSP0266 lets a service give the ETag as @odata.etag only; it is a precondition all
+    # the same (ZoneETag/EndpointETag with the action, If-Match with a PATCH).
+    service = serve(RedfishFabricService(etags="payload"))
+    mapper = mapper_for(fabric_map(service, tls[0]))
+    mapper.map(GPU0, 0, generation=1)
+    assert service.writes() == [Write("h1-s0", "add", "GPU-b1-0", '"h1-s0-1"', '"GPU-b1-0-1"')]
+    mapper.close()
+
+    legacy = serve(RedfishFabricService.legacy(etags="payload"))
+    patcher = mapper_for(fabric_map(legacy, tls[0]))
+    patcher.map(GPU0, 0, generation=1)
+    assert legacy.patches() == [(f"{ZONE_PATH}/h1-s0", '"h1-s0-1"')]
+    patcher.close()
+
+
+# -- how membership is changed ---------------------------------------------------------------
+
+
+def test_a_service_without_zone_actions_is_changed_by_a_conditional_patch(
+    serve: Any, tls: tuple[Path, Path]
+) -> None:
+    service = serve(RedfishFabricService.legacy())
+    mapper = mapper_for(fabric_map(service, tls[0]))
+    mapper.map(GPU1, 1, generation=1)
+    mapper.unmap(GPU1)
+    assert service.patches() == [
+        (f"{ZONE_PATH}/h1-s1", '"h1-s1-1"'),
+        (f"{ZONE_PATH}/h1-s1", '"h1-s1-2"'),
+    ]
+    mapper.close()
+
+
+def test_a_refused_patch_of_read_only_links_is_reported_and_remembered(
+    serve: Any, tls: tuple[Path, Path]
+) -> None:
+    # No actions, and Links.Endpoints read-only as DMTF's schema has it: the PATCH is a
+    # 400 (DSP0266, PATCH of read-only properties). Not retried, not tried again.
+    service = serve(RedfishFabricService(zone_actions=False))
+    mapper = mapper_for(fabric_map(service, tls[0]))
+    with pytest.raises(DriverError, match=r"Links\.Endpoints, which DMTF's Zone schema makes read"):
         mapper.map(GPU0, 0, generation=1)
-        assert fabric.patches() == [(f"{ZONE_PATH}/h1-s0", "")]
-        mapper.close()
+    with pytest.raises(DriverError, match=r"refused a PATCH of Links\.Endpoints before") as again:
+        mapper.map(GPU1, 1, generation=1)
+    assert not again.value.retryable
+    assert [r.status for r in service.requests if r.method == "PATCH"] == [400]
+    assert service.zone("h1-s0") == ["HostPort-h1"]
+    mapper.close()
 
 
-# -- conflicts and bad requests ----------------------------------------------------------
+def test_membership_pinned_to_patch_or_actions_is_obeyed(
+    serve: Any, tls: tuple[Path, Path]
+) -> None:
+    patchable = serve(RedfishFabricService(patchable_zones=True))  # offers both ways
+    mapper = mapper_for(fabric_map(patchable, tls[0], membership=Membership.PATCH))
+    mapper.map(GPU0, 0, generation=1)
+    assert [w.kind for w in patchable.writes()] == ["patch"]
+    mapper.close()
+
+    without = serve(RedfishFabricService.legacy())
+    strict = mapper_for(fabric_map(without, tls[0], membership=Membership.ACTIONS))
+    with pytest.raises(DriverError, match=r"offers no #Zone\.AddEndpoint action") as raised:
+        strict.map(GPU0, 0, generation=1)
+    assert not raised.value.retryable
+    assert without.writes() == []
+    strict.close()
 
 
-def test_a_gpu_in_another_hosts_zone_is_a_conflict_with_the_services_reason(
+def test_an_asynchronous_zone_action_is_followed_to_its_end(
+    serve: Any, tls: tuple[Path, Path]
+) -> None:
+    service = serve(RedfishFabricService(async_actions=True, task_polls=2))
+    mapper = mapper_for(fabric_map(service, tls[0]))
+    mapper.map(GPU0, 0, generation=1)  # the change is applied when the task ends
+    assert service.zone("h1-s0") == ["HostPort-h1", "GPU-b1-0"]
+    monitor_polls = [r for r in service.requests if "/TaskMonitors/" in r.path]
+    assert [r.status for r in monitor_polls] == [202, 202, 204]
+    mapper.close()
+
+
+# -- exclusivity: dxpool's own check ---------------------------------------------------------
+
+
+def test_a_gpu_in_another_hosts_zone_is_refused_without_a_write(
     service: RedfishFabricService, mapper: RedfishProxyMapper
 ) -> None:
+    # The service would take it (no 409 in the standard): the refusal is dxpool's.
     service.set_zone("h2-s0", ["HostPort-h2", "GPU-b1-0"])
 
     with pytest.raises(AttachConflictError) as raised:
         mapper.map(GPU0, 0, generation=1)
 
-    assert "already assigned to zone h2-s0" in raised.value.message
+    assert "is in zone h2-s0 (host h2)" in raised.value.message
     assert "unmap it there first" in raised.value.message
-    assert len(service.patches()) == 1  # a conflict is not retried
+    assert service.writes() == []
     assert service.zone("h1-s0") == ["HostPort-h1"]
 
 
-def test_two_hosts_racing_for_one_gpu_get_it_once(
-    service: RedfishFabricService, fmap: RedfishFabricMap, mapper: RedfishProxyMapper
+def test_a_map_racing_another_hosts_is_refused_by_the_endpoint_etag(
+    service: RedfishFabricService, mapper: RedfishProxyMapper
 ) -> None:
-    # h2's agent maps GPU 0 between h1's read of its zone and h1's write: h1's zone did
-    # not change (its If-Match holds), but the service refuses a second zone for the GPU.
-    other = mapper_for(fmap, "h2")
-    service.before_patch(lambda: other.map(GPU0, 0, generation=2))
+    # h2's agent's map lands between h1's reads and h1's write. h1's zone did not change,
+    # but the endpoint did: the EndpointETag h1 sends is stale (412), h1 reads again and
+    # finds the GPU in h2's zone.
+    service.before_write(lambda: service.set_zone("h2-s0", ["HostPort-h2", "GPU-b1-0"]))
 
-    with pytest.raises(AttachConflictError, match="already assigned to zone h2-s0"):
+    with pytest.raises(AttachConflictError, match=r"is in zone h2-s0 \(host h2\)"):
         mapper.map(GPU0, 0, generation=1)
 
-    assert service.zone("h2-s0") == ["HostPort-h2", "GPU-b1-0"]
+    assert service.zones_of("GPU-b1-0") == ["h2-s0"]
+    adds = [r for r in service.requests if r.path.endswith("h1-s0/Actions/Zone.AddEndpoint")]
+    assert [r.status for r in adds] == [412]
+
+
+def test_a_map_racing_another_on_a_service_without_etags_is_undone(
+    serve: Any, tls: tuple[Path, Path]
+) -> None:
+    # Without ETags nothing stops both writes; the read-back after h1's write sees the
+    # GPU in two zones, and h1 takes it out of its own again.
+    service = serve(RedfishFabricService(etags="none"))
+    mine = mapper_for(fabric_map(service, tls[0]), "h1")
+    service.before_write(lambda: service.set_zone("h2-s0", ["HostPort-h2", "GPU-b1-0"]))
+
+    with pytest.raises(AttachConflictError, match="the map was undone so no two hosts share it"):
+        mine.map(GPU0, 0, generation=1)
+
+    assert service.zones_of("GPU-b1-0") == ["h2-s0"]
+    assert [(w.zone, w.kind) for w in service.writes()] == [("h1-s0", "add"), ("h1-s0", "remove")]
+    mine.close()
+
+
+def test_a_service_that_refuses_a_second_zone_is_a_conflict_too(
+    serve: Any, tls: tuple[Path, Path]
+) -> None:
+    service = serve(RedfishFabricService.legacy())
+    mapper = mapper_for(fabric_map(service, tls[0]))
+    service.before_write(lambda: service.set_zone("h2-s0", ["HostPort-h2", "GPU-b1-0"]))
+    with pytest.raises(AttachConflictError, match="already assigned to zone h2-s0"):
+        mapper.map(GPU0, 0, generation=1)
     assert service.zone("h1-s0") == ["HostPort-h1"]
-    assert other.mappings() == {0: GPU0}
-    other.close()
+    mapper.close()
 
 
 def test_a_slot_holding_another_gpu_is_a_conflict_without_a_write(
@@ -214,11 +389,25 @@ def test_a_slot_holding_another_gpu_is_a_conflict_without_a_write(
         AttachConflictError, match=r"already holds boxes/b1/gpus/0 \(endpoint GPU-b1-0\)"
     ):
         mapper.map(GPU1, 0, generation=1)
-    assert len(service.patches()) == 1
+    assert len(service.writes()) == 1
+
+
+def test_endpoints_that_are_not_gpus_share_the_zone_and_are_left_alone(
+    service: RedfishFabricService, mapper: RedfishProxyMapper
+) -> None:
+    # DMTF's CXL mockups put the switch's endpoint in every zone.
+    service.add_endpoint("Switch", "Target")
+    service.set_zone("h1-s0", ["HostPort-h1", "Switch"])
+
+    mapper.map(GPU0, 0, generation=1)
+    assert mapper.mappings() == {0: GPU0}
+    mapper.unmap(GPU0)
+
+    assert service.zone("h1-s0") == ["HostPort-h1", "Switch"]
 
 
 def test_unknown_slots_and_gpus_are_not_retryable(mapper: RedfishProxyMapper) -> None:
-    with pytest.raises(DriverError, match="host slot 5 of h1 has no zone") as slot:
+    with pytest.raises(DriverError, match="host slot 5 of h1 is outside the 2 slots") as slot:
         mapper.map(GPU0, 5, generation=1)
     with pytest.raises(DriverError, match=r"list it under boxes\.b9") as gpu:
         mapper.map(GpuRef("b9", 0), 0, generation=1)
@@ -237,39 +426,91 @@ def test_a_zone_without_the_host_port_is_reported(
 def test_a_4xx_is_not_retried_and_carries_the_services_message(
     service: RedfishFabricService, mapper: RedfishProxyMapper
 ) -> None:
-    service.fail("PATCH", "/Zones/h1-s0", 400)
+    service.fail("POST", "/h1-s0/Actions/Zone.AddEndpoint", 400)
     with pytest.raises(DriverError) as raised:
         mapper.map(GPU0, 0, generation=1)
     assert status_of(raised.value) == 400
     assert not raised.value.retryable
-    assert "answered 400 to PATCH" in raised.value.message
+    assert "answered 400 to POST" in raised.value.message
     assert "injected failure" in raised.value.message
-    assert len(service.patches()) == 1
+    assert len(service.writes()) == 1
 
 
-# -- retried when safe -------------------------------------------------------------------
+# -- zone per host port ----------------------------------------------------------------------
+
+
+def port_map(service: RedfishFabricService, cert: Path, slots: int = 3) -> RedfishFabricMap:
+    service.add_endpoint("Switch", "Target")
+    service.add_zone("h1-port", ["HostPort-h1", "Switch"])
+    return fabric_map(
+        service,
+        cert,
+        hosts={
+            "h1": RedfishHost(endpoint="HostPort-h1", zones=("h1-port",), port_slots=slots),
+            "h2": RedfishHost(endpoint="HostPort-h2", zones=("h2-s0",)),
+        },
+    )
+
+
+def test_a_zone_per_host_port_holds_several_gpus_at_their_slots(
+    service: RedfishFabricService, tls: tuple[Path, Path], tmp_path: Path
+) -> None:
+    fmap = port_map(service, tls[0])
+    mapper = mapper_for(fmap, state_dir=tmp_path)
+    mapper.map(GPU2, 2, generation=1)
+    mapper.map(GPU0, 0, generation=1)
+    assert service.zone("h1-port") == ["HostPort-h1", "Switch", "GPU-b1-2", "GPU-b1-0"]
+    assert mapper.mappings() == {0: GPU0, 2: GPU2}
+    mapper.close()
+
+    restarted = mapper_for(fmap, state_dir=tmp_path)  # the slots survive a restart
+    assert restarted.mappings() == {0: GPU0, 2: GPU2}
+    with pytest.raises(AttachConflictError, match=r"host slot 0 of h1 .* already holds"):
+        restarted.map(GPU1, 0, generation=1)
+    with pytest.raises(AttachConflictError, match="mapped at host slot 2 of h1, not 1"):
+        restarted.map(GPU2, 1, generation=1)
+    restarted.unmap(GPU2)
+    assert restarted.mappings() == {0: GPU0}
+    assert service.zone("h1-port") == ["HostPort-h1", "Switch", "GPU-b1-0"]
+    restarted.close()
+
+
+def test_a_gpu_put_in_the_port_zone_by_hand_gets_a_free_slot(
+    service: RedfishFabricService, tls: tuple[Path, Path]
+) -> None:
+    fmap = port_map(service, tls[0], slots=2)
+    mapper = mapper_for(fmap)
+    service.set_zone("h1-port", ["HostPort-h1", "Switch", "GPU-b1-3"])  # mapped by hand
+    assert mapper.mappings() == {0: GPU3}
+    mapper.map(GPU1, 1, generation=1)
+    with pytest.raises(AttachConflictError, match=r"host slot 0 of h1 .* holds boxes/b1/gpus/3"):
+        mapper.map(GPU0, 0, generation=1)
+    with pytest.raises(DriverError, match="host slot 2 of h1 is outside the 2 slots"):
+        mapper.map(GPU0, 2, generation=1)
+    assert mapper.mappings() == {0: GPU3, 1: GPU1}
+    mapper.close()
+
+
+# -- retried when safe -----------------------------------------------------------------------
 
 
 def test_a_zone_changed_between_read_and_write_is_read_again(
     service: RedfishFabricService, mapper: RedfishProxyMapper
 ) -> None:
-    # Another client of the fabric manager maps GPU 3 into h2's zone after our read of
-    # h1-s0 and before our write: our If-Match fails (412), we read again and redo.
-    service.before_patch(lambda: service.set_zone("h1-s0", ["HostPort-h1"]))
+    # Another client of the fabric manager changes h1-s0 (its ETag moves) after our read
+    # and before our write: our ZoneETag is stale (412), we read again and redo.
+    service.before_write(lambda: service.set_zone("h1-s0", ["HostPort-h1"]))
 
     mapper.map(GPU0, 0, generation=1)
 
     assert service.zone("h1-s0") == ["HostPort-h1", "GPU-b1-0"]
-    assert service.patches() == [
-        (f"{ZONE_PATH}/h1-s0", '"h1-s0-1"'),  # refused: the zone is at 2 by then
-        (f"{ZONE_PATH}/h1-s0", '"h1-s0-2"'),
-    ]
+    assert [w.etag for w in service.writes()] == ['"h1-s0-1"', '"h1-s0-2"']
 
 
 def test_a_zone_that_gained_a_gpu_underneath_becomes_a_conflict_not_an_overwrite(
     service: RedfishFabricService, mapper: RedfishProxyMapper
 ) -> None:
-    service.before_patch(lambda: service.set_zone("h1-s0", ["HostPort-h1", "GPU-b1-3"]))
+    service.before_write(lambda: service.set_zone("h1-s0", ["HostPort-h1", "GPU-b1-3"]))
 
     with pytest.raises(AttachConflictError, match="already holds boxes/b1/gpus/3"):
         mapper.map(GPU0, 0, generation=1)
@@ -281,18 +522,18 @@ def test_a_zone_that_keeps_changing_gives_up_retryably(
     service: RedfishFabricService, mapper: RedfishProxyMapper
 ) -> None:
     for _ in range(3):
-        service.before_patch(lambda: service.set_zone("h1-s0", ["HostPort-h1"]))
+        service.before_write(lambda: service.set_zone("h1-s0", ["HostPort-h1"]))
     with pytest.raises(DriverError) as raised:
         mapper.map(GPU0, 0, generation=1)
     assert status_of(raised.value) == 412
     assert raised.value.retryable
-    assert len(service.patches()) == 3
+    assert len(service.writes()) == 3
 
 
 def test_server_errors_are_retried_then_reported(
     service: RedfishFabricService, mapper: RedfishProxyMapper
 ) -> None:
-    service.fail("PATCH", "/Zones/h1-s0", 503, count=2)
+    service.fail("POST", "/h1-s0/Actions/Zone.AddEndpoint", 503, count=2)
     mapper.map(GPU0, 0, generation=1)
     assert service.zone("h1-s0") == ["HostPort-h1", "GPU-b1-0"]
 
@@ -305,12 +546,12 @@ def test_server_errors_are_retried_then_reported(
 def test_a_slow_answer_times_out_and_the_operation_is_redone_from_a_read(
     service: RedfishFabricService, mapper: RedfishProxyMapper
 ) -> None:
-    # The PATCH is applied but answered too late: the retry reads the zone, finds the
-    # GPU there and writes nothing more.
-    service.delay("PATCH", "/Zones/h1-s0", 1.0)
+    # The action is carried out but answered too late: the retry reads the zone, finds
+    # the GPU there and writes nothing more.
+    service.delay("POST", "/h1-s0/Actions/Zone.AddEndpoint", 1.0)
     mapper.map(GPU0, 0, generation=1)
     assert service.zone("h1-s0") == ["HostPort-h1", "GPU-b1-0"]
-    assert len(service.patches()) == 1
+    assert len(service.writes()) == 1
 
 
 def test_a_service_that_never_answers_in_time_is_unreachable_and_retryable(
@@ -330,8 +571,8 @@ def test_an_expired_session_logs_in_again(
     service.expire_sessions()
 
     assert mapper.mappings() == {0: GPU0}
-    posts = [r for r in service.requests if r[0] == "POST"]
-    assert len(posts) == 2  # the first login and one re-login
+    logins = [r for r in service.requests if r.method == "POST" and r.path.endswith("Sessions")]
+    assert len(logins) == 2  # the first login and one re-login
 
 
 def test_wrong_credentials_are_not_retryable(fmap: RedfishFabricMap) -> None:
@@ -369,7 +610,42 @@ def test_close_deletes_the_session(service: RedfishFabricService, fmap: RedfishF
     assert service.state.sessions == {}
 
 
-# -- fencing -----------------------------------------------------------------------------
+# -- finding the zones that hold an endpoint -------------------------------------------------
+
+
+def zone_reads(service: RedfishFabricService) -> int:
+    return sum(1 for r in service.requests if r.method == "GET" and r.path.startswith(ZONES))
+
+
+def test_links_zones_is_trusted_once_a_change_showed_up_there(
+    service: RedfishFabricService, mapper: RedfishProxyMapper
+) -> None:
+    assert not mapper.zones.trusts_endpoint_zones
+    mapper.map(GPU0, 0, generation=1)  # scans, and sees its own add in Links.Zones
+    assert mapper.zones.trusts_endpoint_zones
+    for zone in range(20):
+        service.add_zone(f"spare-{zone}", [])
+    before = zone_reads(service)
+    mapper.map(GPU1, 1, generation=1)
+    assert zone_reads(service) - before <= 3  # the slot's zone, read back; not 23 zones
+
+
+def test_stale_links_zones_are_not_trusted_and_every_zone_is_read(
+    serve: Any, tls: tuple[Path, Path]
+) -> None:
+    # As DMTF's Mockup Server: Links.Zones as first written, never updated.
+    service = serve(RedfishFabricService(reverse_links="stale"))
+    mapper = mapper_for(fabric_map(service, tls[0]))
+    mapper.map(GPU0, 0, generation=1)
+    assert not mapper.zones.trusts_endpoint_zones
+    other = mapper_for(fabric_map(service, tls[0], zone_lookup=ZoneLookup.AUTO), "h2")
+    with pytest.raises(AttachConflictError, match=r"is in zone h1-s0 \(host h1\)"):
+        other.map(GPU0, 0, generation=1)  # Links.Zones says nothing; the zones do
+    mapper.close()
+    other.close()
+
+
+# -- fencing ---------------------------------------------------------------------------------
 
 
 def test_fence_revokes_only_that_hosts_mappings(
@@ -390,34 +666,17 @@ def test_fence_revokes_only_that_hosts_mappings(
     other.close()
 
 
-def test_fence_finds_zones_outside_the_map_and_spares_shared_ones(
+def test_fence_finds_zones_outside_the_map_and_spares_shared_ones_and_non_gpus(
     service: RedfishFabricService, mapper: RedfishProxyMapper
 ) -> None:
-    service.add_zone("by-hand", ["HostPort-h1", "GPU-b1-3"])  # made at the service by hand
+    service.add_endpoint("Switch", "Target")
+    service.add_zone("by-hand", ["HostPort-h1", "GPU-b1-3", "Switch"])  # made by hand
     service.add_zone("shared", ["HostPort-h1", "HostPort-h2", "GPU-b1-2"])
 
     assert mapper.fence("h1") == [GPU2, GPU3]
 
-    assert service.zone("by-hand") == ["HostPort-h1"]
+    assert service.zone("by-hand") == ["HostPort-h1", "Switch"]
     assert service.zone("shared") == ["HostPort-h2", "GPU-b1-2"]  # h2 keeps its access
-
-
-def test_fence_skips_a_zone_deleted_between_the_listing_and_its_read(
-    service: RedfishFabricService, mapper: RedfishProxyMapper, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    service.add_zone("by-hand", ["HostPort-h1", "GPU-b1-3"])
-    mapper.map(GPU0, 0, generation=1)
-    listed = mapper._zones.zone_ids
-
-    def listed_then_deleted() -> list[str]:
-        zones = listed()
-        service.remove_zone("by-hand")  # an operator deletes it before the fence reads it
-        return zones
-
-    monkeypatch.setattr(mapper._zones, "zone_ids", listed_then_deleted)
-
-    assert mapper.fence("h1") == [GPU0]  # the gone zone holds nothing; the rest is fenced
-    assert service.zone("h1-s0") == ["HostPort-h1"]
 
 
 def test_fence_rereads_a_zone_that_changed_underneath(
@@ -425,13 +684,12 @@ def test_fence_rereads_a_zone_that_changed_underneath(
 ) -> None:
     mapper.map(GPU0, 0, generation=1)
     # The fenced host's agent, still running, maps another GPU between the fencer's read
-    # and write: the fence's If-Match fails and the fresh read revokes both.
-    service.before_patch(lambda: service.set_zone("h1-s0", ["HostPort-h1", "GPU-b1-0", "GPU-b1-3"]))
+    # and write: the fence's ZoneETag is stale and the fresh read revokes both.
+    service.before_write(lambda: service.set_zone("h1-s0", ["HostPort-h1", "GPU-b1-0", "GPU-b1-3"]))
     fencer = mapper_for(fmap, "h2")
     service.set_zone("h1-s1", ["HostPort-h1", "GPU-b1-1"])
 
     assert fencer.fence("h1") == [GPU0, GPU1, GPU3]
-    assert [etag for _, etag in service.patches()[-3:-1]] == ['"h1-s0-2"', '"h1-s0-3"']
     assert service.zone("h1-s0") == ["HostPort-h1"]
     assert service.zone("h1-s1") == ["HostPort-h1"]
     fencer.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,14 @@ from dxpool.hostagent.config import AgentConfig
 from dxpool.hostagent.drivers import build_driver, build_proxy_mapper
 from dxpool.hostagent.drivers.redfish import RedfishProxyMapper
 from dxpool.names import GpuRef
-from dxpool.redfish.fabric_map import load_fabric_map
+from dxpool.redfish.fabric_map import (
+    AuthMethod,
+    Membership,
+    RedfishScrub,
+    ResetAction,
+    ZoneLookup,
+    load_fabric_map,
+)
 
 from .redfish_service import (
     FABRIC,
@@ -62,7 +70,43 @@ def test_load_reads_the_map_and_resolves_files_next_to_it(tmp_path: Path) -> Non
     assert loaded.gpu_endpoint(GpuRef("b1", 3)) == "GPU-b1-3"
     assert loaded.gpu_endpoint(GpuRef("b1", 4)) is None
     assert loaded.gpu_of("GPU-b1-2") == GpuRef("b1", 2)
+    assert loaded.gpu_of("HostPort-h1") is None
+    assert loaded.host_of_zone("h2-s0") == "h2"
     assert PASSWORD not in repr(loaded.service)
+    # the defaults: sessions, actions where offered, Links.Zones once proved, Processor.Reset
+    assert loaded.service.auth is AuthMethod.SESSION
+    assert loaded.service.membership is Membership.AUTO
+    assert loaded.service.zone_lookup is ZoneLookup.AUTO
+    assert loaded.scrub == RedfishScrub()
+
+
+def test_load_reads_a_zone_per_host_port_and_the_scrub_section(tmp_path: Path) -> None:
+    content = document(auth="basic", membership="actions", zone_lookup="scan", task_timeout_s=30)
+    content["hosts"]["h3"] = {"endpoint": "I3", "zone": 3, "slots": 4}  # DMTF numbers zones
+    content["scrub"] = {
+        "actions": [
+            "#Processor.Reset",
+            {"name": "#Oem.Contoso.ResetGpu", "parameters": {"Mode": "Full"}},
+        ],
+        "hook": "scrub-hook",
+        "hook_timeout_s": 5,
+    }
+    loaded = load_fabric_map(write(tmp_path, content))
+
+    port = loaded.hosts["h3"]
+    assert (port.zones, port.per_port, port.slots) == (("3",), True, 4)
+    assert [port.zone_for_slot(s) for s in (0, 3, 4)] == ["3", "3", None]
+    assert loaded.hosts["h1"].zone_for_slot(1) == "h1-s1"
+    assert loaded.service.auth is AuthMethod.BASIC
+    assert loaded.service.membership is Membership.ACTIONS
+    assert loaded.service.zone_lookup is ZoneLookup.SCAN
+    assert loaded.service.task_timeout_s == 30.0
+    assert loaded.scrub.actions == (
+        ResetAction("#Processor.Reset"),
+        ResetAction("#Oem.Contoso.ResetGpu", {"Mode": "Full"}),
+    )
+    assert loaded.scrub.hook == tmp_path / "scrub-hook"
+    assert loaded.scrub.hook_timeout_s == 5.0
 
 
 @pytest.mark.parametrize(
@@ -78,12 +122,35 @@ def test_load_reads_the_map_and_resolves_files_next_to_it(tmp_path: Path) -> Non
         ({"hosts": {"H 1": {"endpoint": "e", "zones": ["z"]}}}, "invalid host id"),
         ({"boxes": {"b1": ["HostPort-h1"]}}, "is given to both host h1 and GPU b1/0"),
         ({"hosts": {"h3": {"endpoint": "e3", "zones": ["h1-s0"]}}}, "'h1-s0' is given to both"),
+        ({"hosts": {"h3": {"endpoint": "e3"}}}, "needs either zones: (one zone per host slot)"),
+        (
+            {"hosts": {"h3": {"endpoint": "e3", "zones": ["z"], "zone": "z"}}},
+            "needs either zones:",
+        ),
+        ({"hosts": {"h3": {"endpoint": "e3", "zone": "z"}}}, "hosts.h3.slots must be 1..256"),
+        ({"hosts": {"h3": {"endpoint": "e3", "zone": "z", "slots": 0}}}, "slots must be 1..256"),
+        (
+            {"hosts": {"h3": {"endpoint": "e3", "zones": ["z"], "slots": 2}}},
+            "hosts.h3.slots goes with zone:",
+        ),
+        (
+            {"hosts": {"h3": {"endpoint": "e3", "zone": "h2-s0", "slots": 2}}},
+            "'h2-s0' is given to both slot 0 of host h2 and the port of host h3",
+        ),
+        ({"service": {"auth": "kerberos"}}, "service.auth must be one of session, basic"),
+        ({"service": {"membership": "put"}}, "service.membership must be one of auto, actions"),
+        ({"service": {"zone_lookup": "guess"}}, "service.zone_lookup must be one of auto"),
+        ({"service": {"task_timeout_s": 0}}, "service.task_timeout_s must be a number > 0"),
+        ({"scrub": {"actions": "#Processor.Reset"}}, "scrub.actions must be a list"),
+        ({"scrub": {"actions": ["Processor.Reset"]}}, "is not an action name"),
+        ({"scrub": {"actions": []}}, "scrub needs at least one action or a hook"),
+        ({"scrub": {"actions": [{"name": "#A.B", "body": {}}]}}, "unknown key(s) body"),
     ],
 )
 def test_bad_maps_name_what_to_fix(tmp_path: Path, change: dict[str, Any], message: str) -> None:
     content = document()
     for section, values in change.items():
-        content[section].update(values)
+        content.setdefault(section, {}).update(values)
     with pytest.raises(InvalidArgument) as raised:
         load_fabric_map(write(tmp_path, content))
     assert message in raised.value.message
@@ -156,3 +223,35 @@ def test_the_sim_driver_refuses_a_redfish_map(tmp_path: Path) -> None:
     )
     with pytest.raises(InvalidArgument, match="--redfish-map is for a driver of real hosts"):
         build_driver(config)
+
+
+def test_the_operations_guide_fabric_map_loads_as_written(tmp_path: Path) -> None:
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "OPERATIONS.md").read_text()
+    example = next(
+        block
+        for block in re.findall(r"```yaml\n(.*?)```", readme, re.DOTALL)
+        if "password_file" in block
+    )
+    (tmp_path / "redfish.password").write_text("secret\n")
+    (tmp_path / "fabric-map.yaml").write_text(example)
+
+    loaded = load_fabric_map(tmp_path / "fabric-map.yaml")
+
+    assert loaded.hosts["h1"].slots == 2 and not loaded.hosts["h1"].per_port
+    assert loaded.hosts["h2"].slots == 4 and loaded.hosts["h2"].per_port
+    assert loaded.gpu_of("GPU-b1-3") == GpuRef("b1", 3)
+    assert loaded.scrub.hook == Path("/usr/local/libexec/dxpool-scrub")
+
+
+def test_selection_counts_the_slots_of_a_port_zone(tmp_path: Path) -> None:
+    content = document()
+    content["hosts"]["h3"] = {"endpoint": "HostPort-h3", "zone": "h3-port", "slots": 2}
+    path = write(tmp_path, content)
+    with pytest.raises(InvalidArgument, match="gives host 'h3' a port zone of 2 slots for 8"):
+        build_proxy_mapper(AgentConfig(host_id="h3", slot_capacity=8, redfish_map=path))
+
+
+def test_reset_parameters_are_not_printed() -> None:
+    action = ResetAction("#Contoso.SecureErase", {"Passphrase": "hunter2"})
+    assert "hunter2" not in repr(action)
+    assert "Passphrase" in repr(action)

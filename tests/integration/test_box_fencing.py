@@ -264,7 +264,8 @@ def test_a_lost_hosts_gpus_leave_its_zones_before_they_are_free_again(
     def in_h1_zones(name: str) -> bool:
         return any(endpoint_of(name) in service.zone(zone) for zone in ZONES["h1"])
 
-    gate = service.hold("PATCH", "")  # the broker's zone writes wait, and time out
+    # the broker's zone changes wait, and time out
+    gate = service.hold("POST", "/Actions/Zone.RemoveEndpoint")
     try:
         lose_host(stubs, lost, node.name, gpus)
         assert_unavailable_for(
@@ -278,7 +279,8 @@ def test_a_lost_hosts_gpus_leave_its_zones_before_they_are_free_again(
         stubs,
         gpus,
         revoked=lambda name: (
-            not in_h1_zones(name) and (endpoint_of(name), "ForceRestart") in service.resets
+            not in_h1_zones(name)
+            and endpoint_of(name) in [endpoint for endpoint, _ in service.resets_done]
         ),
     )
     assert all(service.zone(zone) == ["HostPort-h1"] for zone in ZONES["h1"])
@@ -376,4 +378,4 @@ def test_a_broker_the_fabric_manager_refuses_never_frees_and_quarantines(
     assert pb.GPU_STATE_FREE not in seen
     assert "refused the credentials of Redfish user 'dxpool'" in gpu(stubs, name).message
     assert any(endpoint_of(name) in service.zone(zone) for zone in ZONES["h1"])  # untouched
-    assert len(service.patches()) == 1  # the agent's map; the broker never got to write
+    assert len(service.writes()) == 1  # the agent's map; the broker never got to write

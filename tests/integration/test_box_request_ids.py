@@ -24,6 +24,7 @@ from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.inventory_service import InventoryService
 from dxpool.store.keys import KeySchema
 from tests.conftest import Stubs, add_box, pool_records
+from tests.patience import patient
 
 ALREADY_EXISTS = grpc.StatusCode.ALREADY_EXISTS
 
@@ -187,7 +188,7 @@ class HoldFirstCreate:
                 first = self.reads == 1
             if first:
                 self.read.set()
-                assert self.release.wait(10), "the held call was never released"
+                assert self.release.wait(patient(10)), "the held call was never released"
             return result
 
         monkeypatch.setattr(InventoryService, "_earlier_create", held)
@@ -209,7 +210,7 @@ def test_two_calls_with_one_request_make_one_box(
     stubs: Stubs, hold: HoldFirstCreate, etcd_client: Any, key_prefix: str
 ) -> None:
     executor, held = _in_background(lambda: stubs.inventory.CreateBox(create(), timeout=20))
-    assert hold.read.wait(10)  # the first call saw no request key, and waits
+    assert hold.read.wait(patient(10))  # the first call saw no request key, and waits
     second = stubs.inventory.CreateBox(create(), timeout=20)
     hold.release.set()
     first = held.result(20)  # its commit fails; it looks again and finds the same request
@@ -223,7 +224,7 @@ def test_a_held_call_with_another_request_loses_the_request_id(
     stubs: Stubs, hold: HoldFirstCreate
 ) -> None:
     executor, held = _in_background(lambda: stubs.inventory.CreateBox(create(rack="r2")))
-    assert hold.read.wait(10)
+    assert hold.read.wait(patient(10))
     winner = stubs.inventory.CreateBox(create(), timeout=20)
     hold.release.set()
     with pytest.raises(grpc.RpcError) as error:
@@ -241,7 +242,7 @@ def test_a_held_call_after_a_create_and_delete_creates_the_box(
     """Create, delete, then the held call: it commits last, so its box is what remains."""
     keys = KeySchema(key_prefix)
     executor, held = _in_background(lambda: stubs.inventory.CreateBox(create(), timeout=20))
-    assert hold.read.wait(10)
+    assert hold.read.wait(patient(10))
     stubs.inventory.CreateBox(create(), timeout=20)
     stubs.inventory.DeleteBox(inventory_pb2.DeleteBoxRequest(name="boxes/box1"))
     hold.release.set()

@@ -8,6 +8,7 @@ the nodes, and once everything is released every GPU is free again.
 from __future__ import annotations
 
 import collections
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -15,6 +16,7 @@ import grpc
 from dxpool.api.v1 import inventory_pb2, nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
 from tests.conftest import SimPool, Stubs, register_sim_box, wait_hosts_alive, wait_until
+from tests.patience import patient
 
 BOXES = 8
 GPUS_PER_BOX = 8
@@ -42,17 +44,26 @@ def test_two_hundred_concurrent_composes(  # type: ignore[no-untyped-def]
         wait_hosts_alive(s, HOSTS)
 
     def one(call: int) -> tuple[str, pb.VirtualNode | None]:
+        """One caller, retrying what the broker says is worth retrying, as a client does:
+        UNAVAILABLE (its cache too stale to answer, which a loaded machine causes) and
+        ABORTED (lost compares). The request id makes each retry the same compose."""
         count = 1 + call % 3
-        try:
-            node = stubs[call % 2].nodes.ComposeNode(
-                nodes_pb2.ComposeNodeRequest(
-                    spec=pb.NodeSpec(gpus=pb.GpuRequest(model="H100", count=count)),
-                    request_id=f"race-{call}",
-                )
-            )
-            return "ok", node
-        except grpc.RpcError as error:
-            return error.code().name, None
+        request = nodes_pb2.ComposeNodeRequest(
+            spec=pb.NodeSpec(gpus=pb.GpuRequest(model="H100", count=count)),
+            request_id=f"race-{call}",
+        )
+        deadline = time.monotonic() + patient(60)
+        pause = 0.05
+        while True:
+            try:
+                return "ok", stubs[call % 2].nodes.ComposeNode(request)
+            except grpc.RpcError as error:
+                code = error.code()
+                retryable = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
+                if not retryable or time.monotonic() > deadline:
+                    return code.name, None
+            time.sleep(pause)
+            pause = min(pause * 2, 1.0)
 
     with ThreadPoolExecutor(THREADS) as pool:
         results = list(pool.map(one, range(CALLS)))

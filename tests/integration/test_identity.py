@@ -6,10 +6,17 @@ from __future__ import annotations
 
 from dxpool.api.v1 import nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.fabric._sim_types import gpu_serial, gpu_uuid
+from dxpool.fabric._sim_types import SimGpuSpec, gpu_serial, gpu_uuid
 from dxpool.store.keys import KeySchema
 from dxpool.store.typed import Store, Txn
-from tests.conftest import SimPool, Stubs, register_sim_box, wait_hosts_alive, wait_until
+from tests.conftest import (
+    SimPool,
+    Stubs,
+    add_box,
+    register_sim_box,
+    wait_hosts_alive,
+    wait_until,
+)
 from tests.integration.test_gpu_health import gpu_record
 from tests.integration.test_node_lifecycle import compose, wait_state
 
@@ -73,3 +80,32 @@ def test_a_gpu_whose_serial_changed_fails_its_attach_and_is_quarantined_as_suspe
         lambda: sim_pool.fabric.mapping("box1", 0) is None,
         message="the refused device to be unmapped",
     )
+
+
+def test_a_box_registered_with_the_wrong_model_has_every_attached_gpu_quarantined(
+    stubs: Stubs, sim_pool: SimPool
+) -> None:
+    """The fabric holds A100s where the inventory says H100. One GPU's refusal arrives
+    first (the other's attach is retried once); the node fails only once both outcomes
+    are in, so both GPUs are quarantined and the next compose is not handed either."""
+    sim_pool.fabric.add_box("box6", [SimGpuSpec("A100", 81920) for _ in range(2)])
+    add_box(stubs, "box6", gpus=2, model="H100")
+    sim_pool.start_agent("h1")
+    wait_hosts_alive(stubs)
+    sim_pool.fabric.inject_fault("map", box="box6", slot=0, message="proxy busy")
+
+    node = compose(stubs, "H100:2")
+    assert {b.gpu for b in node.gpus} == {"boxes/box6/gpus/0", "boxes/box6/gpus/1"}
+    failed = wait_state(stubs, node.name, pb.NODE_STATE_FAILED)
+
+    for name in ("boxes/box6/gpus/0", "boxes/box6/gpus/1"):
+        assert f"{name}: attach failed" in failed.message
+        wait_until(
+            lambda name=name: gpu_record(stubs, name).state == pb.GPU_STATE_QUARANTINED,
+            message=f"{name} quarantined",
+        )
+        assert "reports model 'A100', expected 'H100'" in gpu_record(stubs, name).message
+    register_sim_box(sim_pool, stubs, "box1", gpus=2)
+    second = compose(stubs, "H100:2")
+    assert {b.gpu for b in second.gpus} == {"boxes/box1/gpus/0", "boxes/box1/gpus/1"}
+    wait_state(stubs, second.name, pb.NODE_STATE_READY)

@@ -172,3 +172,35 @@ def test_watch_streams_node_changes(stubs: Stubs, sim_pool: SimPool) -> None:
             break
     assert seen[0] in (pb.NODE_STATE_PENDING, pb.NODE_STATE_ATTACHING, pb.NODE_STATE_READY)
     assert seen[-1] == pb.NODE_STATE_READY
+
+
+def test_a_box_deleted_and_added_again_attaches_after_its_gpus_were_fenced(  # type: ignore[no-untyped-def]
+    broker_factory, sim_pool: SimPool
+) -> None:
+    """Delete and add again is the remedy after a GPU is replaced; the box side still
+    refuses every generation it fenced, so the new records must not start over at 0."""
+    broker = broker_factory(fabric=f"sim:{sim_pool.state_dir / 'fabric'}")
+    with grpc.insecure_channel(broker.endpoint) as channel:
+        stubs = Stubs(channel)
+        register_sim_box(sim_pool, stubs, "box6", gpus=2)
+        sim_pool.start_agent("h1")
+        wait_hosts_alive(stubs)
+        for _ in range(3):  # several assignments: the generations climb above 1
+            node = compose(stubs, "H100:2", host="hosts/h1")
+            wait_state(stubs, node.name, pb.NODE_STATE_READY)
+            stubs.nodes.ReleaseNode(nodes_pb2.ReleaseNodeRequest(name=node.name, force=True))
+            wait_state(stubs, node.name, pb.NODE_STATE_RELEASED)
+        fenced = max(g.generation for g in gpus_in(stubs, pb.GPU_STATE_FREE))
+        assert fenced >= 3
+
+        stubs.inventory.DeleteBox(inventory_pb2.DeleteBoxRequest(name="boxes/box6"))
+        register_sim_box(sim_pool, stubs, "box6", gpus=2)
+
+        node = compose(stubs, "H100:2", host="hosts/h1")
+        settled = {pb.NODE_STATE_READY, pb.NODE_STATE_FAILED}
+        wait_until(
+            lambda: node_state(stubs, node.name) in settled, 60, message=f"{node.name} settled"
+        )
+        again = stubs.nodes.GetNode(nodes_pb2.GetNodeRequest(name=node.name))
+        assert again.state == pb.NODE_STATE_READY, again.message
+        assert all(g.generation > fenced for g in gpus_in(stubs, pb.GPU_STATE_ATTACHED))

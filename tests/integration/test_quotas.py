@@ -32,6 +32,7 @@ from tests.conftest import (
     wait_until,
 )
 from tests.integration.test_node_lifecycle import wait_state
+from tests.patience import patient
 
 
 def register_host(etcd_client: Any, keys: KeySchema, host_id: str, slots: int = 32) -> None:
@@ -410,7 +411,7 @@ def test_a_compose_held_before_its_commit_is_refused_once_another_used_the_quota
     def held_commit(txn: Txn) -> Any:
         if any(key == tenant_key for key, _ in txn.writes) and not reached.is_set():
             reached.set()
-            assert go_on.wait(30)
+            assert go_on.wait(patient(30))
         return commit(txn)
 
     monkeypatch.setattr(store, "commit", held_commit)
@@ -419,7 +420,7 @@ def test_a_compose_held_before_its_commit_is_refused_once_another_used_the_quota
             first_stubs.nodes.ComposeNode,
             compose_request("H100:1", "team-a", host="hosts/h1"),
         )
-        assert reached.wait(30)
+        assert reached.wait(patient(30))
         winner = second_stubs.nodes.ComposeNode(
             compose_request("A100:1", "team-a", host="hosts/h2")
         )
@@ -460,7 +461,7 @@ def test_a_release_between_read_and_commit_is_not_lost(
             attempts.append(txn)
             if not reached.is_set():
                 reached.set()
-                assert go_on.wait(30)
+                assert go_on.wait(patient(30))
         return commit(txn)
 
     monkeypatch.setattr(store, "commit", held_commit)
@@ -469,7 +470,7 @@ def test_a_release_between_read_and_commit_is_not_lost(
             first_stubs.nodes.ComposeNode,
             compose_request("H100:1", "team-a", host="hosts/h1"),
         )
-        assert reached.wait(30)
+        assert reached.wait(patient(30))
         second_stubs.nodes.ReleaseNode(nodes_pb2.ReleaseNodeRequest(name=old.name))
         go_on.set()
         node = held.result(timeout=30)

@@ -26,6 +26,7 @@ from dxpool.names import GpuRef
 from dxpool.store.client import connect
 from tests.conftest import SimPool, Stubs, register_sim_box, wait_hosts_alive, wait_until
 from tests.integration.test_node_lifecycle import compose, wait_state
+from tests.patience import patient
 
 GPU = GpuRef("box1", 0)
 
@@ -47,7 +48,7 @@ class HeldDriver:
     def observe(self) -> dict[GpuRef, AttachedGpu]:
         if self.armed:
             self.arrived.set()
-            assert self.go.wait(30), "the test never let the agent go"
+            assert self.go.wait(patient(30)), "the test never let the agent go"
         return self.inner.observe()
 
     def attach(self, request: AttachRequest) -> AttachedGpu:
@@ -104,7 +105,7 @@ def test_a_gpu_released_while_its_agent_is_held_is_never_mapped(
     driver.armed = True
 
     node = compose(stubs, "H100:1")
-    assert driver.arrived.wait(10), "the agent never picked up the GPU"
+    assert driver.arrived.wait(patient(10)), "the agent never picked up the GPU"
     stubs.nodes.ReleaseNode(nodes_pb2.ReleaseNodeRequest(name=node.name))
     wait_state(stubs, node.name, pb.NODE_STATE_RELEASING)
     time.sleep(1.0)  # the controller has had passes enough to free it, were it going to
@@ -134,7 +135,7 @@ def test_a_gpu_reassigned_while_its_old_agent_is_held_stays_with_the_new_host(
     driver.armed = True
 
     first = compose(stubs, "H100:1", host="hosts/h1")
-    assert driver.arrived.wait(10)
+    assert driver.arrived.wait(patient(10))
     stubs.nodes.ReleaseNode(nodes_pb2.ReleaseNodeRequest(name=first.name))
     wait_state(stubs, first.name, pb.NODE_STATE_RELEASING)
     with pytest.raises(grpc.RpcError) as taken:

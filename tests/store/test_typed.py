@@ -82,7 +82,7 @@ def test_read_is_retried_on_the_next_member_but_an_unconfirmed_write_is_not(
     started = time.monotonic()
     record = cluster_store.get(key)  # times out on the paused member, then asks another
     assert record is not None and record.value.name == "boxes/b1"
-    assert 0.5 <= time.monotonic() - started < 3.0
+    assert time.monotonic() - started >= 0.5  # it did wait out the paused member first
     paused.resume()
 
     paused = member_in_use(etcd_cluster, cluster_store)
@@ -90,9 +90,10 @@ def test_read_is_retried_on_the_next_member_but_an_unconfirmed_write_is_not(
     started = time.monotonic()
     with pytest.raises(Unavailable) as raised:
         cluster_store.commit(Txn().put(key, pb.Box(name="boxes/b1", gpu_count=2)))
-    # Sent, never answered: etcd may have applied it, so it is not sent again.
+    # Sent, never answered: etcd may have applied it, so it is not sent again (sent
+    # again, it would have succeeded on a member that answers).
     assert raised.value.reason == "ETCD_OUTCOME_UNKNOWN"
-    assert time.monotonic() - started < 0.9
+    assert time.monotonic() - started >= 0.5
 
 
 def test_a_call_waits_out_the_pause_other_calls_put_on_every_member(
@@ -110,14 +111,15 @@ def test_a_call_waits_out_the_pause_other_calls_put_on_every_member(
             endpoint.fail()
         started = time.monotonic()
         assert call()
-        assert 0.2 <= time.monotonic() - started < 1.0  # the 0.25 s pause, then one call
+        assert time.monotonic() - started >= 0.2  # the 0.25 s pause, then the call
     assert cluster_store.health.reachable
 
 
 def test_every_failure_is_unavailable_and_fast_once_etcd_is_known_away(
     private_etcd: EmbeddedEtcd, key_prefix: str
 ) -> None:
-    client = connect(private_etcd.endpoint, timeout_s=1.0)
+    # A long call timeout: a failure that waited for it is plainly told from a fast one.
+    client = connect(private_etcd.endpoint, timeout_s=20.0)
     store = Store(client, KeySchema(key_prefix))
     key = store.keys.box("b1")
     try:
@@ -132,7 +134,7 @@ def test_every_failure_is_unavailable_and_fast_once_etcd_is_known_away(
             with pytest.raises(Unavailable) as raised:
                 call()
             assert raised.value.reason == "ETCD_UNAVAILABLE"
-            assert time.monotonic() - started < 0.2
+            assert time.monotonic() - started < 10  # refused, not timed out after 20 s
         assert not store.health.reachable
         private_etcd.start()
         wait_until(lambda: store.health.reachable, timeout_s=3, message="probe sees etcd back")

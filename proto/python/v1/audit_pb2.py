@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64xpool/v1/audit.proto\x12\tdxpool.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xb7\x01\n\x0b\x41uditRecord\x12(\n\x04time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08identity\x18\x02 \x01(\t\x12\x0c\n\x04peer\x18\x03 \x01(\t\x12\x0b\n\x03rpc\x18\x04 \x01(\t\x12\x0e\n\x06target\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x0c\n\x04\x63ode\x18\x07 \x01(\t\x12\x0f\n\x07message\x18\x08 \x01(\t\x12\x0e\n\x06\x62roker\x18\t \x01(\t\"\x8d\x01\n\x17ListAuditRecordsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12)\n\x05since\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08identity\x18\x04 \x01(\t\x12\x0e\n\x06target\x18\x05 \x01(\t\"\\\n\x18ListAuditRecordsResponse\x12\'\n\x07records\x18\x01 \x03(\x0b\x32\x16.dxpool.v1.AuditRecord\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t2k\n\x0c\x41uditService\x12[\n\x10ListAuditRecords\x12\".dxpool.v1.ListAuditRecordsRequest\x1a#.dxpool.v1.ListAuditRecordsResponseB*Z(github.com/dxpool/dxpool/api/v1;dxpoolv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64xpool/v1/audit.proto\x12\tdxpool.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xea\x01\n\x0b\x41uditRecord\x12(\n\x04time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08identity\x18\x02 \x01(\t\x12\x0c\n\x04peer\x18\x03 \x01(\t\x12\x0b\n\x03rpc\x18\x04 \x01(\t\x12\x0e\n\x06target\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x0c\n\x04\x63ode\x18\x07 \x01(\t\x12\x0f\n\x07message\x18\x08 \x01(\t\x12\x0e\n\x06\x62roker\x18\t \x01(\t\x12\x31\n\x0frejected_fields\x18\n \x03(\x0b\x32\x18.dxpool.v1.RejectedField\"<\n\rRejectedField\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"\x8d\x01\n\x17ListAuditRecordsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12)\n\x05since\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08identity\x18\x04 \x01(\t\x12\x0e\n\x06target\x18\x05 \x01(\t\"\\\n\x18ListAuditRecordsResponse\x12\'\n\x07records\x18\x01 \x03(\x0b\x32\x16.dxpool.v1.AuditRecord\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t2k\n\x0c\x41uditService\x12[\n\x10ListAuditRecords\x12\".dxpool.v1.ListAuditRecordsRequest\x1a#.dxpool.v1.ListAuditRecordsResponseB*Z(github.com/dxpool/dxpool/api/v1;dxpoolv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,11 +35,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'Z(github.com/dxpool/dxpool/api/v1;dxpoolv1'
   _globals['_AUDITRECORD']._serialized_start=70
-  _globals['_AUDITRECORD']._serialized_end=253
-  _globals['_LISTAUDITRECORDSREQUEST']._serialized_start=256
-  _globals['_LISTAUDITRECORDSREQUEST']._serialized_end=397
-  _globals['_LISTAUDITRECORDSRESPONSE']._serialized_start=399
-  _globals['_LISTAUDITRECORDSRESPONSE']._serialized_end=491
-  _globals['_AUDITSERVICE']._serialized_start=493
-  _globals['_AUDITSERVICE']._serialized_end=600
+  _globals['_AUDITRECORD']._serialized_end=304
+  _globals['_REJECTEDFIELD']._serialized_start=306
+  _globals['_REJECTEDFIELD']._serialized_end=366
+  _globals['_LISTAUDITRECORDSREQUEST']._serialized_start=369
+  _globals['_LISTAUDITRECORDSREQUEST']._serialized_end=510
+  _globals['_LISTAUDITRECORDSRESPONSE']._serialized_start=512
+  _globals['_LISTAUDITRECORDSRESPONSE']._serialized_end=604
+  _globals['_AUDITSERVICE']._serialized_start=606
+  _globals['_AUDITSERVICE']._serialized_end=713
 # @@protoc_insertion_point(module_scope)

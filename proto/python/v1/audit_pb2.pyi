@@ -35,6 +35,7 @@ class AuditRecord(_message.Message):
     CODE_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     BROKER_FIELD_NUMBER: _builtins.int
+    REJECTED_FIELDS_FIELD_NUMBER: _builtins.int
     identity: _builtins.str
     """Who called: "dxpool://ROLE/NAME"; "unauthenticated" when authentication is on and
     the caller proved nothing; empty when authentication is off.
@@ -44,7 +45,10 @@ class AuditRecord(_message.Message):
     rpc: _builtins.str
     """The RPC, e.g. "NodeService.ReleaseNode"."""
     target: _builtins.str
-    """The resource it named, e.g. "nodes/n1" (for ComposeNode, the node it made)."""
+    """The resource it named, e.g. "nodes/n1" (for ComposeNode, the node it made); empty
+    when the request named none, or nothing that is a resource name (see
+    rejected_fields).
+    """
     request_id: _builtins.str
     code: _builtins.str
     """The gRPC status code name it ended with: "OK", "PERMISSION_DENIED", ..."""
@@ -54,6 +58,13 @@ class AuditRecord(_message.Message):
     """Which broker served it."""
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def rejected_fields(self) -> _containers.RepeatedCompositeFieldContainer[Global___RejectedField]:
+        """Fields the request filled with something that is not of their kind (too long, not a
+        resource name or request id, ...): recorded by size and digest, not their content,
+        and left empty above.
+        """
+
     def __init__(
         self,
         *,
@@ -66,14 +77,47 @@ class AuditRecord(_message.Message):
         code: _builtins.str = ...,
         message: _builtins.str = ...,
         broker: _builtins.str = ...,
+        rejected_fields: _abc.Iterable[Global___RejectedField] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["broker", b"broker", "code", b"code", "identity", b"identity", "message", b"message", "peer", b"peer", "request_id", b"request_id", "rpc", b"rpc", "target", b"target", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["broker", b"broker", "code", b"code", "identity", b"identity", "message", b"message", "peer", b"peer", "rejected_fields", b"rejected_fields", "request_id", b"request_id", "rpc", b"rpc", "target", b"target", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AuditRecord: _TypeAlias = AuditRecord  # noqa: Y015
+
+@_typing.final
+class RejectedField(_message.Message):
+    """A field of a call that the audit log keeps by size and digest only: enough to match
+    it against a client's own log, never the bytes a caller sent.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FIELD_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    field: _builtins.str
+    """The record's field it stands for: "target", "request_id", "identity", "peer", ..."""
+    size: _builtins.int
+    """Its length in bytes (UTF-8)."""
+    sha256: _builtins.str
+    """Its SHA-256, in hex."""
+    def __init__(
+        self,
+        *,
+        field: _builtins.str = ...,
+        size: _builtins.int = ...,
+        sha256: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["field", b"field", "sha256", b"sha256", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RejectedField: _TypeAlias = RejectedField  # noqa: Y015
 
 @_typing.final
 class ListAuditRecordsRequest(_message.Message):

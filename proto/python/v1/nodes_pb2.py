@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from dxpool.api.v1 import resources_pb2 as dxpool_dot_v1_dot_resources__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64xpool/v1/nodes.proto\x12\tdxpool.v1\x1a\x19\x64xpool/v1/resources.proto\"L\n\x15SetTenantQuotaRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x05quota\x18\x02 \x01(\x0b\x32\x16.dxpool.v1.TenantQuota\" \n\x10GetTenantRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\";\n\x12ListTenantsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"R\n\x13ListTenantsResponse\x12\"\n\x07tenants\x18\x01 \x03(\x0b\x32\x11.dxpool.v1.Tenant\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\\\n\x12\x43omposeNodeRequest\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.dxpool.v1.NodeSpec\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"O\n\rPlanCandidate\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x66\x65\x61sible\x18\x02 \x01(\x08\x12\x0f\n\x07reasons\x18\x03 \x03(\t\x12\r\n\x05score\x18\x04 \x01(\x01\"{\n\x08NodePlan\x12\x0c\n\x04host\x18\x01 \x01(\t\x12#\n\x04gpus\x18\x02 \x03(\x0b\x32\x15.dxpool.v1.GpuBinding\x12\'\n\x05hosts\x18\x03 \x03(\x0b\x32\x18.dxpool.v1.PlanCandidate\x12\x13\n\x0bunsatisfied\x18\x04 \x03(\t\"\x1e\n\x0eGetNodeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"%\n\x15GetNodeHostdevRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"3\n\nGpuHostdev\x12\x0b\n\x03gpu\x18\x01 \x01(\t\x12\x0b\n\x03\x62\x64\x66\x18\x02 \x01(\t\x12\x0b\n\x03xml\x18\x03 \x01(\t\"^\n\x0bNodeHostdev\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12&\n\x07\x64\x65vices\x18\x03 \x03(\x0b\x32\x15.dxpool.v1.GpuHostdev\x12\x0b\n\x03xml\x18\x04 \x01(\t\"v\n\x10ListNodesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x15\n\rshow_released\x18\x04 \x01(\x08\x12\x16\n\x0elabel_selector\x18\x05 \x01(\t\"S\n\x11ListNodesResponse\x12%\n\x05nodes\x18\x01 \x03(\x0b\x32\x16.dxpool.v1.VirtualNode\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"1\n\x12ReleaseNodeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\"9\n\x11WatchNodesRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0estart_revision\x18\x02 \x01(\x03\"\xe1\x01\n\tNodeEvent\x12\'\n\x04type\x18\x01 \x01(\x0e\x32\x19.dxpool.v1.NodeEvent.Type\x12$\n\x04node\x18\x02 \x01(\x0b\x32\x16.dxpool.v1.VirtualNode\x12\x10\n\x08revision\x18\x03 \x01(\x03\x12\r\n\x05reset\x18\x04 \x01(\x08\"d\n\x04Type\x12\x14\n\x10TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rTYPE_EXISTING\x10\x01\x12\x10\n\x0cTYPE_CHANGED\x10\x02\x12\x10\n\x0cTYPE_DELETED\x10\x03\x12\x0f\n\x0bTYPE_SYNCED\x10\x04\"_\n\x12\x43omposeGangRequest\x12$\n\x07members\x18\x01 \x03(\x0b\x32\x13.dxpool.v1.NodeSpec\x12\x0f\n\x07gang_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\";\n\x04Gang\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x05nodes\x18\x02 \x03(\x0b\x32\x16.dxpool.v1.VirtualNode\"\x1e\n\x0eGetGangRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"1\n\x12ReleaseGangRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\"X\n\x11ResizeNodeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tgpu_count\x18\x02 \x01(\x05\x12\x0e\n\x06remove\x18\x03 \x03(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"#\n\x13\x44\x65leteTenantRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x16\n\x14\x44\x65leteTenantResponse2\x8b\x08\n\x0bNodeService\x12\x44\n\x0b\x43omposeNode\x12\x1d.dxpool.v1.ComposeNodeRequest\x1a\x16.dxpool.v1.VirtualNode\x12>\n\x08PlanNode\x12\x1d.dxpool.v1.ComposeNodeRequest\x1a\x13.dxpool.v1.NodePlan\x12<\n\x07GetNode\x12\x19.dxpool.v1.GetNodeRequest\x1a\x16.dxpool.v1.VirtualNode\x12\x46\n\tListNodes\x12\x1b.dxpool.v1.ListNodesRequest\x1a\x1c.dxpool.v1.ListNodesResponse\x12\x44\n\x0bReleaseNode\x12\x1d.dxpool.v1.ReleaseNodeRequest\x1a\x16.dxpool.v1.VirtualNode\x12\x42\n\nWatchNodes\x12\x1c.dxpool.v1.WatchNodesRequest\x1a\x14.dxpool.v1.NodeEvent0\x01\x12J\n\x0eGetNodeHostdev\x12 .dxpool.v1.GetNodeHostdevRequest\x1a\x16.dxpool.v1.NodeHostdev\x12\x42\n\nResizeNode\x12\x1c.dxpool.v1.ResizeNodeRequest\x1a\x16.dxpool.v1.VirtualNode\x12=\n\x0b\x43omposeGang\x12\x1d.dxpool.v1.ComposeGangRequest\x1a\x0f.dxpool.v1.Gang\x12\x35\n\x07GetGang\x12\x19.dxpool.v1.GetGangRequest\x1a\x0f.dxpool.v1.Gang\x12=\n\x0bReleaseGang\x12\x1d.dxpool.v1.ReleaseGangRequest\x1a\x0f.dxpool.v1.Gang\x12\x45\n\x0eSetTenantQuota\x12 .dxpool.v1.SetTenantQuotaRequest\x1a\x11.dxpool.v1.Tenant\x12;\n\tGetTenant\x12\x1b.dxpool.v1.GetTenantRequest\x1a\x11.dxpool.v1.Tenant\x12L\n\x0bListTenants\x12\x1d.dxpool.v1.ListTenantsRequest\x1a\x1e.dxpool.v1.ListTenantsResponse\x12O\n\x0c\x44\x65leteTenant\x12\x1e.dxpool.v1.DeleteTenantRequest\x1a\x1f.dxpool.v1.DeleteTenantResponseB*Z(github.com/dxpool/dxpool/api/v1;dxpoolv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64xpool/v1/nodes.proto\x12\tdxpool.v1\x1a\x19\x64xpool/v1/resources.proto\"L\n\x15SetTenantQuotaRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x05quota\x18\x02 \x01(\x0b\x32\x16.dxpool.v1.TenantQuota\" \n\x10GetTenantRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\";\n\x12ListTenantsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"R\n\x13ListTenantsResponse\x12\"\n\x07tenants\x18\x01 \x03(\x0b\x32\x11.dxpool.v1.Tenant\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\\\n\x12\x43omposeNodeRequest\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.dxpool.v1.NodeSpec\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"U\n\x0fPlanNodeRequest\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.dxpool.v1.NodeSpecJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04R\x07node_idR\nrequest_id\"O\n\rPlanCandidate\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x66\x65\x61sible\x18\x02 \x01(\x08\x12\x0f\n\x07reasons\x18\x03 \x03(\t\x12\r\n\x05score\x18\x04 \x01(\x01\"{\n\x08NodePlan\x12\x0c\n\x04host\x18\x01 \x01(\t\x12#\n\x04gpus\x18\x02 \x03(\x0b\x32\x15.dxpool.v1.GpuBinding\x12\'\n\x05hosts\x18\x03 \x03(\x0b\x32\x18.dxpool.v1.PlanCandidate\x12\x13\n\x0bunsatisfied\x18\x04 \x03(\t\"\x1e\n\x0eGetNodeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"%\n\x15GetNodeHostdevRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"3\n\nGpuHostdev\x12\x0b\n\x03gpu\x18\x01 \x01(\t\x12\x0b\n\x03\x62\x64\x66\x18\x02 \x01(\t\x12\x0b\n\x03xml\x18\x03 \x01(\t\"^\n\x0bNodeHostdev\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12&\n\x07\x64\x65vices\x18\x03 \x03(\x0b\x32\x15.dxpool.v1.GpuHostdev\x12\x0b\n\x03xml\x18\x04 \x01(\t\"v\n\x10ListNodesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x15\n\rshow_released\x18\x04 \x01(\x08\x12\x16\n\x0elabel_selector\x18\x05 \x01(\t\"S\n\x11ListNodesResponse\x12%\n\x05nodes\x18\x01 \x03(\x0b\x32\x16.dxpool.v1.VirtualNode\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"1\n\x12ReleaseNodeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\"9\n\x11WatchNodesRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0estart_revision\x18\x02 \x01(\x03\"\xe1\x01\n\tNodeEvent\x12\'\n\x04type\x18\x01 \x01(\x0e\x32\x19.dxpool.v1.NodeEvent.Type\x12$\n\x04node\x18\x02 \x01(\x0b\x32\x16.dxpool.v1.VirtualNode\x12\x10\n\x08revision\x18\x03 \x01(\x03\x12\r\n\x05reset\x18\x04 \x01(\x08\"d\n\x04Type\x12\x14\n\x10TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rTYPE_EXISTING\x10\x01\x12\x10\n\x0cTYPE_CHANGED\x10\x02\x12\x10\n\x0cTYPE_DELETED\x10\x03\x12\x0f\n\x0bTYPE_SYNCED\x10\x04\"_\n\x12\x43omposeGangRequest\x12$\n\x07members\x18\x01 \x03(\x0b\x32\x13.dxpool.v1.NodeSpec\x12\x0f\n\x07gang_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\";\n\x04Gang\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x05nodes\x18\x02 \x03(\x0b\x32\x16.dxpool.v1.VirtualNode\"\x1e\n\x0eGetGangRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"1\n\x12ReleaseGangRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\"X\n\x11ResizeNodeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tgpu_count\x18\x02 \x01(\x05\x12\x0e\n\x06remove\x18\x03 \x03(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"#\n\x13\x44\x65leteTenantRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x16\n\x14\x44\x65leteTenantResponse2\x88\x08\n\x0bNodeService\x12\x44\n\x0b\x43omposeNode\x12\x1d.dxpool.v1.ComposeNodeRequest\x1a\x16.dxpool.v1.VirtualNode\x12;\n\x08PlanNode\x12\x1a.dxpool.v1.PlanNodeRequest\x1a\x13.dxpool.v1.NodePlan\x12<\n\x07GetNode\x12\x19.dxpool.v1.GetNodeRequest\x1a\x16.dxpool.v1.VirtualNode\x12\x46\n\tListNodes\x12\x1b.dxpool.v1.ListNodesRequest\x1a\x1c.dxpool.v1.ListNodesResponse\x12\x44\n\x0bReleaseNode\x12\x1d.dxpool.v1.ReleaseNodeRequest\x1a\x16.dxpool.v1.VirtualNode\x12\x42\n\nWatchNodes\x12\x1c.dxpool.v1.WatchNodesRequest\x1a\x14.dxpool.v1.NodeEvent0\x01\x12J\n\x0eGetNodeHostdev\x12 .dxpool.v1.GetNodeHostdevRequest\x1a\x16.dxpool.v1.NodeHostdev\x12\x42\n\nResizeNode\x12\x1c.dxpool.v1.ResizeNodeRequest\x1a\x16.dxpool.v1.VirtualNode\x12=\n\x0b\x43omposeGang\x12\x1d.dxpool.v1.ComposeGangRequest\x1a\x0f.dxpool.v1.Gang\x12\x35\n\x07GetGang\x12\x19.dxpool.v1.GetGangRequest\x1a\x0f.dxpool.v1.Gang\x12=\n\x0bReleaseGang\x12\x1d.dxpool.v1.ReleaseGangRequest\x1a\x0f.dxpool.v1.Gang\x12\x45\n\x0eSetTenantQuota\x12 .dxpool.v1.SetTenantQuotaRequest\x1a\x11.dxpool.v1.Tenant\x12;\n\tGetTenant\x12\x1b.dxpool.v1.GetTenantRequest\x1a\x11.dxpool.v1.Tenant\x12L\n\x0bListTenants\x12\x1d.dxpool.v1.ListTenantsRequest\x1a\x1e.dxpool.v1.ListTenantsResponse\x12O\n\x0c\x44\x65leteTenant\x12\x1e.dxpool.v1.DeleteTenantRequest\x1a\x1f.dxpool.v1.DeleteTenantResponseB*Z(github.com/dxpool/dxpool/api/v1;dxpoolv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,44 +44,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTTENANTSRESPONSE']._serialized_end=318
   _globals['_COMPOSENODEREQUEST']._serialized_start=320
   _globals['_COMPOSENODEREQUEST']._serialized_end=412
-  _globals['_PLANCANDIDATE']._serialized_start=414
-  _globals['_PLANCANDIDATE']._serialized_end=493
-  _globals['_NODEPLAN']._serialized_start=495
-  _globals['_NODEPLAN']._serialized_end=618
-  _globals['_GETNODEREQUEST']._serialized_start=620
-  _globals['_GETNODEREQUEST']._serialized_end=650
-  _globals['_GETNODEHOSTDEVREQUEST']._serialized_start=652
-  _globals['_GETNODEHOSTDEVREQUEST']._serialized_end=689
-  _globals['_GPUHOSTDEV']._serialized_start=691
-  _globals['_GPUHOSTDEV']._serialized_end=742
-  _globals['_NODEHOSTDEV']._serialized_start=744
-  _globals['_NODEHOSTDEV']._serialized_end=838
-  _globals['_LISTNODESREQUEST']._serialized_start=840
-  _globals['_LISTNODESREQUEST']._serialized_end=958
-  _globals['_LISTNODESRESPONSE']._serialized_start=960
-  _globals['_LISTNODESRESPONSE']._serialized_end=1043
-  _globals['_RELEASENODEREQUEST']._serialized_start=1045
-  _globals['_RELEASENODEREQUEST']._serialized_end=1094
-  _globals['_WATCHNODESREQUEST']._serialized_start=1096
-  _globals['_WATCHNODESREQUEST']._serialized_end=1153
-  _globals['_NODEEVENT']._serialized_start=1156
-  _globals['_NODEEVENT']._serialized_end=1381
-  _globals['_NODEEVENT_TYPE']._serialized_start=1281
-  _globals['_NODEEVENT_TYPE']._serialized_end=1381
-  _globals['_COMPOSEGANGREQUEST']._serialized_start=1383
-  _globals['_COMPOSEGANGREQUEST']._serialized_end=1478
-  _globals['_GANG']._serialized_start=1480
-  _globals['_GANG']._serialized_end=1539
-  _globals['_GETGANGREQUEST']._serialized_start=1541
-  _globals['_GETGANGREQUEST']._serialized_end=1571
-  _globals['_RELEASEGANGREQUEST']._serialized_start=1573
-  _globals['_RELEASEGANGREQUEST']._serialized_end=1622
-  _globals['_RESIZENODEREQUEST']._serialized_start=1624
-  _globals['_RESIZENODEREQUEST']._serialized_end=1712
-  _globals['_DELETETENANTREQUEST']._serialized_start=1714
-  _globals['_DELETETENANTREQUEST']._serialized_end=1749
-  _globals['_DELETETENANTRESPONSE']._serialized_start=1751
-  _globals['_DELETETENANTRESPONSE']._serialized_end=1773
-  _globals['_NODESERVICE']._serialized_start=1776
-  _globals['_NODESERVICE']._serialized_end=2811
+  _globals['_PLANNODEREQUEST']._serialized_start=414
+  _globals['_PLANNODEREQUEST']._serialized_end=499
+  _globals['_PLANCANDIDATE']._serialized_start=501
+  _globals['_PLANCANDIDATE']._serialized_end=580
+  _globals['_NODEPLAN']._serialized_start=582
+  _globals['_NODEPLAN']._serialized_end=705
+  _globals['_GETNODEREQUEST']._serialized_start=707
+  _globals['_GETNODEREQUEST']._serialized_end=737
+  _globals['_GETNODEHOSTDEVREQUEST']._serialized_start=739
+  _globals['_GETNODEHOSTDEVREQUEST']._serialized_end=776
+  _globals['_GPUHOSTDEV']._serialized_start=778
+  _globals['_GPUHOSTDEV']._serialized_end=829
+  _globals['_NODEHOSTDEV']._serialized_start=831
+  _globals['_NODEHOSTDEV']._serialized_end=925
+  _globals['_LISTNODESREQUEST']._serialized_start=927
+  _globals['_LISTNODESREQUEST']._serialized_end=1045
+  _globals['_LISTNODESRESPONSE']._serialized_start=1047
+  _globals['_LISTNODESRESPONSE']._serialized_end=1130
+  _globals['_RELEASENODEREQUEST']._serialized_start=1132
+  _globals['_RELEASENODEREQUEST']._serialized_end=1181
+  _globals['_WATCHNODESREQUEST']._serialized_start=1183
+  _globals['_WATCHNODESREQUEST']._serialized_end=1240
+  _globals['_NODEEVENT']._serialized_start=1243
+  _globals['_NODEEVENT']._serialized_end=1468
+  _globals['_NODEEVENT_TYPE']._serialized_start=1368
+  _globals['_NODEEVENT_TYPE']._serialized_end=1468
+  _globals['_COMPOSEGANGREQUEST']._serialized_start=1470
+  _globals['_COMPOSEGANGREQUEST']._serialized_end=1565
+  _globals['_GANG']._serialized_start=1567
+  _globals['_GANG']._serialized_end=1626
+  _globals['_GETGANGREQUEST']._serialized_start=1628
+  _globals['_GETGANGREQUEST']._serialized_end=1658
+  _globals['_RELEASEGANGREQUEST']._serialized_start=1660
+  _globals['_RELEASEGANGREQUEST']._serialized_end=1709
+  _globals['_RESIZENODEREQUEST']._serialized_start=1711
+  _globals['_RESIZENODEREQUEST']._serialized_end=1799
+  _globals['_DELETETENANTREQUEST']._serialized_start=1801
+  _globals['_DELETETENANTREQUEST']._serialized_end=1836
+  _globals['_DELETETENANTRESPONSE']._serialized_start=1838
+  _globals['_DELETETENANTRESPONSE']._serialized_end=1860
+  _globals['_NODESERVICE']._serialized_start=1863
+  _globals['_NODESERVICE']._serialized_end=2895
 # @@protoc_insertion_point(module_scope)

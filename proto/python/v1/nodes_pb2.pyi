@@ -141,6 +141,32 @@ class ComposeNodeRequest(_message.Message):
 Global___ComposeNodeRequest: _TypeAlias = ComposeNodeRequest  # noqa: Y015
 
 @_typing.final
+class PlanNodeRequest(_message.Message):
+    """Where ComposeNode with this spec would place the node now, and why; commits nothing.
+    Wire-compatible with ComposeNodeRequest, which PlanNode took before: the spec keeps
+    field 1, and a plan has no use for a node id or request id (fields 2 and 3, ignored
+    when an older client sends them).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SPEC_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def spec(self) -> _resources_pb2.NodeSpec: ...
+    def __init__(
+        self,
+        *,
+        spec: _resources_pb2.NodeSpec | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlanNodeRequest: _TypeAlias = PlanNodeRequest  # noqa: Y015
+
+@_typing.final
 class PlanCandidate(_message.Message):
     """Why a candidate host or GPU was kept or dropped."""
 

@@ -43,7 +43,7 @@ class NodeServiceStub:
                 _registered_method=True)
         self.PlanNode = channel.unary_unary(
                 '/dxpool.v1.NodeService/PlanNode',
-                request_serializer=dxpool_dot_v1_dot_nodes__pb2.ComposeNodeRequest.SerializeToString,
+                request_serializer=dxpool_dot_v1_dot_nodes__pb2.PlanNodeRequest.SerializeToString,
                 response_deserializer=dxpool_dot_v1_dot_nodes__pb2.NodePlan.FromString,
                 _registered_method=True)
         self.GetNode = channel.unary_unary(
@@ -297,7 +297,7 @@ def add_NodeServiceServicer_to_server(servicer, server):
             ),
             'PlanNode': grpc.unary_unary_rpc_method_handler(
                     servicer.PlanNode,
-                    request_deserializer=dxpool_dot_v1_dot_nodes__pb2.ComposeNodeRequest.FromString,
+                    request_deserializer=dxpool_dot_v1_dot_nodes__pb2.PlanNodeRequest.FromString,
                     response_serializer=dxpool_dot_v1_dot_nodes__pb2.NodePlan.SerializeToString,
             ),
             'GetNode': grpc.unary_unary_rpc_method_handler(
@@ -418,7 +418,7 @@ class NodeService:
             request,
             target,
             '/dxpool.v1.NodeService/PlanNode',
-            dxpool_dot_v1_dot_nodes__pb2.ComposeNodeRequest.SerializeToString,
+            dxpool_dot_v1_dot_nodes__pb2.PlanNodeRequest.SerializeToString,
             dxpool_dot_v1_dot_nodes__pb2.NodePlan.FromString,
             options,
             channel_credentials,

@@ -47,7 +47,7 @@ class NodeServiceStub:
     its tenant (spec.tenant) past a limit of its quota (the message names the limit
     and the usage); PERMISSION_DENIED when a tenant names another tenant.
     """
-    PlanNode: _grpc.UnaryUnaryMultiCallable[_nodes_pb2.ComposeNodeRequest, _nodes_pb2.NodePlan]
+    PlanNode: _grpc.UnaryUnaryMultiCallable[_nodes_pb2.PlanNodeRequest, _nodes_pb2.NodePlan]
     """Explains where a ComposeNode request would go, without committing anything.
     FAILED_PRECONDITION (UNKNOWN_MODEL) as for ComposeNode.
     """
@@ -158,7 +158,7 @@ class NodeServiceAsyncStub(NodeServiceStub):
     its tenant (spec.tenant) past a limit of its quota (the message names the limit
     and the usage); PERMISSION_DENIED when a tenant names another tenant.
     """
-    PlanNode: _aio.UnaryUnaryMultiCallable[_nodes_pb2.ComposeNodeRequest, _nodes_pb2.NodePlan]  # type: ignore[assignment]
+    PlanNode: _aio.UnaryUnaryMultiCallable[_nodes_pb2.PlanNodeRequest, _nodes_pb2.NodePlan]  # type: ignore[assignment]
     """Explains where a ComposeNode request would go, without committing anything.
     FAILED_PRECONDITION (UNKNOWN_MODEL) as for ComposeNode.
     """
@@ -276,7 +276,7 @@ class NodeServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
     def PlanNode(
         self,
-        request: _nodes_pb2.ComposeNodeRequest,
+        request: _nodes_pb2.PlanNodeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_nodes_pb2.NodePlan, _abc.Awaitable[_nodes_pb2.NodePlan]]:
         """Explains where a ComposeNode request would go, without committing anything.

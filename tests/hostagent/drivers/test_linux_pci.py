@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import re
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,13 +33,8 @@ def kernel(tmp_path: Path) -> Iterator[FakeKernel]:
 
 
 def make_bus(kernel: FakeKernel, **options: object) -> SysfsPciBus:
-    return SysfsPciBus(
-        {0: BRIDGE, 1: BRIDGE2},
-        sysfs=kernel,
-        poll_s=0.01,
-        remove_timeout_s=0.3,
-        **options,  # type: ignore[arg-type]
-    )
+    settings: dict[str, object] = {"poll_s": 0.01, "remove_timeout_s": 0.3, **options}
+    return SysfsPciBus({0: BRIDGE, 1: BRIDGE2}, sysfs=kernel, **settings)  # type: ignore[arg-type]
 
 
 def test_device_addresses_come_from_the_bridges_secondary_bus(kernel: FakeKernel) -> None:
@@ -64,8 +60,10 @@ def test_rescan_below_the_bridge_brings_up_the_mapped_card_bound_to_nvidia(
     assert [d.bdf for d in bus.devices()] == [GPU_BDF]
 
 
-def test_a_slot_with_power_control_is_powered_on_and_off(kernel: FakeKernel) -> None:
-    kernel.insert(BRIDGE2, FakeCard())
+def test_a_managed_slot_comes_up_by_its_hotplug_driver_and_is_powered_off(
+    kernel: FakeKernel,
+) -> None:
+    kernel.insert(BRIDGE2, FakeCard())  # the presence event: pciehp powers on, enumerates
     bus = make_bus(kernel)
 
     bus.rescan()
@@ -76,10 +74,77 @@ def test_a_slot_with_power_control_is_powered_on_and_off(kernel: FakeKernel) -> 
 
     assert kernel.read_text("bus/pci/slots/7/power") == "0"
     assert not kernel.present(GPU2_BDF)
+    assert (f"bus/pci/devices/{BRIDGE2}/rescan", "1") not in kernel.writes
     assert (f"bus/pci/devices/{GPU2_BDF}/remove", "1") not in kernel.writes
 
 
-def test_without_a_bridge_rescan_attribute_the_whole_bus_is_rescanned(tmp_path: Path) -> None:
+def test_a_powered_slot_is_left_to_the_hotplug_driver_before_its_port_is_rescanned(
+    kernel: FakeKernel,
+) -> None:
+    """pciehp powers the slot on by itself on the presence event; a rescan written while it
+    enumerates races it. The driver writes nothing while the hot-plug driver has time."""
+    kernel.insert(BRIDGE2, FakeCard(delay_s=0.3))  # powered at once, enumerated later
+    bus = make_bus(kernel, hotplug_settle_s=5.0)
+    assert kernel.read_text("bus/pci/slots/7/power") == "1"
+
+    bus.rescan()
+    assert bus.wait_for_device(1, 3.0).bdf == GPU2_BDF
+
+    assert [w for w in kernel.writes if BRIDGE2 in w[0] or "slots/7" in w[0]] == []
+
+
+def test_a_removed_device_of_a_powered_slot_is_brought_back_after_the_settle_time(
+    kernel: FakeKernel,
+) -> None:
+    kernel.insert(BRIDGE2, FakeCard())
+    kernel.write(f"bus/pci/devices/{GPU2_BDF}/remove", "1")  # slot powered, card present
+    assert (kernel.read_text("bus/pci/slots/7/power"), kernel.present(GPU2_BDF)) == ("1", False)
+    bus = make_bus(kernel, hotplug_settle_s=0.1)
+
+    bus.rescan()
+    assert (f"bus/pci/devices/{BRIDGE2}/rescan", "1") not in kernel.writes
+    assert bus.wait_for_device(1, 3.0).bdf == GPU2_BDF
+
+    assert (f"bus/pci/devices/{BRIDGE2}/rescan", "1") in kernel.writes
+
+
+def test_a_slot_left_powered_off_with_its_card_present_is_powered_on(kernel: FakeKernel) -> None:
+    kernel.insert(BRIDGE2, FakeCard())
+    kernel.write("bus/pci/slots/7/power", "0")  # an earlier detach; the proxy kept the map
+    bus = make_bus(kernel)
+
+    bus.rescan()
+
+    assert bus.wait_for_device(1, 1.0).bdf == GPU2_BDF
+    assert kernel.writes[-1] == ("bus/pci/slots/7/power", "1")
+
+
+def test_a_port_without_a_power_controller_is_removed_not_powered_off(tmp_path: Path) -> None:
+    """Its ``power`` reads 1 even when empty, and writing 0 would only unconfigure the
+    device: the driver neither claims slot power nor uses it."""
+    kernel = FakeKernel(tmp_path / "sys")
+    kernel.add_port(BRIDGE, "0000:41", slot="3", power_controller=False)
+    assert kernel.read_text("bus/pci/slots/3/power") == "1"
+    bus = SysfsPciBus({0: BRIDGE}, sysfs=kernel, poll_s=0.01)
+    assert bus.capabilities().slot_power is False
+    kernel.insert(BRIDGE, FakeCard())
+    bus.wait_for_device(0, 1.0)
+    bus.bind(GPU_BDF, None)
+
+    bus.remove(GPU_BDF)
+
+    assert kernel.writes[-1] == (f"bus/pci/devices/{GPU_BDF}/remove", "1")
+    assert not kernel.present(GPU_BDF)
+    kernel.write("bus/pci/slots/3/power", "0")  # what the driver no longer relies on:
+    kernel.write(f"bus/pci/devices/{BRIDGE}/rescan", "1")
+    assert kernel.present(GPU_BDF)  # the slot stayed powered, the card came back
+
+
+def test_without_a_bridge_rescan_attribute_the_whole_bus_is_not_rescanned(
+    tmp_path: Path,
+) -> None:
+    """A whole-bus rescan would bring back every removed device whose card is still
+    present, on any slot; the driver fails this slot instead, naming why."""
     kernel = FakeKernel(tmp_path / "sys")
     kernel.add_port(BRIDGE, "0000:41", rescan_file=False)
     kernel.insert(BRIDGE, FakeCard())
@@ -87,8 +152,9 @@ def test_without_a_bridge_rescan_attribute_the_whole_bus_is_rescanned(tmp_path: 
 
     bus.rescan()
 
-    assert ("bus/pci/rescan", "1") in kernel.writes
-    assert bus.wait_for_device(0, 1.0).bdf == GPU_BDF
+    assert ("bus/pci/rescan", "1") not in kernel.writes
+    with pytest.raises(DeviceTimeoutError, match=r"rescanning below bridge .* failed"):
+        bus.wait_for_device(0, 0.1)
 
 
 def test_a_card_that_appears_late_is_waited_for(kernel: FakeKernel) -> None:
@@ -118,15 +184,30 @@ def test_a_card_that_never_appears_times_out_naming_address_and_what_to_check(
     assert "rescanning below bridge" in message and "proxy mapped the GPU" in message
 
 
-def test_a_failed_slot_power_on_is_named_in_the_timeout(kernel: FakeKernel) -> None:
+def test_an_empty_slot_times_out_saying_no_card_is_present(kernel: FakeKernel) -> None:
     bus = make_bus(kernel)
-    kernel.failing_writes["bus/pci/slots/7/power"] = errno.ENODEV
 
     bus.rescan()
-    with pytest.raises(
-        DeviceTimeoutError, match="powering on hotplug slot 7 failed: No such device"
-    ):
+    with pytest.raises(DeviceTimeoutError) as caught:
         bus.wait_for_device(1, 0.1)
+
+    assert "hotplug slot 7 shows power 0, no card present (adapter 0)" in str(caught.value)
+    assert ("bus/pci/slots/7/power", "1") not in kernel.writes
+
+
+def test_a_failed_slot_power_on_is_named_in_the_timeout(kernel: FakeKernel) -> None:
+    kernel.insert(BRIDGE2, FakeCard())
+    kernel.write("bus/pci/slots/7/power", "0")  # an earlier detach; the card stays
+    kernel.failing_writes["bus/pci/slots/7/power"] = errno.EIO
+    bus = make_bus(kernel)
+
+    bus.rescan()
+    with pytest.raises(DeviceTimeoutError) as caught:
+        bus.wait_for_device(1, 0.1)
+
+    message = str(caught.value)
+    assert "powering on hotplug slot 7 failed: Input/output error" in message
+    assert "hotplug slot 7 shows power 0, a card present (adapter 1)" in message
 
 
 @pytest.mark.parametrize(
@@ -297,13 +378,30 @@ def test_vfio_bind_without_the_vfio_module_says_to_load_it(tmp_path: Path) -> No
     kernel = FakeKernel(tmp_path / "sys", drivers=("nvidia",))
     kernel.add_port(BRIDGE, "0000:41", iommu_group=3)
     kernel.insert(BRIDGE, FakeCard())
-    bus = SysfsPciBus({0: BRIDGE}, sysfs=kernel, poll_s=0.01)
+    bus = SysfsPciBus({0: BRIDGE}, sysfs=kernel, poll_s=0.01, driver_load_s=0.1)
     bus.rescan()
     bus.wait_for_device(0, 1.0)
 
     with pytest.raises(DriverError, match="modprobe vfio-pci"):
         bus.bind(GPU_BDF, "vfio-pci")
     assert bus.capabilities().vfio is False
+
+
+def test_a_native_driver_loaded_by_udev_after_the_hot_add_is_waited_for(tmp_path: Path) -> None:
+    """The device shows up before udev has loaded its module; the bind waits for it."""
+    kernel = FakeKernel(tmp_path / "sys", drivers=("vfio-pci",))
+    kernel.add_port(BRIDGE, "0000:41", iommu_group=3)
+    kernel.insert(BRIDGE, FakeCard())
+    bus = SysfsPciBus({0: BRIDGE}, sysfs=kernel, poll_s=0.01, driver_load_s=5.0)
+    bus.rescan()
+    assert bus.wait_for_device(0, 1.0).driver is None
+    udev = threading.Timer(0.2, kernel.load_driver, ("nvidia",))
+    udev.start()
+
+    bus.bind(GPU_BDF, "nvidia")
+
+    udev.join()
+    assert bus.driver_of(GPU_BDF) == "nvidia"
 
 
 def test_bind_of_an_absent_device_is_a_driver_error(kernel: FakeKernel) -> None:
@@ -396,19 +494,6 @@ def test_a_refused_bind_that_did_not_settle_is_still_an_error(tmp_path: Path) ->
         bus.bind(GPU_BDF, "nvidia")
 
 
-def test_a_slot_already_powered_without_a_device_is_rescanned_below_its_bridge(
-    kernel: FakeKernel,
-) -> None:
-    kernel.write("bus/pci/slots/7/power", "1")  # powered on while nothing was mapped
-    kernel.insert(BRIDGE2, FakeCard())
-    bus = make_bus(kernel)
-
-    bus.rescan()
-
-    assert (f"bus/pci/devices/{BRIDGE2}/rescan", "1") in kernel.writes
-    assert bus.wait_for_device(1, 1.0).bdf == GPU2_BDF
-
-
 def test_reset_writes_the_reset_attribute_of_an_unbound_device(kernel: FakeKernel) -> None:
     kernel.insert(BRIDGE, FakeCard())
     bus = make_bus(kernel)
@@ -439,3 +524,19 @@ def test_reset_of_a_bound_device_is_refused_before_any_write(kernel: FakeKernel)
 def test_reset_of_an_absent_device_is_a_driver_error(kernel: FakeKernel) -> None:
     with pytest.raises(DriverError, match=r"no PCI device at .* to reset"):
         make_bus(kernel).reset(GPU_BDF)
+
+
+def test_a_slot_mapped_long_after_an_earlier_rescan_is_still_left_to_its_hotplug_driver(
+    kernel: FakeKernel,
+) -> None:
+    """An earlier attach's rescan of the then-empty slot must not make a later attach
+    rescan the port at once, racing the hot-plug driver's enumeration."""
+    bus = make_bus(kernel, hotplug_settle_s=0.3)
+    bus.rescan()  # slot 7 empty: left to pciehp
+    time.sleep(0.4)  # that settle time is long past
+    kernel.insert(BRIDGE2, FakeCard(delay_s=0.2))  # now mapped; pciehp enumerates late
+
+    bus.rescan()
+    assert bus.wait_for_device(1, 3.0).bdf == GPU2_BDF
+
+    assert (f"bus/pci/devices/{BRIDGE2}/rescan", "1") not in kernel.writes
