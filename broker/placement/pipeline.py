@@ -459,8 +459,7 @@ class _Run:
             reach = self.supply.usable
         else:
             reach = sum(supply.available for _, supply in links)
-        if self.best_reach is None or reach > self.best_reach[0]:
-            self.best_reach = (reach, host.host)  # hosts come by id: the first best stays
+        self.note_reach(reach, host.host)
         proposals = []
         if reach >= request.count:
             proposals = selection.propose(
@@ -480,12 +479,21 @@ class _Run:
         )
         return _HostOutcome(host, status, proposals)
 
+    def note_reach(self, reach: int, host_id: str) -> None:
+        """Keep the host reaching the most GPUs for the account, the lowest id among
+        equals: the line then names the same host whatever order hosts were looked at in
+        (by id, or by room when hosts alike are served once)."""
+        best = self.best_reach
+        if best is None or (-reach, host_id) < (-best[0], best[1]):
+            self.best_reach = (reach, host_id)
+
     def no_switch_holds(self, host: HostInfo, most: tuple[int, str] | None) -> _HostOutcome:
         """The outcome of a host that reaches enough GPUs, but no switch's boxes among
         them hold the node (switch affinity); ``most`` is the switch holding the most."""
         held, name = most if most is not None else (0, "none")
-        if self.best_switch is None or held > self.best_switch[0]:
-            self.best_switch = (held, name, host.host)  # hosts come by id: the first stays
+        best = self.best_switch
+        if best is None or (-held, host.host) < (-best[0], best[2]):
+            self.best_switch = (held, name, host.host)  # the most held, then the lowest id
         reason = switch_reason(self.request, held, name)
         return _HostOutcome(host, Status.unschedulable(reason, plugin="selection"), [])
 
@@ -508,8 +516,7 @@ class _Run:
             return None  # cannot happen with a model that keeps its contract
         if dropped is not None:
             self.nearest_dropped[self.link_filters[0].name].append(dropped)
-        if self.best_reach is None or reach > self.best_reach[0]:
-            self.best_reach = (reach, host.host)  # hosts come by id: the first best stays
+        self.note_reach(reach, host.host)
         if choice.options:
             free = host.free_slot_count()
             proposals = [Proposal(host, free, takes, rule) for rule, takes in choice.options]
