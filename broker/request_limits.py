@@ -24,9 +24,10 @@ by how much.
 =======================  =========  ====================================================
 method                   limit      what fills it
 =======================  =========  ====================================================
-ComposeGang              768 KiB    31 members (the transaction's bound) of 21 KiB specs
+ComposeGang              1 MiB      31 members (the transaction's bound) of 30 KiB specs
 ComposeNode, PlanNode    32 KiB     a spec with 32 labels and 32 host selectors, 63-char
-                                    keys and 256-char values (21 KiB)
+                                    keys and 256-char values, and 128 excluded hosts of
+                                    63-char ids (30 KiB)
 CreateBox                32 KiB     32 labels (10 KiB) and 64 slot specs (6 KiB)
 List{Nodes,Boxes,Hosts}  8 KiB      a 4096-character label selector and a page token
 ResizeNode               8 KiB      64 GPU names to remove
@@ -56,7 +57,7 @@ _INVENTORY = inventory_pb2.DESCRIPTOR.services_by_name["InventoryService"].full_
 _NODES = nodes_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name
 
 MAX_REQUEST_BYTES: Mapping[str, int] = {
-    f"/{_NODES}/ComposeGang": 768 * KIB,
+    f"/{_NODES}/ComposeGang": 1024 * KIB,
     f"/{_NODES}/ComposeNode": 32 * KIB,
     f"/{_NODES}/PlanNode": 32 * KIB,
     f"/{_INVENTORY}/CreateBox": 32 * KIB,

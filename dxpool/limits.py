@@ -23,7 +23,8 @@ limit                    value          why
 ``MAX_TEXT``             256            free text: reasons, endpoints, tenants
 ``MAX_QUOTA``            1,000,000      a tenant limit (GPUs, nodes) above any pool's size
 ``MAX_QUOTA_MODELS``     64             per-model limits of one tenant quota
-``MAX_EXCLUDED_HOSTS``   1024           hosts one request excludes; its node record stays small
+``MAX_EXCLUDED_HOSTS``   128            hosts one NodeSpec excludes: the largest spec stays
+                                        within ComposeNode's request limit
 =======================  =============  ==================================================
 """
 
@@ -51,4 +52,4 @@ MAX_MODEL_LENGTH = 64
 MAX_PCI_ID = 16
 MAX_QUOTA = 1_000_000
 MAX_QUOTA_MODELS = 64
-MAX_EXCLUDED_HOSTS = 1024
+MAX_EXCLUDED_HOSTS = 128

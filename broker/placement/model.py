@@ -14,7 +14,6 @@ from typing import Protocol, TypeVar, cast
 from dxpool.errors import InvalidArgument
 from dxpool.fabric.latency import LatencyEstimate, LatencyModel, Place
 from dxpool.fabric.overhead import check_slowdown
-from dxpool.limits import MAX_EXCLUDED_HOSTS
 from dxpool.names import check_id, parse_gpu
 from dxpool.request import (
     check_box_spread,
@@ -330,16 +329,13 @@ class PlacementRequest:
 
 
 def check_excluded_hosts(hosts: object, field_name: str = "exclude_hosts") -> None:
-    """``hosts`` must be a frozenset of at most ``MAX_EXCLUDED_HOSTS`` host ids."""
+    """``hosts`` must be a frozenset of host ids. Any number: the bound on what a request
+    over the wire names is the API's (``NodeSpec.exclude_hosts``, checked by the
+    broker's validation); in process, the embedding API's anti-affinity may exclude as
+    many hosts as run what a node must avoid."""
     if not isinstance(hosts, frozenset):
         raise InvalidArgument(
             f"{field_name} must be a frozenset of host ids, got {type(hosts).__name__}"
-        )
-    if len(hosts) > MAX_EXCLUDED_HOSTS:
-        raise InvalidArgument(
-            f"{field_name} names {len(hosts)} hosts: exclude at most {MAX_EXCLUDED_HOSTS}, "
-            "or select the hosts to use with host_selector instead",
-            reason="TOO_MANY_EXCLUDED_HOSTS",
         )
     for host in sorted(hosts):
         check_id(host, "host")

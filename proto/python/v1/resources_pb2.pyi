@@ -967,7 +967,7 @@ class NodeSpec(_message.Message):
 
     @_builtins.property
     def exclude_hosts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Hosts the node must not go to ("hosts/{host}", at most 1024): anti-affinity, the
+        """Hosts the node must not go to ("hosts/{host}", at most 128): anti-affinity, the
         caller naming the hosts that run what the node must keep away from.
         """
 
