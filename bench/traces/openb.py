@@ -35,6 +35,7 @@ and its decision times; draws the per-workload figures into ``--plot``.
 Usage: python -m bench.traces.openb [--workloads all|default,multigpu50,...]
        [--seeds 42-51] [--quick] [--slots 8] [--clusters dxpool,servers,mostfree]
        [--pipeline default|...] [--verify-refusals] [--jobs N] [--traces DIR] [--plot PATH]
+       [--save FILE] [--from-saved FILE ...]
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from bench.traces import pipelines
 from bench.traces.allocator import Allocator, Cause, Resources
@@ -141,6 +143,55 @@ class FillRun:
         return next((at for at, size, _ in self.refusals if size), self.until * 100)
 
 
+class ReadAtFull(Protocol):
+    """What the table and the plot read of a run: its figures at 100% demand."""
+
+    def unallocated_at(self, percent: float) -> float: ...
+
+    def first_refusal(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class SavedRun:
+    """One cluster's run of one seed as ``--save`` wrote it: its figures at 100% only."""
+
+    cluster: str
+    seed: int
+    unallocated: float
+    first: float
+
+    def unallocated_at(self, percent: float) -> float:
+        if percent != 100:
+            raise ValueError(f"a saved run holds the figures at 100% only, not {percent}%")
+        return self.unallocated
+
+    def first_refusal(self) -> float:
+        return self.first
+
+
+def load_saved(paths: Sequence[Path]) -> dict[str, dict[str, list[SavedRun]]]:
+    """The runs ``--save`` wrote to ``paths`` (JSON lines), by workload and cluster, in
+    the order first read; a workload saved again replaces its earlier lines."""
+    results: dict[str, dict[str, list[SavedRun]]] = {}
+    for path in paths:
+        for number, text in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            try:
+                line = json.loads(text)
+                runs = [
+                    SavedRun(line["cluster"], seed, unallocated, first)
+                    for seed, unallocated, first in zip(
+                        line["seeds"],
+                        line["unallocated_at_100"],
+                        line["first_refusal"],
+                        strict=True,
+                    )
+                ]
+            except (ValueError, KeyError, TypeError) as error:
+                raise TraceError(f"{path}:{number}: not a line --save wrote ({error})") from None
+            results.setdefault(line["workload"], {})[line["cluster"]] = runs
+    return results
+
+
 def fill(allocator: Allocator, requests: Sequence[Pod], seed: int, until: float = TUNE) -> FillRun:
     """Submits ``requests`` in order, each asking for its CPU, memory and models."""
     run = FillRun(allocator.name, seed, allocator.capacity, until=until)
@@ -217,7 +268,7 @@ def shown(values: Sequence[float]) -> str:
 
 
 def summarize(
-    results: dict[str, dict[str, list[FillRun]]], names: Sequence[str], capacity: int
+    results: Mapping[str, Mapping[str, Sequence[ReadAtFull]]], names: Sequence[str], capacity: int
 ) -> bool:
     """Prints the per-workload table; True when dxpool meets both targets on every
     workload (means over seeds)."""
@@ -324,7 +375,9 @@ def _timing_cells(times: DecisionTimes) -> tuple[object, ...]:
     return tuple(cells)
 
 
-def plot(results: dict[str, dict[str, list[FillRun]]], names: Sequence[str], path: Path) -> None:
+def plot(
+    results: Mapping[str, Mapping[str, Sequence[ReadAtFull]]], names: Sequence[str], path: Path
+) -> None:
     plt = pyplot()
     if plt is None:
         return
@@ -442,6 +495,14 @@ def parser_of() -> argparse.ArgumentParser:
     parser.add_argument(
         "--save", type=Path, help="append each workload's runs to this file (JSON lines)"
     )
+    parser.add_argument(
+        "--from-saved",
+        type=Path,
+        action="append",
+        metavar="FILE",
+        help="run nothing: print the table and draw the plot of the runs --save wrote to "
+        "FILE (repeatable: runs of one workload set split over several runs)",
+    )
     parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT)
     return parser
 
@@ -456,6 +517,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TraceError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    if args.from_saved:
+        return from_saved(args.from_saved, servers, args.plot)
     workloads = known if args.workloads == "all" else args.workloads.split(",")
     unknown = [w for w in workloads if w not in known]
     if unknown:
@@ -505,6 +568,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if DXPOOL in names and len(names) > 1:
         print(f"\ndxpool meets both targets on every workload: {'yes' if met else 'no'}")
     plot(results, names, args.plot)
+    return 0
+
+
+def from_saved(paths: Sequence[Path], servers: Sequence[Server], plot_path: Path) -> int:
+    """Prints the per-workload table of saved runs and draws their plot."""
+    try:
+        saved = load_saved(paths)
+    except (OSError, TraceError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    names = [name for name in CLUSTER_KEYS.values() if any(name in r for r in saved.values())]
+    seeds = sorted({run.seed for runs in saved.values() for r in runs.values() for run in r})
+    print(f"openb static fill, saved runs: {len(saved)} workloads, seeds {seeds}")
+    met = summarize(saved, names, sum(server.gpus for server in servers))
+    if DXPOOL in names and len(names) > 1:
+        print(f"\ndxpool meets both targets on every workload: {'yes' if met else 'no'}")
+    plot(saved, names, plot_path)
     return 0
 
 

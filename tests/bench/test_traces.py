@@ -115,3 +115,57 @@ def test_openb_bad_input_is_a_usage_error(arguments: list[str], message: str) ->
     )
     assert done.returncode == 2
     assert message in done.stderr
+
+
+@pytest.mark.skipif(not have_traces(), reason="no trace folder (set DXPOOL_TRACES)")
+def test_saved_runs_of_several_files_make_one_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Workloads saved by separate runs print as one table, with the targets judged on
+    their means (here: dxpool strands more than most-free-model on b)."""
+    import json
+
+    from bench.traces.openb import DXPOOL, MOSTFREE, SERVERS, main
+
+    def line(workload: str, cluster: str, unallocated: list[float], first: list[float]) -> str:
+        seeds = list(range(42, 42 + len(unallocated)))
+        return json.dumps(
+            {
+                "workload": workload,
+                "cluster": cluster,
+                "seeds": seeds,
+                "unallocated_at_100": unallocated,
+                "first_refusal": first,
+            }
+        )
+
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    one.write_text(
+        "\n".join(
+            [
+                line("a", DXPOOL, [0.0, 0.2], [100.0, 98.0]),
+                line("a", SERVERS, [0.3, 0.3], [97.0, 97.0]),
+                line("a", MOSTFREE, [0.1, 0.1], [99.0, 99.0]),
+            ]
+        )
+    )
+    two.write_text(
+        "\n".join(
+            [
+                line("b", DXPOOL, [1.0, 1.0], [95.0, 95.0]),
+                line("b", SERVERS, [2.0, 2.0], [90.0, 90.0]),
+                line("b", MOSTFREE, [0.5, 0.5], [96.0, 96.0]),
+            ]
+        )
+    )
+    plot = tmp_path / "plot.png"
+    assert main(["--from-saved", str(one), "--from-saved", str(two), "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert "| a | 0.10 ± 0.10 | 0.30 ± 0.00 | 0.10 ± 0.00 | 99.00 ± 1.00 |" in out
+    assert "| b | 1.00 ± 0.00 | 2.00 ± 0.00 | 0.50 ± 0.00 |" in out
+    assert "| no: unallocated |" in out
+    assert "dxpool meets both targets on every workload: no" in out
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"workload": "a"}\n')
+    assert main(["--from-saved", str(bad), "--plot", str(plot)]) == 1
+    assert "bad.jsonl:1: not a line --save wrote" in capsys.readouterr().err
