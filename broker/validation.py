@@ -136,7 +136,8 @@ def check_excluded_hosts(hosts: Sequence[str]) -> None:
     for name in hosts:
         if not name.startswith("hosts/"):
             raise InvalidArgument(
-                f"spec.exclude_hosts: {name[:80]!r} is not a host name; write hosts/{{host}}",
+                f"spec.exclude_hosts: {name[:80]!r} is not a host name; use hosts/{{host}} "
+                "(hosts/h1)",
                 reason="INVALID_NAME",
             )
         parse_host(name)
