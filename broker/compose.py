@@ -465,6 +465,8 @@ def _unschedulable_message(spec: pb.NodeSpec, result: PlacementResult) -> str:
     if spec.host_selector:
         pairs = ", ".join(f"{key}={value}" for key, value in sorted(spec.host_selector.items()))
         extra.append(f"on hosts labelled {pairs}")
+    if spec.exclude_hosts:
+        extra.append(f"off {len(set(spec.exclude_hosts))} excluded hosts")
     head = f"no placement for {wanted} GPUs" + (" " + " ".join(extra) if extra else "")
     reasons = "; ".join(result.unsatisfied) or "no host can take the node"
     return (

@@ -9,6 +9,7 @@ from typing import Any
 from dxpool import lifecycle
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.placement import Binding, Placement, PlacementRequest
+from dxpool.names import parse_host
 from dxpool.store import keys as k
 from dxpool.store.keys import KeySchema
 from dxpool.store.typed import Txn, Versioned
@@ -32,6 +33,7 @@ def placement_request(spec: pb.NodeSpec, host: str | None) -> PlacementRequest:
         host_selector=frozenset(spec.host_selector.items()),
         cpu_cores=spec.cpu_cores,
         host_memory_mib=spec.host_memory_mib,
+        exclude_hosts=frozenset(parse_host(name) for name in spec.exclude_hosts),
     )
 
 

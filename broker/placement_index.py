@@ -32,6 +32,7 @@ from __future__ import annotations
 import threading
 from collections import Counter, deque
 from dataclasses import replace
+from types import MappingProxyType
 from typing import Any
 
 import immutables
@@ -87,6 +88,12 @@ class PlacementIndex:
         self._hosts: dict[str, HostInfo] = {}
         self._held_gpus: Counter[tuple[str, int]] = Counter()  # (box, slot) held
         self._held_slots: dict[str, Counter[int]] = {}  # host -> its proxy slots held
+        # free healthy GPUs of schedulable boxes by model, per box as of the last
+        # snapshot and in all; the CPU cores and memory hosts declare, by value
+        self._free_in_box: dict[str, Counter[str]] = {}
+        self._free_models: Counter[str] = Counter()
+        self._declared_cpu: Counter[int] = Counter()
+        self._declared_memory: Counter[int] = Counter()
         self._version = 0
         self._snapshot: Snapshot | None = None  # the last one handed out, while current
         self._cache = cache
@@ -205,7 +212,10 @@ class PlacementIndex:
         """Describes a host from its records as noted; whether placement sees a change."""
         host = self._host_records.get(name)
         if host is None:
-            return self._hosts.pop(name, None) is not None
+            gone = self._hosts.pop(name, None)
+            if gone is not None:
+                self._declare(gone, -1)
+            return gone is not None
         held = self._held.get(name, (0, 0))
         info = HostInfo(
             host=name,
@@ -223,10 +233,20 @@ class PlacementIndex:
             used_cpu_cores=held[0],
             used_memory_mib=held[1],
         )
-        if info == self._hosts.get(name):
+        known = self._hosts.get(name)
+        if info == known:
             return False
+        if known is not None:
+            self._declare(known, -1)
+        self._declare(info, 1)
         self._hosts[name] = info
         return True
+
+    def _declare(self, host: HostInfo, step: int) -> None:
+        """Counts (``step`` 1) or uncounts (-1) the CPU cores and memory ``host``
+        declares. Called with the lock held."""
+        self._declared_cpu[host.cpu_cores] += step
+        self._declared_memory[host.memory_mib] += step
 
     def _as_seen(self, box_id: str, gpu: GpuInfo) -> GpuInfo:
         """A GPU as placement sees it: taken while a compose holds it."""
@@ -339,6 +359,7 @@ class PlacementIndex:
                             made = tuple(self._as_seen(box_id, slots[s]) for s in sorted(slots))
                             self._gpu_tuples[box_id] = made
                             gpus[box_id] = made
+                    self._count_free(box_id, info)
                 self._box_map, self._gpu_map = boxes.finish(), gpus.finish()
             with self._host_map.mutate() as hosts:
                 for host_id in self._dirty_hosts:
@@ -356,5 +377,25 @@ class PlacementIndex:
                 gpus_by_box=self._gpu_map,
                 version=self._version,
                 journal=self,
+                free_models=MappingProxyType(+self._free_models),
+                largest_host=(
+                    max((n for n, hosts in self._declared_cpu.items() if hosts > 0), default=0),
+                    max((n for n, hosts in self._declared_memory.items() if hosts > 0), default=0),
+                ),
             )
             return self._snapshot
+
+    def _count_free(self, box_id: str, box: BoxInfo | None) -> None:
+        """Counts the free healthy GPUs of ``box_id`` again, by model, as the snapshot
+        being made shows them. Called with the lock held."""
+        before = self._free_in_box.pop(box_id, None)
+        if before is not None:
+            self._free_models.subtract(before)
+        if box is None or not box.schedulable:
+            return
+        now = Counter(
+            gpu.model for gpu in self._gpu_tuples.get(box_id, ()) if gpu.free and gpu.healthy
+        )
+        if now:
+            self._free_in_box[box_id] = now
+            self._free_models.update(now)

@@ -24,11 +24,12 @@ by how much.
 =======================  =========  ====================================================
 method                   limit      what fills it
 =======================  =========  ====================================================
-ComposeGang              768 KiB    31 members of the largest specs (21 KiB), or the
-                                    most members (4096) of specs of up to 190 bytes
-                                    (a model, a count, a tenant, a few short labels)
+ComposeGang              1 MiB      31 members of the largest specs (30 KiB), or the
+                                    most members (4096) of ordinary specs (a model, a
+                                    count, a tenant, a few short labels)
 ComposeNode, PlanNode    32 KiB     a spec with 32 labels and 32 host selectors, 63-char
-                                    keys and 256-char values (21 KiB)
+                                    keys and 256-char values, and 128 excluded hosts of
+                                    63-char ids (30 KiB)
 CreateBox                32 KiB     32 labels (10 KiB) and 64 slot specs (6 KiB)
 List{Nodes,Boxes,Hosts}  8 KiB      a 4096-character label selector and a page token
 ResizeNode               8 KiB      64 GPU names to remove
@@ -68,7 +69,7 @@ _NODES = nodes_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name
 _AGENT = agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name
 
 MAX_REQUEST_BYTES: Mapping[str, int] = {
-    f"/{_NODES}/ComposeGang": 768 * KIB,
+    f"/{_NODES}/ComposeGang": 1024 * KIB,
     f"/{_NODES}/ComposeNode": 32 * KIB,
     f"/{_NODES}/PlanNode": 32 * KIB,
     f"/{_INVENTORY}/CreateBox": 32 * KIB,

@@ -11,6 +11,7 @@ Free text (labels, reasons, locations, endpoints) must be printable; see
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from google.protobuf.descriptor import EnumDescriptor
 
@@ -19,6 +20,7 @@ from dxpool.errors import InvalidArgument
 from dxpool.fabric.overhead import check_slowdown
 from dxpool.limits import (
     DEFAULT_PAGE_SIZE,
+    MAX_EXCLUDED_HOSTS,
     MAX_GPU_MEMORY_MIB,
     MAX_GPUS_PER_BOX,
     MAX_GRACE_S,
@@ -50,6 +52,7 @@ __all__ = [
     "MAX_TEXT",
     "check_box",
     "check_enum",
+    "check_excluded_hosts",
     "check_labels",
     "check_location",
     "check_node_spec",
@@ -90,7 +93,7 @@ def check_pci_id(value: str, field: str) -> str:
 
 def check_node_spec(spec: pb.NodeSpec) -> None:
     """Validate a ComposeNode spec (GPU request, host pin, latency and slowdown bounds,
-    tenant, labels)."""
+    tenant, labels, hosts excluded)."""
     validate_gpu_request(
         spec.gpus.model, spec.gpus.count, spec.gpus.min_memory_mib, spec.gpus.mixed_models
     )
@@ -123,6 +126,7 @@ def check_node_spec(spec: pb.NodeSpec) -> None:
         spec.cpu_cores, spec.host_memory_mib, "spec.cpu_cores", "spec.host_memory_mib"
     )
     _check_sharing(spec)
+    check_excluded_hosts(spec.exclude_hosts)
 
 
 def _check_sharing(spec: pb.NodeSpec) -> None:
@@ -163,6 +167,25 @@ def check_queue_timeout(queue: bool, timeout_s: int, field: str = "queue_timeout
             "queue too, or leave the timeout out",
             reason="INVALID_DURATION",
         )
+
+
+def check_excluded_hosts(hosts: Sequence[str]) -> None:
+    """``spec.exclude_hosts``: at most ``MAX_EXCLUDED_HOSTS`` host names
+    (``hosts/{host}``)."""
+    if len(hosts) > MAX_EXCLUDED_HOSTS:
+        raise InvalidArgument(
+            f"spec.exclude_hosts names {len(hosts)} hosts: exclude at most "
+            f"{MAX_EXCLUDED_HOSTS}, or select the hosts to use with host_selector instead",
+            reason="TOO_MANY_EXCLUDED_HOSTS",
+        )
+    for name in hosts:
+        if not name.startswith("hosts/"):
+            raise InvalidArgument(
+                f"spec.exclude_hosts: {name[:80]!r} is not a host name; use hosts/{{host}} "
+                "(hosts/h1)",
+                reason="INVALID_NAME",
+            )
+        parse_host(name)
 
 
 def check_box(box_id: str, box: pb.Box, gpu_count: int) -> None:

@@ -330,6 +330,14 @@ def _host_memory_mib(value: str | int | None) -> int:
     return mib
 
 
+def _excluded_hosts(hosts: Iterable[str]) -> list[str]:
+    """Host ids or names as the ``hosts/{host}`` names ``NodeSpec.exclude_hosts`` holds,
+    each once, in the order given (the broker checks how many)."""
+    if isinstance(hosts, str):
+        raise InvalidArgument("exclude_hosts takes a list of hosts, not one string")
+    return list(dict.fromkeys(host_name(host) for host in hosts))
+
+
 def _memory_mib(value: str | int | None, default: int) -> int:
     if value is None:
         return default
@@ -718,6 +726,7 @@ class Client:
         host_selector: Mapping[str, str] | None = None,
         cpus: int | None = None,
         host_memory: str | int | None = None,
+        exclude_hosts: Iterable[str] = (),
         node_id: str | None,
         tenant: str,
         labels: Mapping[str, str] | None,
@@ -749,6 +758,7 @@ class Client:
                 host_selector=dict(host_selector or {}),
                 cpu_cores=_cpus(cpus),
                 host_memory_mib=_host_memory_mib(host_memory),
+                exclude_hosts=_excluded_hosts(exclude_hosts),
             ),
             node_id=names.check_id(node_id.removeprefix("nodes/"), "node") if node_id else "",
             request_id=names.check_request_id(request_id or str(uuid.uuid4())),
@@ -776,6 +786,7 @@ class Client:
         host_selector: Mapping[str, str] | None = None,
         cpus: int | None = None,
         host_memory: str | int | None = None,
+        exclude_hosts: Iterable[str] = (),
         node_id: str | None = None,
         tenant: str = "",
         labels: Mapping[str, str] | None = None,
@@ -796,7 +807,8 @@ class Client:
         ``affinity="switch"`` every GPU from boxes under one rack switch;
         ``spread`` ("boxes", "boxes:M" or M) takes at most that many GPUs from any one box;
         ``host_selector`` keeps hosts whose labels hold every key=value given; ``cpus``
-        and ``host_memory`` (a size such as "64GiB", or MiB) must be free on the host.
+        and ``host_memory`` (a size such as "64GiB", or MiB) must be free on the host;
+        ``exclude_hosts`` (host ids or ``hosts/{host}`` names) keeps the node off them.
         Retrying with the same ``request_id`` returns the same node.
         Raises ResourceExhausted when nothing fits, NotFound for an unknown host.
 
@@ -821,6 +833,7 @@ class Client:
             host_selector=host_selector,
             cpus=cpus,
             host_memory=host_memory,
+            exclude_hosts=exclude_hosts,
             node_id=node_id,
             tenant=tenant,
             labels=labels,
@@ -848,6 +861,7 @@ class Client:
         host_selector: Mapping[str, str] | None = None,
         cpus: int | None = None,
         host_memory: str | int | None = None,
+        exclude_hosts: Iterable[str] = (),
         node_id: str | None = None,
         tenant: str = "",
         labels: Mapping[str, str] | None = None,
@@ -874,6 +888,7 @@ class Client:
             host_selector=host_selector,
             cpus=cpus,
             host_memory=host_memory,
+            exclude_hosts=exclude_hosts,
             node_id=node_id,
             tenant=tenant,
             labels=labels,
@@ -960,6 +975,7 @@ class Client:
         host_selector: Mapping[str, str] | None = None,
         cpus: int | None = None,
         host_memory: str | int | None = None,
+        exclude_hosts: Iterable[str] = (),
         gang_id: str | None = None,
         tenant: str = "",
         labels: Mapping[str, str] | None = None,
@@ -999,6 +1015,7 @@ class Client:
             host_selector=host_selector,
             cpus=cpus,
             host_memory=host_memory,
+            exclude_hosts=exclude_hosts,
             node_id=None,
             tenant=tenant,
             labels=labels,

@@ -31,6 +31,8 @@ limit                    value          why
 ``MAX_QUEUE_TIMEOUT_S``  7 days         how long a queued request may be told to wait
 ``MAX_GRACE_S``          3600           a preemption notice's grace period
 ``MAX_GANG_MEMBERS``     4096           members of one gang (chunked over transactions)
+``MAX_EXCLUDED_HOSTS``   128            hosts one NodeSpec excludes: the largest spec stays
+                                        within ComposeNode's request limit
 =======================  =============  ==================================================
 """
 
@@ -65,3 +67,4 @@ MAX_PRIORITY = 1000
 MAX_QUEUE_TIMEOUT_S = 7 * 24 * 3600
 MAX_GRACE_S = 3600
 MAX_GANG_MEMBERS = 4096
+MAX_EXCLUDED_HOSTS = 128

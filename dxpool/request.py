@@ -10,16 +10,18 @@ one spelling of each, the first registered, and listings print that one)::
     MODEL         "A100"         one A100
     COUNT         "8"            eight GPUs of any model
     *:COUNT       "*:2"          two GPUs of any model
-    SET:COUNT     "H100|A100:4"  four GPUs, all H100 or all A100 (H100 preferred)
+    SET:COUNT     "H100|A100:4"  four GPUs, all H100 or all A100
 
 A dash is part of many model names (``A100-80GB``), so ``H100-4`` is a model name; the
 broker's "no such model" answer then suggests ``H100:4``. A MODEL without a COUNT is one
 GPU, and the CLI says so on stderr: a shell cuts an unquoted set at ``|``.
 
-A model set (``MODEL|MODEL...``, up to :data:`MAX_MODELS_IN_SET` distinct models) asks
-for any of its models. All GPUs of the node are then of one model, tried in the order
-written, unless the request also says ``mixed_models``: any mix of the set's models is
-then fine. The set travels as written in the ``model`` field of every form.
+A model set (``MODEL|MODEL...``, up to :data:`MAX_MODELS_IN_SET` names) asks for
+any of its models; a model named twice counts once. All GPUs of the node are then of
+one model (placement tries the set's models with the most free GPUs first, so the models
+that few requests can use are taken last), unless the request also says
+``mixed_models``: any mix of the set's models is then fine. The set travels as written in
+the ``model`` field of every form.
 
 Affinity and spread (where a node's GPUs come from together)::
 
@@ -142,16 +144,18 @@ def validate_gpu_request(
 
 def check_model(model: str) -> str:
     """Return ``model`` if it is empty (any model), a valid GPU model name, or a set of
-    up to :data:`MAX_MODELS_IN_SET` distinct such names joined by ``|``."""
+    up to :data:`MAX_MODELS_IN_SET` such names joined by ``|`` (a name repeated counts
+    once)."""
     model_set(model)
     return model
 
 
 def model_set(model: str) -> tuple[str, ...]:
     """The models of a request's ``model`` field, in the order written: ``()`` for ""
-    (any model), ``("H100",)``, ``("H100", "A100")`` for ``"H100|A100"``. Raises
-    :class:`InvalidArgument` for a malformed name, a repeated model (compared
-    case-insensitively) or more than :data:`MAX_MODELS_IN_SET` models."""
+    (any model), ``("H100",)``, ``("H100", "A100")`` for ``"H100|A100"``; a model named
+    again (compared case-insensitively) counts once, where first written. Raises
+    :class:`InvalidArgument` for a malformed name or more than :data:`MAX_MODELS_IN_SET`
+    names."""
     if not model:
         return ()
     return _model_set(model)
@@ -167,7 +171,6 @@ def _model_set(model: str) -> tuple[str, ...]:
             "e.g. H100|A100",
             reason="INVALID_GPU_MODEL",
         )
-    seen: set[str] = set()
     for part in parts:
         if len(part) > MAX_MODEL_LENGTH or not _MODEL.fullmatch(part):
             shown = part if len(part) <= MAX_MODEL_LENGTH else part[:MAX_MODEL_LENGTH] + "..."
@@ -177,15 +180,27 @@ def _model_set(model: str) -> tuple[str, ...]:
                 "several models with '|' (H100|A100)",
                 reason="INVALID_GPU_MODEL",
             )
+    return _distinct_models(parts)
+
+
+def _distinct_models(parts: list[str]) -> tuple[str, ...]:
+    """``parts`` with a model named again (compared case-insensitively) dropped: the set
+    means the same with it named once, and schedulers that write sets out of lists (one
+    entry per allowed device, say) repeat models."""
+    seen: set[str] = set()
+    distinct: list[str] = []
+    for part in parts:
         folded = part.casefold()
-        if folded in seen:
-            raise InvalidArgument(
-                f"invalid GPU model set {_shown(model)}: {part} is named twice; name each "
-                "model once",
-                reason="INVALID_GPU_MODEL",
-            )
-        seen.add(folded)
-    return tuple(parts)
+        if folded not in seen:
+            seen.add(folded)
+            distinct.append(part)
+    return tuple(distinct)
+
+
+def normalize_model_set(model: str) -> str:
+    """``model`` as placement compares it: each model of a set named once, in the order
+    first written (``"A|B|a"`` -> ``"A|B"``); raises as :func:`model_set` does."""
+    return "|".join(model_set(model))
 
 
 def check_gpu_memory_mib(value: int, field: str) -> int:

@@ -121,3 +121,14 @@ def test_every_quickstart_line_runs_on_the_pool_the_readme_starts(tmp_path: Path
         except subprocess.TimeoutExpired:
             up.kill()
             up.wait()
+
+
+def test_the_embedding_example_runs_as_written() -> None:
+    """README's second Python example: the in-memory pool, no broker."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
+    assert len(blocks) >= 2 and "InMemoryPool" in blocks[1]
+    scope: dict[str, object] = {}
+    exec(compile(blocks[1], "README.md", "exec"), scope)  # our own README, run as written
+    pool = scope["pool"]
+    assert pool.node("n1") is None  # type: ignore[attr-defined]
+    assert pool.node("etl").host == "hosts/h1"  # type: ignore[attr-defined]

@@ -6,6 +6,7 @@ from dxpool.errors import InvalidArgument
 from dxpool.request import (
     GpuSpec,
     format_duration_ns,
+    normalize_model_set,
     parse_duration_ns,
     parse_gpus,
     parse_memory_mib,
@@ -148,6 +149,27 @@ def test_model_sets_keep_the_order_written(text: str, models: tuple[str, ...]) -
     assert parse_gpus(text).models == models
 
 
+@pytest.mark.parametrize(
+    ("text", "models", "normalized"),
+    [
+        ("V100M16|V100M32|V100M32:1", ("V100M16", "V100M32"), "V100M16|V100M32"),
+        ("H100|h100:2", ("H100",), "H100"),
+        ("A|B|a|C|b:1", ("A", "B", "C"), "A|B|C"),
+    ],
+)
+def test_a_model_named_twice_counts_once_where_first_written(
+    text: str, models: tuple[str, ...], normalized: str
+) -> None:
+    spec = parse_gpus(text)
+    assert spec.models == models
+    assert normalize_model_set(spec.model) == normalized
+
+
+def test_mixed_models_needs_two_distinct_models() -> None:
+    with pytest.raises(InvalidArgument, match="mixed_models needs a model set"):
+        GpuSpec("H100|h100", 2, mixed_models=True)
+
+
 def test_a_model_set_in_every_form_means_the_same() -> None:
     typed = GpuSpec("H100|A100", 4, mixed_models=True)
     mapping = {"model": ["H100", "A100"], "count": 4, "mixed_models": True}
@@ -159,7 +181,6 @@ def test_a_model_set_in_every_form_means_the_same() -> None:
 @pytest.mark.parametrize(
     ("model", "message"),
     [
-        ("H100|h100", "named twice"),
         ("H100||A100", "invalid GPU model ''"),
         ("H100|", "invalid GPU model ''"),
         ("|".join(f"M{i}" for i in range(9)), "at most 8 models"),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -13,6 +13,8 @@ class Cause(enum.Enum):
     this order (the first that holds is the cause):
 
     ``CAPACITY``: fewer free GPUs than asked, however they were arranged.
+    ``MODEL``: enough free GPUs, but fewer of the models the request may use than asked
+    (of any one of them, for a node of one model).
     ``HOST_SLOTS``: enough free GPUs, but fewer free proxy slots on live hosts than asked
     in all (a pool whose hosts, not GPUs, ran out; fixed servers never report it).
     ``CPU``, ``MEMORY``: less free CPU, or memory, than asked in all, on the hosts (or
@@ -25,6 +27,7 @@ class Cause(enum.Enum):
     """
 
     CAPACITY = "no GPU capacity"
+    MODEL = "no GPU capacity of the models asked"
     HOST_SLOTS = "host slots"
     CPU = "no CPU capacity"
     MEMORY = "no memory capacity"
@@ -39,11 +42,13 @@ FRAGMENTED = (Cause.FRAGMENTATION, Cause.FRAGMENTATION_CPU, Cause.FRAGMENTATION_
 
 @dataclass(frozen=True, slots=True)
 class Resources:
-    """What a request asks of one host or server besides GPUs: CPU (in the allocator's
-    CPU unit) and memory (MiB); 0 for none."""
+    """What a request asks besides a number of GPUs: CPU (in the allocator's CPU unit)
+    and memory (MiB) of one host or server, 0 for none; the GPU ``models`` it may use
+    (any of them, all of one model per node; () for any model)."""
 
     cpu: int = 0
     memory_mib: int = 0
+    models: tuple[str, ...] = ()
 
 
 NONE = Resources()
@@ -107,14 +112,23 @@ def refusal(
     free_gpus: int,
     totals: tuple[int, int, int],
     rooms: Iterable[tuple[int, int, int]],
+    free_by_model: Mapping[str, int] | None = None,
 ) -> Cause | None:
     """Why ``gpus`` GPUs with ``needs`` cannot be placed now, or None when some host or
     server can take them; ``free_gpus`` free GPUs in all, ``totals`` the free (GPU room,
     CPU, memory) in all and ``rooms`` each host's or server's (its GPU room is its free
-    proxy slots, or for a server its free GPUs). See :class:`Cause` for the order.
-    Stops at the first host that fits."""
+    proxy slots, or for a server its free GPUs of the models asked); ``free_by_model``
+    the free GPUs of each model, for a request naming models. See :class:`Cause` for the
+    order. Stops at the first host that fits."""
     if free_gpus < gpus:
         return Cause.CAPACITY
+    if (
+        gpus
+        and needs.models
+        and free_by_model is not None
+        and max(free_by_model.get(model, 0) for model in needs.models) < gpus
+    ):
+        return Cause.MODEL
     if totals[0] < gpus:
         return Cause.HOST_SLOTS
     if totals[1] < needs.cpu:

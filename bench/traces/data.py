@@ -71,13 +71,15 @@ class Server:
 @dataclass(frozen=True, slots=True)
 class Pod:
     """One pod of an openb pod list, in whole GPUs (a fractional pod takes one; 0: a
-    CPU-only pod), with the CPU (harness unit) and memory (MiB) it asks for."""
+    CPU-only pod), with the CPU (harness unit) and memory (MiB) it asks for and the GPU
+    models it may use (its ``gpu_spec``, each model once; () for any model)."""
 
     name: str
     gpus: int
     gpu_milli: int  # per GPU, as in the trace
     cpu: int = 0
     memory_mib: int = 0
+    models: tuple[str, ...] = ()
 
 
 def openb_servers(traces: Path) -> list[Server]:
@@ -99,10 +101,27 @@ def openb_servers(traces: Path) -> list[Server]:
     return [server for server in servers if server.gpus > 0]
 
 
+OPENB_POD_LIST = "openb_pod_list_"
+
+
+def openb_workloads(traces: Path) -> list[str]:
+    """The openb workloads whose pod lists the trace folder holds (``default`` first,
+    then by name): ``default``, ``cpu050``, ``gpuspec33``, ``multigpu50``..."""
+    folder = traces / "alibaba-gpu-v2023"
+    found = sorted(
+        path.name.removeprefix(OPENB_POD_LIST).removesuffix(".csv")
+        for path in folder.glob(f"{OPENB_POD_LIST}*.csv")
+    )
+    if not found:
+        raise TraceError(f"no {OPENB_POD_LIST}*.csv in {folder}")
+    return sorted(found, key=lambda name: (name != "default", name))
+
+
 def openb_pods(traces: Path, workload: str = "default", *, cpu_only: bool = False) -> list[Pod]:
     """The pods of ``openb_pod_list_<workload>.csv``, in file order: the GPU pods, and
-    with ``cpu_only`` the CPU-only pods too."""
-    path = traces / "alibaba-gpu-v2023" / f"openb_pod_list_{workload}.csv"
+    with ``cpu_only`` the CPU-only pods too. Lists without a ``gpu_spec`` column (the
+    multigpu ones) let every pod use any model."""
+    path = traces / "alibaba-gpu-v2023" / f"{OPENB_POD_LIST}{workload}.csv"
     try:
         pods = [
             Pod(
@@ -111,12 +130,18 @@ def openb_pods(traces: Path, workload: str = "default", *, cpu_only: bool = Fals
                 int(r["gpu_milli"]),
                 cpu_units(int(r["cpu_milli"])),
                 int(r["memory_mib"]),
+                _models(r.get("gpu_spec") or ""),
             )
             for r in _rows(path)
         ]
     except (KeyError, ValueError) as error:
         raise TraceError(f"{path}: not the openb pod schema ({error})") from None
     return [pod for pod in pods if pod.gpus > 0 or cpu_only]
+
+
+def _models(spec: str) -> tuple[str, ...]:
+    """A ``gpu_spec`` (``V100M16|V100M32|V100M32``) as the models it allows, each once."""
+    return tuple(dict.fromkeys(part for part in spec.split("|") if part))
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,77 +1,94 @@
-"""Static fill on the Alibaba 2023 "openb" trace, with FGD's protocol (ATC'23).
+"""Static fill on every Alibaba 2023 "openb" workload, dxpool against two baselines.
 
-Pods of ``openb_pod_list_default.csv`` (GPU pods and CPU-only pods) are drawn with
-replacement (``random.Random(seed)``, seeds 42-51) until the GPU they ask for reaches 130%
-of the cluster's 6,212; they are submitted in that order and never released. Arrived
-demand is counted as FGD counts it (``num_gpu x gpu_milli``, so a pod asking 0.46 of a
-GPU adds 0.46 and a CPU-only pod nothing), which makes the x axis FGD's. Whole-GPU mode:
-every pod is placed as whole GPUs (a fractional pod takes one), so the GPUs asked for
-pass capacity well before 100% arrived demand. Every pod also asks for its CPU and
-memory, and every host or server declares the CPU and memory of its trace node
-(``openb_node_list_gpu_node.csv``; CPU in units of 2 milli-cores, see
-``bench.traces.data``); ``--gpus-only`` leaves CPU, memory and the CPU-only pods out (the
-protocol of the earlier runs). The same request sequence goes to every cluster:
+For each workload (``openb_pod_list_<workload>.csv``: default, the cpu*, gpushare*,
+gpuspec* and multigpu* variants) and seed (``random.Random(seed)``, seeds 42-51), pods
+are drawn with replacement until the GPUs they ask for reach 130% of the cluster's
+6,212, submitted in that order and never released (FGD's protocol, ATC'23), in
+**whole-GPU mode**: a pod asking a fraction of a GPU takes a whole one, so arrived
+demand counts whole GPUs asked (``num_gpu``), and at 100% exactly the cluster's GPUs
+have been asked for. (FGD counts fractions; in whole-GPU mode its 100% comes after the
+GPUs asked have passed capacity, where every cluster is full and nothing is told
+apart.) Every pod asks for its CPU and memory and may use the models of its
+``gpu_spec`` (each once; any model when empty); every host or server declares its trace
+node's CPU and memory (``openb_node_list_gpu_node.csv``; CPU in units of 2 milli-cores,
+see ``bench.traces.data``). The same request sequence goes to every cluster, each made
+of the same inventory:
 
-* dxpool: the 6,212 GPUs in boxes of 8 (one model per box), the 1,213 GPU nodes as hosts
-  (each with its node's CPU and memory) with as many proxy slots as the node had GPUs,
-  and also with 8 and 16 slots per host (those two on the first ``--variant-seeds`` seeds
-  only, 3 by default: they cost most); placement is the broker's own (cache, placement
-  index, default pipeline, CPU and memory fit); a CPU-only pod's CPU and memory are
-  reserved on a host by the harness's best fit (see ``bench.traces.pool``);
-* the same 1,213 servers with best fit (the tightest server by free GPUs that has the
-  CPU and memory);
-* homogeneous 8-GPU servers (776 of 8 and one of 4: the same 6,212 GPUs), the trace's
-  CPU and memory split among them in proportion to their GPUs.
+* **dxpool**: the 6,212 GPUs in boxes of 8 (one model per box), the 1,213 GPU nodes as
+  hosts with their CPU and memory and ``--slots`` proxy slots each (8), placed through
+  the embedding API (:class:`~dxpool.broker.placement.pool.InMemoryPool`: the broker's
+  cache, placement index, default pipeline and records), CPU-only pods held as host
+  reservations chosen by placement;
+* **best-fit servers**: the 1,213 servers as they are (GPUs fixed in them), best fit
+  (the tightest server by free GPUs, of a model the pod may use, that has its CPU and
+  memory), FGD's ``05-BestFit`` for whole GPUs;
+* **most-free-model**: the dxpool inventory (any GPU reaches any host) with two simple
+  rules: the model with the most free GPUs the pod may use, and the host with the
+  fewest free slots that has the CPU and memory (``bench/traces/mostfree.py``).
 
-Prints, per cluster (means over seeds): GPUs allocated and unallocated at 100% arrived
-demand, first refusal and first fragmentation refusal (as % of capacity arrived),
-refusals by cause (GPU, host slots, CPU, memory; fragmentation by the resource no single
-host had with the others) and by size; writes a plot of allocation against arrived
-demand with FGD's published BestFit and FGD curves (``alibaba-gpu-v2023-fgd-results``,
-GPU-sharing mode) beside it.
+Prints per workload the unallocated share of the GPUs at 100% arrived demand and the
+first refused GPU pod (% of demand arrived), mean ± sd over the seeds, for the three
+clusters, whether dxpool meets the targets (unallocated no more than the better
+baseline; first refusal no earlier than best-fit servers'), dxpool's refusals by cause
+and its decision times; draws the per-workload figures into ``--plot``.
 
-Usage: python -m bench.traces.openb [--quick] [--seeds 42-51] [--variant-seeds 3]
-       [--gpus-only] [--pipeline default|slot-frag|cpu-balance|...] [--verify-refusals]
-       [--clusters pool,pool8,pool16,servers,servers8] [--traces DIR] [--plot PATH]
+Usage: python -m bench.traces.openb [--workloads all|default,multigpu50,...]
+       [--seeds 42-51] [--quick] [--slots 8] [--clusters dxpool,servers,mostfree]
+       [--pipeline default|...] [--verify-refusals] [--jobs N] [--traces DIR] [--plot PATH]
+       [--save FILE] [--from-saved FILE ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import bisect
-import csv
+import json
 import random
 import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from bench.traces import pipelines
-from bench.traces.allocator import FRAGMENTED, NONE, Allocator, Cause, Resources
-from bench.traces.data import Pod, Server, TraceError, openb_pods, openb_servers, traces_dir
+from bench.traces.allocator import Allocator, Cause, Resources
+from bench.traces.data import (
+    Pod,
+    Server,
+    TraceError,
+    openb_pods,
+    openb_servers,
+    openb_workloads,
+    traces_dir,
+)
+from bench.traces.mostfree import MostFreeModel
 from bench.traces.pool import DecisionTimes, DxpoolPool, PoolLayout, boxes_of
-from bench.traces.report import positive_int, pyplot, save, size_class, table
+from bench.traces.report import positive_int, pyplot, save, table
 from bench.traces.servers import FixedServers
 
-TUNE = 1.3  # pods are drawn until demand reaches 130% of capacity
-PERCENTS = range(0, 131)
+TUNE = 1.3  # pods are drawn until the GPUs asked reach 130% of capacity (--until)
 DEFAULT_PLOT = Path(__file__).parent / "plots" / "openb.png"
-VARIANTS = ("dxpool, 8 slots/host", "dxpool, 16 slots/host")  # run on --variant-seeds
-CLUSTER_KEYS = {
-    "pool": "dxpool, slots = node GPUs",
-    "pool8": "dxpool, 8 slots/host",
-    "pool16": "dxpool, 16 slots/host",
-    "servers": "servers, best fit",
-    "servers8": "8-GPU servers, best fit",
+DXPOOL, SERVERS, MOSTFREE = "dxpool", "best-fit servers", "most-free-model"
+CLUSTER_KEYS = {"dxpool": DXPOOL, "servers": SERVERS, "mostfree": MOSTFREE}
+"""The short names ``--clusters`` takes."""
+CAUSE_HEADS = {
+    Cause.CAPACITY: "GPU",
+    Cause.MODEL: "model",
+    Cause.HOST_SLOTS: "slots",
+    Cause.CPU: "CPU",
+    Cause.MEMORY: "memory",
+    Cause.FRAGMENTATION: "frag GPU",
+    Cause.FRAGMENTATION_CPU: "frag CPU",
+    Cause.FRAGMENTATION_MEMORY: "frag memory",
 }
-"""The short names ``--clusters`` takes, for the clusters :func:`clusters` makes."""
 
 
 def cluster_keys(text: str) -> list[str]:
-    """An argparse type: ``pool,servers`` -> the clusters' names."""
+    """An argparse type: ``dxpool,servers`` -> the clusters' names."""
     keys = [key.strip() for key in text.split(",") if key.strip()]
     unknown = [key for key in keys if key not in CLUSTER_KEYS]
     if unknown or not keys:
@@ -82,21 +99,19 @@ def cluster_keys(text: str) -> list[str]:
     return [CLUSTER_KEYS[key] for key in keys]
 
 
-def sample_requests(pods: Sequence[Pod], capacity: int, seed: int) -> list[Pod]:
-    """Pods drawn with replacement until their demand reaches ``TUNE`` x ``capacity``."""
+def sample_requests(
+    pods: Sequence[Pod], capacity: int, seed: int, until: float = TUNE
+) -> list[Pod]:
+    """Pods drawn with replacement until the GPUs they ask reach ``until`` x
+    ``capacity`` (a shorter draw is the start of a longer one)."""
     rng = random.Random(seed)
     requests: list[Pod] = []
-    demand = 0.0
-    while demand < TUNE * capacity:
+    demand = 0
+    while demand < until * capacity:
         pod = rng.choice(pods)
         requests.append(pod)
-        demand += demand_of(pod)
+        demand += pod.gpus
     return requests
-
-
-def demand_of(pod: Pod) -> float:
-    """What a pod adds to arrived demand, in GPUs, as FGD counts it."""
-    return pod.gpus * min(pod.gpu_milli, 1000) / 1000
 
 
 @dataclass
@@ -106,225 +121,330 @@ class FillRun:
     cluster: str
     seed: int
     capacity: int
-    arrived: list[float] = field(default_factory=list)  # demand after each request
+    arrived: list[int] = field(default_factory=list)  # GPUs asked after each request
     allocated: list[int] = field(default_factory=list)  # GPUs held after each request
-    used: list[float] = field(default_factory=list)  # demand of the placed pods, in GPUs
     refusals: list[tuple[float, int, Cause]] = field(default_factory=list)  # (% arrived, size)
     cpu_pods: int = 0  # CPU-only pods submitted
+    times: list[float] = field(default_factory=list)  # dxpool's decisions, seconds
+    cpu_times: list[float] = field(default_factory=list)  # their CPU time, seconds
+    until: float = TUNE  # the draw's end, as a share of capacity
 
     def allocation_at(self, percent: float) -> float:
-        """GPUs allocated (% of capacity) once ``percent``% of capacity has arrived."""
+        """GPUs allocated (% of capacity) once ``percent``% of capacity was asked for."""
         index = bisect.bisect_right(self.arrived, percent * self.capacity / 100) - 1
         return 100 * self.allocated[index] / self.capacity if index >= 0 else 0.0
 
-    def used_at(self, percent: float) -> float:
-        """FGD's allocation ratio: the placed pods' demand (fractions summed), % of
-        capacity, once ``percent``% of capacity has arrived."""
-        index = bisect.bisect_right(self.arrived, percent * self.capacity / 100) - 1
-        return 100 * self.used[index] / self.capacity if index >= 0 else 0.0
+    def unallocated_at(self, percent: float) -> float:
+        return 100 - self.allocation_at(percent)
 
-    def first_refusal(self, causes: Sequence[Cause] = tuple(Cause)) -> float | None:
-        return next((at for at, _, cause in self.refusals if cause in causes), None)
+    def first_refusal(self) -> float:
+        """% of capacity asked for when the first GPU pod was refused (the end of the
+        draw, ``until`` x 100, when none was)."""
+        return next((at for at, size, _ in self.refusals if size), self.until * 100)
 
 
-def fill(
-    allocator: Allocator, requests: Sequence[Pod], seed: int, resources: bool = True
-) -> FillRun:
-    """Submits ``requests`` in order; with ``resources`` each asks for its CPU and memory."""
-    run = FillRun(allocator.name, seed, allocator.capacity)
-    demand = used = 0.0
+class ReadAtFull(Protocol):
+    """What the table and the plot read of a run: its figures at 100% demand."""
+
+    def unallocated_at(self, percent: float) -> float: ...
+
+    def first_refusal(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class SavedRun:
+    """One cluster's run of one seed as ``--save`` wrote it: its figures at 100% only."""
+
+    cluster: str
+    seed: int
+    unallocated: float
+    first: float
+
+    def unallocated_at(self, percent: float) -> float:
+        if percent != 100:
+            raise ValueError(f"a saved run holds the figures at 100% only, not {percent}%")
+        return self.unallocated
+
+    def first_refusal(self) -> float:
+        return self.first
+
+
+def load_saved(paths: Sequence[Path]) -> dict[str, dict[str, list[SavedRun]]]:
+    """The runs ``--save`` wrote to ``paths`` (JSON lines), by workload and cluster, in
+    the order first read; a workload saved again replaces its earlier lines."""
+    results: dict[str, dict[str, list[SavedRun]]] = {}
+    for path in paths:
+        for number, text in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            try:
+                line = json.loads(text)
+                runs = [
+                    SavedRun(line["cluster"], seed, unallocated, first)
+                    for seed, unallocated, first in zip(
+                        line["seeds"],
+                        line["unallocated_at_100"],
+                        line["first_refusal"],
+                        strict=True,
+                    )
+                ]
+            except (ValueError, KeyError, TypeError) as error:
+                raise TraceError(f"{path}:{number}: not a line --save wrote ({error})") from None
+            results.setdefault(line["workload"], {})[line["cluster"]] = runs
+    return results
+
+
+def fill(allocator: Allocator, requests: Sequence[Pod], seed: int, until: float = TUNE) -> FillRun:
+    """Submits ``requests`` in order, each asking for its CPU, memory and models."""
+    run = FillRun(allocator.name, seed, allocator.capacity, until=until)
+    demand = 0
     for pod in requests:
-        demand += demand_of(pod)
-        gpus = pod.gpus
-        run.cpu_pods += gpus == 0
-        needs = Resources(pod.cpu, pod.memory_mib) if resources else NONE
-        outcome = allocator.allocate(gpus, needs)
+        demand += pod.gpus
+        run.cpu_pods += pod.gpus == 0
+        needs = Resources(pod.cpu, pod.memory_mib, pod.models if pod.gpus else ())
+        outcome = allocator.allocate(pod.gpus, needs)
         if isinstance(outcome, Cause):
-            run.refusals.append((100 * demand / allocator.capacity, gpus, outcome))
-        else:
-            used += demand_of(pod)
+            run.refusals.append((100 * demand / allocator.capacity, pod.gpus, outcome))
         run.arrived.append(demand)
         run.allocated.append(allocator.allocated)
-        run.used.append(used)
+    if isinstance(allocator, DxpoolPool):
+        run.times = allocator.times.samples
+        run.cpu_times = allocator.times.cpu
     return run
 
 
-def clusters(
-    servers: Sequence[Server],
-    pod_sizes: Sequence[int],
-    pipeline: str,
-    verify: bool,
-    resources: bool = True,
-) -> list[tuple[str, Callable[[], Allocator]]]:
-    """(name, factory) of every cluster compared, each factory making a fresh one; with
-    ``resources`` hosts and servers declare CPU and memory."""
-    gpus_by_model = Counter[str]()
+@dataclass(frozen=True)
+class Setup:
+    """What every cluster of a run is made of (picklable, for worker processes)."""
+
+    servers: tuple[Server, ...]
+    slots: int
+    pipeline: str
+    verify: bool
+    clusters: tuple[str, ...]
+    until: float = TUNE
+
+
+def clusters(setup: Setup, pods: Sequence[Pod]) -> list[tuple[str, Callable[[], Allocator]]]:
+    """(name, factory) of every cluster compared, each factory making a fresh one."""
+    servers = setup.servers
+    by_model = Counter[str]()
     for server in servers:
-        gpus_by_model[server.model] += server.gpus
-    boxes = boxes_of(dict(gpus_by_model))
-    capacity = sum(server.gpus for server in servers)
-    full, rest = divmod(capacity, 8)
-    built = pipelines.build(pipeline, Counter(min(p, 8) for p in pod_sizes if p))
-    cpus = [s.cpu for s in servers] if resources else []
-    memory = [s.memory_mib for s in servers] if resources else []
-    even = [8] * full + ([rest] if rest else [])
-    even_cpus, even_memory = [], []
-    if resources:  # the same CPU and memory in all, in proportion to each server's GPUs
-        even_cpus = [sum(cpus) * gpus // capacity for gpus in even]
-        even_memory = [sum(memory) * gpus // capacity for gpus in even]
-
-    def dxpool(name: str, slots: list[int]) -> Callable[[], Allocator]:
-        layout = PoolLayout(boxes, slots, host_cpus=cpus, host_memory_mib=memory)
-        return lambda: DxpoolPool(name, layout, pipeline=built, verify_refusals=verify)
-
-    return [
+        by_model[server.model] += server.gpus
+    cpus = [s.cpu for s in servers]
+    memory = [s.memory_mib for s in servers]
+    slots = [setup.slots] * len(servers)
+    built = pipelines.build(setup.pipeline, Counter(min(p.gpus, 8) for p in pods if p.gpus))
+    layout = PoolLayout(boxes_of(dict(by_model)), slots, host_cpus=cpus, host_memory_mib=memory)
+    made: list[tuple[str, Callable[[], Allocator]]] = [
         (
-            "dxpool, slots = node GPUs",
-            dxpool("dxpool, slots = node GPUs", [s.gpus for s in servers]),
-        ),
-        ("dxpool, 8 slots/host", dxpool("dxpool, 8 slots/host", [8] * len(servers))),
-        ("dxpool, 16 slots/host", dxpool("dxpool, 16 slots/host", [16] * len(servers))),
-        (
-            "servers, best fit",
-            lambda: FixedServers("servers, best fit", [s.gpus for s in servers], cpus, memory),
+            DXPOOL,
+            lambda: DxpoolPool(DXPOOL, layout, pipeline=built, verify_refusals=setup.verify),
         ),
         (
-            "8-GPU servers, best fit",
-            lambda: FixedServers("8-GPU servers, best fit", even, even_cpus, even_memory),
+            SERVERS,
+            lambda: FixedServers(
+                SERVERS, [s.gpus for s in servers], cpus, memory, [s.model for s in servers]
+            ),
         ),
+        (MOSTFREE, lambda: MostFreeModel(MOSTFREE, dict(by_model), slots, cpus, memory)),
     ]
+    return [(name, make) for name, make in made if name in setup.clusters]
 
 
-def published(traces: Path) -> dict[str, list[float]]:
-    """FGD's published mean allocation curves (% of GPU capacity, columns 0-130) on the
-    default trace, per policy; empty when the results folder is missing."""
-    path = traces / "alibaba-gpu-v2023-fgd-results" / "analysis_allo_discrete.csv"
-    if not path.is_file():
-        return {}
-    curves: dict[str, list[list[float]]] = {}
-    with path.open(newline="", encoding="utf-8") as handle:
-        for row in csv.DictReader(handle):
-            if row["workload"] == "openb_pod_list_default":
-                values = [float(row[str(k)]) for k in PERCENTS]
-                curves.setdefault(row["sc_policy"], []).append(values)
-    return {
-        policy: [statistics.mean(c) for c in zip(*runs, strict=True)]
-        for policy, runs in curves.items()
-    }
+def run_seed(setup: Setup, traces: Path, workload: str, seed: int) -> list[FillRun]:
+    """Every cluster filled with the seed's draw of the workload's pods."""
+    pods = openb_pods(traces, workload, cpu_only=True)
+    capacity = sum(server.gpus for server in setup.servers)
+    requests = sample_requests(pods, capacity, seed, setup.until)
+    return [fill(make(), requests, seed, setup.until) for _, make in clusters(setup, pods)]
 
 
-def percent(value: float | None) -> str:
-    return "none" if value is None else f"{value:.1f}%"
+def mean_sd(values: Sequence[float]) -> tuple[float, float]:
+    return statistics.mean(values), statistics.pstdev(values) if len(values) > 1 else 0.0
 
 
-def summarize(runs: dict[str, list[FillRun]]) -> None:
+def shown(values: Sequence[float]) -> str:
+    mean, sd = mean_sd(values)
+    return f"{mean:.2f} ± {sd:.2f}"
+
+
+def summarize(
+    results: Mapping[str, Mapping[str, Sequence[ReadAtFull]]], names: Sequence[str], capacity: int
+) -> bool:
+    """Prints the per-workload table; True when dxpool meets both targets on every
+    workload (means over seeds)."""
     rows = []
-    for name, done in runs.items():
-        at_100 = statistics.mean(run.allocation_at(100) for run in done)
-        first = [run.first_refusal() for run in done]
-        frag = [run.first_refusal(FRAGMENTED) for run in done]
-        by_cause = Counter(c for run in done for at, size, c in run.refusals if at <= 100 and size)
-        cpu_only = Counter(
-            c for run in done for at, size, c in run.refusals if at <= 100 and not size
-        )
+    met_all = True
+    for workload, runs in results.items():
+        unallocated = {name: [run.unallocated_at(100) for run in runs[name]] for name in names}
+        first = {name: [run.first_refusal() for run in runs[name]] for name in names}
+        verdict = "-"
+        if DXPOOL in runs and (SERVERS in runs or MOSTFREE in runs):
+            bases = [statistics.mean(unallocated[n]) for n in (SERVERS, MOSTFREE) if n in runs]
+            ok_unallocated = statistics.mean(unallocated[DXPOOL]) <= min(bases) + 1e-9
+            ok_first = SERVERS not in runs or (
+                statistics.mean(first[DXPOOL]) >= statistics.mean(first[SERVERS]) - 1e-9
+            )
+            met = ok_unallocated and ok_first
+            met_all &= met
+            verdict = (
+                "yes"
+                if met
+                else (
+                    "no: "
+                    + ", ".join(
+                        what
+                        for what, ok in (("unallocated", ok_unallocated), ("first", ok_first))
+                        if not ok
+                    )
+                )
+            )
         rows.append(
             (
-                name,
-                f"{at_100:.2f}%",
-                f"{100 - at_100:.2f}%",
-                _spread(first),
-                _spread(frag),
-                " / ".join(f"{by_cause[c] / len(done):.1f}" for c in Cause),
-                f"{sum(cpu_only.values()) / len(done):.1f} of "
-                f"{statistics.mean(run.cpu_pods for run in done):.0f}",
-                f"{statistics.mean(run.allocation_at(130) for run in done):.2f}%",
-                f"{statistics.mean(run.used_at(100) for run in done):.2f}%",
+                workload,
+                *(shown(unallocated[name]) for name in names),
+                *(shown(first[name]) for name in names),
+                verdict,
             )
         )
-    print(
-        table(
-            (
-                "cluster",
-                "allocated at 100%",
-                "unallocated at 100%",
-                "first refusal (arrived)",
-                "first fragmentation refusal",
-                "GPU pods refused to 100%: " + " / ".join(CAUSE_HEADS[c] for c in Cause),
-                "CPU-only pods refused to 100% (of all)",
-                "allocated at 130%",
-                "FGD's ratio at 100% (placed fractions)",
-            ),
-            rows,
-        )
+    header = (
+        "workload",
+        *(f"unallocated at 100%: {name}" for name in names),
+        *(f"first refusal: {name}" for name in names),
+        "targets met",
     )
-    print()
-    labels = ("1", "2", "4", "8")
-    size_rows = []
-    for name, done in runs.items():
-        cells = []
-        for label in labels:
-            refused = [
-                (size, c)
-                for run in done
-                for _, size, c in run.refusals
-                if size and size_class(size) == label
-            ]
-            stranded = sum(1 for _, c in refused if c in FRAGMENTED)
-            cells.append(f"{len(refused) / len(done):.1f} ({stranded / len(done):.1f})")
-        size_rows.append((name, *cells))
-    print("Refusals to 130% by pod size, mean per run (of them fragmentation):")
-    print(table(("cluster", *(f"{label} GPU" for label in labels)), size_rows))
+    print(
+        f"Unallocated GPUs at 100% of capacity asked (% of {capacity:,}) and the first "
+        "refused GPU pod (% of capacity asked; the end of the draw when none was), mean ± "
+        "sd over seeds:"
+    )
+    print(table(header, rows))
+    return met_all
 
 
-CAUSE_HEADS = {
-    Cause.CAPACITY: "GPU",
-    Cause.HOST_SLOTS: "slots",
-    Cause.CPU: "CPU",
-    Cause.MEMORY: "memory",
-    Cause.FRAGMENTATION: "frag GPU",
-    Cause.FRAGMENTATION_CPU: "frag CPU",
-    Cause.FRAGMENTATION_MEMORY: "frag memory",
-}
+def causes(results: dict[str, dict[str, list[FillRun]]], name: str) -> None:
+    """Refusals of GPU pods up to 100% demand by cause, mean per run."""
+    rows = []
+    for workload, runs in results.items():
+        done = runs.get(name)
+        if not done:
+            continue
+        counted = Counter(c for run in done for at, size, c in run.refusals if at <= 100 and size)
+        cpu_only = sum(1 for run in done for at, size, _ in run.refusals if at <= 100 and not size)
+        rows.append(
+            (
+                workload,
+                *(f"{counted[c] / len(done):.1f}" for c in Cause),
+                f"{cpu_only / len(done):.1f} of {statistics.mean(r.cpu_pods for r in done):.0f}",
+            )
+        )
+    print(f"\n{name}: GPU pods refused up to 100% by cause, and CPU-only pods refused, per run:")
+    print(table(("workload", *(CAUSE_HEADS[c] for c in Cause), "CPU-only pods"), rows))
 
 
-def _spread(values: Sequence[float | None]) -> str:
-    """Mean and range of first-refusal points; runs without one count as 'none'."""
-    found = [v for v in values if v is not None]
-    if not found:
-        return "none"
-    text = f"{statistics.mean(found):.1f}% ({min(found):.1f}-{max(found):.1f})"
-    if len(found) < len(values):
-        text += f", none in {len(values) - len(found)} runs"
-    return text
+def timing(results: dict[str, dict[str, list[FillRun]]]) -> None:
+    every = DecisionTimes()
+    rows = []
+    for workload, runs in results.items():
+        times = DecisionTimes(
+            [t for run in runs.get(DXPOOL, []) for t in run.times],
+            [t for run in runs.get(DXPOOL, []) for t in run.cpu_times],
+        )
+        if not times.samples:
+            continue
+        every.samples += times.samples
+        every.cpu += times.cpu
+        rows.append((workload, *_timing_cells(times)))
+    if not every.samples:
+        return
+    rows.append(("all", *_timing_cells(every)))
+    print(
+        "\ndxpool's placement decisions (snapshot + place(), or the host of a CPU-only pod; "
+        "refusals the counts allow skipped), wall clock and CPU time of the process:"
+    )
+    header = ("workload", "decisions", "p50 ms", "p99 ms", "CPU p50 ms", "CPU p99 ms")
+    print(table(header, rows))
 
 
-def plot(runs: dict[str, list[FillRun]], fgd: dict[str, list[float]], path: Path) -> None:
+def _timing_cells(times: DecisionTimes) -> tuple[object, ...]:
+    cells: list[object] = [len(times.samples)]
+    for of_cpu in (False, True):
+        if of_cpu and not times.cpu:
+            cells += ["-", "-"]
+            continue
+        cells += [f"{times.percentile(q, of_cpu=of_cpu) * 1e3:.3f}" for q in (0.5, 0.99)]
+    return tuple(cells)
+
+
+def plot(
+    results: Mapping[str, Mapping[str, Sequence[ReadAtFull]]], names: Sequence[str], path: Path
+) -> None:
     plt = pyplot()
     if plt is None:
         return
-    figure, axis = plt.subplots(figsize=(8, 5))
-    for name, done in runs.items():
-        curve = [statistics.mean(run.allocation_at(k) for run in done) for k in PERCENTS]
-        axis.plot(list(PERCENTS), curve, label=f"{name} (whole GPUs)")
-    first, done = next(iter(runs.items()))
-    used = [statistics.mean(run.used_at(k) for run in done) for k in PERCENTS]
-    axis.plot(list(PERCENTS), used, linestyle="--", label=f"{first}: FGD's ratio (fractions)")
-    for policy in ("05-BestFit", "06-FGD"):
-        if policy in fgd:
-            axis.plot(
-                list(PERCENTS),
-                fgd[policy],
-                linestyle=":",
-                label=f"FGD paper {policy} (GPU sharing)",
+    workloads = list(results)
+    figure, (top, bottom) = plt.subplots(2, 1, figsize=(max(10, len(workloads) * 0.6), 8))
+    width = 0.8 / len(names)
+    for offset, name in enumerate(names):
+        xs = [i + offset * width for i in range(len(workloads))]
+        for axis, metric in ((top, "unallocated"), (bottom, "first")):
+            values = [
+                [
+                    run.unallocated_at(100) if metric == "unallocated" else run.first_refusal()
+                    for run in results[w][name]
+                ]
+                for w in workloads
+            ]
+            axis.bar(
+                xs,
+                [statistics.mean(v) for v in values],
+                width,
+                yerr=[mean_sd(v)[1] for v in values],
+                label=name,
             )
-    axis.plot([0, 130], [0, 130], color="grey", linewidth=0.5)
-    axis.set_xlim(50, 130)
-    axis.set_ylim(50, 101)
-    axis.set_xlabel("arrived GPU demand (FGD's: fractions summed), % of capacity")
-    axis.set_ylabel("GPUs allocated, % of capacity")
-    axis.set_title("openb static fill (means over seeds)")
-    axis.legend(fontsize=8)
+    for axis in (top, bottom):
+        axis.set_xticks([i + 0.4 - width / 2 for i in range(len(workloads))], workloads)
+        axis.tick_params(axis="x", labelrotation=60, labelsize=7)
+        axis.legend(fontsize=7)
+    top.set_ylabel("unallocated at 100% asked (% of GPUs)")
+    bottom.set_ylabel("first refused GPU pod (% asked)")
+    bottom.set_ylim(0, TUNE * 100)
+    figure.suptitle("openb static fill, whole GPUs, CPU, memory and models (mean ± sd)")
+    figure.tight_layout()
     save(figure, path)
+
+
+def save_runs(path: Path, workload: str, runs: dict[str, list[FillRun]]) -> None:
+    """Appends one JSON line per cluster: the figures of every seed, read at 100%."""
+    with path.open("a", encoding="utf-8") as handle:
+        for name, done in runs.items():
+            line = {
+                "workload": workload,
+                "cluster": name,
+                "seeds": [run.seed for run in done],
+                "unallocated_at_100": [run.unallocated_at(100) for run in done],
+                "first_refusal": [run.first_refusal() for run in done],
+                "refusals_to_100": [
+                    {
+                        c.name: n
+                        for c, n in Counter(
+                            c for at, size, c in run.refusals if at <= 100 and size
+                        ).items()
+                    }
+                    for run in done
+                ],
+                "decision_ms_p50_p99": [
+                    [DecisionTimes(run.times).percentile(q) * 1e3 for q in (0.5, 0.99)]
+                    for run in done
+                ],
+                "decision_cpu_ms_p50_p99": [
+                    [
+                        DecisionTimes(run.cpu_times, run.cpu_times).percentile(q) * 1e3
+                        for q in (0.5, 0.99)
+                    ]
+                    for run in done
+                ],
+            }
+            handle.write(json.dumps(line) + "\n")
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -340,25 +460,21 @@ def parse_seeds(text: str) -> list[int]:
         ) from None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parser_of() -> argparse.ArgumentParser:
+    """The command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--traces", help="folder of the trace folders")
+    parser.add_argument(
+        "--workloads", default="all", help="comma list of openb workloads, or all (default)"
+    )
     parser.add_argument("--seeds", type=parse_seeds, default=list(range(42, 52)))
-    parser.add_argument("--quick", action="store_true", help="seed 42 on a tenth of the servers")
+    parser.add_argument(
+        "--quick", action="store_true", help="seed 42 on a tenth of the servers, 3 workloads"
+    )
+    parser.add_argument("--slots", type=positive_int, default=8, help="proxy slots per host")
     parser.add_argument("--pipeline", default="default", choices=pipelines.NAMES)
     parser.add_argument(
         "--verify-refusals", action="store_true", help="ask placement on every refusal too"
-    )
-    parser.add_argument(
-        "--variant-seeds",
-        type=positive_int,
-        default=3,
-        help="how many of the seeds the 8- and 16-slot pools run (they cost the most)",
-    )
-    parser.add_argument(
-        "--gpus-only",
-        action="store_true",
-        help="leave CPU, memory and CPU-only pods out (the earlier protocol)",
     )
     parser.add_argument(
         "--clusters",
@@ -366,59 +482,131 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=list(CLUSTER_KEYS.values()),
         help=f"comma list of the clusters to run: {', '.join(CLUSTER_KEYS)} (all)",
     )
+    parser.add_argument(
+        "--jobs", type=positive_int, default=1, help="worker processes (seeds run in parallel)"
+    )
+    parser.add_argument(
+        "--until",
+        type=positive_int,
+        default=round(TUNE * 100),
+        help="draw pods until the GPUs asked reach this %% of capacity (130; the figures "
+        "read at 100%% are the same for any value from 100 up)",
+    )
+    parser.add_argument(
+        "--save", type=Path, help="append each workload's runs to this file (JSON lines)"
+    )
+    parser.add_argument(
+        "--from-saved",
+        type=Path,
+        action="append",
+        metavar="FILE",
+        help="run nothing: print the table and draw the plot of the runs --save wrote to "
+        "FILE (repeatable: runs of one workload set split over several runs)",
+    )
     parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = parser_of()
     args = parser.parse_args(argv)
-    resources = not args.gpus_only
     try:
         traces = traces_dir(args.traces)
         servers = openb_servers(traces)
-        pods = openb_pods(traces, cpu_only=resources)
+        known = openb_workloads(traces)
     except TraceError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    if args.from_saved:
+        return from_saved(args.from_saved, servers, args.plot)
+    workloads = known if args.workloads == "all" else args.workloads.split(",")
+    unknown = [w for w in workloads if w not in known]
+    if unknown:
+        parser.error(
+            f"--workloads: unknown {', '.join(unknown)}; the traces hold {', '.join(known)}"
+        )
     seeds = args.seeds
     if args.quick:
         servers, seeds = servers[::10], seeds[:1]
-    capacity = sum(server.gpus for server in servers)
-    gpu_pods = sum(1 for pod in pods if pod.gpus)
-    print(
-        f"openb static fill: {len(servers)} servers, {capacity} GPUs, {gpu_pods} GPU pods "
-        f"(whole GPUs) and {len(pods) - gpu_pods} CPU-only pods, "
-        + ("CPU and memory fit" if resources else "GPUs only")
-        + f", seeds {seeds[0]}-{seeds[-1]} (8/16 slots/host: the first "
-        f"{args.variant_seeds}), pipeline {args.pipeline}"
+        if args.workloads == "all":
+            workloads = ["default", "gpuspec33", "multigpu50"]
+    setup = Setup(
+        tuple(servers),
+        args.slots,
+        args.pipeline,
+        args.verify_refusals,
+        tuple(args.clusters),
+        args.until / 100,
     )
-    runs: dict[str, list[FillRun]] = {}
-    timing: dict[str, list[float]] = {}
-    for name, make in clusters(
-        servers, [p.gpus for p in pods], args.pipeline, args.verify_refusals, resources
-    ):
-        if name not in args.clusters:
-            continue
-        began = time.monotonic()
-        for seed in seeds[: args.variant_seeds] if name in VARIANTS else seeds:
-            allocator = make()
-            runs.setdefault(name, []).append(
-                fill(allocator, sample_requests(pods, capacity, seed), seed, resources)
-            )
-            if isinstance(allocator, DxpoolPool):
-                timing.setdefault(name, []).extend(allocator.times.samples)
-        print(f"  {name}: {time.monotonic() - began:.1f} s", file=sys.stderr)
-    print()
-    summarize(runs)
-    for name, samples in timing.items():
-        times = DecisionTimes(samples)
-        p50, p99 = times.percentile(0.5), times.percentile(0.99)
-        print(f"{name}: {len(samples)} placements, p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms")
-    fgd = published(traces)
-    for policy in ("05-BestFit", "06-FGD"):
-        if policy in fgd:
-            print(
-                f"FGD paper, {policy} (GPU sharing, fractions summed): allocated at 100% "
-                f"{fgd[policy][100]:.2f}%, at 130% {fgd[policy][130]:.2f}%"
-            )
-    plot(runs, fgd, args.plot)
+    names = [name for name in CLUSTER_KEYS.values() if name in args.clusters]
+    capacity = sum(server.gpus for server in servers)
+    print(
+        f"openb static fill: {len(servers)} servers, {capacity} GPUs, {len(workloads)} "
+        f"workloads, seeds {seeds[0]}-{seeds[-1]}, whole GPUs, CPU, memory and models, "
+        f"dxpool hosts with {args.slots} slots, pipeline {args.pipeline}"
+    )
+    results: dict[str, dict[str, list[FillRun]]] = {}
+    began = time.monotonic()
+    with ProcessPoolExecutor(args.jobs) if args.jobs > 1 else _Inline() as workers:
+        for workload in workloads:  # one at a time, its seeds side by side
+            futures = [workers.submit(run_seed, setup, traces, workload, s) for s in seeds]
+            runs: dict[str, list[FillRun]] = {name: [] for name in names}
+            for future in futures:
+                for run in future.result():
+                    runs[run.cluster].append(run)
+            results[workload] = runs
+            print(f"  {workload}: done at {time.monotonic() - began:.0f} s", file=sys.stderr)
+            summarize({workload: runs}, names, capacity)
+            sys.stdout.flush()
+            if args.save is not None:
+                save_runs(args.save, workload, runs)
+    print("\nEvery workload:")
+    met = summarize(results, names, capacity)
+    if DXPOOL in names:
+        causes(results, DXPOOL)
+        timing(results)
+    if DXPOOL in names and len(names) > 1:
+        print(f"\ndxpool meets both targets on every workload: {'yes' if met else 'no'}")
+    plot(results, names, args.plot)
     return 0
+
+
+def from_saved(paths: Sequence[Path], servers: Sequence[Server], plot_path: Path) -> int:
+    """Prints the per-workload table of saved runs and draws their plot."""
+    try:
+        saved = load_saved(paths)
+    except (OSError, TraceError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    names = [name for name in CLUSTER_KEYS.values() if any(name in r for r in saved.values())]
+    seeds = sorted({run.seed for runs in saved.values() for r in runs.values() for run in r})
+    print(f"openb static fill, saved runs: {len(saved)} workloads, seeds {seeds}")
+    met = summarize(saved, names, sum(server.gpus for server in servers))
+    if DXPOOL in names and len(names) > 1:
+        print(f"\ndxpool meets both targets on every workload: {'yes' if met else 'no'}")
+    plot(saved, names, plot_path)
+    return 0
+
+
+class _Inline:
+    """Runs submitted calls at once, in this process (``--jobs 1``)."""
+
+    def __enter__(self) -> _Inline:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        return None
+
+    def submit(self, call: Callable[..., list[FillRun]], *args: object) -> _Done:
+        return _Done(call(*args))
+
+
+@dataclass(frozen=True)
+class _Done:
+    value: list[FillRun]
+
+    def result(self) -> list[FillRun]:
+        return self.value
 
 
 if __name__ == "__main__":

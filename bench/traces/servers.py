@@ -1,17 +1,17 @@
 """The baseline: GPUs bolted into fixed servers, a node is placed on one server.
 
 Best fit, as FGD's ``05-BestFit`` for whole GPUs: the server with the fewest free GPUs
-that still fit the node and also has the CPU and memory it asks for, ties to the lowest
-index. A CPU-only pod (0 GPUs) goes the same way, so it lands where the fewest GPUs stay
-free, and among those on the server with the least free CPU that holds it. Servers
-declare CPU and memory or not at all (then a request asking for either never fits).
-O(distinct free counts) per decision, plus the servers of a count that lack the CPU or
-memory.
+that still fit the node, of a model the node may use, and also has the CPU and memory it
+asks for, ties to the lowest index. A CPU-only pod (0 GPUs) goes the same way, so it
+lands where the fewest GPUs stay free, and among those on the server with the least
+free CPU that holds it. Servers declare CPU and memory or not at all (then a request
+asking for either never fits). O(distinct free counts) per decision, plus the servers
+of a count that lack the CPU, memory or model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 from sortedcontainers import SortedList
@@ -29,13 +29,18 @@ class FixedServers:
         gpus_per_server: Sequence[int],
         cpus: Sequence[int] = (),
         memory_mib: Sequence[int] = (),
+        models: Sequence[str] = (),
     ) -> None:
         if not gpus_per_server or min(gpus_per_server) <= 0:
             raise ValueError("fixed servers need at least one server, each with a GPU")
         count = len(gpus_per_server)
-        for given, what in ((cpus, "CPU"), (memory_mib, "memory")):
+        for given, what in ((cpus, "CPU"), (memory_mib, "memory"), (models, "the model")):
             if given and len(given) != count:
                 raise ValueError(f"{what} is given for {len(given)} servers, not {count}")
+        self._models = list(models) if models else [""] * count
+        self._free_by_model: dict[str, int] = {}
+        for model, gpus in zip(self._models, gpus_per_server, strict=True):
+            self._free_by_model[model] = self._free_by_model.get(model, 0) + gpus
         self.name = name
         self.capacity = sum(gpus_per_server)
         self._free = list(gpus_per_server)
@@ -54,8 +59,15 @@ class FixedServers:
     def allocate(self, gpus: int, needs: Resources = NONE) -> Grant | Cause:
         server = self._best_fit(gpus, needs)
         if server is None:
-            rooms = zip(self._free, self._cpu, self._memory, strict=True)
-            refused = refusal(gpus, needs, self._totals[0], self._take3(), rooms)
+            allowed = self._allows(needs)
+            rooms = (
+                (free if allowed(model) else 0, cpu, memory)
+                for free, cpu, memory, model in zip(
+                    self._free, self._cpu, self._memory, self._models, strict=True
+                )
+            )
+            by_model = self._free_by_model if needs.models else None
+            refused = refusal(gpus, needs, self._totals[0], self._take3(), rooms, by_model)
             assert refused is not None, "best fit missed a server that fits"
             return refused
         self._move(server, -gpus, -needs.cpu, -needs.memory_mib)
@@ -70,12 +82,23 @@ class FixedServers:
     def _take3(self) -> tuple[int, int, int]:
         return self._totals[0], self._totals[1], self._totals[2]
 
+    @staticmethod
+    def _allows(needs: Resources) -> Callable[[str], bool]:
+        """Whether a server of a model may take the request's GPUs."""
+        if not needs.models:
+            return lambda model: True
+        wanted = frozenset(needs.models)
+        return wanted.__contains__
+
     def _best_fit(self, gpus: int, needs: Resources) -> int | None:
-        cpu, memory = self._cpu, self._memory
+        cpu, memory, models = self._cpu, self._memory, self._models
+        allowed = self._allows(needs) if gpus else self._allows(NONE)
         for free in sorted(f for f, servers in self._by_free.items() if f >= gpus and servers):
             best: int | None = None
             for server in self._by_free[free]:
                 if cpu[server] < needs.cpu or memory[server] < needs.memory_mib:
+                    continue
+                if not allowed(models[server]):
                     continue
                 if gpus:
                     return server  # the lowest index of the tightest count
@@ -92,6 +115,7 @@ class FixedServers:
         self._by_free.setdefault(free + gpus, SortedList()).add(server)
         self._cpu[server] += cpu
         self._memory[server] += memory
+        self._free_by_model[self._models[server]] += gpus
         self._totals[0] += gpus
         self._totals[1] += cpu
         self._totals[2] += memory

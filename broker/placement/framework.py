@@ -224,6 +224,24 @@ class HostFilterPlugin(Protocol):
         ...
 
 
+class HostCheckPlugin(HostFilterPlugin, Protocol):
+    """A host filter that can also say yes or no without a :class:`Status`.
+
+    Placement carries over its work between requests by what they read (see
+    :func:`~dxpool.broker.placement.model.box_key`): the hosts other filters keep are
+    grouped once per distinct value of the fields those filters read, and a check like
+    this, whose fields (CPU and memory asked for, hosts excluded) take many values, is
+    applied at decision time to the few hosts a decision looks at. ``keeps`` must
+    agree with ``filter_host`` (SUCCESS exactly when it returns True, never raising
+    where ``filter_host`` does not). ``reads`` names the request fields it depends on,
+    as every host filter may (a filter without it is taken to read every field).
+    """
+
+    reads: frozenset[str]
+
+    def keeps(self, request: PlacementRequest, host: HostInfo) -> bool: ...
+
+
 class LinkFilterPlugin(Protocol):
     """Keeps or drops one box for one host, given the fabric's latency estimate."""
 
@@ -262,11 +280,12 @@ class ScorePlugin(Protocol):
     """Rates proposals. Higher normalized scores are better.
 
     A plugin may set ``by_host_class = True`` when its raw score depends only on the
-    proposal's takes and free slot count, never on which host of a latency class it is,
-    and its ``normalize`` only on the best raw score (max or min), not on how many
-    proposals there are. Placement then scores one host per class (see
-    ``pipeline._filter_and_select_by_class``); a plugin without it makes every host be
-    scored.
+    proposal's takes and free slot count (and on the request's box key, never on its
+    host-side fields), never on which host of a latency class it is, and its
+    ``normalize`` only on the best raw score (max or min), not on how many proposals
+    there are. Placement then scores each group of hosts alike (latency class, free
+    slots) once (see :mod:`~dxpool.broker.placement.carry`); a plugin without it makes
+    every host be scored.
     """
 
     name: str

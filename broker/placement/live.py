@@ -1,37 +1,30 @@
-"""What placement keeps between snapshots of one inventory, brought up to date per change.
+"""The supply of one request brought up to date change by change.
 
 The broker's placement index hands out snapshots with a version and a journal of which
 boxes and hosts each version changed (:class:`~dxpool.broker.placement.model.Snapshot`).
-For the snapshot after a compose only a box or two and one host differ from the one
-before, so instead of judging every box and host again, placement takes what it worked
-out for the earlier snapshot and judges only those:
+For the snapshot after a compose only a box or two differ from the one before, so
+instead of judging every box again, :class:`LiveSupply` (the usable boxes by (usable
+GPUs, box id), with each box's share, its counts after each filter, in a persistent
+map, so the funnel's totals move by the changed boxes' shares) judges only those.
 
-* :class:`LiveSupply`: the supply (usable boxes by (usable GPUs, box id)) with each
-  box's share (its counts after each filter) in a persistent map, so the funnel's totals
-  move by the changed boxes' shares;
-* :class:`HostClasses`: the hosts the host filters keep, grouped by (latency class of
-  the host, free slot count), lowest id first: placement proposes for the first host of
-  each group only (the others get the same proposals and scores and lose ties by id).
-
-Both are immutable: :meth:`advance` makes the next one and leaves this one as it was, so
-a decision still running on an older snapshot is never disturbed. Each step costs
-O(changed records x log n) plus copying one pointer per group of hosts; the supply's
-usable boxes are sorted only when something reads them (:class:`SortedSupplies`).
+It is immutable: :meth:`LiveSupply.advance` makes the next one and leaves this one as it
+was. Each step costs O(changed boxes x log n); the usable boxes are sorted only when
+something reads them (:class:`SortedSupplies`). :mod:`~dxpool.broker.placement.carry`
+keeps one per box key.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import overload
 
 import immutables
-from sortedcontainers import SortedList
 
 from dxpool.broker.placement.explain import FunnelStage
 from dxpool.broker.placement.framework import BoxFilterPlugin, BoxSupply, GpuFilterPlugin
 from dxpool.broker.placement.guard import PluginError
-from dxpool.broker.placement.model import HostInfo, PlacementRequest, Snapshot
+from dxpool.broker.placement.model import PlacementRequest, Snapshot
 from dxpool.broker.placement.supply import BoxPart, Supply, judge_box, label
 from dxpool.broker.placement.tiered import supply_order
 
@@ -157,7 +150,7 @@ def _funnel(
 
 class SortedSupplies(Sequence[BoxSupply]):
     """The usable boxes of a live supply by (usable GPUs, box id), sorted when first
-    read. A decision brought forward reads the chooser and the group table, not this
+    read. A decision carried over reads the chooser and the class table, not this
     list (only a run host by host, an explanation or a chooser made from scratch does),
     so the next version no longer copies one pointer per usable box for each change.
     Safe to share between threads: two first reads sort the same boxes the same way."""
@@ -200,81 +193,3 @@ class SortedSupplies(Sequence[BoxSupply]):
 
     def __repr__(self) -> str:
         return f"SortedSupplies({self._boxes()!r})"
-
-
-HostDropped = Callable[[HostInfo], bool]
-"""Whether the host filters drop a host (for any reason, an error included)."""
-HostClassOf = Callable[[HostInfo], int]
-
-
-@dataclass(frozen=True, slots=True)
-class HostClasses:
-    """The hosts the host filters keep, by :data:`HostKey`, each group lowest id first."""
-
-    groups: dict[HostKey, SortedList[str]]
-    key_of: immutables.Map[str, HostKey]  # only the hosts kept
-    touched: frozenset[HostKey] = frozenset()  # the groups the last advance() changed
-
-    @staticmethod
-    def build(snapshot: Snapshot, dropped: HostDropped, class_of: HostClassOf) -> HostClasses:
-        return HostClasses.build_for(snapshot, snapshot.hosts, dropped, class_of)
-
-    @staticmethod
-    def build_for(
-        snapshot: Snapshot, hosts: Iterable[str], dropped: HostDropped, class_of: HostClassOf
-    ) -> HostClasses:
-        """The groups of ``hosts`` alone (for a request whose filters drop every other
-        host: one pinned to a host)."""
-        empty = HostClasses({}, immutables.Map())
-        return empty.advance(snapshot, hosts, dropped, class_of)
-
-    def advance(
-        self,
-        snapshot: Snapshot,
-        changed: Iterable[str],
-        dropped: HostDropped,
-        class_of: HostClassOf,
-    ) -> HostClasses:
-        """These groups with the hosts ``changed`` placed again as ``snapshot`` has them;
-        the new one's ``touched`` names every group a changed host left or joined."""
-        groups = dict(self.groups)
-        copied: set[HostKey] = set()
-        hosts = snapshot.hosts
-
-        def group(key: HostKey) -> SortedList[str]:
-            if key not in copied:
-                copied.add(key)
-                found = groups.get(key)
-                groups[key] = SortedList(found) if found is not None else SortedList()
-            return groups[key]
-
-        with self.key_of.mutate() as key_of:
-            for host_id in changed:
-                if host_id in key_of:
-                    old = key_of[host_id]
-                    members = group(old)
-                    members.discard(host_id)
-                    if not members:
-                        del groups[old]
-                    del key_of[host_id]
-                host = hosts.get(host_id)
-                if host is None or dropped(host):
-                    continue
-                key: HostKey
-                try:
-                    key = (class_of(host), host.free_slot_count())
-                except Exception:
-                    key = None  # looked at on its own, which reports what failed
-                group(key).add(host_id)
-                key_of[host_id] = key
-            finished = key_of.finish()
-        return HostClasses(groups, finished, frozenset(copied))
-
-    def firsts(self) -> Iterator[str]:
-        """The host to look at for each group: its lowest id (every host of the None
-        group)."""
-        for key, members in self.groups.items():
-            if key is None:
-                yield from members
-            else:
-                yield members[0]

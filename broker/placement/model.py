@@ -8,7 +8,7 @@ anything else, so a placement is a pure function of (request, snapshot, latency 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar, cast
 
 from dxpool.errors import InvalidArgument
@@ -19,6 +19,7 @@ from dxpool.request import (
     check_box_spread,
     check_host_resources,
     model_set,
+    normalize_model_set,
     validate_gpu_request,
 )
 from dxpool.text import check_labels
@@ -41,7 +42,11 @@ __all__ = [
     "Placement",
     "PlacementRequest",
     "PlacementResult",
+    "ResourceScale",
     "Snapshot",
+    "box_key",
+    "check_excluded_hosts",
+    "count_free_by_model",
 ]
 
 
@@ -103,6 +108,50 @@ class HostInfo:
         return self._free_count
 
 
+@dataclass(frozen=True, slots=True)
+class ResourceScale:
+    """The most CPU cores and memory any host declares: the scale that makes a host's
+    free CPU and memory comparable with another's (0: no host declares it)."""
+
+    cpu_cores: int
+    memory_mib: int
+
+    def room(self, host: HostInfo) -> int:
+        """How much CPU and memory ``host`` has free, each as a share of the largest
+        host's, summed (in integers: ``cpu x M + memory x C`` for the largest host's
+        ``C`` cores and ``M`` MiB). Placement breaks ties between hosts by it, least
+        room first: a node goes where its CPU and memory fit most tightly, so the
+        roomiest hosts stay roomy for the nodes that need them. 0 for a host that
+        declares neither."""
+        cpu = max(host.cpu_cores - host.used_cpu_cores, 0)
+        memory = max(host.memory_mib - host.used_memory_mib, 0)
+        return cpu * max(self.memory_mib, 1) + memory * max(self.cpu_cores, 1)
+
+
+def count_free_by_model(snapshot: Snapshot) -> dict[str, int]:
+    """Free, healthy GPUs in the schedulable boxes of ``snapshot``, by model."""
+    counts: dict[str, int] = {}
+    boxes = snapshot.boxes
+    for box_id, gpus in snapshot.gpus_by_box.items():
+        box = boxes.get(box_id)
+        if box is None or not box.schedulable:
+            continue
+        for gpu in gpus:
+            if gpu.free and gpu.healthy:
+                counts[gpu.model] = counts.get(gpu.model, 0) + 1
+    return counts
+
+
+def _scale_of(snapshot: Snapshot) -> ResourceScale:
+    if snapshot.largest_host is not None:
+        return ResourceScale(*snapshot.largest_host)
+    hosts = snapshot.hosts.values()
+    return ResourceScale(
+        max((host.cpu_cores for host in hosts), default=0),
+        max((host.memory_mib for host in hosts), default=0),
+    )
+
+
 class ChangeJournal(Protocol):
     """Which records changed between two versions of one inventory view."""
 
@@ -136,6 +185,10 @@ class Snapshot:
     gpus_by_box: Mapping[str, Sequence[GpuInfo]]
     version: int = field(default=0, compare=False)
     journal: ChangeJournal | None = field(default=None, repr=False, compare=False)
+    # What a source keeps counted as records change, so that placement need not count
+    # them per snapshot (None: counted from the records when first asked):
+    free_models: Mapping[str, int] | None = field(default=None, repr=False, compare=False)
+    largest_host: tuple[int, int] | None = field(default=None, repr=False, compare=False)
     _derived: dict[Hashable, object] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
@@ -143,6 +196,19 @@ class Snapshot:
     def __reduce__(self) -> tuple[type[Snapshot], tuple[object, ...]]:
         # what was derived stays behind: it may hold plugins and latency models
         return Snapshot, (self.boxes, self.hosts, self.gpus_by_box)
+
+    def free_by_model(self) -> Mapping[str, int]:
+        """Free, healthy GPUs in schedulable boxes, by model as the GPUs name it (models
+        with none free are left out): ``free_models`` when the source keeps the count,
+        else counted once per snapshot."""
+        if self.free_models is not None:
+            return self.free_models
+        return self.derived("free by model", lambda: count_free_by_model(self))
+
+    def resource_scale(self) -> ResourceScale:
+        """The CPU cores and memory of the largest hosts: ``largest_host`` when the
+        source keeps it, else found once per snapshot."""
+        return self.derived("resource scale", lambda: _scale_of(self))
 
     def host_ids(self) -> tuple[str, ...]:
         """Every host id, sorted; computed once per snapshot."""
@@ -177,9 +243,10 @@ class PlacementRequest:
     """What a node asks of placement.
 
     ``model`` "" matches any model and compares case-insensitively; a set ``"H100|A100"``
-    matches any of its models, and :func:`~dxpool.broker.placement.placer.place` then
-    gives the node GPUs of one model (the first of the set, in order, that fits) unless
-    ``mixed_models``, when the pipeline takes any mix of them; ``host`` pins the node
+    matches any of its models (a model named twice counts once: ``model`` holds the set
+    with each named once), and :func:`~dxpool.broker.placement.placer.place` then gives
+    the node GPUs of one model (see there which) unless ``mixed_models``, when the
+    pipeline takes any mix of them; ``host`` pins the node
     to that host id; ``max_latency_ns`` 0 means no latency bound; ``max_slowdown`` 0 means
     no slowdown bound, else the predicted slowdown of ``workload`` (a profile name or
     ``ROUND_TRIPS@STEP_TIME``, see :mod:`dxpool.fabric.overhead`) on every GPU must be at
@@ -191,8 +258,15 @@ class PlacementRequest:
     ``max_gpus_per_box`` (0: no limit) spreads the node so that no
     box gives it more than that many GPUs; ``host_selector`` holds (key, value) pairs
     every chosen host's labels must include; ``cpu_cores`` and ``host_memory_mib`` (0:
-    none) must be free on the host. Construction raises
-    :class:`~dxpool.errors.InvalidArgument` naming the field to fix.
+    none) must be free on the host; ``exclude_hosts`` holds host ids the node must not
+    go to (anti-affinity: the caller names the hosts running what the node must avoid).
+    Construction raises :class:`~dxpool.errors.InvalidArgument` naming the field to
+    fix.
+
+    Placement keeps what it works out for a request keyed by the fields each part reads:
+    box and GPU filters (and the score plugins that work by host class) must not read
+    the host-side fields (``host``, ``host_selector``, ``cpu_cores``,
+    ``host_memory_mib``, ``exclude_hosts``); see :func:`box_key`.
     """
 
     model: str
@@ -210,9 +284,13 @@ class PlacementRequest:
     cpu_cores: int = 0
     host_memory_mib: int = 0
     same_switch: bool = False
+    exclude_hosts: frozenset[str] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:
         validate_gpu_request(self.model, self.count, self.min_memory_mib, self.mixed_models)
+        normalized = normalize_model_set(self.model)
+        if normalized != self.model:  # one spelling per set: what placement keys on
+            object.__setattr__(self, "model", normalized)
         if self.host is not None:
             check_id(self.host, "host")
         if self.max_latency_ns < 0:
@@ -242,11 +320,46 @@ class PlacementRequest:
             )
         check_labels(dict(self.host_selector), "host_selector")
         check_host_resources(self.cpu_cores, self.host_memory_mib, memory_field="host_memory_mib")
+        check_excluded_hosts(self.exclude_hosts)
 
     @property
     def models(self) -> tuple[str, ...]:
         """The models of ``model`` in the order written; () for any model."""
         return model_set(self.model)
+
+
+def check_excluded_hosts(hosts: object, field_name: str = "exclude_hosts") -> None:
+    """``hosts`` must be a frozenset of host ids. Any number: the bound on what a request
+    over the wire names is the API's (``NodeSpec.exclude_hosts``, checked by the
+    broker's validation); in process, the embedding API's anti-affinity may exclude as
+    many hosts as run what a node must avoid."""
+    if not isinstance(hosts, frozenset):
+        raise InvalidArgument(
+            f"{field_name} must be a frozenset of host ids, got {type(hosts).__name__}"
+        )
+    for host in sorted(hosts):
+        check_id(host, "host")
+
+
+def box_key(request: PlacementRequest) -> PlacementRequest:
+    """``request`` with its host-side fields cleared: what box and GPU filters, the
+    supply and the chooser depend on (they judge whatever the host)."""
+    if not (
+        request.host is not None
+        or request.host_selector
+        or request.cpu_cores
+        or request.host_memory_mib
+        or request.exclude_hosts
+    ):
+        return request
+    return replace(
+        request,
+        host=None,
+        host_selector=frozenset(),
+        cpu_cores=0,
+        host_memory_mib=0,
+        exclude_hosts=frozenset(),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,9 +400,10 @@ class PlacementResult:
     """The answer: a placement, or None and a per-constraint account in ``unsatisfied``.
 
     ``candidates`` explains every host in the snapshot: feasible hosts first (best score
-    first), then dropped hosts, each group by host id. It may be given as a function that
-    makes it: it is then made on first read (a compose never reads it; a plan does), and
-    the result reads and compares the same either way. Immutable.
+    first, then as ties go: least room, then host id), then dropped hosts by host id. It
+    may be given as a function that makes it: it is then made on first read (a compose
+    never reads it; a plan does), and the result reads and compares the same either
+    way. Immutable.
     """
 
     __slots__ = ("_candidates", "_explain", "placement", "unsatisfied")

@@ -1,11 +1,21 @@
 """The entry point the broker calls on every compose and plan.
 
 A request for a model set (``H100|A100``) without ``mixed_models`` must get GPUs of one
-model. :func:`place` tries the set's models one at a time, in the order written, each as
-an ordinary single-model request, and returns the first placement found; the pipeline
-itself only ever sees single models or, with ``mixed_models``, the whole set (its
-model filter keeps any model of the set). Trying in order keeps the choice explainable
-("A100, because no H100 placement fits") and each try is the ordinary fast placement.
+model, and so, when the pool holds several models, should a request for any model
+(``""``): peer-to-peer and data-parallel steps assume alike GPUs. :func:`place` tries
+the models one at a time, each as an ordinary single-model request, and returns the
+first placement found; the pipeline itself only ever sees single models or, with
+``mixed_models`` (or for any model, when no single model fits), every model allowed.
+
+Which model first is a matter of **scarcity**: the model with the most free GPUs goes
+first (ties in the order written, or by name for any model). A request that could use
+several models then leaves alone the models that are running out, which are the ones
+the requests that can use only them still need; a request that can use only one model
+is never hurt by a flexible one taking its last GPUs while another model had plenty.
+This is measured on the public traces (see ``bench/RESULTS.md``); it never keeps a
+request from a model it may use, it only orders the tries. Each try is the ordinary
+fast placement, and the choice stays explainable ("G2, the model with the most free
+GPUs; no placement of T4").
 """
 
 from __future__ import annotations
@@ -42,11 +52,13 @@ def place(
     when the request pins a host the snapshot does not hold.
 
     For a model set without ``mixed_models`` every GPU of the placement is of one model:
-    the first of the set, in the order written, for which a placement exists. The
-    candidates then explain the try that placed (each kept host's first reason names
-    the model and the models tried before it); when no model fits, ``unsatisfied``
-    holds every try's lines, each prefixed with its model, and each candidate the
-    reasons of every try.
+    of the set's models with a placement, the one with the most free GPUs in the pool
+    (ties in the order written). The candidates then explain the try that placed (each
+    kept host's first reason names the model and the models tried before it); when no
+    model fits, ``unsatisfied`` holds every try's lines in the order written, each
+    prefixed with its model, and each candidate the reasons of every try. A request for
+    any model in a pool of several models is placed the same way, model by model, and
+    takes a mix only when no model alone fits (see :func:`_any_model`).
     """
     if request.host is not None and request.host not in snapshot.hosts:
         raise NotFound(
@@ -56,15 +68,72 @@ def place(
         )
     chosen = pipeline or _DEFAULT
     models = request.models
-    if len(models) < 2 or request.mixed_models:
+    if len(models) == 1 or request.mixed_models:
         return chosen.run(request, snapshot, latency)
-    tries: list[tuple[str, PlacementResult]] = []
-    for model in models:
-        result = chosen.run(replace(request, model=model), snapshot, latency)
+    free = _free_by_folded_model(snapshot)
+    if not models:
+        return _any_model(chosen, request, snapshot, latency, free)
+    ordered = by_scarcity(models, free)
+    tries: dict[str, PlacementResult] = {}
+    passed: list[str] = []  # the models before this one, which have no placement
+    for model in ordered:
+        if free.get(model.casefold(), (0, ""))[0] >= request.count:
+            result = chosen.run(replace(request, model=model), snapshot, latency)
+            if result.placement is not None:
+                return _placed_after(model, tuple(passed), result)
+            tries[model] = result
+        # else too few free GPUs of it in the whole pool: no placement exists
+        passed.append(model)
+    for model in models:  # nothing fits: the account covers every model, as written
+        if model not in tries:
+            tries[model] = chosen.run(replace(request, model=model), snapshot, latency)
+    return _none_fits(tuple((model, tries[model]) for model in models))
+
+
+def by_scarcity(models: tuple[str, ...], free: dict[str, tuple[int, str]]) -> list[str]:
+    """``models`` with the most free GPUs first (``free`` by casefolded model); ties
+    keep the order given."""
+    return sorted(models, key=lambda model: -free.get(model.casefold(), (0, ""))[0])
+
+
+def _free_by_folded_model(snapshot: Snapshot) -> dict[str, tuple[int, str]]:
+    """Free healthy GPUs of schedulable boxes by casefolded model (models compare
+    case-insensitively), with the spelling most of them carry (the first by name on
+    ties)."""
+    found: dict[str, tuple[int, str]] = {}
+    spelled: dict[str, tuple[int, str]] = {}
+    for model, count in snapshot.free_by_model().items():
+        folded = model.casefold()
+        total, name = found.get(folded, (0, model))
+        best = spelled.get(folded)
+        if best is None or (-count, model) < (-best[0], best[1]):
+            spelled[folded] = (count, model)
+            name = model
+        found[folded] = (total + count, name)
+    return found
+
+
+def _any_model(
+    pipeline: Pipeline,
+    request: PlacementRequest,
+    snapshot: Snapshot,
+    latency: LatencyModel,
+    free: dict[str, tuple[int, str]],
+) -> PlacementResult:
+    """A request for any model: with one model free in the pool it is that model (the
+    pipeline runs it as it is); with several, each model with enough free GPUs is tried
+    alone, most free first (by name on ties), and only when none places does one run
+    take any mix (which also gives the account of why nothing fits)."""
+    if len(free) < 2:
+        return pipeline.run(request, snapshot, latency)
+    ranked = sorted((-count, name) for count, name in free.values() if count >= request.count)
+    tried: list[str] = []
+    for _, model in ranked:
+        result = pipeline.run(replace(request, model=model), snapshot, latency)
         if result.placement is not None:
-            return _placed_after(model, tuple(tried for tried, _ in tries), result)
-        tries.append((model, result))
-    return _none_fits(tuple(tries))
+            return _placed_after(model, tuple(tried), result)
+        tried.append(model)
+    return pipeline.run(request, snapshot, latency)
 
 
 def _placed_after(model: str, tried: tuple[str, ...], result: PlacementResult) -> PlacementResult:

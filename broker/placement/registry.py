@@ -18,6 +18,7 @@ from dxpool.broker.placement.plugins.gpus import (
 from dxpool.broker.placement.plugins.hosts import (
     HostAlive,
     HostLabels,
+    HostNotExcluded,
     HostResources,
     HostSlots,
     PinnedHost,
@@ -71,7 +72,14 @@ def default_pipeline(weights: Mapping[str, float] = WEIGHTS) -> Pipeline:
             SpreadBoxes(),
         ),
         box_filters=(BoxSchedulable(),),
-        host_filters=(PinnedHost(), HostAlive(), HostLabels(), HostResources(), HostSlots()),
+        host_filters=(
+            PinnedHost(),
+            HostAlive(),
+            HostLabels(),
+            HostNotExcluded(),
+            HostResources(),
+            HostSlots(),
+        ),
         link_filters=(LatencyBound(), SlowdownBound()),
         scores=tuple(WeightedScore(score, weights[score.name]) for score in scores),
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import groupby
 from operator import attrgetter
 from typing import cast
@@ -25,7 +25,7 @@ from dxpool.broker.placement.framework import (
     defined_with,
 )
 from dxpool.broker.placement.guard import PluginError, failure
-from dxpool.broker.placement.model import BoxInfo, GpuInfo, PlacementRequest, Snapshot
+from dxpool.broker.placement.model import BoxInfo, GpuInfo, PlacementRequest, Snapshot, box_key
 from dxpool.broker.placement.status import Code
 
 _box_of = attrgetter("box")
@@ -54,7 +54,7 @@ class BoxVerdicts:
     placement index hands out the same objects for boxes whose records did not change).
     Filters are pure functions of (request, box or GPU), so the verdict still holds and
     only the boxes that changed are judged again. Keeps the ``max_requests`` requests used
-    last. Safe to share between threads.
+    last (by box key). Safe to share between threads.
     """
 
     def __init__(self, max_requests: int = 16) -> None:
@@ -65,11 +65,11 @@ class BoxVerdicts:
     def parts(self, request: PlacementRequest) -> dict[str, BoxPart]:
         """The verdicts remembered for ``request``, by box id (the caller adds to them).
 
-        A request pinned to a host shares them with the same request unpinned: box and
-        GPU filters judge whatever the host.
+        They are kept by the request's box key: requests that differ only in what they
+        ask of the host (a pin, a selector, CPU and memory, hosts excluded) share them,
+        since box and GPU filters judge whatever the host.
         """
-        if request.host is not None:
-            request = replace(request, host=None)
+        request = box_key(request)
         with self._lock:
             parts = self._by_request.get(request)
             if parts is None:

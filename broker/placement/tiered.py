@@ -633,7 +633,9 @@ class TieredChooser:
         for number, supply in self._tightest_classes() or ():
             ns = class_ns.get((host_class, number))
             if ns is None:
-                ns = self._model.round_trip(host, supply.box.place).round_trip_ns
+                # by the model's contract the classes alone decide it, as the ranking
+                # files it (asking for the pair builds its path: many times slower)
+                ns = self._model.class_round_trip_ns(host_class, number)
                 class_ns[(host_class, number)] = ns
             if best is None or (ns, supply.box.box) < (best[0], best[1].box.box):
                 best = (ns, supply)

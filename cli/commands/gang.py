@@ -87,6 +87,7 @@ def create(
     affinity: str | None,
     spread: int | None,
     host_selector: tuple[tuple[str, str], ...],
+    exclude_hosts: tuple[str, ...],
     cpus: int | None,
     host_memory: int | None,
     vfio: bool,
@@ -126,6 +127,7 @@ def create(
             vfio=vfio,
             tenant=tenant,
             labels=labels,
+            exclude_hosts=exclude_hosts,
         ),
     )
     hosts = sorted({n.host.removeprefix("hosts/") for n in created.nodes})

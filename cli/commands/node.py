@@ -81,7 +81,7 @@ def _request_options(command: _F) -> _F:
             required=True,
             help="MODEL:COUNT (e.g. H100:4), MODEL (one GPU), COUNT (any model), or a "
             "model set MODEL|MODEL:COUNT (quote it: 'H100|A100:4'): all GPUs of one model, "
-            "the first of the set that fits.",
+            "the one with the most free GPUs that fits.",
         ),
         click.option(
             "--mixed-models",
@@ -95,6 +95,13 @@ def _request_options(command: _F) -> _F:
             type=LABEL,
             multiple=True,
             help="KEY=VALUE a host's labels must hold (agent --label); repeatable.",
+        ),
+        click.option(
+            "--exclude-host",
+            "exclude_hosts",
+            type=HOST,
+            multiple=True,
+            help="A host the node must not go to (anti-affinity); repeatable.",
         ),
         click.option(
             "--max-latency",
@@ -184,6 +191,7 @@ def _request_kwargs(
     vfio: bool,
     tenant: str,
     labels: tuple[tuple[str, str], ...],
+    exclude_hosts: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     if max_slowdown and not workload:
         raise click.UsageError(
@@ -210,6 +218,7 @@ def _request_kwargs(
         "vfio": vfio,
         "tenant": tenant,
         "labels": labels_dict(labels),
+        "exclude_hosts": exclude_hosts,
     }
 
 
@@ -252,6 +261,7 @@ def create(
     affinity: str | None,
     spread: int | None,
     host_selector: tuple[tuple[str, str], ...],
+    exclude_hosts: tuple[str, ...],
     cpus: int | None,
     host_memory: int | None,
     vfio: bool,
@@ -315,6 +325,7 @@ def create(
             vfio=vfio,
             tenant=tenant,
             labels=labels,
+            exclude_hosts=exclude_hosts,
         ),
     )
     if created.state == NodeState.NODE_STATE_QUEUED:
@@ -380,6 +391,7 @@ def plan(
     affinity: str | None,
     spread: int | None,
     host_selector: tuple[tuple[str, str], ...],
+    exclude_hosts: tuple[str, ...],
     cpus: int | None,
     host_memory: int | None,
     vfio: bool,
@@ -404,6 +416,7 @@ def plan(
             vfio=vfio,
             tenant=tenant,
             labels=labels,
+            exclude_hosts=exclude_hosts,
         ),
     )
     if output in (OutputFormat.JSON, OutputFormat.YAML):

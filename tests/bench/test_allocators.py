@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.traces.allocator import Cause, Grant, Resources, allocate_gang, gang_members
+from bench.traces.mostfree import MostFreeModel
 from bench.traces.pool import DecisionTimes, DxpoolPool, PoolLayout, boxes_of
 from bench.traces.servers import FixedServers
 
@@ -77,9 +78,11 @@ def test_every_decision_is_timed_and_percentiles_read_the_sorted_samples() -> No
     for _ in range(3):
         cluster.allocate(1)
     assert len(cluster.times.samples) == 3
-    times = DecisionTimes([0.003, 0.001, 0.002, 0.004])
+    assert len(cluster.times.cpu) == 3 and all(t >= 0 for t in cluster.times.cpu)
+    times = DecisionTimes([0.003, 0.001, 0.002, 0.004], [0.002, 0.001, 0.001, 0.003])
     assert times.percentile(0.5) == 0.003
     assert times.percentile(0.99) == 0.004
+    assert times.percentile(0.5, of_cpu=True) == 0.002
     assert DecisionTimes().percentile(0.5) == 0.0
 
 
@@ -119,3 +122,58 @@ def test_the_pool_needs_the_cpu_and_memory_on_the_host_it_places_on() -> None:
         cluster.release(grant)
         assert isinstance(cluster.allocate(8, Resources(40, 400)), Grant)
         assert cluster.allocate(8, Resources(40, 0)) is Cause.CPU
+
+
+def test_fixed_servers_take_only_servers_of_a_model_the_pod_may_use() -> None:
+    servers = FixedServers("s", [2, 4, 8], models=["T4", "G2", "G2"])
+    grant = servers.allocate(2, Resources(models=("G2",)))
+    assert isinstance(grant, Grant) and grant.key[0] == 1  # the tightest G2 server
+    assert servers.allocate(3, Resources(models=("T4",))) is Cause.MODEL  # 2 T4 in all
+    anyone = servers.allocate(2, Resources())
+    assert isinstance(anyone, Grant) and anyone.key[0] == 0  # any model: the tightest
+    assert servers.allocate(9, Resources(models=("G2",))) is Cause.FRAGMENTATION  # 2 + 8
+
+
+def test_most_free_model_takes_the_model_with_the_most_free_gpus() -> None:
+    pool = MostFreeModel("m", {"A": 4, "B": 6, "C": 1}, [8, 8])
+    first = pool.allocate(2, Resources(models=("A", "B")))
+    assert isinstance(first, Grant) and first.key[1] == {"B": 2}
+    second = pool.allocate(2, Resources(models=("A", "B")))
+    assert isinstance(second, Grant) and second.key[1] == {"A": 2}  # 4 against 4: A
+    assert pool.allocate(2, Resources(models=("C",))) is Cause.MODEL
+    mixed = pool.allocate(7, Resources())  # no one model holds 7: most free first, mixed
+    assert isinstance(mixed, Grant) and mixed.key[1] == {"B": 4, "A": 2, "C": 1}
+    assert pool.allocated == 11
+    pool.release(mixed)
+    assert pool.allocate(3, Resources()) == Grant((0, {"B": 3}, Resources()), 3)
+
+
+def test_most_free_model_takes_the_host_with_the_fewest_free_slots_that_holds_it() -> None:
+    pool = MostFreeModel("m", {"A": 16}, [8, 8, 8], cpus=[4, 32, 32], memory_mib=[0, 0, 0])
+    first = pool.allocate(2, Resources(cpu=8))
+    assert isinstance(first, Grant) and first.key[0] == 1
+    second = pool.allocate(1, Resources(cpu=8))
+    assert isinstance(second, Grant) and second.key[0] == 1  # 6 free slots, the fewest
+    cpu_only = pool.allocate(0, Resources(cpu=2))
+    assert isinstance(cpu_only, Grant) and cpu_only.key[0] == 1
+    assert pool.allocate(1, Resources(cpu=40)) is Cause.FRAGMENTATION_CPU  # 50 free in all
+    assert pool.allocate(1, Resources(cpu=60)) is Cause.CPU
+
+
+def test_the_pool_places_model_sets_by_the_most_free_model_and_reserves_cpu_only_pods() -> None:
+    layout = PoolLayout(
+        boxes_of({"A": 8, "B": 16}), [8, 8], host_cpus=[16, 64], host_memory_mib=[64, 256]
+    )
+    for verify in (False, True):
+        cluster = DxpoolPool("test", layout, verify_refusals=verify)
+        grant = cluster.allocate(2, Resources(4, 8, ("A", "B")))
+        assert isinstance(grant, Grant)
+        node = cluster.pool.node(grant.key.node)  # type: ignore[attr-defined]
+        assert node is not None and {b.model for b in node.gpus} == {"B"}
+        assert cluster.allocate(9, Resources(models=("A",))) is Cause.MODEL
+        cpu_only = cluster.allocate(0, Resources(10, 8))
+        assert isinstance(cpu_only, Grant) and cpu_only.gpus == 0
+        assert cluster.pool.node(cpu_only.key.node).host == "hosts/h00000"  # type: ignore[attr-defined, union-attr]
+        cluster.release(cpu_only)
+        cluster.release(grant)
+        assert cluster.allocated == 0

@@ -482,7 +482,6 @@ def test_list_nodes_refuses_a_bad_selector(nodes: nodes_pb2_grpc.NodeServiceStub
 @pytest.mark.parametrize(
     ("gpus", "message"),
     [
-        (pb.GpuRequest(model="H100|h100", count=2), "h100 is named twice; name each model once"),
         (pb.GpuRequest(model="H100||A100", count=2), "join several models with '|'"),
         (pb.GpuRequest(model="H100", count=2, mixed_models=True), "mixed_models needs a model set"),
     ],
@@ -513,6 +512,26 @@ def test_a_model_set_composes_one_model_through_grpc(stubs: Stubs, sim_pool: Sim
     other = stubs.nodes.ComposeNode(nodes_pb2.ComposeNodeRequest(spec=mixed, node_id="n2"))
     assert len(other.gpus) == 3
     assert {binding.model for binding in [*node.gpus, *other.gpus]} == {"A100", "H100"}
+
+
+def test_excluded_hosts_keep_a_node_off_them_or_say_why_not(
+    stubs: Stubs, sim_pool: SimPool
+) -> None:
+    register_sim_box(sim_pool, stubs, "b1", gpus=4)
+    sim_pool.start_agent("h1")
+    sim_pool.start_agent("h2")
+    wait_hosts_alive(stubs, 2)
+    spec = pb.NodeSpec(gpus=pb.GpuRequest(model="H100", count=1), exclude_hosts=["hosts/h1"])
+    node = stubs.nodes.ComposeNode(nodes_pb2.ComposeNodeRequest(spec=spec, node_id="n1"))
+    assert node.host == "hosts/h2"
+    assert list(node.spec.exclude_hosts) == ["hosts/h1"]
+    spec.exclude_hosts.append("hosts/h2")
+    with pytest.raises(grpc.RpcError) as raised:
+        stubs.nodes.ComposeNode(nodes_pb2.ComposeNodeRequest(spec=spec, node_id="n2"))
+    error = raised.value
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+    assert "off 2 excluded hosts" in error.details()  # type: ignore[attr-defined]
+    assert "hosts: 2 of 2 excluded by the request" in error.details()  # type: ignore[attr-defined]
 
 
 def test_switch_affinity_composes_from_one_rack_or_says_why_not(
@@ -554,6 +573,12 @@ def test_switch_affinity_composes_from_one_rack_or_says_why_not(
         (pb.NodeSpec(host_selector={"": "prod"}), "spec.host_selector has an empty key"),
         (pb.NodeSpec(cpu_cores=-1), "spec.cpu_cores -1 is out of range"),
         (pb.NodeSpec(host_memory_mib=2**60), "spec.host_memory_mib 1152921504606846976 is out"),
+        (pb.NodeSpec(exclude_hosts=["h1"]), "spec.exclude_hosts: 'h1' is not a host name"),
+        (pb.NodeSpec(exclude_hosts=["hosts/h 1"]), "invalid host name 'hosts/h 1'"),
+        (
+            pb.NodeSpec(exclude_hosts=[f"hosts/h{i}" for i in range(129)]),
+            "spec.exclude_hosts names 129 hosts: exclude at most 128",
+        ),
     ],
 )
 def test_bad_affinity_or_spread_is_invalid_argument(

@@ -254,3 +254,70 @@ def test_a_hold_outlives_the_records_changing_under_it(feed: Feed, index: Placem
     after = index.snapshot()
     assert not after.gpus_by_box[binding.box][binding.slot].free
     assert binding.host_slot in after.hosts[chosen.host].used_slots
+
+
+def test_free_gpus_by_model_and_the_largest_host_are_kept_counted(
+    feed: Feed, index: PlacementIndex
+) -> None:
+    """What a snapshot carries counted (free healthy GPUs of schedulable boxes by model,
+    the CPU and memory of the largest host) is what counting its records gives, after
+    GPUs taken and freed, holds, cordons, unhealthy GPUs and host changes."""
+    import random
+
+    from dxpool.broker.placement import Binding, Placement
+    from dxpool.broker.placement.model import Snapshot, count_free_by_model
+
+    def counted(snapshot: Snapshot) -> None:
+        alone = Snapshot(snapshot.boxes, snapshot.hosts, snapshot.gpus_by_box)
+        assert snapshot.free_by_model() == count_free_by_model(alone)
+        assert snapshot.resource_scale() == alone.resource_scale()
+
+    rng = random.Random(4)
+    held: list[Placement] = []
+    for step in range(60):
+        kind = rng.randrange(5)
+        box, slot = rng.choice(("b1", "b2")), rng.randrange(4)
+        if kind == 0:
+            feed.gpu(box, slot, state=pb.GPU_STATE_ATTACHING, node="nodes/n")
+        elif kind == 1:
+            feed.gpu(box, slot)
+        elif kind == 2:
+            feed.box(box, rng.choice((pb.BOX_STATE_ACTIVE, pb.BOX_STATE_CORDONED)))
+        elif kind == 3:
+            cpus = rng.choice((0, 32, 96))
+            feed.put(
+                feed.schema.host("h1"),
+                pb.Host(
+                    name="hosts/h1",
+                    location=RACK,
+                    slot_capacity=8,
+                    cpu_cores=cpus,
+                    memory_mib=cpus * 4096,
+                ),
+            )
+        elif held and rng.random() < 0.5:
+            index.let_go(held.pop())
+        else:
+            placement = Placement(
+                "h1", (Binding(f"boxes/{box}/gpus/{slot}", box, slot, "H100", step % 8, 0),), 0
+            )
+            if index.hold(placement):
+                held.append(placement)
+        counted(index.snapshot())
+    gpu = pb.Gpu(
+        name="boxes/b2/gpus/0",
+        box="boxes/b2",
+        slot=0,
+        model="A100",
+        memory_mib=1,
+        state=pb.GPU_STATE_FREE,
+        health=pb.GPU_HEALTH_UNHEALTHY,
+    )
+    feed.put(feed.schema.gpu("b2", 0), gpu)
+    counted(index.snapshot())
+    feed.put(
+        feed.schema.host("h2"),
+        pb.Host(name="hosts/h2", location=RACK, slot_capacity=8, cpu_cores=128, memory_mib=7),
+    )
+    assert index.snapshot().resource_scale().cpu_cores == 128
+    counted(index.snapshot())

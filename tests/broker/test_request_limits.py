@@ -32,6 +32,7 @@ from dxpool.broker.request_limits import (
 from dxpool.broker.server import BrokerServer
 from dxpool.broker.validation import check_box, check_node_spec
 from dxpool.limits import (
+    MAX_EXCLUDED_HOSTS,
     MAX_GANG_MEMBERS,
     MAX_GPU_MEMORY_MIB,
     MAX_GPUS_PER_BOX,
@@ -90,6 +91,7 @@ def largest_spec() -> pb.NodeSpec:
         host_selector=_labels("s"),
         cpu_cores=MAX_HOST_CPUS,
         host_memory_mib=MAX_HOST_MEMORY_MIB,
+        exclude_hosts=[f"hosts/{ID[:-4]}{i:04d}" for i in range(MAX_EXCLUDED_HOSTS)],
     )
     return spec
 

@@ -569,7 +569,7 @@ def test_node_plan_with_a_model_set_names_the_model_it_chose(run: Run, pool: Sim
     plan = json.loads(ok(run("node", "plan", "--gpus", "A100|H100:3", "-o", "json")))
     assert plan["host"] == "hosts/h1" and {g["model"] for g in plan["gpus"]} == {"H100"}
     (kept,) = [h for h in plan["hosts"] if h.get("feasible")]
-    assert kept["reasons"][0] == "model H100 (no placement of A100)"
+    assert kept["reasons"][0] == "model H100"  # the most free GPUs: the pool has no A100
     mixed = json.loads(
         ok(run("node", "plan", "--gpus", "H100|A100:3", "--mixed-models", "-o", "json"))
     )
@@ -653,6 +653,25 @@ def test_node_plan_with_a_host_selector_uses_the_agents_labels(
     assert "host labels: 2 of 2 hosts do not have env=dev" in refused.stderr
     bad = run("node", "plan", "--gpus", "H100:2", "--host-selector", "env")
     assert bad.exit_code == 2
+
+
+def test_node_plan_with_excluded_hosts_goes_elsewhere(
+    run: Run, broker: BrokerServer, pool: SimPool
+) -> None:
+    pool.start_agent("h2", rack="r2")
+    with Client(broker.endpoint) as client:
+        wait_until(lambda: sum(h.alive for h in client.list_hosts()) == 2, message="h2 alive")
+    plan = json.loads(
+        ok(run("node", "plan", "--gpus", "H100:2", "--exclude-host", "h1", "-o", "json"))
+    )
+    assert plan["host"] == "hosts/h2"
+    (h1,) = [h for h in plan["hosts"] if h["name"] == "hosts/h1"]
+    assert h1["reasons"] == ["excluded by the request"]
+    both = ("--exclude-host", "h1", "--exclude-host", "hosts/h2")
+    refused = run("node", "create", "--gpus", "H100:2", *both)
+    assert refused.exit_code == 1
+    assert "hosts: 2 of 2 excluded by the request" in refused.stderr
+    assert run("node", "plan", "--gpus", "H100:2", "--exclude-host", "h 1").exit_code == 2
 
 
 def test_node_plan_with_cpus_and_host_memory(run: Run, broker: BrokerServer, pool: SimPool) -> None:

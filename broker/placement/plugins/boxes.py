@@ -14,6 +14,7 @@ class BoxSchedulable:
     """Keeps boxes that are ACTIVE; a cordoned box gives no GPU to a new node."""
 
     name = "box_schedulable"
+    reads: frozenset[str] = frozenset()
     _CORDONED = Status.unschedulable("box is cordoned or not active", plugin=name)
 
     def applies(self, request: PlacementRequest) -> bool:

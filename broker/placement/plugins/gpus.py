@@ -29,6 +29,7 @@ class GpuModel:
     compared case-insensitively; any model when it is ""."""
 
     name = "gpu_model"
+    reads = frozenset({"model"})
 
     def applies(self, request: PlacementRequest) -> bool:
         return bool(request.model)
@@ -64,6 +65,7 @@ class GpuMemory:
     """Keeps GPUs with at least ``min_memory_mib``."""
 
     name = "gpu_memory"
+    reads = frozenset({"min_memory_mib"})
 
     def applies(self, request: PlacementRequest) -> bool:
         return request.min_memory_mib > 0
@@ -100,6 +102,7 @@ class GpuFree:
     """Keeps GPUs that are FREE and have no owner."""
 
     name = "gpu_free"
+    reads: frozenset[str] = frozenset()
     _NOT_FREE = Status.unschedulable("in use", plugin=name)
 
     def applies(self, request: PlacementRequest) -> bool:
@@ -122,6 +125,7 @@ class GpuHealthy:
     """Keeps GPUs not reported unhealthy."""
 
     name = "gpu_healthy"
+    reads: frozenset[str] = frozenset()
     _UNHEALTHY = Status.unschedulable("unhealthy", plugin=name)
 
     def applies(self, request: PlacementRequest) -> bool:
@@ -144,6 +148,7 @@ class GpuNotExcluded:
     """Drops the GPUs the request names in ``exclude_gpus``."""
 
     name = "gpu_not_excluded"
+    reads = frozenset({"exclude_gpus"})
     _EXCLUDED = Status.unschedulable("excluded by the request", plugin=name)
 
     def applies(self, request: PlacementRequest) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from dxpool.broker.placement.model import HostInfo, PlacementRequest
+from dxpool.broker.placement.model import HostInfo, PlacementRequest, ResourceScale
 from dxpool.broker.placement.status import SUCCESS, Status
 from dxpool.broker.placement.text import format_memory, plural, sample_names
 
@@ -14,6 +14,7 @@ class PinnedHost:
     """When the request pins a host, keeps that host only."""
 
     name = "pinned_host"
+    reads = frozenset({"host"})
 
     def applies(self, request: PlacementRequest) -> bool:
         return request.host is not None
@@ -33,6 +34,7 @@ class HostAlive:
     """Keeps hosts whose agent holds a session with a broker (a liveness record)."""
 
     name = "host_alive"
+    reads: frozenset[str] = frozenset()
     _DEAD = Status.unschedulable("not alive: its agent holds no session", plugin=name)
 
     def applies(self, request: PlacementRequest) -> bool:
@@ -71,6 +73,7 @@ class HostLabels:
     only the hosts kept, so a selector costs one subset test per host."""
 
     name = "host_labels"
+    reads = frozenset({"host_selector"})
 
     def applies(self, request: PlacementRequest) -> bool:
         return bool(request.host_selector)
@@ -112,6 +115,7 @@ class HostResources:
     it judges the host itself; hosts kept are grouped as before."""
 
     name = "host_resources"
+    reads = frozenset({"cpu_cores", "host_memory_mib"})
 
     def applies(self, request: PlacementRequest) -> bool:
         return request.cpu_cores > 0 or request.host_memory_mib > 0
@@ -121,6 +125,21 @@ class HostResources:
         if not short:
             return SUCCESS
         return Status.unschedulable("; ".join(short), plugin=self.name)
+
+    def keeps(self, request: PlacementRequest, host: HostInfo) -> bool:
+        """Whether :meth:`filter_host` keeps ``host``, without making a status."""
+        cpu, memory = request.cpu_cores, request.host_memory_mib
+        return (
+            not cpu or (host.cpu_cores > 0 and host.cpu_cores - host.used_cpu_cores >= cpu)
+        ) and (
+            not memory or (host.memory_mib > 0 and host.memory_mib - host.used_memory_mib >= memory)
+        )
+
+    def least_room(self, request: PlacementRequest, scale: ResourceScale) -> int:
+        """No host with less :meth:`~ResourceScale.room` than this is kept."""
+        return request.cpu_cores * max(scale.memory_mib, 1) + request.host_memory_mib * max(
+            scale.cpu_cores, 1
+        )
 
     def explain(
         self, request: PlacementRequest, failed: Sequence[HostInfo], reached: int
@@ -187,6 +206,7 @@ class HostSlots:
     """Keeps hosts with at least ``count`` free proxy slots."""
 
     name = "host_slots"
+    reads = frozenset({"count"})
 
     def applies(self, request: PlacementRequest) -> bool:
         return True
@@ -216,3 +236,32 @@ class HostSlots:
             f"host capacity: {len(failed)} of {reached} hosts have fewer than "
             f"{request.count} free proxy slots; the most is {most} on hosts/{roomiest.host}"
         )
+
+
+class HostNotExcluded:
+    """Drops the hosts the request names in ``exclude_hosts`` (anti-affinity: the caller
+    names the hosts running what the node must keep away from)."""
+
+    name = "host_not_excluded"
+    reads = frozenset({"exclude_hosts"})
+    _EXCLUDED = Status.unschedulable("excluded by the request", plugin=name)
+
+    def applies(self, request: PlacementRequest) -> bool:
+        return bool(request.exclude_hosts)
+
+    def filter_host(self, request: PlacementRequest, host: HostInfo) -> Status:
+        return self._EXCLUDED if host.host in request.exclude_hosts else SUCCESS
+
+    def keeps(self, request: PlacementRequest, host: HostInfo) -> bool:
+        """Whether :meth:`filter_host` keeps ``host``, without making a status."""
+        return host.host not in request.exclude_hosts
+
+    def explain(
+        self, request: PlacementRequest, failed: Sequence[HostInfo], reached: int
+    ) -> str | None:
+        if not failed:
+            return None
+        if reached == 1:
+            return f"hosts: hosts/{failed[0].host} is excluded by the request"
+        names = sample_names([f"hosts/{host.host}" for host in failed])
+        return f"hosts: {len(failed)} of {reached} excluded by the request ({names})"

@@ -26,6 +26,7 @@ class SameBox:
     the node then comes from one box and talks peer-to-peer behind its PCIe switch."""
 
     name = "same_box"
+    reads = frozenset({"same_box", "count"})
 
     def applies(self, request: PlacementRequest) -> bool:
         return request.same_box
@@ -52,6 +53,7 @@ class SpreadBoxes:
     no box gives the node more than M GPUs, so losing a box costs it at most M."""
 
     name = "spread_boxes"
+    reads = frozenset({"max_gpus_per_box"})
 
     def applies(self, request: PlacementRequest) -> bool:
         return request.max_gpus_per_box > 0

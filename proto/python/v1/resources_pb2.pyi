@@ -1161,6 +1161,7 @@ class NodeSpec(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     MIN_GPUS_FIELD_NUMBER: _builtins.int
     PREEMPTION_GRACE_S_FIELD_NUMBER: _builtins.int
+    EXCLUDE_HOSTS_FIELD_NUMBER: _builtins.int
     host: _builtins.str
     """Pin to this host ("hosts/{host}"); empty lets placement choose."""
     max_latency_ns: _builtins.int
@@ -1220,6 +1221,12 @@ class NodeSpec(_message.Message):
         these key=value pairs.
         """
 
+    @_builtins.property
+    def exclude_hosts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Hosts the node must not go to ("hosts/{host}", at most 128): anti-affinity, the
+        caller naming the hosts that run what the node must keep away from.
+        """
+
     def __init__(
         self,
         *,
@@ -1239,10 +1246,11 @@ class NodeSpec(_message.Message):
         priority: _builtins.int = ...,
         min_gpus: _builtins.int = ...,
         preemption_grace_s: _builtins.int | None = ...,
+        exclude_hosts: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_preemption_grace_s", b"_preemption_grace_s", "gpus", b"gpus", "preemption_grace_s", b"preemption_grace_s"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_preemption_grace_s", b"_preemption_grace_s", "affinity", b"affinity", "cpu_cores", b"cpu_cores", "gpus", b"gpus", "host", b"host", "host_memory_mib", b"host_memory_mib", "host_selector", b"host_selector", "labels", b"labels", "max_gpus_per_box", b"max_gpus_per_box", "max_latency_ns", b"max_latency_ns", "max_slowdown", b"max_slowdown", "min_gpus", b"min_gpus", "preemption_grace_s", b"preemption_grace_s", "priority", b"priority", "tenant", b"tenant", "vfio", b"vfio", "workload", b"workload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_preemption_grace_s", b"_preemption_grace_s", "affinity", b"affinity", "cpu_cores", b"cpu_cores", "exclude_hosts", b"exclude_hosts", "gpus", b"gpus", "host", b"host", "host_memory_mib", b"host_memory_mib", "host_selector", b"host_selector", "labels", b"labels", "max_gpus_per_box", b"max_gpus_per_box", "max_latency_ns", b"max_latency_ns", "max_slowdown", b"max_slowdown", "min_gpus", b"min_gpus", "preemption_grace_s", b"preemption_grace_s", "priority", b"priority", "tenant", b"tenant", "vfio", b"vfio", "workload", b"workload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__preemption_grace_s: _TypeAlias = _typing.Literal["preemption_grace_s"]  # noqa: Y015
     _WhichOneofArgType__preemption_grace_s: _TypeAlias = _typing.Literal["_preemption_grace_s", b"_preemption_grace_s"]  # noqa: Y015

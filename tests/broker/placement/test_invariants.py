@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from dxpool.broker.placement import PlacementRequest, PlacementResult, Snapshot, place
+from dxpool.broker.placement import HostInfo, PlacementRequest, PlacementResult, Snapshot, place
 from dxpool.fabric.latency import Place
 
 from .pools import Pool, TableLatency
@@ -184,3 +184,161 @@ def test_the_random_cases_often_place_and_often_fail() -> None:
         snapshot, latency, request = random_case(random.Random(seed))
         placed += place(request, snapshot, latency).placement is not None
     assert CASES // 5 < placed < CASES - CASES // 5
+
+
+def random_resource_case(rng: random.Random) -> tuple[Snapshot, TableLatency, PlacementRequest]:
+    """A random pool of several models whose hosts declare CPU and memory (some do not,
+    some hold part of it already), asked for a model set (a model sometimes named twice,
+    in another case), any model, or one model, with CPU, memory and excluded hosts.
+    Often every host is as near each box, so hosts tie on every score."""
+    pool = Pool()
+    boxes = [f"b{i}" for i in range(rng.randint(2, 9))]
+    hosts = [f"h{i}" for i in range(rng.randint(2, 8))]
+    for box in boxes:
+        pool.box(
+            box,
+            rng.randint(0, 8),
+            busy=rng.randint(0, 3),
+            model=rng.choice(MODELS),
+            schedulable=rng.random() > 0.1,
+            unhealthy=[s for s in range(8) if rng.random() < 0.05],
+        )
+    alike = rng.random() < 0.6
+    by_box = {box: rng.choice((1_000, 2_000, 3_000)) for box in boxes}
+    table: dict[tuple[str, str], int] = {}
+    for host in hosts:
+        slots = rng.choice((4, 8, 8))
+        pool.host(host, slots, used=[s for s in range(slots) if rng.random() < 0.3])
+        for box in boxes:
+            table[(host, box)] = by_box[box] if alike else rng.choice((1_000, 2_000, 3_000))
+    snapshot = pool.snapshot()
+    declared = {}
+    for host_id, host in snapshot.hosts.items():
+        if rng.random() < 0.2:
+            declared[host_id] = host  # declares nothing
+            continue
+        cpus, memory = rng.choice(((32, 131072), (64, 262144), (96, 393216), (16, 65536)))
+        declared[host_id] = replace(
+            host,
+            alive=rng.random() > 0.1,
+            cpu_cores=cpus,
+            memory_mib=memory,
+            used_cpu_cores=rng.choice((0, 0, cpus // 4, cpus // 2, cpus)),
+            used_memory_mib=rng.choice((0, 0, memory // 8, memory // 2)),
+        )
+    request = PlacementRequest(
+        rng.choice(("H100|A100", "A100|h100|H100", "L40S|A100", "A100|L40S|H100", "", "A100")),
+        rng.choice((1, 1, 2, 3, 4)),
+        max_latency_ns=rng.choice((0, 0, 2_000)),
+        cpu_cores=rng.choice((0, 0, 8, 24, 48)),
+        host_memory_mib=rng.choice((0, 0, 32768, 200000)),
+        exclude_hosts=frozenset(rng.sample(hosts, rng.randint(0, 2))),
+    )
+    return Snapshot(snapshot.boxes, declared, snapshot.gpus_by_box), TableLatency(table), request
+
+
+def host_may_take(host: HostInfo, request: PlacementRequest) -> bool:
+    """Brute force of the host side: not excluded, and the CPU and memory asked free."""
+    if host.host in request.exclude_hosts:
+        return False
+    if request.cpu_cores and host.cpu_cores - host.used_cpu_cores < request.cpu_cores:
+        return False
+    free_memory = host.memory_mib - host.used_memory_mib
+    return not request.host_memory_mib or free_memory >= request.host_memory_mib
+
+
+def with_hosts_that_may_take(snapshot: Snapshot, request: PlacementRequest) -> Snapshot:
+    """``snapshot`` with the hosts ``request`` may not use marked dead (so could_fit,
+    which knows nothing of CPU, memory or exclusion, passes over them)."""
+    hosts = {
+        host_id: host if host_may_take(host, request) else replace(host, alive=False)
+        for host_id, host in snapshot.hosts.items()
+    }
+    return Snapshot(snapshot.boxes, hosts, snapshot.gpus_by_box)
+
+
+def free_by_model(snapshot: Snapshot) -> Counter[str]:
+    """Free healthy GPUs of schedulable boxes, by casefolded model, counted one by one."""
+    counts: Counter[str] = Counter()
+    for box_id, gpus in snapshot.gpus_by_box.items():
+        if snapshot.boxes[box_id].schedulable:
+            counts.update(g.model.casefold() for g in gpus if g.free and g.healthy)
+    return counts
+
+
+def expected_model(
+    snapshot: Snapshot, latency: TableLatency, request: PlacementRequest
+) -> tuple[bool, str | None]:
+    """Brute force of the model order: (whether anything fits, the model the node must
+    be of, or None for any mix). A set tries its distinct models most free first, ties
+    as written; any model tries each model most free first, ties by name, then a mix."""
+    usable = with_hosts_that_may_take(snapshot, request)
+    free = free_by_model(snapshot)
+    if request.model:
+        written: list[str] = []
+        for model in request.model.split("|"):
+            if model.casefold() not in [m.casefold() for m in written]:
+                written.append(model)
+        order = sorted(written, key=lambda m: -free[m.casefold()])
+    else:
+        order = sorted(free, key=lambda m: (-free[m], m)) if len(free) > 1 else []
+    for model in order:
+        if could_fit(usable, latency, replace(request, model=model)):
+            return True, model.casefold()
+    if request.model:
+        return False, None
+    return could_fit(usable, latency, request), None
+
+
+@pytest.mark.parametrize("seed", range(CASES))
+def test_random_pools_with_model_sets_host_resources_and_exclusions(seed: int) -> None:
+    """Placement fits exactly when brute force finds a host, on the model brute force
+    tries first among those that fit (most free first), on a host that is not excluded
+    and has the CPU and memory free; among the hosts of the best score the one with the
+    least room (CPU and memory free, each a share of the largest host's), then the
+    lowest id, wins."""
+    snapshot, latency, request = random_resource_case(random.Random(5000 + seed))
+    result = place(request, snapshot, latency)
+    fits, model = expected_model(snapshot, latency, request)
+    assert (result.placement is not None) == fits, request
+    assert place(request, snapshot, latency) == result
+    if result.placement is None:
+        assert result.unsatisfied
+        return
+    host = snapshot.hosts[result.placement.host]
+    assert host.alive and host_may_take(host, request)
+    models = {binding.model.casefold() for binding in result.placement.bindings}
+    allowed = {m.casefold() for m in request.model.split("|")} if request.model else None
+    assert allowed is None or models <= allowed
+    if model is not None:
+        assert models == {model}, (request, models, model)
+    check(result, with_hosts_that_may_take(snapshot, request), latency, replace(request, model=""))
+    largest_cpu = max(h.cpu_cores for h in snapshot.hosts.values())
+    largest_memory = max(h.memory_mib for h in snapshot.hosts.values())
+
+    def room(other: HostInfo) -> int:
+        cpu = max(other.cpu_cores - other.used_cpu_cores, 0)
+        memory = max(other.memory_mib - other.used_memory_mib, 0)
+        return cpu * max(largest_memory, 1) + memory * max(largest_cpu, 1)
+
+    feasible = [c for c in result.candidates if c.feasible]
+    best = max(c.score for c in feasible)
+    tied = [snapshot.hosts[c.host] for c in feasible if c.score == best]
+    assert min(tied, key=lambda h: (room(h), h.host)).host == host.host
+
+
+def test_the_random_resource_cases_often_place_often_fail_and_often_tie() -> None:
+    placed = tied = on_second_model = 0
+    for seed in range(CASES):
+        snapshot, latency, request = random_resource_case(random.Random(5000 + seed))
+        result = place(request, snapshot, latency)
+        if result.placement is None:
+            continue
+        placed += 1
+        feasible = [c for c in result.candidates if c.feasible]
+        tied += sum(c.score == feasible[0].score for c in feasible) > 1
+        first = request.model.split("|")[0].casefold() if request.model else ""
+        on_second_model += bool(first) and result.placement.bindings[0].model.casefold() != first
+    assert CASES // 5 < placed < CASES - CASES // 5
+    assert tied >= 10  # the least-room rule decides
+    assert on_second_model >= 5  # scarcity often reorders a set

@@ -20,6 +20,13 @@ def test_a_valid_request_keeps_its_fields() -> None:
     assert (request.model, request.count, request.host) == ("H100", 4, "h1")
 
 
+def test_a_set_naming_a_model_twice_is_held_with_each_named_once() -> None:
+    request = PlacementRequest("V100M16|V100M32|v100m32", 1)
+    assert request.model == "V100M16|V100M32"
+    assert request.models == ("V100M16", "V100M32")
+    assert request == PlacementRequest("V100M16|V100M32", 1)  # one key for placement
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

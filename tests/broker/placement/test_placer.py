@@ -174,6 +174,53 @@ def test_ties_are_broken_by_host_name() -> None:
     assert result.placement is not None and result.placement.host == "h1"
 
 
+def sized(pool: Pool, host: str, cpus: int, memory_mib: int, held: int = 0) -> Pool:
+    """Declares ``host``'s CPU cores and memory; its nodes hold ``held`` cores."""
+    pool.hosts[host] = replace(
+        pool.hosts[host], cpu_cores=cpus, memory_mib=memory_mib, used_cpu_cores=held
+    )
+    return pool
+
+
+def test_among_equal_hosts_the_one_with_the_least_cpu_and_memory_free_wins() -> None:
+    """A node goes where its CPU and memory fit most tightly, so the roomiest hosts stay
+    roomy for the nodes that need them; asking for none changes nothing."""
+    pool = Pool().box("b1", 8).host("h1").host("h2").host("h3")
+    sized(pool, "h1", 96, 393216)
+    sized(pool, "h2", 64, 262144)
+    sized(pool, "h3", 128, 786432, held=80)  # 48 cores free, the most memory
+    snapshot = pool.snapshot()
+    for wanted in (request(1), PlacementRequest("H100", 1, cpu_cores=8, host_memory_mib=1024)):
+        result = place(wanted, snapshot, TableLatency())
+        assert result.placement is not None and result.placement.host == "h2"
+    big = place(PlacementRequest("H100", 1, host_memory_mib=300_000), snapshot, TableLatency())
+    assert big.placement is not None and big.placement.host == "h1"  # h2 lacks the memory
+    # explained in the same order: the chosen host first among equal scores
+    assert [c.host for c in big.candidates if c.feasible] == ["h1", "h3"]
+
+
+def test_free_slots_still_come_first_then_the_room_decides() -> None:
+    pool = Pool().box("b1", 8).host("roomy", used=[0]).host("small")
+    sized(pool, "roomy", 128, 786432)
+    sized(pool, "small", 16, 65536)
+    result = place(request(1), pool.snapshot(), TableLatency())
+    assert result.placement is not None and result.placement.host == "roomy"  # 7 slots free
+
+
+def test_excluded_hosts_are_never_chosen_and_say_why() -> None:
+    snapshot = Pool().box("b1", 8).host("h1").host("h2").host("h3").snapshot()
+    wanted = PlacementRequest("H100", 2, exclude_hosts=frozenset({"h1", "h2"}))
+    result = place(wanted, snapshot, TableLatency())
+    assert result.placement is not None and result.placement.host == "h3"
+    assert report(result, "h1") == (False, ("excluded by the request",))
+    every = PlacementRequest("H100", 2, exclude_hosts=frozenset({"h1", "h2", "h3"}))
+    none = place(every, snapshot, TableLatency())
+    assert none.placement is None
+    assert none.unsatisfied == (
+        "hosts: 3 of 3 excluded by the request (hosts/h1, hosts/h2, hosts/h3)",
+    )
+
+
 def test_output_is_deterministic_whatever_the_order_of_the_snapshot() -> None:
     pool = Pool()
     for index in range(6):
@@ -333,7 +380,7 @@ def mixed_pool() -> Pool:
     return Pool().box("h", 2).box("a", 3, model="A100").host("h1")
 
 
-def test_a_model_set_gives_one_model_the_first_that_fits_in_the_order_written() -> None:
+def test_a_model_set_gives_one_model_in_the_order_written_when_as_many_are_free() -> None:
     snapshot = Pool().box("h", 4).box("a", 4, model="A100").host("h1").snapshot()
     first = place(PlacementRequest("H100|A100", 4), snapshot, TableLatency())
     assert boxes_of(first) == ["h"] * 4
@@ -343,9 +390,48 @@ def test_a_model_set_gives_one_model_the_first_that_fits_in_the_order_written() 
     assert boxes_of(other) == ["a"] * 4
 
 
+def test_a_model_set_takes_the_model_with_the_most_free_gpus_first() -> None:
+    """The scarcer model is left to the requests that can use only it."""
+    pool = Pool().box("h", 2).box("a1", 8, model="A100").box("a2", 3, model="a100")
+    snapshot = pool.host("h1").snapshot()
+    for written in ("H100|A100", "A100|H100"):
+        result = place(PlacementRequest(written, 2), snapshot, TableLatency())
+        assert {b.model.casefold() for b in result.placement.bindings} == {"a100"}  # type: ignore[union-attr]
+    (kept,) = [c for c in result.candidates if c.feasible]
+    assert kept.reasons[0] == "model A100"
+
+
+def test_a_request_for_any_model_takes_one_model_the_most_free_first() -> None:
+    pool = Pool().box("h1", 3).box("h2", 3).box("a", 4, model="A100").host("h1")
+    result = place(PlacementRequest("", 4), pool.snapshot(), TableLatency())
+    assert boxes_of(result) == ["h1", "h1", "h1", "h2"]  # 6 H100 free against 4 A100
+    one = place(
+        PlacementRequest("", 4),
+        Pool().box("h1", 3).box("a", 4, model="A100").host("h1").snapshot(),
+        TableLatency(),
+    )
+    assert boxes_of(one) == ["a"] * 4  # 4 A100 free against 3 H100
+
+
+def test_a_request_for_any_model_mixes_models_only_when_no_model_alone_fits() -> None:
+    pool = Pool().box("h", 3).box("a", 2, model="A100").host("h1")
+    result = place(PlacementRequest("", 5), pool.snapshot(), TableLatency())
+    assert sorted(boxes_of(result)) == ["a", "a", "h", "h", "h"]
+    reasons = next(c for c in result.candidates if c.feasible).reasons
+    assert not reasons[0].startswith("model ")  # the mixed run, as a run of any model
+
+
+def test_a_request_for_any_model_in_a_pool_of_one_model_runs_as_written() -> None:
+    snapshot = Pool().box("h", 4).host("h1").snapshot()
+    result = place(PlacementRequest("", 2), snapshot, TableLatency())
+    (kept,) = [c for c in result.candidates if c.feasible]
+    assert not kept.reasons[0].startswith("model ")
+
+
 def test_a_model_set_falls_back_to_a_later_model_and_says_why() -> None:
-    snapshot = mixed_pool().snapshot()
-    result = place(PlacementRequest("H100|A100", 3), snapshot, TableLatency())
+    # more H100 free than A100, but no box holds 3 of them
+    snapshot = Pool().box("h1", 2).box("h2", 2).box("a", 3, model="A100").host("h1").snapshot()
+    result = place(PlacementRequest("H100|A100", 3, same_box=True), snapshot, TableLatency())
     assert result.placement is not None
     assert {b.model for b in result.placement.bindings} == {"A100"}
     feasible, reasons = report(result, "h1")

@@ -199,7 +199,7 @@ def test_the_switch_cases_exercise_both_outcomes_and_several_boxes(topology: Top
             placed += 1
             several += len({b.box for b in result.placement.bindings}) > 1
     assert CASES // 5 < placed < CASES - CASES // 5
-    assert several > CASES // 20
+    assert several >= CASES // 24  # any model takes one model first: fewer span boxes
 
 
 def test_the_random_cases_exercise_both_outcomes(topology: Topology) -> None:
@@ -421,7 +421,7 @@ def test_an_advanced_chooser_chooses_as_one_built_from_scratch(
         changed = chooser.changed_classes()
         for host in hosts:  # a class not named answers the first part as before, while
             # the model numbered no class since (the caller checks that part, see
-            # _GroupTable.made)
+            # carry.ClassTable.sync)
             first, ranking = answered[host]
             number = chooser.host_class(host)
             if changed is not None and number not in changed and model.ranking(number) is ranking:
@@ -602,3 +602,70 @@ def test_the_nearest_tightest_boxes_read_off_columns_are_those_asked_pair_by_pai
     pair_by_pair = answers(TieredChooser(TopologyLatencyModel(topology), supply, 1))
     assert from_columns == pair_by_pair
     assert len(from_columns) == len(hosts)
+
+
+def with_resources_and_sets(
+    case: tuple[Snapshot, PlacementRequest], rng: random.Random
+) -> tuple[Snapshot, PlacementRequest]:
+    """The case with hosts that declare CPU and memory (some hold part of it, some declare
+    nothing), asked for a model set or any model, with CPU, memory and excluded hosts:
+    the scarcity order and the least-room tie on top of the tiered walk."""
+    snapshot, request = case
+    one_rack = rng.choice((None, ("s0", "p0", "r1"))) if snapshot.hosts else None
+    hosts = {}
+    for host_id, listed in snapshot.hosts.items():
+        host = listed
+        if one_rack is not None:  # hosts alike in latency: ties go by room
+            host = replace(
+                listed,
+                place=Place(listed.place.name, *one_rack),
+                slot_capacity=8,
+                used_slots=frozenset(),
+            )
+        if rng.random() < 0.2:
+            hosts[host_id] = host
+            continue
+        cpus, memory = rng.choice(((32, 131072), (64, 262144), (96, 393216)))
+        hosts[host_id] = replace(
+            host,
+            cpu_cores=cpus,
+            memory_mib=memory,
+            used_cpu_cores=rng.choice((0, 0, cpus // 4, cpus // 2)),
+            used_memory_mib=rng.choice((0, 0, memory // 8, memory // 2)),
+        )
+    request = replace(
+        request,
+        host=request.host if one_rack is None else None,
+        model=rng.choice(("H100|A100", "a100|H100|A100", "", "A100|H100")),
+        cpu_cores=rng.choice((0, 0, 8, 40)),
+        host_memory_mib=rng.choice((0, 0, 65536)),
+        exclude_hosts=frozenset(rng.sample(sorted(hosts), rng.randint(0, min(2, len(hosts))))),
+    )
+    return Snapshot(snapshot.boxes, hosts, snapshot.gpus_by_box), request
+
+
+@pytest.mark.parametrize("seed", range(CASES))
+def test_with_model_sets_host_resources_and_exclusions_the_tiered_path_answers_as_pair_by_pair(
+    seed: int, topology: Topology, tier_listing: str
+) -> None:
+    rng = random.Random(7000 + seed)
+    snapshot, request = with_resources_and_sets(random_case(rng), rng)
+    tiered = place(request, snapshot, TopologyLatencyModel(topology))
+    pairwise = place(request, snapshot, PairByPair(TopologyLatencyModel(topology)))
+    assert tiered.placement == pairwise.placement
+    assert tiered.unsatisfied == pairwise.unsatisfied
+    assert tiered.candidates == pairwise.candidates
+
+
+def test_the_resource_cases_exercise_both_outcomes_and_the_tie(topology: Topology) -> None:
+    placed = tied = 0
+    for seed in range(CASES):
+        rng = random.Random(7000 + seed)
+        snapshot, request = with_resources_and_sets(random_case(rng), rng)
+        result = place(request, snapshot, TopologyLatencyModel(topology))
+        if result.placement is not None:
+            placed += 1
+            kept = [c for c in result.candidates if c.feasible]
+            tied += sum(c.score == kept[0].score for c in kept) > 1
+    assert CASES // 5 < placed < CASES - CASES // 5
+    assert tied >= 10

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable
 
-from dxpool.broker.placement.model import HostInfo, Place, PlacementRequest
+from dxpool.broker.placement.model import HostInfo, Place, PlacementRequest, ResourceScale
 from dxpool.broker.placement.plugins.hosts import (
     HostAlive,
     HostLabels,
+    HostNotExcluded,
     HostResources,
     HostSlots,
     PinnedHost,
@@ -139,3 +141,49 @@ def test_resources_keep_hosts_with_the_cpus_and_memory_free() -> None:
     assert plugin.explain(request, failed[1:], 1) == (
         "host resources: hosts/h3: declares no CPU cores; declares no memory"
     )
+
+
+def test_excluded_hosts_are_dropped_and_counted() -> None:
+    plugin = HostNotExcluded()
+    request = PlacementRequest("", 1, exclude_hosts=frozenset({"h1", "h2"}))
+    assert plugin.applies(request)
+    assert not plugin.applies(PlacementRequest("", 1))
+    assert plugin.filter_host(request, host("h3")).ok
+    assert plugin.filter_host(request, host("h1")).reasons == ("excluded by the request",)
+    assert not plugin.keeps(request, host("h1")) and plugin.keeps(request, host("h3"))
+    assert plugin.explain(request, [host("h1")], 1) == "hosts: hosts/h1 is excluded by the request"
+    assert plugin.explain(request, [host("h1"), host("h2")], 5) == (
+        "hosts: 2 of 5 excluded by the request (hosts/h1, hosts/h2)"
+    )
+
+
+def test_checks_at_decision_time_agree_with_the_filters_and_their_least_room() -> None:
+    """``keeps`` says yes exactly when ``filter_host`` does, and no host kept has less
+    room than ``least_room``: placement applies them host by host on carried groups."""
+    rng = random.Random(3)
+    resources, excluded = HostResources(), HostNotExcluded()
+    scale = ResourceScale(128, 786432)
+    for _ in range(2000):
+        cpus, memory = rng.choice(((0, 0), (16, 65536), (128, 786432), (64, 0), (0, 1024)))
+        sized = HostInfo(
+            f"h{rng.randrange(5)}",
+            Place("hosts/h"),
+            8,
+            frozenset(),
+            True,
+            cpu_cores=cpus,
+            memory_mib=memory,
+            used_cpu_cores=rng.randint(0, cpus),
+            used_memory_mib=rng.randint(0, memory),
+        )
+        request = PlacementRequest(
+            "",
+            1,
+            cpu_cores=rng.choice((0, 1, 8, 64, 200)),
+            host_memory_mib=rng.choice((0, 512, 65536, 900_000)),
+            exclude_hosts=frozenset(rng.sample(["h0", "h1", "h2", "h3", "h4"], 2)),
+        )
+        for plugin in (resources, excluded):
+            assert plugin.keeps(request, sized) == plugin.filter_host(request, sized).ok
+        if resources.keeps(request, sized):
+            assert scale.room(sized) >= resources.least_room(request, scale)

@@ -1,0 +1,943 @@
+"""What placement carries over from one snapshot of an inventory to the next, kept by
+what each part depends on, and the decision read off it.
+
+The broker's placement index hands out snapshots with a version and a journal of which
+boxes and hosts each version changed. After a compose only a box or two and a host
+differ, so placement does not start again: it brings each part up to the new version by
+the records that changed. A stream of requests of many shapes (openb's pods ask for 103
+CPU and memory shapes in four sizes) shares these parts as far as their fields allow,
+because each part is kept by the fields it reads alone:
+
+* :class:`BoxSide`, per **box key** (the request without its host-side fields, see
+  :func:`~dxpool.broker.placement.model.box_key`) and latency model: the supply (each
+  usable box's GPUs, :class:`~dxpool.broker.placement.live.LiveSupply`) and the chooser
+  (:class:`~dxpool.broker.placement.tiered.TieredChooser`, the greedy rules per host
+  class), and the raw scores of proposals by their takes;
+* :class:`HostBase`, per **base key** (the values of the fields the base host filters
+  read: the host selector, for the default pipeline) and latency model: the hosts those
+  filters keep, grouped by (latency class, free proxy slots), each group ordered by
+  :meth:`~dxpool.broker.placement.model.ResourceScale.room` then id;
+* :class:`ClassTable`, per (box key, base key): the raw scores of each group's options
+  and, for each distinct tuple of raw scores, the groups proposing it ordered by their
+  first host.
+
+What a request asks of its host beyond those (CPU cores and memory, hosts excluded:
+fields that take many values) is checked at decision time, host by host, on the few
+groups a decision looks at (:class:`~dxpool.broker.placement.framework.HostCheckPlugin`),
+and a pinned request looks at its host alone.
+
+The decision is the one a run over every host makes (the tests compare them): every
+host of a group gets the same proposals and raw scores (score plugins declare
+``by_host_class``), the totals are normalized by the best raw score of each plugin over
+the proposals present, and among the proposals with the best total the host with the
+least room wins, the lowest id among equals, with its first such proposal.
+
+The parts are changed in place, under the :class:`Carried` lock, and follow the newest
+snapshot: a decision on a snapshot older than a part answers None and the caller
+prepares from the snapshot alone, as it does when a part cannot be made (the supply runs
+short, a plugin fails, a host's latency class is unknown, nothing fits).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import cast
+
+from sortedcontainers import SortedList
+
+from dxpool.broker.placement import selection
+from dxpool.broker.placement.framework import (
+    MAX_SCORE,
+    BoxFilterPlugin,
+    BoxSupply,
+    GpuFilterPlugin,
+    HostCheckPlugin,
+    HostFilterPlugin,
+    PreFilterPlugin,
+    Proposal,
+    ScorePlugin,
+    Take,
+)
+from dxpool.broker.placement.guard import PluginError
+from dxpool.broker.placement.live import LiveSupply
+from dxpool.broker.placement.model import (
+    ChangeJournal,
+    HostInfo,
+    PlacementRequest,
+    Snapshot,
+    box_key,
+)
+from dxpool.broker.placement.plugins.hosts import HostNotExcluded, HostResources
+from dxpool.broker.placement.status import Code
+from dxpool.broker.placement.tiered import TieredChooser
+from dxpool.fabric.latency import Place, TieredLatencyModel
+
+MAX_SUPPLIES = 16
+"""Supplies kept (least recently used dropped): each judges every box of the pool, tens
+of MB at 100,000 GPUs."""
+MAX_BOX_SIDES = 32
+"""Choosers kept: each holds the boxes of a supply by class."""
+MAX_HOST_BASES = 8
+MAX_TABLES = 48
+LOG_LENGTH = 512
+"""Versions a part remembers what it changed for, for the tables that read it later."""
+MAX_SCORED = 65536
+"""Raw scores a box side keeps by takes; beyond, it starts afresh."""
+
+_MISSING = object()
+
+GroupKey = tuple[int, int]
+"""(latency class of the host, free proxy slots)."""
+Member = tuple[int, str, int, int]
+"""A host in its group: (room, host id, free CPU cores, free memory MiB), the free
+amounts -1 where the host declares none."""
+Rank = tuple[int, str]
+"""Where a host stands when ties go: (room, host id)."""
+Entry = tuple[int, str, GroupKey]
+"""A group in a list of groups: its first member's (room, host id), then the group."""
+Raw = tuple[float, ...]
+TightKey = tuple[int, int, int]
+"""A tightest-single-box option for a group: (round trip, the class of the tightest box,
+which holds one such box, free slots)."""
+
+
+class _Log:
+    """What each version after ``start`` changed (a set of keys, or None: anything),
+    for readers that were brought up to some version and come back later."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start  # complete from here: every later change is recorded
+        self._entries: deque[tuple[int, frozenset[Hashable] | None]] = deque()
+
+    def add(self, version: int, changed: frozenset[Hashable] | None) -> None:
+        self._entries.append((version, changed))
+        if len(self._entries) > LOG_LENGTH:
+            dropped, _ = self._entries.popleft()
+            self.start = dropped
+
+    def since(self, version: int) -> set[Hashable] | None:
+        """What changed after ``version``; None when anything may have (the log does
+        not reach back that far, or some version changed everything)."""
+        if version < self.start:
+            return None
+        found: set[Hashable] = set()
+        for at, changed in reversed(self._entries):
+            if at <= version:
+                break
+            if changed is None:
+                return None
+            found.update(changed)
+        return found
+
+
+class SupplySide:
+    """The supply of one supply key (the box key, with the size left out when no box
+    or GPU filter reads it), at one version: requests of every size share it."""
+
+    def __init__(
+        self,
+        request: PlacementRequest,
+        snapshot: Snapshot,
+        box_filters: Sequence[BoxFilterPlugin],
+        gpu_filters: Sequence[GpuFilterPlugin],
+        supply: LiveSupply,
+    ) -> None:
+        self.request = request
+        self.box_filters = tuple(box_filters)
+        self.gpu_filters = tuple(gpu_filters)
+        self.supply = supply
+        self.version = snapshot.version
+        self.journal = snapshot.journal
+
+    def advance(self, snapshot: Snapshot, boxes: Iterable[str]) -> bool:
+        """Brings the supply up to ``snapshot``, judging the ``boxes`` changed since;
+        False (this side then unusable) when it ran short or a plugin failed."""
+        supply = self.supply.advance(
+            self.request, snapshot, boxes, self.box_filters, self.gpu_filters
+        )
+        if supply is None:
+            return False
+        self.supply = supply
+        self.version = snapshot.version
+        return True
+
+
+class BoxSide:
+    """The chooser of one box key, made from a supply side's supply, at one version.
+    It follows that supply side alone: a supply made again holds other objects for the
+    same boxes, which the chooser would not recognize as the ones it holds."""
+
+    def __init__(
+        self,
+        request: PlacementRequest,
+        snapshot: Snapshot,
+        origin: SupplySide,
+        chooser: TieredChooser,
+    ) -> None:
+        self.request = request
+        self.origin = origin
+        self.supply = origin.supply  # the supply the chooser holds the boxes of
+        self.chooser = chooser
+        self.version = snapshot.version
+        self.journal = snapshot.journal
+        self.log = _Log(snapshot.version)
+        self.scored: dict[tuple[object, ...], _Scored] = {}
+        self.key: Hashable = None  # set by whoever keeps it
+
+    def advance(self, snapshot: Snapshot, boxes: Iterable[str], supply: LiveSupply) -> None:
+        """Brings the chooser up to ``supply`` (the supply side's, at ``snapshot``): of
+        the ``boxes`` changed since, those whose usable GPUs changed leave it and come
+        back as they are now."""
+        removed: list[BoxSupply] = []
+        added: list[BoxSupply] = []
+        before, now = self.supply.parts, supply.parts
+        for box_id in boxes:
+            old, new = before.get(box_id), now.get(box_id)
+            old_supply = old.supply if old is not None else None
+            new_supply = new.supply if new is not None else None
+            if old_supply is new_supply:
+                continue
+            if old_supply is not None:
+                removed.append(old_supply)
+            if new_supply is not None:
+                added.append(new_supply)
+        if removed or added:
+            chooser = self.chooser.advance(removed, added)
+            changed = chooser.changed_classes()
+            self.log.add(snapshot.version, cast(frozenset[Hashable] | None, changed))
+            self.chooser = chooser
+        self.supply = supply
+        self.version = snapshot.version
+        if len(self.scored) >= MAX_SCORED:
+            self.scored = {}
+
+
+@dataclass(frozen=True, slots=True)
+class _Scored:
+    """Raw scores of a proposal with ``takes`` (held, so the supplies' ids stay theirs)."""
+
+    takes: tuple[Take, ...]
+    raws: Raw
+
+
+class HostBase:
+    """The hosts the base filters keep, grouped by :data:`GroupKey`, each group by
+    (room, id), at one version."""
+
+    def __init__(
+        self,
+        request: PlacementRequest,
+        snapshot: Snapshot,
+        filters: Sequence[HostFilterPlugin],
+        model: TieredLatencyModel,
+    ) -> None:
+        self.request = request
+        self.filters = tuple(filters)
+        self.model = model
+        self.scale = snapshot.resource_scale()
+        self.groups: dict[GroupKey, SortedList[Member]] = {}
+        self.where: dict[str, tuple[GroupKey, Member]] = {}
+        self.unknown: set[str] = set()  # kept hosts whose latency class the model failed
+        self.version = snapshot.version
+        self.journal = snapshot.journal
+        self.log = _Log(snapshot.version)
+        self.key: Hashable = None  # set by whoever keeps it
+        hosts = snapshot.hosts
+        for host_id in hosts:
+            self._enter(hosts[host_id], None)
+
+    def advance(self, snapshot: Snapshot, changed: Iterable[str]) -> None:
+        touched: set[GroupKey] = set()
+        hosts = snapshot.hosts
+        for host_id in changed:
+            self._leave(host_id, touched)
+            host = hosts.get(host_id)
+            if host is not None:
+                self._enter(host, touched)
+        self.version = snapshot.version
+        if touched:
+            self.log.add(snapshot.version, cast(frozenset[Hashable], frozenset(touched)))
+
+    def _leave(self, host_id: str, touched: set[GroupKey]) -> None:
+        self.unknown.discard(host_id)
+        found = self.where.pop(host_id, None)
+        if found is None:
+            return
+        key, member = found
+        members = self.groups[key]
+        members.remove(member)
+        if not members:
+            del self.groups[key]
+        touched.add(key)
+
+    def _enter(self, host: HostInfo, touched: set[GroupKey] | None) -> None:
+        request = self.request
+        for plugin in self.filters:
+            try:
+                if plugin.filter_host(request, host).code is not Code.SUCCESS:
+                    return
+            except Exception:
+                return  # dropped; a run host by host reports the failure if it matters
+        try:
+            key = (self.model.host_class(host.place), host.free_slot_count())
+        except Exception:
+            self.unknown.add(host.host)
+            return
+        member = (
+            self.scale.room(host),
+            host.host,
+            host.cpu_cores - host.used_cpu_cores if host.cpu_cores else -1,
+            host.memory_mib - host.used_memory_mib if host.memory_mib else -1,
+        )
+        members = self.groups.get(key)
+        if members is None:
+            members = self.groups[key] = SortedList()
+        members.add(member)
+        self.where[host.host] = (key, member)
+        if touched is not None:
+            touched.add(key)
+
+
+class ClassTable:
+    """The raw scores of every group of one host base under one box side's chooser,
+    and the groups proposing each distinct raw tuple, by first member."""
+
+    def __init__(
+        self, side: BoxSide, base: HostBase, plugins: Sequence[ScorePlugin], min_free: int
+    ) -> None:
+        self.plugins = tuple(plugins)
+        self.min_free = min_free  # groups with fewer free slots propose nothing
+        self.box_version = -1
+        self.host_version = -1
+        self.chooser: TieredChooser | None = None
+        self.ranking: tuple[int, object] = (-1, None)
+        self.options: dict[int, list[selection.Option]] = {}
+        self.places: dict[int, Place] = {}
+        self.of_class: dict[int, set[GroupKey]] = {}
+        self.raws: dict[GroupKey, tuple[Raw, ...]] = {}
+        self.first: dict[GroupKey, Rank] = {}
+        self.by_raw: dict[Raw, SortedList[Entry]] = {}
+        self.near: dict[int, tuple[int, int]] | None = None
+        self.tight_box: dict[int, BoxSupply] = {}  # box class -> its tightest box
+        self.class_tight: dict[int, tuple[int, int]] = {}  # host class -> (ns, box class)
+        self.tight: dict[GroupKey, TightKey] = {}
+        self.by_tight: dict[TightKey, SortedList[Entry]] = {}
+        self.side = side
+        self.base = base
+
+    # -- keeping up ------------------------------------------------------------------
+
+    def sync(self, side: BoxSide, base: HostBase, snapshot: Snapshot) -> None:
+        """Brings the table up to ``side`` and ``base``: the options of the classes whose
+        chooser memo may have moved are asked again (every class when the chooser cannot
+        say, or the model numbered a class), and only the groups whose first member or
+        options changed are scored again. Raises what the chooser or a score plugin
+        raises."""
+        chooser = side.chooser
+        if self.chooser is None:
+            classes_changed: set[Hashable] | None = None
+            groups_changed: set[Hashable] | None = None
+        else:
+            classes_changed = set() if chooser is self.chooser else side.log.since(self.box_version)
+            groups_changed = base.log.since(self.host_version)
+        probe, ranking = self.ranking
+        if ranking is not None and chooser.model.ranking(probe) is not ranking:
+            classes_changed = None  # a class was numbered since: every walk may miss it
+        if groups_changed is None:
+            self._clear()
+            redo: set[GroupKey] = {key for key in base.groups if key[1] >= self.min_free}
+            classes_changed = None
+        else:
+            redo = {cast(GroupKey, key) for key in groups_changed}
+        if (self.ranking[1] is None or classes_changed is None) and base.groups:
+            probe = next(iter(base.groups))[0]
+            self.ranking = (probe, chooser.model.ranking(probe))
+        check = (
+            list(self.options)
+            if classes_changed is None
+            else [c for c in cast(set[int], classes_changed) if c in self.options]
+        )
+        for host_class in check:
+            again, _ = chooser.parts(self.places[host_class])
+            if again != self.options[host_class]:
+                self.options[host_class] = again
+                redo.update(self.of_class.get(host_class, ()))
+        for key in redo:
+            self._drop(key)
+        for key in redo:
+            members = base.groups.get(key)
+            if members and key[1] >= self.min_free:
+                room, host_id, _, _ = members[0]
+                self._add(key, (room, host_id), side, snapshot)
+        self.chooser = chooser
+        self.box_version = side.version
+        self.host_version = base.version
+        self._retighten(chooser, redo)
+
+    def _clear(self) -> None:
+        self.options.clear()
+        self.places.clear()
+        self.of_class.clear()
+        self.raws.clear()
+        self.first.clear()
+        self.by_raw.clear()
+        self.near = None
+        self.tight_box = {}
+        self.class_tight.clear()
+        self.tight.clear()
+        self.by_tight.clear()
+
+    def _drop(self, key: GroupKey) -> None:
+        raws = self.raws.pop(key, None)
+        if raws is None:
+            return
+        rank = self.first.pop(key)
+        entry = (*rank, key)
+        for raw in set(raws):
+            entries = self.by_raw[raw]
+            entries.remove(entry)
+            if not entries:
+                del self.by_raw[raw]
+        self.of_class[key[0]].discard(key)
+        tight = self.tight.pop(key, None)
+        if tight is not None:
+            entries = self.by_tight[tight]
+            entries.remove(entry)
+            if not entries:
+                del self.by_tight[tight]
+
+    def _add(self, key: GroupKey, rank: Rank, side: BoxSide, snapshot: Snapshot) -> None:
+        host_class = key[0]
+        found = self.options.get(host_class)
+        if found is None:
+            host = snapshot.hosts[rank[1]]
+            found, _ = side.chooser.parts(host.place)
+            self.options[host_class] = found
+            # a new mapping: the chooser answers the tightest boxes again for it
+            self.places = {**self.places, host_class: host.place}
+        # a class that reaches too little gets no option: its hosts propose nothing
+        raws = tuple(raw_scores(side, self.plugins, option, key[1]) for option in found)
+        self.raws[key] = raws
+        self.first[key] = rank
+        entry = (*rank, key)
+        for raw in set(raws):
+            entries = self.by_raw.get(raw)
+            if entries is None:
+                entries = self.by_raw[raw] = SortedList()
+            entries.add(entry)
+        self.of_class.setdefault(host_class, set()).add(key)
+
+    def _retighten(self, chooser: TieredChooser, redo: set[GroupKey]) -> None:
+        """The tightest box of each group's class, when the chooser answers it apart.
+        A group is filed by the round trip to that box and the box's class (a class
+        holds one tightest box), so when the chooser's mapping of classes to tightest
+        boxes changes only the host classes whose answer changed move their groups; the
+        groups judged again (``redo``) are filed afresh."""
+        answer = chooser.tightest_near(self.places) if chooser.few_tightest() else None
+        if answer is None:
+            self.near, self.tight_box = None, {}
+            self.class_tight.clear()
+            self.tight.clear()
+            self.by_tight.clear()
+            return
+        near, few = answer
+        self.tight_box = dict(few)
+        if near is not self.near:
+            self.near = near
+            for host_class in self.places:
+                ns, index = near[host_class]
+                now = (ns, few[index][0])
+                if self.class_tight.get(host_class) == now:
+                    continue
+                self.class_tight[host_class] = now
+                for key in self.of_class.get(host_class, ()):
+                    if key in self.tight:
+                        self._leave_tight(key)
+                    if self.raws.get(key):  # a group with no option has no tightest box
+                        self._enter_tight(key, (*self.first[key], key))
+        for key in redo:
+            if self.raws.get(key) and key not in self.tight:
+                host_class = key[0]
+                if host_class not in self.class_tight:
+                    ns, index = near[host_class]
+                    self.class_tight[host_class] = (ns, few[index][0])
+                self._enter_tight(key, (*self.first[key], key))
+
+    def _leave_tight(self, key: GroupKey) -> None:
+        tight = self.tight.pop(key)
+        entries = self.by_tight[tight]
+        entries.remove((*self.first[key], key))
+        if not entries:
+            del self.by_tight[tight]
+
+    def _enter_tight(self, key: GroupKey, entry: Entry) -> None:
+        tight = (*self.class_tight[key[0]], key[1])
+        self.tight[key] = tight
+        entries = self.by_tight.get(tight)
+        if entries is None:
+            entries = self.by_tight[tight] = SortedList()
+        entries.add(entry)
+
+
+def raw_scores(
+    side: BoxSide, plugins: Sequence[ScorePlugin], option: selection.Option, free: int
+) -> Raw:
+    """The raw scores of ``option`` on a host with ``free`` slots; the plugins work by
+    host class, so they depend on the takes and free slots alone and are kept by them
+    (by the identity of each take's supply, which the entry holds)."""
+    rule, takes = option
+    key = (rule, free, *((id(t.supply), t.count, t.latency_ns) for t in takes))
+    found = side.scored.get(key)
+    if found is None:
+        proposal = Proposal(_NO_HOST, free, takes, rule)
+        raw: list[float] = []
+        request = side.request
+        for plugin in plugins:
+            try:
+                raw.append(plugin.score(request, proposal))
+            except Exception as error:
+                raise PluginError(plugin.name, error) from error
+        found = side.scored[key] = _Scored(takes, tuple(raw))
+    return found.raws
+
+
+_NO_HOST = HostInfo("", Place(""), 0, frozenset(), True)
+"""The host a proposal is scored on: plugins that work by host class never read it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Chosen:
+    """A decision: the host, the proposal's rule and takes, and its total."""
+
+    host: HostInfo
+    rule: str
+    takes: tuple[Take, ...]
+    total: float
+
+
+MAX_PARTS = 4096
+"""Requests whose :class:`Parts` are remembered; beyond, the record starts afresh."""
+
+
+class Carried:
+    """Every part a pipeline carries over, by key, least recently used dropped."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._parts: dict[PlacementRequest, Parts | None] = {}
+        self.supplies: OrderedDict[Hashable, SupplySide] = OrderedDict()
+        self.box_sides: OrderedDict[Hashable, BoxSide] = OrderedDict()
+        self.host_bases: OrderedDict[Hashable, HostBase] = OrderedDict()
+        self.tables: OrderedDict[Hashable, ClassTable] = OrderedDict()
+
+    def parts_of(self, request: PlacementRequest, make: Callable[[], Parts | None]) -> Parts | None:
+        """What a decision needs of the pipeline for ``request`` (``make()``, which
+        depends on the request alone), remembered per request: a stream repeats its
+        shapes. Safe from several threads (it may then be made twice)."""
+        found = self._parts.get(request, _MISSING)
+        if found is _MISSING:
+            found = make()
+            if len(self._parts) >= MAX_PARTS:
+                self._parts.clear()
+            self._parts[request] = found
+        return cast(Parts | None, found)
+
+
+def kept(cache: OrderedDict[Hashable, object], key: Hashable, limit: int) -> None:
+    """Marks ``key`` used last and drops the least recently used beyond ``limit``."""
+    cache.move_to_end(key)
+    while len(cache) > limit:
+        cache.popitem(last=False)
+
+
+def journal_changes(
+    journal: ChangeJournal | None, version: int, snapshot: Snapshot
+) -> tuple[frozenset[str], frozenset[str]] | None:
+    if journal is None or journal is not snapshot.journal or version > snapshot.version:
+        return None
+    return journal.changed_since(version, snapshot.version)
+
+
+# -- the decision ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """What a decision needs of the pipeline, sorted by how it is carried over."""
+
+    pre_filters: tuple[PreFilterPlugin, ...]
+    box_filters: tuple[BoxFilterPlugin, ...]
+    gpu_filters: tuple[GpuFilterPlugin, ...]
+    base_filters: tuple[HostFilterPlugin, ...]  # grouped once per base key
+    checks: tuple[HostCheckPlugin, ...]  # checked host by host at decision time
+    pinned: bool  # the request pins a host, and a filter keeps that host alone
+    min_free: int  # groups with fewer free slots propose nothing (0: no slot filter)
+    bound: int | None  # the round-trip bound the link filters apply
+    plugins: tuple[ScorePlugin, ...]
+    weights: tuple[float, ...]
+
+
+def base_key(request: PlacementRequest, filters: Sequence[HostFilterPlugin]) -> Hashable:
+    """What the hosts ``filters`` keep depend on: the values of the request fields they
+    read (every field, for a filter that does not say)."""
+    fields: set[str] = set()
+    for plugin in filters:
+        reads = getattr(plugin, "reads", None)
+        if reads is None:
+            return (tuple(p.name for p in filters), request)
+        fields.update(reads)
+    return (
+        tuple(plugin.name for plugin in filters),
+        tuple((name, getattr(request, name)) for name in sorted(fields)),
+    )
+
+
+def decide(
+    carried: Carried,
+    parts: Parts,
+    request: PlacementRequest,
+    snapshot: Snapshot,
+    model: TieredLatencyModel,
+) -> Chosen | None:
+    """The decision a run over every host makes on ``snapshot``, from the parts carried
+    over; None when they cannot answer (see the module docstring), also when a plugin or
+    the latency model fails: the caller then runs host by host, which reports it."""
+    for plugin in parts.pre_filters:
+        try:
+            if plugin.pre_filter(request, snapshot).code is not Code.SUCCESS:
+                return None
+        except Exception:
+            return None
+    boxes = box_key(request)
+    with carried.lock:
+        try:
+            side = _box_side(carried, parts, boxes, snapshot, model)
+            if side is None:
+                return None
+            base = _host_base(carried, parts, request, snapshot, model)
+            if base is None:
+                return None
+            if parts.pinned:  # its host alone: no table to read
+                return _pinned(parts, request, snapshot, side, base)
+            table = _table(carried, parts, side, base, snapshot)
+            return _best(parts, request, snapshot, side, base, table)
+        except Exception:
+            # a plugin or the latency model failed: a run host by host says which
+            return None
+
+
+def supply_key(request: PlacementRequest, filters: Sequence[object]) -> PlacementRequest:
+    """The box key of the supply: ``request`` of size 1 when no box or GPU filter that
+    applies reads the size (every filter that does not say is taken to), since sizes
+    then share the supply and only the chooser (and a supply too short) differs."""
+    for plugin in filters:
+        reads = getattr(plugin, "reads", None)
+        if reads is None or "count" in reads:
+            return request
+    return replace(request, count=1) if request.count != 1 else request
+
+
+def _supply_side(
+    carried: Carried, parts: Parts, request: PlacementRequest, snapshot: Snapshot
+) -> SupplySide | None:
+    key = supply_key(request, (*parts.box_filters, *parts.gpu_filters))
+    side = carried.supplies.get(key)
+    if side is not None:
+        if side.version > snapshot.version and side.journal is snapshot.journal:
+            return None  # an older snapshot: prepared from itself
+        changes = journal_changes(side.journal, side.version, snapshot)
+        if changes is not None:
+            if changes[0] and not side.advance(snapshot, changes[0]):
+                del carried.supplies[key]
+                return None
+            side.version = snapshot.version
+            kept(cast(OrderedDict[Hashable, object], carried.supplies), key, MAX_SUPPLIES)
+            return side
+        del carried.supplies[key]
+    try:
+        supply = LiveSupply.build(key, snapshot, parts.box_filters, parts.gpu_filters)
+    except Exception:
+        return None
+    if supply is None:
+        return None
+    side = SupplySide(key, snapshot, parts.box_filters, parts.gpu_filters, supply)
+    carried.supplies[key] = side
+    kept(cast(OrderedDict[Hashable, object], carried.supplies), key, MAX_SUPPLIES)
+    return side
+
+
+def _box_side(
+    carried: Carried,
+    parts: Parts,
+    request: PlacementRequest,
+    snapshot: Snapshot,
+    model: TieredLatencyModel,
+) -> BoxSide | None:
+    supplies = _supply_side(carried, parts, request, snapshot)
+    if supplies is None or supplies.supply.supply.usable < request.count:
+        return None  # short of GPUs: a run host by host gives the account
+    supply = supplies.supply
+    key = (id(model), request)
+    side = carried.box_sides.get(key)
+    if side is not None:
+        if side.version > snapshot.version and side.journal is snapshot.journal:
+            return None
+        changes = journal_changes(side.journal, side.version, snapshot)
+        if changes is not None and side.chooser.model is model and side.origin is supplies:
+            side.advance(snapshot, changes[0], supply)
+            kept(cast(OrderedDict[Hashable, object], carried.box_sides), key, MAX_BOX_SIDES)
+            return side
+        del carried.box_sides[key]
+    chooser = TieredChooser(
+        model, supply.supply.boxes, request.count, parts.bound, same_switch=request.same_switch
+    )
+    side = BoxSide(request, snapshot, supplies, chooser)
+    side.key = key
+    carried.box_sides[key] = side
+    kept(cast(OrderedDict[Hashable, object], carried.box_sides), key, MAX_BOX_SIDES)
+    return side
+
+
+def _host_base(
+    carried: Carried,
+    parts: Parts,
+    request: PlacementRequest,
+    snapshot: Snapshot,
+    model: TieredLatencyModel,
+) -> HostBase | None:
+    key = (id(model), base_key(request, parts.base_filters))
+    base = carried.host_bases.get(key)
+    if base is not None:
+        if base.version > snapshot.version and base.journal is snapshot.journal:
+            return None
+        changes = journal_changes(base.journal, base.version, snapshot)
+        if changes is not None and base.model is model and base.scale == snapshot.resource_scale():
+            base.advance(snapshot, changes[1])
+            kept(cast(OrderedDict[Hashable, object], carried.host_bases), key, MAX_HOST_BASES)
+            return base if not base.unknown else None
+        del carried.host_bases[key]
+    base = HostBase(request, snapshot, parts.base_filters, model)
+    base.key = key
+    carried.host_bases[key] = base
+    kept(cast(OrderedDict[Hashable, object], carried.host_bases), key, MAX_HOST_BASES)
+    return base if not base.unknown else None
+
+
+def _table(
+    carried: Carried, parts: Parts, side: BoxSide, base: HostBase, snapshot: Snapshot
+) -> ClassTable:
+    key = (side.key, base.key)
+    table = carried.tables.get(key)
+    if table is None or table.side is not side or table.base is not base:
+        table = ClassTable(side, base, parts.plugins, parts.min_free)
+        carried.tables[key] = table
+    try:
+        table.sync(side, base, snapshot)
+    except Exception:
+        del carried.tables[key]
+        raise
+    kept(cast(OrderedDict[Hashable, object], carried.tables), key, MAX_TABLES)
+    return table
+
+
+class _Fitting:
+    """Finds the first host, by (room, id), that the request's own checks keep, among
+    the groups of a list (each group's hosts by (room, id)).
+
+    The checks of the default pipeline (CPU and memory free, hosts excluded) are read
+    off the members themselves; any other check is asked host by host."""
+
+    def __init__(
+        self,
+        parts: Parts,
+        request: PlacementRequest,
+        snapshot: Snapshot,
+        base: HostBase,
+    ) -> None:
+        checks = [check for check in parts.checks if check.applies(request)]
+        self.any = bool(checks)
+        self.cpu = self.memory = 0
+        self.excluded: frozenset[str] = frozenset()
+        self.least = 0
+        self.others: list[HostCheckPlugin] = []
+        for check in checks:
+            if type(check) is HostResources:
+                self.cpu, self.memory = request.cpu_cores, request.host_memory_mib
+                self.least = check.least_room(request, base.scale)
+            elif type(check) is HostNotExcluded:
+                self.excluded = request.exclude_hosts
+            else:
+                self.others.append(check)
+        self.request = request
+        self.hosts = snapshot.hosts
+        self.groups = base.groups
+
+    def keeps(self, member: Member) -> bool:
+        """Whether the request's checks keep the host ``member`` stands for."""
+        cpu, memory = self.cpu, self.memory
+        if (cpu and member[2] < cpu) or (memory and member[3] < memory):
+            return False
+        if member[1] in self.excluded:
+            return False
+        others = self.others
+        if others:
+            host = self.hosts[member[1]]
+            return all(check.keeps(self.request, host) for check in others)
+        return True
+
+    def first(self, entries: SortedList[Entry], exact: bool) -> Rank | None:
+        """The first host kept among the groups of ``entries`` (each entry a group by
+        its first host); with ``exact`` the least of them all, else any (the first
+        found). None when no group holds one."""
+        if not entries:
+            return None
+        if not self.any:
+            return entries[0][0], entries[0][1]
+        best: Rank | None = None
+        keeps = self.keeps
+        floor: Member = (self.least, "", -1, -1)
+        for room, host_id, key in entries:
+            if best is not None and (room, host_id) >= best:
+                break  # every host of this group and those after has more room
+            members = self.groups[key]
+            start = members.bisect_left(floor) if self.least else 0
+            for member in members.islice(start):
+                rank = (member[0], member[1])
+                if best is not None and rank >= best:
+                    break
+                if keeps(member):
+                    best = rank
+                    break
+            if best is not None and not exact:
+                return best
+        return best
+
+
+def _best(
+    parts: Parts,
+    request: PlacementRequest,
+    snapshot: Snapshot,
+    side: BoxSide,
+    base: HostBase,
+    table: ClassTable,
+) -> Chosen | None:
+    fitting = _Fitting(parts, request, snapshot, base)
+    found: dict[Raw, Rank] = {}
+    sources: dict[Raw, list[SortedList[Entry]]] = {}
+    for raw, entries in table.by_raw.items():
+        member = fitting.first(entries, exact=False)
+        if member is not None:
+            found[raw] = member
+            sources[raw] = [entries]
+    tight_raws: dict[TightKey, Raw] = {}
+    if table.near is not None:
+        for tight, entries in table.by_tight.items():
+            member = fitting.first(entries, exact=False)
+            if member is None:
+                continue
+            ns, box_class, free = tight
+            option = _tight_option(table.tight_box[box_class], request.count, ns)
+            raw = raw_scores(side, table.plugins, option, free)
+            tight_raws[tight] = raw
+            seen = found.get(raw)
+            if seen is None or member < seen:
+                found[raw] = member
+            sources.setdefault(raw, []).append(entries)
+    if not found:
+        return None
+    totals = totals_of(parts.plugins, parts.weights, list(found))
+    best = max(totals.values())
+    winners = [raw for raw, total in totals.items() if total == best]
+    if fitting.any:
+        exact = [fitting.first(entries, exact=True) for raw in winners for entries in sources[raw]]
+        winner = min(member for member in exact if member is not None)
+    else:
+        winner = min(found[raw] for raw in winners)
+    host = snapshot.hosts[winner[1]]
+    key = base.where[host.host][0]
+    options = list(table.options[key[0]])
+    raws = list(table.raws[key])
+    tight_key = table.tight.get(key)
+    if tight_key is not None:
+        ns, box_class, _ = tight_key
+        supply = table.tight_box[box_class]
+        if not any(
+            len(takes) == 1 and takes[0].supply.box.box == supply.box.box for _, takes in options
+        ):  # parts() puts the tightest box after the others
+            options.append(_tight_option(supply, request.count, ns))
+            raws.append(tight_raws[tight_key])
+    index = next(i for i, raw in enumerate(raws) if totals[raw] == best)
+    rule, takes = options[index]
+    return Chosen(host, rule, takes, best)
+
+
+def _pinned(
+    parts: Parts,
+    request: PlacementRequest,
+    snapshot: Snapshot,
+    side: BoxSide,
+    base: HostBase,
+) -> Chosen | None:
+    """A pinned request: its host alone, as a run that looks at it alone answers."""
+    assert request.host is not None
+    host = snapshot.hosts.get(request.host)
+    where = base.where.get(request.host)
+    if host is None or where is None or where[0][1] < parts.min_free:
+        return None
+    if not all(check.keeps(request, host) for check in parts.checks if check.applies(request)):
+        return None  # the run that looks at it alone says why
+    first, tight = side.chooser.parts(host.place)
+    options = list(first)
+    if tight is not None:
+        options.append(_tight_option(tight[1], request.count, tight[0]))
+    if not options:
+        return None
+    free = where[0][1]
+    raws = [raw_scores(side, parts.plugins, option, free) for option in options]
+    totals = totals_of(parts.plugins, parts.weights, list(dict.fromkeys(raws)))
+    best = max(totals.values())
+    index = next(i for i, raw in enumerate(raws) if totals[raw] == best)
+    rule, takes = options[index]
+    return Chosen(host, rule, takes, best)
+
+
+def _tight_option(supply: BoxSupply, count: int, ns: int) -> selection.Option:
+    """The tightest-single-box option: every GPU requested from ``supply``."""
+    return (selection.TIGHTEST_SINGLE_BOX, (Take(supply, count, ns),))
+
+
+SCORE_DIGITS = 6
+"""Totals are compared rounded, so float noise never beats a name."""
+
+
+def totals_of(
+    plugins: Sequence[ScorePlugin], weights: Sequence[float], raws: list[Raw]
+) -> dict[Raw, float]:
+    """The weighted total (0-100) of each distinct raw score tuple among ``raws``, as a
+    run scores its proposals: each plugin normalizes its raw scores over them all,
+    bounded to 0-100. Raises :class:`PluginError` for a plugin that fails."""
+    weight_sum = sum(weights) or 1.0
+    totals = [0.0] * len(raws)
+    for position, (plugin, weight) in enumerate(zip(plugins, weights, strict=True)):
+        raw = [scores[position] for scores in raws]
+        try:
+            normalized = plugin.normalize(raw)
+        except Exception as error:
+            raise PluginError(plugin.name, error) from error
+        if len(normalized) != len(raw):
+            raise PluginError(
+                plugin.name,
+                ValueError(f"normalize returned {len(normalized)} scores for {len(raw)}"),
+            )
+        totals = [
+            total
+            + weight * (value if 0.0 <= value <= MAX_SCORE else min(max(value, 0.0), MAX_SCORE))
+            for total, value in zip(totals, normalized, strict=True)
+        ]
+    return {
+        raw: round(total / weight_sum, SCORE_DIGITS)
+        for raw, total in zip(raws, totals, strict=True)
+    }
