@@ -17,7 +17,6 @@ composes of one tenant can never exceed its quota either.
 from __future__ import annotations
 
 import logging
-import random
 import secrets
 import threading
 import time
@@ -39,7 +38,7 @@ from dxpool.broker.model_check import check_model_known
 from dxpool.broker.placement import PlacementRequest, PlacementResult, place
 from dxpool.broker.placement_index import PlacementIndex
 from dxpool.broker.resize import Resizer
-from dxpool.broker.stm import TxnView, read_through, transact
+from dxpool.broker.stm import TxnView, pause_after_conflict, read_through, transact
 from dxpool.broker.tenants import refuse_breach
 from dxpool.broker.transitions import fence_detaching, let_go
 from dxpool.broker.validation import check_node_spec
@@ -248,7 +247,7 @@ class Composer:
                 return outcome
             metrics.COMPOSE_CONFLICTS.inc()
             log.debug("compose conflict; placing again", extra={"attempt": attempt})
-            time.sleep(random.uniform(0, min(0.05, 0.001 * 2**attempt)))
+            pause_after_conflict(attempt)
         metrics.COMPOSE_TOTAL.labels(result="aborted").inc()
         raise Aborted(
             f"placement kept conflicting with concurrent requests after "

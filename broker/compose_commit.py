@@ -48,9 +48,10 @@ from dxpool.broker.placement import PlacementResult
 from dxpool.broker.records import copy, timestamp
 from dxpool.broker.tenants import charge_in
 from dxpool.errors import AlreadyExists
+from dxpool.limits import MAX_TXN_OPS
 from dxpool.names import node_name
 from dxpool.store import keys as k
-from dxpool.store.typed import MAX_TXN_OPS, Store, Txn, TxnResult, Versioned
+from dxpool.store.typed import Store, Txn, TxnResult, Versioned
 
 # Finds the node an earlier call with a request id made: (request id, spec, the request
 # record, owner) -> that node, None when the record names none; raises for a misuse.

@@ -46,7 +46,6 @@ scrubbed, its tenant's usage lowered).
 from __future__ import annotations
 
 import logging
-import random
 import secrets
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -77,7 +76,7 @@ from dxpool.broker.placement import (
     place,
 )
 from dxpool.broker.records import copy, timestamp
-from dxpool.broker.stm import TxnView, read_through, transact
+from dxpool.broker.stm import TxnView, pause_after_conflict, read_through, transact
 from dxpool.broker.tenants import charge_in, refuse_breach
 from dxpool.broker.transitions import fence_detaching, let_go
 from dxpool.broker.validation import check_node_spec
@@ -254,7 +253,7 @@ class GangComposer:
                 return outcome
             metrics.COMPOSE_CONFLICTS.inc()
             log.debug("gang conflict; placing again", extra={"attempt": attempt})
-            time.sleep(random.uniform(0, min(0.05, 0.001 * 2**attempt)))
+            pause_after_conflict(attempt)
         metrics.COMPOSE_TOTAL.labels(result="aborted").inc()
         raise Aborted(
             f"gang placement kept conflicting with concurrent requests after "

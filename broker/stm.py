@@ -37,6 +37,19 @@ from dxpool.store.typed import Store, Txn, Versioned
 T = TypeVar("T")
 
 DEFAULT_ATTEMPTS = 8
+# Full-jitter exponential backoff between attempts that lost a compare: a pause drawn
+# from [0, min(MAX_CONFLICT_PAUSE_S, FIRST_CONFLICT_PAUSE_S * 2**attempt)].
+FIRST_CONFLICT_PAUSE_S = 0.001
+MAX_CONFLICT_PAUSE_S = 0.05
+
+
+def pause_after_conflict(attempt: int) -> None:
+    """Sleep before trying again after attempt number ``attempt`` (0-based) lost a
+    compare: a random pause, so writers that conflicted do not meet again in step, that
+    doubles with each attempt up to :data:`MAX_CONFLICT_PAUSE_S`. Every commit loop of
+    the broker backs off through here."""
+    ceiling = min(MAX_CONFLICT_PAUSE_S, FIRST_CONFLICT_PAUSE_S * 2**attempt)
+    time.sleep(random.uniform(0, ceiling))
 
 
 class TxnView:
@@ -154,7 +167,7 @@ def transact(
         cache.apply_reads(committed.current)
         metrics.TRANSACTION_CONFLICTS.labels(operation=operation).inc()
         if attempt:
-            time.sleep(random.uniform(0, min(0.05, 0.001 * 2**attempt)))
+            pause_after_conflict(attempt)
     raise Aborted(
         f"{what} kept conflicting with concurrent changes after {attempts} attempts; retry",
         reason="COMMIT_CONFLICT",
@@ -183,4 +196,4 @@ def _found_after_all(store: Store, cache: Cache, keys: list[str]) -> bool:
     return bool(found)
 
 
-__all__ = ["TxnView", "read_through", "transact"]
+__all__ = ["TxnView", "pause_after_conflict", "read_through", "transact"]

@@ -10,7 +10,8 @@ values that no real pool has (a GPU with 2^63 MiB) from being stored at all.
 limit                    value          why
 =======================  =============  ==================================================
 ``MAX_GPUS_PER_NODE``    64             one compose transaction stays under 128 operations
-``MAX_TXN_OPS``          128            etcd's operations per transaction list; bounds a gang
+``MAX_TXN_OPS``          128            etcd's default --max-txn-ops (compares, successes and
+                                        failures each); bounds every transaction dxpool builds
 ``MAX_GPUS_PER_BOX``     64             a box's create and delete are one transaction each
 ``MAX_GPU_MEMORY_MIB``   16 TiB in MiB  far above any GPU made; anything larger is a typo
 ``MAX_LATENCY_NS``       10 s           a latency bound above that bounds nothing

@@ -20,15 +20,13 @@ from google.protobuf.message import Message
 
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.errors import InvalidArgument, Unavailable
+from dxpool.limits import MAX_TXN_OPS
 from dxpool.store import keys as k
 from dxpool.store.client import pause_left_s
 from dxpool.store.errors import Applied, classify
 from dxpool.store.errors import unavailable as etcd_unavailable
 from dxpool.store.health import EtcdHealth
 from dxpool.store.keys import KeySchema
-
-# etcd's default --max-txn-ops; compares, successes and failures are each bounded by it.
-MAX_TXN_OPS = 128
 
 MESSAGE_TYPES: dict[str, type[Message] | None] = {
     k.BOXES: pb.Box,

@@ -19,8 +19,9 @@ from dxpool.broker.compose_commit import within_limit
 from dxpool.broker.server import BrokerServer
 from dxpool.hostagent.config import AgentConfig
 from dxpool.hostagent.registration import host_record
+from dxpool.limits import MAX_TXN_OPS
 from dxpool.store.keys import KeySchema
-from dxpool.store.typed import MAX_TXN_OPS, Store, Txn
+from dxpool.store.typed import Store, Txn
 from tests.conftest import Stubs, add_box, wait_hosts_alive, wait_until
 
 HOST = "h0"

@@ -25,7 +25,6 @@ from dxpool.broker.placement import Binding, Placement
 from dxpool.broker.server import BrokerServer
 from dxpool.limits import MAX_GANG_MEMBERS, MAX_TXN_OPS
 from dxpool.store.keys import KeySchema
-from dxpool.store.typed import MAX_TXN_OPS as STORE_MAX_TXN_OPS
 from tests.conftest import Stubs, add_box, pool_records, wait_until
 
 
@@ -242,7 +241,6 @@ def test_a_gang_beyond_one_transaction_is_placed_whole_before_anything_is_writte
     """A gang too large for one etcd transaction goes the chunked way (a gang record,
     see tests/broker/test_gang_chunks.py); one the pool cannot hold is refused for
     capacity before anything is written, and one over the member limit is invalid."""
-    assert MAX_TXN_OPS == STORE_MAX_TXN_OPS
     largest = gang_request(11, "H100:8")
     assert gang_ops(largest.members) <= MAX_TXN_OPS  # 88 + 33 + 1
     assert gang_ops(gang_request(12, "H100:8").members) > MAX_TXN_OPS

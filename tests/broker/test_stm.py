@@ -15,9 +15,10 @@ from prometheus_client import REGISTRY
 
 from dxpool.api.v1 import nodes_pb2, nodes_pb2_grpc
 from dxpool.api.v1 import resources_pb2 as pb
+from dxpool.broker import stm
 from dxpool.broker.cache import Cache
 from dxpool.broker.server import BrokerServer
-from dxpool.broker.stm import TxnView, transact
+from dxpool.broker.stm import TxnView, pause_after_conflict, transact
 from dxpool.store import keys as k
 from dxpool.store.keys import KeySchema
 from dxpool.store.typed import Store, Txn
@@ -119,3 +120,26 @@ def test_a_lost_compare_runs_the_change_again_and_is_counted_by_operation(
     assert stored is not None and stored.value.gpu_count == 12
     after = REGISTRY.get_sample_value("dxpool_transaction_conflicts_total", labels)
     assert after == before + 1
+
+
+def test_the_pause_after_a_conflict_is_random_below_a_doubling_ceiling(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each pause is drawn from [0, ceiling]; the ceiling doubles per attempt from 1 ms
+    and stops at 50 ms, so writers that conflicted spread out and none waits long."""
+    asked: list[tuple[float, float]] = []
+    slept: list[float] = []
+
+    def uniform(low: float, high: float) -> float:
+        asked.append((low, high))
+        return high
+
+    monkeypatch.setattr(stm.random, "uniform", uniform)
+    monkeypatch.setattr(stm.time, "sleep", slept.append)
+    for attempt in range(10):
+        pause_after_conflict(attempt)
+    assert [high for _, high in asked] == pytest.approx(
+        [0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.05, 0.05, 0.05, 0.05]
+    )
+    assert all(low == 0 for low, _ in asked)
+    assert slept == [high for _, high in asked]

@@ -7,10 +7,11 @@ import pytest
 
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.errors import InvalidArgument, Unavailable
+from dxpool.limits import MAX_TXN_OPS
 from dxpool.store.client import connect
 from dxpool.store.embedded import EmbeddedEtcd, EtcdCluster
 from dxpool.store.keys import KeySchema
-from dxpool.store.typed import MAX_TXN_OPS, Store, Txn
+from dxpool.store.typed import Store, Txn
 from tests.conftest import wait_until
 
 
