@@ -92,8 +92,12 @@ class XidWatcher:
         with self._lock:
             if self._thread is not None:
                 return
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="nvml-xid", daemon=True)
+            # Each thread gets a stop event of its own: a start() racing a stop() must
+            # not clear the event the stopped thread is still to see.
+            self._stop = threading.Event()
+            self._thread = threading.Thread(
+                target=self._run, args=(self._stop,), name="nvml-xid", daemon=True
+            )
             self._thread.start()
 
     @property
@@ -104,9 +108,9 @@ class XidWatcher:
 
     def stop(self) -> None:
         """Stop the thread (within about one wait) and free the event set. Idempotent."""
-        self._stop.set()
         with self._lock:
             thread, self._thread = self._thread, None
+            self._stop.set()
         if thread is not None:
             thread.join()
         self.reset()
@@ -175,13 +179,13 @@ class XidWatcher:
             self._latest[uuid] = event
         return event
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
+    def _run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
             try:
                 self.wait_once()
             except self._nvml.NVMLError as error:
                 log.warning("nvml event wait failed", extra={"error": str(error)})
-                self._stop.wait(self._wait_ms / 1000)
+                stop.wait(self._wait_ms / 1000)
 
 
 def _text(value: str | bytes) -> str:
