@@ -7,17 +7,11 @@ The trace folder is ``--traces DIR``, else ``$DXPOOL_TRACES``, else the first
 
 from __future__ import annotations
 
-import csv
-import os
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-_REPO = Path(__file__).resolve().parents[2]
-
-
-class TraceError(Exception):
-    """A trace is missing or does not hold what its README describes."""
+from bench.traces.data import TraceError, read_rows, traces_dir
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,38 +24,13 @@ class TraceJob:
     gpus: int
 
 
-def traces_dir(given: str | None) -> Path:
-    """The folder holding the trace folders; ``TraceError`` says how to point at one."""
-    if given:
-        candidates = [Path(given)]
-    elif os.environ.get("DXPOOL_TRACES"):
-        candidates = [Path(os.environ["DXPOOL_TRACES"])]
-    else:
-        candidates = [parent / "shared" / "data" / "traces" for parent in (_REPO, *_REPO.parents)]
-    for candidate in candidates:
-        if candidate.is_dir():
-            return candidate
-    raise TraceError(
-        f"no trace folder at {', '.join(str(c) for c in candidates[:3])}: "
-        "pass --traces DIR or set DXPOOL_TRACES"
-    )
-
-
-def _rows(path: Path) -> list[dict[str, str]]:
-    try:
-        with path.open(newline="", encoding="utf-8") as handle:
-            return [row for row in csv.DictReader(handle) if any(row.values())]
-    except OSError as error:
-        raise TraceError(f"cannot read {path}: {error.strerror}") from None
-
-
 def philly(traces: Path) -> list[TraceJob]:
     """Every job of ``philly-pollux/philly.csv``, by arrival."""
     path = traces / "philly-pollux" / "philly.csv"
     try:
         rows = [
             (datetime.fromisoformat(r["timestamp"]), float(r["duration"]), int(r["num_gpus"]))
-            for r in _rows(path)
+            for r in read_rows(path)
         ]
     except (KeyError, ValueError) as error:
         raise TraceError(f"{path}: not the Philly job schema ({error})") from None
@@ -83,7 +52,7 @@ def openb(traces: Path, compress: float, copies: int = 1) -> list[TraceJob]:
     try:
         rows = [
             (int(r["creation_time"]), int(r["deletion_time"]), int(r["num_gpu"]))
-            for r in _rows(path)
+            for r in read_rows(path)
         ]
     except (KeyError, ValueError) as error:
         raise TraceError(f"{path}: not the openb pod schema ({error})") from None

@@ -36,7 +36,8 @@ def traces_dir(given: str | None) -> Path:
     )
 
 
-def _rows(path: Path) -> list[dict[str, str]]:
+def read_rows(path: Path) -> list[dict[str, str]]:
+    """The non-empty rows of the CSV file ``path``; ``TraceError`` when it cannot be read."""
     try:
         with path.open(newline="", encoding="utf-8") as handle:
             return [row for row in csv.DictReader(handle) if any(row.values())]
@@ -94,7 +95,7 @@ def openb_servers(traces: Path) -> list[Server]:
                 cpu_units(int(r["cpu_milli"])),
                 int(r["memory_mib"]),
             )
-            for r in _rows(path)
+            for r in read_rows(path)
         ]
     except (KeyError, ValueError) as error:
         raise TraceError(f"{path}: not the openb node schema ({error})") from None
@@ -132,7 +133,7 @@ def openb_pods(traces: Path, workload: str = "default", *, cpu_only: bool = Fals
                 int(r["memory_mib"]),
                 _models(r.get("gpu_spec") or ""),
             )
-            for r in _rows(path)
+            for r in read_rows(path)
         ]
     except (KeyError, ValueError) as error:
         raise TraceError(f"{path}: not the openb pod schema ({error})") from None
@@ -159,7 +160,7 @@ def philly_jobs(traces: Path) -> list[Job]:
     try:
         rows = [
             (datetime.fromisoformat(r["timestamp"]), float(r["duration"]), int(r["num_gpus"]))
-            for r in _rows(path)
+            for r in read_rows(path)
         ]
     except (KeyError, ValueError) as error:
         raise TraceError(f"{path}: not the Philly job schema ({error})") from None
