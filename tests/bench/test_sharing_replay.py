@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from bench.sharing.replay import DAY_S, INFERENCE, TRAINING, Replay, Settings, table
+from bench.sharing.replay import (
+    DAY_S,
+    INFERENCE,
+    TRAINING,
+    Replay,
+    Settings,
+    table,
+    timeline,
+)
 from bench.sharing.traces import TraceError, TraceJob, traces_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,6 +59,27 @@ def test_loaning_lends_idle_inference_capacity_and_takes_it_back_in_grace() -> N
     usage = run.tenants[INFERENCE].usage
     assert usage.borrowed_gpus == 0  # inference never borrows
     assert "| made up | loaning |" in table([hard, lent])
+
+
+def test_the_timeline_says_how_many_wait_and_why() -> None:
+    """Sampled every two hours under hard quotas: the samples cover the day, every
+    waiting job has a reason, the training jobs beyond the guarantee wait for their
+    quota, and the offered load (had every job started on arrival) exceeds what
+    training holds while they wait."""
+    settings = Settings(gpus=128, inference_share=0.5, grace_s=30.0, detach_s=10.0)
+    run = Replay(made_up_jobs(), settings, loaning_on=False, end=DAY_S, sample_every=7200.0)
+    run.run()
+    samples = run.figures("made up", 1.0).samples
+    assert [s.at for s in samples] == [7200.0 * i for i in range(13)]
+    queued = [s for s in samples if s.waiting[TRAINING]]
+    assert queued
+    for sample in queued:
+        assert sum(sample.reasons.values()) == sample.waiting[TRAINING] + sample.waiting[INFERENCE]
+        assert sample.reasons.get("quota", 0) > 0
+        assert sample.held[TRAINING] <= 64
+    assert any(s.offered > s.held[TRAINING] for s in queued)
+    assert 0 < sum(s.passes for s in samples) <= run.passes  # events at the last sample follow it
+    assert "why training waits" in timeline(run.figures("made up", 1.0))
 
 
 def have_traces() -> bool:
