@@ -18,7 +18,7 @@ from bench.sharing.replay import (
     table,
     timeline,
 )
-from bench.sharing.traces import TraceError, TraceJob, traces_dir
+from bench.sharing.traces import TraceError, TraceJob, openb, traces_dir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -80,6 +80,37 @@ def test_the_timeline_says_how_many_wait_and_why() -> None:
     assert any(s.offered > s.held[TRAINING] for s in queued)
     assert 0 < sum(s.passes for s in samples) <= run.passes  # events at the last sample follow it
     assert "why training waits" in timeline(run.figures("made up", 1.0))
+
+
+def write_openb(folder: Path, pods: list[tuple[int, int, int]]) -> None:
+    """An openb pod list of ``(created, deleted, GPUs)`` rows."""
+    target = folder / "alibaba-gpu-v2023"
+    target.mkdir(parents=True)
+    lines = ["name,cpu_milli,memory_mib,num_gpu,gpu_milli,creation_time,deletion_time"]
+    for i, (created, deleted, gpus) in enumerate(pods):
+        lines.append(f"p{i},1000,1024,{gpus},1000,{created},{deleted}")
+    (target / "openb_pod_list_default.csv").write_text("\n".join(lines) + "\n")
+
+
+def test_openb_replays_the_busy_part_and_starts_earlier_pods_with_what_they_had_left(
+    tmp_path: Path,
+) -> None:
+    """Two pods over a long quiet start (one still alive when the busy part starts, one
+    gone by then), then 298 pods a minute apart: the window starts at the busy part,
+    the live pod arrives at once with the time it had left, the gone one not at all,
+    and CPU-only pods are left out."""
+    quiet = 100 * 86400
+    pods = [(0, quiet + 600, 1), (3600, 7200, 2), (5, quiet + 10, 0)]
+    pods += [(quiet + 60 * i, quiet + 60 * i + 300, 1 + i % 2) for i in range(298)]
+    write_openb(tmp_path, pods)
+    jobs = openb(tmp_path, 1.0)
+    assert len(jobs) == 299
+    assert jobs[0] == TraceJob(0.0, 600.0, 1)
+    busy = sorted(job.arrival_s for job in jobs[1:])
+    assert busy[0] == 0.0 and busy[-1] == 60.0 * 297
+    assert all(job.duration_s == 300.0 for job in jobs[1:])
+    squeezed = openb(tmp_path, 2.0)
+    assert max(job.arrival_s for job in squeezed) == 30.0 * 297
 
 
 def have_traces() -> bool:
