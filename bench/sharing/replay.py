@@ -37,8 +37,15 @@ time, preemptions (jobs taken, shrinks, GPU-hours lost to checkpoints), and the
 inference tenant's time to get its guarantee back (arrival to start of the services
 that had to reclaim lent GPUs).
 
+``--timeline HOURS`` samples the queue every HOURS of the replay's clock (:class:`Sample`):
+GPUs held per tenant, the training load offered (had every job started on arrival), how
+many jobs wait and why the last pass left them waiting, and the passes made and their
+time; with it, a queue that grows can be told apart as a load beyond the pool (offered
+above what is held, jobs waiting for quota or capacity) or as a slow pass.
+
 Usage: python -m bench.sharing.replay [--trace philly|openb|both] [--days 14]
        [--gpus 1024] [--inference-share 0.5] [--grace 30] [--detach 10]
+       [--openb-load 1.0] [--timeline HOURS]
 """
 
 from __future__ import annotations
