@@ -177,6 +177,10 @@ class PassState:
     promised: int = 0
     failed: set[tuple[int, ...]] = field(default_factory=set)
     unplannable: set[tuple[str, int, tuple[int, ...]]] = field(default_factory=set)
+    # loaning terms and quota verdicts by (tenant, GPUs[, nodes]): the tenants' usage
+    # changes only when a job starts, which clears them
+    terms: dict[tuple[str, int], loaning.LoanTerms] = field(default_factory=dict)
+    over_quota: dict[tuple[str, int, int], bool] = field(default_factory=dict)
 
 
 class Replay:
@@ -450,11 +454,21 @@ class Replay:
             state.promised += job.gpus
             return "its victims are letting go"
         free = self.pool.free_usable() - state.promised
-        terms = loaning.terms(record, job.gpus)
+        if free < job.gpus and not state.lent_out:
+            return "capacity (fewer GPUs free)"  # and nothing to take back
+        terms = state.terms.get((job.tenant, job.gpus))
+        if terms is None:
+            terms = state.terms[(job.tenant, job.gpus)] = loaning.terms(record, job.gpus)
         reclaim = self.loaning_on and terms.within_guarantee and state.lent_out
         if free < job.gpus and not reclaim:
             return "capacity (fewer GPUs free)"
-        if breach(job.tenant, record, ["H100"] * job.gpus, nodes=len(job.members)):
+        quota_key = (job.tenant, job.gpus, len(job.members))
+        over = state.over_quota.get(quota_key)
+        if over is None:
+            over = state.over_quota[quota_key] = (
+                breach(job.tenant, record, ["H100"] * job.gpus, nodes=len(job.members)) is not None
+            )
+        if over:
             return "quota"
         if terms.borrowed and state.paused:
             return "lending paused"
@@ -465,6 +479,8 @@ class Replay:
             placements = self.pool.place([PlacementRequest("", n) for n in job.members])
             if placements is not None:
                 self._start(job, placements, terms.borrowed)
+                state.terms.clear()
+                state.over_quota.clear()
                 return ""
             state.failed.add(shape)
         ask = (job.tenant, job.priority, shape)
