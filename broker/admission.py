@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dxpool import lifecycle
 from dxpool.api.v1 import resources_pb2 as pb
@@ -58,12 +58,14 @@ GONE = "gone"
 class Outcome:
     """What one admission attempt found. ``capacity``: it waits because no placement
     exists now (lent capacity or lower priority may be taken for it); otherwise it
-    waits for its quota or for lending to resume."""
+    waits for its quota or for lending to resume. ``placed``: the attempt got as far as
+    placing (what a dispatcher pass counts against its bound)."""
 
     kind: str  # ADMITTED, WAITING, FAILED or GONE (no longer QUEUED)
     reason: str = ""
     capacity: bool = False
     node: pb.VirtualNode | None = None
+    placed: bool = False
 
 
 class _StaleError(Exception):
@@ -140,16 +142,18 @@ class Admitter:
             )
             if result.placement is None:
                 reasons = "; ".join(result.unsatisfied) or "no host can take the node"
-                return Outcome(WAITING, f"no capacity: {reasons}", capacity=True)
+                return Outcome(WAITING, f"no capacity: {reasons}", capacity=True, placed=True)
             if not self._composer.index.hold(result.placement):
                 continue
             try:
-                return self._commit(node_id, result.placement)
+                return replace(self._commit(node_id, result.placement), placed=True)
             except _StaleError:
                 continue
             finally:
                 self._composer.index.let_go(result.placement)
-        return Outcome(WAITING, "no capacity: the GPUs placed kept being taken", capacity=True)
+        return Outcome(
+            WAITING, "no capacity: the GPUs placed kept being taken", capacity=True, placed=True
+        )
 
     def _request(self, node: pb.VirtualNode) -> PlacementRequest | None:
         host = parse_host(node.spec.host) if node.spec.host else None

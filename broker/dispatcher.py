@@ -25,9 +25,18 @@ tenant's guarantee waits for capacity, its ``queue.reclaiming`` pauses lending
 (:mod:`dxpool.broker.compose_gate`): no tenant borrows GPUs it could use.
 
 The queue is best effort: a request that does not fit does not hold back smaller ones
-behind it (beyond the rule above). A pass is bounded (``max_placements`` placements);
-requests with the same placement request as one that just found no capacity are not
-placed again in that pass.
+behind it (beyond the rule above).
+
+**What a pass costs.** A pass is bounded by the placements it makes
+(``max_placements``): an admission that got as far as placing counts (``Outcome.
+placed``), one that stopped before (its tenant's quota, paused lending, a deadline) does
+not, so any number of requests held back by their quota cannot use up the bound and
+starve requests of other tenants behind them. Requests with the same placement request
+as one that just found no capacity are not placed again in that pass, and an ask the
+preemption planner found nothing for is not planned again in that pass while the
+candidates are the same (the pass's snapshot does not change, and the candidates only
+lose members as notices go out), so a long queue of one shape costs one placement and
+one plan per pass, not one per request.
 """
 
 from __future__ import annotations
@@ -137,11 +146,13 @@ class _Pass:
     no_capacity: dict[tuple[PlacementRequest, ...], str] | None = None
     holders: list[Holder] | None = None
     free: dict[tuple[PlacementRequest, ...], int] | None = None
+    unplannable: set[Ask] | None = None  # asks the planner found nothing for (``holders``)
 
     def __post_init__(self) -> None:
         self.promised = []
         self.no_capacity = {}
         self.free = {}
+        self.unplannable = set()
 
 
 class Dispatcher:
@@ -201,8 +212,9 @@ class Dispatcher:
             return 0
         if state.placements >= self._max_placements:
             return 0
-        state.placements += 1
         outcome = self._admitter.admit(node_id)
+        if outcome.placed:
+            state.placements += 1
         if outcome.kind == ADMITTED:
             self._admitted(node.queue)
             return 1
@@ -262,10 +274,16 @@ class Dispatcher:
                 ask.within_guarantee,
             )
             return
+        assert state.unplannable is not None
+        if ask in state.unplannable:
+            self._note(entry, reason, ask.within_guarantee)
+            return
         if state.holders is None:
             state.holders = holders(self._cache, self._clock())
         found = plan(ask, state.holders, state.snapshot, self._composer.latency.current())
-        if found is not None:
+        if found is None:
+            state.unplannable.add(ask)
+        else:
             what = "lent capacity taken back" if ask.within_guarantee else "lower priority"
             text = (
                 f"{what}: waiting for {len(found.cuts)} node(s) to let go of "
@@ -274,6 +292,7 @@ class Dispatcher:
             if self._notices.issue(entry.name, found, reclaiming=ask.within_guarantee, reason=text):
                 state.promised.append((entry.model, entry.gpus, entry.name))
                 state.holders = None  # the victims are under notice now
+                state.unplannable.clear()  # judged on the candidates before
                 return
         self._note(entry, reason, ask.within_guarantee)
 
@@ -306,8 +325,9 @@ class Dispatcher:
             return 0
         if state.placements >= self._max_placements:
             return 0
-        state.placements += len(ask.requests)
         outcome = self._gangs.admit_queued(gang_id)
+        if outcome.placed:
+            state.placements += len(ask.requests)
         if outcome.kind == ADMITTED:
             self._admitted(gang.queue)
             return 1

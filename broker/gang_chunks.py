@@ -796,6 +796,7 @@ class ChunkedGangs:
                 WAITING,
                 f"no capacity: member {error.index} of {len(specs)}: {'; '.join(error.reasons)}",
                 capacity=True,
+                placed=True,
             )
         reservation = _Reservation(
             gang_id,
@@ -808,14 +809,16 @@ class ChunkedGangs:
         )
         try:
             if not self._start_queued(reservation, record):
-                return Outcome(GONE)
+                return Outcome(GONE, placed=True)
             self._commit_members(reservation)
             self._flip(reservation)
         except DxpoolError as error:
-            return Outcome(WAITING, error.message, capacity=error.reason == "NO_CAPACITY")
+            return Outcome(
+                WAITING, error.message, capacity=error.reason == "NO_CAPACITY", placed=True
+            )
         finally:
             members.let_go()
-        return Outcome(ADMITTED)
+        return Outcome(ADMITTED, placed=True)
 
     def _start_queued(self, reservation: _Reservation, record: Versioned[pb.GangRecord]) -> bool:
         gang = copy(record.value)

@@ -37,8 +37,15 @@ time, preemptions (jobs taken, shrinks, GPU-hours lost to checkpoints), and the
 inference tenant's time to get its guarantee back (arrival to start of the services
 that had to reclaim lent GPUs).
 
+``--timeline HOURS`` samples the queue every HOURS of the replay's clock (:class:`Sample`):
+GPUs held per tenant, the training load offered (had every job started on arrival), how
+many jobs wait and why the last pass left them waiting, and the passes made and their
+time; with it, a queue that grows can be told apart as a load beyond the pool (offered
+above what is held, jobs waiting for quota or capacity) or as a slow pass.
+
 Usage: python -m bench.sharing.replay [--trace philly|openb|both] [--days 14]
        [--gpus 1024] [--inference-share 0.5] [--grace 30] [--detach 10]
+       [--openb-load 1.0] [--timeline HOURS]
 """
 
 from __future__ import annotations
@@ -79,6 +86,7 @@ class Job:
     work: float  # GPU-seconds left; inf for a service
     priority: int
     elastic_min: int = 0
+    duration: float = math.inf  # as the trace gives it (run on all its GPUs)
     state: str = "waiting"
     nodes: list[str] = field(default_factory=list)
     held: int = 0
@@ -131,10 +139,60 @@ class Figures:
     reclaim_waits: list[float]
     wall_s: float
     decisions: int
+    passes: int = 0
+    placements: int = 0
+    plans: int = 0
+    pass_s: float = 0.0
+    samples: list[Sample] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The queue at one moment of a replay (``--timeline``): GPUs held per tenant, the
+    waiting jobs per tenant and why the last pass left them waiting, the GPUs the
+    training jobs that arrived and are not done would hold had each started on arrival
+    (the offered load), and the passes made since the previous sample."""
+
+    at: float
+    held: dict[str, int]
+    free: int
+    waiting: dict[str, int]
+    waiting_gpus: dict[str, int]
+    reasons: dict[str, int]
+    offered: int
+    passes: int
+    pass_s: float
+
+
+@dataclass
+class PassState:
+    """What one pass of the replay's dispatcher keeps as it goes: GPUs promised to
+    reclaiming services ahead, whether lending is paused and anything is lent out,
+    shapes that found no placement, and asks the planner found no victims for (neither
+    does better later in the pass: the pool only fills and candidates only go under
+    notice as it goes)."""
+
+    paused: bool
+    lent_out: bool
+    promised: int = 0
+    failed: set[tuple[int, ...]] = field(default_factory=set)
+    unplannable: set[tuple[str, int, tuple[int, ...]]] = field(default_factory=set)
+    # loaning terms and quota verdicts by (tenant, GPUs[, nodes]): the tenants' usage
+    # changes only when a job starts, which clears them
+    terms: dict[tuple[str, int], loaning.LoanTerms] = field(default_factory=dict)
+    over_quota: dict[tuple[str, int, int], bool] = field(default_factory=dict)
 
 
 class Replay:
-    def __init__(self, jobs: list[TraceJob], settings: Settings, *, loaning_on: bool, end: float):
+    def __init__(
+        self,
+        jobs: list[TraceJob],
+        settings: Settings,
+        *,
+        loaning_on: bool,
+        end: float,
+        sample_every: float | None = None,
+    ):
         self.s = settings
         self.loaning_on = loaning_on
         self.end = end
@@ -163,6 +221,13 @@ class Replay:
         self.shrinks = 0
         self.lost = 0.0
         self.decisions = 0
+        self.placements = 0  # place() calls
+        self.plans = 0  # preemption planner calls
+        self.passes = 0
+        self.pass_s = 0.0
+        self.reasons: dict[str, str] = {}  # why the last pass left each waiting job waiting
+        self.sample_every = sample_every
+        self.samples: list[Sample] = []
         self.node_seq = 0
         for i, trace_job in enumerate(jobs):
             gpus = max(trace_job.gpus, 1)
@@ -175,6 +240,7 @@ class Replay:
                 float(sum(members)) * trace_job.duration_s,
                 0,
                 elastic_min=gpus // 2 if 2 <= gpus <= 8 else 0,
+                duration=trace_job.duration_s,
             )
             self.jobs[job.name] = job
             self.push(job.arrival, "arrive", job.name)
@@ -195,14 +261,59 @@ class Replay:
             "notice": self._notice,
             "detach": self._detach,
         }
+        next_sample = 0.0 if self.sample_every else math.inf
+        sampled = (0, 0.0)
         while self.events and self.events[0][0] <= self.end:
             when = self.events[0][0]
+            while next_sample <= when:
+                sampled = self._sample(next_sample, sampled)
+                next_sample += self.sample_every or math.inf
             self._advance(when)
             while self.events and self.events[0][0] == when:
                 _, _, kind, payload = heapq.heappop(self.events)
                 handlers[kind](payload)
+            began = time.perf_counter()
             self._dispatch()
+            self.pass_s += time.perf_counter() - began
         self._advance(self.end)
+        while next_sample <= self.end:
+            sampled = self._sample(next_sample, sampled)
+            next_sample += self.sample_every or math.inf
+
+    def _sample(self, at: float, before: tuple[int, float]) -> tuple[int, float]:
+        """Record the queue as the last pass left it; returns the pass counters."""
+        held = {INFERENCE: 0, TRAINING: 0}
+        for name in self.running:
+            job = self.jobs[name]
+            held[job.tenant] += job.held
+        waiting = {INFERENCE: 0, TRAINING: 0}
+        waiting_gpus = {INFERENCE: 0, TRAINING: 0}
+        reasons: dict[str, int] = {}
+        for name in self.waiting:
+            job = self.jobs[name]
+            waiting[job.tenant] += 1
+            waiting_gpus[job.tenant] += job.gpus
+            reason = self.reasons.get(name, "not looked at yet")
+            reasons[reason] = reasons.get(reason, 0) + 1
+        offered = sum(
+            j.gpus
+            for j in self.jobs.values()
+            if j.tenant == TRAINING and j.arrival <= at < j.arrival + j.duration
+        )
+        self.samples.append(
+            Sample(
+                at,
+                held,
+                self.pool.free_usable(),
+                waiting,
+                waiting_gpus,
+                reasons,
+                offered,
+                self.passes - before[0],
+                self.pass_s - before[1],
+            )
+        )
+        return self.passes, self.pass_s
 
     def _advance(self, when: float) -> None:
         self.area += self.pool.allocated * (when - self.last)
@@ -250,6 +361,7 @@ class Replay:
     def _end(self, job: Job) -> None:
         self.services.discard(job.name)
         self.running.discard(job.name)
+        self.reasons.pop(job.name, None)
         if job.state == "waiting":
             self.waiting.discard(job.name)
         elif job.state == "running":
@@ -306,6 +418,7 @@ class Replay:
         GPUs promised to a reclaiming service, pause lending meanwhile)."""
         if not self.waiting:
             return
+        self.passes += 1
         # A tenant whose quota refuses even one GPU more admits nothing this pass.
         blocked = {
             name
@@ -313,45 +426,71 @@ class Replay:
             if breach(name, record, ["H100"]) is not None
         }
         waiting = [self.jobs[n] for n in self.waiting]
+        for job in waiting:
+            if job.tenant in blocked:
+                self.reasons[job.name] = "quota"
         waiting = [j for j in waiting if j.tenant not in blocked]
         if not waiting:
             return
         order = ordered(j.entry for j in waiting)
-        promised = 0
-        paused = self.loaning_on and any(
-            j.tenant == INFERENCE and (j.awaiting_until > self.now or self._reclaiming(j))
-            for j in waiting
+        state = PassState(
+            paused=self.loaning_on
+            and any(
+                j.tenant == INFERENCE and (j.awaiting_until > self.now or self._reclaiming(j))
+                for j in waiting
+            ),
+            lent_out=self.loaning_on and any(self.jobs[n].borrowed for n in self.running),
         )
-        lent_out = self.loaning_on and any(self.jobs[n].borrowed for n in self.running)
-        failed: set[tuple[int, ...]] = set()
         for entry in order:
-            job = self.jobs[entry.name]
-            record = self.tenants[job.tenant]
-            if job.awaiting_until > self.now:
-                promised += job.gpus
-                continue
-            free = self.pool.free_usable() - promised
-            terms = loaning.terms(record, job.gpus)
-            reclaim = self.loaning_on and terms.within_guarantee and lent_out
-            if free < job.gpus and not reclaim:
-                continue
-            if breach(job.tenant, record, ["H100"] * job.gpus, nodes=len(job.members)):
-                continue
-            if terms.borrowed and paused:
-                continue
-            shape = tuple(job.members)
-            placements = None
-            if free >= job.gpus and shape not in failed:
-                self.decisions += 1
-                placements = self.pool.place([PlacementRequest("", n) for n in job.members])
-                if placements is None:
-                    failed.add(shape)
+            self.reasons[entry.name] = self._serve(self.jobs[entry.name], state)
+            if not self.reasons[entry.name]:
+                del self.reasons[entry.name]
+
+    def _serve(self, job: Job, state: PassState) -> str:
+        """Start ``job``, or have it reclaim, or leave it waiting; returns why it waits
+        ("" when it started)."""
+        record = self.tenants[job.tenant]
+        if job.awaiting_until > self.now:
+            state.promised += job.gpus
+            return "its victims are letting go"
+        free = self.pool.free_usable() - state.promised
+        if free < job.gpus and not state.lent_out:
+            return "capacity (fewer GPUs free)"  # and nothing to take back
+        terms = state.terms.get((job.tenant, job.gpus))
+        if terms is None:
+            terms = state.terms[(job.tenant, job.gpus)] = loaning.terms(record, job.gpus)
+        reclaim = self.loaning_on and terms.within_guarantee and state.lent_out
+        if free < job.gpus and not reclaim:
+            return "capacity (fewer GPUs free)"
+        quota_key = (job.tenant, job.gpus, len(job.members))
+        over = state.over_quota.get(quota_key)
+        if over is None:
+            over = state.over_quota[quota_key] = (
+                breach(job.tenant, record, ["H100"] * job.gpus, nodes=len(job.members)) is not None
+            )
+        if over:
+            return "quota"
+        if terms.borrowed and state.paused:
+            return "lending paused"
+        shape = tuple(job.members)
+        if free >= job.gpus and shape not in state.failed:
+            self.decisions += 1
+            self.placements += 1
+            placements = self.pool.place([PlacementRequest("", n) for n in job.members])
             if placements is not None:
                 self._start(job, placements, terms.borrowed)
-                continue
-            if reclaim and self._reclaim(job):
-                promised += job.gpus
+                state.terms.clear()
+                state.over_quota.clear()
+                return ""
+            state.failed.add(shape)
+        ask = (job.tenant, job.priority, shape)
+        if reclaim and ask not in state.unplannable:
+            if self._reclaim(job):
+                state.promised += job.gpus
                 job.reclaimed = True
+                return "its victims are letting go"
+            state.unplannable.add(ask)
+        return "capacity (no placement)"
 
     def _reclaiming(self, job: Job) -> bool:
         """An inference service within its guarantee that waits for capacity pauses
@@ -397,6 +536,7 @@ class Replay:
             tuple(PlacementRequest("", n) for n in job.members), job.tenant, job.priority, True
         )
         self.decisions += 1
+        self.plans += 1
         found = plan(ask, self._holders(), self.pool.snapshot(), self.pool.latency)
         if found is None:
             return False
@@ -476,6 +616,11 @@ class Replay:
             reclaim_waits,
             wall_s,
             self.decisions,
+            self.passes,
+            self.placements,
+            self.plans,
+            self.pass_s,
+            self.samples,
         )
 
 
@@ -515,11 +660,36 @@ def table(results: list[Figures]) -> str:
     return "\n".join(lines)
 
 
+def timeline(figures: Figures) -> str:
+    """The samples of one run as a table: where the queue stood, and why."""
+    lines = [
+        f"{figures.trace}, {figures.mode}: the queue over time",
+        "| t | held inference/training | free | offered training | waiting inference/"
+        "training (training GPUs) | why training waits | passes | pass time |",
+        "|" + "---|" * 8,
+    ]
+    for sample in figures.samples:
+        why = ", ".join(f"{n} {r}" for r, n in sorted(sample.reasons.items(), key=lambda i: -i[1]))
+        lines.append(
+            f"| {hm(sample.at)} | {sample.held[INFERENCE]}/{sample.held[TRAINING]} "
+            f"| {sample.free} | {sample.offered} | {sample.waiting[INFERENCE]}/"
+            f"{sample.waiting[TRAINING]} ({sample.waiting_gpus[TRAINING]}) | {why or '-'} "
+            f"| {sample.passes} | {sample.pass_s:.1f}s |"
+        )
+    return "\n".join(lines)
+
+
 def run_trace(
-    name: str, jobs: list[TraceJob], settings: Settings, days: float, start_day: float = 0.0
+    name: str,
+    jobs: list[TraceJob],
+    settings: Settings,
+    days: float,
+    start_day: float = 0.0,
+    sample_every: float | None = None,
 ) -> list[Figures]:
     """Replay the jobs arriving in ``days`` days from ``start_day`` (arrivals shifted to
-    start there, on an empty pool), once with hard quotas and once with loaning."""
+    start there, on an empty pool), once with hard quotas and once with loaning;
+    ``sample_every`` seconds, the queue is sampled (:class:`Sample`)."""
     end = days * DAY_S
     start = start_day * DAY_S
     window = [
@@ -530,16 +700,19 @@ def run_trace(
     results = []
     for loaning_on in (False, True):
         began = time.perf_counter()
-        replay = Replay(window, settings, loaning_on=loaning_on, end=end)
+        replay = Replay(window, settings, loaning_on=loaning_on, end=end, sample_every=sample_every)
         replay.run()
         figures = replay.figures(name, time.perf_counter() - began)
         results.append(figures)
         print(
-            f"{name} {figures.mode}: {len(window)} jobs, {figures.decisions} placement "
-            f"decisions, {figures.wall_s:.0f}s; never started: {figures.never_started}",
+            f"{name} {figures.mode}: {len(window)} jobs, {figures.passes} passes "
+            f"({figures.pass_s:.0f}s), {figures.placements} placements, {figures.plans} "
+            f"preemption plans, {figures.wall_s:.0f}s; never started: {figures.never_started}",
             file=sys.stderr,
             flush=True,
         )
+        if figures.samples:
+            print(timeline(figures), file=sys.stderr, flush=True)
     return results
 
 
@@ -606,7 +779,16 @@ def main(argv: list[str] | None = None) -> int:
         help="openb arrivals are compressed so that, started on arrival, its jobs would "
         "keep this share of the training guarantee busy on average over the window",
     )
+    parser.add_argument(
+        "--timeline",
+        type=float,
+        default=None,
+        metavar="HOURS",
+        help="every HOURS of the replay's clock, print where the queue stands and why "
+        "its jobs wait (to stderr)",
+    )
     args = parser.parse_args(argv)
+    sample_every = args.timeline * 3600.0 if args.timeline else None
     try:
         folder = traces_dir(args.traces)
     except TraceError as error:
@@ -621,13 +803,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     results: list[Figures] = []
     if args.trace in ("philly", "both"):
-        results += run_trace("philly", philly(folder), settings, args.days, args.philly_start)
+        results += run_trace(
+            "philly", philly(folder), settings, args.days, args.philly_start, sample_every
+        )
     if args.trace in ("openb", "both"):
         target = args.openb_load * args.gpus * (1 - args.inference_share)
         copies, compress = openb_density(folder, target, args.days * DAY_S)
         print(f"openb: {copies} copies, arrivals compressed x{compress:.1f}", file=sys.stderr)
         jobs = openb(folder, compress, copies)
-        results += run_trace(f"openb {copies}x, x{compress:.0f}", jobs, settings, args.days)
+        results += run_trace(
+            f"openb {copies}x, x{compress:.0f}", jobs, settings, args.days, 0.0, sample_every
+        )
     print(
         f"pool {args.gpus} GPUs (hosts of 16 slots), inference guaranteed "
         f"{args.inference_share:.0%}, services of 2 GPUs following 25%..90% of it over a day; "

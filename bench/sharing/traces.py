@@ -42,11 +42,24 @@ def philly(traces: Path) -> list[TraceJob]:
     return jobs
 
 
+BUSY_QUANTILE = 0.01
+"""The openb trace's busy part starts at this quantile of its GPU pods' creation times."""
+
+
 def openb(traces: Path, compress: float, copies: int = 1) -> list[TraceJob]:
     """The GPU pods of ``alibaba-gpu-v2023/openb_pod_list_default.csv`` as jobs (a
     fractional pod takes one whole GPU), arrivals ``compress`` times closer together.
+
+    Only the trace's busy part is replayed: its pods' creation times span 149 days, but
+    the first 115 days hold 25 of its 7,064 GPU pods (pods created long before the
+    list was taken and still alive then) and the last 34 days the rest, at a steady 200
+    or so a day. Compressing the whole span would put almost every arrival into the
+    window's last quarter. So the replay starts where the busy part starts (the
+    ``BUSY_QUANTILE`` of creation times); a pod created before then arrives at the
+    start with the time it had left.
+
     The trace alone keeps at most 71 GPUs busy at once, so ``copies`` copies of it may be
-    laid over each other, copy ``i`` shifted by ``i / copies`` of the trace's span (the
+    laid over each other, copy ``i`` shifted by ``i / copies`` of the busy span (the
     job mix and durations are the trace's; only arrivals are denser)."""
     path = traces / "alibaba-gpu-v2023" / "openb_pod_list_default.csv"
     try:
@@ -56,19 +69,30 @@ def openb(traces: Path, compress: float, copies: int = 1) -> list[TraceJob]:
         ]
     except (KeyError, ValueError) as error:
         raise TraceError(f"{path}: not the openb pod schema ({error})") from None
-    span = max((created for created, _, _ in rows), default=0)
+    rows = [row for row in rows if row[2] > 0]
+    if not rows:
+        raise TraceError(f"{path}: no GPU pods")
+    created = sorted(when for when, _, _ in rows)
+    busy = created[int(BUSY_QUANTILE * (len(created) - 1))]
+    span = max(created[-1] - busy, 1)
     jobs = [
         TraceJob(
-            (created + copy * span / copies) % max(span, 1) / compress,
-            float(max(deleted - created, 1)),
+            _shifted(max(start - busy, 0), copy * span / copies, span) / compress,
+            float(max(deleted - max(start, busy), 1)),
             gpus,
         )
         for copy in range(copies)
-        for created, deleted, gpus in rows
-        if gpus > 0
+        for start, deleted, gpus in rows
+        if deleted > busy
     ]
     jobs.sort(key=lambda job: job.arrival_s)
     return jobs
+
+
+def _shifted(arrival: float, shift: float, span: float) -> float:
+    """``arrival`` moved ``shift`` later, wrapped around to stay within ``span``."""
+    moved = arrival + shift
+    return moved - span if moved > span else moved
 
 
 __all__ = ["TraceError", "TraceJob", "openb", "philly", "traces_dir"]

@@ -9,8 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from bench.sharing.replay import DAY_S, INFERENCE, TRAINING, Replay, Settings, table
-from bench.sharing.traces import TraceError, TraceJob, traces_dir
+from bench.sharing.replay import (
+    DAY_S,
+    INFERENCE,
+    TRAINING,
+    Replay,
+    Settings,
+    table,
+    timeline,
+)
+from bench.sharing.traces import TraceError, TraceJob, openb, traces_dir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,6 +59,58 @@ def test_loaning_lends_idle_inference_capacity_and_takes_it_back_in_grace() -> N
     usage = run.tenants[INFERENCE].usage
     assert usage.borrowed_gpus == 0  # inference never borrows
     assert "| made up | loaning |" in table([hard, lent])
+
+
+def test_the_timeline_says_how_many_wait_and_why() -> None:
+    """Sampled every two hours under hard quotas: the samples cover the day, every
+    waiting job has a reason, the training jobs beyond the guarantee wait for their
+    quota, and the offered load (had every job started on arrival) exceeds what
+    training holds while they wait."""
+    settings = Settings(gpus=128, inference_share=0.5, grace_s=30.0, detach_s=10.0)
+    run = Replay(made_up_jobs(), settings, loaning_on=False, end=DAY_S, sample_every=7200.0)
+    run.run()
+    samples = run.figures("made up", 1.0).samples
+    assert [s.at for s in samples] == [7200.0 * i for i in range(13)]
+    queued = [s for s in samples if s.waiting[TRAINING]]
+    assert queued
+    for sample in queued:
+        assert sum(sample.reasons.values()) == sample.waiting[TRAINING] + sample.waiting[INFERENCE]
+        assert sample.reasons.get("quota", 0) > 0
+        assert sample.held[TRAINING] <= 64
+    assert any(s.offered > s.held[TRAINING] for s in queued)
+    assert 0 < sum(s.passes for s in samples) <= run.passes  # events at the last sample follow it
+    assert "why training waits" in timeline(run.figures("made up", 1.0))
+
+
+def write_openb(folder: Path, pods: list[tuple[int, int, int]]) -> None:
+    """An openb pod list of ``(created, deleted, GPUs)`` rows."""
+    target = folder / "alibaba-gpu-v2023"
+    target.mkdir(parents=True)
+    lines = ["name,cpu_milli,memory_mib,num_gpu,gpu_milli,creation_time,deletion_time"]
+    for i, (created, deleted, gpus) in enumerate(pods):
+        lines.append(f"p{i},1000,1024,{gpus},1000,{created},{deleted}")
+    (target / "openb_pod_list_default.csv").write_text("\n".join(lines) + "\n")
+
+
+def test_openb_replays_the_busy_part_and_starts_earlier_pods_with_what_they_had_left(
+    tmp_path: Path,
+) -> None:
+    """Two pods over a long quiet start (one still alive when the busy part starts, one
+    gone by then), then 298 pods a minute apart: the window starts at the busy part,
+    the live pod arrives at once with the time it had left, the gone one not at all,
+    and CPU-only pods are left out."""
+    quiet = 100 * 86400
+    pods = [(0, quiet + 600, 1), (3600, 7200, 2), (5, quiet + 10, 0)]
+    pods += [(quiet + 60 * i, quiet + 60 * i + 300, 1 + i % 2) for i in range(298)]
+    write_openb(tmp_path, pods)
+    jobs = openb(tmp_path, 1.0)
+    assert len(jobs) == 299
+    assert jobs[0] == TraceJob(0.0, 600.0, 1)
+    busy = sorted(job.arrival_s for job in jobs[1:])
+    assert busy[0] == 0.0 and busy[-1] == 60.0 * 297
+    assert all(job.duration_s == 300.0 for job in jobs[1:])
+    squeezed = openb(tmp_path, 2.0)
+    assert max(job.arrival_s for job in squeezed) == 30.0 * 297
 
 
 def have_traces() -> bool:

@@ -19,9 +19,10 @@ import pytest
 
 from dxpool.api.v1 import nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker import admission, tenants
+from dxpool.broker import admission, dispatcher, tenants
 from dxpool.broker.admission import ADMITTED, GONE, Admitter
 from dxpool.broker.compose_gate import ComposeGate
+from dxpool.broker.dispatcher import Dispatcher
 from dxpool.broker.server import BrokerServer
 from dxpool.broker.sharing_duties import SharingSettings
 from dxpool.store.keys import KeySchema
@@ -362,3 +363,84 @@ def test_the_queue_survives_its_leader_and_is_served_by_the_next(
         assert {b.gpu.split("/")[1] for b in placed.gpus} == {"box2"}
     finally:
         channel.close()
+
+
+# -- what a pass costs -----------------------------------------------------------------
+
+
+def by_hand(broker: BrokerServer, max_placements: int) -> Dispatcher:
+    """A dispatcher over ``broker``'s own parts (its sharing duties stopped, so only
+    the test serves the queue)."""
+    gate = ComposeGate(broker.cache, broker.queue)
+    return Dispatcher(
+        broker.composer,  # type: ignore[arg-type]
+        broker.queue,  # type: ignore[arg-type]
+        gate,
+        Admitter(broker.composer, gate),  # type: ignore[arg-type]
+        broker.notices,  # type: ignore[arg-type]
+        max_placements=max_placements,
+    )
+
+
+def test_requests_held_back_by_their_quota_do_not_use_up_a_pass(
+    pool: Stubs, queued_broker: BrokerServer
+) -> None:
+    """More requests than a pass may place wait for their tenant's quota, ahead of
+    another tenant's request (higher priority). Capacity frees; one pass must still
+    reach and admit the request behind them: a quota check places nothing, so it does
+    not count against the pass's bound."""
+    queued_broker.sharing_duties.stop()  # type: ignore[union-attr]
+    set_quota(pool, "a", gpus=1)
+    pool.nodes.ComposeNode(compose_request("H100:1", "a"))
+    pool.nodes.ComposeNode(compose_request("H100:3", ""))  # the pool is full
+    held_back = [pool.nodes.ComposeNode(queued("H100:1", "a", priority=5)) for _ in range(3)]
+    behind = pool.nodes.ComposeNode(queued("H100:1", "b"))
+    assert behind.state == pb.NODE_STATE_QUEUED
+    add_box(pool, "box2", gpus=4, model="H100")
+    wait_until(
+        lambda: queued_broker.cache.get("boxes", "box2") is not None, timeout_s=90, message="box2"
+    )
+    order = [e.name for e in queued_broker.queue.ordered()]
+    assert order == [*(n.name for n in held_back), behind.name]
+    assert by_hand(queued_broker, max_placements=2).serve() == 1
+    assert get(pool, behind.name).state == pb.NODE_STATE_PENDING
+    for node in held_back:
+        shown = get(pool, node.name)
+        assert shown.state == pb.NODE_STATE_QUEUED
+        assert "quota" in shown.queue.reason
+
+
+def test_a_queue_of_one_shape_costs_one_placement_and_one_plan_per_pass(
+    pool: Stubs, queued_broker: BrokerServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many requests of one shape that find no capacity: a pass places the first, and
+    asks the preemption planner once for them all (it found nothing for an equal ask on
+    the same snapshot and candidates), yet tells every one why it waits."""
+    queued_broker.sharing_duties.stop()  # type: ignore[union-attr]
+    pool.nodes.ComposeNode(compose_request("H100:4", ""))
+    waiting = [pool.nodes.ComposeNode(queued("H100:2", "a")) for _ in range(5)]
+    plans: list[object] = []
+    real_plan = dispatcher.plan
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        plans.append(args[0])
+        return real_plan(*args, **kwargs)
+
+    placements: list[str] = []
+    real_admit = Admitter.admit
+
+    def counted_admit(self: Admitter, node_id: str) -> Any:
+        outcome = real_admit(self, node_id)
+        if outcome.placed:
+            placements.append(node_id)
+        return outcome
+
+    monkeypatch.setattr(dispatcher, "plan", counted)
+    monkeypatch.setattr(Admitter, "admit", counted_admit)
+    assert by_hand(queued_broker, max_placements=64).serve() == 0
+    assert len(placements) == 1
+    assert len(plans) == 1
+    for node in waiting:
+        shown = get(pool, node.name)
+        assert shown.state == pb.NODE_STATE_QUEUED
+        assert "no capacity" in shown.queue.reason
