@@ -36,6 +36,35 @@ The parts are changed in place, under the :class:`Carried` lock, and follow the 
 snapshot: a decision on a snapshot older than a part answers None and the caller
 prepares from the snapshot alone, as it does when a part cannot be made (the supply runs
 short, a plugin fails, a host's latency class is unknown, nothing fits).
+
+Glossary (the terms of this module and :mod:`.tiered`):
+
+* **signature** (:class:`~dxpool.broker.placement.framework.Signature`): what a carried
+  part may depend on; requests with equal parts share it.
+* **part**: one carried structure (supply side, box side, host base, class table), kept
+  by its key and brought forward by the journal's changed records.
+* **host class**: the latency model's class of a host's place (its rack, for the tree
+  model): hosts of one class get the same boxes chosen.
+* **box class**: the same for a box; a ranking lists box classes by round trip in
+  **tiers** (equal round trips), nearest first. A **large tier** (the rest of a site)
+  is read through its **least box** (first by (usable GPUs, id) that holds the request).
+* **group** (:data:`GroupKey`): the hosts of one host class with the same free proxy
+  slots: they get the same proposals and raw scores; a group's **first host** is its
+  least by (room, id) (:data:`Rank`), and a group is filed by it (:data:`Entry`).
+* **member** (:data:`Member`): a host in its group, with its free CPU and memory.
+* **options**: the proposals the greedy rules give a host class (rule, takes).
+* **raw scores** (:data:`Raw`): each score plugin's raw score of one option; the class
+  table files groups by each distinct tuple of them.
+* **tightest box**: the box with the fewest usable GPUs that holds the request (the
+  tightest-single-box rule). When few box classes hold one the chooser answers it
+  *apart* from the other rules, as the **nearest tightest** box per host class among
+  those few, and the class table files groups by it (:data:`TightestKey`).
+* **fewest**: that fewest usable GPUs; **stamp**: what a memoized choice's tightest box
+  rests on (the fewest, and the few classes holding such a box).
+* **memo**: a host class's choice kept by a chooser with what its walk rested on (the
+  box classes it looked at, the large tiers it read through their least box).
+* **advance**: the next version of a part from the changed records; **log**: which
+  groups or classes each version changed, for parts that read it later.
 """
 
 from __future__ import annotations
@@ -43,7 +72,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import cast
 
 from sortedcontainers import SortedList
@@ -59,7 +88,9 @@ from dxpool.broker.placement.framework import (
     PreFilterPlugin,
     Proposal,
     ScorePlugin,
+    Signature,
     Take,
+    sign,
 )
 from dxpool.broker.placement.guard import PluginError
 from dxpool.broker.placement.live import LiveSupply
@@ -68,7 +99,6 @@ from dxpool.broker.placement.model import (
     HostInfo,
     PlacementRequest,
     Snapshot,
-    box_key,
 )
 from dxpool.broker.placement.plugins.hosts import HostNotExcluded, HostResources
 from dxpool.broker.placement.status import Code
@@ -99,7 +129,7 @@ Rank = tuple[int, str]
 Entry = tuple[int, str, GroupKey]
 """A group in a list of groups: its first member's (room, host id), then the group."""
 Raw = tuple[float, ...]
-TightKey = tuple[int, int, int]
+TightestKey = tuple[int, int, int]
 """A tightest-single-box option for a group: (round trip, the class of the tightest box,
 which holds one such box, free slots)."""
 
@@ -318,13 +348,15 @@ class ClassTable:
         self.places: dict[int, Place] = {}
         self.of_class: dict[int, set[GroupKey]] = {}
         self.raws: dict[GroupKey, tuple[Raw, ...]] = {}
-        self.first: dict[GroupKey, Rank] = {}
+        self.first_host: dict[GroupKey, Rank] = {}
         self.by_raw: dict[Raw, SortedList[Entry]] = {}
-        self.near: dict[int, tuple[int, int]] | None = None
-        self.tight_box: dict[int, BoxSupply] = {}  # box class -> its tightest box
-        self.class_tight: dict[int, tuple[int, int]] = {}  # host class -> (ns, box class)
-        self.tight: dict[GroupKey, TightKey] = {}
-        self.by_tight: dict[TightKey, SortedList[Entry]] = {}
+        # The tightest box, when the chooser answers it apart (see the glossary):
+        # host class -> (round trip, index into the chooser's few tightest boxes)
+        self.nearest_tightest: dict[int, tuple[int, int]] | None = None
+        self.tightest_box: dict[int, BoxSupply] = {}  # box class -> its tightest box
+        self.tightest_by_class: dict[int, tuple[int, int]] = {}  # host class -> (ns, box class)
+        self.tightest_of_group: dict[GroupKey, TightestKey] = {}
+        self.groups_by_tightest: dict[TightestKey, SortedList[Entry]] = {}
         self.side = side
         self.base = base
 
@@ -375,26 +407,26 @@ class ClassTable:
         self.chooser = chooser
         self.box_version = side.version
         self.host_version = base.version
-        self._retighten(chooser, redo)
+        self._refile_tightest(chooser, redo)
 
     def _clear(self) -> None:
         self.options.clear()
         self.places.clear()
         self.of_class.clear()
         self.raws.clear()
-        self.first.clear()
+        self.first_host.clear()
         self.by_raw.clear()
-        self.near = None
-        self.tight_box = {}
-        self.class_tight.clear()
-        self.tight.clear()
-        self.by_tight.clear()
+        self.nearest_tightest = None
+        self.tightest_box = {}
+        self.tightest_by_class.clear()
+        self.tightest_of_group.clear()
+        self.groups_by_tightest.clear()
 
     def _drop(self, key: GroupKey) -> None:
         raws = self.raws.pop(key, None)
         if raws is None:
             return
-        rank = self.first.pop(key)
+        rank = self.first_host.pop(key)
         entry = (*rank, key)
         for raw in set(raws):
             entries = self.by_raw[raw]
@@ -402,12 +434,12 @@ class ClassTable:
             if not entries:
                 del self.by_raw[raw]
         self.of_class[key[0]].discard(key)
-        tight = self.tight.pop(key, None)
+        tight = self.tightest_of_group.pop(key, None)
         if tight is not None:
-            entries = self.by_tight[tight]
+            entries = self.groups_by_tightest[tight]
             entries.remove(entry)
             if not entries:
-                del self.by_tight[tight]
+                del self.groups_by_tightest[tight]
 
     def _add(self, key: GroupKey, rank: Rank, side: BoxSide, snapshot: Snapshot) -> None:
         host_class = key[0]
@@ -421,7 +453,7 @@ class ClassTable:
         # a class that reaches too little gets no option: its hosts propose nothing
         raws = tuple(raw_scores(side, self.plugins, option, key[1]) for option in found)
         self.raws[key] = raws
-        self.first[key] = rank
+        self.first_host[key] = rank
         entry = (*rank, key)
         for raw in set(raws):
             entries = self.by_raw.get(raw)
@@ -430,7 +462,7 @@ class ClassTable:
             entries.add(entry)
         self.of_class.setdefault(host_class, set()).add(key)
 
-    def _retighten(self, chooser: TieredChooser, redo: set[GroupKey]) -> None:
+    def _refile_tightest(self, chooser: TieredChooser, redo: set[GroupKey]) -> None:
         """The tightest box of each group's class, when the chooser answers it apart.
         A group is filed by the round trip to that box and the box's class (a class
         holds one tightest box), so when the chooser's mapping of classes to tightest
@@ -438,47 +470,47 @@ class ClassTable:
         groups judged again (``redo``) are filed afresh."""
         answer = chooser.tightest_near(self.places) if chooser.few_tightest() else None
         if answer is None:
-            self.near, self.tight_box = None, {}
-            self.class_tight.clear()
-            self.tight.clear()
-            self.by_tight.clear()
+            self.nearest_tightest, self.tightest_box = None, {}
+            self.tightest_by_class.clear()
+            self.tightest_of_group.clear()
+            self.groups_by_tightest.clear()
             return
-        near, few = answer
-        self.tight_box = dict(few)
-        if near is not self.near:
-            self.near = near
+        near, few = answer  # per host class the nearest of the few tightest boxes
+        self.tightest_box = dict(few)
+        if near is not self.nearest_tightest:
+            self.nearest_tightest = near
             for host_class in self.places:
                 ns, index = near[host_class]
                 now = (ns, few[index][0])
-                if self.class_tight.get(host_class) == now:
+                if self.tightest_by_class.get(host_class) == now:
                     continue
-                self.class_tight[host_class] = now
+                self.tightest_by_class[host_class] = now
                 for key in self.of_class.get(host_class, ()):
-                    if key in self.tight:
-                        self._leave_tight(key)
+                    if key in self.tightest_of_group:
+                        self._unfile_by_tightest(key)
                     if self.raws.get(key):  # a group with no option has no tightest box
-                        self._enter_tight(key, (*self.first[key], key))
+                        self._file_by_tightest(key, (*self.first_host[key], key))
         for key in redo:
-            if self.raws.get(key) and key not in self.tight:
+            if self.raws.get(key) and key not in self.tightest_of_group:
                 host_class = key[0]
-                if host_class not in self.class_tight:
+                if host_class not in self.tightest_by_class:
                     ns, index = near[host_class]
-                    self.class_tight[host_class] = (ns, few[index][0])
-                self._enter_tight(key, (*self.first[key], key))
+                    self.tightest_by_class[host_class] = (ns, few[index][0])
+                self._file_by_tightest(key, (*self.first_host[key], key))
 
-    def _leave_tight(self, key: GroupKey) -> None:
-        tight = self.tight.pop(key)
-        entries = self.by_tight[tight]
-        entries.remove((*self.first[key], key))
+    def _unfile_by_tightest(self, key: GroupKey) -> None:
+        tight = self.tightest_of_group.pop(key)
+        entries = self.groups_by_tightest[tight]
+        entries.remove((*self.first_host[key], key))
         if not entries:
-            del self.by_tight[tight]
+            del self.groups_by_tightest[tight]
 
-    def _enter_tight(self, key: GroupKey, entry: Entry) -> None:
-        tight = (*self.class_tight[key[0]], key[1])
-        self.tight[key] = tight
-        entries = self.by_tight.get(tight)
+    def _file_by_tightest(self, key: GroupKey, entry: Entry) -> None:
+        tight = (*self.tightest_by_class[key[0]], key[1])
+        self.tightest_of_group[key] = tight
+        entries = self.groups_by_tightest.get(tight)
         if entries is None:
-            entries = self.by_tight[tight] = SortedList()
+            entries = self.groups_by_tightest[tight] = SortedList()
         entries.add(entry)
 
 
@@ -580,21 +612,6 @@ class Parts:
     weights: tuple[float, ...]
 
 
-def base_key(request: PlacementRequest, filters: Sequence[HostFilterPlugin]) -> Hashable:
-    """What the hosts ``filters`` keep depend on: the values of the request fields they
-    read (every field, for a filter that does not say)."""
-    fields: set[str] = set()
-    for plugin in filters:
-        reads = getattr(plugin, "reads", None)
-        if reads is None:
-            return (tuple(p.name for p in filters), request)
-        fields.update(reads)
-    return (
-        tuple(plugin.name for plugin in filters),
-        tuple((name, getattr(request, name)) for name in sorted(fields)),
-    )
-
-
 def decide(
     carried: Carried,
     parts: Parts,
@@ -611,13 +628,13 @@ def decide(
                 return None
         except Exception:
             return None
-    boxes = box_key(request)
+    signature = sign(request, (*parts.box_filters, *parts.gpu_filters), parts.base_filters)
     with carried.lock:
         try:
-            side = _box_side(carried, parts, boxes, snapshot, model)
+            side = _box_side(carried, parts, signature, snapshot, model)
             if side is None:
                 return None
-            base = _host_base(carried, parts, request, snapshot, model)
+            base = _host_base(carried, parts, request, signature, snapshot, model)
             if base is None:
                 return None
             if parts.pinned:  # its host alone: no table to read
@@ -629,21 +646,10 @@ def decide(
             return None
 
 
-def supply_key(request: PlacementRequest, filters: Sequence[object]) -> PlacementRequest:
-    """The box key of the supply: ``request`` of size 1 when no box or GPU filter that
-    applies reads the size (every filter that does not say is taken to), since sizes
-    then share the supply and only the chooser (and a supply too short) differs."""
-    for plugin in filters:
-        reads = getattr(plugin, "reads", None)
-        if reads is None or "count" in reads:
-            return request
-    return replace(request, count=1) if request.count != 1 else request
-
-
 def _supply_side(
-    carried: Carried, parts: Parts, request: PlacementRequest, snapshot: Snapshot
+    carried: Carried, parts: Parts, signature: Signature, snapshot: Snapshot
 ) -> SupplySide | None:
-    key = supply_key(request, (*parts.box_filters, *parts.gpu_filters))
+    key = signature.supply
     side = carried.supplies.get(key)
     if side is not None:
         if side.version > snapshot.version and side.journal is snapshot.journal:
@@ -672,11 +678,12 @@ def _supply_side(
 def _box_side(
     carried: Carried,
     parts: Parts,
-    request: PlacementRequest,
+    signature: Signature,
     snapshot: Snapshot,
     model: TieredLatencyModel,
 ) -> BoxSide | None:
-    supplies = _supply_side(carried, parts, request, snapshot)
+    request = signature.boxes
+    supplies = _supply_side(carried, parts, signature, snapshot)
     if supplies is None or supplies.supply.supply.usable < request.count:
         return None  # short of GPUs: a run host by host gives the account
     supply = supplies.supply
@@ -705,10 +712,11 @@ def _host_base(
     carried: Carried,
     parts: Parts,
     request: PlacementRequest,
+    signature: Signature,
     snapshot: Snapshot,
     model: TieredLatencyModel,
 ) -> HostBase | None:
-    key = (id(model), base_key(request, parts.base_filters))
+    key = (id(model), signature.hosts)
     base = carried.host_bases.get(key)
     if base is not None:
         if base.version > snapshot.version and base.journal is snapshot.journal:
@@ -832,14 +840,14 @@ def _best(
         if member is not None:
             found[raw] = member
             sources[raw] = [entries]
-    tight_raws: dict[TightKey, Raw] = {}
-    if table.near is not None:
-        for tight, entries in table.by_tight.items():
+    tight_raws: dict[TightestKey, Raw] = {}
+    if table.nearest_tightest is not None:
+        for tight, entries in table.groups_by_tightest.items():
             member = fitting.first(entries, exact=False)
             if member is None:
                 continue
             ns, box_class, free = tight
-            option = _tight_option(table.tight_box[box_class], request.count, ns)
+            option = _tight_option(table.tightest_box[box_class], request.count, ns)
             raw = raw_scores(side, table.plugins, option, free)
             tight_raws[tight] = raw
             seen = found.get(raw)
@@ -860,10 +868,10 @@ def _best(
     key = base.where[host.host][0]
     options = list(table.options[key[0]])
     raws = list(table.raws[key])
-    tight_key = table.tight.get(key)
+    tight_key = table.tightest_of_group.get(key)
     if tight_key is not None:
         ns, box_class, _ = tight_key
-        supply = table.tight_box[box_class]
+        supply = table.tightest_box[box_class]
         if not any(
             len(takes) == 1 and takes[0].supply.box.box == supply.box.box for _, takes in options
         ):  # parts() puts the tightest box after the others

@@ -19,6 +19,13 @@ Phases, in the order the pipeline runs them:
    across all proposals to 0-100; the pipeline sums the normalized scores with the
    registry's weights and takes the best proposal, ties broken by host id.
 
+Placement carries its work over from one snapshot to the next and from one request to
+the next (:mod:`~dxpool.broker.placement.carry`), by the request's :class:`Signature`:
+what each carried part may depend on, as the Kubernetes scheduler framework signs pods
+("two pods with the same signature should get the same feasibility and scores"). A
+plugin that says which request fields it reads (``reads``) lets requests that differ
+only elsewhere share that work.
+
 A plugin implements only the phases it needs. ``applies(request)`` lets a filter step
 aside for requests it has nothing to say about (a latency bound of 0, no memory
 minimum), so it costs nothing then. Filters return a :class:`Status`, never raise; every
@@ -30,8 +37,8 @@ them (see :mod:`~dxpool.broker.placement.pipeline`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from dxpool.broker.placement.model import (
@@ -41,6 +48,7 @@ from dxpool.broker.placement.model import (
     LatencyEstimate,
     PlacementRequest,
     Snapshot,
+    box_key,
 )
 from dxpool.broker.placement.status import Status
 from dxpool.request import format_duration_ns
@@ -311,3 +319,72 @@ def invert_to_best(costs: Sequence[float]) -> list[float]:
     """Lower-is-better raw costs (>= 0): the lowest becomes 100, others ``100 * best/cost``."""
     best = min(costs, default=0.0)
     return [MAX_SCORE if cost <= best else MAX_SCORE * best / cost for cost in costs]
+
+
+# -- the signature of carried work ---------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Signature:
+    """What work carried over for one request may depend on; two requests with equal
+    parts of a signature share that part of the work, and get from it exactly what a
+    run that carries nothing gives them (the tests compare them after random commits
+    and releases).
+
+    * ``supply``: the request as the box and GPU filters read it, for the supply (each
+      usable box's GPUs): the :func:`~dxpool.broker.placement.model.box_key`, of size 1
+      when no box or GPU filter that applies reads ``count`` (sizes then share it);
+    * ``boxes``: the box key, for the chooser (the greedy rules per host class) and the
+      raw scores of proposals by their takes (score plugins that declare
+      ``by_host_class`` read nothing else of the request);
+    * ``hosts``: the names of the host filters grouped ahead of a decision (those that
+      are not :class:`HostCheckPlugin`), with the values of the request fields they read
+      (``reads``; a filter that does not say is taken to read every field, and the whole
+      request is then the key), for the hosts those filters keep.
+
+    What a request asks beyond these (CPU and memory, hosts excluded, any
+    :class:`HostCheckPlugin`'s fields) is never carried: it is checked at decision time
+    on the few hosts a decision looks at. Each part is also kept per latency model and
+    brought forward only along one journal of snapshots (see
+    :class:`~dxpool.broker.placement.model.Snapshot`)."""
+
+    supply: PlacementRequest
+    boxes: PlacementRequest
+    hosts: Hashable
+
+
+def sign(
+    request: PlacementRequest,
+    supply_filters: Iterable[object],
+    host_filters: Sequence[HostFilterPlugin],
+) -> Signature:
+    """The :class:`Signature` of ``request`` for a pipeline whose box and GPU filters
+    that apply are ``supply_filters`` and whose host filters grouped ahead of a decision
+    are ``host_filters``."""
+    boxes = box_key(request)
+    return Signature(supply_key(boxes, supply_filters), boxes, hosts_key(request, host_filters))
+
+
+def supply_key(boxes: PlacementRequest, filters: Iterable[object]) -> PlacementRequest:
+    """The box key ``boxes`` of size 1 when no filter of ``filters`` reads the size
+    (every filter that does not say is taken to)."""
+    for plugin in filters:
+        reads = getattr(plugin, "reads", None)
+        if reads is None or "count" in reads:
+            return boxes
+    return replace(boxes, count=1) if boxes.count != 1 else boxes
+
+
+def hosts_key(request: PlacementRequest, filters: Sequence[HostFilterPlugin]) -> Hashable:
+    """The names of ``filters`` and the values of the request fields they read (the
+    whole request when one does not say)."""
+    fields: set[str] = set()
+    for plugin in filters:
+        reads = getattr(plugin, "reads", None)
+        if reads is None:
+            return (tuple(p.name for p in filters), request)
+        fields.update(reads)
+    return (
+        tuple(plugin.name for plugin in filters),
+        tuple((name, getattr(request, name)) for name in sorted(fields)),
+    )

@@ -20,7 +20,10 @@ other walk does.
 A chooser is immutable apart from its memo, and follows the supply: :meth:`advance`
 makes the chooser of the next supply from the boxes that changed, sharing every class
 of boxes that did not change and keeping each memoized choice that cannot have changed.
-A choice records which box classes its walk looked at (the tiers it consumed), and,
+A choice records which box classes its walk looked at (the tiers it consumed; of a
+large tier it read only the least box, it records that box, and stands while the tier's
+least box is the same one, so a commit far away does not make every host class whose
+walk reached the rest of the site choose again), and,
 without a bound, the fewest usable GPUs of a box that holds the request (the
 *tightest-single-box* rule's target) and whether the pool holds enough; it is kept when
 none of those changed. The tightest box is found from the few classes that hold a box of
@@ -127,6 +130,7 @@ class _Tier:
     _classes: list[_BoxClass] | None
     _numbers: tuple[int, ...] = ()
     _present: Callable[[int], _BoxClass | None] | None = None
+    listed_large: bool = False  # a large tier whose classes a rule listed
 
     def classes(self) -> list[_BoxClass]:
         """The tier's classes that hold boxes (ascending class number)."""
@@ -134,13 +138,43 @@ class _Tier:
             assert self._present is not None
             present = self._present
             self._classes = [found for n in self._numbers if (found := present(n)) is not None]
+            self.listed_large = True
         return self._classes
+
+    @property
+    def numbers(self) -> tuple[int, ...]:
+        """The class numbers of a large tier (the ranking's tuple)."""
+        return self._numbers
 
     @staticmethod
     def listed(latency: int, classes: list[_BoxClass]) -> _Tier:
         """A tier whose classes are known."""
         fits = [c.fits for c in classes if c.fits is not None]
         return _Tier(latency, min(fits, key=supply_order) if fits else None, classes)
+
+
+TierLeast = tuple[tuple[int, ...], BoxSupply | None]
+"""A large tier a walk read through its least box alone: the tier's class numbers (the
+ranking's tuple) and the least box it read."""
+
+
+class _Walk:
+    """What a walk over a ranking's tiers rests on, filled in as it consumes them: the
+    classes of the listed tiers (until more than ``MAX_EXAMINED``), and the large tiers,
+    each read through its least box alone unless a rule listed its classes."""
+
+    __slots__ = ("classes", "large")
+
+    def __init__(self) -> None:
+        self.classes: list[int] = []
+        self.large: list[_Tier] = []
+
+    def rests_on(self) -> tuple[frozenset[int] | None, tuple[TierLeast, ...]]:
+        """The classes the walk rests on (None: every class) and the large tiers it read
+        through their least box: a large tier whose classes a rule listed rests on all."""
+        if len(self.classes) > MAX_EXAMINED or any(tier.listed_large for tier in self.large):
+            return None, ()
+        return frozenset(self.classes), tuple((tier.numbers, tier.least) for tier in self.large)
 
 
 _NearKey = tuple[tuple[int, ...], tuple[int, ...]]
@@ -167,6 +201,9 @@ class _Memo:
     nearest: tuple[Take, ...] | None = None
     single: Link | None = None
     base: list[Option] | None = None  # the options without the tightest rule (unbounded)
+    # the large tiers the walk read through their least box alone (with ``examined``
+    # not None): the choice stands while each tier's least box is the same
+    leasts: tuple[TierLeast, ...] = ()
 
 
 class TieredChooser:
@@ -237,6 +274,10 @@ class TieredChooser:
         # about a tier's worth of classes per host class.
         self._resting_on: dict[int, set[int]] = {}
         self._resting_on_all: set[int] = set()
+        # Which host classes' memos read a large tier through its least box, by id() of
+        # the tier's tuple (kept with it, and its set of classes): shared and only ever
+        # added to, like ``_resting_on``.
+        self._resting_on_tier: dict[int, tuple[tuple[int, ...], frozenset[int], set[int]]] = {}
         # host classes whose parts() may differ from the previous chooser's; None: any
         self._changed: frozenset[int] | None = None
 
@@ -281,6 +322,7 @@ class TieredChooser:
         following._tier_sets = self._tier_sets
         following._resting_on = self._resting_on
         following._resting_on_all = self._resting_on_all
+        following._resting_on_tier = self._resting_on_tier
         following._keep_memos(self, frozenset(touched))
         return following
 
@@ -378,6 +420,7 @@ class TieredChooser:
                 memo = chosen.get(host_class)
                 if memo is not None and memo.examined is not None and number in memo.examined:
                     dropped.append(host_class)
+        dropped.extend(self._moved_leasts(before, touched, chosen))
         for host_class in dropped:
             chosen.pop(host_class, None)
         self._chosen = chosen
@@ -397,6 +440,27 @@ class TieredChooser:
                 if memo.single is None or memo.single[1].available != fewest:
                     dropped.append(host_class)
         self._changed = frozenset(dropped)
+
+    def _moved_leasts(
+        self, before: TieredChooser, touched: frozenset[int], chosen: Mapping[int, _Memo]
+    ) -> list[int]:
+        """The host classes among ``chosen`` whose walk read a large tier through its
+        least box (:data:`TierLeast`) when that box is another here than in ``before``.
+        Every memo of ``before`` that reads a tier read the box ``before`` holds (a memo
+        that read another was dropped when the tier's least box moved), so a tier whose
+        least box stayed leaves its readers alone, and only tiers holding a ``touched``
+        class can have moved."""
+        moved: list[int] = []
+        for numbers, members, readers in tuple(self._resting_on_tier.values()):
+            if members.isdisjoint(touched):
+                continue
+            if before._least_in(numbers) is self._least_in(numbers):
+                continue
+            for host_class in tuple(readers):
+                memo = chosen.get(host_class)
+                if memo is not None and any(read is numbers for read, _ in memo.leasts):
+                    moved.append(host_class)
+        return moved
 
     def changed_classes(self) -> frozenset[int] | None:
         """The host classes whose :meth:`parts` (first part) may differ from what the
@@ -538,6 +602,12 @@ class TieredChooser:
             if found is None:
                 found = resting_on.setdefault(number, set())
             found.add(host_class)
+        for numbers, _ in memo.leasts:
+            entry = self._resting_on_tier.get(id(numbers))
+            if entry is None or entry[0] is not numbers:
+                entry = (numbers, frozenset(numbers), set())
+                self._resting_on_tier[id(numbers)] = entry
+            entry[2].add(host_class)
 
     def _tightest_classes(self) -> tuple[tuple[int, BoxSupply], ...] | None:
         """(class, its tightest box) for each class holding a box of the fewest usable
@@ -568,45 +638,60 @@ class TieredChooser:
         or, when they are many, by walking the ranking for that rule alone (the other
         two rules' answers stand while the classes their walk looked at did not change);
         the classes that walk looks at are added to what the memo rests on."""
-        examined = memo.examined
+        examined, leasts = memo.examined, memo.leasts
         if stamp[1] is None:
-            walked: list[int] = []
+            walk = _Walk()
             tightest: Link | None = None
-            for tier in self._present(memo.ranking, walked):
+            for tier in self._present(memo.ranking, walk):
                 # the least box of a tier has its fewest usable GPUs: the tightest if any
                 least = tier.least
                 if least is not None and least.available == stamp[0]:
                     tightest = (tier.latency, least)
                     break
-            if examined is not None:
+            walked, read = walk.rests_on()
+            if examined is not None and walked is not None:
                 examined = examined.union(walked)
+                known = {id(numbers) for numbers, _ in leasts}
+                leasts = (*leasts, *(pair for pair in read if id(pair[0]) not in known))
                 if len(examined) > MAX_EXAMINED:
-                    examined = None
+                    examined, leasts = None, ()
+            else:
+                examined, leasts = None, ()
         else:
             tightest = self._nearest_tightest(host, host_class)
         found = options(self._count, memo.nearest, memo.single, tightest, self._first_rule)
         if found == memo.choice.options:
             found = memo.choice.options  # the same object: what was derived from it holds
         choice = Choice(found, self._usable, None)
-        return _Memo(choice, memo.ranking, examined, stamp, memo.nearest, memo.single, memo.base)
+        return replace(memo, choice=choice, examined=examined, stamp=stamp, leasts=leasts)
 
     def _choose(self, host: Place, ranking: Tiers) -> _Memo:
-        examined: list[int] = []
-        tiers = self._present(ranking, examined)
+        walk = _Walk()
+        tiers = self._present(ranking, walk)
         bound = self._bound
         if bound is None:
             stamp = self._stamp()
             if self._usable < self._count:
                 empty: list[Option] = []
                 choice = Choice(empty, self._usable, None)
-                return _Memo(choice, ranking, frozenset(), stamp, None, None, empty)
+                return _Memo(choice, ranking, examined=frozenset(), stamp=stamp, base=empty)
             direct: Callable[[], Link | None] | None = None
             if stamp[1] is not None:
                 direct = partial(self._nearest_tightest, host, self._model.host_class(host))
             options_, nearest, single, most = self._rules(tiers, self._fewest, direct)
             choice = Choice(options_, self._usable, None, most)
             base = options(self._count, nearest, single, None, self._first_rule)
-            return _Memo(choice, ranking, _seen(examined), stamp, nearest, single, base)
+            examined, leasts = walk.rests_on()
+            return _Memo(
+                choice,
+                ranking,
+                examined=examined,
+                stamp=stamp,
+                nearest=nearest,
+                single=single,
+                base=base,
+                leasts=leasts,
+            )
         within: list[_Tier] = []
         dropped: Link | None = None
         for tier in tiers:
@@ -619,11 +704,13 @@ class TieredChooser:
             within.append(tier)
         reach = sum(c.usable for tier in within for c in tier.classes())
         if reach < self._count:
-            return _Memo(Choice([], reach, dropped), ranking, _seen(examined), None)
+            choice = Choice([], reach, dropped)
+            return _Memo(choice, ranking, examined=walk.rests_on()[0], stamp=None)
         fitting = [tier.least for tier in within if tier.least is not None]
         fewest = min(fits.available for fits in fitting) if fitting else None
         options_, _, _, most = self._rules(iter(within), fewest, None)
-        return _Memo(Choice(options_, reach, dropped, most), ranking, _seen(examined), None)
+        choice = Choice(options_, reach, dropped, most)
+        return _Memo(choice, ranking, examined=walk.rests_on()[0], stamp=None)
 
     def _nearest_tightest(self, host: Place, host_class: int) -> Link | None:
         """The tightest-single-box rule from the few classes holding such a box: the
@@ -641,21 +728,25 @@ class TieredChooser:
                 best = (ns, supply)
         return best
 
-    def _present(self, ranking: Tiers, examined: list[int]) -> Iterator[_Tier]:
-        """The ranking's tiers that hold boxes of the supply; adds the class numbers of
-        each tier consumed to ``examined`` until it holds more than ``MAX_EXAMINED``
-        (then the walk rests on every class anyway). A large tier (more than
-        ``LARGE_TIER`` classes) is yielded unlisted, and may hold no box at all."""
+    def _present(self, ranking: Tiers, walk: _Walk) -> Iterator[_Tier]:
+        """The ranking's tiers that hold boxes of the supply, noting each tier consumed
+        in ``walk``: the class numbers of a listed tier (until more than
+        ``MAX_EXAMINED``: then the walk rests on every class anyway), a large tier (more
+        than ``LARGE_TIER`` classes) as itself. A large tier is yielded unlisted, and may
+        hold no box at all."""
         present = self._classes.get
+        examined = walk.classes
         for latency, numbers in ranking:
+            if len(numbers) > LARGE_TIER:
+                tier = _Tier(latency, self._least_in(numbers), None, numbers, present)
+                walk.large.append(tier)
+                yield tier
+                continue
             if len(examined) <= MAX_EXAMINED:  # beyond, the walk rests on every class
                 examined.extend(numbers)
-            if len(numbers) > LARGE_TIER:
-                yield _Tier(latency, self._least_in(numbers), None, numbers, present)
-                continue
-            tier = [found for number in numbers if (found := present(number)) is not None]
-            if tier:
-                yield _Tier.listed(latency, tier)
+            listed = [found for number in numbers if (found := present(number)) is not None]
+            if listed:
+                yield _Tier.listed(latency, listed)
 
     def _rules(
         self,
@@ -768,8 +859,3 @@ def _same_stamp(made: _Stamp | None, now: _Stamp) -> bool:
     return len(few) == len(current) and all(
         a[0] == b[0] and a[1] is b[1] for a, b in zip(few, current, strict=True)
     )
-
-
-def _seen(examined: list[int]) -> frozenset[int] | None:
-    """The classes a walk looked at, or None when they are too many to track."""
-    return frozenset(examined) if len(examined) <= MAX_EXAMINED else None

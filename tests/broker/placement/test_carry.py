@@ -1,0 +1,145 @@
+"""Carried work (:mod:`dxpool.broker.placement.carry`) against a fresh computation.
+
+A decision read off parts carried across commits and releases must be exactly the one a
+pipeline that carries nothing makes on the same snapshot: after any sequence of changes,
+whether they touched a part's class or not, for requests of many sizes and shapes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dxpool.broker.placement import PlacementRequest, default_pipeline, place
+from dxpool.broker.placement.model import Snapshot
+from dxpool.broker.placement.pool import InMemoryPool
+
+RACK_SIZE = 4
+RACKS_PER_POD = 3
+
+
+def _location(index: int, rack_size: int = RACK_SIZE) -> tuple[str, str, str]:
+    rack = index // rack_size
+    pod, rack_in_pod = divmod(rack, RACKS_PER_POD)
+    return "dc0", f"p{pod}", f"r{rack_in_pod}"
+
+
+def _pool(rng: random.Random, boxes: int, hosts: int, rack_size: int = RACK_SIZE) -> InMemoryPool:
+    pool = InMemoryPool(pipeline=default_pipeline(), clock=lambda: 1000.0)
+    for index in range(boxes):
+        model = "H100" if index % 5 else "A100"
+        location = _location(index, rack_size)
+        pool.add_box(f"b{index:03d}", model, rng.choice((4, 8)), location=location)
+    for index in range(hosts):
+        pool.add_host(
+            f"h{index:03d}",
+            rng.choice((2, 4, 8)),
+            cpu_cores=rng.choice((32, 64, 128)),
+            memory_mib=rng.choice((256, 512, 1024)) * 1024,
+            location=_location(index, rack_size),
+        )
+    return pool
+
+
+def _request(rng: random.Random) -> PlacementRequest:
+    shape = rng.random()
+    count = rng.choice((1, 1, 2, 3, 4, 8))
+    if shape < 0.15:
+        return PlacementRequest("H100|A100", count, cpu_cores=rng.choice((0, 8)))
+    return PlacementRequest(
+        "H100",
+        count,
+        cpu_cores=rng.choice((0, 4, 16, 48)),
+        host_memory_mib=rng.choice((0, 32, 128, 384)) * 1024,
+        exclude_hosts=frozenset({f"h{rng.randrange(20):03d}"}) if shape > 0.9 else frozenset(),
+    )
+
+
+def _alone(snapshot: Snapshot) -> Snapshot:
+    """The same records without version or journal: nothing can be carried onto it."""
+    return Snapshot(snapshot.boxes, snapshot.hosts, snapshot.gpus_by_box)
+
+
+def _answer(result: object) -> object:
+    placement = getattr(result, "placement", None)
+    if placement is None:
+        return None
+    return placement.host, placement.bindings, placement.score
+
+
+@pytest.mark.parametrize(
+    ("seed", "boxes", "rack_size"),
+    [*((seed, 36, RACK_SIZE) for seed in range(12)), *((seed, 90, 1) for seed in range(8))],
+)
+def test_after_random_commits_and_releases_a_carried_decision_is_a_fresh_one(
+    seed: int, boxes: int, rack_size: int
+) -> None:
+    """Commits and releases in random order, near and far from each request's class, with
+    a stream of sizes and shapes that share and split carried parts: every decision of the
+    carrying pipeline equals a pipeline made afresh on the same snapshot, and one on the
+    same records without a journal (nothing carried at all). With racks of one box the
+    site's tier holds more classes than a walk lists (a choice then rests on that tier's
+    least box rather than on its every class)."""
+    rng = random.Random(seed)
+    pool = _pool(rng, boxes=boxes, hosts=30, rack_size=rack_size)
+    carrying = pool.pipeline
+    live: list[str] = []
+    for step in range(90):
+        request = _request(rng)
+        snapshot = pool.snapshot()
+        carried = place(request, snapshot, pool.latency, carrying)
+        fresh = place(request, snapshot, pool.latency, default_pipeline())
+        alone = place(request, _alone(snapshot), pool.latency, default_pipeline())
+        assert _answer(carried) == _answer(fresh) == _answer(alone), (seed, step, request)
+        if carried.placement is not None and rng.random() < 0.7:
+            node = f"n{step}"
+            pool.commit(node, request, carried.placement)
+            live.append(node)
+        while live and (rng.random() < 0.35 or len(live) > 14):
+            pool.release(live.pop(rng.randrange(len(live))))
+    assert carrying is not None and carrying._carried.tables  # the decisions were carried
+
+
+def test_a_part_is_kept_across_changes_that_do_not_touch_it_and_made_again_when_they_do() -> None:
+    """A commit far from a request's class keeps its carried parts (the same objects,
+    brought forward); a change that empties the supply drops them; every decision equals
+    a fresh one."""
+    rng = random.Random(5)
+    pool = _pool(rng, boxes=24, hosts=24)
+    pipeline = pool.pipeline
+    assert pipeline is not None
+    request = PlacementRequest("H100", 2, cpu_cores=4)
+    first = place(request, pool.snapshot(), pool.latency, pipeline)
+    assert first.placement is not None
+    carried = pipeline._carried
+    tables = dict(carried.tables)
+    sides = dict(carried.box_sides)
+    assert len(tables) == 1 and len(sides) == 1
+    # a different shape of the same size and model set: the box side is shared
+    other = PlacementRequest("H100", 2, cpu_cores=48, host_memory_mib=384 * 1024)
+    place(other, pool.snapshot(), pool.latency, pipeline)
+    assert dict(carried.box_sides) == sides
+    # a commit elsewhere: the parts are brought forward, not made again
+    far = PlacementRequest("A100", 4)
+    placed = place(far, pool.snapshot(), pool.latency, pipeline)
+    assert placed.placement is not None
+    pool.commit("far", far, placed.placement)
+    snapshot = pool.snapshot()
+    again = place(request, snapshot, pool.latency, pipeline)
+    assert _answer(again) == _answer(place(request, snapshot, pool.latency, default_pipeline()))
+    for key, side in sides.items():
+        assert carried.box_sides[key] is side
+        assert side.version == snapshot.version
+    for key, table in tables.items():
+        assert carried.tables[key] is table
+    # the request's own class changes: still the fresh answer
+    assert again.placement is not None
+    pool.commit("near", request, again.placement)
+    snapshot = pool.snapshot()
+    after = place(request, snapshot, pool.latency, pipeline)
+    assert _answer(after) == _answer(place(request, snapshot, pool.latency, default_pipeline()))
+    pool.release("near")
+    pool.release("far")
+    snapshot = pool.snapshot()
+    back = place(request, snapshot, pool.latency, pipeline)
+    assert _answer(back) == _answer(first)
