@@ -8,12 +8,9 @@ pods of 16 racks (``bench/scale.py``'s layout), the tree latency model. Hosts de
 CPU cores and memory, in three sizes (64 cores and 512 GiB, 96 and 768, 128 and 1 TiB,
 dealt in turn), so requests that ask for them are placed by them.
 
-After the load the broker's collector policy is applied, as the broker's start-up does
-(:func:`~dxpool.broker.collector.freeze_survivors`: the inventory is frozen out of the
-garbage collector's generations, and what survives each later full collection too);
-collections still run, and every figure includes them. ``--plain-freeze`` freezes once
-after the load instead (the policy before), for an A/B of the same code.
-Then, for each stream:
+After the load the inventory is frozen out of the garbage collector's generations, as
+the broker does (``gc.freeze()``); collections still run, and every figure includes
+them. Then, for each stream:
 
 1. **fill**: placements committed one after another until a third of the GPUs are held
    (not timed: the first placement of each part is a placement from scratch);
@@ -58,7 +55,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script, too
 
-from dxpool.broker.collector import freeze_survivors
 from dxpool.broker.placement import PlacementRequest, place
 from dxpool.broker.placement.pool import InMemoryPool
 
@@ -216,11 +212,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decisions", type=int, default=2000, help="timed decisions per stream")
     parser.add_argument("--streams", default="sizes,shapes", help="comma list: sizes, shapes")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument(
-        "--plain-freeze",
-        action="store_true",
-        help="freeze once after the load instead of the broker's collector policy",
-    )
     args = parser.parse_args(argv)
     streams = [name.strip() for name in args.streams.split(",") if name.strip()]
     unknown = [name for name in streams if name not in STREAMS]
@@ -232,14 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     pool = build(args.boxes)
     gc.collect()
-    if args.plain_freeze:
-        gc.freeze()
-    else:
-        freeze_survivors()  # as the broker does once its inventory is loaded
+    gc.freeze()  # as the broker does once its inventory is loaded
     print(
         f"pool: {args.boxes:,} boxes x {GPUS_PER_BOX} GPUs, {args.boxes:,} hosts, built in "
-        f"{time.monotonic() - began:.0f} s; a third of the GPUs held in the steady state; "
-        f"collector policy: {'one freeze' if args.plain_freeze else 'freeze survivors'}",
+        f"{time.monotonic() - began:.0f} s; a third of the GPUs held in the steady state",
         flush=True,
     )
     rows = []

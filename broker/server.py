@@ -15,6 +15,7 @@ Watch, reflection) are admitted within ``stream_limits`` and can hold at most
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -49,7 +50,6 @@ from dxpool.broker.audit_service import AuditService
 from dxpool.broker.auth import Authenticator, Authorizer, TokenTable
 from dxpool.broker.box_fabric import open_box_fabric
 from dxpool.broker.cache import Cache
-from dxpool.broker.collector import freeze_survivors
 from dxpool.broker.compose import Composer, ComposeSettings
 from dxpool.broker.compose_gate import ComposeGate
 from dxpool.broker.controller import NodeController
@@ -235,7 +235,6 @@ class BrokerServer:
         self._executor: futures.ThreadPoolExecutor | None = None
         self._stopped = False
         self._detach_pool_metrics: Callable[[], None] = lambda: None
-        self._thaw: Callable[[], None] = lambda: None
         self._health = health.HealthServicer()
         self.serving = ServingState(
             self.store.health,
@@ -263,12 +262,11 @@ class BrokerServer:
         if isinstance(self.latency, MeasuredLatency):
             self._measured_feed = MeasuredFeed(self.cache, self.latency)
         # The loaded inventory lives as long as the broker: move it out of the garbage
-        # collector's generations, and what survives each full collection after it, so
-        # full collections stop walking the long-lived state on the request path (see
-        # dxpool.broker.collector). No collection first: loading makes little cyclic
-        # garbage, and a full collection over the whole inventory would add to the
-        # start-up time (0.3 s at 100k GPUs).
-        self._thaw = freeze_survivors()
+        # collector's generations, so full collections stop walking it on the request
+        # path (bench/scale.py shows the pauses this removes from placement's p99). No
+        # collection first: loading makes little cyclic garbage, and a full collection
+        # over the whole inventory would add to the start-up time (0.3 s at 100k GPUs).
+        gc.freeze()
         composer = self.composer = Composer(
             self.store,
             self.cache,
@@ -500,7 +498,6 @@ class BrokerServer:
         if self._measured_feed is not None:
             self._measured_feed.close()
         self._detach_pool_metrics()
-        self._thaw()
         if self.pool_tally is not None:
             self.pool_tally.close()
         self.cache.stop()
