@@ -26,6 +26,7 @@ from dxpool.errors import DxpoolError, InvalidArgument, Unavailable
 from dxpool.store import keys as k
 from dxpool.store.keys import KeySchema
 from dxpool.store.typed import Store
+from tests.broker.commit_races import meddle_before_commits, writing
 
 ATTACHED = pb.ATTACHMENT_PHASE_ATTACHED
 
@@ -409,17 +410,12 @@ def test_a_liveness_record_that_keeps_changing_is_unavailable_after_the_last_att
     store, cache = parts
     key = store.keys.host_lease("h1")
     mine = pb.HostLiveness(agent_digest=token_digest("token-1"), broker="b9")
-    real_commit = store.commit
-    tries: list[int] = []
 
-    def commit(txn: Any) -> Any:
-        if any(written == key for written, _ in txn.writes):
-            tries.append(len(tries))
-            mine.session = f"other-{len(tries)}"
-            store.client.put(key, mine.SerializeToString())
-        return real_commit(txn)
+    def take_over() -> None:
+        mine.session = f"other-{len(tries)}"
+        store.client.put(key, mine.SerializeToString())
 
-    monkeypatch.setattr(store, "commit", commit)
+    tries = meddle_before_commits(store, monkeypatch, writing(key), take_over, times=1000)
     with pytest.raises(Unavailable) as contended:
         brokers().open("h1", registration(), "token-1", 4000, Ends())
     assert contended.value.reason == "SESSION_CONTENDED"

@@ -12,8 +12,6 @@ from typing import Any
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 from dxpool.api.v1 import audit_pb2, audit_pb2_grpc, inventory_pb2, nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
@@ -26,6 +24,8 @@ from dxpool.limits import MAX_TXN_OPS
 from dxpool.store import keys as k
 from dxpool.store.keys import KeySchema
 from dxpool.store.typed import Store, Txn
+from tests.broker.commit_races import meddle_before_commits, rewrite_allocations, writing
+from tests.broker.test_gang import reason
 from tests.conftest import Stubs, add_box, wait_hosts_alive, wait_until
 from tests.streaming import rpc_error
 
@@ -86,14 +86,6 @@ def compose_behind_the_lock(
     for answer in answers:
         assert isinstance(answer, pb.VirtualNode), answer
     return answers
-
-
-def reason(error: grpc.RpcError) -> str:
-    status = rpc_status.from_call(error)  # type: ignore[arg-type]
-    assert status is not None
-    info = error_details_pb2.ErrorInfo()
-    status.details[0].Unpack(info)
-    return info.reason
 
 
 def node_revisions(store: Store, nodes: list[pb.VirtualNode]) -> list[int]:
@@ -179,32 +171,7 @@ def test_a_group_stays_within_etcds_operation_limit() -> None:
     assert not within_limit([part(62), part(63)])
 
 
-# -- a compose racing other writers ---------------------------------------------------
-
-
-def meddle_before_commits(
-    broker: BrokerServer,
-    monkeypatch: pytest.MonkeyPatch,
-    key: str,
-    meddle: Callable[[], None],
-    *,
-    times: int,
-) -> list[int]:
-    """Have ``meddle`` (another writer) run just before each of the broker's first
-    ``times`` commits that write ``key``, after the compose read what it relies on;
-    returns the list that counts those commits."""
-    real_commit: Callable[[Txn], Any] = broker.store.commit
-    seen: list[int] = []
-
-    def commit(txn: Txn) -> Any:
-        if any(written == key for written, _ in txn.writes):
-            seen.append(len(seen))
-            if len(seen) <= times:
-                meddle()
-        return real_commit(txn)
-
-    monkeypatch.setattr(broker.store, "commit", commit)
-    return seen
+# -- a compose racing other writers (see tests/broker/commit_races.py) ----------------
 
 
 def test_a_charged_compose_racing_a_change_of_its_tenant_adds_to_what_that_wrote(
@@ -230,7 +197,9 @@ def test_a_charged_compose_racing_a_change_of_its_tenant_adds_to_what_that_wrote
         tenant.usage.nodes += 1
         store.commit(Txn().put(tenant_key, tenant))
 
-    commits = meddle_before_commits(broker, monkeypatch, tenant_key, charge_elsewhere, times=1)
+    commits = meddle_before_commits(
+        broker.store, monkeypatch, writing(tenant_key), charge_elsewhere, times=1
+    )
     request = one_gpu()
     request.spec.tenant = "t1"
     node = stubs.nodes.ComposeNode(request, timeout=30)
@@ -249,15 +218,12 @@ def test_a_compose_that_loses_every_compare_is_aborted_and_writes_nothing(
     alive_host: None,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    allocation_key = store.keys.host_allocation(HOST)
-
-    def rewrite_allocation() -> None:
-        current = store.get(allocation_key)
-        value = current.value if current is not None else pb.HostAllocation()
-        store.commit(Txn().put(allocation_key, value))
-
     commits = meddle_before_commits(
-        broker, monkeypatch, allocation_key, rewrite_allocation, times=1000
+        broker.store,
+        monkeypatch,
+        writing(store.keys.host_allocation(HOST)),
+        lambda: rewrite_allocations(store.client, store.keys, [HOST]),
+        times=1000,
     )
     error = rpc_error(lambda: stubs.nodes.ComposeNode(one_gpu("r1"), timeout=60))
     assert error.code() == grpc.StatusCode.ABORTED

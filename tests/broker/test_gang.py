@@ -26,7 +26,7 @@ from dxpool.broker.server import BrokerServer
 from dxpool.broker.stm import PLACE_ATTEMPTS
 from dxpool.limits import MAX_GANG_MEMBERS, MAX_TXN_OPS
 from dxpool.store.keys import KeySchema
-from dxpool.store.typed import Txn
+from tests.broker.commit_races import meddle_before_commits, rewrite_allocations
 from tests.conftest import Stubs, add_box, pool_records, wait_until
 
 
@@ -567,21 +567,14 @@ def test_a_gang_that_loses_every_compare_is_aborted_and_writes_nothing(
     before its commit: every attempt loses its compare, and after the last the call is
     ABORTED (COMMIT_CONFLICT) with nothing written."""
     keys = KeySchema(key_prefix)
-    hosts = {keys.host_allocation(h): h for h in ("h1", "h2")}
-    allocation_keys = set(hosts)
-    real_commit: Callable[[Txn], Any] = broker.store.commit
-    commits: list[int] = []
-
-    def commit(txn: Txn) -> Any:
-        if allocation_keys & {key for key, _ in txn.writes}:
-            commits.append(len(commits))
-            for key, host in sorted(hosts.items()):
-                raw, _ = etcd_client.get(key)
-                empty = pb.HostAllocation(host=f"hosts/{host}").SerializeToString()
-                etcd_client.put(key, raw if raw is not None else empty)
-        return real_commit(txn)
-
-    monkeypatch.setattr(broker.store, "commit", commit)
+    allocations = {keys.host_allocation(h) for h in ("h1", "h2")}
+    commits = meddle_before_commits(
+        broker.store,
+        monkeypatch,
+        lambda written: bool(allocations & written),
+        lambda: rewrite_allocations(etcd_client, keys, ["h1", "h2"]),
+        times=1000,
+    )
     with pytest.raises(grpc.RpcError) as aborted:
         pool.nodes.ComposeGang(gang_request(2, gang_id="g", request_id="r1"), timeout=60)
     assert aborted.value.code() == grpc.StatusCode.ABORTED

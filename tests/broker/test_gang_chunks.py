@@ -28,6 +28,7 @@ from dxpool.broker.stm import CHUNK_ATTEMPTS
 from dxpool.store.embedded import EmbeddedEtcd
 from dxpool.store.keys import KeySchema
 from dxpool.store.typed import Txn
+from tests.broker.commit_races import meddle_before_commits, rewrite_allocations
 from tests.broker.test_gang import add_host, gpu_owners, reason, spec, stored_nodes
 from tests.conftest import Stubs, add_box, wait_until
 
@@ -343,23 +344,15 @@ def meddle_with_chunks(
     of ``broker``'s first ``times`` chunk commits (after the chunk read them); returns
     the list that counts chunk commits."""
     keys = KeySchema(key_prefix)
-    hosts = {keys.host_allocation(f"h{i:02d}"): f"h{i:02d}" for i in range(2)}
-    real_commit: Callable[[Txn], Any] = broker.store.commit
-    chunks: list[int] = []
-
-    def commit(txn: Txn) -> Any:
-        written = {key for key, _ in txn.writes}
-        if set(hosts) & written and any("/nodes/" in key for key in written):
-            chunks.append(len(chunks))
-            if len(chunks) <= times:
-                for key, host in sorted(hosts.items()):
-                    raw, _ = etcd_client.get(key)
-                    empty = pb.HostAllocation(host=f"hosts/{host}").SerializeToString()
-                    etcd_client.put(key, raw if raw is not None else empty)
-        return real_commit(txn)
-
-    monkeypatch.setattr(broker.store, "commit", commit)
-    return chunks
+    hosts = ["h00", "h01"]
+    allocations = {keys.host_allocation(host) for host in hosts}
+    return meddle_before_commits(
+        broker.store,
+        monkeypatch,
+        lambda written: bool(allocations & written) and any("/nodes/" in k for k in written),
+        lambda: rewrite_allocations(etcd_client, keys, hosts),
+        times=times,
+    )
 
 
 def test_a_chunk_racing_another_writer_is_committed_on_what_it_wrote(

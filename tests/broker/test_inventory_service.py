@@ -3,20 +3,18 @@ and hosts, free GPUs per box, and the slot numbers a host's allocation uses."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 from dxpool.api.v1 import inventory_pb2
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.server import BrokerServer
 from dxpool.broker.stm import COMMIT_ATTEMPTS
 from dxpool.store.keys import KeySchema
-from dxpool.store.typed import Txn
+from tests.broker.commit_races import meddle_before_commits, writing
+from tests.broker.test_gang import reason
 from tests.conftest import Stubs, add_box
 from tests.streaming import rpc_error, settle
 
@@ -117,43 +115,7 @@ def test_hosts_name_the_slots_in_use(  # type: ignore[no-untyped-def]
     assert list(listed.hosts[0].used_slots) == [2, 5]
 
 
-# -- commits racing another writer -----------------------------------------------------
-#
-# Each interleaving is forced: the broker's commit is held after the change read what it
-# relies on, another writer (straight to etcd, as another broker would) changes one of
-# those records, and then the commit goes on and must lose its compare.
-
-
-def reason(error: grpc.RpcError) -> str:
-    status = rpc_status.from_call(error)  # type: ignore[arg-type]
-    assert status is not None
-    info = error_details_pb2.ErrorInfo()
-    status.details[0].Unpack(info)
-    return info.reason
-
-
-def meddle_before_commits(
-    broker: BrokerServer,
-    monkeypatch: pytest.MonkeyPatch,
-    key: str,
-    meddle: Callable[[], None],
-    *,
-    times: int,
-) -> list[int]:
-    """Have ``meddle`` run just before each of the broker's first ``times`` commits that
-    write ``key``; returns the list that counts those commits."""
-    real_commit: Callable[[Txn], Any] = broker.store.commit
-    seen: list[int] = []
-
-    def commit(txn: Txn) -> Any:
-        if any(written == key for written, _ in txn.writes):
-            seen.append(len(seen))
-            if len(seen) <= times:
-                meddle()
-        return real_commit(txn)
-
-    monkeypatch.setattr(broker.store, "commit", commit)
-    return seen
+# -- commits racing another writer (see tests/broker/commit_races.py) -------------------
 
 
 def stored_box(etcd_client: Any, schema: KeySchema, box_id: str) -> pb.Box | None:
@@ -177,7 +139,9 @@ def test_a_cordon_racing_another_writer_is_made_again_on_what_it_wrote(
         box.labels["row"] = "7"
         etcd_client.put(schema.box("b1"), box.SerializeToString())
 
-    commits = meddle_before_commits(broker, monkeypatch, schema.box("b1"), relabel, times=1)
+    commits = meddle_before_commits(
+        broker.store, monkeypatch, writing(schema.box("b1")), relabel, times=1
+    )
     cordoned = stubs.inventory.CordonBox(
         inventory_pb2.CordonBoxRequest(name="boxes/b1", reason="swap fans")
     )
@@ -204,7 +168,9 @@ def test_a_cordon_that_loses_every_compare_is_aborted_and_writes_nothing(
     def rewrite() -> None:
         etcd_client.put(schema.box("b1"), original.SerializeToString())
 
-    commits = meddle_before_commits(broker, monkeypatch, schema.box("b1"), rewrite, times=1000)
+    commits = meddle_before_commits(
+        broker.store, monkeypatch, writing(schema.box("b1")), rewrite, times=1000
+    )
     error = rpc_error(
         lambda: stubs.inventory.CordonBox(inventory_pb2.CordonBoxRequest(name="boxes/b1"))
     )
@@ -228,7 +194,9 @@ def test_a_create_racing_the_same_box_from_another_broker_is_already_exists(
     def create_first() -> None:
         etcd_client.put(schema.box("b1"), theirs.SerializeToString())
 
-    commits = meddle_before_commits(broker, monkeypatch, schema.box("b1"), create_first, times=1)
+    commits = meddle_before_commits(
+        broker.store, monkeypatch, writing(schema.box("b1")), create_first, times=1
+    )
     error = rpc_error(lambda: add_box(stubs, "b1", gpus=2))
     assert error.code() == grpc.StatusCode.ALREADY_EXISTS
     assert reason(error) == "BOX_EXISTS"
@@ -253,7 +221,9 @@ def test_a_create_whose_request_id_keeps_moving_is_aborted_and_writes_nothing(
     def rewrite() -> None:
         etcd_client.put(request_key, b"boxes/gone")
 
-    commits = meddle_before_commits(broker, monkeypatch, schema.box("b1"), rewrite, times=1000)
+    commits = meddle_before_commits(
+        broker.store, monkeypatch, writing(schema.box("b1")), rewrite, times=1000
+    )
     request = inventory_pb2.CreateBoxRequest(
         box_id="b1", box=pb.Box(gpu_count=2), gpu_model="H100", gpu_memory_mib=81920
     )
@@ -282,7 +252,9 @@ def test_a_delete_racing_a_compose_that_takes_a_gpu_is_refused(
         gpu.state, gpu.node = pb.GPU_STATE_ATTACHING, "nodes/n1"
         etcd_client.put(schema.gpu("b1", 1), gpu.SerializeToString())
 
-    commits = meddle_before_commits(broker, monkeypatch, schema.box("b1"), take_gpu, times=1)
+    commits = meddle_before_commits(
+        broker.store, monkeypatch, writing(schema.box("b1")), take_gpu, times=1
+    )
     error = rpc_error(
         lambda: stubs.inventory.DeleteBox(inventory_pb2.DeleteBoxRequest(name="boxes/b1"))
     )
@@ -294,13 +266,18 @@ def test_a_delete_racing_a_compose_that_takes_a_gpu_is_refused(
     assert etcd_client.get(schema.gpu("b1", 0))[0] is not None
 
 
-def test_a_delete_that_loses_every_compare_is_aborted_and_deletes_nothing(
+@pytest.mark.parametrize("races", [1, 1000])
+def test_a_delete_racing_another_writer_deletes_the_box_as_it_then_is_or_aborts(
     broker: BrokerServer,
     stubs: Stubs,
     etcd_client: Any,
     key_prefix: str,
     monkeypatch: pytest.MonkeyPatch,
+    races: int,
 ) -> None:
+    """A GPU of the box rewritten before the first commit: the delete runs again on it
+    and deletes; rewritten before every commit: ABORTED after the last attempt, with
+    nothing deleted."""
     schema = KeySchema(key_prefix)
     add_box(stubs, "b1", gpus=2)
     gpu = etcd_client.get(schema.gpu("b1", 0))[0]
@@ -308,33 +285,19 @@ def test_a_delete_that_loses_every_compare_is_aborted_and_deletes_nothing(
     def rewrite_gpu() -> None:
         etcd_client.put(schema.gpu("b1", 0), gpu)
 
-    commits = meddle_before_commits(broker, monkeypatch, schema.box("b1"), rewrite_gpu, times=1000)
-    error = rpc_error(
-        lambda: stubs.inventory.DeleteBox(inventory_pb2.DeleteBoxRequest(name="boxes/b1"))
+    commits = meddle_before_commits(
+        broker.store, monkeypatch, writing(schema.box("b1")), rewrite_gpu, times=races
     )
+    delete = inventory_pb2.DeleteBoxRequest(name="boxes/b1")
+    if races == 1:
+        stubs.inventory.DeleteBox(delete)
+        assert len(commits) == 2
+        assert stored_box(etcd_client, schema, "b1") is None
+        assert list(etcd_client.get_prefix(schema.box_gpus("b1"))) == []
+        return
+    error = rpc_error(lambda: stubs.inventory.DeleteBox(delete))
     assert error.code() == grpc.StatusCode.ABORTED
     assert reason(error) == "COMMIT_CONFLICT"
     assert len(commits) == COMMIT_ATTEMPTS
     assert stored_box(etcd_client, schema, "b1") is not None
     assert etcd_client.get(schema.gpu("b1", 1))[0] is not None
-
-
-def test_a_delete_racing_another_writer_deletes_the_box_as_it_then_is(
-    broker: BrokerServer,
-    stubs: Stubs,
-    etcd_client: Any,
-    key_prefix: str,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    schema = KeySchema(key_prefix)
-    add_box(stubs, "b1", gpus=2)
-    gpu = etcd_client.get(schema.gpu("b1", 0))[0]
-
-    def rewrite_gpu() -> None:
-        etcd_client.put(schema.gpu("b1", 0), gpu)
-
-    commits = meddle_before_commits(broker, monkeypatch, schema.box("b1"), rewrite_gpu, times=1)
-    stubs.inventory.DeleteBox(inventory_pb2.DeleteBoxRequest(name="boxes/b1"))
-    assert len(commits) == 2
-    assert stored_box(etcd_client, schema, "b1") is None
-    assert list(etcd_client.get_prefix(schema.box_gpus("b1"))) == []
