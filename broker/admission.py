@@ -38,15 +38,13 @@ from dxpool.broker.enqueue import short
 from dxpool.broker.fit import assign_gpus, placement_request, reserve_host_resources
 from dxpool.broker.placement import Placement, PlacementRequest, place
 from dxpool.broker.records import copy, seconds, timestamp
-from dxpool.broker.stm import TxnView, transact
+from dxpool.broker.stm import ADMISSION_ATTEMPTS, TxnView, transact
 from dxpool.broker.tenants import breach, charged, new_tenant
 from dxpool.errors import Aborted, DxpoolError, NotFound, ResourceExhausted
 from dxpool.names import parse_host
 from dxpool.store import keys as k
 
 log = logging.getLogger(__name__)
-
-PLACE_ATTEMPTS = 4
 
 ADMITTED = "admitted"
 WAITING = "waiting"
@@ -136,7 +134,7 @@ class Admitter:
         request = self._request(node)
         if request is None:
             return self.fail(node_id, f"host {spec.host} is no longer registered")
-        for _ in range(PLACE_ATTEMPTS):
+        for _ in range(ADMISSION_ATTEMPTS):
             result = place(
                 request, self._composer.index.snapshot(), self._composer.latency.current()
             )

@@ -57,6 +57,7 @@ from dxpool.broker import agent_metrics
 from dxpool.broker.agent_lease import DEFAULT_BROKER_LEASE_TTL_S, BrokerLease
 from dxpool.broker.agent_records import check_host_registration, check_host_status
 from dxpool.broker.cache import Cache
+from dxpool.broker.stm import SESSION_ATTEMPTS, commit_staged, expect
 from dxpool.errors import DxpoolError, FailedPrecondition, InvalidArgument, Unavailable
 from dxpool.limits import MAX_TEXT
 from dxpool.names import check_id, host_name
@@ -65,7 +66,6 @@ from dxpool.store.typed import Store, Txn
 
 log = logging.getLogger(__name__)
 
-OPEN_ATTEMPTS = 5
 # Liveness records a reaping pass deletes in one transaction (etcd allows 128 operations).
 DELETE_BATCH = 64
 
@@ -159,21 +159,19 @@ def commit_status(
     """Write ``host_id``'s status ``record`` in one transaction that requires the host's
     liveness record to be unchanged since ``liveness_revision`` (the session's) and, with
     ``spec_revision`` (0: none), the spec record unchanged since then. Returns the
-    commit's revision and writes. Raises :class:`SessionNotLiveError` or
-    :class:`StaleSpecError` (nothing written; ``cache`` takes what the failed compare
-    read), :class:`~dxpool.errors.Unavailable`."""
+    commit's revision and writes (``cache``, when given, took them). Raises
+    :class:`SessionNotLiveError` or :class:`StaleSpecError` (nothing written; ``cache``
+    takes what the failed compare read), :class:`~dxpool.errors.Unavailable`."""
     keys = store.keys
     lease_key = keys.host_lease(host_id)
     spec_key = keys.host_allocation(host_id)
-    txn = Txn().expect_revision(lease_key, liveness_revision).read_on_failure(lease_key)
+    txn = expect(Txn(), lease_key, liveness_revision)
     if spec_revision:
-        txn.expect_revision(spec_key, spec_revision).read_on_failure(spec_key)
+        expect(txn, spec_key, spec_revision)
     txn.put(keys.host_status(host_id), record)
-    result = store.commit(txn)
+    result = store.commit(txn) if cache is None else commit_staged(store, cache, txn, created=set())
     if result.succeeded:
         return result.revision, txn.writes
-    if cache is not None:
-        cache.apply_reads(result.current)
     liveness = result.current.get(lease_key)
     if liveness is None or liveness.mod_revision != liveness_revision:
         raise SessionNotLiveError(
@@ -295,7 +293,7 @@ class AgentSessions:
         # costs etcd one round trip per agent); a failed compare returns what etcd holds.
         current = self._cache.get(k.HOST_LEASES, host_id)
         confirmed = False
-        for _ in range(OPEN_ATTEMPTS):
+        for _ in range(SESSION_ATTEMPTS):
             if current is not None and parse_liveness(bytes(current.value)).agent_digest != digest:
                 if not confirmed:  # never refuse on a cached view: read it from etcd
                     current, confirmed = self._store.get(key), True
@@ -307,16 +305,12 @@ class AgentSessions:
                     f"its broker has not heard from it for {holder.liveness_ttl_ms / 1000:g}s",
                     metadata={"host": host_name(host_id)},
                 )
-            txn = Txn()
-            if current is None:
-                txn.expect_absent(key)
-            else:
-                txn.expect_revision(key, current.mod_revision)
+            txn = expect(Txn(), key, current.mod_revision if current is not None else 0)
             txn.put(self._keys.host(host_id), record).put(key, liveness, lease=lease)
             registered = self._registered_lease == int(lease.id)
             if not registered:  # the broker's registration goes on the same lease
                 txn.put(self._keys.broker(self.broker_id), b"", lease=lease)
-            result = self._store.commit(txn.read_on_failure(key))
+            result = commit_staged(self._store, self._cache, txn, created=set())
             if result.succeeded:
                 self._registered_lease = int(lease.id)
                 break
@@ -327,7 +321,6 @@ class AgentSessions:
                 "broker took it; connect again",
                 reason="SESSION_CONTENDED",
             )
-        self._cache.apply_commit(result.revision, txn.writes)
         session = Session(
             id=session_id,
             host=host_id,
@@ -395,7 +388,7 @@ class AgentSessions:
             )
         session.last_seen = self._clock()
         try:
-            revision, writes = commit_status(
+            revision, _ = commit_status(
                 self._store, host_id, session.key_revision, record, spec_revision, self._cache
             )
         except SessionNotLiveError:
@@ -406,7 +399,6 @@ class AgentSessions:
         except StaleSpecError:
             agent_metrics.STATUS_WRITES.labels(result="STALE_SPEC").inc()
             raise
-        self._cache.apply_commit(revision, writes)
         agent_metrics.STATUS_WRITES.labels(result="OK").inc()
         return revision
 
@@ -456,9 +448,7 @@ class AgentSessions:
         for session in sessions:
             key = self._keys.host_lease(session.host)
             txn.expect_revision(key, session.key_revision).delete(key)
-        result = self._store.commit(txn)
-        if result.succeeded:
-            self._cache.apply_commit(result.revision, txn.writes)
+        if commit_staged(self._store, self._cache, txn, created=set()).succeeded:
             return
         for session in sessions:
             self._delete_record(session)
@@ -467,9 +457,7 @@ class AgentSessions:
         """Delete the session's liveness record if it still names the session."""
         key = self._keys.host_lease(session.host)
         txn = Txn().expect_revision(key, session.key_revision).delete(key)
-        result = self._store.commit(txn)
-        if result.succeeded:
-            self._cache.apply_commit(result.revision, txn.writes)
+        commit_staged(self._store, self._cache, txn, created=set())
 
     def _forget(self, session: Session) -> None:
         with self._lock:

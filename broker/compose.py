@@ -38,7 +38,13 @@ from dxpool.broker.model_check import check_model_known
 from dxpool.broker.placement import PlacementRequest, PlacementResult, place
 from dxpool.broker.placement_index import PlacementIndex
 from dxpool.broker.resize import Resizer
-from dxpool.broker.stm import TxnView, pause_after_conflict, read_through, transact
+from dxpool.broker.stm import (
+    PLACE_ATTEMPTS,
+    TxnView,
+    pause_after_conflict,
+    read_through,
+    transact,
+)
 from dxpool.broker.tenants import refuse_breach
 from dxpool.broker.transitions import fence_detaching, let_go
 from dxpool.broker.validation import check_node_spec
@@ -62,13 +68,11 @@ from dxpool.store.typed import Store, Versioned
 
 log = logging.getLogger(__name__)
 
-MAX_COMMIT_ATTEMPTS = 16
-
 
 @dataclass(frozen=True)
 class ComposeSettings:
     attach_timeout_s: float = 120.0
-    max_attempts: int = MAX_COMMIT_ATTEMPTS
+    max_attempts: int = PLACE_ATTEMPTS
 
 
 class Composer:

@@ -46,6 +46,7 @@ from dxpool.broker.fit import assign_gpus, reserve_host_resources, write_assigne
 from dxpool.broker.locks import KeyedLocks
 from dxpool.broker.placement import PlacementResult
 from dxpool.broker.records import copy, timestamp
+from dxpool.broker.stm import commit_staged, expect, expect_exists, joined
 from dxpool.broker.tenants import charge_in
 from dxpool.errors import AlreadyExists
 from dxpool.limits import MAX_TXN_OPS
@@ -148,16 +149,10 @@ class _Group:
         self.written.update(key for key, _ in staged.part.writes)
 
     def transaction(self) -> Txn:
-        txn = Txn()
-        for staged in self.staged:
-            txn.compares.extend(staged.part.compares)
-            txn.success.extend(staged.part.success)
-            txn.failure.extend(staged.part.failure)
-            txn.failure_keys.extend(staged.part.failure_keys)
-            txn.writes.extend(staged.part.writes)
-        txn.expect_revision(self.allocation_key, self.record.mod_revision if self.record else 0)
-        txn.put(self.allocation_key, self.allocation).read_on_failure(self.allocation_key)
-        txn.expect_present(self.lease_key).read_on_failure(self.lease_key)
+        txn = joined(staged.part for staged in self.staged)
+        expect(txn, self.allocation_key, self.record.mod_revision if self.record else 0)
+        txn.put(self.allocation_key, self.allocation)
+        expect_exists(txn, self.lease_key)
         return txn
 
 
@@ -254,15 +249,16 @@ class ComposeCommitter:
         each answer rests on its own compares only."""
         staged = group.staged
         txn = group.transaction()
+        created: set[str] = set()
+        for one in staged:
+            created |= one.created
         try:
             with metrics.COMPOSE_STAGE_SECONDS.labels(stage="commit").time():
-                committed = self._store.commit(txn)
+                committed = commit_staged(self._store, self._cache, txn, created=created)
             metrics.COMPOSE_GROUP_SIZE.observe(len(staged))
-            if not committed.succeeded:
-                self._cache.apply_reads(committed.current)
-                if len(staged) == 1:
-                    staged[0].job.finish(self._after_failed_compare(staged[0], committed))
-                    return
+            if not committed.succeeded and len(staged) == 1:
+                staged[0].job.finish(self._after_failed_compare(staged[0], committed))
+                return
         except Exception as error:
             for one in staged:
                 one.job.fail(error)
@@ -271,10 +267,6 @@ class ComposeCommitter:
             for one in staged:
                 self._commit_one(one.job)
             return
-        created: set[str] = set()
-        for one in staged:
-            created |= one.created
-        self._cache.apply_commit(committed.revision, txn.writes, created=created)
         for one in staged:
             if one.audited is not None:
                 one.audited()
@@ -368,11 +360,11 @@ class ComposeCommitter:
             if charge.creates:
                 created.add(charge.key)
         node_key = keys.node(job.node_id)
-        part.expect_absent(node_key).put(node_key, node).read_on_failure(node_key)
+        expect(part, node_key, 0).put(node_key, node)
         created.add(node_key)
         if request.request_id:
             request_key = keys.request(request.request_id)
-            part.expect_absent(request_key).put(request_key, name).read_on_failure(request_key)
+            expect(part, request_key, 0).put(request_key, name)
             created.add(request_key)
         # The call's audit record commits with the node (one etcd request, not two).
         audited = record_in(part, node)

@@ -3,12 +3,10 @@ places GPUs for a spec (ComposeNode, ComposeGang, ResizeNode)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 from dxpool import lifecycle
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.placement import Binding, Placement, PlacementRequest
+from dxpool.broker.stm import ReadRecord, expect
 from dxpool.names import parse_host
 from dxpool.store import keys as k
 from dxpool.store.keys import KeySchema
@@ -113,11 +111,6 @@ def bind(
     )
 
 
-# Reads one record: the cache's ``get``, or a TxnView's, which also has the commit
-# compare what it read.
-ReadRecord = Callable[[str, str], Versioned[Any] | None]
-
-
 def assign_gpus(
     read: ReadRecord,
     placement: Placement,
@@ -155,7 +148,7 @@ def write_assigned(
     """Write :func:`assign_gpus`' GPUs into ``txn``, each compared at the revision read."""
     for name, record, gpu in assigned:
         key = keys.key(k.GPUS, name)
-        txn.expect_revision(key, record.mod_revision).put(key, gpu).read_on_failure(key)
+        expect(txn, key, record.mod_revision).put(key, gpu)
 
 
 __all__ = [

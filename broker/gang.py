@@ -76,7 +76,15 @@ from dxpool.broker.placement import (
     place,
 )
 from dxpool.broker.records import copy, timestamp
-from dxpool.broker.stm import TxnView, pause_after_conflict, read_through, transact
+from dxpool.broker.stm import (
+    TxnView,
+    commit_staged,
+    expect,
+    expect_exists,
+    pause_after_conflict,
+    read_through,
+    transact,
+)
 from dxpool.broker.tenants import charge_in, refuse_breach
 from dxpool.broker.transitions import fence_detaching, let_go
 from dxpool.broker.validation import check_node_spec
@@ -394,27 +402,23 @@ class GangComposer:
         created_tenants = self._charge(txn, nodes)
         for host_id, (allocation, revision) in sorted(allocations.items()):
             allocation_key = keys.host_allocation(host_id)
-            txn.expect_revision(allocation_key, revision).put(allocation_key, allocation)
-            txn.read_on_failure(allocation_key)
-            lease_key = keys.host_lease(host_id)
-            txn.expect_present(lease_key).read_on_failure(lease_key)
+            expect(txn, allocation_key, revision).put(allocation_key, allocation)
+            expect_exists(txn, keys.host_lease(host_id))
         node_keys = []
         for node in nodes:
             node_key = keys.node(node.name.removeprefix("nodes/"))
             node_keys.append(node_key)
-            txn.expect_absent(node_key).put(node_key, node).read_on_failure(node_key)
+            expect(txn, node_key, 0).put(node_key, node)
         request_key = keys.request(request.request_id) if request.request_id else None
         if request_key:
-            txn.expect_absent(request_key).put(request_key, gang).read_on_failure(request_key)
+            expect(txn, request_key, 0).put(request_key, gang)
         txn.check_size()
+        created = set(node_keys) | ({request_key} if request_key else set())
+        created |= created_tenants
         with metrics.COMPOSE_STAGE_SECONDS.labels(stage="commit").time():
-            committed = self._store.commit(txn)
+            committed = commit_staged(self._store, self._cache, txn, created=created)
         if committed.succeeded:
-            created = set(node_keys) | ({request_key} if request_key else set())
-            created |= created_tenants
-            self._cache.apply_commit(committed.revision, txn.writes, created=created)
             return nodes_pb2.Gang(name=gang, nodes=nodes)
-        self._cache.apply_reads(committed.current)
         if request_key:
             existing = self._gang_for_request(request, committed.current.get(request_key), owner)
             if existing is not None:

@@ -67,7 +67,16 @@ from dxpool.broker.fit import (
 from dxpool.broker.gang_placement import GangPlacer, Members, MemberUnplaced
 from dxpool.broker.placement import Placement, PlacementRequest
 from dxpool.broker.records import copy, seconds, timestamp
-from dxpool.broker.stm import TxnView, read_through, transact
+from dxpool.broker.stm import (
+    CHUNK_ATTEMPTS,
+    TxnView,
+    commit_staged,
+    expect,
+    expect_exists,
+    joined,
+    read_through,
+    transact,
+)
 from dxpool.broker.tenants import breach, charged, new_tenant
 from dxpool.broker.transitions import let_go
 from dxpool.broker.validation import check_node_spec, check_queue_timeout
@@ -98,7 +107,6 @@ log = logging.getLogger(__name__)
 
 RESERVE_TIMEOUT_S = 60.0
 """How long a RESERVING gang may go without a chunk before the leader rolls it back."""
-CHUNK_ATTEMPTS = 16
 RELEASE_GPUS_PER_TXN = 56
 """A release chunk's members hold at most this many GPUs together (each GPU is a compare
 and a write, beside each member's node and host allocation and the tenant)."""
@@ -408,11 +416,10 @@ class ChunkedGangs:
         record.message = f"committing {record.size} members"
         keys = self._store.keys
         gang_key = keys.gang(reservation.gang_id)
-        txn = Txn().expect_absent(gang_key).put(gang_key, record).read_on_failure(gang_key)
+        txn = expect(Txn(), gang_key, 0).put(gang_key, record)
         if reservation.request_id:
             request_key = keys.request(reservation.request_id)
-            txn.expect_absent(request_key).put(request_key, record.name)
-            txn.read_on_failure(request_key)
+            expect(txn, request_key, 0).put(request_key, record.name)
         result = self._commit(txn)
         if not result:
             existing = self._for_request(request, reservation.owner) if request.request_id else None
@@ -427,17 +434,8 @@ class ChunkedGangs:
         """Commit ``txn``; its revision, or 0 when a compare failed (the cache then
         holds what failed)."""
         self.transactions += 1
-        committed = self._store.commit(txn)
-        if committed.succeeded:
-            made = (
-                created
-                if created is not None
-                else {key for key, value in txn.writes if value is not None}
-            )
-            self._cache.apply_commit(committed.revision, txn.writes, created=made)
-            return committed.revision
-        self._cache.apply_reads(committed.current)
-        return 0
+        committed = commit_staged(self._store, self._cache, txn, created=created)
+        return committed.revision if committed.succeeded else 0
 
     # -- chunks ------------------------------------------------------------------------------
 
@@ -572,8 +570,7 @@ class ChunkedGangs:
         gang.reserve_deadline.CopyFrom(timestamp(now + self._reserve_timeout_s))
         gang.message = f"committed {gang.committed} of {gang.size} members"
         gang_key = keys.gang(reservation.gang_id)
-        txn.expect_revision(gang_key, reservation.revision).put(gang_key, gang)
-        txn.read_on_failure(gang_key)
+        expect(txn, gang_key, reservation.revision).put(gang_key, gang)
         tenant_id = reservation.specs[0].tenant
         if tenant_id:
             self._charge(txn, reservation, tenant_id, models, count, created)
@@ -620,7 +617,7 @@ class ChunkedGangs:
         part = Txn()
         write_assigned(part, self._store.keys, assigned)
         key = self._store.keys.node(name.removeprefix("nodes/"))
-        part.expect_absent(key).put(key, node).read_on_failure(key)
+        expect(part, key, 0).put(key, node)
         return node, part
 
     def _charge(
@@ -642,8 +639,7 @@ class ChunkedGangs:
             charged(updated.usage, models, nodes=nodes, borrowed=reservation.borrowed)
         )
         key = self._store.keys.tenant(tenant_id)
-        txn.expect_revision(key, record.mod_revision if record is not None else 0)
-        txn.put(key, updated).read_on_failure(key)
+        expect(txn, key, record.mod_revision if record is not None else 0).put(key, updated)
         if record is None:
             created.add(key)
 
@@ -656,8 +652,7 @@ class ChunkedGangs:
         gang.update_time.CopyFrom(timestamp(self._clock()))
         gang.ClearField("reserve_deadline")
         key = self._store.keys.gang(reservation.gang_id)
-        txn = Txn().expect_revision(key, reservation.revision).put(key, gang)
-        txn.read_on_failure(key)
+        txn = expect(Txn(), key, reservation.revision).put(key, gang)
         if not self._commit(txn, created=set()):
             raise Aborted(
                 f"gang gangs/{reservation.gang_id} was rolled back before it became valid; "
@@ -831,8 +826,7 @@ class ChunkedGangs:
         gang.queue.reclaiming = False
         del gang.queue.preempting[:]
         key = self._store.keys.gang(reservation.gang_id)
-        txn = Txn().expect_revision(key, record.mod_revision).put(key, gang)
-        txn.read_on_failure(key)
+        txn = expect(Txn(), key, record.mod_revision).put(key, gang)
         revision = self._commit(txn, created=set())
         if not revision:
             return False
@@ -1023,18 +1017,11 @@ def _assembled(
 ) -> Txn:
     """One transaction of the members' ``parts`` and every host's allocation (compared
     at the revision read) and lease (present)."""
-    txn = Txn()
-    for part in parts:
-        txn.compares.extend(part.compares)
-        txn.success.extend(part.success)
-        txn.failure.extend(part.failure)
-        txn.failure_keys.extend(part.failure_keys)
-        txn.writes.extend(part.writes)
+    txn = joined(parts)
     for host, (allocation, revision, _) in sorted(allocations.items()):
         key = keys.host_allocation(host)
-        txn.expect_revision(key, revision).put(key, allocation).read_on_failure(key)
-        lease = keys.host_lease(host)
-        txn.expect_present(lease).read_on_failure(lease)
+        expect(txn, key, revision).put(key, allocation)
+        expect_exists(txn, keys.host_lease(host))
     return txn
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import grpc
 
@@ -16,7 +17,7 @@ from dxpool.broker.pool_tally import PoolTally
 from dxpool.broker.records import copy, timestamp
 from dxpool.broker.rpc import cache_page, check_page_token, handler
 from dxpool.broker.sharing_status import SharingStatus
-from dxpool.broker.stm import TxnView, transact
+from dxpool.broker.stm import ReadRecord, TxnView, transact
 from dxpool.broker.validation import (
     check_box,
     check_enum,
@@ -25,7 +26,6 @@ from dxpool.broker.validation import (
     check_text,
 )
 from dxpool.errors import (
-    Aborted,
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
@@ -44,9 +44,7 @@ from dxpool.names import (
 from dxpool.request import check_gpu_memory_mib, check_model
 from dxpool.selector import parse_selector
 from dxpool.store import keys as k
-from dxpool.store.typed import Store, Txn, Versioned
-
-MAX_ATTEMPTS = 8
+from dxpool.store.typed import Store, Versioned
 
 
 class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
@@ -98,42 +96,39 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
         request key left behind by a box that no longer holds it (written before
         DeleteBox removed request keys) is taken over, compared on its revision.
         """
-        keys = self._store.keys
-        box_key = keys.box(box_id)
-        request_key = keys.request(box.request_id) if box.request_id else None
-        for _ in range(MAX_ATTEMPTS):
-            request_revision = 0
-            if request_key:
+        tries = 0
+
+        def create(view: TxnView) -> pb.Box:
+            nonlocal tries
+            tries += 1
+            if box.request_id:
                 earlier = self._earlier_create(box_id, box, gpus)
                 if isinstance(earlier, pb.Box):
                     return earlier
-                request_revision = earlier
+                view.require(k.REQUESTS, box.request_id, earlier)
+                view.put(k.REQUESTS, box.request_id, box.name)
             _number_generations_from(self._store.current_revision(), gpus)
-            txn = Txn().expect_absent(box_key).put(box_key, box)
-            for gpu in gpus:
-                gpu_key = keys.gpu(box_id, gpu.slot)
-                txn.expect_absent(gpu_key).put(gpu_key, gpu)
-            created = {box_key} | {keys.gpu(box_id, g.slot) for g in gpus}
-            if request_key:
-                txn.expect_revision(request_key, request_revision).put(request_key, box.name)
-                txn.read_on_failure(request_key)
-                if not request_revision:
-                    created.add(request_key)
-            result = self._store.commit(txn)
-            if result.succeeded:
-                self._cache.apply_commit(result.revision, txn.writes, created=created)
-                return box
-            now = result.current.get(request_key) if request_key else None
-            if request_key is None or (now.mod_revision if now else 0) == request_revision:
+            # Required absent whatever the cache holds; once a compare failed, the cache
+            # holds what etcd returned for these keys and says whether they exist.
+            names = [(k.BOXES, box_id)] + [(k.GPUS, f"{box_id}/{gpu.slot}") for gpu in gpus]
+            if tries > 1 and any(self._cache.get(*name) is not None for name in names):
                 raise AlreadyExists(
                     f"box {box.name} already exists (or has GPUs left over); pick another "
                     "id, or delete it first with `dxpool box delete`",
                     reason="BOX_EXISTS",
                 )
-            # A concurrent call took the request id first; look at what it made.
-        raise Aborted(
-            f"creating {box.name} kept conflicting with calls that use the same request_id; retry",
-            reason="COMMIT_CONFLICT",
+            for collection, name in names:
+                view.require(collection, name, 0)
+            view.put(k.BOXES, box_id, box)
+            for gpu in gpus:
+                view.put(k.GPUS, f"{box_id}/{gpu.slot}", gpu)
+            return box
+
+        # A lost compare brings back the box, its GPUs and the request key as etcd holds
+        # them: the next attempt answers BOX_EXISTS, or (a concurrent call took the
+        # request id first) looks at what that call made.
+        return transact(
+            self._store, self._cache, create, what=f"creating {box.name}", operation="box"
         )
 
     def _earlier_create(self, box_id: str, box: pb.Box, gpus: list[pb.Gpu]) -> pb.Box | int:
@@ -188,8 +183,10 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
             self._maintenance.describe_box(view)
         return view
 
-    def _box_record(self, name: str):  # type: ignore[no-untyped-def]
-        record = self._cache.get(k.BOXES, parse_box(name))
+    def _box_record(self, name: str, read: ReadRecord | None = None) -> Versioned[Any]:
+        """Box ``name``'s record, read through ``read`` (a TxnView's ``get``, which has
+        the commit compare it) or from the cache; NOT_FOUND (BOX_NOT_FOUND) if absent."""
+        record = (read or self._cache.get)(k.BOXES, parse_box(name))
         if record is None:
             raise NotFound(
                 f"box {name} does not exist; list boxes with `dxpool box list`",
@@ -224,9 +221,10 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
         return self._box_view(self._set_box_state(request.name, pb.BOX_STATE_ACTIVE, ""))
 
     def _set_box_state(self, name: str, state: pb.BoxState.ValueType, reason: str) -> pb.Box:
-        for _ in range(MAX_ATTEMPTS):
-            record = self._box_record(name)
-            current: pb.Box = record.value
+        box_id = parse_box(name)
+
+        def change(view: TxnView) -> pb.Box:
+            current: pb.Box = self._box_record(name, view.get).value
             if (
                 current.state == state
                 and current.cordon_reason == reason
@@ -238,55 +236,44 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
             box.cordon_reason = reason
             if state == pb.BOX_STATE_ACTIVE:
                 box.ClearField("drain")  # uncordoning ends a drain
-            key = self._store.keys.box(parse_box(name))
-            txn = Txn().expect_revision(key, record.mod_revision).put(key, box)
-            txn.read_on_failure(key)
-            result = self._store.commit(txn)
-            if result.succeeded:
-                self._cache.apply_commit(result.revision, txn.writes)
-                return box
-            self._cache.apply_read(key, result.current.get(key), self._cache.revision)
-        raise Aborted(f"updating {name} kept conflicting; retry", reason="COMMIT_CONFLICT")
+            view.put(k.BOXES, box_id, box)
+            return box
+
+        return transact(self._store, self._cache, change, what=f"updating {name}", operation="box")
 
     @handler("InventoryService.DeleteBox")
     def DeleteBox(
         self, request: inv.DeleteBoxRequest, context: grpc.ServicerContext
     ) -> inv.DeleteBoxResponse:
         box_id = parse_box(request.name)
-        for _ in range(MAX_ATTEMPTS):
-            record = self._box_record(request.name)
-            keys = self._store.keys
-            txn = Txn().expect_revision(keys.box(box_id), record.mod_revision)
-            txn.delete(keys.box(box_id)).read_on_failure(keys.box(box_id))
-            box: pb.Box = record.value
+
+        def delete(view: TxnView) -> None:
+            box: pb.Box = self._box_record(request.name, view.get).value
+            view.delete(k.BOXES, box_id)
             if box.request_id:
                 # The request key names this box: CreateBox wrote both in one transaction,
                 # and nothing else replaces a request key whose box still holds it. It goes
                 # with the box, so the same request can register the box again.
-                txn.delete(keys.request(box.request_id))
+                view.delete(k.REQUESTS, box.request_id)
             owned = []
-            for name, gpu_record in self._cache.items(k.GPUS):
+            for name, _ in self._cache.items(k.GPUS):
                 if not name.startswith(box_id + "/"):
                     continue
+                gpu_record = view.get(k.GPUS, name)
+                assert gpu_record is not None  # listed by the cache a moment ago
                 gpu: pb.Gpu = gpu_record.value
                 if gpu.node or gpu.state not in (pb.GPU_STATE_FREE, pb.GPU_STATE_FAULTED):
                     owned.append(f"{gpu.name} ({gpu.node or pb.GpuState.Name(gpu.state)})")
-                key = keys.gpu(box_id, gpu.slot)
-                txn.expect_revision(key, gpu_record.mod_revision).delete(key)
-                txn.read_on_failure(key)
+                view.delete(k.GPUS, name)
             if owned:
                 raise FailedPrecondition(
                     f"box {request.name} still has GPUs in use: {', '.join(owned[:8])}; "
                     "cordon it, release those nodes, then delete",
                     reason="BOX_IN_USE",
                 )
-            result = self._store.commit(txn)
-            if result.succeeded:
-                self._cache.apply_commit(result.revision, txn.writes)
-                return inv.DeleteBoxResponse()
-            for key, value in result.current.items():
-                self._cache.apply_read(key, value, self._cache.revision)
-        raise Aborted(f"deleting {request.name} kept conflicting; retry", reason="COMMIT_CONFLICT")
+
+        transact(self._store, self._cache, delete, what=f"deleting {request.name}", operation="box")
+        return inv.DeleteBoxResponse()
 
     # -- GPUs ------------------------------------------------------------------------
 

@@ -65,7 +65,7 @@ from dxpool.broker.fit import assign_gpus, placement_request
 from dxpool.broker.locks import KeyedLocks
 from dxpool.broker.placement import place
 from dxpool.broker.records import copy, timestamp
-from dxpool.broker.stm import TxnView, read_through, transact
+from dxpool.broker.stm import RESIZE_ATTEMPTS, TxnView, read_through, transact
 from dxpool.broker.tenants import charged, confirmed_breach
 from dxpool.broker.transitions import gpu_id
 from dxpool.errors import (
@@ -87,8 +87,6 @@ if TYPE_CHECKING:
     from dxpool.broker.placement_index import PlacementIndex
 
 __all__ = ["Resizer", "resize_request_value", "shrink_in"]
-
-PLACE_ATTEMPTS = 8
 
 
 def resize_request_value(node: str) -> str:
@@ -156,7 +154,7 @@ class Resizer:
             raise _not_found(request.name)
         host = parse_host(known.value.host) if known.value.host else ""
         tenant = known.value.spec.tenant if known.value.charged else ""
-        for _ in range(PLACE_ATTEMPTS):
+        for _ in range(RESIZE_ATTEMPTS):
             try:
                 with self._host_locks.lock(host), self._tenant_lock(tenant):
                     return transact(

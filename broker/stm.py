@@ -8,6 +8,15 @@ compare fails, the current values come back in the same round trip, the cache ta
 and the function runs again on the fresh state, a bounded number of times. So a change
 can never be based on a stale read, and no caller writes a retry loop of its own.
 
+Changes built part by part - the composes of one host committed together, a gang's
+members, a gang's chunks - stage their compares and writes into a :class:`Txn` with
+:func:`expect` and :func:`expect_exists` (each compare also asks for the key's current
+value should it fail), join parts staged separately with :func:`joined`, and commit it
+through :func:`commit_staged`, the staged variant:
+it applies the outcome to the cache as :func:`transact` does and leaves to the caller
+what to do after a lost compare (answer from what came back, or place again). Those two
+are the only places that commit a read-modify-write and keep the cache's books on it.
+
 The function must be free of side effects other than the view's writes: it may run
 several times.
 
@@ -23,7 +32,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from google.protobuf.message import Message
@@ -32,11 +41,40 @@ from dxpool.broker import metrics
 from dxpool.broker.audit_commit import record_in
 from dxpool.broker.cache import Cache
 from dxpool.errors import Aborted, NotFound
-from dxpool.store.typed import Store, Txn, Versioned
+from dxpool.store.typed import Store, Txn, TxnResult, Versioned
 
 T = TypeVar("T")
 
-DEFAULT_ATTEMPTS = 8
+# Reads one record: the cache's ``get``, or a TxnView's, which also has the commit
+# compare what it read.
+ReadRecord = Callable[[str, str], Versioned[Any] | None]
+
+# -- attempt limits -------------------------------------------------------------------
+# Every commit loop of the broker is bounded by one of these, then answers ABORTED
+# (COMMIT_CONFLICT) or, where said, leaves the request waiting.
+COMMIT_ATTEMPTS = 8
+"""A :func:`transact` body (and an inventory change): it rereads only the records that
+changed, so a lost compare means another writer touched the very same records, which
+few do at once."""
+PLACE_ATTEMPTS = 16
+"""A compose or a gang placed again after its commit lost a compare: placement fills one
+host before the next, so concurrent composes keep choosing the same host and lose to
+each other more often than other writers do; each retry is a fresh placement."""
+RESIZE_ATTEMPTS = COMMIT_ATTEMPTS
+"""A resize placed again because its snapshot was stale (each try a :func:`transact`
+of its own, under the host's lock, so staleness, not contention, is what repeats)."""
+CHUNK_ATTEMPTS = PLACE_ATTEMPTS
+"""One chunk of a gang's members: a lost compare replaces the members whose GPUs were
+taken and tries again, as contended as a compose's placement."""
+ADMISSION_ATTEMPTS = 4
+"""A queued node's admission pass: the node stays queued when these run out and the
+next pass tries again, so a pass gives up early rather than hold up the queue."""
+SESSION_ATTEMPTS = 5
+"""An agent's session taking its host's liveness record: the record changes only when
+another session of the same agent takes it meanwhile (a reconnect racing itself), so a
+few tries tell that apart; then UNAVAILABLE (SESSION_CONTENDED) and the agent connects
+again."""
+
 # Full-jitter exponential backoff between attempts that lost a compare: a pause drawn
 # from [0, min(MAX_CONFLICT_PAUSE_S, FIRST_CONFLICT_PAUSE_S * 2**attempt)].
 FIRST_CONFLICT_PAUSE_S = 0.001
@@ -81,6 +119,11 @@ class TxnView:
             return self._writes[key]
         return record.value if record is not None else None
 
+    def require(self, collection: str, name: str, revision: int) -> None:
+        """Have the commit require the record at ``revision`` (0: absent), a revision the
+        body read elsewhere than in the cache (e.g. a linearizable read from etcd)."""
+        self._reads[self.key(collection, name)] = revision
+
     def exists(self, collection: str, name: str) -> bool:
         """Whether the record exists; the commit requires the same answer, whatever
         else changes in the record (e.g. a lease key refreshed in place)."""
@@ -110,9 +153,9 @@ class TxnView:
         """The transaction, and the keys it creates."""
         txn = Txn()
         for key, revision in self._reads.items():
-            txn.expect_revision(key, revision).read_on_failure(key)
+            expect(txn, key, revision)
         for key in self._present - set(self._reads):
-            txn.expect_present(key).read_on_failure(key)
+            expect_exists(txn, key)
         for key, value in self._writes.items():
             if value is None:
                 txn.delete(key)
@@ -128,7 +171,7 @@ def transact(
     cache: Cache,
     body: Callable[[TxnView], T],
     *,
-    attempts: int = DEFAULT_ATTEMPTS,
+    attempts: int = COMMIT_ATTEMPTS,
     what: str = "change",
     operation: str = "other",
     audited: bool = False,
@@ -158,13 +201,10 @@ def transact(
             return result
         txn, created = view.build()
         stored = record_in(txn, result) if audited else None
-        committed = store.commit(txn)
-        if committed.succeeded:
+        if commit_staged(store, cache, txn, created=created).succeeded:
             if stored is not None:
                 stored()
-            cache.apply_commit(committed.revision, txn.writes, created=created)
             return result
-        cache.apply_reads(committed.current)
         metrics.TRANSACTION_CONFLICTS.labels(operation=operation).inc()
         if attempt:
             pause_after_conflict(attempt)
@@ -172,6 +212,53 @@ def transact(
         f"{what} kept conflicting with concurrent changes after {attempts} attempts; retry",
         reason="COMMIT_CONFLICT",
     )
+
+
+def expect(txn: Txn, key: str, revision: int) -> Txn:
+    """Stage into ``txn`` the compare that ``key`` is still at ``revision`` (0: still
+    absent), asking for its current value should the compare fail."""
+    return txn.expect_revision(key, revision).read_on_failure(key)
+
+
+def expect_exists(txn: Txn, key: str) -> Txn:
+    """Stage into ``txn`` the compare that ``key`` exists, whatever its revision, asking
+    for its current value should the compare fail."""
+    return txn.expect_present(key).read_on_failure(key)
+
+
+def joined(parts: Iterable[Txn]) -> Txn:
+    """One transaction of ``parts``, staged separately (e.g. one per compose of a
+    group), in order: every compare, write and read on failure of each."""
+    txn = Txn()
+    for part in parts:
+        txn.compares.extend(part.compares)
+        txn.success.extend(part.success)
+        txn.failure.extend(part.failure)
+        txn.failure_keys.extend(part.failure_keys)
+        txn.writes.extend(part.writes)
+    return txn
+
+
+def commit_staged(
+    store: Store, cache: Cache, txn: Txn, *, created: set[str] | None = None
+) -> TxnResult:
+    """Commit ``txn``, staged with :func:`expect`, :func:`expect_exists` and writes, and
+    bring the cache to its outcome: the writes at the commit's revision when it
+    succeeded (``created``: the keys it creates, by default every key it puts), else
+    the current values of the compared keys. Returns the outcome; after a lost compare
+    the caller decides (answer from ``current``, or stage again). Raises
+    :class:`~dxpool.errors.Unavailable` when etcd cannot be reached."""
+    committed = store.commit(txn)
+    if committed.succeeded:
+        made = (
+            created
+            if created is not None
+            else {key for key, value in txn.writes if value is not None}
+        )
+        cache.apply_commit(committed.revision, txn.writes, created=made)
+    else:
+        cache.apply_reads(committed.current)
+    return committed
 
 
 def read_through(store: Store, cache: Cache, collection: str, name: str) -> Versioned[Any] | None:
@@ -196,4 +283,20 @@ def _found_after_all(store: Store, cache: Cache, keys: list[str]) -> bool:
     return bool(found)
 
 
-__all__ = ["TxnView", "pause_after_conflict", "read_through", "transact"]
+__all__ = [
+    "ADMISSION_ATTEMPTS",
+    "CHUNK_ATTEMPTS",
+    "COMMIT_ATTEMPTS",
+    "PLACE_ATTEMPTS",
+    "RESIZE_ATTEMPTS",
+    "SESSION_ATTEMPTS",
+    "ReadRecord",
+    "TxnView",
+    "commit_staged",
+    "expect",
+    "expect_exists",
+    "joined",
+    "pause_after_conflict",
+    "read_through",
+    "transact",
+]

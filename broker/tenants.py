@@ -35,7 +35,7 @@ from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker import loaning, metrics, records
 from dxpool.broker.cache import Cache
 from dxpool.broker.rpc import cache_page
-from dxpool.broker.stm import TxnView, read_through, transact
+from dxpool.broker.stm import TxnView, expect, read_through, transact
 from dxpool.broker.validation import check_page_size
 from dxpool.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from dxpool.limits import MAX_PRIORITY, MAX_QUOTA, MAX_QUOTA_MODELS
@@ -316,8 +316,7 @@ def charge_in(
     borrowed = loaning.terms(record.value if record else None, len(models)).borrowed
     tenant.usage.CopyFrom(charged(tenant.usage, models, nodes=nodes, borrowed=borrowed))
     key = store.keys.tenant(tenant_id)
-    txn.expect_revision(key, record.mod_revision if record else 0).put(key, tenant)
-    txn.read_on_failure(key)
+    expect(txn, key, record.mod_revision if record else 0).put(key, tenant)
     return Charge(key, record is None, borrowed)
 
 

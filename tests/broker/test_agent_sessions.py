@@ -21,9 +21,12 @@ from dxpool.broker.agent_sessions import (
     token_digest,
 )
 from dxpool.broker.cache import Cache
-from dxpool.errors import DxpoolError, InvalidArgument
+from dxpool.broker.stm import SESSION_ATTEMPTS
+from dxpool.errors import DxpoolError, InvalidArgument, Unavailable
+from dxpool.store import keys as k
 from dxpool.store.keys import KeySchema
 from dxpool.store.typed import Store
+from tests.broker.commit_races import meddle_before_commits, writing
 
 ATTACHED = pb.ATTACHMENT_PHASE_ATTACHED
 
@@ -395,3 +398,30 @@ def test_a_status_record_is_checked_before_it_is_written(
         with pytest.raises(InvalidArgument, match=match):
             sessions.write_status("h1", session.id, bad, 0)
     assert store.get(store.keys.host_status("h1")) is None
+
+
+def test_a_liveness_record_that_keeps_changing_is_unavailable_after_the_last_attempt(
+    parts: tuple[Store, Cache], brokers: Callable[..., AgentSessions], monkeypatch: Any
+) -> None:
+    """Another session of the same agent rewrites the host's liveness record after each
+    try read it and before its commit: every try loses its compare and reads the record
+    again (the cache takes it too); after the last the hello is UNAVAILABLE
+    (SESSION_CONTENDED) and nothing of it is written."""
+    store, cache = parts
+    key = store.keys.host_lease("h1")
+    mine = pb.HostLiveness(agent_digest=token_digest("token-1"), broker="b9")
+
+    def take_over() -> None:
+        mine.session = f"other-{len(tries)}"
+        store.client.put(key, mine.SerializeToString())
+
+    tries = meddle_before_commits(store, monkeypatch, writing(key), take_over, times=1000)
+    with pytest.raises(Unavailable) as contended:
+        brokers().open("h1", registration(), "token-1", 4000, Ends())
+    assert contended.value.reason == "SESSION_CONTENDED"
+    assert len(tries) == SESSION_ATTEMPTS
+    found = liveness(store)
+    assert found is not None and found[0].session == f"other-{SESSION_ATTEMPTS}"
+    assert store.client.get(store.keys.host("h1"))[0] is None
+    cached = cache.get(k.HOST_LEASES, "h1")
+    assert cached is not None and cached.mod_revision == found[1].mod_revision

@@ -17,12 +17,17 @@ from dxpool.api.v1 import audit_pb2, audit_pb2_grpc, inventory_pb2, nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.compose_commit import within_limit
 from dxpool.broker.server import BrokerServer
+from dxpool.broker.stm import PLACE_ATTEMPTS
 from dxpool.hostagent.config import AgentConfig
 from dxpool.hostagent.registration import host_record
 from dxpool.limits import MAX_TXN_OPS
+from dxpool.store import keys as k
 from dxpool.store.keys import KeySchema
 from dxpool.store.typed import Store, Txn
+from tests.broker.commit_races import meddle_before_commits, rewrite_allocations, writing
+from tests.broker.test_gang import reason
 from tests.conftest import Stubs, add_box, wait_hosts_alive, wait_until
+from tests.streaming import rpc_error
 
 HOST = "h0"
 
@@ -164,3 +169,70 @@ def test_a_group_stays_within_etcds_operation_limit() -> None:
     assert not within_limit([part(MAX_TXN_OPS - 2)])
     assert within_limit([part(62), part(62)])
     assert not within_limit([part(62), part(63)])
+
+
+# -- a compose racing other writers (see tests/broker/commit_races.py) ----------------
+
+
+def test_a_charged_compose_racing_a_change_of_its_tenant_adds_to_what_that_wrote(
+    broker: BrokerServer,
+    stubs: Stubs,
+    store: Store,
+    alive_host: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The tenant's record is compared as the compose read it: another broker charging
+    the tenant meanwhile fails the commit, and the compose charges on top of that."""
+    tenant_key = store.keys.tenant("t1")
+    store.commit(Txn().put(tenant_key, pb.Tenant(name="tenants/t1", uid="u1")))
+    wait_until(lambda: broker.cache.get(k.TENANTS, "t1") is not None, message="tenant cached")
+
+    def charge_elsewhere() -> None:
+        current = store.get(tenant_key)
+        assert current is not None
+        tenant = pb.Tenant()
+        tenant.CopyFrom(current.value)
+        tenant.usage.gpus += 2
+        tenant.usage.gpus_by_model["H100"] += 2
+        tenant.usage.nodes += 1
+        store.commit(Txn().put(tenant_key, tenant))
+
+    commits = meddle_before_commits(
+        broker.store, monkeypatch, writing(tenant_key), charge_elsewhere, times=1
+    )
+    request = one_gpu()
+    request.spec.tenant = "t1"
+    node = stubs.nodes.ComposeNode(request, timeout=30)
+    assert node.charged
+    assert len(commits) == 2  # the first lost its compare on the tenant's record
+    stored = store.get(tenant_key)
+    assert stored is not None
+    usage = stored.value.usage
+    assert (usage.gpus, dict(usage.gpus_by_model), usage.nodes) == (3, {"H100": 3}, 2)
+
+
+def test_a_compose_that_loses_every_compare_is_aborted_and_writes_nothing(
+    broker: BrokerServer,
+    stubs: Stubs,
+    store: Store,
+    alive_host: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    commits = meddle_before_commits(
+        broker.store,
+        monkeypatch,
+        writing(store.keys.host_allocation(HOST)),
+        lambda: rewrite_allocations(store.client, store.keys, [HOST]),
+        times=1000,
+    )
+    error = rpc_error(lambda: stubs.nodes.ComposeNode(one_gpu("r1"), timeout=60))
+    assert error.code() == grpc.StatusCode.ABORTED
+    assert reason(error) == "COMMIT_CONFLICT"
+    assert f"after {PLACE_ATTEMPTS} attempts" in (error.details() or "")
+    # Each attempt commits as placed, then once more re-placed on the same host under its
+    # lock, before it places again.
+    assert len(commits) == 2 * PLACE_ATTEMPTS
+    assert not stubs.nodes.ListNodes(nodes_pb2.ListNodesRequest()).nodes
+    assert store.get(store.keys.request("r1")) is None
+    status = stubs.inventory.GetPoolStatus(inventory_pb2.GetPoolStatusRequest())
+    assert (status.models[0].free, status.models[0].in_use) == (8, 0)

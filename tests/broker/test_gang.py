@@ -23,8 +23,10 @@ from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.gang import gang_ops, without_placement
 from dxpool.broker.placement import Binding, Placement
 from dxpool.broker.server import BrokerServer
+from dxpool.broker.stm import PLACE_ATTEMPTS
 from dxpool.limits import MAX_GANG_MEMBERS, MAX_TXN_OPS
 from dxpool.store.keys import KeySchema
+from tests.broker.commit_races import meddle_before_commits, rewrite_allocations
 from tests.conftest import Stubs, add_box, pool_records, wait_until
 
 
@@ -549,3 +551,35 @@ def test_a_released_gang_and_its_request_id_are_collected_after_the_retention(
     # The request id may be used again, for a new gang.
     again = stubs.nodes.ComposeGang(gang_request(2, "H100:1", request_id="collect-me"))
     assert again.name != gang.name
+
+
+# -- the last attempt --------------------------------------------------------------------
+
+
+def test_a_gang_that_loses_every_compare_is_aborted_and_writes_nothing(
+    broker: BrokerServer,
+    pool: Stubs,
+    etcd_client: Any,
+    key_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another writer rewrites the hosts' allocations after each attempt read them and
+    before its commit: every attempt loses its compare, and after the last the call is
+    ABORTED (COMMIT_CONFLICT) with nothing written."""
+    keys = KeySchema(key_prefix)
+    allocations = {keys.host_allocation(h) for h in ("h1", "h2")}
+    commits = meddle_before_commits(
+        broker.store,
+        monkeypatch,
+        lambda written: bool(allocations & written),
+        lambda: rewrite_allocations(etcd_client, keys, ["h1", "h2"]),
+        times=1000,
+    )
+    with pytest.raises(grpc.RpcError) as aborted:
+        pool.nodes.ComposeGang(gang_request(2, gang_id="g", request_id="r1"), timeout=60)
+    assert aborted.value.code() == grpc.StatusCode.ABORTED
+    assert reason(aborted.value) == "COMMIT_CONFLICT"
+    assert len(commits) == PLACE_ATTEMPTS
+    assert stored_nodes(etcd_client, key_prefix) == []
+    assert gpu_owners(etcd_client, key_prefix) == {}
+    assert etcd_client.get(keys.request("r1"))[0] is None

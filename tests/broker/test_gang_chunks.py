@@ -24,9 +24,11 @@ from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.gang_chunks import ChunkedGangs
 from dxpool.broker.server import BrokerServer
 from dxpool.broker.sharing_duties import SharingSettings
+from dxpool.broker.stm import CHUNK_ATTEMPTS
 from dxpool.store.embedded import EmbeddedEtcd
 from dxpool.store.keys import KeySchema
 from dxpool.store.typed import Txn
+from tests.broker.commit_races import meddle_before_commits, rewrite_allocations
 from tests.broker.test_gang import add_host, gpu_owners, reason, spec, stored_nodes
 from tests.conftest import Stubs, add_box, wait_until
 
@@ -328,3 +330,57 @@ def test_a_slow_broker_that_resumes_after_the_rollback_writes_nothing_more(
     members = [n for n in stored_nodes(etcd_client, key_prefix) if n.gang == "gangs/slow"]
     assert len(members) == committed.committed
     assert all(n.state == pb.NODE_STATE_RELEASING for n in members)
+
+
+def meddle_with_chunks(
+    broker: BrokerServer,
+    etcd_client: Any,
+    key_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    times: int,
+) -> list[int]:
+    """Have another writer rewrite the allocations of hosts h00 and h01 just before each
+    of ``broker``'s first ``times`` chunk commits (after the chunk read them); returns
+    the list that counts chunk commits."""
+    keys = KeySchema(key_prefix)
+    hosts = ["h00", "h01"]
+    allocations = {keys.host_allocation(host) for host in hosts}
+    return meddle_before_commits(
+        broker.store,
+        monkeypatch,
+        lambda written: bool(allocations & written) and any("/nodes/" in k for k in written),
+        lambda: rewrite_allocations(etcd_client, keys, hosts),
+        times=times,
+    )
+
+
+def test_a_chunk_racing_another_writer_is_committed_on_what_it_wrote(
+    leader: BrokerServer, etcd_client: Any, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stubs = make_pool(leader, etcd_client, key_prefix, hosts=2, boxes=1)
+    chunks = meddle_with_chunks(leader, etcd_client, key_prefix, monkeypatch, times=1)
+    made = stubs.nodes.ComposeGang(gang(2, "H100:1", gang_id="g", distinct_hosts=True))
+    assert made.state == pb.GANG_STATE_VALID
+    assert len(chunks) == 2  # the first lost its compare, the second read the rewrite
+    owners = gpu_owners(etcd_client, key_prefix)
+    assert sorted(owners.values()) == ["nodes/g-0", "nodes/g-1"]
+
+
+def test_a_chunk_that_loses_every_compare_aborts_and_rolls_the_gang_back(
+    leader: BrokerServer, etcd_client: Any, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another writer rewrites the hosts' allocations after each try of the chunk read
+    them and before its commit: after the last try the call is ABORTED
+    (COMMIT_CONFLICT), the record FAILED, and no member or GPU is taken."""
+    stubs = make_pool(leader, etcd_client, key_prefix, hosts=2, boxes=1)
+    chunks = meddle_with_chunks(leader, etcd_client, key_prefix, monkeypatch, times=1000)
+    with pytest.raises(grpc.RpcError) as aborted:
+        stubs.nodes.ComposeGang(gang(2, "H100:1", gang_id="g", distinct_hosts=True), timeout=60)
+    assert aborted.value.code() == grpc.StatusCode.ABORTED
+    assert reason(aborted.value) == "COMMIT_CONFLICT"
+    assert len(chunks) == CHUNK_ATTEMPTS
+    stored = record(etcd_client, key_prefix, "g")
+    assert stored is not None and stored.state == pb.GANG_STATE_FAILED
+    assert [n for n in stored_nodes(etcd_client, key_prefix) if n.gang == "gangs/g"] == []
+    assert gpu_owners(etcd_client, key_prefix) == {}

@@ -3,13 +3,18 @@ and hosts, free GPUs per box, and the slot numbers a host's allocation uses."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 import pytest
 
 from dxpool.api.v1 import inventory_pb2
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.server import BrokerServer
+from dxpool.broker.stm import COMMIT_ATTEMPTS
 from dxpool.store.keys import KeySchema
+from tests.broker.commit_races import meddle_before_commits, writing
+from tests.broker.test_gang import reason
 from tests.conftest import Stubs, add_box
 from tests.streaming import rpc_error, settle
 
@@ -108,3 +113,191 @@ def test_hosts_name_the_slots_in_use(  # type: ignore[no-untyped-def]
     listed = stubs.inventory.ListHosts(inventory_pb2.ListHostsRequest(label_selector="rack=r1"))
     assert [h.name for h in listed.hosts] == ["hosts/h1"]
     assert list(listed.hosts[0].used_slots) == [2, 5]
+
+
+# -- commits racing another writer (see tests/broker/commit_races.py) -------------------
+
+
+def stored_box(etcd_client: Any, schema: KeySchema, box_id: str) -> pb.Box | None:
+    data, _ = etcd_client.get(schema.box(box_id))
+    return pb.Box.FromString(data) if data is not None else None
+
+
+def test_a_cordon_racing_another_writer_is_made_again_on_what_it_wrote(
+    broker: BrokerServer,
+    stubs: Stubs,
+    etcd_client: Any,
+    key_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    schema = KeySchema(key_prefix)
+    add_box(stubs, "b1", gpus=2)
+
+    def relabel() -> None:
+        box = stored_box(etcd_client, schema, "b1")
+        assert box is not None
+        box.labels["row"] = "7"
+        etcd_client.put(schema.box("b1"), box.SerializeToString())
+
+    commits = meddle_before_commits(
+        broker.store, monkeypatch, writing(schema.box("b1")), relabel, times=1
+    )
+    cordoned = stubs.inventory.CordonBox(
+        inventory_pb2.CordonBoxRequest(name="boxes/b1", reason="swap fans")
+    )
+    assert len(commits) == 2  # the first lost its compare to the relabel
+    assert (cordoned.state, cordoned.cordon_reason) == (pb.BOX_STATE_CORDONED, "swap fans")
+    assert dict(cordoned.labels) == {"row": "7"}  # made again on the relabelled record
+    stored = stored_box(etcd_client, schema, "b1")
+    assert stored is not None
+    assert (stored.state, dict(stored.labels)) == (pb.BOX_STATE_CORDONED, {"row": "7"})
+
+
+def test_a_cordon_that_loses_every_compare_is_aborted_and_writes_nothing(
+    broker: BrokerServer,
+    stubs: Stubs,
+    etcd_client: Any,
+    key_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    schema = KeySchema(key_prefix)
+    add_box(stubs, "b1", gpus=2)
+    original = stored_box(etcd_client, schema, "b1")
+    assert original is not None
+
+    def rewrite() -> None:
+        etcd_client.put(schema.box("b1"), original.SerializeToString())
+
+    commits = meddle_before_commits(
+        broker.store, monkeypatch, writing(schema.box("b1")), rewrite, times=1000
+    )
+    error = rpc_error(
+        lambda: stubs.inventory.CordonBox(inventory_pb2.CordonBoxRequest(name="boxes/b1"))
+    )
+    assert error.code() == grpc.StatusCode.ABORTED
+    assert reason(error) == "COMMIT_CONFLICT"
+    assert "updating boxes/b1 kept conflicting" in (error.details() or "")
+    assert len(commits) == COMMIT_ATTEMPTS
+    assert stored_box(etcd_client, schema, "b1") == original
+
+
+def test_a_create_racing_the_same_box_from_another_broker_is_already_exists(
+    broker: BrokerServer,
+    stubs: Stubs,
+    etcd_client: Any,
+    key_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    schema = KeySchema(key_prefix)
+    theirs = pb.Box(name="boxes/b1", gpu_count=3, labels={"by": "other"})
+
+    def create_first() -> None:
+        etcd_client.put(schema.box("b1"), theirs.SerializeToString())
+
+    commits = meddle_before_commits(
+        broker.store, monkeypatch, writing(schema.box("b1")), create_first, times=1
+    )
+    error = rpc_error(lambda: add_box(stubs, "b1", gpus=2))
+    assert error.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert reason(error) == "BOX_EXISTS"
+    assert len(commits) == 1  # the retry read the box the compare returned: no second commit
+    assert stored_box(etcd_client, schema, "b1") == theirs
+    assert etcd_client.get(schema.gpu("b1", 0))[0] is None  # none of ours was written
+
+
+def test_a_create_whose_request_id_keeps_moving_is_aborted_and_writes_nothing(
+    broker: BrokerServer,
+    stubs: Stubs,
+    etcd_client: Any,
+    key_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request key naming a box that no longer holds it is taken over, compared on its
+    revision; another writer rewriting it before every commit exhausts the attempts."""
+    schema = KeySchema(key_prefix)
+    request_key = schema.request("r1")
+    etcd_client.put(request_key, b"boxes/gone")
+
+    def rewrite() -> None:
+        etcd_client.put(request_key, b"boxes/gone")
+
+    commits = meddle_before_commits(
+        broker.store, monkeypatch, writing(schema.box("b1")), rewrite, times=1000
+    )
+    request = inventory_pb2.CreateBoxRequest(
+        box_id="b1", box=pb.Box(gpu_count=2), gpu_model="H100", gpu_memory_mib=81920
+    )
+    request.request_id = "r1"
+    error = rpc_error(lambda: stubs.inventory.CreateBox(request))
+    assert error.code() == grpc.StatusCode.ABORTED
+    assert reason(error) == "COMMIT_CONFLICT"
+    assert "creating boxes/b1 kept conflicting" in (error.details() or "")
+    assert len(commits) == COMMIT_ATTEMPTS
+    assert stored_box(etcd_client, schema, "b1") is None
+    assert etcd_client.get(request_key)[0] == b"boxes/gone"
+
+
+def test_a_delete_racing_a_compose_that_takes_a_gpu_is_refused(
+    broker: BrokerServer,
+    stubs: Stubs,
+    etcd_client: Any,
+    key_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    schema = KeySchema(key_prefix)
+    add_box(stubs, "b1", gpus=2)
+
+    def take_gpu() -> None:
+        gpu = pb.Gpu.FromString(etcd_client.get(schema.gpu("b1", 1))[0])
+        gpu.state, gpu.node = pb.GPU_STATE_ATTACHING, "nodes/n1"
+        etcd_client.put(schema.gpu("b1", 1), gpu.SerializeToString())
+
+    commits = meddle_before_commits(
+        broker.store, monkeypatch, writing(schema.box("b1")), take_gpu, times=1
+    )
+    error = rpc_error(
+        lambda: stubs.inventory.DeleteBox(inventory_pb2.DeleteBoxRequest(name="boxes/b1"))
+    )
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert reason(error) == "BOX_IN_USE"
+    assert "boxes/b1/gpus/1 (nodes/n1)" in (error.details() or "")
+    assert len(commits) == 1  # the retry saw the GPU taken and wrote nothing
+    assert stored_box(etcd_client, schema, "b1") is not None
+    assert etcd_client.get(schema.gpu("b1", 0))[0] is not None
+
+
+@pytest.mark.parametrize("races", [1, 1000])
+def test_a_delete_racing_another_writer_deletes_the_box_as_it_then_is_or_aborts(
+    broker: BrokerServer,
+    stubs: Stubs,
+    etcd_client: Any,
+    key_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    races: int,
+) -> None:
+    """A GPU of the box rewritten before the first commit: the delete runs again on it
+    and deletes; rewritten before every commit: ABORTED after the last attempt, with
+    nothing deleted."""
+    schema = KeySchema(key_prefix)
+    add_box(stubs, "b1", gpus=2)
+    gpu = etcd_client.get(schema.gpu("b1", 0))[0]
+
+    def rewrite_gpu() -> None:
+        etcd_client.put(schema.gpu("b1", 0), gpu)
+
+    commits = meddle_before_commits(
+        broker.store, monkeypatch, writing(schema.box("b1")), rewrite_gpu, times=races
+    )
+    delete = inventory_pb2.DeleteBoxRequest(name="boxes/b1")
+    if races == 1:
+        stubs.inventory.DeleteBox(delete)
+        assert len(commits) == 2
+        assert stored_box(etcd_client, schema, "b1") is None
+        assert list(etcd_client.get_prefix(schema.box_gpus("b1"))) == []
+        return
+    error = rpc_error(lambda: stubs.inventory.DeleteBox(delete))
+    assert error.code() == grpc.StatusCode.ABORTED
+    assert reason(error) == "COMMIT_CONFLICT"
+    assert len(commits) == COMMIT_ATTEMPTS
+    assert stored_box(etcd_client, schema, "b1") is not None
+    assert etcd_client.get(schema.gpu("b1", 1))[0] is not None

@@ -8,6 +8,7 @@ broker's compose would write it. Every lookup of that node must find it in etcd.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 import pytest
@@ -17,8 +18,10 @@ from dxpool.api.v1 import nodes_pb2, nodes_pb2_grpc
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker import stm
 from dxpool.broker.cache import Cache
+from dxpool.broker.compose import ComposeSettings
 from dxpool.broker.server import BrokerServer
 from dxpool.broker.stm import TxnView, pause_after_conflict, transact
+from dxpool.errors import Aborted
 from dxpool.store import keys as k
 from dxpool.store.keys import KeySchema
 from dxpool.store.typed import Store, Txn
@@ -143,3 +146,105 @@ def test_the_pause_after_a_conflict_is_random_below_a_doubling_ceiling(
     )
     assert all(low == 0 for low, _ in asked)
     assert slept == [high for _, high in asked]
+
+
+def _store_and_cache(etcd_client: Any, key_prefix: str) -> tuple[Store, Cache]:
+    """A store, and a cache that no longer follows etcd (only commits update it)."""
+    schema = KeySchema(key_prefix)
+    store = Store(etcd_client, schema)
+    cache = Cache(etcd_client, schema)
+    cache.start()
+    cache.stop()
+    return store, cache
+
+
+def test_a_change_that_loses_every_compare_is_aborted_after_the_last_attempt(
+    etcd_client: Any, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, cache = _store_and_cache(etcd_client, key_prefix)
+    key = store.keys.box("b1")
+    store.commit(Txn().put(key, pb.Box(name="boxes/b1", gpu_count=1)))
+    cache.apply_reads(store.read([key]))
+    monkeypatch.setattr(stm.time, "sleep", lambda _: None)
+    runs: list[int] = []
+
+    def body(view: TxnView) -> None:
+        record = view.get(k.BOXES, "b1")
+        assert record is not None
+        runs.append(record.mod_revision)
+        store.commit(Txn().put(key, pb.Box(name="boxes/b1", gpu_count=len(runs) + 1)))
+        view.put(k.BOXES, "b1", pb.Box(name="boxes/b1", gpu_count=100))
+
+    with pytest.raises(Aborted) as aborted:
+        transact(store, cache, body, what="resizing boxes/b1")
+
+    assert aborted.value.reason == "COMMIT_CONFLICT"
+    assert "resizing boxes/b1 kept conflicting" in aborted.value.message
+    assert len(runs) == stm.COMMIT_ATTEMPTS
+    assert runs == sorted(set(runs))  # each attempt read the value the last one lost to
+    stored = store.get(key)
+    assert stored is not None and stored.value.gpu_count == stm.COMMIT_ATTEMPTS + 1
+
+
+def test_a_required_revision_read_elsewhere_is_compared(etcd_client: Any, key_prefix: str) -> None:
+    """``require`` compares a revision the body read from etcd itself, not the cache's."""
+    store, cache = _store_and_cache(etcd_client, key_prefix)
+    request_key = store.keys.request("r1")
+    store.commit(Txn().put(request_key, "boxes/old"))
+    seen: list[str] = []
+
+    def body(view: TxnView) -> str:
+        found = store.get(request_key)
+        assert found is not None
+        seen.append(bytes(found.value).decode())
+        if len(seen) == 1:  # another writer moves the key after this read
+            store.commit(Txn().put(request_key, "boxes/other"))
+        view.require(k.REQUESTS, "r1", found.mod_revision)
+        view.put(k.REQUESTS, "r1", "boxes/mine")
+        return seen[-1]
+
+    assert transact(store, cache, body) == "boxes/other"
+    assert seen == ["boxes/old", "boxes/other"]
+    stored = store.get(request_key)
+    assert stored is not None and bytes(stored.value) == b"boxes/mine"
+
+
+def test_a_staged_commit_keeps_the_cache_on_either_outcome(
+    etcd_client: Any, key_prefix: str
+) -> None:
+    """Parts staged apart and joined commit as one; a lost compare brings the current
+    values of every compared key into the cache, for the caller to stage again on."""
+    store, cache = _store_and_cache(etcd_client, key_prefix)
+    keys = store.keys
+    first = stm.expect(Txn(), keys.box("b1"), 0).put(keys.box("b1"), pb.Box(name="boxes/b1"))
+    second = stm.expect(Txn(), keys.box("b2"), 0).put(keys.box("b2"), pb.Box(name="boxes/b2"))
+    won = stm.commit_staged(store, cache, stm.joined([first, second]))
+    assert won.succeeded
+    for box_id in ("b1", "b2"):
+        record = cache.get(k.BOXES, box_id)
+        assert record is not None
+        assert (record.mod_revision, record.create_revision) == (won.revision, won.revision)
+
+    held = cache.get(k.BOXES, "b1")
+    assert held is not None
+    # Another writer changes b1 between this staging's read and its commit.
+    store.commit(Txn().put(keys.box("b1"), pb.Box(name="boxes/b1", gpu_count=5)))
+    lost_part = stm.expect(Txn(), keys.box("b1"), held.mod_revision)
+    lost_part.put(keys.box("b1"), pb.Box(name="boxes/b1", gpu_count=1))
+    stm.expect_exists(lost_part, keys.host_lease("h1"))
+    lost = stm.commit_staged(store, cache, lost_part)
+    assert not lost.succeeded
+    assert set(lost.current) == {keys.box("b1"), keys.host_lease("h1")}
+    fresh = cache.get(k.BOXES, "b1")
+    assert fresh is not None and fresh.value.gpu_count == 5  # the other writer's value
+    assert fresh.mod_revision > held.mod_revision
+    stored = store.get(keys.box("b1"))
+    assert stored is not None and stored.value.gpu_count == 5
+
+
+def test_every_commit_loop_draws_its_attempts_from_one_place() -> None:
+    """The limits differ only where stm's docstrings say why."""
+    assert stm.COMMIT_ATTEMPTS == stm.RESIZE_ATTEMPTS == 8
+    assert stm.PLACE_ATTEMPTS == stm.CHUNK_ATTEMPTS == 16
+    assert stm.ADMISSION_ATTEMPTS == 4 and stm.SESSION_ATTEMPTS == 5
+    assert ComposeSettings().max_attempts == stm.PLACE_ATTEMPTS
