@@ -60,7 +60,6 @@ from dxpool.broker.cache import Cache
 from dxpool.errors import DxpoolError, FailedPrecondition, InvalidArgument, Unavailable
 from dxpool.limits import MAX_TEXT
 from dxpool.names import check_id, host_name
-from dxpool.store import keys as k
 from dxpool.store.typed import Store, Txn
 
 log = logging.getLogger(__name__)
@@ -293,7 +292,7 @@ class AgentSessions:
         ).SerializeToString(deterministic=True)
         # The cache's view first: one transaction when it is current (a reconnect storm
         # costs etcd one round trip per agent); a failed compare returns what etcd holds.
-        current = self._cache.get(k.HOST_LEASES, host_id)
+        current = self._cache.host_leases.get(host_id)
         confirmed = False
         for _ in range(OPEN_ATTEMPTS):
             if current is not None and parse_liveness(bytes(current.value)).agent_digest != digest:
