@@ -103,10 +103,10 @@ class Admitter:
         self._clock = clock
 
     def queued(self, node_id: str) -> pb.VirtualNode | None:
-        record = self._cache.get(k.NODES, node_id)
+        record = self._cache.nodes.get(node_id)
         if record is None or record.value.state != pb.NODE_STATE_QUEUED:
             return None
-        node: pb.VirtualNode = record.value
+        node = record.value
         return node
 
     def admit(self, node_id: str) -> Outcome:
@@ -155,7 +155,7 @@ class Admitter:
 
     def _request(self, node: pb.VirtualNode) -> PlacementRequest | None:
         host = parse_host(node.spec.host) if node.spec.host else None
-        if host is not None and self._cache.get(k.HOSTS, host) is None:
+        if host is not None and self._cache.hosts.get(host) is None:
             return None
         return placement_request(node.spec, host)
 
@@ -166,7 +166,7 @@ class Admitter:
         return found.value if found is not None else None
 
     def _commit(self, node_id: str, placement: Placement) -> Outcome:
-        tenant_id = self._cache.get(k.NODES, node_id)
+        tenant_id = self._cache.nodes.get(node_id)
         spec_tenant = tenant_id.value.spec.tenant if tenant_id is not None else ""
         locks = self._composer.host_locks.lock(placement.host)
         tenant_lock = (
@@ -184,7 +184,7 @@ class Admitter:
         except _WaitError as wait:
             return Outcome(WAITING, wait.reason)
         except _TenantGoneError:
-            record = self._cache.get(k.NODES, node_id)
+            record = self._cache.nodes.get(node_id)
             tenant = record.value.spec.tenant if record is not None else ""
             return self.fail(node_id, self.tenant_gone_message(tenant))
         except Aborted as error:
@@ -224,7 +224,7 @@ class Admitter:
         admitted.queue.reason = ""
         del admitted.queue.preempting[:]
         admitted.queue.reclaiming = False
-        host_record = self._cache.get(k.HOSTS, host_id)
+        host_record = self._cache.hosts.get(host_id)
         if not reserve_host_resources(
             host_record.value if host_record is not None else None, allocation, spec, node.name
         ):

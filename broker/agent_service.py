@@ -326,7 +326,7 @@ class AgentService:
             if status is not None:
                 welcome.status.CopyFrom(status)
         revision = self._cache.revision
-        record = self._cache.get(k.HOST_ALLOCATIONS, session.host)
+        record = self._cache.host_allocations.get(session.host)
         held = record.mod_revision if record is not None else 0
         if held >= hello.spec_revision and (record is not None or not hello.spec_revision):
             welcome.spec.CopyFrom(host_spec(record, revision))

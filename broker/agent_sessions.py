@@ -61,7 +61,6 @@ from dxpool.broker.stm import SESSION_ATTEMPTS, commit_staged, expect
 from dxpool.errors import DxpoolError, FailedPrecondition, InvalidArgument, Unavailable
 from dxpool.limits import MAX_TEXT
 from dxpool.names import check_id, host_name
-from dxpool.store import keys as k
 from dxpool.store.typed import Store, Txn
 
 log = logging.getLogger(__name__)
@@ -291,7 +290,7 @@ class AgentSessions:
         ).SerializeToString(deterministic=True)
         # The cache's view first: one transaction when it is current (a reconnect storm
         # costs etcd one round trip per agent); a failed compare returns what etcd holds.
-        current = self._cache.get(k.HOST_LEASES, host_id)
+        current = self._cache.host_leases.get(host_id)
         confirmed = False
         for _ in range(SESSION_ATTEMPTS):
             if current is not None and parse_liveness(bytes(current.value)).agent_digest != digest:

@@ -28,12 +28,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Generic, TypeVar, cast
 
 import etcd3
 from google.protobuf.message import Message
 from sortedcontainers import SortedDict
 
+from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.store import keys as k
 from dxpool.store.client import EtcdAddress, addresses_of
 from dxpool.store.keys import COLLECTIONS, KeySchema
@@ -62,6 +63,99 @@ class Subscription:
 
     since: int
     close: Callable[[], None]
+
+
+R = TypeVar("R")
+
+
+class Collection(Generic[R]):
+    """One collection of the cache, typed by its record: ``cache.gpus.get("box1/0")`` is
+    a ``Versioned[pb.Gpu] | None``, as client-go's typed listers return ``*v1.Node``.
+
+    It reads the cache's own index under the cache's lock, so every read keeps the
+    cache's contract (see :class:`Cache`): each call sees one consistent state of the
+    collection, never a record half-applied. A record read is shared: never mutate its
+    ``value``, copy it first.
+    """
+
+    __slots__ = ("_lock", "_records", "name")
+
+    def __init__(
+        self, name: str, lock: threading.RLock, records: SortedDict[str, Versioned[Any]]
+    ) -> None:
+        self.name = name
+        self._lock = lock
+        self._records = records
+
+    def get(self, name: str) -> Versioned[R] | None:
+        """The record with id ``name``, or None."""
+        with self._lock:
+            return self._records.get(name)
+
+    def items(self) -> list[tuple[str, Versioned[R]]]:
+        """Every record, in listing order (by id; GPUs by box, then slot as a number)."""
+        with self._lock:
+            records = self._records
+            return list(zip(records.keys(), records.values(), strict=True))
+
+    def scan(
+        self,
+        after: str | None,
+        limit: int,
+        keep: Callable[[Versioned[R]], bool] = lambda _: True,
+    ) -> tuple[list[tuple[str, Versioned[R]]], bool]:
+        """:meth:`Cache.scan` over this collection."""
+        return _scan(self._lock, self._records, after, limit, keep)
+
+    def walk(self, page: int = WALK_PAGE) -> Iterator[tuple[str, Versioned[R]]]:
+        """:meth:`Cache.walk` over this collection."""
+        return _walk(self.scan, page)
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self._records)
+
+
+_Page = tuple[list[tuple[str, Versioned[R]]], bool]
+
+
+def _walk(
+    scan: Callable[[str | None, int], _Page[R]], page: int
+) -> Iterator[tuple[str, Versioned[R]]]:
+    """Every record ``scan`` finds, ``page`` at a time (one hold of the lock each)."""
+    after: str | None = None
+    while True:
+        found, more = scan(after, page)
+        yield from found
+        if not more or not found:
+            return
+        after = found[-1][0]
+
+
+def _scan(
+    lock: threading.RLock,
+    records: SortedDict[str, Versioned[Any]],
+    after: str | None,
+    limit: int,
+    keep: Callable[[Versioned[Any]], bool],
+) -> tuple[list[tuple[str, Versioned[Any]]], bool]:
+    """Up to ``limit`` records ``keep`` accepts after id ``after``, under ``lock``."""
+    found: list[tuple[str, Versioned[Any]]] = []
+    with lock:
+        if after is None:
+            names = records.irange()
+        elif records.key is None:
+            names = records.irange(minimum=after, inclusive=(False, True))
+        else:  # a SortedKeyDict: ranges are over the order, not the id
+            keyed = cast(Any, records)
+            names = keyed.irange_key(min_key=records.key(after), inclusive=(False, True))
+        for name in names:
+            record = records[name]
+            if keep(record):
+                if len(found) == limit:
+                    return found, True
+                found.append((name, record))
+    return found, False
 
 
 def _gpu_order(name: str) -> tuple[str, int, str]:
@@ -96,6 +190,26 @@ class Cache:
         self._records: dict[str, SortedDict[str, Versioned[Any]]] = {
             c: SortedDict(_gpu_order) if c == k.GPUS else SortedDict() for c in COLLECTIONS
         }
+        records = self._records
+        lock = self._lock
+        # The typed collections (reads of one collection, checked by mypy).
+        self.boxes: Collection[pb.Box] = Collection(k.BOXES, lock, records[k.BOXES])
+        self.gpus: Collection[pb.Gpu] = Collection(k.GPUS, lock, records[k.GPUS])
+        self.hosts: Collection[pb.Host] = Collection(k.HOSTS, lock, records[k.HOSTS])
+        self.host_leases: Collection[bytes] = Collection(
+            k.HOST_LEASES, lock, records[k.HOST_LEASES]
+        )
+        self.host_allocations: Collection[pb.HostAllocation] = Collection(
+            k.HOST_ALLOCATIONS, lock, records[k.HOST_ALLOCATIONS]
+        )
+        self.host_statuses: Collection[pb.HostStatus] = Collection(
+            k.HOST_STATUSES, lock, records[k.HOST_STATUSES]
+        )
+        self.nodes: Collection[pb.VirtualNode] = Collection(k.NODES, lock, records[k.NODES])
+        self.requests: Collection[bytes] = Collection(k.REQUESTS, lock, records[k.REQUESTS])
+        self.tenants: Collection[pb.Tenant] = Collection(k.TENANTS, lock, records[k.TENANTS])
+        self.brokers: Collection[bytes] = Collection(k.BROKERS, lock, records[k.BROKERS])
+        self.gangs: Collection[pb.GangRecord] = Collection(k.GANGS, lock, records[k.GANGS])
         self._tombstones: dict[tuple[str, str], int] = {}
         self._listeners: tuple[ChangeListener, ...] = ()
         # Revisions whose listeners are running now (revision -> calls), and the highest
@@ -368,35 +482,13 @@ class Cache:
         id ``after`` (from the start when None); and whether more such records follow.
 
         ``keep`` runs under the cache lock: it must be quick and must not call back."""
-        found: list[tuple[str, Versioned[Any]]] = []
-        with self._lock:
-            records = self._records[collection]
-            if after is None:
-                names = records.irange()
-            elif records.key is None:
-                names = records.irange(minimum=after, inclusive=(False, True))
-            else:  # a SortedKeyDict: ranges are over the order, not the id
-                keyed = cast(Any, records)
-                names = keyed.irange_key(min_key=records.key(after), inclusive=(False, True))
-            for name in names:
-                record = records[name]
-                if keep(record):
-                    if len(found) == limit:
-                        return found, True
-                    found.append((name, record))
-        return found, False
+        return _scan(self._lock, self._records[collection], after, limit, keep)
 
     def walk(self, collection: str, page: int = WALK_PAGE) -> Iterator[tuple[str, Versioned[Any]]]:
         """Every record of a collection in listing order, read ``page`` records per hold
         of the lock, so a pass over a large collection never holds up the watch for long.
         Not a snapshot: a record changed during the walk may be seen before or after."""
-        after: str | None = None
-        while True:
-            found, more = self.scan(collection, after, page)
-            yield from found
-            if not more or not found:
-                return
-            after = found[-1][0]
+        return _walk(lambda after, limit: self.scan(collection, after, limit), page)
 
     def count(self, collection: str) -> int:
         with self._lock:

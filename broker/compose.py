@@ -198,14 +198,14 @@ class Composer:
         request_id = request.request_id
         if request_id:
             existing = self.node_for_request(
-                request_id, request.spec, self._cache.get(k.REQUESTS, request_id), owner
+                request_id, request.spec, self._cache.requests.get(request_id), owner
             )
             if existing is not None:
                 return existing
         node_id = request.node_id or _generate_node_id()
         if request.node_id:
             free_released_names(self._store, self._cache, [node_id])
-        if request.node_id and self._cache.get(k.NODES, node_id) is not None:
+        if request.node_id and self._cache.nodes.get(node_id) is not None:
             raise AlreadyExists(
                 f"node nodes/{node_id} already exists; pick another node_id or omit it",
                 reason="NODE_EXISTS",
@@ -294,7 +294,7 @@ class Composer:
         if request.node_id:
             check_id(request.node_id, "node")
         host = parse_host(request.spec.host) if request.spec.host else None
-        if host is not None and self._cache.get(k.HOSTS, host) is None:
+        if host is not None and self._cache.hosts.get(host) is None:
             raise NotFound(
                 f"host {request.spec.host} is not registered; list hosts with "
                 "`dxpool host list` or leave the host out to let placement choose",

@@ -21,7 +21,6 @@ from dxpool.broker import loaning
 from dxpool.broker.cache import Cache
 from dxpool.broker.queue_index import QueueIndex
 from dxpool.errors import FailedPrecondition, ResourceExhausted
-from dxpool.store import keys as k
 
 
 class ComposeGate:
@@ -33,7 +32,7 @@ class ComposeGate:
         self._queue = queue
 
     def tenant(self, tenant_id: str) -> pb.Tenant | None:
-        record = self._cache.get(k.TENANTS, tenant_id) if tenant_id else None
+        record = self._cache.tenants.get(tenant_id) if tenant_id else None
         return record.value if record is not None else None
 
     def check(self, spec: pb.NodeSpec, gpus: int, *, requester: str = "") -> None:

@@ -133,13 +133,13 @@ class NodeController:
     def start(self) -> None:
         self._unsubscribe = self._cache.subscribe(self._on_change)
         with self._lock:
-            for name, record in self._cache.items(k.GPUS):
+            for name, record in self._cache.gpus.items():
                 self._index_gpu(name, record.value.host)
                 self._track_gpu(name, record.value)
                 if record.value.node:
                     self._owner_of_gpu[name] = parse_node(record.value.node)
-            for name, record in self._cache.items(k.NODES):
-                self._track_node(name, record.value)
+            for name, node in self._cache.nodes.items():
+                self._track_node(name, node.value)
         self._thread = threading.Thread(target=self._loop, name="node-controller", daemon=True)
         self._thread.start()
 
@@ -247,10 +247,10 @@ class NodeController:
             self._dirty_gpus.clear()
             self._dirty_hosts.clear()
             if self._unsubscribe is None:  # not started: nothing tracks the sets
-                for name, record in self._cache.items(k.GPUS):
+                for name, record in self._cache.gpus.items():
                     self._track_gpu(name, record.value)
-                for name, record in self._cache.items(k.NODES):
-                    self._track_node(name, record.value)
+                for name, node in self._cache.nodes.items():
+                    self._track_node(name, node.value)
             detaching = sorted(self._detaching)
             active = sorted(self._active_nodes)
         self._reconcile_gpus(detaching)
@@ -267,13 +267,13 @@ class NodeController:
             while self._deadlines and self._deadlines[0][0] < now:
                 due.add(heapq.heappop(self._deadlines)[1])
         for name in sorted(due):
-            record = self._cache.get(k.NODES, name)
+            record = self._cache.nodes.get(name)
             if record is None or record.value.state not in lifecycle.ATTACHING_NODE_STATES:
                 continue
             self._reconcile_node(name)
         with self._lock:
             for name in due:
-                record = self._cache.get(k.NODES, name)
+                record = self._cache.nodes.get(name)
                 if record is not None and record.value.state in lifecycle.ATTACHING_NODE_STATES:
                     heapq.heappush(self._deadlines, (seconds(record.value.attach_deadline), name))
 
@@ -286,7 +286,7 @@ class NodeController:
                 gpus |= self._gpus_by_host.get(host, set())
         detaching = []
         for name in sorted(gpus):
-            current = self._cache.get(k.GPUS, name)
+            current = self._cache.gpus.get(name)
             if current is not None and current.value.state == pb.GPU_STATE_DETACHING:
                 detaching.append(name)
             if current is not None and current.value.node:
@@ -298,7 +298,7 @@ class NodeController:
     # -- one node --------------------------------------------------------------------
 
     def _reconcile_node(self, node_id: str) -> None:
-        record = self._cache.get(k.NODES, node_id)
+        record = self._cache.nodes.get(node_id)
         if record is None:
             return
         state = record.value.state
@@ -552,7 +552,7 @@ class NodeController:
         GPUs each): a released node's GPUs are freed together, not one commit apiece."""
         by_host: dict[str, list[str]] = {}
         for name in names:
-            record = self._cache.get(k.GPUS, name)
+            record = self._cache.gpus.get(name)
             if record is not None and record.value.state == pb.GPU_STATE_DETACHING:
                 by_host.setdefault(record.value.host, []).append(name)
         for host, group in sorted(by_host.items()):
@@ -594,7 +594,7 @@ class NodeController:
             if outcome == "FREE":
                 metrics.GPU_FREED.inc()
             else:
-                record = self._cache.get(k.GPUS, name)
+                record = self._cache.gpus.get(name)
                 reason = record.value.message if record is not None else ""
                 log.warning("gpu quarantined", extra={"gpu": name, "reason": reason})
 

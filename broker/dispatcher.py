@@ -62,7 +62,6 @@ from dxpool.broker.queue_index import QueueIndex, models_overlap
 from dxpool.broker.queue_order import Waiting
 from dxpool.broker.records import seconds
 from dxpool.names import parse_gang, parse_gpu, parse_host, parse_node
-from dxpool.store import keys as k
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +84,8 @@ def holders(cache: Cache, now: float) -> list[Holder]:
     nodes: dict[str, list[HeldNode]] = {}
     meta: dict[str, tuple[str, int]] = {}
     noticed: set[str] = set()
-    for _, record in cache.items(k.NODES):
-        node: pb.VirtualNode = record.value
+    for _, record in cache.nodes.items():
+        node = record.value
         if not node.preemptible or node.state not in lifecycle.LOSABLE_NODE_STATES:
             continue
         key = node.gang or node.name

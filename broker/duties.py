@@ -132,12 +132,12 @@ class SingletonDuties:
 
     def start(self) -> None:
         self._unsubscribe = self._cache.subscribe(self._on_change)
-        for name, record in self._cache.items(k.GPUS):
+        for name, record in self._cache.gpus.items():
             self._on_change(k.GPUS, name, record)
-        for name, record in self._cache.items(k.NODES):
-            self._on_change(k.NODES, name, record)
-        for name, record in self._cache.items(k.HOST_LEASES):
-            self._on_change(k.HOST_LEASES, name, record)
+        for name, node in self._cache.nodes.items():
+            self._on_change(k.NODES, name, node)
+        for name, lease in self._cache.host_leases.items():
+            self._on_change(k.HOST_LEASES, name, lease)
         self._thread = threading.Thread(target=self._loop, name="leader-duties", daemon=True)
         self._thread.start()
 
@@ -229,7 +229,7 @@ class SingletonDuties:
             if host not in hosts:
                 del self._absent_since[host]
         for host in sorted(hosts):
-            if self._cache.get(k.HOST_LEASES, host) is not None:
+            if self._cache.host_leases.get(host) is not None:
                 self._absent_since.pop(host, None)
                 continue
             since = self._absent_since.setdefault(host, now)
@@ -244,13 +244,13 @@ class SingletonDuties:
         (it died: its lease took its registration and its agents' records)."""
         with self._lock:
             holder = self._holder.get(host, "")
-        return bool(holder) and self._cache.get(k.BROKERS, holder) is None
+        return bool(holder) and self._cache.brokers.get(holder) is None
 
     def _lose_host(self, host: str) -> None:
         host_name = f"hosts/{host}"
         message = f"{host_name} was lost: no broker holds a session of its agent"
         lost_nodes = 0
-        for node_id, record in self._cache.items(k.NODES):
+        for node_id, record in self._cache.nodes.items():
             if record.value.host == host_name and record.value.state in (
                 lifecycle.LOSABLE_NODE_STATES
             ):
@@ -299,10 +299,10 @@ class SingletonDuties:
         for gpu_id in fencing:
             if self._retry_at.get(gpu_id, 0.0) > now:
                 continue
-            record = self._cache.get(k.GPUS, gpu_id)
+            record = self._cache.gpus.get(gpu_id)
             if record is None or record.value.state != pb.GPU_STATE_FENCING:
                 continue
-            gpu: pb.Gpu = record.value
+            gpu = record.value
             if self._fabric is None:
                 if gpu.message != NO_FABRIC_MESSAGE:
                     self._apply(self._annotate(gpu_id, gpu.generation), gpu_id)
@@ -384,7 +384,7 @@ class SingletonDuties:
                     due.append((at, node_id))
         for at, node_id in sorted(due, key=lambda item: item[1]):
             self._apply(self._forget_node(node_id, cutoff), node_id)
-            record = self._cache.get(k.NODES, node_id)
+            record = self._cache.nodes.get(node_id)
             if record is not None and record.value.state == pb.NODE_STATE_RELEASED:
                 with self._lock:
                     if self._released_at.get(node_id) == at:

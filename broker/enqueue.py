@@ -152,7 +152,7 @@ class QueuedComposer:
         """The uid of the tenant's record, giving the record one (or creating it) in
         this transaction when it has none. A record with a uid is read from the cache
         without a compare: a deletion meanwhile is caught at admission by the uid."""
-        cached = self._composer.cache.get(k.TENANTS, tenant_id)
+        cached = self._composer.cache.tenants.get(tenant_id)
         if cached is not None and cached.value.uid:
             return str(cached.value.uid)
         record = view.get(k.TENANTS, tenant_id)

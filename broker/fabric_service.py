@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import grpc
 
 from dxpool.api.v1 import fabric_pb2, fabric_pb2_grpc
+from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.cache import Cache
 from dxpool.broker.placement.model import PlacementRequest, Snapshot
 from dxpool.broker.placement.placer import place
@@ -17,7 +17,6 @@ from dxpool.fabric.latency import LatencyEstimate, LatencyModel, LatencySource, 
 from dxpool.fabric.overhead import PROFILES, WorkloadProfile, parse_workload
 from dxpool.names import parse_box, parse_host
 from dxpool.request import validate_gpu_request
-from dxpool.store import keys as k
 from dxpool.store.typed import Versioned
 from dxpool.text import check_text
 
@@ -137,8 +136,8 @@ class FabricService(fabric_pb2_grpc.FabricServiceServicer):
             for box, count in counts.items()
         ]
 
-    def _host(self, name: str) -> Versioned[Any]:
-        host = self._cache.get(k.HOSTS, parse_host(name))
+    def _host(self, name: str) -> Versioned[pb.Host]:
+        host = self._cache.hosts.get(parse_host(name))
         if host is None:
             raise NotFound(
                 f"host {name} is not registered; see `dxpool host list`",
@@ -146,8 +145,8 @@ class FabricService(fabric_pb2_grpc.FabricServiceServicer):
             )
         return host
 
-    def _box(self, name: str) -> Versioned[Any]:
-        box = self._cache.get(k.BOXES, parse_box(name))
+    def _box(self, name: str) -> Versioned[pb.Box]:
+        box = self._cache.boxes.get(parse_box(name))
         if box is None:
             raise NotFound(
                 f"box {name} does not exist; see `dxpool box list`",

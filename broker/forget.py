@@ -62,7 +62,7 @@ def free_released_names(store: Store, cache: Cache, node_ids: Sequence[str]) -> 
 
 
 def _released(cache: Cache, node_id: str) -> bool:
-    record = cache.get(k.NODES, node_id)
+    record = cache.nodes.get(node_id)
     return record is not None and record.value.state == pb.NODE_STATE_RELEASED
 
 

@@ -210,8 +210,8 @@ class ChunkedGangs:
                 return existing
         gang_id = request.gang_id or f"gang-{secrets.token_hex(4)}"
         if request.gang_id and (
-            self._cache.get(k.GANGS, gang_id) is not None
-            or self._cache.get(k.NODES, gang_member_id(gang_id, 0)) is not None
+            self._cache.gangs.get(gang_id) is not None
+            or self._cache.nodes.get(gang_member_id(gang_id, 0)) is not None
         ):
             raise _gang_exists(gang_id)
         tenant = specs[0].tenant
@@ -311,7 +311,7 @@ class ChunkedGangs:
                     reason="INVALID_GANG",
                 )
             host = parse_host(spec.host) if spec.host else None
-            if host is not None and self._cache.get(k.HOSTS, host) is None:
+            if host is not None and self._cache.hosts.get(host) is None:
                 raise NotFound(
                     f"members[{i}]: host {spec.host} is not registered; list hosts with "
                     "`dxpool host list` or leave the host out to let placement choose",
@@ -373,7 +373,7 @@ class ChunkedGangs:
             if view.get(k.GANGS, gang_id) is not None:
                 raise _gang_exists(gang_id)
             if tenant_id:
-                cached = self._cache.get(k.TENANTS, tenant_id)
+                cached = self._cache.tenants.get(tenant_id)
                 if cached is not None and cached.value.uid:
                     record.queue.tenant_uid = cached.value.uid
                 else:
@@ -481,7 +481,7 @@ class ChunkedGangs:
                 metrics.GANG_CHUNKS.labels(result="committed").inc()
                 return count
             metrics.GANG_CHUNKS.labels(result="conflict").inc()
-            current = self._cache.get(k.GANGS, reservation.gang_id)
+            current = self._cache.gangs.get(reservation.gang_id)
             if current is None or current.mod_revision != reservation.revision:
                 raise _GangChangedError
             for member in range(start, start + count):
@@ -509,10 +509,10 @@ class ChunkedGangs:
         if placement is None:
             return True
         for binding in placement.bindings:
-            gpu = self._cache.get(k.GPUS, f"{binding.box}/{binding.slot}")
+            gpu = self._cache.gpus.get(f"{binding.box}/{binding.slot}")
             if gpu is None or not lifecycle.is_free(gpu.value):
                 return True
-        allocation = self._cache.get(k.HOST_ALLOCATIONS, placement.host)
+        allocation = self._cache.host_allocations.get(placement.host)
         used = {a.host_slot for a in allocation.value.attachments} if allocation else set()
         return any(b.host_slot in used for b in placement.bindings) or bool(
             allocation and allocation.value.unschedulable
@@ -538,7 +538,7 @@ class ChunkedGangs:
             if ops + cost > MAX_TXN_OPS:
                 break
             if new_host:
-                record = self._cache.get(k.HOST_ALLOCATIONS, placement.host)
+                record = self._cache.host_allocations.get(placement.host)
                 allocation = (
                     copy(record.value)
                     if record is not None
@@ -588,7 +588,7 @@ class ChunkedGangs:
         now: float,
     ) -> tuple[pb.VirtualNode, Txn]:
         name = node_name(gang_member_id(reservation.gang_id, member))
-        host_record = self._cache.get(k.HOSTS, placement.host)
+        host_record = self._cache.hosts.get(placement.host)
         if allocation.unschedulable or not reserve_host_resources(
             host_record.value if host_record else None, allocation, spec, name
         ):
@@ -629,7 +629,7 @@ class ChunkedGangs:
         nodes: int,
         created: set[str],
     ) -> None:
-        record = self._cache.get(k.TENANTS, tenant_id)
+        record = self._cache.tenants.get(tenant_id)
         tenant = record.value if record is not None else None
         error = breach(tenant_id, tenant, models, nodes=nodes, borrowed=reservation.borrowed)
         if error is not None:
@@ -755,18 +755,18 @@ class ChunkedGangs:
     # -- queued gangs -------------------------------------------------------------------------
 
     def queued(self, gang_id: str) -> pb.GangRecord | None:
-        record = self._cache.get(k.GANGS, gang_id)
+        record = self._cache.gangs.get(gang_id)
         if record is None or record.value.state != pb.GANG_STATE_QUEUED:
             return None
-        gang: pb.GangRecord = record.value
+        gang = record.value
         return gang
 
     def admit_queued(self, gang_id: str) -> Outcome:
         """Try to compose the QUEUED gang ``gang_id`` now (for the dispatcher)."""
-        record = self._cache.get(k.GANGS, gang_id)
+        record = self._cache.gangs.get(gang_id)
         if record is None or record.value.state != pb.GANG_STATE_QUEUED:
             return Outcome(GONE)
-        gang: pb.GangRecord = record.value
+        gang = record.value
         now = self._clock()
         specs = member_specs(gang)
         tenant = specs[0].tenant if specs else ""
@@ -879,8 +879,8 @@ class ChunkedGangs:
         deadline), and delete FAILED and RELEASED records whose members are gone once
         ``retention`` has passed."""
         now = self._clock()
-        for gang_id, record in self._cache.items(k.GANGS):
-            gang: pb.GangRecord = record.value
+        for gang_id, record in self._cache.gangs.items():
+            gang = record.value
             if gang.state in (pb.GANG_STATE_RESERVING, pb.GANG_STATE_ABORTING):
                 if gang.HasField("reserve_deadline") and now > seconds(gang.reserve_deadline):
                     self.rollback(
@@ -898,7 +898,7 @@ class ChunkedGangs:
 
     def _collect(self, gang_id: str, gang: pb.GangRecord) -> None:
         for i in range(gang.size):
-            if self._cache.get(k.NODES, gang_member_id(gang_id, i)) is not None:
+            if self._cache.nodes.get(gang_member_id(gang_id, i)) is not None:
                 return  # members still there; garbage collection of nodes comes first
 
         def body(view: TxnView) -> None:
@@ -928,7 +928,7 @@ class ChunkedGangs:
         if gang.state in (pb.GANG_STATE_QUEUED, pb.GANG_STATE_FAILED) and not gang.committed:
             return answer
         for i in range(gang.size):
-            record = self._cache.get(k.NODES, gang_member_id(gang_id, i))
+            record = self._cache.nodes.get(gang_member_id(gang_id, i))
             if record is not None:
                 answer.nodes.append(record.value)
         return answer

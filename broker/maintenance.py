@@ -228,11 +228,11 @@ class Maintenance:
         """Live nodes (by id) owning the GPUs ``gpu_ids`` names, with the GPUs each owns."""
         owners: dict[str, list[str]] = {}
         for gpu_id in gpu_ids:
-            record = self._cache.get(k.GPUS, gpu_id)
+            record = self._cache.gpus.get(gpu_id)
             if record is None or not record.value.node:
                 continue
             node_id = parse_node(record.value.node)
-            node = self._cache.get(k.NODES, node_id)
+            node = self._cache.nodes.get(node_id)
             if node is not None and node.value.state in lifecycle.LOSABLE_NODE_STATES:
                 owners.setdefault(node_id, []).append(record.value.name)
         return owners
@@ -254,7 +254,7 @@ class Maintenance:
         if not view.HasField("drain"):
             return
         box_id = parse_box(view.name)
-        chunk, _ = self._cache.scan(k.GPUS, f"{box_id}/", 64)
+        chunk, _ = self._cache.gpus.scan(f"{box_id}/", 64)
         on_host = [
             name
             for name, record in chunk
@@ -274,10 +274,10 @@ class Maintenance:
                 drain.blocked.append(f"nodes/{node_id}: {note}")
 
     def _blocked(self, node_id: str) -> str:
-        record = self._cache.get(k.NODES, node_id)
+        record = self._cache.nodes.get(node_id)
         if record is None:
             return ""
-        node: pb.VirtualNode = record.value
+        node = record.value
         if node.HasField("preemption"):
             left = seconds(node.preemption.deadline) - self._clock()
             return f"released after its notice ({max(left, 0):.0f}s left)"
@@ -296,11 +296,11 @@ class Maintenance:
                     node_id, f"hosts/{host_id}", f"host hosts/{host_id} is draining"
                 )
         for box_id in boxes:
-            record = self._cache.get(k.BOXES, box_id)
+            record = self._cache.boxes.get(box_id)
             if record is None or not record.value.HasField("drain"):
                 continue
-            box: pb.Box = record.value
-            chunk, _ = self._cache.scan(k.GPUS, f"{box_id}/", 64)
+            box = record.value
+            chunk, _ = self._cache.gpus.scan(f"{box_id}/", 64)
             on_box = [
                 n for n, r in chunk if n.startswith(f"{box_id}/") and r.value.state in _ON_HOST
             ]
@@ -316,10 +316,10 @@ class Maintenance:
     def _move(self, box: pb.Box, node_id: str, gpus: list[str]) -> str:
         """One step of moving ``node_id``'s GPUs ``gpus`` out of ``box``; what blocks it
         ("" when a step was taken or is under way)."""
-        record = self._cache.get(k.NODES, node_id)
+        record = self._cache.nodes.get(node_id)
         if record is None:
             return ""
-        node: pb.VirtualNode = record.value
+        node = record.value
         if node.HasField("preemption"):
             return ""
         grow_id, shrink_id = move_request_ids(box, node)

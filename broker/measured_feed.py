@@ -50,7 +50,7 @@ class MeasuredFeed:
     def __init__(self, cache: Cache, model: MeasuredLatency) -> None:
         self._model = model
         self._unsubscribe = cache.subscribe(self._on_change)
-        for name, record in cache.items(k.HOST_STATUSES):
+        for name, record in cache.host_statuses.items():
             self._on_change(k.HOST_STATUSES, name, record)
 
     def close(self) -> None:

@@ -34,7 +34,7 @@ CATCH_UP_TIMEOUT_S = 2.0
 
 def _gpu_models(cache: Cache) -> Iterator[str]:
     """The model of every cached GPU (a page of records per hold of the cache's lock)."""
-    return (record.value.model for _, record in cache.walk(k.GPUS))
+    return (record.value.model for _, record in cache.gpus.walk())
 
 
 def _has_model(cache: Cache, model: str) -> bool:

@@ -358,22 +358,22 @@ class NodeFeed:
 
     def _listing(self, name: str | None, start_revision: int) -> Iterator[nodes_pb2.NodeEvent]:
         if name is not None:
-            found = self._cache.get(k.NODES, name)
+            found = self._cache.nodes.get(name)
             if found is None:
                 self._require(name)
             records = [found] if found is not None else []
         else:
-            records = [record for _, record in self._cache.items(k.NODES)]
+            records = [record for _, record in self._cache.nodes.items()]
         for record in records:
             yield _Event(type=_Event.TYPE_EXISTING, node=record.value, revision=start_revision)
 
     def _replay(self, name: str | None, since: int) -> list[_Change]:
         """Every node that changed after ``since`` (latest state) and every deletion."""
         if name is not None:
-            found = self._cache.get(k.NODES, name)
+            found = self._cache.nodes.get(name)
             live = [(name, found)] if found is not None else []
         else:
-            live = self._cache.items(k.NODES)
+            live = self._cache.nodes.items()
         changes: list[_Change] = [(r.mod_revision, n, r) for n, r in live if r.mod_revision > since]
         with self._lock:
             changes.extend(

@@ -70,7 +70,7 @@ def holds_gpus(cache: Cache, node: pb.VirtualNode, only: set[str] | None = None)
     for binding in node.gpus:
         if only is not None and binding.gpu not in only:
             continue
-        record = cache.get(k.GPUS, gpu_id(binding.gpu))
+        record = cache.gpus.get(gpu_id(binding.gpu))
         if record is not None and record.value.node == node.name:
             return True
     return False
@@ -98,7 +98,7 @@ class Notices:
         self._lock = threading.Lock()
         self._pending: dict[str, float] = {}  # node id -> notice deadline
         self._unsubscribe = cache.subscribe(self._on_change)
-        for name, record in cache.items(k.NODES):
+        for name, record in cache.nodes.items():
             self._on_change(k.NODES, name, record)
 
     def close(self) -> None:
@@ -127,14 +127,14 @@ class Notices:
         """Whether node ``victim``, given a notice for ``by``, has yet to let go of the
         GPUs: its notice is not carried out yet, or GPUs it let go of are still being
         detached (they are freed on the agent's report)."""
-        record = self._cache.get(k.NODES, parse_node(victim))
+        record = self._cache.nodes.get(parse_node(victim))
         if record is None:
             return False
-        node: pb.VirtualNode = record.value
+        node = record.value
         if node.state in lifecycle.LOSABLE_NODE_STATES and node.HasField("preemption"):
             return node.preemption.by == by
         for binding in node.gpus:
-            gpu = self._cache.get(k.GPUS, gpu_id(binding.gpu))
+            gpu = self._cache.gpus.get(gpu_id(binding.gpu))
             if (
                 gpu is not None
                 and gpu.value.node == node.name
@@ -313,7 +313,7 @@ class Notices:
         return changed
 
     def _purpose_holds_cached(self, node_id: str) -> bool:
-        record = self._cache.get(k.NODES, node_id)
+        record = self._cache.nodes.get(node_id)
         if record is None or not record.value.HasField("preemption"):
             return True
         return self._purpose_holds(self._cache.get, record.value.preemption.by)
@@ -338,7 +338,7 @@ class Notices:
     def carry_out(self, node_id: str) -> str | None:
         """Carry out node ``node_id``'s notice if due, or withdraw it if its purpose is
         gone; returns what happened ("released", "shrunk", "withdrawn") or None."""
-        record = self._cache.get(k.NODES, node_id)
+        record = self._cache.nodes.get(node_id)
         host = parse_host(record.value.host) if record is not None and record.value.host else ""
         with self._host_locks.lock(host):
             outcome = transact(

@@ -105,10 +105,10 @@ class PlacementIndex:
         yet, so the records are not journaled one by one, and each host is described
         once, after all its records are in. Events arriving meanwhile are taken as
         usual between collections (a record taken twice is taken once)."""
-        for name, record in cache.items(k.BOXES):  # the cache returns a copy
+        for name, box in cache.boxes.items():  # the cache returns a copy
             with self._lock:
-                self._on_box_change(name, record)
-        gpus = cache.items(k.GPUS)
+                self._on_box_change(name, box)
+        gpus = cache.gpus.items()
         with self._lock:
             for name, record in gpus:
                 self._on_gpu_change(name, record)

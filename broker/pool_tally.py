@@ -116,8 +116,8 @@ class PoolTally:
         keys an event has handled since this tally subscribed (see the module doc)."""
         handled = self._loading
         assert handled is not None  # set until the end of this pass
-        boxes = {name: record.value for name, record in self._cache.items(k.BOXES)}
-        gpus = self._cache.items(k.GPUS)
+        boxes = {name: record.value for name, record in self._cache.boxes.items()}
+        gpus = self._cache.gpus.items()
         with self._lock:
             # A box changed since its copy was taken: its event recounted every GPU the
             # cache held of it then and marked them handled; a GPU added since has an
@@ -126,25 +126,25 @@ class PoolTally:
             shares: dict[str, _GpuShare] = {}
             for name, record in gpus:
                 if (k.GPUS, name) not in handled:
-                    gpu: pb.Gpu = record.value
+                    gpu = record.value
                     usable = name.partition("/")[0] in active
                     shares[name] = (gpu.model, gpu_bucket(gpu, usable_box=usable), gpu.state)
             # added at once: only the GPUs an event handled have a share, and they are skipped
             self._gpus.update(shares)
             self._buckets.update((model, bucket) for model, bucket, _ in shares.values())
             self._states.update((model, state) for model, _, state in shares.values())
-        nodes = self._cache.items(k.NODES)
+        nodes = self._cache.nodes.items()
         with self._lock:
-            for name, record in nodes:
+            for name, node in nodes:
                 if (k.NODES, name) not in handled:
-                    self._set_node(name, record.value.state)
-        hosts = self._cache.items(k.HOSTS)
-        leases = {name for name, _ in self._cache.items(k.HOST_LEASES)}
-        allocations = dict(self._cache.items(k.HOST_ALLOCATIONS))
+                    self._set_node(name, node.value.state)
+        hosts = self._cache.hosts.items()
+        leases = {name for name, _ in self._cache.host_leases.items()}
+        allocations = dict(self._cache.host_allocations.items())
         with self._lock:
-            for name, record in hosts:
+            for name, host in hosts:
                 if (k.HOSTS, name) not in handled:  # an event names all three
-                    self._set_host(name, record, name in leases, allocations.get(name))
+                    self._set_host(name, host, name in leases, allocations.get(name))
             self._loading = None
 
     def _on_change(self, collection: str, name: str, record: Versioned[Any] | None) -> None:
@@ -156,32 +156,32 @@ class PoolTally:
             if self._loading is not None:
                 self._loading.add((collection, name))
             if collection == k.GPUS:
-                current = cache.get(k.GPUS, name)
-                box = cache.get(k.BOXES, name.partition("/")[0])
+                current = cache.gpus.get(name)
+                box = cache.boxes.get(name.partition("/")[0])
                 self._set_gpu(
                     name,
                     current.value if current is not None else None,
                     box.value if box is not None else None,
                 )
             elif collection == k.BOXES:
-                box = cache.get(k.BOXES, name)
-                found, _ = cache.scan(k.GPUS, f"{name}/", MAX_GPUS_PER_BOX)
+                box = cache.boxes.get(name)
+                found, _ = cache.gpus.scan(f"{name}/", MAX_GPUS_PER_BOX)
                 for gpu_name, gpu in found:
                     if gpu_name.startswith(f"{name}/"):
                         self._set_gpu(gpu_name, gpu.value, box.value if box else None)
                         if self._loading is not None:
                             self._loading.add((k.GPUS, gpu_name))
             elif collection == k.NODES:
-                node = cache.get(k.NODES, name)
+                node = cache.nodes.get(name)
                 self._set_node(name, node.value.state if node is not None else None)
             else:
                 if self._loading is not None:
                     self._loading.update((c, name) for c in _HOST_COLLECTIONS)
                 self._set_host(
                     name,
-                    cache.get(k.HOSTS, name),
-                    cache.get(k.HOST_LEASES, name) is not None,
-                    cache.get(k.HOST_ALLOCATIONS, name),
+                    cache.hosts.get(name),
+                    cache.host_leases.get(name) is not None,
+                    cache.host_allocations.get(name),
                 )
 
     def _set_gpu(self, name: str, gpu: pb.Gpu | None, box: pb.Box | None) -> None:
@@ -209,9 +209,9 @@ class PoolTally:
     def _set_host(
         self,
         name: str,
-        host: Versioned[Any] | None,
+        host: Versioned[pb.Host] | None,
         alive: bool,
-        allocation: Versioned[Any] | None,
+        allocation: Versioned[pb.HostAllocation] | None,
     ) -> None:
         if name in self._hosts:
             old = self._hosts.pop(name)

@@ -76,10 +76,10 @@ class QueueIndex:
         self._positions: dict[str, int] = {}
         self._listeners: list[Callable[[], None]] = []
         self._unsubscribe = cache.subscribe(self._on_change)
-        for name, record in cache.items(k.NODES):
+        for name, record in cache.nodes.items():
             self._on_change(k.NODES, name, record)
-        for name, record in cache.items(k.GANGS):
-            self._on_change(k.GANGS, name, record)
+        for name, gang in cache.gangs.items():
+            self._on_change(k.GANGS, name, gang)
 
     def close(self) -> None:
         self._unsubscribe()

@@ -26,7 +26,6 @@ from dxpool.broker.validation import check_page_size, check_text
 from dxpool.errors import InvalidArgument
 from dxpool.limits import MAX_TENANT
 from dxpool.names import ID_PATTERN, ID_RULE, parse_gang, parse_node
-from dxpool.store import keys as k
 
 
 class Sharing:
@@ -129,10 +128,10 @@ class Sharing:
 
     def _entry(self, name: str, position: int, owner: str | None) -> nodes_pb2.QueueEntry | None:
         if name.startswith("gangs/"):
-            record = self._cache.get(k.GANGS, parse_gang(name))
+            record = self._cache.gangs.get(parse_gang(name))
             if record is None or (owner is not None and record.value.owner != owner):
                 return None
-            gang: pb.GangRecord = record.value
+            gang = record.value
             first = gang.members[0] if gang.members else pb.NodeSpec()
             gpus = (
                 first.gpus.count * gang.size
@@ -145,10 +144,10 @@ class Sharing:
             return nodes_pb2.QueueEntry(
                 name=name, tenant=first.tenant, priority=first.priority, gpus=gpus, queue=status
             )
-        node_record = self._cache.get(k.NODES, parse_node(name))
+        node_record = self._cache.nodes.get(parse_node(name))
         if node_record is None or (owner is not None and node_record.value.owner != owner):
             return None
-        node: pb.VirtualNode = node_record.value
+        node = node_record.value
         status = pb.QueueStatus()
         status.CopyFrom(node.queue)
         status.position = position

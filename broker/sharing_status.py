@@ -38,7 +38,7 @@ class SharingStatus:
         self._lock = threading.Lock()
         self._cordoned: set[str] = set()
         self._unsubscribe = cache.subscribe(self._on_change)
-        for name, record in cache.items(k.HOST_ALLOCATIONS):
+        for name, record in cache.host_allocations.items():
             self._on_change(k.HOST_ALLOCATIONS, name, record)
 
     def close(self) -> None:
@@ -72,10 +72,10 @@ class SharingStatus:
 
     def _reason(self, name: str) -> str:
         if name.startswith("gangs/"):
-            record = self._cache.get(k.GANGS, parse_gang(name))
-        else:
-            record = self._cache.get(k.NODES, parse_node(name))
-        return str(record.value.queue.reason) if record is not None else ""
+            gang = self._cache.gangs.get(parse_gang(name))
+            return str(gang.value.queue.reason) if gang is not None else ""
+        node = self._cache.nodes.get(parse_node(name))
+        return str(node.value.queue.reason) if node is not None else ""
 
 
 __all__ = ["SharingStatus"]

@@ -38,7 +38,7 @@ import time
 import uuid
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from types import TracebackType
-from typing import Final, TypeVar
+from typing import Final, TypeVar, Unpack
 
 import grpc
 from google.protobuf.descriptor import EnumDescriptor
@@ -81,20 +81,17 @@ from dxpool.errors import (
     from_code,
     from_rpc_error,
 )
-from dxpool.fabric.overhead import check_slowdown
 from dxpool.hints import connection_hint
 from dxpool.lifecycle import NODE_REACHABLE
-from dxpool.limits import MAX_GPU_MEMORY_MIB, MAX_GPUS_PER_BOX, MAX_LATENCY_NS
-from dxpool.request import (
-    GpuSpec,
-    check_host_resources,
-    check_model,
-    parse_duration_ns,
-    parse_gpus,
-    parse_host_memory_mib,
-    parse_memory_mib,
-    parse_spread,
+from dxpool.limits import MAX_GPU_MEMORY_MIB, MAX_GPUS_PER_BOX
+from dxpool.node_request import (
+    GpusLike,
+    NodeRequest,
+    NodeRequestChanges,
+    gpu_request_proto,
+    parse_node_request,
 )
+from dxpool.request import check_model, parse_gpus
 from dxpool.tls import ClientTls
 
 __all__ = [
@@ -192,10 +189,7 @@ def gpu_state(value: int | str) -> int:
 
 def _simple_name(value: str, collection: str, kind: str) -> str:
     """``"h1"`` or ``"hosts/h1"`` -> ``"hosts/h1"``, validated."""
-    if value.startswith(collection + "/"):
-        names.check_id(value[len(collection) + 1 :], kind)
-        return value
-    return f"{collection}/{names.check_id(value, kind)}"
+    return names.full_name(value, collection, kind)
 
 
 def box_name(value: str) -> str:
@@ -249,106 +243,31 @@ def _location(value: LocationLike | None) -> Location | None:
     return Location(site=site, pod=pod, rack=rack)
 
 
-def _latency_ns(value: str | int | None) -> int:
-    if value is None:
-        return 0
-    ns = parse_duration_ns(value) if isinstance(value, str) else value
-    if isinstance(ns, bool) or not isinstance(ns, int) or not 0 <= ns <= MAX_LATENCY_NS:
-        raise InvalidArgument(
-            f"invalid max_latency {value!r}: give nanoseconds (0 up to {MAX_LATENCY_NS}) or "
-            "a duration up to 10s such as '4us'",
-            reason="INVALID_DURATION",
-        )
-    return ns
+def _node_request(
+    request: NodeRequest | GpusLike | None, fields: NodeRequestChanges
+) -> NodeRequest:
+    """The request a node call sends: ``request`` itself, with ``fields`` replacing its
+    values where given, or a request parsed from its GPUs (``request``, or the ``gpus``
+    keyword the calls have always taken) and ``fields``."""
+    changes = dict(fields)
+    gpus = changes.pop("gpus", None)
+    if isinstance(request, NodeRequest):
+        if not fields:
+            return request
+        return request.copy(gpus=gpus, **changes)  # type: ignore[arg-type]
+    if (request is None) == (gpus is None):
+        raise TypeError("give a node request, or its GPUs as the first argument or gpus=")
+    return parse_node_request(request if gpus is None else gpus, **changes)  # type: ignore[arg-type]
 
 
-def _slowdown(max_slowdown: float | None, workload: str | None) -> float:
-    """The slowdown bound to send (0: none), checked with its workload before sending."""
-    value = 0.0 if max_slowdown is None else max_slowdown
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidArgument(
-            f"invalid max_slowdown {max_slowdown!r}: give a ratio such as 1.05",
-            reason="INVALID_SLOWDOWN",
-        )
-    check_slowdown(float(value), workload or "")
-    return float(value)
+def _node_id(value: str | None) -> str:
+    """A node id to send (``"n1"`` or ``"nodes/n1"``), checked; "" to have one made."""
+    return names.check_id(value.removeprefix("nodes/"), "node") if value else ""
 
 
-_AFFINITIES = {
-    "box": resources_pb2.GPU_AFFINITY_BOX,
-    "switch": resources_pb2.GPU_AFFINITY_SWITCH,
-}
-"""The affinities a request may require, by the name the client and CLI take."""
-
-
-def _affinity(value: str | None) -> resources_pb2.GpuAffinity.ValueType:
-    if not value:
-        return resources_pb2.GPU_AFFINITY_UNSPECIFIED
-    found = _AFFINITIES.get(value.strip().lower())
-    if found is None:
-        raise InvalidArgument(
-            f"invalid affinity {value!r}: use box (every GPU from one box), switch (every "
-            "GPU from boxes under one rack switch) or leave it out",
-            reason="INVALID_AFFINITY",
-        )
-    return found
-
-
-def _spread(value: str | int | None) -> int:
-    """``"boxes"`` -> 1, ``"boxes:2"`` or 2 -> 2, None -> 0 (no limit)."""
-    if value is None:
-        return 0
-    if isinstance(value, str):
-        return parse_spread(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgument(
-            f"invalid spread {value!r}: give 'boxes', 'boxes:M' or M, the most GPUs per box",
-            reason="INVALID_SPREAD",
-        )
-    return value
-
-
-def _cpus(value: int | None) -> int:
-    cores = 0 if value is None else value
-    if isinstance(cores, bool) or not isinstance(cores, int):
-        raise InvalidArgument(
-            f"invalid cpus {value!r}: give a whole number of CPU cores",
-            reason="INVALID_HOST_RESOURCES",
-        )
-    check_host_resources(cores, 0, "cpus")
-    return cores
-
-
-def _host_memory_mib(value: str | int | None) -> int:
-    mib = 0 if value is None else parse_host_memory_mib(value) if isinstance(value, str) else value
-    if isinstance(mib, bool) or not isinstance(mib, int):
-        raise InvalidArgument(
-            f"invalid host_memory {value!r}: give MiB or a size such as '64GiB'",
-            reason="INVALID_HOST_RESOURCES",
-        )
-    check_host_resources(0, mib, memory_field="host_memory")
-    return mib
-
-
-def _excluded_hosts(hosts: Iterable[str]) -> list[str]:
-    """Host ids or names as the ``hosts/{host}`` names ``NodeSpec.exclude_hosts`` holds,
-    each once, in the order given (the broker checks how many)."""
-    if isinstance(hosts, str):
-        raise InvalidArgument("exclude_hosts takes a list of hosts, not one string")
-    return list(dict.fromkeys(host_name(host) for host in hosts))
-
-
-def _memory_mib(value: str | int | None, default: int) -> int:
-    if value is None:
-        return default
-    mib = parse_memory_mib(value) if isinstance(value, str) else value
-    if isinstance(mib, bool) or not isinstance(mib, int) or not 0 <= mib <= MAX_GPU_MEMORY_MIB:
-        raise InvalidArgument(
-            f"invalid min_memory {value!r}: give MiB (0 up to {MAX_GPU_MEMORY_MIB}) or a "
-            "size such as '80GiB'",
-            reason="INVALID_MEMORY",
-        )
-    return mib
+def _request_id(value: str | None) -> str:
+    """An idempotency key to send, checked; a fresh uuid4 when none is given."""
+    return names.check_request_id(value or str(uuid.uuid4()))
 
 
 def _error_from_rpc(error: grpc.RpcError) -> DxpoolError:
@@ -543,7 +462,7 @@ class Client:
             box=box,
             gpu_model=model,
             gpu_memory_mib=memory_mib,
-            request_id=names.check_request_id(request_id or str(uuid.uuid4())),
+            request_id=_request_id(request_id),
         )
         return self._unary(self._inventory.CreateBox, request)
 
@@ -711,95 +630,22 @@ class Client:
 
     # -- nodes ---------------------------------------------------------------------------
 
-    @staticmethod
-    def _compose_request(
-        gpus: str | Mapping[str, object] | GpuSpec,
-        *,
-        host: str | None,
-        max_latency: str | int | None,
-        min_memory: str | int | None,
-        vfio: bool,
-        max_slowdown: float | None = None,
-        workload: str | None = None,
-        affinity: str | None = None,
-        spread: str | int | None = None,
-        host_selector: Mapping[str, str] | None = None,
-        cpus: int | None = None,
-        host_memory: str | int | None = None,
-        exclude_hosts: Iterable[str] = (),
-        node_id: str | None,
-        tenant: str,
-        labels: Mapping[str, str] | None,
-        request_id: str | None,
-        priority: int = 0,
-        min_gpus: int = 0,
-        preemption_grace_s: int | None = None,
-        queue: bool = False,
-        queue_timeout_s: int = 0,
-    ) -> nodes_pb2.ComposeNodeRequest:
-        spec = parse_gpus(gpus)
-        request = nodes_pb2.ComposeNodeRequest(
-            spec=resources_pb2.NodeSpec(
-                gpus=resources_pb2.GpuRequest(
-                    model=spec.model,
-                    count=spec.count,
-                    min_memory_mib=_memory_mib(min_memory, spec.min_memory_mib),
-                    mixed_models=spec.mixed_models,
-                ),
-                host=host_name(host) if host else "",
-                max_latency_ns=_latency_ns(max_latency),
-                max_slowdown=_slowdown(max_slowdown, workload),
-                workload=workload or "",
-                vfio=vfio,
-                tenant=tenant,
-                labels=dict(labels or {}),
-                affinity=_affinity(affinity),
-                max_gpus_per_box=_spread(spread),
-                host_selector=dict(host_selector or {}),
-                cpu_cores=_cpus(cpus),
-                host_memory_mib=_host_memory_mib(host_memory),
-                exclude_hosts=_excluded_hosts(exclude_hosts),
-            ),
-            node_id=names.check_id(node_id.removeprefix("nodes/"), "node") if node_id else "",
-            request_id=names.check_request_id(request_id or str(uuid.uuid4())),
-            queue=queue,
-            queue_timeout_s=queue_timeout_s,
-        )
-        request.spec.priority = priority
-        request.spec.min_gpus = min_gpus
-        if preemption_grace_s is not None:
-            request.spec.preemption_grace_s = preemption_grace_s
-        return request
-
     def compose_node(
         self,
-        gpus: str | Mapping[str, object] | GpuSpec,
+        request: NodeRequest | GpusLike | None = None,
         *,
-        host: str | None = None,
-        max_latency: str | int | None = None,
-        min_memory: str | int | None = None,
-        vfio: bool = False,
-        max_slowdown: float | None = None,
-        workload: str | None = None,
-        affinity: str | None = None,
-        spread: str | int | None = None,
-        host_selector: Mapping[str, str] | None = None,
-        cpus: int | None = None,
-        host_memory: str | int | None = None,
-        exclude_hosts: Iterable[str] = (),
         node_id: str | None = None,
-        tenant: str = "",
-        labels: Mapping[str, str] | None = None,
         request_id: str | None = None,
-        priority: int = 0,
-        min_gpus: int = 0,
-        preemption_grace_s: int | None = None,
         queue: bool = False,
         queue_timeout_s: int = 0,
+        **fields: Unpack[NodeRequestChanges],
     ) -> resources_pb2.VirtualNode:
         """Place and commit a node; it comes back PENDING (see :meth:`wait_for_node`).
 
-        ``gpus`` follows :mod:`dxpool.request` ("H100:4", a mapping, or a GpuSpec);
+        ``request`` is a :class:`~dxpool.node_request.NodeRequest`, sent whole, or its
+        GPUs (``"H100:4"``, a mapping or a GpuSpec, as :mod:`dxpool.request` reads them)
+        with the rest of the request as keyword ``fields`` (with a NodeRequest, the
+        fields given replace its own, as :meth:`NodeRequest.copy` does):
         ``max_latency`` is a duration ("4us") or nanoseconds; ``min_memory`` a size
         ("80GiB") or MiB; ``max_slowdown`` (e.g. 1.05) bounds the predicted slowdown of
         ``workload`` (a profile name or ``ROUND_TRIPS@STEP_TIME``, see
@@ -820,54 +666,23 @@ class Client:
         lent capacity it holds is reclaimed); ``preemption_grace_s`` is the notice it
         gets before its GPUs are taken (default: the broker's).
         """
-        request = self._compose_request(
-            gpus,
-            host=host,
-            max_latency=max_latency,
-            min_memory=min_memory,
-            vfio=vfio,
-            max_slowdown=max_slowdown,
-            workload=workload,
-            affinity=affinity,
-            spread=spread,
-            host_selector=host_selector,
-            cpus=cpus,
-            host_memory=host_memory,
-            exclude_hosts=exclude_hosts,
-            node_id=node_id,
-            tenant=tenant,
-            labels=labels,
-            request_id=request_id,
-            priority=priority,
-            min_gpus=min_gpus,
-            preemption_grace_s=preemption_grace_s,
+        spec = _node_request(request, fields).to_proto()
+        call = nodes_pb2.ComposeNodeRequest(
+            spec=spec,
+            node_id=_node_id(node_id),
+            request_id=_request_id(request_id),
             queue=queue,
             queue_timeout_s=queue_timeout_s,
         )
-        return self._unary(self._nodes.ComposeNode, request)
+        return self._unary(self._nodes.ComposeNode, call)
 
     def plan_node(
         self,
-        gpus: str | Mapping[str, object] | GpuSpec,
+        request: NodeRequest | GpusLike | None = None,
         *,
-        host: str | None = None,
-        max_latency: str | int | None = None,
-        min_memory: str | int | None = None,
-        vfio: bool = False,
-        max_slowdown: float | None = None,
-        workload: str | None = None,
-        affinity: str | None = None,
-        spread: str | int | None = None,
-        host_selector: Mapping[str, str] | None = None,
-        cpus: int | None = None,
-        host_memory: str | int | None = None,
-        exclude_hosts: Iterable[str] = (),
         node_id: str | None = None,
-        tenant: str = "",
-        labels: Mapping[str, str] | None = None,
         request_id: str | None = None,
-        priority: int = 0,
-        min_gpus: int = 0,
+        **fields: Unpack[NodeRequestChanges],
     ) -> nodes_pb2.NodePlan:
         """Explain where :meth:`compose_node` with these arguments would go, what it
         would preempt to fit (``preemptions``) and whether its tenant's quota holds it;
@@ -875,28 +690,10 @@ class Client:
 
         ``node_id`` and ``request_id`` are accepted, as :meth:`compose_node` takes them,
         and checked, but a plan does not use them."""
-        request = self._compose_request(
-            gpus,
-            host=host,
-            max_latency=max_latency,
-            min_memory=min_memory,
-            vfio=vfio,
-            max_slowdown=max_slowdown,
-            workload=workload,
-            affinity=affinity,
-            spread=spread,
-            host_selector=host_selector,
-            cpus=cpus,
-            host_memory=host_memory,
-            exclude_hosts=exclude_hosts,
-            node_id=node_id,
-            tenant=tenant,
-            labels=labels,
-            request_id=request_id,
-            priority=priority,
-            min_gpus=min_gpus,
-        )
-        return self._unary(self._nodes.PlanNode, nodes_pb2.PlanNodeRequest(spec=request.spec))
+        spec = _node_request(request, fields).to_proto()
+        _node_id(node_id)
+        _request_id(request_id)
+        return self._unary(self._nodes.PlanNode, nodes_pb2.PlanNodeRequest(spec=spec))
 
     def get_node(self, name: str) -> resources_pb2.VirtualNode:
         return self._unary(self._nodes.GetNode, nodes_pb2.GetNodeRequest(name=node_name(name)))
@@ -953,7 +750,7 @@ class Client:
             name=node_name(name),
             gpu_count=gpus,
             remove=[gpu_name(g) for g in remove],
-            request_id=names.check_request_id(request_id or str(uuid.uuid4())),
+            request_id=_request_id(request_id),
         )
         return self._unary(self._nodes.ResizeNode, request)
 
@@ -961,36 +758,22 @@ class Client:
 
     def compose_gang(
         self,
-        gpus: str | Mapping[str, object] | GpuSpec,
-        count: int,
+        request: NodeRequest | GpusLike | None = None,
+        count: int = 0,
         *,
-        host: str | None = None,
-        max_latency: str | int | None = None,
-        min_memory: str | int | None = None,
-        vfio: bool = False,
-        max_slowdown: float | None = None,
-        workload: str | None = None,
-        affinity: str | None = None,
-        spread: str | int | None = None,
-        host_selector: Mapping[str, str] | None = None,
-        cpus: int | None = None,
-        host_memory: str | int | None = None,
-        exclude_hosts: Iterable[str] = (),
         gang_id: str | None = None,
-        tenant: str = "",
-        labels: Mapping[str, str] | None = None,
         request_id: str | None = None,
-        priority: int = 0,
-        preemption_grace_s: int | None = None,
         queue: bool = False,
         queue_timeout_s: int = 0,
         distinct_hosts: bool = False,
         same_switch: bool = False,
+        **fields: Unpack[NodeRequestChanges],
     ) -> nodes_pb2.Gang:
-        """Compose ``count`` nodes of the same spec all or nothing; they come back
+        """Compose ``count`` nodes of the same request all or nothing; they come back
         PENDING as ``nodes/{gang}-0`` ... (see :meth:`wait_for_gang`).
 
-        The spec arguments are :meth:`compose_node`'s. Retrying with the same
+        ``request`` and ``fields`` are :meth:`compose_node`'s, but for ``min_gpus`` (the
+        keyword form takes no elastic members). Retrying with the same
         ``request_id`` returns the same gang. Raises ResourceExhausted when some member
         does not fit or the members together exceed the tenant's quota (reason
         QUOTA_EXCEEDED; nothing is composed), InvalidArgument for more members than a
@@ -1002,37 +785,19 @@ class Client:
             raise InvalidArgument(
                 f"count must be a whole number of members, 1 or more; got {count!r}"
             )
-        one = self._compose_request(
-            gpus,
-            host=host,
-            max_latency=max_latency,
-            min_memory=min_memory,
-            vfio=vfio,
-            max_slowdown=max_slowdown,
-            workload=workload,
-            affinity=affinity,
-            spread=spread,
-            host_selector=host_selector,
-            cpus=cpus,
-            host_memory=host_memory,
-            exclude_hosts=exclude_hosts,
-            node_id=None,
-            tenant=tenant,
-            labels=labels,
-            request_id=request_id,
-            priority=priority,
-            preemption_grace_s=preemption_grace_s,
-        )
-        request = nodes_pb2.ComposeGangRequest(
-            members=[one.spec] * count,
+        if "min_gpus" in fields:
+            raise TypeError("compose_gang() got an unexpected keyword argument 'min_gpus'")
+        spec = _node_request(request, fields).to_proto()
+        call = nodes_pb2.ComposeGangRequest(
+            members=[spec] * count,
             gang_id=gang_name(gang_id).removeprefix("gangs/") if gang_id else "",
-            request_id=one.request_id,
+            request_id=_request_id(request_id),
             queue=queue,
             queue_timeout_s=queue_timeout_s,
             distinct_hosts=distinct_hosts,
             same_switch=same_switch,
         )
-        return self._unary(self._nodes.ComposeGang, request)
+        return self._unary(self._nodes.ComposeGang, call)
 
     def get_gang(self, name: str) -> nodes_pb2.Gang:
         """The gang's members as they are now (``"g1"`` or ``"gangs/g1"``)."""
@@ -1388,7 +1153,7 @@ class Client:
         host: str,
         *,
         box: str | None = None,
-        gpus: str | Mapping[str, object] | GpuSpec | None = None,
+        gpus: GpusLike | None = None,
         workload: str = "",
     ) -> fabric_pb2.Prediction:
         """Round trip, path and predicted slowdown from ``host`` to one ``box``, or to the
@@ -1401,13 +1166,5 @@ class Client:
             request.box = box_name(box)
         else:
             assert gpus is not None
-            spec = parse_gpus(gpus)
-            request.gpus.CopyFrom(
-                resources_pb2.GpuRequest(
-                    model=spec.model,
-                    count=spec.count,
-                    min_memory_mib=spec.min_memory_mib,
-                    mixed_models=spec.mixed_models,
-                )
-            )
+            request.gpus.CopyFrom(gpu_request_proto(parse_gpus(gpus)))
         return self._unary(self._fabric.Predict, request)

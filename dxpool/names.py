@@ -53,6 +53,15 @@ def check_request_id(value: str) -> str:
     return value
 
 
+def full_name(value: str, collection: str, kind: str) -> str:
+    """A short id or a full name as the full name, validated: ``"h1"`` or ``"hosts/h1"``
+    -> ``"hosts/h1"`` for ``collection`` ``"hosts"`` and ``kind`` ``"host"``."""
+    if value.startswith(collection + "/"):
+        check_id(value[len(collection) + 1 :], kind)
+        return value
+    return f"{collection}/{check_id(value, kind)}"
+
+
 def _parse_simple(name: str, collection: str, kind: str) -> str:
     prefix = collection + "/"
     if not name.startswith(prefix):

@@ -46,6 +46,7 @@ from dxpool.errors import (
     NotFound,
     Unavailable,
 )
+from dxpool.node_request import NodeRequest
 from dxpool.request import GpuSpec
 from dxpool.store.embedded import free_port
 from tests.conftest import SimPool, Stubs, register_sim_box, wait_until
@@ -373,6 +374,42 @@ def test_node_lifecycle(client: Client, pool_with_host: SimPool) -> None:
         client.wait_for_node(node.name, timeout_s=5)
 
 
+def test_a_node_request_travels_whole_and_equals_its_keyword_form(
+    client: Client, pool_with_host: SimPool
+) -> None:
+    request = NodeRequest.parse(
+        "H100:2", host="h1", max_latency="100us", tenant="ml", labels={"team": "ml"}
+    )
+    node = client.compose_node(request, request_id="whole-1")
+    assert NodeRequest.from_proto(node.spec) == request
+    # The keyword form of the same request is the same spec: the broker's request-id
+    # check, which compares specs, hands back the same node.
+    again = client.compose_node(
+        gpus="H100:2",
+        host="hosts/h1",
+        max_latency=100_000,
+        tenant="ml",
+        labels={"team": "ml"},
+        request_id="whole-1",
+    )
+    assert again.name == node.name
+    with pytest.raises(AlreadyExists) as reused:
+        client.compose_node(request, max_latency="200us", request_id="whole-1")
+    assert reused.value.reason == "REQUEST_ID_REUSED"
+    plan = client.plan_node(NodeRequest.from_proto(node.spec).copy(gpus="H100:1"))
+    assert plan.host == "hosts/h1"
+
+
+def test_a_node_call_takes_its_gpus_once() -> None:
+    client = Client(f"127.0.0.1:{free_port()}", max_attempts=1)
+    with client, pytest.raises(TypeError, match="node request"):
+        client.compose_node()
+    with client, pytest.raises(TypeError, match="node request"):
+        client.plan_node("H100:1", gpus="H100:2")
+    with client, pytest.raises(TypeError, match="min_gpus"):
+        client.compose_gang("H100:1", 2, min_gpus=1)
+
+
 def test_plan_explains_without_committing(client: Client, pool_with_host: SimPool) -> None:
     plan = client.plan_node("H100:2", host="h1")
     assert plan.host == "hosts/h1"
@@ -629,7 +666,10 @@ def test_importing_the_client_leaves_out_cli_server_and_agent() -> None:
 
 
 def test_the_client_names_each_affinity_and_refuses_others() -> None:
-    from dxpool.client import _affinity
+    from dxpool.node_request import parse_node_request
+
+    def _affinity(value: str | None) -> int:
+        return parse_node_request("H100:1", affinity=value).to_proto().affinity
 
     assert _affinity(None) == pb.GPU_AFFINITY_UNSPECIFIED
     assert _affinity("box") == pb.GPU_AFFINITY_BOX

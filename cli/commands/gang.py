@@ -7,16 +7,12 @@ from typing import Any
 import click
 
 from dxpool.api.v1 import nodes_pb2, resources_pb2
-from dxpool.cli.commands.node import (
-    DEFAULT_WAIT,
-    _gpu_request,
-    _request_kwargs,
-    _request_options,
-)
-from dxpool.cli.commands.sharing import gang_queue_options, sharing_kwargs
+from dxpool.cli.commands.node import DEFAULT_WAIT
+from dxpool.cli.commands.sharing import gang_queue_options, with_sharing
 from dxpool.cli.context import CliContext, pass_cli
 from dxpool.cli.errors import MAX_CONCURRENT_WAITS, for_each
 from dxpool.cli.help import SummaryGroup
+from dxpool.cli.node_request_options import node_request_options
 from dxpool.cli.output import (
     OutputFormat,
     dump,
@@ -28,7 +24,7 @@ from dxpool.cli.output import (
 from dxpool.cli.params import GANG, GANG_ID, REQUEST_ID, SECONDS
 from dxpool.cli.views import NODE_VIEW
 from dxpool.client import node_state_name
-from dxpool.request import GpuSpec
+from dxpool.node_request import NodeRequest
 
 NodeState = resources_pb2.NodeState
 
@@ -48,7 +44,7 @@ def gang() -> None:
 
 
 @gang.command("create")
-@_request_options
+@node_request_options
 @gang_queue_options
 @click.option(
     "--count",
@@ -76,23 +72,8 @@ def create(
     cli: CliContext,
     /,
     *,
-    gpus: GpuSpec,
-    mixed_models: bool,
+    request: NodeRequest,
     count: int,
-    host_name: str | None,
-    max_latency: int | None,
-    max_slowdown: float | None,
-    workload: str | None,
-    min_memory: int | None,
-    affinity: str | None,
-    spread: int | None,
-    host_selector: tuple[tuple[str, str], ...],
-    exclude_hosts: tuple[str, ...],
-    cpus: int | None,
-    host_memory: int | None,
-    vfio: bool,
-    tenant: str,
-    labels: tuple[tuple[str, str], ...],
     gang_id: str | None,
     request_id: str | None,
     wait: bool,
@@ -107,29 +88,8 @@ def create(
     transaction is committed in chunks and becomes valid at once; with --queue a gang
     that does not fit now waits as one."""
     client = cli.client()
-    created = client.compose_gang(
-        _gpu_request(gpus, mixed_models),
-        count,
-        gang_id=gang_id,
-        request_id=request_id,
-        **sharing_kwargs(**sharing),
-        **_request_kwargs(
-            host_name=host_name,
-            max_latency=max_latency,
-            max_slowdown=max_slowdown,
-            workload=workload,
-            min_memory=min_memory,
-            affinity=affinity,
-            spread=spread,
-            host_selector=host_selector,
-            cpus=cpus,
-            host_memory=host_memory,
-            vfio=vfio,
-            tenant=tenant,
-            labels=labels,
-            exclude_hosts=exclude_hosts,
-        ),
-    )
+    request, call = with_sharing(request, **sharing)
+    created = client.compose_gang(request, count, gang_id=gang_id, request_id=request_id, **call)
     hosts = sorted({n.host.removeprefix("hosts/") for n in created.nodes})
     if created.state == resources_pb2.GANG_STATE_QUEUED:
         info(f"{created.name} queued (position {created.queue.position}): {created.queue.reason}")

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import Any, TypeVar
 
 import click
 
 from dxpool.api.v1 import nodes_pb2, resources_pb2
-from dxpool.cli.commands.sharing import node_queue_options, sharing_kwargs
+from dxpool.cli.commands.sharing import node_queue_options, with_sharing
 from dxpool.cli.context import CliContext, pass_cli
 from dxpool.cli.describe import describe_node
 from dxpool.cli.errors import MAX_CONCURRENT_WAITS, for_each
 from dxpool.cli.help import SummaryGroup
+from dxpool.cli.node_request_options import node_request_options
 from dxpool.cli.output import (
     DOCUMENT_FORMATS,
     Output,
@@ -30,26 +30,15 @@ from dxpool.cli.output import (
     to_dict,
 )
 from dxpool.cli.params import (
-    CPUS,
     GPU,
-    GPUS,
     HOST,
-    HOST_MEMORY,
-    LABEL,
-    LATENCY,
-    MEMORY,
     NODE,
     NODE_ID,
     REQUEST_ID,
     SECONDS,
     SELECTOR,
-    SLOWDOWN,
-    SPREAD,
-    TENANT_ID,
-    WORKLOAD,
     dry_run_option,
     ignore_not_found_option,
-    labels_dict,
     selector_option,
 )
 from dxpool.cli.sharing_view import plan_preemptions
@@ -63,163 +52,12 @@ from dxpool.cli.views import (
 )
 from dxpool.client import Client, node_state_name
 from dxpool.errors import FailedPrecondition, ResourceExhausted
-from dxpool.fabric.overhead import known_profiles
-from dxpool.request import GpuSpec
+from dxpool.node_request import NodeRequest
 from dxpool.selector import parse_selector
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 NodeState = resources_pb2.NodeState
 DEFAULT_WAIT = "120s"
-
-
-def _request_options(command: _F) -> _F:
-    """The options that describe a node, shared by ``create`` and ``plan``."""
-    options = [
-        click.option(
-            "--gpus",
-            type=GPUS,
-            required=True,
-            help="MODEL:COUNT (e.g. H100:4), MODEL (one GPU), COUNT (any model), or a "
-            "model set MODEL|MODEL:COUNT (quote it: 'H100|A100:4'): all GPUs of one model, "
-            "the one with the most free GPUs that fits.",
-        ),
-        click.option(
-            "--mixed-models",
-            is_flag=True,
-            help="With a model set in --gpus: the node may mix the set's models.",
-        ),
-        click.option("--host", "host_name", type=HOST, default=None, help="Pin to this host."),
-        click.option(
-            "--host-selector",
-            "host_selector",
-            type=LABEL,
-            multiple=True,
-            help="KEY=VALUE a host's labels must hold (agent --label); repeatable.",
-        ),
-        click.option(
-            "--exclude-host",
-            "exclude_hosts",
-            type=HOST,
-            multiple=True,
-            help="A host the node must not go to (anti-affinity); repeatable.",
-        ),
-        click.option(
-            "--max-latency",
-            type=LATENCY,
-            default=None,
-            help="Most host-to-box round trip for every GPU, e.g. 4us.",
-        ),
-        click.option(
-            "--max-slowdown",
-            type=SLOWDOWN,
-            default=None,
-            help="Most predicted slowdown of --workload on every GPU, e.g. 1.05 for 5%.",
-        ),
-        click.option(
-            "--workload",
-            type=WORKLOAD,
-            default=None,
-            help="Workload profile for --max-slowdown: a name (training, inference-online, "
-            "...) or ROUND_TRIPS@STEP_TIME, e.g. 400@5ms.",
-        ),
-        click.option("--min-memory", type=MEMORY, default=None, help="Least memory per GPU."),
-        click.option(
-            "--cpus",
-            type=CPUS,
-            default=None,
-            help="CPU cores the node needs free on its host (agent --cpus).",
-        ),
-        click.option(
-            "--host-memory",
-            type=HOST_MEMORY,
-            default=None,
-            help="Memory the node needs free on its host, e.g. 64GiB (agent --memory).",
-        ),
-        click.option(
-            "--affinity",
-            type=click.Choice(["box", "switch"]),
-            default=None,
-            help="Require every GPU from one box (peer-to-peer behind its PCIe switch), or "
-            "'switch': from boxes under one top-of-rack switch (the host may be elsewhere).",
-        ),
-        click.option(
-            "--spread",
-            type=SPREAD,
-            default=None,
-            help="Spread over boxes: 'boxes' takes every GPU from a different box, "
-            "'boxes:M' at most M from any one box.",
-        ),
-        click.option("--vfio", is_flag=True, help="Bind the GPUs to vfio-pci for a VM."),
-        click.option(
-            "--tenant",
-            type=TENANT_ID,
-            default="",
-            help="Tenant the node is charged to (its quota applies); a tenant is always "
-            "charged itself.",
-        ),
-        click.option("--label", "labels", type=LABEL, multiple=True, help="KEY=VALUE; repeatable."),
-    ]
-    for option in reversed(options):
-        command = option(command)
-    return command
-
-
-def _gpu_request(gpus: GpuSpec, mixed_models: bool) -> GpuSpec:
-    """``gpus`` with ``--mixed-models`` applied; a usage error without a model set."""
-    if not mixed_models:
-        return gpus
-    if len(gpus.models) < 2:
-        raise click.UsageError(
-            f"--mixed-models needs a model set in --gpus, such as 'H100|A100:{gpus.count}'; "
-            f"got {gpus}",
-        )
-    return replace(gpus, mixed_models=True)
-
-
-def _request_kwargs(
-    *,
-    host_name: str | None,
-    max_latency: int | None,
-    max_slowdown: float | None,
-    workload: str | None,
-    min_memory: int | None,
-    affinity: str | None,
-    spread: int | None,
-    host_selector: tuple[tuple[str, str], ...],
-    cpus: int | None,
-    host_memory: int | None,
-    vfio: bool,
-    tenant: str,
-    labels: tuple[tuple[str, str], ...],
-    exclude_hosts: tuple[str, ...] = (),
-) -> dict[str, Any]:
-    if max_slowdown and not workload:
-        raise click.UsageError(
-            "--max-slowdown needs --workload: a profile name "
-            f"({known_profiles()}) or ROUND_TRIPS@STEP_TIME, e.g. 400@5ms"
-        )
-    if affinity == "box" and spread:
-        raise click.UsageError(
-            "--affinity box takes every GPU from one box and --spread spreads them over "
-            "boxes: give one or the other (--affinity switch with --spread keeps the boxes "
-            "under one rack switch)"
-        )
-    return {
-        "host_selector": labels_dict(host_selector),
-        "cpus": cpus,
-        "host_memory": host_memory,
-        "affinity": affinity,
-        "spread": spread,
-        "host": host_name,
-        "max_latency": max_latency,
-        "max_slowdown": max_slowdown,
-        "workload": workload,
-        "min_memory": min_memory,
-        "vfio": vfio,
-        "tenant": tenant,
-        "labels": labels_dict(labels),
-        "exclude_hosts": exclude_hosts,
-    }
 
 
 @click.group(cls=SummaryGroup)
@@ -228,7 +66,7 @@ def node() -> None:
 
 
 @node.command("create")
-@_request_options
+@node_request_options
 @node_queue_options
 @click.option(
     "--name", "node_id", type=NODE_ID, default=None, help="Node id; generated when not given."
@@ -251,22 +89,7 @@ def create(
     cli: CliContext,
     /,
     *,
-    gpus: GpuSpec,
-    mixed_models: bool,
-    host_name: str | None,
-    max_latency: int | None,
-    max_slowdown: float | None,
-    workload: str | None,
-    min_memory: int | None,
-    affinity: str | None,
-    spread: int | None,
-    host_selector: tuple[tuple[str, str], ...],
-    exclude_hosts: tuple[str, ...],
-    cpus: int | None,
-    host_memory: int | None,
-    vfio: bool,
-    tenant: str,
-    labels: tuple[tuple[str, str], ...],
+    request: NodeRequest,
     node_id: str | None,
     request_id: str | None,
     wait: bool,
@@ -284,50 +107,11 @@ def create(
     exit 1 when nothing fits now."""
     client = cli.client()
     if dry_run:
-        _dry_run_create(
-            client,
-            _gpu_request(gpus, mixed_models),
-            node_id,
-            _request_kwargs(
-                host_name=host_name,
-                max_latency=max_latency,
-                max_slowdown=max_slowdown,
-                workload=workload,
-                min_memory=min_memory,
-                affinity=affinity,
-                spread=spread,
-                host_selector=host_selector,
-                cpus=cpus,
-                host_memory=host_memory,
-                vfio=vfio,
-                tenant=tenant,
-                labels=labels,
-            )
-            | {"priority": sharing["priority"], "min_gpus": sharing["min_gpus"]},
-        )
+        planned = request.copy(priority=sharing["priority"], min_gpus=sharing["min_gpus"])
+        _dry_run_create(client, planned, node_id)
         return
-    created = client.compose_node(
-        _gpu_request(gpus, mixed_models),
-        node_id=node_id,
-        request_id=request_id,
-        **sharing_kwargs(**sharing),
-        **_request_kwargs(
-            host_name=host_name,
-            max_latency=max_latency,
-            max_slowdown=max_slowdown,
-            workload=workload,
-            min_memory=min_memory,
-            affinity=affinity,
-            spread=spread,
-            host_selector=host_selector,
-            cpus=cpus,
-            host_memory=host_memory,
-            vfio=vfio,
-            tenant=tenant,
-            labels=labels,
-            exclude_hosts=exclude_hosts,
-        ),
-    )
+    request, call = with_sharing(request, **sharing)
+    created = client.compose_node(request, node_id=node_id, request_id=request_id, **call)
     if created.state == NodeState.NODE_STATE_QUEUED:
         info(f"{created.name} queued: {created.queue.reason}")
     else:
@@ -339,11 +123,9 @@ def create(
     print_one(created, NODE_VIEW, output)
 
 
-def _dry_run_create(
-    client: Client, gpus: GpuSpec, node_id: str | None, kwargs: dict[str, Any]
-) -> None:
+def _dry_run_create(client: Client, request: NodeRequest, node_id: str | None) -> None:
     """``node create --dry-run``: the plan, told as what create would do."""
-    result = client.plan_node(gpus, **kwargs)
+    result = client.plan_node(request)
     name = f"nodes/{node_id}" if node_id else "a new node"
     if not result.host:
         reasons = "; ".join(result.unsatisfied) or "no host can take the node"
@@ -375,50 +157,12 @@ def _interrupted_wait(name: str, going_on: str) -> Iterator[None]:
 
 
 @node.command("plan")
-@_request_options
+@node_request_options
 @output_option(DOCUMENT_FORMATS)
 @pass_cli
-def plan(
-    cli: CliContext,
-    *,
-    gpus: GpuSpec,
-    mixed_models: bool,
-    host_name: str | None,
-    max_latency: int | None,
-    max_slowdown: float | None,
-    workload: str | None,
-    min_memory: int | None,
-    affinity: str | None,
-    spread: int | None,
-    host_selector: tuple[tuple[str, str], ...],
-    exclude_hosts: tuple[str, ...],
-    cpus: int | None,
-    host_memory: int | None,
-    vfio: bool,
-    tenant: str,
-    labels: tuple[tuple[str, str], ...],
-    output: OutputFormat,
-) -> None:
+def plan(cli: CliContext, /, *, request: NodeRequest, output: OutputFormat) -> None:
     """Show where `node create` with these flags would go, and why; commits nothing."""
-    result = cli.client().plan_node(
-        _gpu_request(gpus, mixed_models),
-        **_request_kwargs(
-            host_name=host_name,
-            max_latency=max_latency,
-            max_slowdown=max_slowdown,
-            workload=workload,
-            min_memory=min_memory,
-            affinity=affinity,
-            spread=spread,
-            host_selector=host_selector,
-            cpus=cpus,
-            host_memory=host_memory,
-            vfio=vfio,
-            tenant=tenant,
-            labels=labels,
-            exclude_hosts=exclude_hosts,
-        ),
-    )
+    result = cli.client().plan_node(request)
     if output in (OutputFormat.JSON, OutputFormat.YAML):
         click.echo(dump(to_dict(result), output).rstrip("\n"))
         return

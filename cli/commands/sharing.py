@@ -4,7 +4,7 @@
 
 The options are decorators the create commands wear (:func:`node_queue_options`,
 :func:`gang_queue_options`); their values reach the client through
-:func:`sharing_kwargs`.
+:func:`with_sharing`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dxpool.cli.output import OutputFormat, dump, output_option, to_dict
 from dxpool.cli.params import SECONDS, TENANT
 from dxpool.cli.sharing_view import queue_table
 from dxpool.limits import MAX_GRACE_S, MAX_PRIORITY, MAX_QUEUE_TIMEOUT_S
+from dxpool.node_request import NodeRequest
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -120,6 +121,19 @@ def sharing_kwargs(
     }
     kwargs.update(extra)
     return kwargs
+
+
+_SPEC_TERMS = ("priority", "min_gpus", "preemption_grace_s")
+"""The sharing options that are part of a node's request, not of the call."""
+
+
+def with_sharing(request: NodeRequest, **sharing: Any) -> tuple[NodeRequest, dict[str, Any]]:
+    """``request`` with the sharing options that belong to a node's request (priority,
+    min_gpus, preemption grace), and the call's keyword arguments for the rest (queue,
+    its timeout, a gang's placement); usage errors as :func:`sharing_kwargs` gives."""
+    kwargs = sharing_kwargs(**sharing)
+    terms = {name: kwargs.pop(name) for name in _SPEC_TERMS if name in kwargs}
+    return request.copy(**terms), kwargs
 
 
 # -- dxpool queue ---------------------------------------------------------------------------

@@ -243,3 +243,48 @@ def test_a_listener_subscribed_before_the_start_hears_every_listed_record(
         assert sorted(heard) == ["b1", "b2"]
     finally:
         cache.stop()
+
+
+def test_typed_collections_read_what_the_cache_holds(etcd_client, key_prefix: str) -> None:  # type: ignore[no-untyped-def]
+    schema = KeySchema(key_prefix)
+    for slot in (10, 2, 1):
+        gpu = pb.Gpu(name=f"boxes/b1/gpus/{slot}", model="H100")
+        etcd_client.put(schema.gpu("b1", slot), gpu.SerializeToString())
+    etcd_client.put(schema.box("b1"), pb.Box(name="boxes/b1").SerializeToString())
+    cache = Cache(etcd_client, schema)
+    cache.start()
+    try:
+        gpu = cache.gpus.get("b1/2")
+        assert gpu is not None and gpu.value.model == "H100"
+        assert gpu is cache.get(k.GPUS, "b1/2")
+        assert cache.gpus.get("b1/3") is None
+        assert [name for name, _ in cache.gpus.items()] == ["b1/1", "b1/2", "b1/10"]
+        assert cache.gpus.items() == cache.items(k.GPUS)
+        assert cache.gpus.scan("b1/1", 1) == cache.scan(k.GPUS, "b1/1", 1)
+        assert [name for name, _ in cache.gpus.walk(page=1)] == ["b1/1", "b1/2", "b1/10"]
+        assert (cache.gpus.count(), cache.boxes.count(), cache.nodes.count()) == (3, 1, 0)
+        etcd_client.put(schema.box("b2"), pb.Box(name="boxes/b2").SerializeToString())
+        wait_until(lambda: cache.boxes.get("b2") is not None, message="watched put")
+    finally:
+        cache.stop()
+
+
+def test_a_typed_read_waits_for_a_change_being_applied(etcd_client, key_prefix: str) -> None:  # type: ignore[no-untyped-def]
+    """A collection reads under the cache's lock: a read that starts while a change is
+    being applied (the lock held) sees the state after it, never half of it."""
+    schema = KeySchema(key_prefix)
+    cache = Cache(etcd_client, schema)
+    cache.start()
+    try:
+        applying = cache._lock  # the lock every apply holds
+        seen: list[Versioned[pb.Box] | None] = []
+        with applying:
+            reader = threading.Thread(target=lambda: seen.append(cache.boxes.get("b1")))
+            reader.start()
+            reader.join(timeout=0.5)
+            assert reader.is_alive() and seen == []  # held at the lock, not reading
+            cache.apply_read(schema.box("b1"), Versioned(pb.Box(name="boxes/b1"), 9, 9), 9)
+        reader.join(timeout=patient(30))
+        assert [r.value.name if r else None for r in seen] == ["boxes/b1"]
+    finally:
+        cache.stop()

@@ -31,8 +31,26 @@ class CountingCache:
             self.node_reads += 1
         return self._cache.get(collection, name)
 
+    @property
+    def nodes(self) -> CountedNodes:
+        """The typed node collection, its reads counted too."""
+        return CountedNodes(self)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._cache, name)
+
+
+class CountedNodes:
+    """``cache.nodes`` of a :class:`CountingCache`."""
+
+    def __init__(self, counting: CountingCache) -> None:
+        self._counting = counting
+
+    def get(self, name: str) -> Any:
+        return self._counting.get(k.NODES, name)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._counting._cache.nodes, name)
 
 
 @pytest.fixture
@@ -79,7 +97,7 @@ def test_a_pass_reads_only_the_nodes_due_however_many_are_kept(
         counting.node_reads = 0
         duties.collect_garbage()
         assert store.get(store.keys.node("old")) is None
-        assert counting.node_reads <= 3  # the one due, read by its deletion and after it
+        assert 1 <= counting.node_reads <= 3  # the one due, read by its deletion and after it
         counting.node_reads = 0
         duties.collect_garbage()
         assert counting.node_reads == 0

@@ -12,7 +12,7 @@ import pytest
 
 from dxpool.api.v1 import inventory_pb2 as inv
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker.cache import Cache
+from dxpool.broker.cache import Cache, Collection
 from dxpool.broker.pool_status import FIT_SIZES, free_host_slots, gpu_bucket, status_message
 from dxpool.broker.pool_tally import PoolTally
 from dxpool.store import keys as k
@@ -198,7 +198,10 @@ class ChangingWhileCopied:
         self._change: Callable[[], int] | None = change
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._cache, name)
+        found = getattr(self._cache, name)
+        if isinstance(found, Collection):  # cache.gpus and the like: copied the same way
+            return _CopiedThrough(self, found)
+        return found
 
     def items(self, collection: str) -> list[tuple[str, Versioned[Any]]]:
         copy = self._cache.items(collection)
@@ -206,6 +209,20 @@ class ChangingWhileCopied:
             change, self._change = self._change, None
             settled(self._cache, change())
         return copy
+
+
+class _CopiedThrough:
+    """A typed collection of :class:`ChangingWhileCopied`: its copy is taken there."""
+
+    def __init__(self, cache: ChangingWhileCopied, collection: Collection[Any]) -> None:
+        self._cache = cache
+        self._collection = collection
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._collection, name)
+
+    def items(self) -> list[tuple[str, Versioned[Any]]]:
+        return self._cache.items(self._collection.name)
 
 
 @pytest.mark.parametrize(

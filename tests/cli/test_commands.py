@@ -848,3 +848,7 @@ def test_node_create_dry_run_tells_where_and_creates_nothing(run: Run, pool: Sim
     too_big = run("node", "create", "--gpus", "H100:64", "--dry-run")
     assert too_big.exit_code == 1
     assert "would not be created now" in too_big.stderr
+    # The dry run plans the request create would send, the hosts it excludes included.
+    excluded = run("node", "create", "--gpus", "H100:1", "--exclude-host", "h1", "--dry-run")
+    assert excluded.exit_code == 1, excluded.output
+    assert "would not be created now" in excluded.stderr

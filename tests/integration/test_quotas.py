@@ -503,7 +503,19 @@ def test_a_retried_compose_gets_its_node_even_with_the_quota_full(
             return None
         return cache_get(collection, name)
 
+    requests = second.cache.requests
+
+    class LaggingRequests:
+        """``cache.requests``, lagging as ``lagging_get`` does."""
+
+        def get(self, name: str) -> Any:
+            return lagging_get("requests", name) if name == "retry-1" else requests.get(name)
+
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(requests, attr)
+
     monkeypatch.setattr(second.cache, "get", lagging_get)
+    monkeypatch.setattr(second.cache, "requests", LaggingRequests())
     again = second_stubs.nodes.ComposeNode(request)
     assert hidden == ["retry-1"]
     assert again == node
