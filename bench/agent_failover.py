@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from dxpool.api.v1 import nodes_pb2, nodes_pb2_grpc
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker.agent_sessions import parse_liveness
+from dxpool.broker.control.agent_sessions import parse_liveness
 from dxpool.client import Client
 from dxpool.fabric.sim import SimFabric, SimGpuSpec
 from dxpool.store.client import connect

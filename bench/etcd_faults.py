@@ -46,7 +46,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dxpool.api.v1 import inventory_pb2, inventory_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker.server import BrokerConfig, BrokerServer
+from dxpool.broker.api.server import BrokerConfig, BrokerServer
 from dxpool.fabric.sim import SimFabric, SimGpuSpec
 from dxpool.store.embedded import EmbeddedEtcd, EtcdCluster
 

@@ -60,7 +60,7 @@ SCENARIOS = ("compose-3.9MB", "release-1MB", "getbox-at-server-limit", "getbox-s
 def server_limit() -> int:
     """The broker's server-wide receive limit, where this version has one."""
     try:
-        from dxpool.broker.request_limits import SERVER_MAX_RECEIVE_BYTES
+        from dxpool.broker.api.request_limits import SERVER_MAX_RECEIVE_BYTES
     except ImportError:
         return SERVER_LIMIT_FALLBACK
     return int(SERVER_MAX_RECEIVE_BYTES) - 64

@@ -9,7 +9,7 @@ parts, unchanged: :class:`~dxpool.hostagent.desired.DesiredState` (the spec as a
 :class:`~dxpool.hostagent.reconcile.Reconciler`, fed from one keyed
 :class:`~dxpool.hostagent.workqueue.WorkQueue` by ``--workers`` threads running the agent's own
 :func:`~dxpool.hostagent.agent.reconcile_worker`; the status is written by the broker's
-own :func:`~dxpool.broker.agent_sessions.commit_status`, with the session and
+own :func:`~dxpool.broker.control.agent_sessions.commit_status`, with the session and
 spec-revision guards. So etcd and the brokers see the same status writes per attach and
 release as from real agents (attach: ATTACHING, ATTACHED; release: DETACHING, scrubbed,
 RELEASED), but no broker spends CPU on agent sessions: ``bench/agent_fleet.py``
@@ -37,8 +37,8 @@ from typing import Any
 import etcd3.events
 
 from dxpool.api.v1 import resources_pb2
-from dxpool.broker.agent_sessions import SessionNotLiveError, commit_status
-from dxpool.broker.agent_sessions import StaleSpecError as BrokerStaleSpecError
+from dxpool.broker.control.agent_sessions import SessionNotLiveError, commit_status
+from dxpool.broker.control.agent_sessions import StaleSpecError as BrokerStaleSpecError
 from dxpool.hostagent.agent import reconcile_worker
 from dxpool.hostagent.desired import DesiredState
 from dxpool.hostagent.driver import AttachedGpu, AttachRequest, DriverCapabilities

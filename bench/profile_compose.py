@@ -25,7 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.scale import PREFIX, load_pool
-from dxpool.broker.server import BrokerConfig, BrokerServer
+from dxpool.broker.api.server import BrokerConfig, BrokerServer
 from dxpool.client import Client
 from dxpool.store.client import connect
 from dxpool.store.embedded import EmbeddedEtcd

@@ -28,7 +28,7 @@ import argparse
 import logging
 import time
 
-from dxpool.broker.box_fabric_redfish import RedfishBoxFabric
+from dxpool.broker.control.box_fabric_redfish import RedfishBoxFabric
 from dxpool.names import GpuRef
 from dxpool.redfish.fabric_map import (
     RedfishFabricMap,

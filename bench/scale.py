@@ -70,10 +70,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from bench.broker_metrics import broker_samples
 from dxpool.api.v1 import nodes_pb2, nodes_pb2_grpc
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker.cache import Cache
+from dxpool.broker.api.server import BrokerConfig, BrokerServer
 from dxpool.broker.placement import PlacementRequest, place
-from dxpool.broker.placement_index import PlacementIndex
-from dxpool.broker.server import BrokerConfig, BrokerServer
+from dxpool.broker.state.cache import Cache
+from dxpool.broker.state.placement_index import PlacementIndex
 from dxpool.client import Client
 from dxpool.fabric.latency import TopologyLatencyModel
 from dxpool.fabric.topology import Topology

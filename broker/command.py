@@ -10,10 +10,10 @@ from types import FrameType
 
 import click
 
-from dxpool.broker.agent_server import DEFAULT_AGENT_LISTEN
-from dxpool.broker.audit import DEFAULT_RETENTION_S as DEFAULT_AUDIT_RETENTION_S
-from dxpool.broker.duties import DEFAULT_RECONNECT_GRACE_S
-from dxpool.broker.server import DEFAULT_LISTEN, BrokerConfig, BrokerServer
+from dxpool.broker.api.agent_server import DEFAULT_AGENT_LISTEN
+from dxpool.broker.api.audit import DEFAULT_RETENTION_S as DEFAULT_AUDIT_RETENTION_S
+from dxpool.broker.api.server import DEFAULT_LISTEN, BrokerConfig, BrokerServer
+from dxpool.broker.control.duties import DEFAULT_RECONNECT_GRACE_S
 from dxpool.cli.params import DAEMON_SECONDS, DURATION
 from dxpool.errors import InvalidArgument, Unavailable
 from dxpool.fabric.models import MODELS

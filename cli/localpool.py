@@ -84,7 +84,7 @@ from dxpool.store.embedded import EmbeddedEtcd
 from dxpool.store.keys import DEFAULT_PREFIX
 
 if TYPE_CHECKING:
-    from dxpool.broker.server import BrokerServer
+    from dxpool.broker.api.server import BrokerServer
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +298,7 @@ class LocalPool:
         return self
 
     def _start(self) -> None:
-        from dxpool.broker.server import BrokerConfig, BrokerServer
+        from dxpool.broker.api.server import BrokerConfig, BrokerServer
 
         spec = self.spec
         self._lock.acquire()

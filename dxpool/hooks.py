@@ -3,7 +3,7 @@
 Proxy and fabric vendors differ in how their mapping tables are programmed; a hook lets
 an operator plug any of them in with a small program. The host agent's proxy hook
 (``dxpool.hostagent.drivers.command_hook``, where the whole contract and its verbs are
-written down) and the broker's box fabric hook (``dxpool.broker.box_fabric_hook``) run
+written down) and the broker's box fabric hook (``dxpool.broker.control.box_fabric_hook``) run
 theirs through :func:`run_hook`, so both follow one contract:
 
 * run without a shell, stdin empty, in a session of its own;

@@ -5,7 +5,7 @@ The one encoding, in certificates and token files alike, is the URI
 ``dxpool://agent/h7``. A client certificate carries it as its one ``dxpool://`` URI in
 the subject alternative names; a token file maps a token to it.
 
-Roles (what each may call is the broker's table, :mod:`dxpool.broker.auth`):
+Roles (what each may call is the broker's table, :mod:`dxpool.broker.api.auth`):
 
 * ``operator``: everything — inventory, cordon, reclaim, any node, force-release;
 * ``tenant``: an orchestrator acting for one tenant: compose, plan, release and watch

@@ -1,7 +1,7 @@
 """The documented upper bounds on what a request may carry.
 
 Every number and text a caller sends is checked against one of these before anything is
-read or written, by the broker (``dxpool.broker.validation``) and, where the same value
+read or written, by the broker (``dxpool.broker.nodes.validation``) and, where the same value
 passes through them, by the Python client and the CLI. They keep records small enough for
 etcd, transactions inside etcd's operation limit, loops in placement short, and keep
 values that no real pool has (a GPU with 2^63 MiB) from being stored at all.

@@ -26,7 +26,7 @@ limit, host resources in range, host names to exclude), each refused with
 :class:`~dxpool.errors.InvalidArgument` and the ErrorInfo reason the broker gives for the
 same mistake. What depends on the pool (does the model exist, does the tenant, does it
 fit) and the limits that protect the broker are the broker's to check, in
-``broker/validation.py`` and placement.
+``broker/nodes/validation.py`` and placement.
 """
 
 from __future__ import annotations

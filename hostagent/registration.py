@@ -3,7 +3,7 @@
 ``hosts/{host}`` is persistent (no lease), so the inventory remembers a host while its
 agent is down; the broker that opens the agent's session writes it, after checking it,
 in the same transaction as the host's liveness record (see
-:mod:`dxpool.broker.agent_sessions`).
+:mod:`dxpool.broker.control.agent_sessions`).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from dxpool.store.embedded import EmbeddedEtcd, EtcdCluster
 from tests.patience import patient
 
 if TYPE_CHECKING:  # imported lazily so one broken component does not hide every test
-    from dxpool.broker.server import BrokerServer
+    from dxpool.broker.api.server import BrokerServer
     from dxpool.fabric.sim import SimFabric
 
 
@@ -144,7 +144,7 @@ def started_brokers() -> list[BrokerServer]:
 def broker_factory(
     etcd_server: EmbeddedEtcd, key_prefix: str, started_brokers: list[BrokerServer]
 ) -> Iterator[Callable[..., BrokerServer]]:
-    from dxpool.broker.server import BrokerConfig, BrokerServer
+    from dxpool.broker.api.server import BrokerConfig, BrokerServer
 
     def start(**overrides: object) -> BrokerServer:
         config = BrokerConfig(

@@ -16,8 +16,8 @@ import grpc
 
 from dxpool.api.v1 import nodes_pb2, nodes_pb2_grpc
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker.node_watch import NodeFeed, WatcherInfo
-from dxpool.broker.server import BrokerServer
+from dxpool.broker.api.node_watch import NodeFeed, WatcherInfo
+from dxpool.broker.api.server import BrokerServer
 from dxpool.records import timestamp
 from dxpool.store.keys import KeySchema
 from tests.patience import patient

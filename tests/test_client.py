@@ -25,9 +25,9 @@ from prometheus_client import REGISTRY
 
 from dxpool.api.v1 import inventory_pb2, inventory_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker.metrics import method_label
-from dxpool.broker.node_watch import WatchSettings
-from dxpool.broker.streams import WATCH_NODES, StreamLimits
+from dxpool.broker.api.node_watch import WatchSettings
+from dxpool.broker.api.streams import WATCH_NODES, StreamLimits
+from dxpool.broker.state.metrics import method_label
 from dxpool.client import (
     Client,
     box_name,
@@ -62,7 +62,7 @@ from tests.streaming import (
 )
 
 if TYPE_CHECKING:
-    from dxpool.broker.server import BrokerServer
+    from dxpool.broker.api.server import BrokerServer
 
 
 # -- names and enums -------------------------------------------------------------------

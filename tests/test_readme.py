@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import SimPool, Stubs, register_sim_box, wait_until
 
 if TYPE_CHECKING:
-    from dxpool.broker.server import BrokerServer
+    from dxpool.broker.api.server import BrokerServer
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

@@ -35,11 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script,
 from bench.scale import GPUS_PER_BOX, PREFIX, load_pool, progress, rss_mib
 from dxpool.api.v1 import nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker import gang_chunks
-from dxpool.broker.gang_chunks import ChunkedGangs
-from dxpool.broker.gang_placement import GangPlacer
-from dxpool.broker.server import BrokerConfig, BrokerServer
-from dxpool.broker.sharing_duties import SharingSettings
+from dxpool.broker.api.server import BrokerConfig, BrokerServer
+from dxpool.broker.control.sharing_duties import SharingSettings
+from dxpool.broker.nodes import gang_chunks
+from dxpool.broker.nodes.gang_chunks import ChunkedGangs
+from dxpool.broker.nodes.gang_placement import GangPlacer
 from dxpool.store.client import connect
 from dxpool.store.embedded import EmbeddedEtcd
 from dxpool.store.keys import KeySchema

@@ -2,12 +2,12 @@
 own: no etcd, no agents.
 
 Records are the stored ``resources.proto`` messages written into a real
-:class:`~dxpool.broker.cache.Cache` with rising revisions, as the broker applies what it
-reads (``apply_read``); a real :class:`~dxpool.broker.placement_index.PlacementIndex`
+:class:`~dxpool.broker.state.cache.Cache` with rising revisions, as the broker applies what it
+reads (``apply_read``); a real :class:`~dxpool.broker.state.placement_index.PlacementIndex`
 subscribes to it and hands out the snapshots that the broker's placement (``place()``,
-through :class:`~dxpool.broker.gang_placement.GangPlacer`, which holds choices in the
+through :class:`~dxpool.broker.nodes.gang_placement.GangPlacer`, which holds choices in the
 index exactly as the broker's gangs do) and its preemption planner
-(:func:`~dxpool.broker.preemption.plan`) decide on. A node granted is committed as
+(:func:`~dxpool.broker.nodes.preemption.plan`) decide on. A node granted is committed as
 compose commits it (its GPUs ATTACHED, its host slots in the host's allocation); a node
 that lets GPUs go (released, preempted, shrunk) keeps them until the replay says they
 are detached, as the release path keeps them DETACHING until the agent reports them.
@@ -19,11 +19,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker.cache import Cache
-from dxpool.broker.gang_placement import GangPlacer, MemberUnplaced
+from dxpool.broker.nodes.gang_placement import GangPlacer, MemberUnplaced
+from dxpool.broker.nodes.preemption import HeldGpu, HeldNode
 from dxpool.broker.placement import Placement, PlacementRequest, Snapshot
-from dxpool.broker.placement_index import PlacementIndex
-from dxpool.broker.preemption import HeldGpu, HeldNode
+from dxpool.broker.state.cache import Cache
+from dxpool.broker.state.placement_index import PlacementIndex
 from dxpool.fabric.latency import LatencyModel, TopologyLatencyModel
 from dxpool.fabric.topology import Topology
 from dxpool.store.keys import KeySchema

@@ -4,11 +4,11 @@ clock of our own: loaning against hard quotas, two tenants.
 The pool is :class:`~bench.sharing.pool.ReplayPool`: the broker's cache, placement index
 and placement (``place()`` through the gang placer, which holds choices as the broker
 does), with no etcd and no agents. What decides is the broker's own code, called as
-the leader's dispatcher calls it: the queue order (:func:`~dxpool.broker.queue_order.
-ordered`), the loaning terms and quota checks (:func:`~dxpool.broker.loaning.terms`,
-:func:`~dxpool.broker.tenants.breach`, usage moved by
-:func:`~dxpool.broker.tenants.charged`), the preemption planner
-(:func:`~dxpool.broker.preemption.plan`, shrink first, then least cost), lending
+the leader's dispatcher calls it: the queue order (:func:`~dxpool.broker.state.queue_order.
+ordered`), the loaning terms and quota checks (:func:`~dxpool.broker.nodes.loaning.terms`,
+:func:`~dxpool.broker.nodes.tenants.breach`, usage moved by
+:func:`~dxpool.broker.nodes.tenants.charged`), the preemption planner
+(:func:`~dxpool.broker.nodes.preemption.plan`, shrink first, then least cost), lending
 paused while an owner reclaims, and GPUs kept for a request that preempts. The replay
 adds only time: a notice's grace (``--grace``), a detach and scrub (``--detach``), a job's
 progress, checkpoints.
@@ -65,11 +65,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script,
 from bench.sharing.pool import ReplayPool
 from bench.sharing.traces import TraceError, TraceJob, openb, philly, traces_dir
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker import loaning
+from dxpool.broker.nodes import loaning
+from dxpool.broker.nodes.preemption import Ask, Holder, plan
+from dxpool.broker.nodes.tenants import breach, charged
 from dxpool.broker.placement import PlacementRequest
-from dxpool.broker.preemption import Ask, Holder, plan
-from dxpool.broker.queue_order import Waiting, ordered
-from dxpool.broker.tenants import breach, charged
+from dxpool.broker.state.queue_order import Waiting, ordered
 
 INFERENCE = "inference"
 TRAINING = "training"

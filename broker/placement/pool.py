@@ -1,14 +1,14 @@
 """A dxpool pool in one process, for schedulers and simulators that embed placement.
 
 :class:`InMemoryPool` holds an inventory (boxes of GPUs, hosts with proxy slots, CPU and
-memory) in the broker's own :class:`~dxpool.broker.cache.Cache` and
-:class:`~dxpool.broker.placement_index.PlacementIndex`, with no etcd: its records are the
+memory) in the broker's own :class:`~dxpool.broker.state.cache.Cache` and
+:class:`~dxpool.broker.state.placement_index.PlacementIndex`, with no etcd: its records are the
 stored ``resources.proto`` messages, written with rising revisions the way the broker
 applies what it reads from etcd. So :meth:`~InMemoryPool.place` decides exactly as a
 broker would on the same inventory, on the index's versioned snapshots (placement
 carries its work over from one to the next), and :meth:`~InMemoryPool.commit` and
 :meth:`~InMemoryPool.release` write the records compose and the node controller write:
-the GPUs assigned to the node (``broker/fit.py``, the code compose commits with), the
+the GPUs assigned to the node (``broker/nodes/fit.py``, the code compose commits with), the
 host's allocation holding their proxy slots and the node's CPU and memory
 (``HostReservation``), the node record, and back again.
 
@@ -49,8 +49,7 @@ from typing import Any
 
 from dxpool import lifecycle
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker.cache import Cache
-from dxpool.broker.fit import assign_gpus, reserve_host_resources
+from dxpool.broker.nodes.fit import assign_gpus, reserve_host_resources
 from dxpool.broker.placement.model import (
     LatencyModel,
     Placement,
@@ -61,7 +60,8 @@ from dxpool.broker.placement.model import (
 from dxpool.broker.placement.pipeline import Pipeline
 from dxpool.broker.placement.placer import place
 from dxpool.broker.placement.reserve import HostChoice, HostRequest, choose_host
-from dxpool.broker.placement_index import PlacementIndex
+from dxpool.broker.state.cache import Cache
+from dxpool.broker.state.placement_index import PlacementIndex
 from dxpool.errors import Aborted, AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from dxpool.fabric.latency import TopologyLatencyModel
 from dxpool.fabric.topology import Topology

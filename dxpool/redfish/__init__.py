@@ -11,6 +11,6 @@
 
 The host agent's Redfish proxy mapper (``dxpool.hostagent.drivers.redfish``) maps and
 unmaps its own host's slots; the broker's Redfish box fabric
-(``dxpool.broker.box_fabric_redfish``) revokes a GPU's every mapping when it fences.
+(``dxpool.broker.control.box_fabric_redfish``) revokes a GPU's every mapping when it fences.
 Both need the ``redfish`` module (the ``agent`` and ``server`` extras bring it).
 """

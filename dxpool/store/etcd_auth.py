@@ -15,7 +15,7 @@ user                     grants (below the pool's prefix P)    why
 =======================  ====================================  ============================
 
 Host agents have no etcd user: they hold no etcd credentials and reach the pool only
-through a broker's agent port (:mod:`dxpool.broker.agent_service`). Older versions gave
+through a broker's agent port (:mod:`dxpool.broker.api.agent_service`). Older versions gave
 each agent a user ``dxpool-agent-{host}`` with its own host's keys; :func:`setup_pool`
 removes such users, so a certificate that once was an agent's can do nothing to etcd.
 The TLS layer keeps hosts out first: etcd should trust a CA of its own that signs only

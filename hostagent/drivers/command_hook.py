@@ -38,7 +38,7 @@ slot, ``GENERATION`` the assignment's fencing token, all decimal integers but th
   being killed at any point.
 
 The broker runs the same kind of hook at the box side (``--fabric hook:PATH``,
-:mod:`dxpool.broker.box_fabric_hook`) before it reuses a GPU of a lost host, with two
+:mod:`dxpool.broker.control.box_fabric_hook`) before it reuses a GPU of a lost host, with two
 verbs of its own (no host: they act on the GPU wherever it is mapped)::
 
     HOOK fence-gpu BOX SLOT GENERATION            revoke the GPU's mappings of GENERATION

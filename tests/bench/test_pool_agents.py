@@ -11,7 +11,7 @@ from bench.pool_agents import MemoryDriver, PoolAgents
 from bench.scale import load_hosts, settle
 from dxpool.api.v1 import inventory_pb2, nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker.server import BrokerServer
+from dxpool.broker.api.server import BrokerServer
 from dxpool.hostagent.driver import AttachRequest
 from dxpool.hostagent.errors import AttachConflictError
 from dxpool.names import GpuRef

@@ -27,8 +27,8 @@ from grpc_status import rpc_status
 
 from dxpool.api.v1 import inventory_pb2, nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker.server import BrokerConfig, BrokerServer
-from dxpool.broker.serving import LAG_METADATA_KEY
+from dxpool.broker.api.server import BrokerConfig, BrokerServer
+from dxpool.broker.api.serving import LAG_METADATA_KEY
 from dxpool.store.embedded import EmbeddedEtcd, EtcdCluster
 from tests.conftest import SimPool, Stubs, add_box, wait_until
 from tests.patience import patient
@@ -140,7 +140,7 @@ def hammer(stubs: Stubs, seconds: float, codes: collections.Counter[str]) -> Non
 
 
 def rpc_tracebacks(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "dxpool.broker.rpc"]
+    return [r for r in caplog.records if r.name == "dxpool.broker.api.rpc"]
 
 
 def health_lines(caplog: pytest.LogCaptureFixture) -> list[str]:

@@ -8,8 +8,8 @@ from collections.abc import Callable
 import pytest
 from click.testing import CliRunner
 
+from dxpool.broker.api.server import BrokerServer
 from dxpool.broker.command import broker_command
-from dxpool.broker.server import BrokerServer
 from dxpool.client import Client
 from dxpool.errors import InvalidArgument, Unavailable
 from dxpool.store.embedded import free_port
@@ -105,11 +105,11 @@ def test_client_certificate_without_key_is_refused(pki: Pki) -> None:
 def test_plaintext_on_a_non_loopback_address_is_logged_as_a_warning(
     broker_factory: BrokerFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="dxpool.broker.server"):
+    with caplog.at_level(logging.WARNING, logger="dxpool.broker.api.server"):
         broker_factory(listen="0.0.0.0:0")
     assert any("without TLS" in r.getMessage() for r in caplog.records)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="dxpool.broker.server"):
+    with caplog.at_level(logging.WARNING, logger="dxpool.broker.api.server"):
         broker_factory(listen="127.0.0.1:0")
     assert not any("without TLS" in r.getMessage() for r in caplog.records)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 
-from dxpool.broker.server import BrokerServer
+from dxpool.broker.api.server import BrokerServer
 from dxpool.cli.main import cli
 from dxpool.client import Client
 from dxpool.identity import Identity, Role

@@ -18,7 +18,7 @@ from tests.conftest import Stubs, add_box, wait_until
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from dxpool.broker.server import BrokerServer
+    from dxpool.broker.api.server import BrokerServer
 
     Run = Callable[..., Result]
 

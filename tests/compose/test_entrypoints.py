@@ -18,7 +18,7 @@ from dxpool.fabric.sim import SimFabric, SimGpuSpec
 from tests.compose.project import REPO
 
 if TYPE_CHECKING:
-    from dxpool.broker.server import BrokerServer
+    from dxpool.broker.api.server import BrokerServer
 
 ENTRYPOINTS = REPO / "docker" / "entrypoints"
 H100 = SimGpuSpec("H100", 81920)

@@ -26,7 +26,7 @@ from dxpool.store.keys import KeySchema
 from tests.conftest import Stubs, add_box, pool_records
 
 if TYPE_CHECKING:
-    from dxpool.broker.server import BrokerServer
+    from dxpool.broker.api.server import BrokerServer
 
 CI_EXAMPLES = 25
 EXAMPLES_ENV = "DXPOOL_FUZZ_EXAMPLES"

@@ -20,7 +20,7 @@ from grpc_status import rpc_status
 
 from dxpool.api.v1 import agent_pb2, audit_pb2, fabric_pb2, inventory_pb2, nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker.request_limits import (
+from dxpool.broker.api.request_limits import (
     AGENT_SERVER_MAX_RECEIVE_BYTES,
     SERVER_MAX_RECEIVE_BYTES,
     limit_for,

@@ -26,7 +26,7 @@ from tests.conftest import AgentProcess
 from tests.patience import patient
 
 if TYPE_CHECKING:
-    from dxpool.broker.server import BrokerServer
+    from dxpool.broker.api.server import BrokerServer
 
 HOST = "h1"
 HOST_SLOTS = 4

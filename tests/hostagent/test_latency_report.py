@@ -28,7 +28,7 @@ from tests.conftest import SimPool, Stubs, register_sim_box, wait_until
 from tests.patience import patient
 
 if TYPE_CHECKING:
-    from dxpool.broker.server import BrokerServer
+    from dxpool.broker.api.server import BrokerServer
 
 
 class FakeProber:

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from dxpool.api.v1 import agent_pb2, resources_pb2
-from dxpool.broker.agent_sessions import parse_liveness, token_digest
-from dxpool.broker.server import BrokerServer
+from dxpool.broker.api.server import BrokerServer
+from dxpool.broker.control.agent_sessions import parse_liveness, token_digest
 from dxpool.errors import FailedPrecondition
 from dxpool.hostagent.config import AgentConfig
 from dxpool.hostagent.identity import AgentIdentity

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from dxpool.api.v1 import agent_pb2, resources_pb2
-from dxpool.broker.server import BrokerServer
+from dxpool.broker.api.server import BrokerServer
 from dxpool.hostagent.desired import DesiredState
 from dxpool.hostagent.link import BrokerLink
 from dxpool.hostagent.status import NotRegisteredError, StaleSpecError, StatusStore

@@ -23,7 +23,7 @@ import yaml
 
 from dxpool.api.v1 import inventory_pb2
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker.server import BrokerServer
+from dxpool.broker.api.server import BrokerServer
 from dxpool.hostagent.agent import Agent
 from dxpool.hostagent.config import AgentConfig
 from dxpool.hostagent.driver import StepDriver

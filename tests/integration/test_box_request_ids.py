@@ -21,7 +21,7 @@ from grpc_status import rpc_status
 
 from dxpool.api.v1 import inventory_pb2, nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker.inventory_service import InventoryService
+from dxpool.broker.api.inventory_service import InventoryService
 from dxpool.store.keys import KeySchema
 from tests.conftest import Stubs, add_box, pool_records
 from tests.patience import patient

@@ -18,7 +18,7 @@ import pytest
 
 from dxpool.api.v1 import inventory_pb2, nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker.server import BrokerServer
+from dxpool.broker.api.server import BrokerServer
 from dxpool.names import parse_gpu
 from dxpool.store.keys import KeySchema
 from tests.conftest import (

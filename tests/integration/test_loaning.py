@@ -20,11 +20,11 @@ import pytest
 
 from dxpool.api.v1 import inventory_pb2, nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker.controller import NodeController
-from dxpool.broker.notices import Notices
-from dxpool.broker.server import BrokerServer
-from dxpool.broker.sharing_duties import SharingSettings
-from dxpool.broker.stm import TxnView
+from dxpool.broker.api.server import BrokerServer
+from dxpool.broker.control.controller import NodeController
+from dxpool.broker.control.notices import Notices
+from dxpool.broker.control.sharing_duties import SharingSettings
+from dxpool.broker.state.stm import TxnView
 from dxpool.store.keys import KeySchema
 from tests.chaos.invariants import EtcdSnapshot, check_records
 from tests.conftest import SimPool, Stubs, register_sim_box, wait_hosts_alive, wait_until

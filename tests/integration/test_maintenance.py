@@ -13,9 +13,9 @@ import pytest
 
 from dxpool.api.v1 import inventory_pb2
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker import compose_commit
-from dxpool.broker.server import BrokerServer
-from dxpool.broker.sharing_duties import SharingSettings
+from dxpool.broker.api.server import BrokerServer
+from dxpool.broker.control.sharing_duties import SharingSettings
+from dxpool.broker.nodes import compose_commit
 from tests.conftest import SimPool, Stubs, register_sim_box, wait_hosts_alive, wait_until
 from tests.integration.test_loaning import get, reasons, request, wait_node
 from tests.integration.test_quotas import error_info

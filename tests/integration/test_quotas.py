@@ -19,7 +19,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from dxpool.api.v1 import nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker.server import BrokerServer
+from dxpool.broker.api.server import BrokerServer
 from dxpool.store.keys import KeySchema
 from dxpool.store.typed import Txn
 from tests.conftest import (

@@ -29,7 +29,7 @@ from tests.integration.test_gpu_health import gpu_record
 from tests.integration.test_node_lifecycle import compose, wait_state
 
 if TYPE_CHECKING:
-    from dxpool.broker.server import BrokerServer
+    from dxpool.broker.api.server import BrokerServer
 
 GPU = "boxes/box1/gpus/0"
 

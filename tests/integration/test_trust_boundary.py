@@ -30,8 +30,8 @@ from dxpool.api.v1 import (
     nodes_pb2,
 )
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker.agent_sessions import parse_liveness
-from dxpool.broker.server import BrokerServer
+from dxpool.broker.api.server import BrokerServer
+from dxpool.broker.control.agent_sessions import parse_liveness
 from dxpool.client import Client
 from dxpool.errors import from_rpc_error
 from dxpool.fabric.sim import SimGpuSpec

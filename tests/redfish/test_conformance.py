@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import requests
 
-from dxpool.broker.box_fabric import BoxFabricError
-from dxpool.broker.box_fabric_redfish import RedfishBoxFabric
+from dxpool.broker.control.box_fabric import BoxFabricError
+from dxpool.broker.control.box_fabric_redfish import RedfishBoxFabric
 from dxpool.hostagent.drivers.redfish import RedfishProxyMapper, connect_redfish_mapper
 from dxpool.hostagent.errors import AttachConflictError, DriverError
 from dxpool.names import GpuRef

@@ -82,7 +82,7 @@ def test_status_reasons_and_metric_labels_are_not_error_reasons(
     root = _tree(
         tmp_path,
         {
-            "broker/controller.py": """
+            "broker/control/controller.py": """
                 from dxpool.errors import FailedPrecondition
 
                 def fail(node, metrics, let_go, node_to):
@@ -101,7 +101,7 @@ def test_a_reason_raised_by_two_classes_has_both_codes(reasons: ModuleType, tmp_
     root = _tree(
         tmp_path,
         {
-            "broker/compose.py": """
+            "broker/nodes/compose.py": """
                 from dxpool import errors
                 from dxpool.errors import AlreadyExists
 
@@ -119,7 +119,7 @@ def test_constants_helpers_and_subclasses_are_followed(reasons: ModuleType, tmp_
     root = _tree(
         tmp_path,
         {
-            "broker/node_watch.py": """
+            "broker/api/node_watch.py": """
                 from dxpool.errors import Aborted
 
                 TOO_SLOW = "WATCH_TOO_SLOW"
@@ -128,7 +128,7 @@ def test_constants_helpers_and_subclasses_are_followed(reasons: ModuleType, tmp_
                     raise Aborted("fell behind", reason=TOO_SLOW)
                 """,
             "broker/other.py": """
-                from dxpool.broker.node_watch import TOO_SLOW
+                from dxpool.broker.api.node_watch import TOO_SLOW
                 from dxpool.errors import Unavailable
 
                 def stop():
@@ -143,7 +143,7 @@ def test_constants_helpers_and_subclasses_are_followed(reasons: ModuleType, tmp_
                 def check_secret(path, reason="SECRET_OPEN"):
                     check_private(path, "secret", reason)
                 """,
-            "broker/auth.py": """
+            "broker/api/auth.py": """
                 from dxpool.private_files import check_private
 
                 def load(path):
@@ -321,5 +321,5 @@ def test_list_mode_prints_each_reason_with_its_codes_and_sites(
     assert reasons.main(["--list"]) == 0
     lines = {line.split("\t")[0]: line.split("\t") for line in capsys.readouterr().out.splitlines()}
     assert lines["REQUEST_ID_REUSED"][1] == "ALREADY_EXISTS,FAILED_PRECONDITION"
-    assert "broker/compose.py:" in lines["REQUEST_ID_REUSED"][2]
+    assert "broker/nodes/compose.py:" in lines["REQUEST_ID_REUSED"][2]
     assert "AttachFailed" not in lines

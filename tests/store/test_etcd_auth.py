@@ -227,7 +227,7 @@ def test_setup_removes_the_agent_users_of_older_versions(auth_etcd: EmbeddedEtcd
 def test_a_broker_composes_through_its_etcd_user_for_an_agent_without_one(
     auth_etcd: EmbeddedEtcd, certs: Path, tmp_path: Path
 ) -> None:
-    from dxpool.broker.server import BrokerConfig, BrokerServer
+    from dxpool.broker.api.server import BrokerConfig, BrokerServer
     from dxpool.client import Client
     from dxpool.fabric.sim import SimFabric, SimGpuSpec
 

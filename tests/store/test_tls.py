@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dxpool.api.v1 import resources_pb2
-from dxpool.broker.server import BrokerConfig, BrokerServer
+from dxpool.broker.api.server import BrokerConfig, BrokerServer
 from dxpool.client import Client
 from dxpool.fabric.sim import SimFabric, SimGpuSpec
 from dxpool.store.client import EtcdAddress, addresses_of, connect
