@@ -19,9 +19,9 @@ megabyte. :func:`normalised` is applied to every record before it is stored
   too, so the bound holds whatever a caller puts in a record.
 
 So a stored record is at most :data:`MAX_RECORD_BYTES` (a test holds every record
-built from arbitrary fields to it), and a group of :data:`~dxpool.broker.api.audit.MAX_RECORDS_PER_TXN`
-records stays far below etcd's request limit (1.5 MiB by default): no record can make
-the write of the others fail.
+built from arbitrary fields to it), and a group of
+:data:`~dxpool.broker.api.audit.MAX_RECORDS_PER_TXN` records stays far below etcd's
+request limit (1.5 MiB by default): no record can make the write of the others fail.
 """
 
 from __future__ import annotations

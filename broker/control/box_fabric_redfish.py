@@ -95,7 +95,8 @@ SCRUB_VERB = "scrub-gpu"
 
 
 class RedfishBoxFabric:
-    """:class:`~dxpool.broker.control.box_fabric.BoxFabric` over the fabric manager of ``fabric_map``.
+    """:class:`~dxpool.broker.control.box_fabric.BoxFabric` over the fabric manager of
+    ``fabric_map``.
 
     ``connect`` opens a session (tests pass their own); ``retry_wait_s`` is the first
     pause between tries of one zone change (tests pass 0). Safe for several threads.
