@@ -57,7 +57,7 @@ from dxpool.broker.api.sharing import Sharing
 from dxpool.broker.api.sharing_status import SharingStatus
 from dxpool.broker.api.streams import StreamLimiter, StreamLimits
 from dxpool.broker.control.agent_sessions import AgentSessions, SessionSettings
-from dxpool.broker.control.box_fabric import open_box_fabric
+from dxpool.broker.control.box_fabrics import open_box_fabric
 from dxpool.broker.control.controller import NodeController
 from dxpool.broker.control.dispatcher import Dispatcher
 from dxpool.broker.control.duties import DEFAULT_RECONNECT_GRACE_S, DutySettings, SingletonDuties
@@ -67,8 +67,9 @@ from dxpool.broker.control.notices import DEFAULT_GRACE_S, Notices
 from dxpool.broker.control.planning import Planner
 from dxpool.broker.control.sharing_duties import SharingDuties, SharingSettings, Step
 from dxpool.broker.nodes.admission import Admitter
-from dxpool.broker.nodes.compose import Composer, ComposeSettings
+from dxpool.broker.nodes.compose import Composer
 from dxpool.broker.nodes.compose_gate import ComposeGate
+from dxpool.broker.nodes.compose_settings import ComposeSettings
 from dxpool.broker.nodes.enqueue import QueuedComposer
 from dxpool.broker.nodes.gang_chunks import ChunkedGangs
 from dxpool.broker.state import pool_metrics
@@ -130,7 +131,7 @@ class BrokerConfig:
     controller_sweep_s: float = 1.0
     controller_full_sweep_s: float = 30.0
     # The box side of the fabric, for fencing (``sim:DIR``, ``redfish:MAP``,
-    # ``hook:PATH``; see broker/control/box_fabric.py); None: GPUs of lost hosts wait in FENCING
+    # ``hook:PATH``; see broker/control/box_fabrics.py); None: GPUs of lost hosts wait in FENCING
     # until one is configured.
     fabric: str | None = None
     # How long one run of a ``hook:`` box fabric may take; None: 30 s.
@@ -376,7 +377,8 @@ class BrokerServer:
 
     def _start_sharing(self, composer: Composer) -> Sharing:
         """The queue, preemption notices and maintenance, and the leader's thread that
-        serves them (see broker/control/dispatcher.py, broker/control/notices.py, broker/control/maintenance.py)."""
+        serves them (see broker/control/dispatcher.py, broker/control/notices.py and
+        broker/control/maintenance.py)."""
         queue = self.queue = QueueIndex(self.cache)
         gate = ComposeGate(self.cache, queue)
         notices = self.notices = Notices(

@@ -22,12 +22,13 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from dxpool.api.v1 import nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.nodes.compose_commit import ComposeCommitter, ComposeJob
+from dxpool.broker.nodes.compose_settings import ComposeSettings
 from dxpool.broker.nodes.fit import placement_request
 from dxpool.broker.nodes.forget import free_released_names
 from dxpool.broker.nodes.gang import GangComposer
@@ -42,7 +43,6 @@ from dxpool.broker.state.cache import Cache
 from dxpool.broker.state.locks import KeyedLocks
 from dxpool.broker.state.placement_index import PlacementIndex
 from dxpool.broker.state.stm import (
-    PLACE_ATTEMPTS,
     TxnView,
     pause_after_conflict,
     read_through,
@@ -67,12 +67,6 @@ from dxpool.store import keys as k
 from dxpool.store.typed import Store, Versioned
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ComposeSettings:
-    attach_timeout_s: float = 120.0
-    max_attempts: int = PLACE_ATTEMPTS
 
 
 class Composer:
@@ -484,4 +478,4 @@ def _generate_node_id() -> str:
     return f"node-{secrets.token_hex(4)}"
 
 
-__all__ = ["ComposeSettings", "Composer"]
+__all__ = ["Composer"]

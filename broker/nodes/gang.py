@@ -112,7 +112,7 @@ from dxpool.store import keys as k
 from dxpool.store.typed import Store, Txn, Versioned
 
 if TYPE_CHECKING:
-    from dxpool.broker.nodes.compose import ComposeSettings
+    from dxpool.broker.nodes.compose_settings import ComposeSettings
     from dxpool.broker.state.placement_index import PlacementIndex
 
 log = logging.getLogger(__name__)

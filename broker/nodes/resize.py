@@ -83,7 +83,7 @@ from dxpool.store import keys as k
 from dxpool.store.typed import Store
 
 if TYPE_CHECKING:
-    from dxpool.broker.nodes.compose import ComposeSettings
+    from dxpool.broker.nodes.compose_settings import ComposeSettings
     from dxpool.broker.state.placement_index import PlacementIndex
 
 __all__ = ["Resizer", "resize_request_value", "shrink_in"]

@@ -8,9 +8,10 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from dxpool.broker.control.box_fabric import SimBoxFabric, open_box_fabric
+from dxpool.broker.control.box_fabric import SimBoxFabric
 from dxpool.broker.control.box_fabric_hook import HookBoxFabric
 from dxpool.broker.control.box_fabric_redfish import RedfishBoxFabric
+from dxpool.broker.control.box_fabrics import open_box_fabric
 from dxpool.cli.main import cli
 from dxpool.errors import InvalidArgument
 from tests.hostagent.proxy_hook import write_proxy_hook
