@@ -11,7 +11,7 @@ from dxpool import lifecycle
 from dxpool.api.v1 import inventory_pb2 as inv
 from dxpool.api.v1 import inventory_pb2_grpc
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker.api.rpc import cache_page, check_page_token, handler
+from dxpool.broker.api.rpc import handler
 from dxpool.broker.api.sharing_status import SharingStatus
 from dxpool.broker.control.maintenance import Maintenance
 from dxpool.broker.nodes.validation import (
@@ -22,6 +22,7 @@ from dxpool.broker.nodes.validation import (
     check_text,
 )
 from dxpool.broker.state.cache import Cache
+from dxpool.broker.state.pages import cache_page, check_page_token
 from dxpool.broker.state.pool_tally import PoolTally
 from dxpool.broker.state.records import copy, timestamp
 from dxpool.broker.state.stm import ReadRecord, TxnView, transact

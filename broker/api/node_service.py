@@ -28,12 +28,13 @@ from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.api.auth import owner_scope
 from dxpool.broker.api.hostdev import node_hostdev
 from dxpool.broker.api.node_watch import NodeFeed, WatchSettings
-from dxpool.broker.api.rpc import cache_page, check_page_token, handler, stream_handler
+from dxpool.broker.api.rpc import handler, stream_handler
 from dxpool.broker.api.sharing import Sharing
 from dxpool.broker.nodes.compose import Composer
 from dxpool.broker.nodes.tenants import Tenants
 from dxpool.broker.nodes.validation import check_page_size
 from dxpool.broker.state.cache import Cache
+from dxpool.broker.state.pages import cache_page, check_page_token
 from dxpool.errors import InvalidArgument, NotFound
 from dxpool.identity import Identity, Role
 from dxpool.names import parse_host, parse_node

@@ -1,4 +1,5 @@
-"""gRPC plumbing shared by the broker's services: errors, timing, pagination.
+"""gRPC plumbing shared by the broker's services: errors and timing (pagination
+is :mod:`dxpool.broker.state.pages`).
 
 ``@handler("Service.Method")`` wraps a servicer method so a :class:`DxpoolError` becomes
 its gRPC status with a ``google.rpc.ErrorInfo`` detail (reason, domain, metadata), an
@@ -8,12 +9,10 @@ details logged, never leaked.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -22,17 +21,13 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from dxpool.broker.state import metrics
-from dxpool.broker.state.cache import Cache
-from dxpool.errors import ERROR_DOMAIN, DxpoolError, InvalidArgument
-from dxpool.limits import MAX_PAGE_TOKEN
+from dxpool.errors import ERROR_DOMAIN, DxpoolError
 from dxpool.store.errors import classify
 from dxpool.store.errors import unavailable as etcd_unavailable
-from dxpool.store.typed import Versioned
 
 log = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
-T = TypeVar("T")
 
 
 def to_status(error: DxpoolError) -> grpc.Status:
@@ -107,64 +102,3 @@ def stream_handler(method: str) -> Callable[[F], F]:
         return wrapper  # type: ignore[return-value]
 
     return decorate
-
-
-def page(items: Sequence[tuple[str, T]], page_size: int, page_token: str) -> tuple[list[T], str]:
-    """One page of ``(sort_key, item)`` pairs sorted by key, and the next page token.
-
-    The token is the opaque encoding of the last key returned, so pages stay correct
-    while records are added or removed between calls.
-    """
-    after = _decode_token(page_token) if page_token else None
-    start = 0
-    if after is not None:
-        start = next((i for i, (key, _) in enumerate(items) if key > after), len(items))
-    chunk = items[start : start + page_size]
-    more = start + page_size < len(items)
-    token = _encode_token(chunk[-1][0]) if more and chunk else ""
-    return [item for _, item in chunk], token
-
-
-def cache_page(
-    cache: Cache,
-    collection: str,
-    page_size: int,
-    page_token: str,
-    keep: Callable[[Versioned[Any]], bool] = lambda _: True,
-) -> tuple[list[tuple[str, Versioned[Any]]], str]:
-    """One page of the records of ``collection`` that ``keep`` accepts, as ``(id,
-    record)`` in the cache's listing order, and the next page token (the last id).
-
-    O(log n + what the page skips): the cache keeps its records sorted, so no call sorts
-    the collection. Like :func:`page`, pages stay correct while records come and go.
-    """
-    after = _decode_token(page_token) if page_token else None
-    chunk, more = cache.scan(collection, after, page_size, keep)
-    token = _encode_token(chunk[-1][0]) if more and chunk else ""
-    return chunk, token
-
-
-def _encode_token(key: str) -> str:
-    return base64.urlsafe_b64encode(("v1:" + key).encode()).decode()
-
-
-def check_page_token(token: str) -> str:
-    """Return ``token`` if it is empty or a page token this broker handed out."""
-    if token:
-        _decode_token(token)
-    return token
-
-
-def _decode_token(token: str) -> str:
-    raw = ""
-    if len(token) <= MAX_PAGE_TOKEN and token.isascii():
-        try:
-            raw = base64.urlsafe_b64decode(token.encode()).decode()
-        except (binascii.Error, UnicodeDecodeError, ValueError):
-            raw = ""
-    if not raw.startswith("v1:"):
-        raise InvalidArgument(
-            "invalid page_token: pass the next_page_token of the previous response unchanged",
-            reason="INVALID_PAGE_TOKEN",
-        )
-    return raw[3:]

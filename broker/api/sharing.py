@@ -14,7 +14,6 @@ from collections.abc import Iterator
 
 from dxpool.api.v1 import nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker.api.rpc import check_page_token, page
 from dxpool.broker.control.planning import Planner
 from dxpool.broker.nodes.compose_gate import ComposeGate
 from dxpool.broker.nodes.enqueue import QueuedComposer
@@ -22,6 +21,7 @@ from dxpool.broker.nodes.gang import GangComposer
 from dxpool.broker.nodes.gang_chunks import ChunkedGangs
 from dxpool.broker.nodes.validation import check_page_size, check_text
 from dxpool.broker.state.cache import Cache
+from dxpool.broker.state.pages import check_page_token, page
 from dxpool.broker.state.queue_index import QueueIndex
 from dxpool.errors import InvalidArgument
 from dxpool.limits import MAX_TENANT

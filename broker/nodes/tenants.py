@@ -32,11 +32,11 @@ from dataclasses import dataclass
 
 from dxpool import lifecycle
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker.api.rpc import cache_page
 from dxpool.broker.nodes import loaning
 from dxpool.broker.nodes.validation import check_page_size
 from dxpool.broker.state import metrics, records
 from dxpool.broker.state.cache import Cache
+from dxpool.broker.state.pages import cache_page
 from dxpool.broker.state.stm import TxnView, expect, read_through, transact
 from dxpool.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from dxpool.limits import MAX_PRIORITY, MAX_QUOTA, MAX_QUOTA_MODELS
