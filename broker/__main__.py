@@ -23,7 +23,7 @@ def main() -> None:
             file=sys.stderr,
         )
         sys.exit(1)
-    from dxpool.broker.command import broker_command
+    from dxpool.cli.commands.broker import broker_command
 
     broker_command()
 

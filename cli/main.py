@@ -38,7 +38,7 @@ class LazyCommand(NamedTuple):
 
 COMMANDS: dict[str, LazyCommand] = {
     "agent": LazyCommand(
-        "dxpool.hostagent.__main__",
+        "dxpool.cli.commands.agent",
         "agent_command",
         "Run a dxpool host agent: register the host, attach and detach its GPUs",
         "agent",
@@ -52,7 +52,7 @@ COMMANDS: dict[str, LazyCommand] = {
         "dxpool.cli.commands.box", "box", "Register, list, cordon, drain and delete GPU boxes"
     ),
     "broker": LazyCommand(
-        "dxpool.broker.command",
+        "dxpool.cli.commands.broker",
         "broker_command",
         "Run a dxpool broker: the gRPC API over the etcd inventory",
         "server",

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from dxpool.api.v1 import fabric_pb2
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker.command import broker_command
+from dxpool.cli.commands.broker import broker_command
 from dxpool.cli.main import cli
 from dxpool.client import Client
 from dxpool.errors import NotFound

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from dxpool.broker.api.server import BrokerServer
-from dxpool.broker.command import broker_command
+from dxpool.cli.commands.broker import broker_command
 from dxpool.client import Client
 from dxpool.errors import InvalidArgument, Unavailable
 from dxpool.store.embedded import free_port

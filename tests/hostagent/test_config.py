@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from dxpool.cli.commands.agent import agent_command
 from dxpool.errors import InvalidArgument
-from dxpool.hostagent.__main__ import agent_command
 from dxpool.hostagent.config import AgentConfig
 
 
