@@ -1,7 +1,7 @@
 """Placement at 100,000 GPUs in a steady state, for a stream of sizes and a stream of
 many request shapes, beside the settled figure measured in the same run.
 
-The pool is the embedding API's (:class:`~dxpool.broker.placement.pool.InMemoryPool`:
+The pool is the embedding API's (:class:`~dxpool.broker.nodes.memory_pool.InMemoryPool`:
 the broker's cache, placement index, default pipeline and records, no etcd): BOXES
 boxes of 8 H100s and as many hosts with 8 proxy slots, racks of 16 boxes and 16 hosts,
 pods of 16 racks (``bench/scale.py``'s layout), the tree latency model. Hosts declare
@@ -55,8 +55,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script, too
 
+from dxpool.broker.nodes.memory_pool import InMemoryPool
 from dxpool.broker.placement import PlacementRequest, place
-from dxpool.broker.placement.pool import InMemoryPool
 
 GPUS_PER_BOX = 8
 RACK_SIZE = 16  # hosts (and boxes) per rack

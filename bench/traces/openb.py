@@ -16,7 +16,7 @@ of the same inventory:
 
 * **dxpool**: the 6,212 GPUs in boxes of 8 (one model per box), the 1,213 GPU nodes as
   hosts with their CPU and memory and ``--slots`` proxy slots each (8), placed through
-  the embedding API (:class:`~dxpool.broker.placement.pool.InMemoryPool`: the broker's
+  the embedding API (:class:`~dxpool.broker.nodes.memory_pool.InMemoryPool`: the broker's
   cache, placement index, default pipeline and records), CPU-only pods held as host
   reservations chosen by placement;
 * **best-fit servers**: the 1,213 servers as they are (GPUs fixed in them), best fit

@@ -1,5 +1,5 @@
 """A dxpool pool in one process for the trace benchmarks: the embedding API
-(:class:`~dxpool.broker.placement.pool.InMemoryPool`), whose placement, commits and
+(:class:`~dxpool.broker.nodes.memory_pool.InMemoryPool`), whose placement, commits and
 releases go through the broker's own cache, placement index, pipeline and records.
 
 Every decision is the allocator's, on the state its own earlier decisions left: a
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from bench.traces.allocator import NONE, Cause, Grant, Resources, refusal
+from dxpool.broker.nodes.memory_pool import HostChoice, HostRequest, InMemoryPool
 from dxpool.broker.placement import Pipeline, PlacementRequest
-from dxpool.broker.placement.pool import HostChoice, HostRequest, InMemoryPool
 from dxpool.fabric.latency import LatencyModel
 
 

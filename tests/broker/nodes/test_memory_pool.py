@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from dxpool.api.v1 import resources_pb2 as pb
+from dxpool.broker.nodes.memory_pool import AntiAffinity, HostChoice, HostRequest, InMemoryPool
 from dxpool.broker.placement import PlacementRequest
 from dxpool.broker.placement.model import count_free_by_model
-from dxpool.broker.placement.pool import AntiAffinity, HostChoice, HostRequest, InMemoryPool
 from dxpool.errors import Aborted, AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from dxpool.store import keys as k
 
