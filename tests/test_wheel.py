@@ -65,7 +65,8 @@ def _run(args: list[str], venv: Path, timeout_s: float = 120) -> subprocess.Comp
 
 def _source_copy(target: Path) -> Path:
     """The files git would commit (tracked and not ignored), copied to ``target``: the wheel
-    is built from them, not from whatever a previous build left in ``build/``."""
+    is built from them, not from whatever a previous build left in ``build/``. Links stay
+    links (``dxpool/broker`` -> ``../broker`` and its siblings are the import path)."""
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=REPO,
@@ -74,7 +75,10 @@ def _source_copy(target: Path) -> Path:
     ).stdout.decode()
     for name in filter(None, listed.split("\0")):
         source = REPO / name
-        if source.is_file():
+        if source.is_symlink():
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(os.readlink(source), target / name)
+        elif source.is_file():
             (target / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, target / name)
     return target
