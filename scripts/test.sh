@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up a virtual environment (.venv) and run every check that guards correctness:
-# generated-code freshness, lint, types, and the full test suite (slow suites included).
+# generated-code freshness, lint, types, import contracts, and the full test suite (slow
+# suites included).
 # Usage: scripts/test.sh [pytest args...]     e.g. scripts/test.sh -m "not slow"
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,5 +18,7 @@ ruff check .
 ruff format --check .
 echo "== mypy"
 scripts/typecheck.sh
+echo "== import contracts (pyproject.toml [tool.importlinter])"
+lint-imports
 echo "== pytest"
 python -m pytest "$@"
