@@ -1,4 +1,4 @@
-"""What the broker holds and how it commits: the cache of every etcd record, the one
-read-modify-commit path (stm), locks, record rules, and the indexes and tallies kept
-current from cache events. It may import placement only.
+"""What the broker holds and how it commits: the cache of every etcd record,
+read-modify-commit over it (stm), locks, record rules, pagination, and the indexes and
+tallies kept current from cache events. It may import placement only.
 """
