@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
+from dxpool.cli.commands.agent import ENV_PREFIX, agent_command
 from dxpool.cli.main import cli
-from dxpool.hostagent.__main__ import ENV_PREFIX, agent_command
 
 
 def _parsed(*args: str, env: dict[str, str] | None = None) -> dict[str, object]:
@@ -57,7 +57,8 @@ def test_the_agent_loads_no_etcd_client_and_nothing_of_the_broker() -> None:
     import sys
 
     probe = (
-        "import sys, json, dxpool.hostagent.__main__, dxpool.hostagent.agent; "
+        "import sys, json, dxpool.hostagent.__main__, dxpool.cli.commands.agent, "
+        "dxpool.hostagent.agent; "
         "print(json.dumps(sorted(sys.modules)))"
     )
     result = subprocess.run(

@@ -9,8 +9,8 @@ proxy hook, the broker it reaches - is real.
 
 from __future__ import annotations
 
+from dxpool.cli.commands.agent import agent_command
 from dxpool.hostagent import drivers
-from dxpool.hostagent.__main__ import agent_command
 from dxpool.hostagent.config import AgentConfig
 from dxpool.hostagent.driver import FabricDriver
 from dxpool.hostagent.drivers.linux import make_linux_driver
