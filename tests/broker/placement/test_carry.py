@@ -10,9 +10,9 @@ import random
 
 import pytest
 
+from dxpool.broker.nodes.memory_pool import InMemoryPool
 from dxpool.broker.placement import PlacementRequest, default_pipeline, place
 from dxpool.broker.placement.model import Snapshot
-from dxpool.broker.placement.pool import InMemoryPool
 
 RACK_SIZE = 4
 RACKS_PER_POD = 3
