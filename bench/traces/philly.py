@@ -8,7 +8,12 @@ or before an arrival's time are applied first. Each cluster size (GPUs) is run a
 
 * dxpool: GPUs in boxes of 8, one host per 8 GPUs with 8 and with 16 proxy slots,
   placement by the broker's own cache, placement index and pipeline;
-* fixed 8-GPU servers with best fit.
+* fixed 8-GPU servers with best fit;
+* one pool refused only for capacity (:mod:`bench.traces.onepool`): a job is refused
+  exactly when fewer GPUs are free than it asks, what every allocator that places each
+  job that fits does. Where a pool's row equals it, no refusal was placement's, and
+  refusing fewer jobs of one class would take refusing jobs of another that fit
+  (admission), not a placement rule.
 
 Prints, per size and cluster: refused jobs and refused GPU-hours by size class (1, 2,
 4, 8, 16+: 2-3 count as 2, 4-7 as 4, 9 and up as 16+), how many refusals were
@@ -35,6 +40,7 @@ from pathlib import Path
 from bench.traces import pipelines
 from bench.traces.allocator import Allocator, Cause, Grant, allocate_gang, gang_members
 from bench.traces.data import Job, TraceError, philly_jobs, traces_dir
+from bench.traces.onepool import OnePool
 from bench.traces.pool import DxpoolPool, PoolLayout
 from bench.traces.report import (
     SIZE_CLASSES,
@@ -48,6 +54,7 @@ from bench.traces.report import (
 from bench.traces.servers import FixedServers
 
 DEFAULT_PLOT = Path(__file__).parent / "plots" / "philly.png"
+ONE_POOL = "bound: one pool, refused only for capacity"
 QUICK_JOBS = 4000
 LABELS = tuple(label for _, _, label in SIZE_CLASSES)
 
@@ -152,7 +159,11 @@ def clusters(
 
     fixed = "8-GPU servers, best fit"
     pools = [dxpool(count) for count in slots]
-    return [*pools, (fixed, lambda: FixedServers(fixed, [8] * (size // 8)))]
+    return [
+        *pools,
+        (fixed, lambda: FixedServers(fixed, [8] * (size // 8))),
+        (ONE_POOL, lambda: OnePool(ONE_POOL, size)),
+    ]
 
 
 def summarize(size: int, replays: Sequence[Replay]) -> None:

@@ -12,6 +12,8 @@ first (ties in the order written, or by name for any model). A request that coul
 several models then leaves alone the models that are running out, which are the ones
 the requests that can use only them still need; a request that can use only one model
 is never hurt by a flexible one taking its last GPUs while another model had plenty.
+A request for any model that no one model can serve mixes the fewest of the most free
+models that hold it before it may take from the rest, for the same reason.
 This is measured on the public traces (see ``bench/RESULTS.md``); it never keeps a
 request from a model it may use, it only orders the tries. Each try is the ordinary
 fast placement, and the choice stays explainable ("G2, the model with the most free
@@ -122,8 +124,11 @@ def _any_model(
 ) -> PlacementResult:
     """A request for any model: with one model free in the pool it is that model (the
     pipeline runs it as it is); with several, each model with enough free GPUs is tried
-    alone, most free first (by name on ties), and only when none places does one run
-    take any mix (which also gives the account of why nothing fits)."""
+    alone, most free first (by name on ties). Only when none places is a mix taken, and
+    a mix is scarcity-ordered too: of the most free models, as few as hold the GPUs
+    (see :func:`most_free_mixes`), widening one model at a time; the last try takes any
+    mix (which also gives the account of why nothing fits). A mix therefore takes the
+    scarce models' last GPUs only when the plentiful ones cannot serve the node."""
     if len(free) < 2:
         return pipeline.run(request, snapshot, latency)
     ranked = sorted((-count, name) for count, name in free.values() if count >= request.count)
@@ -133,7 +138,30 @@ def _any_model(
         if result.placement is not None:
             return _placed_after(model, tuple(tried), result)
         tried.append(model)
+    for models in most_free_mixes(free, request.count):
+        mix = "|".join(models)
+        result = pipeline.run(replace(request, model=mix, mixed_models=True), snapshot, latency)
+        if result.placement is not None:
+            return _placed_after(mix, tuple(tried), result)
+        tried.append(mix)
     return pipeline.run(request, snapshot, latency)
+
+
+def most_free_mixes(free: dict[str, tuple[int, str]], count: int) -> list[tuple[str, ...]]:
+    """The model sets a mix of ``count`` GPUs tries before any mix: the 2, 3, ... most
+    free models (``free`` as :func:`_free_by_folded_model` gives it; ties by name; models
+    with none free left out), each set only when its free GPUs add up to ``count``, and
+    never all of them (the run of any model is the last try). Empty when fewer than
+    three models have GPUs free."""
+    ranked = sorted((-number, name) for number, name in free.values() if number)
+    names = [name for _, name in ranked]
+    mixes: list[tuple[str, ...]] = []
+    held = -ranked[0][0] if ranked else 0
+    for size in range(2, len(ranked)):
+        held -= ranked[size - 1][0]
+        if held >= count:
+            mixes.append(tuple(names[:size]))
+    return mixes
 
 
 def _placed_after(model: str, tried: tuple[str, ...], result: PlacementResult) -> PlacementResult:

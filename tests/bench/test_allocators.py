@@ -1,4 +1,4 @@
-"""The trace benchmarks' clusters: dxpool's real placement and the fixed-server baseline."""
+"""The trace benchmarks' clusters: dxpool's real placement, the baselines and the bound."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 
 from bench.traces.allocator import Cause, Grant, Resources, allocate_gang, gang_members
 from bench.traces.mostfree import MostFreeModel
+from bench.traces.onepool import OnePool
 from bench.traces.pool import DecisionTimes, DxpoolPool, PoolLayout, boxes_of
 from bench.traces.servers import FixedServers
 
@@ -177,3 +178,36 @@ def test_the_pool_places_model_sets_by_the_most_free_model_and_reserves_cpu_only
         cluster.release(cpu_only)
         cluster.release(grant)
         assert cluster.allocated == 0
+
+
+def test_one_pool_refuses_only_for_capacity() -> None:
+    bound = OnePool("bound", 16)
+    first = bound.allocate(8)
+    assert isinstance(first, Grant)
+    assert bound.allocate(7) == Grant(None, 7)
+    assert bound.allocate(2) is Cause.CAPACITY  # 1 free
+    assert bound.allocated == 15
+    bound.release(first)
+    assert bound.allocate(9) == Grant(None, 9)  # no server, host or box to fragment
+    with pytest.raises(ValueError, match="GPUs only"):
+        bound.allocate(1, Resources(cpu=2))
+    with pytest.raises(ValueError, match="only 16 held"):
+        bound.release(Grant(None, 17))
+
+
+def test_a_pool_with_a_spare_slot_per_host_refuses_what_the_one_pool_bound_refuses() -> None:
+    """With 9 slots per 8-GPU host no node is refused for fragmentation, so dxpool's
+    placement refuses exactly the requests that capacity alone refuses."""
+    requests = [1, 8, 2, 4, 8, 1, 8, 2, 1, 4, 8, 8, 1]
+    dxpool, bound = pool([9, 9, 9, 9], gpus=32), OnePool("bound", 32)
+    held: list[tuple[Grant, Grant]] = []
+    for number, gpus in enumerate(requests):
+        outcome, expected = dxpool.allocate(gpus), bound.allocate(gpus)
+        assert isinstance(outcome, Cause) == isinstance(expected, Cause), (number, gpus)
+        if isinstance(outcome, Grant) and isinstance(expected, Grant):
+            held.append((outcome, expected))
+        if number % 3 == 2 and held:  # release the oldest now and then
+            mine, theirs = held.pop(0)
+            dxpool.release(mine)
+            bound.release(theirs)
+        assert dxpool.allocated == bound.allocated

@@ -59,6 +59,7 @@ def could_fit(snapshot: Snapshot, latency: TableLatency, request: PlacementReque
     """Brute force: some usable host reaches ``count`` usable GPUs within the bound (with
     switch affinity: under one switch; with a spread limit: counting at most that many
     per box)."""
+    allowed = {model.casefold() for model in request.models}
     for host in snapshot.hosts.values():
         if not host.alive or request.host not in (None, host.host):
             continue
@@ -75,7 +76,7 @@ def could_fit(snapshot: Snapshot, latency: TableLatency, request: PlacementReque
                 for g in gpus
                 if g.free
                 and g.healthy
-                and (not request.model or g.model.casefold() == request.model.casefold())
+                and (not request.model or g.model.casefold() in allowed)
                 and g.memory_mib >= request.min_memory_mib
                 and g.name not in request.exclude_gpus
             )
@@ -100,6 +101,7 @@ def check(
         assert not any(c.feasible for c in result.candidates)
         return
     assert result.unsatisfied == ()
+    allowed = {model.casefold() for model in request.models}
     host = snapshot.hosts[result.placement.host]
     assert host.alive
     assert request.host in (None, host.host)
@@ -114,7 +116,7 @@ def check(
         gpu = gpus[binding.gpu]
         assert gpu.free and gpu.healthy
         assert (gpu.box, gpu.slot, gpu.model) == (binding.box, binding.slot, binding.model)
-        assert not request.model or gpu.model.casefold() == request.model.casefold()
+        assert not request.model or gpu.model.casefold() in allowed
         assert gpu.memory_mib >= request.min_memory_mib
         assert gpu.name not in request.exclude_gpus
         assert snapshot.boxes[gpu.box].schedulable
@@ -186,20 +188,25 @@ def test_the_random_cases_often_place_and_often_fail() -> None:
     assert CASES // 5 < placed < CASES - CASES // 5
 
 
-def random_resource_case(rng: random.Random) -> tuple[Snapshot, TableLatency, PlacementRequest]:
+def random_resource_case(
+    rng: random.Random, *, mixing: bool = False
+) -> tuple[Snapshot, TableLatency, PlacementRequest]:
     """A random pool of several models whose hosts declare CPU and memory (some do not,
     some hold part of it already), asked for a model set (a model sometimes named twice,
     in another case), any model, or one model, with CPU, memory and excluded hosts.
-    Often every host is as near each box, so hosts tie on every score."""
+    Often every host is as near each box, so hosts tie on every score. ``mixing``: four
+    models in small boxes and hosts of up to 16 slots, asked for any model, often more
+    GPUs than any one model has free (so a mix must be chosen)."""
     pool = Pool()
     boxes = [f"b{i}" for i in range(rng.randint(2, 9))]
     hosts = [f"h{i}" for i in range(rng.randint(2, 8))]
+    models = (*MODELS, "B200") if mixing else MODELS
     for box in boxes:
         pool.box(
             box,
-            rng.randint(0, 8),
+            rng.randint(0, 4 if mixing else 8),
             busy=rng.randint(0, 3),
-            model=rng.choice(MODELS),
+            model=rng.choice(models),
             schedulable=rng.random() > 0.1,
             unhealthy=[s for s in range(8) if rng.random() < 0.05],
         )
@@ -207,7 +214,7 @@ def random_resource_case(rng: random.Random) -> tuple[Snapshot, TableLatency, Pl
     by_box = {box: rng.choice((1_000, 2_000, 3_000)) for box in boxes}
     table: dict[tuple[str, str], int] = {}
     for host in hosts:
-        slots = rng.choice((4, 8, 8))
+        slots = rng.choice((8, 16)) if mixing else rng.choice((4, 8, 8))
         pool.host(host, slots, used=[s for s in range(slots) if rng.random() < 0.3])
         for box in boxes:
             table[(host, box)] = by_box[box] if alike else rng.choice((1_000, 2_000, 3_000))
@@ -227,8 +234,10 @@ def random_resource_case(rng: random.Random) -> tuple[Snapshot, TableLatency, Pl
             used_memory_mib=rng.choice((0, 0, memory // 8, memory // 2)),
         )
     request = PlacementRequest(
-        rng.choice(("H100|A100", "A100|h100|H100", "L40S|A100", "A100|L40S|H100", "", "A100")),
-        rng.choice((1, 1, 2, 3, 4)),
+        ""
+        if mixing
+        else rng.choice(("H100|A100", "A100|h100|H100", "L40S|A100", "A100|L40S|H100", "", "A100")),
+        rng.randint(2, 9) if mixing else rng.choice((1, 1, 2, 3, 4)),
         max_latency_ns=rng.choice((0, 0, 2_000)),
         cpu_cores=rng.choice((0, 0, 8, 24, 48)),
         host_memory_mib=rng.choice((0, 0, 32768, 200000)),
@@ -266,12 +275,14 @@ def free_by_model(snapshot: Snapshot) -> Counter[str]:
     return counts
 
 
-def expected_model(
+def expected_models(
     snapshot: Snapshot, latency: TableLatency, request: PlacementRequest
-) -> tuple[bool, str | None]:
-    """Brute force of the model order: (whether anything fits, the model the node must
-    be of, or None for any mix). A set tries its distinct models most free first, ties
-    as written; any model tries each model most free first, ties by name, then a mix."""
+) -> tuple[bool, frozenset[str] | None]:
+    """Brute force of the model order: (whether anything fits, the casefolded models the
+    node's GPUs must all be of, or None for any mix). A set tries its distinct models
+    most free first, ties as written; any model tries each model most free first, ties
+    by name, then mixes of the 2, 3, ... most free models (those holding enough GPUs in
+    all), then any mix."""
     usable = with_hosts_that_may_take(snapshot, request)
     free = free_by_model(snapshot)
     if request.model:
@@ -284,22 +295,33 @@ def expected_model(
         order = sorted(free, key=lambda m: (-free[m], m)) if len(free) > 1 else []
     for model in order:
         if could_fit(usable, latency, replace(request, model=model)):
-            return True, model.casefold()
+            return True, frozenset({model.casefold()})
     if request.model:
         return False, None
+    ranked = sorted((m for m in free if free[m]), key=lambda m: (-free[m], m))
+    for size in range(2, len(ranked)):
+        mix = ranked[:size]
+        if sum(free[m] for m in mix) < request.count:
+            continue
+        if could_fit(usable, latency, replace(request, model="|".join(mix), mixed_models=True)):
+            return True, frozenset(mix)
     return could_fit(usable, latency, request), None
 
 
+@pytest.mark.parametrize("mixing", [False, True], ids=["sets", "mixes"])
 @pytest.mark.parametrize("seed", range(CASES))
-def test_random_pools_with_model_sets_host_resources_and_exclusions(seed: int) -> None:
+def test_random_pools_with_model_sets_host_resources_and_exclusions(
+    seed: int, mixing: bool
+) -> None:
     """Placement fits exactly when brute force finds a host, on the model brute force
-    tries first among those that fit (most free first), on a host that is not excluded
-    and has the CPU and memory free; among the hosts of the best score the one with the
-    least room (CPU and memory free, each a share of the largest host's), then the
-    lowest id, wins."""
-    snapshot, latency, request = random_resource_case(random.Random(5000 + seed))
+    tries first among those that fit (most free first; a mix: of the fewest most free
+    models that fit), on a host that is not excluded and has the CPU and memory free;
+    among the hosts of the best score the one with the least room (CPU and memory free,
+    each a share of the largest host's), then the lowest id, wins."""
+    rng = random.Random((7000 if mixing else 5000) + seed)
+    snapshot, latency, request = random_resource_case(rng, mixing=mixing)
     result = place(request, snapshot, latency)
-    fits, model = expected_model(snapshot, latency, request)
+    fits, models_expected = expected_models(snapshot, latency, request)
     assert (result.placement is not None) == fits, request
     assert place(request, snapshot, latency) == result
     if result.placement is None:
@@ -310,9 +332,14 @@ def test_random_pools_with_model_sets_host_resources_and_exclusions(seed: int) -
     models = {binding.model.casefold() for binding in result.placement.bindings}
     allowed = {m.casefold() for m in request.model.split("|")} if request.model else None
     assert allowed is None or models <= allowed
-    if model is not None:
-        assert models == {model}, (request, models, model)
-    check(result, with_hosts_that_may_take(snapshot, request), latency, replace(request, model=""))
+    if models_expected is not None and len(models_expected) == 1:
+        assert models == models_expected, (request, models, models_expected)
+    elif models_expected is not None:  # a mix of the most free models only
+        assert models <= models_expected, (request, models, models_expected)
+    judged = replace(request, model="")
+    if models_expected is not None and len(models_expected) > 1:
+        judged = replace(request, model="|".join(sorted(models_expected)), mixed_models=True)
+    check(result, with_hosts_that_may_take(snapshot, request), latency, judged)
     largest_cpu = max(h.cpu_cores for h in snapshot.hosts.values())
     largest_memory = max(h.memory_mib for h in snapshot.hosts.values())
 
@@ -342,3 +369,16 @@ def test_the_random_resource_cases_often_place_often_fail_and_often_tie() -> Non
     assert CASES // 5 < placed < CASES - CASES // 5
     assert tied >= 10  # the least-room rule decides
     assert on_second_model >= 5  # scarcity often reorders a set
+
+
+def test_the_random_mixing_cases_often_mix_only_the_most_free_models() -> None:
+    placed = fewest_most_free = 0
+    for seed in range(CASES):
+        snapshot, latency, request = random_resource_case(random.Random(7000 + seed), mixing=True)
+        if place(request, snapshot, latency).placement is None:
+            continue
+        placed += 1
+        _, models = expected_models(snapshot, latency, request)
+        fewest_most_free += models is not None and len(models) > 1
+    assert CASES // 5 < placed < CASES - CASES // 5
+    assert fewest_most_free >= 10  # a mix of some, not all, of the models decides

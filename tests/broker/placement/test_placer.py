@@ -13,6 +13,7 @@ from dxpool.broker.placement import (
     Snapshot,
     place,
 )
+from dxpool.broker.placement.placer import most_free_mixes
 from dxpool.errors import InvalidArgument, NotFound
 from dxpool.fabric.latency import TopologyLatencyModel
 from dxpool.fabric.topology import Topology
@@ -419,6 +420,45 @@ def test_a_request_for_any_model_mixes_models_only_when_no_model_alone_fits() ->
     assert sorted(boxes_of(result)) == ["a", "a", "h", "h", "h"]
     reasons = next(c for c in result.candidates if c.feasible).reasons
     assert not reasons[0].startswith("model ")  # the mixed run, as a run of any model
+
+
+def test_a_mix_for_any_model_takes_the_most_free_models_and_leaves_the_scarce_one() -> None:
+    """No model alone holds 8: the mix comes from the two most free models (5 + 3),
+    not from the tightest boxes (5 A100 + the last 3 L40S)."""
+    pool = Pool().box("a", 5, model="A100").box("b", 5, model="B200").box("c", 3, model="L40S")
+    result = place(PlacementRequest("", 8), pool.host("h1").snapshot(), TableLatency())
+    assert sorted(boxes_of(result)) == ["a"] * 5 + ["b"] * 3
+    feasible, reasons = report(result, "h1")
+    assert feasible
+    assert reasons[0] == "model A100|B200"  # no model alone had 8 free: none was tried
+
+
+def test_a_mix_for_any_model_widens_to_the_next_most_free_model() -> None:
+    """The two most free models hold 7 of 9: the three most free are mixed, and the
+    least free model (2 left, the tightest fit for the last 2) is untouched."""
+    pool = Pool().box("a", 4, model="A100").box("b", 3, model="B200")
+    pool = pool.box("c", 3, model="L40S").box("h", 2).host("h1", 16)
+    result = place(PlacementRequest("", 9), pool.snapshot(), TableLatency())
+    assert sorted(boxes_of(result)) == ["a"] * 4 + ["b"] * 3 + ["c"] * 2
+
+
+def test_a_mix_for_any_model_takes_any_mix_when_the_most_free_cannot_serve_it() -> None:
+    pool = Pool().box("a", 4, model="A100").box("b", 3, model="B200").box("c", 2, model="L40S")
+    result = place(PlacementRequest("", 9), pool.host("h1", 16).snapshot(), TableLatency())
+    assert sorted(boxes_of(result)) == ["a"] * 4 + ["b"] * 3 + ["c"] * 2
+    refused = place(PlacementRequest("", 10), pool.host("h1", 16).snapshot(), TableLatency())
+    assert refused.placement is None and refused.unsatisfied
+
+
+def test_most_free_mixes_are_the_most_free_models_that_hold_the_gpus() -> None:
+    free = {"a100": (5, "A100"), "b200": (5, "B200"), "l40s": (3, "L40S"), "h100": (0, "H100")}
+    assert most_free_mixes(free, 8) == [("A100", "B200")]
+    assert most_free_mixes(free, 11) == []  # only all of them hold 11: any mix decides
+    free["h100"] = (1, "H100")
+    assert most_free_mixes(free, 8) == [("A100", "B200"), ("A100", "B200", "L40S")]
+    assert most_free_mixes(free, 12) == [("A100", "B200", "L40S")]
+    assert most_free_mixes(free, 14) == []
+    assert most_free_mixes({"a100": (5, "A100"), "b200": (5, "B200")}, 8) == []
 
 
 def test_a_request_for_any_model_in_a_pool_of_one_model_runs_as_written() -> None:
