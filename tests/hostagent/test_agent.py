@@ -113,15 +113,24 @@ def test_the_agent_leaves_a_frozen_broker_and_follows_the_spec(
         )
         revision = int(response.header.revision)
         gone: list[float] = []
+        sessions_seen: set[str] = set()
 
         def adopted() -> bool:
             if etcd_client.get(keys.host_lease("h1"))[0] is None:
                 gone.append(time.monotonic())
+            current = agent.link.session
+            if current is not None:
+                sessions_seen.add(current.endpoint)
             return agent.desired.spec_revision == revision
 
         wait_until(adopted, timeout_s=30, message="the spec written while its broker froze")
-        session = agent.link.session
-        assert session is not None and session.endpoint == other.agent_endpoint
+        # Only the other broker can have served the spec; once it is adopted a loaded
+        # machine may already have moved the agent on again, so the session is not read
+        # once at the end but watched throughout.
+        current = agent.link.session
+        if current is not None:
+            sessions_seen.add(current.endpoint)
+        assert other.agent_endpoint in sessions_seen
         assert gone == []  # the host stayed alive throughout
     finally:
         os.kill(frozen.process.pid, signal.SIGCONT)
