@@ -74,7 +74,7 @@ from dxpool.broker.nodes.transitions import (
 from dxpool.broker.state import metrics
 from dxpool.broker.state.cache import Cache
 from dxpool.broker.state.records import seconds
-from dxpool.broker.state.stm import TxnView, transact
+from dxpool.broker.state.stm import PASS_ATTEMPTS, TxnView, transact
 from dxpool.errors import Aborted, Unavailable
 from dxpool.names import parse_host, parse_node
 from dxpool.store import keys as k
@@ -590,7 +590,14 @@ class NodeController:
 
         subject = f"{len(names)} detaching GPUs of {host or 'no host'}"
         try:
-            transact(self._store, self._cache, body, attempts=3, what=subject, operation="free")
+            transact(
+                self._store,
+                self._cache,
+                body,
+                attempts=PASS_ATTEMPTS,
+                what=subject,
+                operation="free",
+            )
         except Aborted:
             log.debug("controller transition kept losing compares", extra={"subject": subject})
             return
@@ -638,7 +645,12 @@ class NodeController:
         self._health_changes.clear()
         try:
             state = transact(
-                self._store, self._cache, body, attempts=3, what=subject, operation="transition"
+                self._store,
+                self._cache,
+                body,
+                attempts=PASS_ATTEMPTS,
+                what=subject,
+                operation="transition",
             )
         except Aborted:
             log.debug("controller transition kept losing compares", extra={"subject": subject})

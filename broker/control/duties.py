@@ -52,7 +52,7 @@ from dxpool.broker.nodes.transitions import drop_release, let_go
 from dxpool.broker.state import metrics
 from dxpool.broker.state.cache import Cache
 from dxpool.broker.state.records import copy, seconds
-from dxpool.broker.state.stm import TxnView, transact
+from dxpool.broker.state.stm import PASS_ATTEMPTS, TxnView, transact
 from dxpool.errors import DxpoolError, Unavailable
 from dxpool.names import parse_gpu, parse_host
 from dxpool.store import keys as k
@@ -401,7 +401,12 @@ class SingletonDuties:
     def _apply(self, body: Callable[[TxnView], Any], subject: str) -> Any:
         try:
             result = transact(
-                self._store, self._cache, body, attempts=3, what=subject, operation="duty"
+                self._store,
+                self._cache,
+                body,
+                attempts=PASS_ATTEMPTS,
+                what=subject,
+                operation="duty",
             )
         except DxpoolError as error:
             log.debug("duty not committed", extra={"subject": subject, "error": str(error)})

@@ -43,7 +43,7 @@ from dxpool.broker.state import metrics
 from dxpool.broker.state.cache import Cache
 from dxpool.broker.state.locks import KeyedLocks
 from dxpool.broker.state.records import copy, seconds, timestamp
-from dxpool.broker.state.stm import TxnView, transact
+from dxpool.broker.state.stm import PASS_ATTEMPTS, TxnView, transact
 from dxpool.errors import Aborted, DxpoolError
 from dxpool.names import parse_box, parse_gang, parse_host, parse_node
 from dxpool.store import keys as k
@@ -159,7 +159,11 @@ class Notices:
 
         try:
             done = transact(
-                self._store, self._cache, body, attempts=3, what=f"preempting for {requester}"
+                self._store,
+                self._cache,
+                body,
+                attempts=PASS_ATTEMPTS,
+                what=f"preempting for {requester}",
             )
         except (_ChangedError, Aborted):
             return False
@@ -280,7 +284,9 @@ class Notices:
             return True
 
         try:
-            return transact(self._store, self._cache, body, attempts=3, what=f"draining {node_id}")
+            return transact(
+                self._store, self._cache, body, attempts=PASS_ATTEMPTS, what=f"draining {node_id}"
+            )
         except Aborted:
             return False
 
@@ -345,7 +351,7 @@ class Notices:
                 self._store,
                 self._cache,
                 lambda view: self._carry_out_in(view, node_id),
-                attempts=3,
+                attempts=PASS_ATTEMPTS,
                 what=f"preempting nodes/{node_id}",
                 operation="transition",
             )

@@ -39,7 +39,7 @@ from dxpool.broker.nodes.fit import assign_gpus, placement_request, reserve_host
 from dxpool.broker.nodes.tenants import breach, charged, new_tenant
 from dxpool.broker.placement import Placement, PlacementRequest, place
 from dxpool.broker.state.records import copy, seconds, timestamp
-from dxpool.broker.state.stm import ADMISSION_ATTEMPTS, TxnView, transact
+from dxpool.broker.state.stm import ADMISSION_ATTEMPTS, NOTE_ATTEMPTS, TxnView, transact
 from dxpool.errors import Aborted, DxpoolError, NotFound, ResourceExhausted
 from dxpool.names import parse_host
 from dxpool.store import keys as k
@@ -318,7 +318,11 @@ class Admitter:
 
         try:
             return transact(
-                self._store, self._cache, body, attempts=2, what=f"noting nodes/{node_id}"
+                self._store,
+                self._cache,
+                body,
+                attempts=NOTE_ATTEMPTS,
+                what=f"noting nodes/{node_id}",
             )
         except (Aborted, NotFound):
             return False

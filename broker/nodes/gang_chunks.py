@@ -73,6 +73,7 @@ from dxpool.broker.state import metrics
 from dxpool.broker.state.records import copy, seconds, timestamp
 from dxpool.broker.state.stm import (
     CHUNK_ATTEMPTS,
+    NOTE_ATTEMPTS,
     TxnView,
     commit_staged,
     expect,
@@ -870,7 +871,9 @@ class ChunkedGangs:
             return True
 
         with suppress(DxpoolError):
-            return transact(self._store, self._cache, body, attempts=2, what="noting a gang")
+            return transact(
+                self._store, self._cache, body, attempts=NOTE_ATTEMPTS, what="noting a gang"
+            )
         return False
 
     # -- the leader's reaper --------------------------------------------------------------------

@@ -74,6 +74,13 @@ SESSION_ATTEMPTS = 5
 another session of the same agent takes it meanwhile (a reconnect racing itself), so a
 few tries tell that apart; then UNAVAILABLE (SESSION_CONTENDED) and the agent connects
 again."""
+PASS_ATTEMPTS = 3
+"""A change a loop makes on one of its passes (the node controller, the leader's duties,
+preemption notices, drains): the loop comes back to the record on its next pass, so a
+pass gives up after a few lost compares rather than hold up the others."""
+NOTE_ATTEMPTS = 2
+"""Noting why a queued request waits (its reason and what it reclaims): the next pass
+notes it again from a fresh read, so one retry is enough."""
 
 # Full-jitter exponential backoff between attempts that lost a compare: a pause drawn
 # from [0, min(MAX_CONFLICT_PAUSE_S, FIRST_CONFLICT_PAUSE_S * 2**attempt)].
@@ -287,6 +294,8 @@ __all__ = [
     "ADMISSION_ATTEMPTS",
     "CHUNK_ATTEMPTS",
     "COMMIT_ATTEMPTS",
+    "NOTE_ATTEMPTS",
+    "PASS_ATTEMPTS",
     "PLACE_ATTEMPTS",
     "RESIZE_ATTEMPTS",
     "SESSION_ATTEMPTS",
