@@ -154,12 +154,12 @@ class NodeFeed:
         cache: Cache,
         settings: WatchSettings | None = None,
         *,
-        lookup: Callable[[str, str], Versioned[Any] | None] | None = None,
+        lookup: Callable[[str], Versioned[pb.VirtualNode] | None] | None = None,
     ) -> None:
-        """``lookup(collection, id)`` decides whether a watched node exists (default: the
-        cache); the broker passes one that confirms a cache miss with etcd."""
+        """``lookup(id)`` decides whether a watched node exists (default: the cache);
+        the broker passes one that confirms a cache miss with etcd."""
         self._cache = cache
-        self._lookup = lookup or cache.get
+        self._lookup = lookup or cache.nodes.get
         self.settings = settings or WatchSettings()
         self._lock = threading.Lock()
         self._seq = 0
@@ -350,7 +350,7 @@ class NodeFeed:
             raise _CallOverError()
 
     def _require(self, name: str) -> None:
-        if self._lookup(k.NODES, name) is None:
+        if self._lookup(name) is None:
             raise NotFound(
                 f"node nodes/{name} does not exist; list nodes with `dxpool node list`",
                 reason="NODE_NOT_FOUND",

@@ -319,19 +319,19 @@ class NodeController:
         """Copy the agent's health reports into the node's GPUs; READY <-> DEGRADED.
         Returns the state the node moved to, if any."""
         self._health_changes.clear()  # this attempt's, not a lost one's
-        record = view.get(k.NODES, node_id)
+        record = view.nodes.get(node_id)
         if record is None or record.value.state not in lifecycle.IN_USE_NODE_STATES:
             return None
-        node: pb.VirtualNode = record.value
-        status_record = view.get(k.HOST_STATUSES, parse_host(node.host))
+        node = record.value
+        status_record = view.host_statuses.get(parse_host(node.host))
         observed = {a.gpu: a for a in (status_record.value.attachments if status_record else ())}
         unhealthy: list[str] = []
         for binding in node.gpus:
             key = gpu_id(binding.gpu)
-            gpu_record = view.get(k.GPUS, key)
+            gpu_record = view.gpus.get(key)
             if gpu_record is None or gpu_record.value.node != node.name:
                 continue
-            gpu: pb.Gpu = gpu_record.value
+            gpu = gpu_record.value
             seen = observed.get(binding.gpu)
             if (
                 seen is not None
@@ -359,7 +359,7 @@ class NodeController:
         return None
 
     def _finish_release(self, view: TxnView, node_id: str) -> str | None:
-        record = view.get(k.NODES, node_id)
+        record = view.nodes.get(node_id)
         if record is None or record.value.state != pb.NODE_STATE_RELEASING:
             return None
         if owned_gpus(view, record.value):
@@ -375,19 +375,19 @@ class NodeController:
 
     def _advance_attach(self, view: TxnView, node_id: str) -> str | None:
         """One step of an attaching node; returns the state it moved to, if any."""
-        record = view.get(k.NODES, node_id)
+        record = view.nodes.get(node_id)
         if record is None or record.value.state not in lifecycle.ATTACHING_NODE_STATES:
             return None
-        node: pb.VirtualNode = record.value
+        node = record.value
         leaving = [b for b in node.gpus if b.phase == pb.ATTACHMENT_PHASE_DETACHING]
         if node.state == pb.NODE_STATE_RESIZING and leaving:
             return self._advance_shrink(view, node, leaving)
         host_id = parse_host(node.host)
-        status_record = view.get(k.HOST_STATUSES, host_id)
+        status_record = view.host_statuses.get(host_id)
         observed = {a.gpu: a for a in (status_record.value.attachments if status_record else ())}
         gpus: dict[str, Versioned[pb.Gpu]] = {}
         for binding in node.gpus:
-            gpu = view.get(k.GPUS, gpu_id(binding.gpu))
+            gpu = view.gpus.get(gpu_id(binding.gpu))
             if gpu is None or gpu.value.node != node.name:
                 return self._fail(view, node, f"{binding.gpu} was taken away from the node")
             gpus[binding.gpu] = gpu
@@ -437,7 +437,7 @@ class NodeController:
             view.put(k.NODES, node_id, ready)
             return "READY"
         if now > seconds(node.attach_deadline) and self._is_leader():
-            alive = view.exists(k.HOST_LEASES, host_id)
+            alive = view.host_leases.exists(host_id)
             hint = "" if alive else f"; the agent of {node.host} is not running"
             return self._fail(
                 view,
@@ -479,7 +479,7 @@ class NodeController:
         """A shrinking node: READY again, without the leaving bindings, once none of
         their GPUs names the node any more (freed, or quarantined)."""
         for binding in leaving:
-            record = view.get(k.GPUS, gpu_id(binding.gpu))
+            record = view.gpus.get(gpu_id(binding.gpu))
             if record is not None and record.value.node == node.name:
                 return None  # still detaching
         gone = {b.gpu for b in leaving}
@@ -511,7 +511,7 @@ class NodeController:
         dropped: set[str] = set()
         releasing: set[str] = set()
         for binding in node.gpus:
-            record = view.get(k.GPUS, gpu_id(binding.gpu))
+            record = view.gpus.get(gpu_id(binding.gpu))
             if record is None or record.value.node != node.name:
                 dropped.add(binding.gpu)  # taken away: nothing of ours to detach
             elif record.value.state == pb.GPU_STATE_ATTACHING:
@@ -531,7 +531,7 @@ class NodeController:
         view.put(k.NODES, node.name.removeprefix("nodes/"), updated)
         discharge_gpus(view, node, [b.model for b in node.gpus if b.gpu in dropped])
         host_id = parse_host(node.host)
-        allocation: pb.HostAllocation | None = view.latest(k.HOST_ALLOCATIONS, host_id)
+        allocation = view.host_allocations.latest(host_id)
         if allocation is not None and any(
             a.node == node.name and a.gpu in dropped and not a.release
             for a in allocation.attachments
@@ -578,7 +578,7 @@ class NodeController:
             released.clear()
             owners: set[str] = set()
             for name in names:
-                record = view.get(k.GPUS, name)
+                record = view.gpus.get(name)
                 outcome = self._settle_detach(view, name)
                 if outcome is not None:
                     outcomes[name] = outcome
@@ -605,14 +605,14 @@ class NodeController:
                 log.warning("gpu quarantined", extra={"gpu": name, "reason": reason})
 
     def _settle_detach(self, view: TxnView, name: str) -> str | None:
-        record = view.get(k.GPUS, name)
+        record = view.gpus.get(name)
         if record is None or record.value.state != pb.GPU_STATE_DETACHING:
             return None
-        gpu: pb.Gpu = record.value
+        gpu = record.value
         host_id = parse_host(gpu.host) if gpu.host else ""
         # Read through the view even when absent: the commit then requires the status
         # to be unchanged, so an agent that writes a claim meanwhile makes it fail.
-        status = view.get(k.HOST_STATUSES, host_id) if host_id else None
+        status = view.host_statuses.get(host_id) if host_id else None
         entry = next(
             (a for a in (status.value.attachments if status else ()) if a.gpu == gpu.name), None
         )
@@ -694,7 +694,7 @@ def _quarantine_suspects(
     their ``release`` attachments leave the host's allocation."""
     for name, problem in sorted((suspects or {}).items()):
         key = gpu_id(name)
-        gpu: pb.Gpu | None = view.latest(k.GPUS, key)
+        gpu = view.gpus.latest(key)
         if gpu is None or gpu.node != node.name or gpu.state != pb.GPU_STATE_DETACHING:
             continue
         drop_release(view, gpu)

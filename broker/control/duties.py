@@ -266,9 +266,9 @@ class SingletonDuties:
 
     def _lose_node(self, host: str, node_id: str, message: str) -> Callable[[TxnView], Any]:
         def body(view: TxnView) -> str | None:
-            if view.exists(k.HOST_LEASES, host):
+            if view.host_leases.exists(host):
                 return None  # the host came back
-            record = view.get(k.NODES, node_id)
+            record = view.nodes.get(node_id)
             if record is None or record.value.state not in lifecycle.LOSABLE_NODE_STATES:
                 return None
             let_go(view, record.value, pb.NODE_STATE_LOST, message, self._clock(), fence=True)
@@ -278,9 +278,9 @@ class SingletonDuties:
 
     def _fence_gpu(self, host: str, gpu_id: str, message: str) -> Callable[[TxnView], Any]:
         def body(view: TxnView) -> str | None:
-            if view.exists(k.HOST_LEASES, host):
+            if view.host_leases.exists(host):
                 return None
-            record = view.get(k.GPUS, gpu_id)
+            record = view.gpus.get(gpu_id)
             if record is None or record.value.state not in LEASE_HOLDING_STATES:
                 return None
             if record.value.host != f"hosts/{host}":
@@ -330,7 +330,7 @@ class SingletonDuties:
         reason = f"fence or scrub failed {count} times: {error}"
 
         def body(view: TxnView) -> str | None:
-            record = view.get(k.GPUS, gpu_id)
+            record = view.gpus.get(gpu_id)
             if record is None or record.value.state != pb.GPU_STATE_FENCING:
                 return None
             drop_release(view, record.value)
@@ -343,7 +343,7 @@ class SingletonDuties:
 
     def _free(self, gpu_id: str, generation: int) -> Callable[[TxnView], Any]:
         def body(view: TxnView) -> str | None:
-            record = view.get(k.GPUS, gpu_id)
+            record = view.gpus.get(gpu_id)
             if record is None or record.value.state != pb.GPU_STATE_FENCING:
                 return None
             if record.value.generation != generation:
@@ -356,7 +356,7 @@ class SingletonDuties:
 
     def _annotate(self, gpu_id: str, generation: int) -> Callable[[TxnView], Any]:
         def body(view: TxnView) -> str | None:
-            record = view.get(k.GPUS, gpu_id)
+            record = view.gpus.get(gpu_id)
             if record is None or record.value.state != pb.GPU_STATE_FENCING:
                 return None
             if record.value.generation != generation:

@@ -170,12 +170,12 @@ class Maintenance:
 
     def _set_host(self, name: str, *, cordon: bool, reason: str, drain: bool = False) -> str:
         host_id = parse_host(name)
-        if read_through(self._store, self._cache, k.HOSTS, host_id) is None:
+        if read_through(self._store, self._cache, self._cache.hosts, host_id) is None:
             raise _host_not_found(name)
         now = self._clock()
 
         def body(view: TxnView) -> None:
-            record = view.get(k.HOST_ALLOCATIONS, host_id)
+            record = view.host_allocations.get(host_id)
             if record is None and not cordon:
                 return  # never cordoned: nothing to undo
             allocation = copy(record.value) if record is not None else pb.HostAllocation(host=name)
@@ -201,10 +201,10 @@ class Maintenance:
         now = self._clock()
 
         def body(view: TxnView) -> pb.Box:
-            record = view.get(k.BOXES, box_id)
+            record = view.boxes.get(box_id)
             if record is None:
                 raise _box_not_found(name)
-            box: pb.Box = copy(record.value)
+            box = copy(record.value)
             box.state = pb.BOX_STATE_CORDONED
             box.cordon_reason = reason or "draining"
             wanted = pb.DrainPolicy.ValueType(policy or pb.DRAIN_POLICY_MOVE)

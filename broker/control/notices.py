@@ -182,10 +182,10 @@ class Notices:
         victims = [cut.node for cut in plan.cuts]
         if requester.startswith("gangs/"):
             gang_id = parse_gang(requester)
-            record = view.get(k.GANGS, gang_id)
-            if record is None or record.value.state != pb.GANG_STATE_QUEUED:
+            gang_record = view.gangs.get(gang_id)
+            if gang_record is None or gang_record.value.state != pb.GANG_STATE_QUEUED:
                 raise _ChangedError
-            gang = copy(record.value)
+            gang = copy(gang_record.value)
             del gang.queue.preempting[:]
             gang.queue.preempting.extend(victims)
             gang.queue.reclaiming = reclaiming
@@ -194,7 +194,7 @@ class Notices:
             view.put(k.GANGS, gang_id, gang)
             return
         node_id = parse_node(requester)
-        record = view.get(k.NODES, node_id)
+        record = view.nodes.get(node_id)
         if record is None or record.value.state != pb.NODE_STATE_QUEUED:
             raise _ChangedError
         node = copy(record.value)
@@ -207,10 +207,10 @@ class Notices:
 
     def _give(self, view: TxnView, cut: Cut, requester: str, now: float) -> None:
         node_id = parse_node(cut.node)
-        record = view.get(k.NODES, node_id)
+        record = view.nodes.get(node_id)
         if record is None:
             raise _ChangedError
-        node: pb.VirtualNode = record.value
+        node = record.value
         if (
             node.state not in lifecycle.LOSABLE_NODE_STATES
             or not node.preemptible
@@ -255,10 +255,10 @@ class Notices:
         now = self._clock()
 
         def body(view: TxnView) -> bool:
-            record = view.get(k.NODES, node_id)
+            record = view.nodes.get(node_id)
             if record is None:
                 return False
-            node: pb.VirtualNode = record.value
+            node = record.value
             if node.state not in lifecycle.LOSABLE_NODE_STATES or node.HasField("preemption"):
                 return False
             deadline = now + grace_s(node, self._default_grace_s)
@@ -355,10 +355,10 @@ class Notices:
         return outcome
 
     def _carry_out_in(self, view: TxnView, node_id: str) -> str | None:
-        record = view.get(k.NODES, node_id)
+        record = view.nodes.get(node_id)
         if record is None or not record.value.HasField("preemption"):
             return None
-        node: pb.VirtualNode = record.value
+        node = record.value
         if node.state not in lifecycle.LOSABLE_NODE_STATES:
             return None  # released (or lost) meanwhile: its GPUs are let go already
         notice = node.preemption

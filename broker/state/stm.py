@@ -33,21 +33,29 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 from google.protobuf.message import Message
 
+from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.state import metrics
 from dxpool.broker.state.audit_commit import record_in
-from dxpool.broker.state.cache import Cache
+from dxpool.broker.state.cache import Cache, Collection
 from dxpool.errors import Aborted, NotFound
+from dxpool.store import keys as k
 from dxpool.store.typed import Store, Txn, TxnResult, Versioned
 
 T = TypeVar("T")
+R = TypeVar("R")
 
-# Reads one record: the cache's ``get``, or a TxnView's, which also has the commit
-# compare what it read.
-ReadRecord = Callable[[str, str], Versioned[Any] | None]
+
+class RecordReader(Protocol[R]):
+    """Reads one record of a collection: the cache's typed collection
+    (:class:`~dxpool.broker.state.cache.Collection`), or a TxnView's
+    (:class:`ViewCollection`), which also has the commit compare what it read."""
+
+    def get(self, name: str) -> Versioned[R] | None: ...
+
 
 # -- attempt limits -------------------------------------------------------------------
 # Every commit loop of the broker is bounded by one of these, then answers ABORTED
@@ -90,8 +98,37 @@ def pause_after_conflict(attempt: int) -> None:
     time.sleep(random.uniform(0, ceiling))
 
 
+class ViewCollection(Generic[R]):
+    """One collection as a :class:`TxnView` reads it, typed by its record, mirroring the
+    cache's :class:`~dxpool.broker.state.cache.Collection`: ``view.gpus.get("box1/0")``
+    is a ``Versioned[pb.Gpu] | None``. Every read goes through the view's untyped method
+    of the same name, so it records the same compare as ``view.gpus.get(...)``."""
+
+    __slots__ = ("_view", "name")
+
+    def __init__(self, view: TxnView, name: str) -> None:
+        self._view = view
+        self.name = name
+
+    def get(self, name: str) -> Versioned[R] | None:
+        """:meth:`TxnView.get`: the cached record; the commit requires it unchanged."""
+        return self._view.get(self.name, name)
+
+    def latest(self, name: str) -> R | None:
+        """:meth:`TxnView.latest`: the value this view will write, else the cached one."""
+        return cast("R | None", self._view.latest(self.name, name))
+
+    def exists(self, name: str) -> bool:
+        """:meth:`TxnView.exists`: whether the record exists; the commit requires the
+        same answer."""
+        return self._view.exists(self.name, name)
+
+
 class TxnView:
-    """Reads through the cache (recording revisions) and buffers writes for one commit."""
+    """Reads through the cache (recording revisions) and buffers writes for one commit.
+
+    Its typed collections (``view.nodes``, ``view.gpus``, ...) read as :meth:`get`,
+    :meth:`latest` and :meth:`exists` do, checked by mypy."""
 
     def __init__(self, store: Store, cache: Cache) -> None:
         self._store = store
@@ -99,6 +136,20 @@ class TxnView:
         self._reads: dict[str, int] = {}  # key -> mod_revision read (0: absent)
         self._present: set[str] = set()  # keys that must merely exist
         self._writes: dict[str, Message | bytes | str | None] = {}
+        # The typed collections (reads of one collection, checked by mypy).
+        self.boxes: ViewCollection[pb.Box] = ViewCollection(self, k.BOXES)
+        self.gpus: ViewCollection[pb.Gpu] = ViewCollection(self, k.GPUS)
+        self.hosts: ViewCollection[pb.Host] = ViewCollection(self, k.HOSTS)
+        self.host_leases: ViewCollection[bytes] = ViewCollection(self, k.HOST_LEASES)
+        self.host_allocations: ViewCollection[pb.HostAllocation] = ViewCollection(
+            self, k.HOST_ALLOCATIONS
+        )
+        self.host_statuses: ViewCollection[pb.HostStatus] = ViewCollection(self, k.HOST_STATUSES)
+        self.nodes: ViewCollection[pb.VirtualNode] = ViewCollection(self, k.NODES)
+        self.requests: ViewCollection[bytes] = ViewCollection(self, k.REQUESTS)
+        self.tenants: ViewCollection[pb.Tenant] = ViewCollection(self, k.TENANTS)
+        self.brokers: ViewCollection[bytes] = ViewCollection(self, k.BROKERS)
+        self.gangs: ViewCollection[pb.GangRecord] = ViewCollection(self, k.GANGS)
 
     def key(self, collection: str, name: str) -> str:
         return self._store.keys.key(collection, name)
@@ -261,16 +312,19 @@ def commit_staged(
     return committed
 
 
-def read_through(store: Store, cache: Cache, collection: str, name: str) -> Versioned[Any] | None:
-    """The record from the cache or, when the cache lacks it, from etcd (a linearizable
-    read, whose result the cache takes). None only when etcd has no such record either.
-    Raises :class:`~dxpool.errors.Unavailable` when etcd cannot confirm a miss."""
-    record = cache.get(collection, name)
+def read_through(
+    store: Store, cache: Cache, collection: Collection[R], name: str
+) -> Versioned[R] | None:
+    """The record from ``collection`` (one of ``cache``'s) or, when the cache lacks it,
+    from etcd (a linearizable read, whose result the cache takes). None only when etcd
+    has no such record either. Raises :class:`~dxpool.errors.Unavailable` when etcd
+    cannot confirm a miss."""
+    record = collection.get(name)
     if record is not None:
         return record
-    key = store.keys.key(collection, name)
+    key = store.keys.key(collection.name, name)
     _found_after_all(store, cache, [key])
-    return cache.get(collection, name)
+    return collection.get(name)
 
 
 def _found_after_all(store: Store, cache: Cache, keys: list[str]) -> bool:
@@ -290,8 +344,9 @@ __all__ = [
     "PLACE_ATTEMPTS",
     "RESIZE_ATTEMPTS",
     "SESSION_ATTEMPTS",
-    "ReadRecord",
+    "RecordReader",
     "TxnView",
+    "ViewCollection",
     "commit_staged",
     "expect",
     "expect_exists",
