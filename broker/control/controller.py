@@ -59,7 +59,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
 
 from dxpool import lifecycle
 from dxpool.api.v1 import resources_pb2 as pb
@@ -72,7 +71,7 @@ from dxpool.broker.nodes.transitions import (
     owned_gpus,
 )
 from dxpool.broker.state import metrics
-from dxpool.broker.state.cache import Cache
+from dxpool.broker.state.cache import Cache, Routes
 from dxpool.broker.state.records import seconds
 from dxpool.broker.state.stm import TxnView, transact
 from dxpool.errors import Aborted, Unavailable
@@ -137,7 +136,13 @@ class NodeController:
         self._unsubscribe: Callable[[], None] | None = None
 
     def start(self) -> None:
-        self._unsubscribe = self._cache.subscribe(self._on_change)
+        cache = self._cache
+        self._unsubscribe = cache.subscribe(
+            Routes()
+            .on(cache.nodes, self._on_node)
+            .on(cache.gpus, self._on_gpu)
+            .on(cache.host_statuses, self._on_host_status)
+        )
         with self._lock:
             for name, record in self._cache.gpus.items():
                 self._index_gpu(name, record.value.host)
@@ -157,25 +162,28 @@ class NodeController:
         if self._thread:
             self._thread.join(timeout=5)
 
-    def _on_change(self, collection: str, name: str, record: Versioned[Any] | None) -> None:
+    def _on_node(self, name: str, record: Versioned[pb.VirtualNode] | None) -> None:
         with self._lock:
-            if collection == k.NODES:
-                self._dirty_nodes.add(name)
-                self._track_node(name, record.value if record is not None else None)
-            elif collection == k.GPUS:
-                self._dirty_gpus.add(name)
-                self._index_gpu(name, record.value.host if record is not None else "")
-                self._track_gpu(name, record.value if record is not None else None)
-                owner = parse_node(record.value.node) if record and record.value.node else ""
-                previous = self._owner_of_gpu.pop(name, "")
-                if previous and previous != owner:
-                    self._dirty_nodes.add(previous)
-                if owner:
-                    self._owner_of_gpu[name] = owner
-            elif collection == k.HOST_STATUSES:
-                self._dirty_hosts.add(name)
-            else:
-                return
+            self._dirty_nodes.add(name)
+            self._track_node(name, record.value if record is not None else None)
+        self._wake.set()
+
+    def _on_gpu(self, name: str, record: Versioned[pb.Gpu] | None) -> None:
+        with self._lock:
+            self._dirty_gpus.add(name)
+            self._index_gpu(name, record.value.host if record is not None else "")
+            self._track_gpu(name, record.value if record is not None else None)
+            owner = parse_node(record.value.node) if record and record.value.node else ""
+            previous = self._owner_of_gpu.pop(name, "")
+            if previous and previous != owner:
+                self._dirty_nodes.add(previous)
+            if owner:
+                self._owner_of_gpu[name] = owner
+        self._wake.set()
+
+    def _on_host_status(self, name: str, record: object) -> None:
+        with self._lock:
+            self._dirty_hosts.add(name)
         self._wake.set()
 
     def _track_gpu(self, name: str, gpu: pb.Gpu | None) -> None:
