@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from dxpool.api.v1 import nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
@@ -302,7 +302,7 @@ class Composer:
         return placement_request(request.spec, host)
 
     def node_for_request(
-        self, request_id: str, spec: pb.NodeSpec, record: Versioned[Any] | None, owner: str
+        self, request_id: str, spec: pb.NodeSpec, record: Versioned[bytes] | None, owner: str
     ) -> pb.VirtualNode | None:
         """The node an earlier call with ``request_id`` made, given its request record.
 

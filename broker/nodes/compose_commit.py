@@ -34,7 +34,6 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from dxpool import lifecycle
 from dxpool.api.v1 import nodes_pb2
@@ -55,7 +54,7 @@ from dxpool.store.typed import Store, Txn, TxnResult, Versioned
 
 # Finds the node an earlier call with a request id made: (request id, spec, the request
 # record, owner) -> that node, None when the record names none; raises for a misuse.
-NodeForRequest = Callable[[str, pb.NodeSpec, Versioned[Any] | None, str], pb.VirtualNode | None]
+NodeForRequest = Callable[[str, pb.NodeSpec, Versioned[bytes] | None, str], pb.VirtualNode | None]
 
 
 @dataclass(eq=False)

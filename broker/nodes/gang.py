@@ -487,7 +487,7 @@ class GangComposer:
     def _gang_for_request(
         self,
         request: nodes_pb2.ComposeGangRequest,
-        record: Versioned[Any] | None,
+        record: Versioned[bytes] | None,
         owner: str,
     ) -> nodes_pb2.Gang | None:
         """The gang an earlier call with this request id made (given the request record
