@@ -202,8 +202,7 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
     ) -> inv.ListBoxesResponse:
         selector = parse_selector(request.label_selector)
         chunk, token = cache_page(
-            self._cache,
-            k.BOXES,
+            self._cache.boxes,
             check_page_size(request.page_size),
             request.page_token,
             lambda record: selector.matches(record.value.labels),
@@ -391,7 +390,7 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
                 and (not model or gpu.model.lower() == model)
             )
 
-        chunk, token = cache_page(self._cache, k.GPUS, page_size, request.page_token, keep)
+        chunk, token = cache_page(self._cache.gpus, page_size, request.page_token, keep)
         gpus = [r.value for _, r in chunk]
         return inv.ListGpusResponse(gpus=gpus, next_page_token=token)
 
@@ -424,8 +423,7 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
     ) -> inv.ListHostsResponse:
         selector = parse_selector(request.label_selector)
         chunk, token = cache_page(
-            self._cache,
-            k.HOSTS,
+            self._cache.hosts,
             check_page_size(request.page_size),
             request.page_token,
             lambda record: selector.matches(record.value.labels),

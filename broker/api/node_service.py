@@ -39,7 +39,6 @@ from dxpool.errors import InvalidArgument, NotFound
 from dxpool.identity import Identity, Role
 from dxpool.names import parse_host, parse_node
 from dxpool.selector import parse_selector
-from dxpool.store import keys as k
 from dxpool.store.typed import Versioned
 
 Identify = Callable[[grpc.ServicerContext], Identity]
@@ -172,7 +171,7 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
             )
 
         chunk, token = cache_page(
-            self._cache, k.NODES, check_page_size(request.page_size), request.page_token, keep
+            self._cache.nodes, check_page_size(request.page_size), request.page_token, keep
         )
         nodes = [r.value for _, r in chunk]
         if self._sharing is not None:

@@ -426,7 +426,7 @@ class Tenants:
 
     def list(self, page_size: int, page_token: str) -> tuple[list[pb.Tenant], str]:
         """One page of tenant records, by name, and the next page token."""
-        chunk, token = cache_page(self._cache, k.TENANTS, check_page_size(page_size), page_token)
+        chunk, token = cache_page(self._cache.tenants, check_page_size(page_size), page_token)
         return [record.value for _, record in chunk], token
 
 
