@@ -33,6 +33,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Iterable
+from functools import cached_property
 from typing import Any, Generic, Protocol, TypeVar, cast
 
 from google.protobuf.message import Message
@@ -136,20 +137,55 @@ class TxnView:
         self._reads: dict[str, int] = {}  # key -> mod_revision read (0: absent)
         self._present: set[str] = set()  # keys that must merely exist
         self._writes: dict[str, Message | bytes | str | None] = {}
-        # The typed collections (reads of one collection, checked by mypy).
-        self.boxes: ViewCollection[pb.Box] = ViewCollection(self, k.BOXES)
-        self.gpus: ViewCollection[pb.Gpu] = ViewCollection(self, k.GPUS)
-        self.hosts: ViewCollection[pb.Host] = ViewCollection(self, k.HOSTS)
-        self.host_leases: ViewCollection[bytes] = ViewCollection(self, k.HOST_LEASES)
-        self.host_allocations: ViewCollection[pb.HostAllocation] = ViewCollection(
-            self, k.HOST_ALLOCATIONS
-        )
-        self.host_statuses: ViewCollection[pb.HostStatus] = ViewCollection(self, k.HOST_STATUSES)
-        self.nodes: ViewCollection[pb.VirtualNode] = ViewCollection(self, k.NODES)
-        self.requests: ViewCollection[bytes] = ViewCollection(self, k.REQUESTS)
-        self.tenants: ViewCollection[pb.Tenant] = ViewCollection(self, k.TENANTS)
-        self.brokers: ViewCollection[bytes] = ViewCollection(self, k.BROKERS)
-        self.gangs: ViewCollection[pb.GangRecord] = ViewCollection(self, k.GANGS)
+
+    # -- the typed collections (reads of one collection, checked by mypy); each is made
+    # on first use, so a body pays only for the collections it reads.
+
+    @cached_property
+    def boxes(self) -> ViewCollection[pb.Box]:
+        return ViewCollection(self, k.BOXES)
+
+    @cached_property
+    def gpus(self) -> ViewCollection[pb.Gpu]:
+        return ViewCollection(self, k.GPUS)
+
+    @cached_property
+    def hosts(self) -> ViewCollection[pb.Host]:
+        return ViewCollection(self, k.HOSTS)
+
+    @cached_property
+    def host_leases(self) -> ViewCollection[bytes]:
+        return ViewCollection(self, k.HOST_LEASES)
+
+    @cached_property
+    def host_allocations(self) -> ViewCollection[pb.HostAllocation]:
+        return ViewCollection(self, k.HOST_ALLOCATIONS)
+
+    @cached_property
+    def host_statuses(self) -> ViewCollection[pb.HostStatus]:
+        return ViewCollection(self, k.HOST_STATUSES)
+
+    @cached_property
+    def nodes(self) -> ViewCollection[pb.VirtualNode]:
+        return ViewCollection(self, k.NODES)
+
+    @cached_property
+    def requests(self) -> ViewCollection[bytes]:
+        return ViewCollection(self, k.REQUESTS)
+
+    @cached_property
+    def tenants(self) -> ViewCollection[pb.Tenant]:
+        return ViewCollection(self, k.TENANTS)
+
+    @cached_property
+    def brokers(self) -> ViewCollection[bytes]:
+        return ViewCollection(self, k.BROKERS)
+
+    @cached_property
+    def gangs(self) -> ViewCollection[pb.GangRecord]:
+        return ViewCollection(self, k.GANGS)
+
+    # -- the untyped reads and the writes
 
     def key(self, collection: str, name: str) -> str:
         return self._store.keys.key(collection, name)
