@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from dxpool.api.v1 import agent_pb2
+from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.api.auth import Authenticator
 from dxpool.broker.api.decoding import Oversized, Undecodable, guard_deserializer
 from dxpool.broker.api.request_limits import limit_for
@@ -55,7 +56,7 @@ from dxpool.broker.api.rpc import to_status
 from dxpool.broker.control import agent_metrics
 from dxpool.broker.control.agent_sessions import AgentSessions, Session
 from dxpool.broker.state import metrics
-from dxpool.broker.state.cache import Cache, Subscription
+from dxpool.broker.state.cache import Cache, ChangeRoutes, Subscription
 from dxpool.errors import (
     DxpoolError,
     InvalidArgument,
@@ -65,7 +66,6 @@ from dxpool.errors import (
 )
 from dxpool.identity import Role
 from dxpool.names import host_name, parse_host
-from dxpool.store import keys as k
 from dxpool.store.typed import Versioned
 
 log = logging.getLogger(__name__)
@@ -93,14 +93,14 @@ class _Outbox:
     through ``call_soon_threadsafe``); keeps only the newest spec and acknowledgement."""
 
     def __init__(self) -> None:
-        self.spec: tuple[Versioned[Any] | None, int] | None = None
+        self.spec: tuple[Versioned[pb.HostAllocation] | None, int] | None = None
         self.ack: int | None = None
         self.finished = False
         self.error: DxpoolError | None = None
         self.left = False
         self._wake = asyncio.Event()
 
-    def offer_spec(self, record: Versioned[Any] | None, revision: int) -> None:
+    def offer_spec(self, record: Versioned[pb.HostAllocation] | None, revision: int) -> None:
         if self.spec is None or revision >= self.spec[1]:
             self.spec = (record, revision)
             self._wake.set()
@@ -132,7 +132,7 @@ class _Outbox:
             await self._wake.wait()
 
 
-def host_spec(record: Versioned[Any] | None, revision: int) -> agent_pb2.HostSpec:
+def host_spec(record: Versioned[pb.HostAllocation] | None, revision: int) -> agent_pb2.HostSpec:
     """The spec message for a cached ``hostalloc`` record (None: there is none) as of
     ``revision``."""
     if record is None:
@@ -169,7 +169,9 @@ class AgentService:
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """Serve on ``loop`` and start passing spec changes to the streams."""
         self._loop = loop
-        self._subscription = self._cache.subscribe_changes(self._on_change)
+        self._subscription = self._cache.subscribe_changes(
+            ChangeRoutes().on(self._cache.host_allocations, self._on_allocation)
+        )
 
     def unbind(self) -> None:
         if self._subscription is not None:
@@ -199,11 +201,9 @@ class AgentService:
 
     # -- spec changes (any thread; must not block) ----------------------------------------
 
-    def _on_change(
-        self, collection: str, name: str, record: Versioned[Any] | None, revision: int
+    def _on_allocation(
+        self, name: str, record: Versioned[pb.HostAllocation] | None, revision: int
     ) -> None:
-        if collection != k.HOST_ALLOCATIONS:
-            return
         entry = self._streams.get(name)
         loop = self._loop
         if entry is None or loop is None:

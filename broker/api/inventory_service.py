@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import grpc
 
@@ -25,7 +24,7 @@ from dxpool.broker.state.cache import Cache
 from dxpool.broker.state.pages import cache_page, check_page_token
 from dxpool.broker.state.pool_tally import PoolTally
 from dxpool.broker.state.records import copy, timestamp
-from dxpool.broker.state.stm import ReadRecord, TxnView, transact
+from dxpool.broker.state.stm import RecordReader, TxnView, transact
 from dxpool.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -173,7 +172,7 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
         O(log n + the box's GPUs)."""
         box_id = parse_box(box.name)
         view = copy(box)
-        chunk, _ = self._cache.scan(k.GPUS, f"{box_id}/", MAX_GPUS_PER_BOX)
+        chunk, _ = self._cache.gpus.scan(f"{box_id}/", MAX_GPUS_PER_BOX)
         if box.state == pb.BOX_STATE_ACTIVE:
             view.gpus_free = sum(
                 1
@@ -184,10 +183,12 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
             self._maintenance.describe_box(view)
         return view
 
-    def _box_record(self, name: str, read: ReadRecord | None = None) -> Versioned[Any]:
-        """Box ``name``'s record, read through ``read`` (a TxnView's ``get``, which has
-        the commit compare it) or from the cache; NOT_FOUND (BOX_NOT_FOUND) if absent."""
-        record = (read or self._cache.get)(k.BOXES, parse_box(name))
+    def _box_record(
+        self, name: str, boxes: RecordReader[pb.Box] | None = None
+    ) -> Versioned[pb.Box]:
+        """Box ``name``'s record, read through ``boxes`` (a TxnView's, which has the
+        commit compare it) or from the cache; NOT_FOUND (BOX_NOT_FOUND) if absent."""
+        record = (boxes or self._cache.boxes).get(parse_box(name))
         if record is None:
             raise NotFound(
                 f"box {name} does not exist; list boxes with `dxpool box list`",
@@ -201,8 +202,7 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
     ) -> inv.ListBoxesResponse:
         selector = parse_selector(request.label_selector)
         chunk, token = cache_page(
-            self._cache,
-            k.BOXES,
+            self._cache.boxes,
             check_page_size(request.page_size),
             request.page_token,
             lambda record: selector.matches(record.value.labels),
@@ -225,7 +225,7 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
         box_id = parse_box(name)
 
         def change(view: TxnView) -> pb.Box:
-            current: pb.Box = self._box_record(name, view.get).value
+            current = self._box_record(name, view.boxes).value
             if (
                 current.state == state
                 and current.cordon_reason == reason
@@ -249,7 +249,7 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
         box_id = parse_box(request.name)
 
         def delete(view: TxnView) -> None:
-            box: pb.Box = self._box_record(request.name, view.get).value
+            box = self._box_record(request.name, view.boxes).value
             view.delete(k.BOXES, box_id)
             if box.request_id:
                 # The request key names this box: CreateBox wrote both in one transaction,
@@ -257,12 +257,12 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
                 # with the box, so the same request can register the box again.
                 view.delete(k.REQUESTS, box.request_id)
             owned = []
-            for name, _ in self._cache.items(k.GPUS):
+            for name, _ in self._cache.gpus.items():
                 if not name.startswith(box_id + "/"):
                     continue
-                gpu_record = view.get(k.GPUS, name)
+                gpu_record = view.gpus.get(name)
                 assert gpu_record is not None  # listed by the cache a moment ago
-                gpu: pb.Gpu = gpu_record.value
+                gpu = gpu_record.value
                 if gpu.node or gpu.state not in (pb.GPU_STATE_FREE, pb.GPU_STATE_FAULTED):
                     owned.append(f"{gpu.name} ({gpu.node or pb.GpuState.Name(gpu.state)})")
                 view.delete(k.GPUS, name)
@@ -281,13 +281,13 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
     @handler("InventoryService.GetGpu")
     def GetGpu(self, request: inv.GetGpuRequest, context: grpc.ServicerContext) -> pb.Gpu:
         ref = parse_gpu(request.name)
-        record = self._cache.get(k.GPUS, f"{ref.box}/{ref.slot}")
+        record = self._cache.gpus.get(f"{ref.box}/{ref.slot}")
         if record is None:
             raise NotFound(
                 f"GPU {request.name} does not exist; list GPUs with `dxpool gpu list`",
                 reason="GPU_NOT_FOUND",
             )
-        gpu: pb.Gpu = record.value
+        gpu = record.value
         return gpu
 
     @handler("InventoryService.ReclaimGpu")
@@ -298,13 +298,13 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
         message = "reclaimed by an operator" + (f": {reason}" if reason else "")
 
         def body(view: TxnView) -> pb.Gpu:
-            record = view.get(k.GPUS, gpu_key)
+            record = view.gpus.get(gpu_key)
             if record is None:
                 raise NotFound(
                     f"GPU {request.name} does not exist; list GPUs with `dxpool gpu list`",
                     reason="GPU_NOT_FOUND",
                 )
-            gpu: pb.Gpu = record.value
+            gpu = record.value
             if gpu.state == pb.GPU_STATE_FENCING:
                 return gpu
             if gpu.state != pb.GPU_STATE_QUARANTINED:
@@ -330,18 +330,18 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
         message = "health cleared by an operator" + (f": {reason}" if reason else "")
 
         def body(view: TxnView) -> pb.Gpu:
-            record = view.get(k.GPUS, gpu_key)
+            record = view.gpus.get(gpu_key)
             if record is None:
                 raise NotFound(
                     f"GPU {request.name} does not exist; list GPUs with `dxpool gpu list`",
                     reason="GPU_NOT_FOUND",
                 )
-            gpu: pb.Gpu = record.value
+            gpu = record.value
             if gpu.health == pb.GPU_HEALTH_HEALTHY:
                 return gpu
             if gpu.host:
                 # Read even when absent: an agent report landing meanwhile fails the commit.
-                status = view.get(k.HOST_STATUSES, parse_host(gpu.host))
+                status = view.host_statuses.get(parse_host(gpu.host))
                 seen = next(
                     (a for a in (status.value.attachments if status else ()) if a.gpu == gpu.name),
                     None,
@@ -374,7 +374,7 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
         check_model(request.model)
         page_size = check_page_size(request.page_size)
         check_page_token(request.page_token)
-        if box_filter is not None and self._cache.get(k.BOXES, box_filter) is None:
+        if box_filter is not None and self._cache.boxes.get(box_filter) is None:
             raise NotFound(
                 f"box {request.parent} does not exist; list boxes with `dxpool box list`",
                 reason="BOX_NOT_FOUND",
@@ -390,7 +390,7 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
                 and (not model or gpu.model.lower() == model)
             )
 
-        chunk, token = cache_page(self._cache, k.GPUS, page_size, request.page_token, keep)
+        chunk, token = cache_page(self._cache.gpus, page_size, request.page_token, keep)
         gpus = [r.value for _, r in chunk]
         return inv.ListGpusResponse(gpus=gpus, next_page_token=token)
 
@@ -399,7 +399,7 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
     @handler("InventoryService.GetHost")
     def GetHost(self, request: inv.GetHostRequest, context: grpc.ServicerContext) -> pb.Host:
         host_id = parse_host(request.name)
-        record = self._cache.get(k.HOSTS, host_id)
+        record = self._cache.hosts.get(host_id)
         if record is None:
             raise NotFound(
                 f"host {request.name} is not registered; its host agent registers it "
@@ -423,8 +423,7 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
     ) -> inv.ListHostsResponse:
         selector = parse_selector(request.label_selector)
         chunk, token = cache_page(
-            self._cache,
-            k.HOSTS,
+            self._cache.hosts,
             check_page_size(request.page_size),
             request.page_token,
             lambda record: selector.matches(record.value.labels),
@@ -434,8 +433,8 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
 
     def _host_view(self, host_id: str, host: pb.Host) -> pb.Host:
         view = copy(host)
-        view.alive = self._cache.get(k.HOST_LEASES, host_id) is not None
-        allocation = self._cache.get(k.HOST_ALLOCATIONS, host_id)
+        view.alive = self._cache.host_leases.get(host_id) is not None
+        allocation = self._cache.host_allocations.get(host_id)
         used = sorted({a.host_slot for a in allocation.value.attachments} if allocation else ())
         view.slots_used = len(allocation.value.attachments) if allocation else 0
         view.used_slots.extend(used)
@@ -453,7 +452,7 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
         return self._maintenance
 
     def _host_answer(self, host_id: str) -> pb.Host:
-        record = self._cache.get(k.HOSTS, host_id)
+        record = self._cache.hosts.get(host_id)
         if record is None:
             raise NotFound(f"host hosts/{host_id} is not registered", reason="HOST_NOT_FOUND")
         return self._host_view(host_id, record.value)

@@ -39,7 +39,6 @@ from dxpool.errors import InvalidArgument, NotFound
 from dxpool.identity import Identity, Role
 from dxpool.names import parse_host, parse_node
 from dxpool.selector import parse_selector
-from dxpool.store import keys as k
 from dxpool.store.typed import Versioned
 
 Identify = Callable[[grpc.ServicerContext], Identity]
@@ -72,7 +71,7 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
         self._tenants = Tenants(composer.store, cache)
         self._cache = cache
         self._identify = identify
-        self.feed = NodeFeed(cache, watch, lookup=composer.lookup)
+        self.feed = NodeFeed(cache, watch, lookup=composer.lookup_node)
 
     def _caller(self, context: grpc.ServicerContext) -> Identity | None:
         return self._identify(context) if self._identify is not None else None
@@ -148,10 +147,10 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
         """The node ``name`` names, read through to etcd on a cache miss; NotFound also
         when the caller is a tenant that does not own it."""
         scope = self._scope(context)
-        record = self._composer.lookup(k.NODES, parse_node(name))
+        record = self._composer.lookup_node(parse_node(name))
         if record is None or (scope is not None and record.value.owner != scope):
             raise _not_found(name)
-        node: pb.VirtualNode = record.value
+        node = record.value
         return self._sharing.with_position(node) if self._sharing is not None else node
 
     @handler("NodeService.ListNodes")
@@ -172,7 +171,7 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
             )
 
         chunk, token = cache_page(
-            self._cache, k.NODES, check_page_size(request.page_size), request.page_token, keep
+            self._cache.nodes, check_page_size(request.page_size), request.page_token, keep
         )
         nodes = [r.value for _, r in chunk]
         if self._sharing is not None:
@@ -239,7 +238,7 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
             yield from events
             return
         if only is not None:
-            record = self._composer.lookup(k.NODES, only)
+            record = self._composer.lookup_node(only)
             if record is not None and record.value.owner != scope:
                 raise _not_found(request.name)
         yield from _owned_events(events, scope)

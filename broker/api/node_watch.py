@@ -43,7 +43,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 
@@ -51,9 +50,8 @@ from dxpool.api.v1 import nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.api.streams import end_call
 from dxpool.broker.state import metrics
-from dxpool.broker.state.cache import Cache
+from dxpool.broker.state.cache import Cache, ChangeRoutes
 from dxpool.errors import Aborted, NotFound, Unavailable
-from dxpool.store import keys as k
 from dxpool.store.typed import Versioned
 
 log = logging.getLogger(__name__)
@@ -154,12 +152,12 @@ class NodeFeed:
         cache: Cache,
         settings: WatchSettings | None = None,
         *,
-        lookup: Callable[[str, str], Versioned[Any] | None] | None = None,
+        lookup: Callable[[str], Versioned[pb.VirtualNode] | None] | None = None,
     ) -> None:
-        """``lookup(collection, id)`` decides whether a watched node exists (default: the
-        cache); the broker passes one that confirms a cache miss with etcd."""
+        """``lookup(id)`` decides whether a watched node exists (default: the cache);
+        the broker passes one that confirms a cache miss with etcd."""
         self._cache = cache
-        self._lookup = lookup or cache.get
+        self._lookup = lookup or cache.nodes.get
         self.settings = settings or WatchSettings()
         self._lock = threading.Lock()
         self._seq = 0
@@ -168,7 +166,7 @@ class NodeFeed:
         self._all: set[_Watcher] = set()
         self._named: dict[str, set[_Watcher]] = {}
         self._closed = False
-        self._subscription = cache.subscribe_changes(self._on_change)
+        self._subscription = cache.subscribe_changes(ChangeRoutes().on(cache.nodes, self._on_node))
         self._horizon = self._subscription.since
         self._stop_monitor = threading.Event()
         self._monitor = threading.Thread(
@@ -215,11 +213,7 @@ class NodeFeed:
 
     # -- the cache listener ----------------------------------------------------------
 
-    def _on_change(
-        self, collection: str, name: str, record: Versioned[Any] | None, revision: int
-    ) -> None:
-        if collection != k.NODES:
-            return
+    def _on_node(self, name: str, record: Versioned[pb.VirtualNode] | None, revision: int) -> None:
         with self._lock:
             entry = self._entries.get(name)
             if entry is not None and entry.revision >= revision:
@@ -350,7 +344,7 @@ class NodeFeed:
             raise _CallOverError()
 
     def _require(self, name: str) -> None:
-        if self._lookup(k.NODES, name) is None:
+        if self._lookup(name) is None:
             raise NotFound(
                 f"node nodes/{name} does not exist; list nodes with `dxpool node list`",
                 reason="NODE_NOT_FOUND",

@@ -10,14 +10,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from dxpool.api.v1 import inventory_pb2 as inv
+from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.control.notices import Notices
-from dxpool.broker.state.cache import Cache
+from dxpool.broker.state.cache import Cache, Routes
 from dxpool.broker.state.queue_index import QueueIndex
 from dxpool.names import parse_gang, parse_node
-from dxpool.store import keys as k
 from dxpool.store.typed import Versioned
 
 
@@ -37,16 +36,16 @@ class SharingStatus:
         self._clock = clock
         self._lock = threading.Lock()
         self._cordoned: set[str] = set()
-        self._unsubscribe = cache.subscribe(self._on_change)
+        self._unsubscribe = cache.subscribe(
+            Routes().on(cache.host_allocations, self._on_allocation)
+        )
         for name, record in cache.host_allocations.items():
-            self._on_change(k.HOST_ALLOCATIONS, name, record)
+            self._on_allocation(name, record)
 
     def close(self) -> None:
         self._unsubscribe()
 
-    def _on_change(self, collection: str, name: str, record: Versioned[Any] | None) -> None:
-        if collection != k.HOST_ALLOCATIONS:
-            return
+    def _on_allocation(self, name: str, record: Versioned[pb.HostAllocation] | None) -> None:
         with self._lock:
             if record is not None and record.value.unschedulable:
                 self._cordoned.add(name)

@@ -59,7 +59,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
 
 from dxpool import lifecycle
 from dxpool.api.v1 import resources_pb2 as pb
@@ -72,7 +71,7 @@ from dxpool.broker.nodes.transitions import (
     owned_gpus,
 )
 from dxpool.broker.state import metrics
-from dxpool.broker.state.cache import Cache
+from dxpool.broker.state.cache import Cache, Routes
 from dxpool.broker.state.records import seconds
 from dxpool.broker.state.stm import PASS_ATTEMPTS, TxnView, transact
 from dxpool.errors import Aborted, Unavailable
@@ -137,7 +136,13 @@ class NodeController:
         self._unsubscribe: Callable[[], None] | None = None
 
     def start(self) -> None:
-        self._unsubscribe = self._cache.subscribe(self._on_change)
+        cache = self._cache
+        self._unsubscribe = cache.subscribe(
+            Routes()
+            .on(cache.nodes, self._on_node)
+            .on(cache.gpus, self._on_gpu)
+            .on(cache.host_statuses, self._on_host_status)
+        )
         with self._lock:
             for name, record in self._cache.gpus.items():
                 self._index_gpu(name, record.value.host)
@@ -157,25 +162,28 @@ class NodeController:
         if self._thread:
             self._thread.join(timeout=5)
 
-    def _on_change(self, collection: str, name: str, record: Versioned[Any] | None) -> None:
+    def _on_node(self, name: str, record: Versioned[pb.VirtualNode] | None) -> None:
         with self._lock:
-            if collection == k.NODES:
-                self._dirty_nodes.add(name)
-                self._track_node(name, record.value if record is not None else None)
-            elif collection == k.GPUS:
-                self._dirty_gpus.add(name)
-                self._index_gpu(name, record.value.host if record is not None else "")
-                self._track_gpu(name, record.value if record is not None else None)
-                owner = parse_node(record.value.node) if record and record.value.node else ""
-                previous = self._owner_of_gpu.pop(name, "")
-                if previous and previous != owner:
-                    self._dirty_nodes.add(previous)
-                if owner:
-                    self._owner_of_gpu[name] = owner
-            elif collection == k.HOST_STATUSES:
-                self._dirty_hosts.add(name)
-            else:
-                return
+            self._dirty_nodes.add(name)
+            self._track_node(name, record.value if record is not None else None)
+        self._wake.set()
+
+    def _on_gpu(self, name: str, record: Versioned[pb.Gpu] | None) -> None:
+        with self._lock:
+            self._dirty_gpus.add(name)
+            self._index_gpu(name, record.value.host if record is not None else "")
+            self._track_gpu(name, record.value if record is not None else None)
+            owner = parse_node(record.value.node) if record and record.value.node else ""
+            previous = self._owner_of_gpu.pop(name, "")
+            if previous and previous != owner:
+                self._dirty_nodes.add(previous)
+            if owner:
+                self._owner_of_gpu[name] = owner
+        self._wake.set()
+
+    def _on_host_status(self, name: str, record: object) -> None:
+        with self._lock:
+            self._dirty_hosts.add(name)
         self._wake.set()
 
     def _track_gpu(self, name: str, gpu: pb.Gpu | None) -> None:
@@ -319,19 +327,19 @@ class NodeController:
         """Copy the agent's health reports into the node's GPUs; READY <-> DEGRADED.
         Returns the state the node moved to, if any."""
         self._health_changes.clear()  # this attempt's, not a lost one's
-        record = view.get(k.NODES, node_id)
+        record = view.nodes.get(node_id)
         if record is None or record.value.state not in lifecycle.IN_USE_NODE_STATES:
             return None
-        node: pb.VirtualNode = record.value
-        status_record = view.get(k.HOST_STATUSES, parse_host(node.host))
+        node = record.value
+        status_record = view.host_statuses.get(parse_host(node.host))
         observed = {a.gpu: a for a in (status_record.value.attachments if status_record else ())}
         unhealthy: list[str] = []
         for binding in node.gpus:
             key = gpu_id(binding.gpu)
-            gpu_record = view.get(k.GPUS, key)
+            gpu_record = view.gpus.get(key)
             if gpu_record is None or gpu_record.value.node != node.name:
                 continue
-            gpu: pb.Gpu = gpu_record.value
+            gpu = gpu_record.value
             seen = observed.get(binding.gpu)
             if (
                 seen is not None
@@ -359,7 +367,7 @@ class NodeController:
         return None
 
     def _finish_release(self, view: TxnView, node_id: str) -> str | None:
-        record = view.get(k.NODES, node_id)
+        record = view.nodes.get(node_id)
         if record is None or record.value.state != pb.NODE_STATE_RELEASING:
             return None
         if owned_gpus(view, record.value):
@@ -375,19 +383,19 @@ class NodeController:
 
     def _advance_attach(self, view: TxnView, node_id: str) -> str | None:
         """One step of an attaching node; returns the state it moved to, if any."""
-        record = view.get(k.NODES, node_id)
+        record = view.nodes.get(node_id)
         if record is None or record.value.state not in lifecycle.ATTACHING_NODE_STATES:
             return None
-        node: pb.VirtualNode = record.value
+        node = record.value
         leaving = [b for b in node.gpus if b.phase == pb.ATTACHMENT_PHASE_DETACHING]
         if node.state == pb.NODE_STATE_RESIZING and leaving:
             return self._advance_shrink(view, node, leaving)
         host_id = parse_host(node.host)
-        status_record = view.get(k.HOST_STATUSES, host_id)
+        status_record = view.host_statuses.get(host_id)
         observed = {a.gpu: a for a in (status_record.value.attachments if status_record else ())}
         gpus: dict[str, Versioned[pb.Gpu]] = {}
         for binding in node.gpus:
-            gpu = view.get(k.GPUS, gpu_id(binding.gpu))
+            gpu = view.gpus.get(gpu_id(binding.gpu))
             if gpu is None or gpu.value.node != node.name:
                 return self._fail(view, node, f"{binding.gpu} was taken away from the node")
             gpus[binding.gpu] = gpu
@@ -437,7 +445,7 @@ class NodeController:
             view.put(k.NODES, node_id, ready)
             return "READY"
         if now > seconds(node.attach_deadline) and self._is_leader():
-            alive = view.exists(k.HOST_LEASES, host_id)
+            alive = view.host_leases.exists(host_id)
             hint = "" if alive else f"; the agent of {node.host} is not running"
             return self._fail(
                 view,
@@ -479,7 +487,7 @@ class NodeController:
         """A shrinking node: READY again, without the leaving bindings, once none of
         their GPUs names the node any more (freed, or quarantined)."""
         for binding in leaving:
-            record = view.get(k.GPUS, gpu_id(binding.gpu))
+            record = view.gpus.get(gpu_id(binding.gpu))
             if record is not None and record.value.node == node.name:
                 return None  # still detaching
         gone = {b.gpu for b in leaving}
@@ -511,7 +519,7 @@ class NodeController:
         dropped: set[str] = set()
         releasing: set[str] = set()
         for binding in node.gpus:
-            record = view.get(k.GPUS, gpu_id(binding.gpu))
+            record = view.gpus.get(gpu_id(binding.gpu))
             if record is None or record.value.node != node.name:
                 dropped.add(binding.gpu)  # taken away: nothing of ours to detach
             elif record.value.state == pb.GPU_STATE_ATTACHING:
@@ -531,7 +539,7 @@ class NodeController:
         view.put(k.NODES, node.name.removeprefix("nodes/"), updated)
         discharge_gpus(view, node, [b.model for b in node.gpus if b.gpu in dropped])
         host_id = parse_host(node.host)
-        allocation: pb.HostAllocation | None = view.latest(k.HOST_ALLOCATIONS, host_id)
+        allocation = view.host_allocations.latest(host_id)
         if allocation is not None and any(
             a.node == node.name and a.gpu in dropped and not a.release
             for a in allocation.attachments
@@ -578,7 +586,7 @@ class NodeController:
             released.clear()
             owners: set[str] = set()
             for name in names:
-                record = view.get(k.GPUS, name)
+                record = view.gpus.get(name)
                 outcome = self._settle_detach(view, name)
                 if outcome is not None:
                     outcomes[name] = outcome
@@ -612,14 +620,14 @@ class NodeController:
                 log.warning("gpu quarantined", extra={"gpu": name, "reason": reason})
 
     def _settle_detach(self, view: TxnView, name: str) -> str | None:
-        record = view.get(k.GPUS, name)
+        record = view.gpus.get(name)
         if record is None or record.value.state != pb.GPU_STATE_DETACHING:
             return None
-        gpu: pb.Gpu = record.value
+        gpu = record.value
         host_id = parse_host(gpu.host) if gpu.host else ""
         # Read through the view even when absent: the commit then requires the status
         # to be unchanged, so an agent that writes a claim meanwhile makes it fail.
-        status = view.get(k.HOST_STATUSES, host_id) if host_id else None
+        status = view.host_statuses.get(host_id) if host_id else None
         entry = next(
             (a for a in (status.value.attachments if status else ()) if a.gpu == gpu.name), None
         )
@@ -706,7 +714,7 @@ def _quarantine_suspects(
     their ``release`` attachments leave the host's allocation."""
     for name, problem in sorted((suspects or {}).items()):
         key = gpu_id(name)
-        gpu: pb.Gpu | None = view.latest(k.GPUS, key)
+        gpu = view.gpus.latest(key)
         if gpu is None or gpu.node != node.name or gpu.state != pb.GPU_STATE_DETACHING:
             continue
         drop_release(view, gpu)

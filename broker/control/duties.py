@@ -50,7 +50,7 @@ from dxpool.broker.control.box_fabric import BoxFabric, BoxFabricError
 from dxpool.broker.nodes.forget import forget_released
 from dxpool.broker.nodes.transitions import drop_release, let_go
 from dxpool.broker.state import metrics
-from dxpool.broker.state.cache import Cache
+from dxpool.broker.state.cache import Cache, Routes
 from dxpool.broker.state.records import copy, seconds
 from dxpool.broker.state.stm import PASS_ATTEMPTS, TxnView, transact
 from dxpool.errors import DxpoolError, Unavailable
@@ -131,13 +131,19 @@ class SingletonDuties:
         self._unsubscribe: Callable[[], None] | None = None
 
     def start(self) -> None:
-        self._unsubscribe = self._cache.subscribe(self._on_change)
-        for name, record in self._cache.gpus.items():
-            self._on_change(k.GPUS, name, record)
-        for name, node in self._cache.nodes.items():
-            self._on_change(k.NODES, name, node)
-        for name, lease in self._cache.host_leases.items():
-            self._on_change(k.HOST_LEASES, name, lease)
+        cache = self._cache
+        self._unsubscribe = cache.subscribe(
+            Routes()
+            .on(cache.gpus, self._on_gpu)
+            .on(cache.host_leases, self._on_lease)
+            .on(cache.nodes, self._on_node)
+        )
+        for name, record in cache.gpus.items():
+            self._on_gpu(name, record)
+        for name, node in cache.nodes.items():
+            self._on_node(name, node)
+        for name, lease in cache.host_leases.items():
+            self._on_lease(name, lease)
         self._thread = threading.Thread(target=self._loop, name="leader-duties", daemon=True)
         self._thread.start()
 
@@ -148,35 +154,38 @@ class SingletonDuties:
         if self._thread is not None:
             self._thread.join(timeout=5)
 
-    def _on_change(self, collection: str, name: str, record: Versioned[Any] | None) -> None:
+    def _on_gpu(self, name: str, record: Versioned[pb.Gpu] | None) -> None:
         with self._lock:
-            if collection == k.GPUS:
-                gpu = record.value if record is not None else None
-                host = (
-                    parse_host(gpu.host)
-                    if gpu is not None and gpu.state in LEASE_HOLDING_STATES and gpu.host
-                    else ""
-                )
-                previous = self._host_of.pop(name, "")
-                if previous:
-                    self._on_host[previous].discard(name)
-                    if not self._on_host[previous]:
-                        del self._on_host[previous]
-                if host:
-                    self._host_of[name] = host
-                    self._on_host.setdefault(host, set()).add(name)
-                if gpu is not None and gpu.state == pb.GPU_STATE_FENCING:
-                    self._fencing.add(name)
-                else:
-                    self._fencing.discard(name)
-            elif collection == k.HOST_LEASES:
-                if record is not None:
-                    self._holder[name] = parse_liveness(bytes(record.value)).broker
-            elif collection == k.NODES:
-                if record is not None and record.value.state == pb.NODE_STATE_RELEASED:
-                    self._note_released(name, seconds(record.value.update_time))
-                else:
-                    self._released_at.pop(name, None)
+            gpu = record.value if record is not None else None
+            host = (
+                parse_host(gpu.host)
+                if gpu is not None and gpu.state in LEASE_HOLDING_STATES and gpu.host
+                else ""
+            )
+            previous = self._host_of.pop(name, "")
+            if previous:
+                self._on_host[previous].discard(name)
+                if not self._on_host[previous]:
+                    del self._on_host[previous]
+            if host:
+                self._host_of[name] = host
+                self._on_host.setdefault(host, set()).add(name)
+            if gpu is not None and gpu.state == pb.GPU_STATE_FENCING:
+                self._fencing.add(name)
+            else:
+                self._fencing.discard(name)
+
+    def _on_lease(self, name: str, record: Versioned[bytes] | None) -> None:
+        with self._lock:
+            if record is not None:
+                self._holder[name] = parse_liveness(bytes(record.value)).broker
+
+    def _on_node(self, name: str, record: Versioned[pb.VirtualNode] | None) -> None:
+        with self._lock:
+            if record is not None and record.value.state == pb.NODE_STATE_RELEASED:
+                self._note_released(name, seconds(record.value.update_time))
+            else:
+                self._released_at.pop(name, None)
 
     def _note_released(self, node_id: str, at: float) -> None:
         """Under the lock: ``node_id`` was released at ``at``."""
@@ -266,9 +275,9 @@ class SingletonDuties:
 
     def _lose_node(self, host: str, node_id: str, message: str) -> Callable[[TxnView], Any]:
         def body(view: TxnView) -> str | None:
-            if view.exists(k.HOST_LEASES, host):
+            if view.host_leases.exists(host):
                 return None  # the host came back
-            record = view.get(k.NODES, node_id)
+            record = view.nodes.get(node_id)
             if record is None or record.value.state not in lifecycle.LOSABLE_NODE_STATES:
                 return None
             let_go(view, record.value, pb.NODE_STATE_LOST, message, self._clock(), fence=True)
@@ -278,9 +287,9 @@ class SingletonDuties:
 
     def _fence_gpu(self, host: str, gpu_id: str, message: str) -> Callable[[TxnView], Any]:
         def body(view: TxnView) -> str | None:
-            if view.exists(k.HOST_LEASES, host):
+            if view.host_leases.exists(host):
                 return None
-            record = view.get(k.GPUS, gpu_id)
+            record = view.gpus.get(gpu_id)
             if record is None or record.value.state not in LEASE_HOLDING_STATES:
                 return None
             if record.value.host != f"hosts/{host}":
@@ -330,7 +339,7 @@ class SingletonDuties:
         reason = f"fence or scrub failed {count} times: {error}"
 
         def body(view: TxnView) -> str | None:
-            record = view.get(k.GPUS, gpu_id)
+            record = view.gpus.get(gpu_id)
             if record is None or record.value.state != pb.GPU_STATE_FENCING:
                 return None
             drop_release(view, record.value)
@@ -343,7 +352,7 @@ class SingletonDuties:
 
     def _free(self, gpu_id: str, generation: int) -> Callable[[TxnView], Any]:
         def body(view: TxnView) -> str | None:
-            record = view.get(k.GPUS, gpu_id)
+            record = view.gpus.get(gpu_id)
             if record is None or record.value.state != pb.GPU_STATE_FENCING:
                 return None
             if record.value.generation != generation:
@@ -356,7 +365,7 @@ class SingletonDuties:
 
     def _annotate(self, gpu_id: str, generation: int) -> Callable[[TxnView], Any]:
         def body(view: TxnView) -> str | None:
-            record = view.get(k.GPUS, gpu_id)
+            record = view.gpus.get(gpu_id)
             if record is None or record.value.state != pb.GPU_STATE_FENCING:
                 return None
             if record.value.generation != generation:

@@ -39,7 +39,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from dxpool import lifecycle
 from dxpool.api.v1 import nodes_pb2
@@ -47,7 +46,7 @@ from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.control.notices import Notices
 from dxpool.broker.nodes.resize import Resizer
 from dxpool.broker.nodes.validation import check_enum, check_text
-from dxpool.broker.state.cache import Cache
+from dxpool.broker.state.cache import Cache, Routes
 from dxpool.broker.state.records import copy, seconds, timestamp
 from dxpool.broker.state.stm import TxnView, read_through, transact
 from dxpool.errors import DxpoolError, InvalidArgument, NotFound
@@ -110,28 +109,40 @@ class Maintenance:
         # What is being drained, so a step costs the drains, not a pass over the pool.
         self._draining_hosts: set[str] = set()
         self._draining_boxes: set[str] = set()
-        self._unsubscribe = cache.subscribe(self._on_change)
-        for collection in (k.GPUS, k.HOST_ALLOCATIONS, k.BOXES):
-            for name, record in cache.items(collection):
-                self._on_change(collection, name, record)
+        self._unsubscribe = cache.subscribe(
+            Routes()
+            .on(cache.gpus, self._on_gpu)
+            .on(cache.host_allocations, self._on_allocation)
+            .on(cache.boxes, self._on_box)
+        )
+        for name, gpu_record in cache.gpus.items():
+            self._on_gpu(name, gpu_record)
+        for name, allocation_record in cache.host_allocations.items():
+            self._on_allocation(name, allocation_record)
+        for name, box_record in cache.boxes.items():
+            self._on_box(name, box_record)
 
     def close(self) -> None:
         self._unsubscribe()
 
-    def _on_change(self, collection: str, name: str, record: Versioned[Any] | None) -> None:
-        if collection in (k.HOST_ALLOCATIONS, k.BOXES):
-            draining = record is not None and record.value.HasField("drain")
-            tracked = (
-                self._draining_hosts if collection == k.HOST_ALLOCATIONS else (self._draining_boxes)
-            )
-            with self._lock:
-                if draining:
-                    tracked.add(name)
-                else:
-                    tracked.discard(name)
-            return
-        if collection != k.GPUS:
-            return
+    def _on_allocation(self, name: str, record: Versioned[pb.HostAllocation] | None) -> None:
+        self._note_drain(
+            self._draining_hosts, name, record is not None and record.value.HasField("drain")
+        )
+
+    def _on_box(self, name: str, record: Versioned[pb.Box] | None) -> None:
+        self._note_drain(
+            self._draining_boxes, name, record is not None and record.value.HasField("drain")
+        )
+
+    def _note_drain(self, tracked: set[str], name: str, draining: bool) -> None:
+        with self._lock:
+            if draining:
+                tracked.add(name)
+            else:
+                tracked.discard(name)
+
+    def _on_gpu(self, name: str, record: Versioned[pb.Gpu] | None) -> None:
         gpu = record.value if record is not None else None
         host = (
             parse_host(gpu.host) if gpu is not None and gpu.host and gpu.state in _ON_HOST else ""
@@ -170,12 +181,12 @@ class Maintenance:
 
     def _set_host(self, name: str, *, cordon: bool, reason: str, drain: bool = False) -> str:
         host_id = parse_host(name)
-        if read_through(self._store, self._cache, k.HOSTS, host_id) is None:
+        if read_through(self._store, self._cache, self._cache.hosts, host_id) is None:
             raise _host_not_found(name)
         now = self._clock()
 
         def body(view: TxnView) -> None:
-            record = view.get(k.HOST_ALLOCATIONS, host_id)
+            record = view.host_allocations.get(host_id)
             if record is None and not cordon:
                 return  # never cordoned: nothing to undo
             allocation = copy(record.value) if record is not None else pb.HostAllocation(host=name)
@@ -201,10 +212,10 @@ class Maintenance:
         now = self._clock()
 
         def body(view: TxnView) -> pb.Box:
-            record = view.get(k.BOXES, box_id)
+            record = view.boxes.get(box_id)
             if record is None:
                 raise _box_not_found(name)
-            box: pb.Box = copy(record.value)
+            box = copy(record.value)
             box.state = pb.BOX_STATE_CORDONED
             box.cordon_reason = reason or "draining"
             wanted = pb.DrainPolicy.ValueType(policy or pb.DRAIN_POLICY_MOVE)

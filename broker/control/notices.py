@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 from dxpool import lifecycle
 from dxpool.api.v1 import resources_pb2 as pb
@@ -40,10 +40,10 @@ from dxpool.broker.nodes.preemption import Cut, Plan
 from dxpool.broker.nodes.resize import shrink_in
 from dxpool.broker.nodes.transitions import gpu_id, let_go
 from dxpool.broker.state import metrics
-from dxpool.broker.state.cache import Cache
+from dxpool.broker.state.cache import Cache, Routes
 from dxpool.broker.state.locks import KeyedLocks
 from dxpool.broker.state.records import copy, seconds, timestamp
-from dxpool.broker.state.stm import PASS_ATTEMPTS, TxnView, transact
+from dxpool.broker.state.stm import PASS_ATTEMPTS, RecordReader, TxnView, transact
 from dxpool.errors import Aborted, DxpoolError
 from dxpool.names import parse_box, parse_gang, parse_host, parse_node
 from dxpool.store import keys as k
@@ -52,6 +52,22 @@ from dxpool.store.typed import Store, Versioned
 log = logging.getLogger(__name__)
 
 DEFAULT_GRACE_S = 30.0
+
+
+class _PurposeReads(Protocol):
+    """Where a notice's purpose is read: the cache, or a TxnView."""
+
+    @property
+    def nodes(self) -> RecordReader[pb.VirtualNode]: ...
+
+    @property
+    def gangs(self) -> RecordReader[pb.GangRecord]: ...
+
+    @property
+    def host_allocations(self) -> RecordReader[pb.HostAllocation]: ...
+
+    @property
+    def boxes(self) -> RecordReader[pb.Box]: ...
 
 
 class _ChangedError(Exception):
@@ -97,16 +113,14 @@ class Notices:
         self._clock = clock
         self._lock = threading.Lock()
         self._pending: dict[str, float] = {}  # node id -> notice deadline
-        self._unsubscribe = cache.subscribe(self._on_change)
+        self._unsubscribe = cache.subscribe(Routes().on(cache.nodes, self._on_node))
         for name, record in cache.nodes.items():
-            self._on_change(k.NODES, name, record)
+            self._on_node(name, record)
 
     def close(self) -> None:
         self._unsubscribe()
 
-    def _on_change(self, collection: str, name: str, record: Versioned[Any] | None) -> None:
-        if collection != k.NODES:
-            return
+    def _on_node(self, name: str, record: Versioned[pb.VirtualNode] | None) -> None:
         node = record.value if record is not None else None
         with self._lock:
             if (
@@ -186,10 +200,10 @@ class Notices:
         victims = [cut.node for cut in plan.cuts]
         if requester.startswith("gangs/"):
             gang_id = parse_gang(requester)
-            record = view.get(k.GANGS, gang_id)
-            if record is None or record.value.state != pb.GANG_STATE_QUEUED:
+            gang_record = view.gangs.get(gang_id)
+            if gang_record is None or gang_record.value.state != pb.GANG_STATE_QUEUED:
                 raise _ChangedError
-            gang = copy(record.value)
+            gang = copy(gang_record.value)
             del gang.queue.preempting[:]
             gang.queue.preempting.extend(victims)
             gang.queue.reclaiming = reclaiming
@@ -198,7 +212,7 @@ class Notices:
             view.put(k.GANGS, gang_id, gang)
             return
         node_id = parse_node(requester)
-        record = view.get(k.NODES, node_id)
+        record = view.nodes.get(node_id)
         if record is None or record.value.state != pb.NODE_STATE_QUEUED:
             raise _ChangedError
         node = copy(record.value)
@@ -211,10 +225,10 @@ class Notices:
 
     def _give(self, view: TxnView, cut: Cut, requester: str, now: float) -> None:
         node_id = parse_node(cut.node)
-        record = view.get(k.NODES, node_id)
+        record = view.nodes.get(node_id)
         if record is None:
             raise _ChangedError
-        node: pb.VirtualNode = record.value
+        node = record.value
         if (
             node.state not in lifecycle.LOSABLE_NODE_STATES
             or not node.preemptible
@@ -259,10 +273,10 @@ class Notices:
         now = self._clock()
 
         def body(view: TxnView) -> bool:
-            record = view.get(k.NODES, node_id)
+            record = view.nodes.get(node_id)
             if record is None:
                 return False
-            node: pb.VirtualNode = record.value
+            node = record.value
             if node.state not in lifecycle.LOSABLE_NODE_STATES or node.HasField("preemption"):
                 return False
             deadline = now + grace_s(node, self._default_grace_s)
@@ -322,23 +336,24 @@ class Notices:
         record = self._cache.nodes.get(node_id)
         if record is None or not record.value.HasField("preemption"):
             return True
-        return self._purpose_holds(self._cache.get, record.value.preemption.by)
+        return self._purpose_holds(self._cache, record.value.preemption.by)
 
     @staticmethod
-    def _purpose_holds(read: Callable[[str, str], Versioned[Any] | None], by: str) -> bool:
-        """Whether what a notice was given for still wants it."""
+    def _purpose_holds(read: _PurposeReads, by: str) -> bool:
+        """Whether what a notice was given for still wants it, read through ``read``
+        (the cache, or a TxnView, which has the commit compare what it read)."""
         if by.startswith("nodes/"):
-            record = read(k.NODES, parse_node(by))
-            return record is not None and record.value.state == pb.NODE_STATE_QUEUED
+            node = read.nodes.get(parse_node(by))
+            return node is not None and node.value.state == pb.NODE_STATE_QUEUED
         if by.startswith("gangs/"):
-            record = read(k.GANGS, parse_gang(by))
-            return record is not None and record.value.state == pb.GANG_STATE_QUEUED
+            gang = read.gangs.get(parse_gang(by))
+            return gang is not None and gang.value.state == pb.GANG_STATE_QUEUED
         if by.startswith("hosts/"):
-            record = read(k.HOST_ALLOCATIONS, parse_host(by))
-            return record is not None and record.value.HasField("drain")
+            allocation = read.host_allocations.get(parse_host(by))
+            return allocation is not None and allocation.value.HasField("drain")
         if by.startswith("boxes/"):
-            record = read(k.BOXES, parse_box(by))
-            return record is not None and record.value.HasField("drain")
+            box = read.boxes.get(parse_box(by))
+            return box is not None and box.value.HasField("drain")
         return False
 
     def carry_out(self, node_id: str) -> str | None:
@@ -361,15 +376,15 @@ class Notices:
         return outcome
 
     def _carry_out_in(self, view: TxnView, node_id: str) -> str | None:
-        record = view.get(k.NODES, node_id)
+        record = view.nodes.get(node_id)
         if record is None or not record.value.HasField("preemption"):
             return None
-        node: pb.VirtualNode = record.value
+        node = record.value
         if node.state not in lifecycle.LOSABLE_NODE_STATES:
             return None  # released (or lost) meanwhile: its GPUs are let go already
         notice = node.preemption
         now = self._clock()
-        if not self._purpose_holds(view.get, notice.by):
+        if not self._purpose_holds(view, notice.by):
             withdrawn = copy(node)
             withdrawn.ClearField("preemption")
             lifecycle.add_event(

@@ -23,7 +23,6 @@ from typing import Any
 from dxpool.broker.state.cache import Cache
 from dxpool.errors import Unavailable
 from dxpool.store import keys as k
-from dxpool.store.typed import Versioned
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +80,7 @@ class SharingDuties:
     def wake(self) -> None:
         self._wake.set()
 
-    def _on_change(self, collection: str, name: str, record: Versioned[Any] | None) -> None:
+    def _on_change(self, collection: str, name: str, record: object) -> None:
         if collection in _WAKING:
             self._wake.set()
 

@@ -194,15 +194,15 @@ class Admitter:
         return Outcome(ADMITTED, node=node)
 
     def _admit_in(self, view: TxnView, node_id: str, placement: Placement) -> pb.VirtualNode | None:
-        record = view.get(k.NODES, node_id)
+        record = view.nodes.get(node_id)
         if record is None or record.value.state != pb.NODE_STATE_QUEUED:
             return None
-        node: pb.VirtualNode = record.value
+        node = record.value
         spec = node.spec
         host_id = placement.host
-        if not view.exists(k.HOST_LEASES, host_id):
+        if not view.host_leases.exists(host_id):
             raise _StaleError
-        allocation_record = view.get(k.HOST_ALLOCATIONS, host_id)
+        allocation_record = view.host_allocations.get(host_id)
         allocation = (
             copy(allocation_record.value)
             if allocation_record is not None
@@ -230,7 +230,7 @@ class Admitter:
         ):
             raise _StaleError
         used = {a.host_slot for a in allocation.attachments}
-        assigned = assign_gpus(view.get, placement, admitted, allocation, used, spec.vfio)
+        assigned = assign_gpus(view, placement, admitted, allocation, used, spec.vfio)
         if assigned is None:
             raise _StaleError
         for name, _, gpu in assigned:
@@ -243,7 +243,7 @@ class Admitter:
 
     def _charge(self, view: TxnView, node: pb.VirtualNode, admitted: pb.VirtualNode) -> None:
         tenant_id = node.spec.tenant
-        record = view.get(k.TENANTS, tenant_id)
+        record = view.tenants.get(tenant_id)
         tenant = record.value if record is not None else None
         if tenant_changed(node.queue.tenant_uid, tenant):
             raise _TenantGoneError
@@ -264,7 +264,7 @@ class Admitter:
         """QUEUED -> FAILED with ``message`` (nothing was charged or held)."""
 
         def body(view: TxnView) -> pb.VirtualNode | None:
-            record = view.get(k.NODES, node_id)
+            record = view.nodes.get(node_id)
             if record is None or record.value.state != pb.NODE_STATE_QUEUED:
                 return None
             failed = lifecycle.node_to(record.value, pb.NODE_STATE_FAILED, message, self._clock())
@@ -295,10 +295,10 @@ class Admitter:
         reason = short(reason)
 
         def body(view: TxnView) -> bool:
-            record = view.get(k.NODES, node_id)
+            record = view.nodes.get(node_id)
             if record is None or record.value.state != pb.NODE_STATE_QUEUED:
                 return False
-            node: pb.VirtualNode = record.value
+            node = record.value
             wanted_preempting = list(node.queue.preempting) if preempting is None else preempting
             wanted_reclaiming = node.queue.reclaiming if reclaiming is None else reclaiming
             if (

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
-from typing import Any
+from typing import TypeVar
 
 from dxpool.api.v1 import nodes_pb2
 from dxpool.api.v1 import resources_pb2 as pb
@@ -39,7 +39,7 @@ from dxpool.broker.nodes.transitions import fence_detaching, let_go
 from dxpool.broker.nodes.validation import check_node_spec
 from dxpool.broker.placement import PlacementRequest, PlacementResult, place
 from dxpool.broker.state import metrics
-from dxpool.broker.state.cache import Cache
+from dxpool.broker.state.cache import Cache, Collection
 from dxpool.broker.state.locks import KeyedLocks
 from dxpool.broker.state.placement_index import PlacementIndex
 from dxpool.broker.state.stm import (
@@ -63,9 +63,9 @@ from dxpool.names import (
     parse_node,
 )
 from dxpool.request import format_duration_ns
-from dxpool.store import keys as k
 from dxpool.store.typed import Store, Versioned
 
+R = TypeVar("R")
 log = logging.getLogger(__name__)
 
 
@@ -181,7 +181,7 @@ class Composer:
         except ResourceExhausted as error:
             if error.reason != "QUOTA_EXCEEDED" or not request.request_id:
                 raise
-            record = self.lookup(k.REQUESTS, request.request_id)
+            record = self.lookup(self._cache.requests, request.request_id)
             existing = self.node_for_request(request.request_id, request.spec, record, owner)
             if existing is None:
                 raise
@@ -259,10 +259,15 @@ class Composer:
         locks), so they do not fail each other's compares on the tenant's record."""
         return self._tenant_locks.lock(tenant_id) if tenant_id else nullcontext()
 
-    def lookup(self, collection: str, name: str) -> Versioned[Any] | None:
-        """A record from the cache, or from etcd when the cache lacks it (see
-        :func:`~dxpool.broker.state.stm.read_through`): None means it does not exist."""
+    def lookup(self, collection: Collection[R], name: str) -> Versioned[R] | None:
+        """A record of ``collection`` (one of the cache's), or from etcd when the cache
+        lacks it (see :func:`~dxpool.broker.state.stm.read_through`): None means it does
+        not exist."""
         return read_through(self._store, self._cache, collection, name)
+
+    def lookup_node(self, node_id: str) -> Versioned[pb.VirtualNode] | None:
+        """:meth:`lookup` of node ``node_id``."""
+        return self.lookup(self._cache.nodes, node_id)
 
     def plan(self, request: nodes_pb2.ComposeNodeRequest) -> nodes_pb2.NodePlan:
         """Where ``compose`` would put the node now, and why; commits nothing."""
@@ -297,7 +302,7 @@ class Composer:
         return placement_request(request.spec, host)
 
     def node_for_request(
-        self, request_id: str, spec: pb.NodeSpec, record: Versioned[Any] | None, owner: str
+        self, request_id: str, spec: pb.NodeSpec, record: Versioned[bytes] | None, owner: str
     ) -> pb.VirtualNode | None:
         """The node an earlier call with ``request_id`` made, given its request record.
 
@@ -314,14 +319,14 @@ class Composer:
                 "use a new request_id for a new node",
                 reason="REQUEST_ID_REUSED",
             )
-        node = self.lookup(k.NODES, parse_node(name))
+        node = self.lookup_node(parse_node(name))
         if node is None:
             raise FailedPrecondition(
                 f"request_id {request_id!r} was used for {name}, which no longer exists; "
                 "use a new request_id",
                 reason="REQUEST_ID_REUSED",
             )
-        found: pb.VirtualNode = node.value
+        found = node.value
         if found.owner != owner:
             raise AlreadyExists(
                 f"request_id {request_id!r} was already used by another caller; use a new "
@@ -391,13 +396,13 @@ class Composer:
         started = [False]  # whether the attempt that committed started a release
 
         def body(view: TxnView) -> pb.VirtualNode:
-            record = view.get(k.NODES, node_id)
+            record = view.nodes.get(node_id)
             if record is None or (owner is not None and record.value.owner != owner):
                 raise NotFound(
                     f"node {name} does not exist; list nodes with `dxpool node list`",
                     reason="NODE_NOT_FOUND",
                 )
-            node: pb.VirtualNode = record.value
+            node = record.value
             started[0] = False
             if node.state in (pb.NODE_STATE_RELEASING, pb.NODE_STATE_RELEASED):
                 if force and node.state == pb.NODE_STATE_RELEASING:
@@ -414,7 +419,7 @@ class Composer:
         # Composes and releases on one host in this broker change its allocation record
         # one at a time (composes commit under this lock too), so a release does not
         # keep losing its compare to composes that land on the same host meanwhile.
-        known = self.lookup(k.NODES, node_id)
+        known = self.lookup_node(node_id)
         host = parse_host(known.value.host) if known is not None and known.value.host else ""
         with self._host_locks.lock(host):
             released = transact(

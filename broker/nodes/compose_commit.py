@@ -34,7 +34,6 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from dxpool import lifecycle
 from dxpool.api.v1 import nodes_pb2
@@ -51,12 +50,11 @@ from dxpool.broker.state.stm import commit_staged, expect, expect_exists, joined
 from dxpool.errors import AlreadyExists
 from dxpool.limits import MAX_TXN_OPS
 from dxpool.names import node_name
-from dxpool.store import keys as k
 from dxpool.store.typed import Store, Txn, TxnResult, Versioned
 
 # Finds the node an earlier call with a request id made: (request id, spec, the request
 # record, owner) -> that node, None when the record names none; raises for a misuse.
-NodeForRequest = Callable[[str, pb.NodeSpec, Versioned[Any] | None, str], pb.VirtualNode | None]
+NodeForRequest = Callable[[str, pb.NodeSpec, Versioned[bytes] | None, str], pb.VirtualNode | None]
 
 
 @dataclass(eq=False)
@@ -125,7 +123,7 @@ class _Group:
     def __init__(self, store: Store, cache: Cache, host: str) -> None:
         keys = store.keys
         self.host = host
-        self.record = cache.get(k.HOST_ALLOCATIONS, host)
+        self.record = cache.host_allocations.get(host)
         # Never changed in place: each job stages on a copy, which then replaces it.
         self.allocation: pb.HostAllocation = (
             self.record.value if self.record else pb.HostAllocation(host=f"hosts/{host}")
@@ -336,15 +334,13 @@ class ComposeCommitter:
             job.finish(None)
             return None
         used = {a.host_slot for a in allocation.attachments}
-        host_record = self._cache.get(k.HOSTS, placement.host)
+        host_record = self._cache.hosts.get(placement.host)
         if not reserve_host_resources(
             host_record.value if host_record else None, allocation, request.spec, name
         ):
             job.finish(None)
             return None
-        assigned = assign_gpus(
-            self._cache.get, placement, node, allocation, used, request.spec.vfio
-        )
+        assigned = assign_gpus(self._cache, placement, node, allocation, used, request.spec.vfio)
         if assigned is None:
             job.finish(None)  # the snapshot was older than the cache; place again
             return None

@@ -108,11 +108,11 @@ class QueuedComposer:
 
         def body(view: TxnView) -> pb.VirtualNode:
             if request.request_id:
-                used = view.get(k.REQUESTS, request.request_id)
+                used = view.requests.get(request.request_id)
                 existing = self._composer.node_for_request(request.request_id, spec, used, owner)
                 if existing is not None:
                     return existing
-            if view.get(k.NODES, node_id) is not None:
+            if view.nodes.get(node_id) is not None:
                 raise AlreadyExists(
                     f"node nodes/{node_id} already exists; pick another node_id or omit it",
                     reason="NODE_EXISTS",
@@ -155,7 +155,7 @@ class QueuedComposer:
         cached = self._composer.cache.tenants.get(tenant_id)
         if cached is not None and cached.value.uid:
             return str(cached.value.uid)
-        record = view.get(k.TENANTS, tenant_id)
+        record = view.tenants.get(tenant_id)
         tenant = copy(record.value) if record is not None else new_tenant(tenant_id)
         if not tenant.uid:
             tenant.uid = new_tenant(tenant_id).uid

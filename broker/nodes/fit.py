@@ -3,10 +3,12 @@ places GPUs for a spec (ComposeNode, ComposeGang, ResizeNode)."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from dxpool import lifecycle
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.placement import Binding, Placement, PlacementRequest
-from dxpool.broker.state.stm import ReadRecord, expect
+from dxpool.broker.state.stm import RecordReader, expect
 from dxpool.names import parse_host
 from dxpool.store import keys as k
 from dxpool.store.keys import KeySchema
@@ -111,8 +113,19 @@ def bind(
     )
 
 
+class GpuReads(Protocol):
+    """Where :func:`assign_gpus` reads GPUs and boxes: the cache, or a
+    :class:`~dxpool.broker.state.stm.TxnView` (which has the commit compare them)."""
+
+    @property
+    def gpus(self) -> RecordReader[pb.Gpu]: ...
+
+    @property
+    def boxes(self) -> RecordReader[pb.Box]: ...
+
+
 def assign_gpus(
-    read: ReadRecord,
+    read: GpuReads,
     placement: Placement,
     node: pb.VirtualNode,
     allocation: pb.HostAllocation,
@@ -129,8 +142,8 @@ def assign_gpus(
     assigned = []
     for binding in placement.bindings:
         name = f"{binding.box}/{binding.slot}"
-        gpu_record = read(k.GPUS, name)
-        if not still_takable(gpu_record, read(k.BOXES, binding.box), binding.host_slot, used):
+        gpu_record = read.gpus.get(name)
+        if not still_takable(gpu_record, read.boxes.get(binding.box), binding.host_slot, used):
             return None
         assert gpu_record is not None
         used.add(binding.host_slot)

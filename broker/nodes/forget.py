@@ -26,22 +26,22 @@ def forget_released(view: TxnView, node_id: str, *, released_before: float | Non
     ``released_before``, was last updated no later than that), with its request ids
     that still name it; True if it was. A gang's request id names the gang and goes with
     whichever member is forgotten first. Anything else is left as it is."""
-    record = view.get(k.NODES, node_id)
+    record = view.nodes.get(node_id)
     if record is None or record.value.state != pb.NODE_STATE_RELEASED:
         return False
-    node: pb.VirtualNode = record.value
+    node = record.value
     if released_before is not None and seconds(node.update_time) > released_before:
         return False
     view.delete(k.NODES, node_id)
     if node.request_id:
-        request = view.get(k.REQUESTS, node.request_id)
+        request = view.requests.get(node.request_id)
         if request is not None and bytes(request.value).decode() in (
             node.name,
             node.gang or node.name,
         ):
             view.delete(k.REQUESTS, node.request_id)
     if node.resize_request_id:
-        request = view.get(k.REQUESTS, node.resize_request_id)
+        request = view.requests.get(node.resize_request_id)
         if request is not None and bytes(request.value).decode() == resize_request_value(node.name):
             view.delete(k.REQUESTS, node.resize_request_id)
     return True

@@ -108,7 +108,6 @@ from dxpool.names import (
     parse_host,
 )
 from dxpool.request import format_duration_ns
-from dxpool.store import keys as k
 from dxpool.store.typed import Store, Txn, Versioned
 
 if TYPE_CHECKING:
@@ -225,7 +224,9 @@ class GangComposer:
         except ResourceExhausted as error:
             if error.reason != "QUOTA_EXCEEDED" or not request.request_id:
                 raise
-            record = read_through(self._store, self._cache, k.REQUESTS, request.request_id)
+            record = read_through(
+                self._store, self._cache, self._cache.requests, request.request_id
+            )
             existing = self._gang_for_request(request, record, owner)
             if existing is None:
                 raise
@@ -235,7 +236,7 @@ class GangComposer:
         requests = self._check(request)
         if request.request_id:
             existing = self._gang_for_request(
-                request, self._cache.get(k.REQUESTS, request.request_id), owner
+                request, self._cache.requests.get(request.request_id), owner
             )
             if existing is not None:
                 return existing
@@ -243,7 +244,7 @@ class GangComposer:
         if request.gang_id:
             member_ids = [gang_member_id(gang_id, i) for i in range(len(request.members))]
             free_released_names(self._store, self._cache, member_ids)
-        if request.gang_id and self._cache.get(k.NODES, gang_member_id(gang_id, 0)) is not None:
+        if request.gang_id and self._cache.nodes.get(gang_member_id(gang_id, 0)) is not None:
             raise _gang_exists(gang_id)
         # Before placement, refuse what the quota refuses whatever GPUs are chosen (the
         # models placement picks are checked at the commit, against fresh usage).
@@ -309,7 +310,7 @@ class GangComposer:
                     f"members[{i}]: {error.message}", reason=error.reason
                 ) from None
             host = parse_host(spec.host) if spec.host else None
-            if host is not None and self._cache.get(k.HOSTS, host) is None:
+            if host is not None and self._cache.hosts.get(host) is None:
                 raise NotFound(
                     f"members[{i}]: host {spec.host} is not registered; list hosts with "
                     "`dxpool host list` or leave the host out to let placement choose",
@@ -383,7 +384,7 @@ class GangComposer:
             host_name = f"hosts/{host_id}"
             name = node_name(gang_member_id(gang_id, i))
             if host_id not in allocations:
-                record = self._cache.get(k.HOST_ALLOCATIONS, host_id)
+                record = self._cache.host_allocations.get(host_id)
                 allocations[host_id] = (
                     copy(record.value) if record else pb.HostAllocation(host=host_name),
                     record.mod_revision if record else 0,
@@ -444,7 +445,7 @@ class GangComposer:
         placement no longer holds."""
         host_name = f"hosts/{placement.host}"
         keys = self._store.keys
-        host_record = self._cache.get(k.HOSTS, placement.host)
+        host_record = self._cache.hosts.get(placement.host)
         if allocation.unschedulable or not reserve_host_resources(
             host_record.value if host_record else None, allocation, spec, name
         ):
@@ -461,7 +462,7 @@ class GangComposer:
             owner=owner,
             gang=gang,
         )
-        assigned = assign_gpus(self._cache.get, placement, node, allocation, used, spec.vfio)
+        assigned = assign_gpus(self._cache, placement, node, allocation, used, spec.vfio)
         if assigned is None:
             return None
         write_assigned(txn, keys, assigned)
@@ -486,7 +487,7 @@ class GangComposer:
     def _gang_for_request(
         self,
         request: nodes_pb2.ComposeGangRequest,
-        record: Versioned[Any] | None,
+        record: Versioned[bytes] | None,
         owner: str,
     ) -> nodes_pb2.Gang | None:
         """The gang an earlier call with this request id made (given the request record
@@ -529,12 +530,16 @@ class GangComposer:
     def _members(self, gang_id: str) -> list[pb.VirtualNode]:
         """The gang's member nodes that exist (read through to etcd on a cache miss), in
         member order; empty for an unknown gang."""
-        first = read_through(self._store, self._cache, k.NODES, gang_member_id(gang_id, 0))
+        first = read_through(
+            self._store, self._cache, self._cache.nodes, gang_member_id(gang_id, 0)
+        )
         if first is None or first.value.gang != gang_name(gang_id):
             return []
         members: list[pb.VirtualNode] = [first.value]
         for i in range(1, first.value.gang_size):
-            record = read_through(self._store, self._cache, k.NODES, gang_member_id(gang_id, i))
+            record = read_through(
+                self._store, self._cache, self._cache.nodes, gang_member_id(gang_id, i)
+            )
             if record is not None and record.value.gang == gang_name(gang_id):
                 members.append(record.value)
         return members
@@ -575,10 +580,10 @@ class GangComposer:
             released = []
             started[0] = 0
             for i in range(known[0].gang_size):
-                record = view.get(k.NODES, gang_member_id(gang_id, i))
+                record = view.nodes.get(gang_member_id(gang_id, i))
                 if record is None or record.value.gang != name:
                     continue
-                node: pb.VirtualNode = record.value
+                node = record.value
                 if owner is not None and node.owner != owner:
                     raise _gang_not_found(name)
                 if node.state in (pb.NODE_STATE_RELEASING, pb.NODE_STATE_RELEASED):

@@ -197,7 +197,9 @@ class ChunkedGangs:
         )
 
     def has_record(self, name: str) -> bool:
-        return read_through(self._store, self._cache, k.GANGS, parse_gang(name)) is not None
+        return (
+            read_through(self._store, self._cache, self._cache.gangs, parse_gang(name)) is not None
+        )
 
     # -- compose -------------------------------------------------------------------------
 
@@ -370,16 +372,16 @@ class ChunkedGangs:
         tenant_id = specs[0].tenant
 
         def body(view: TxnView) -> pb.GangRecord:
-            if request.request_id and view.get(k.REQUESTS, request.request_id) is not None:
+            if request.request_id and view.requests.get(request.request_id) is not None:
                 raise _RetryLookup
-            if view.get(k.GANGS, gang_id) is not None:
+            if view.gangs.get(gang_id) is not None:
                 raise _gang_exists(gang_id)
             if tenant_id:
                 cached = self._cache.tenants.get(tenant_id)
                 if cached is not None and cached.value.uid:
                     record.queue.tenant_uid = cached.value.uid
                 else:
-                    found = view.get(k.TENANTS, tenant_id)
+                    found = view.tenants.get(tenant_id)
                     tenant = copy(found.value) if found is not None else new_tenant(tenant_id)
                     if not tenant.uid:
                         tenant.uid = new_tenant(tenant_id).uid
@@ -609,7 +611,7 @@ class ChunkedGangs:
             gang=gang_name(reservation.gang_id),
             gang_size=len(reservation.specs),
         )
-        assigned = assign_gpus(self._cache.get, placement, node, allocation, used, spec.vfio)
+        assigned = assign_gpus(self._cache, placement, node, allocation, used, spec.vfio)
         if assigned is None:
             raise _MemberStaleError(member)
         if spec.tenant:
@@ -672,13 +674,13 @@ class ChunkedGangs:
         broker: each step compares the record."""
 
         def to_aborting(view: TxnView) -> pb.GangRecord | None:
-            record = view.get(k.GANGS, gang_id)
+            record = view.gangs.get(gang_id)
             if record is None or record.value.state not in (
                 pb.GANG_STATE_RESERVING,
                 pb.GANG_STATE_ABORTING,
             ):
                 return None
-            gang: pb.GangRecord = copy(record.value)
+            gang = copy(record.value)
             if gang.state != pb.GANG_STATE_ABORTING:
                 gang.state = pb.GANG_STATE_ABORTING
                 gang.message = f"rolling back: {message}"
@@ -694,7 +696,7 @@ class ChunkedGangs:
         requeue = gang.HasField("queue") and gang.queue.HasField("enqueue_time")
 
         def finish(view: TxnView) -> None:
-            record = view.get(k.GANGS, gang_id)
+            record = view.gangs.get(gang_id)
             if record is None or record.value.state != pb.GANG_STATE_ABORTING:
                 return
             done = copy(record.value)
@@ -724,7 +726,7 @@ class ChunkedGangs:
         gpus = 0
         for i in range(size):
             node_id = gang_member_id(gang_id, i)
-            record = read_through(self._store, self._cache, k.NODES, node_id)
+            record = read_through(self._store, self._cache, self._cache.nodes, node_id)
             if record is None or record.value.state in (
                 pb.NODE_STATE_RELEASING,
                 pb.NODE_STATE_RELEASED,
@@ -741,7 +743,7 @@ class ChunkedGangs:
     def _release_batch(self, node_ids: list[str], message: str, fence: bool) -> None:
         def body(view: TxnView) -> None:
             for node_id in node_ids:
-                record = view.get(k.NODES, node_id)
+                record = view.nodes.get(node_id)
                 if record is None or record.value.state in (
                     pb.NODE_STATE_RELEASING,
                     pb.NODE_STATE_RELEASED,
@@ -838,7 +840,7 @@ class ChunkedGangs:
 
     def _fail_queued(self, gang_id: str, message: str) -> Outcome:
         def body(view: TxnView) -> bool:
-            record = view.get(k.GANGS, gang_id)
+            record = view.gangs.get(gang_id)
             if record is None or record.value.state != pb.GANG_STATE_QUEUED:
                 return False
             gang = copy(record.value)
@@ -856,10 +858,10 @@ class ChunkedGangs:
         reason = short(reason)
 
         def body(view: TxnView) -> bool:
-            record = view.get(k.GANGS, gang_id)
+            record = view.gangs.get(gang_id)
             if record is None or record.value.state != pb.GANG_STATE_QUEUED:
                 return False
-            gang: pb.GangRecord = record.value
+            gang = record.value
             wanted = gang.queue.reclaiming if reclaiming is None else reclaiming
             if gang.queue.reason == reason and gang.queue.reclaiming == wanted:
                 return False
@@ -906,7 +908,7 @@ class ChunkedGangs:
                 return  # members still there; garbage collection of nodes comes first
 
         def body(view: TxnView) -> None:
-            record = view.get(k.GANGS, gang_id)
+            record = view.gangs.get(gang_id)
             if record is None or record.value.state not in (
                 pb.GANG_STATE_FAILED,
                 pb.GANG_STATE_RELEASED,
@@ -915,7 +917,7 @@ class ChunkedGangs:
             view.delete(k.GANGS, gang_id)
             request_id = record.value.request_id
             if request_id:
-                used = view.get(k.REQUESTS, request_id)
+                used = view.requests.get(request_id)
                 if used is not None and bytes(used.value).decode() == record.value.name:
                     view.delete(k.REQUESTS, request_id)
 
@@ -939,7 +941,7 @@ class ChunkedGangs:
 
     def get(self, name: str, *, owner: str | None = None) -> nodes_pb2.Gang:
         gang_id = parse_gang(name)
-        record = read_through(self._store, self._cache, k.GANGS, gang_id)
+        record = read_through(self._store, self._cache, self._cache.gangs, gang_id)
         if record is None or (owner is not None and record.value.owner != owner):
             raise _not_found(name)
         return self._answer(record.value)
@@ -950,20 +952,20 @@ class ChunkedGangs:
         """Cancel a queued gang, roll back a reserving one, release a valid one's members
         (in chunks); the record ends RELEASED (a FAILED one stays FAILED). Idempotent."""
         gang_id = parse_gang(name)
-        record = read_through(self._store, self._cache, k.GANGS, gang_id)
+        record = read_through(self._store, self._cache, self._cache.gangs, gang_id)
         if record is None or (owner is not None and record.value.owner != owner):
             raise _not_found(name)
-        gang: pb.GangRecord = record.value
+        gang = record.value
         if gang.state in (pb.GANG_STATE_RESERVING, pb.GANG_STATE_ABORTING):
             self.rollback(gang_id, "released by its owner")
         if gang.state == pb.GANG_STATE_VALID or force:
             self._release_members(gang_id, gang.size, "release of the gang requested", fence=force)
 
         def body(view: TxnView) -> pb.GangRecord | None:
-            current = view.get(k.GANGS, gang_id)
+            current = view.gangs.get(gang_id)
             if current is None:
                 return None
-            found: pb.GangRecord = current.value
+            found = current.value
             if found.state in (pb.GANG_STATE_RELEASED, pb.GANG_STATE_FAILED):
                 return found
             done = copy(found)
@@ -983,7 +985,7 @@ class ChunkedGangs:
     def _for_request(
         self, request: nodes_pb2.ComposeGangRequest, owner: str
     ) -> nodes_pb2.Gang | None:
-        used = read_through(self._store, self._cache, k.REQUESTS, request.request_id)
+        used = read_through(self._store, self._cache, self._cache.requests, request.request_id)
         if used is None:
             return None
         name = bytes(used.value).decode()
@@ -993,14 +995,14 @@ class ChunkedGangs:
                 "request_id for a new gang",
                 reason="REQUEST_ID_REUSED",
             )
-        record = read_through(self._store, self._cache, k.GANGS, parse_gang(name))
+        record = read_through(self._store, self._cache, self._cache.gangs, parse_gang(name))
         if record is None:
             raise FailedPrecondition(
                 f"request_id {request.request_id!r} was used for {name}, which no longer "
                 "exists; use a new request_id",
                 reason="REQUEST_ID_REUSED",
             )
-        gang: pb.GangRecord = record.value
+        gang = record.value
         if gang.owner != owner or member_specs(gang) != list(request.members):
             raise AlreadyExists(
                 f"request_id {request.request_id!r} was already used for a different request "

@@ -344,7 +344,7 @@ class InMemoryPool:
                     reason="COMMIT_CONFLICT",
                 )
             used = {attachment.host_slot for attachment in allocation.attachments}
-            assigned = assign_gpus(self._cache.get, placement, node, allocation, used, False)
+            assigned = assign_gpus(self._cache, placement, node, allocation, used, False)
             if assigned is None:
                 raise Aborted(
                     "a GPU or host slot placed on was taken or its box cordoned since: place again",

@@ -149,7 +149,7 @@ class Resizer:
                 "GPUs; give the count the node should have, or the GPUs to remove",
                 reason="INVALID_GPU_COUNT",
             )
-        known = read_through(self._store, self._cache, k.NODES, node_id)
+        known = read_through(self._store, self._cache, self._cache.nodes, node_id)
         if known is None or (owner is not None and known.value.owner != owner):
             raise _not_found(request.name)
         host = parse_host(known.value.host) if known.value.host else ""
@@ -182,12 +182,12 @@ class Resizer:
         removes: list[str],
         owner: str | None,
     ) -> pb.VirtualNode:
-        record = view.get(k.NODES, node_id)
+        record = view.nodes.get(node_id)
         if record is None or (owner is not None and record.value.owner != owner):
             raise _not_found(request.name)
-        node: pb.VirtualNode = record.value
+        node = record.value
         if request.request_id:
-            used = view.get(k.REQUESTS, request.request_id)
+            used = view.requests.get(request.request_id)
             if used is not None:
                 if (
                     bytes(used.value).decode() == resize_request_value(node.name)
@@ -252,7 +252,7 @@ class Resizer:
         """Record ``request_id`` as the node's last resize; forget the one before."""
         previous = node.resize_request_id
         if previous and previous != request_id:
-            record = view.get(k.REQUESTS, previous)
+            record = view.requests.get(previous)
             if record is not None and bytes(record.value).decode() == resize_request_value(
                 node.name
             ):
@@ -302,7 +302,7 @@ class Resizer:
                 "nodes on it) or ask for fewer GPUs",
                 reason="NO_CAPACITY",
             )
-        if not view.exists(k.HOST_LEASES, host_id):
+        if not view.host_leases.exists(host_id):
             raise ResourceExhausted(
                 f"{node.host} is not alive; a node grows on its own host only",
                 reason="NO_CAPACITY",
@@ -316,14 +316,14 @@ class Resizer:
             now,
         )
         updated.attach_deadline.CopyFrom(timestamp(now + self._settings.attach_timeout_s))
-        allocation_record = view.get(k.HOST_ALLOCATIONS, host_id)
+        allocation_record = view.host_allocations.get(host_id)
         allocation = (
             copy(allocation_record.value)
             if allocation_record
             else pb.HostAllocation(host=node.host)
         )
         used = {a.host_slot for a in allocation.attachments}
-        assigned = assign_gpus(view.get, result.placement, updated, allocation, used, spec.vfio)
+        assigned = assign_gpus(view, result.placement, updated, allocation, used, spec.vfio)
         if assigned is None:
             raise _StaleSnapshotError
         for name, _, gpu in assigned:
@@ -344,7 +344,7 @@ class Resizer:
         )
         if error is not None:
             raise error
-        record = view.get(k.TENANTS, tenant_id)
+        record = view.tenants.get(tenant_id)
         tenant = copy(record.value) if record else pb.Tenant(name=tenant_name(tenant_id))
         tenant.usage.CopyFrom(charged(tenant.usage, models, nodes=0, borrowed=node.preemptible))
         view.put(k.TENANTS, tenant_id, tenant)
@@ -372,7 +372,7 @@ def shrink_in(
             binding.phase = pb.ATTACHMENT_PHASE_DETACHING
     releasing: set[str] = set()
     for name in removes:
-        record = view.get(k.GPUS, gpu_id(name))
+        record = view.gpus.get(gpu_id(name))
         if (
             record is not None
             and record.value.node == node.name
@@ -381,7 +381,7 @@ def shrink_in(
             view.put(k.GPUS, gpu_id(name), lifecycle.begin_detach(record.value))
             releasing.add(name)
     host_id = parse_host(node.host)
-    allocation = view.get(k.HOST_ALLOCATIONS, host_id)
+    allocation = view.host_allocations.get(host_id)
     if allocation is not None:
         # A GPU going DETACHING keeps its attachment, marked release: the agent scrubs
         # and detaches it and reports the outcome, and only that report frees it.

@@ -43,7 +43,7 @@ from dxpool.limits import MAX_PRIORITY, MAX_QUOTA, MAX_QUOTA_MODELS
 from dxpool.names import parse_tenant, tenant_name
 from dxpool.request import check_model
 from dxpool.store import keys as k
-from dxpool.store.typed import Store, Txn, Versioned
+from dxpool.store.typed import Store, Txn
 
 CHARGED_NODE_STATES = lifecycle.LOSABLE_NODE_STATES
 """The states in which a charged node counts in its tenant's usage: every state that
@@ -218,7 +218,7 @@ def discharge(view: TxnView, node: pb.VirtualNode) -> None:
         return
     # what this view writes already (another node of the tenant let go in this
     # transaction, e.g. a gang's members), else the record read
-    current: pb.Tenant | None = view.latest(k.TENANTS, node.spec.tenant)
+    current = view.tenants.latest(node.spec.tenant)
     if current is None:
         # Tenant records are never deleted, so a charged node's record exists; a
         # missing one means it was removed by hand, and there is nothing to lower.
@@ -239,7 +239,7 @@ def discharge_gpus(view: TxnView, node: pb.VirtualNode, models: list[str]) -> No
         return
     if node.state not in CHARGED_NODE_STATES:
         return
-    current: pb.Tenant | None = view.latest(k.TENANTS, node.spec.tenant)
+    current = view.tenants.latest(node.spec.tenant)
     if current is None:
         return
     tenant = records.copy(current)
@@ -264,7 +264,7 @@ def confirmed_breach(
     The cache's record is tried first; a refusal is confirmed by a linearizable read
     (the cache may lag behind a release another broker committed), which the cache
     takes. A pass is never final: the commit compares the record it was based on."""
-    cached = cache.get(k.TENANTS, tenant_id)
+    cached = cache.tenants.get(tenant_id)
     error = breach(
         tenant_id, cached.value if cached else None, models, nodes=nodes, borrowed=borrowed
     )
@@ -312,7 +312,7 @@ def charge_in(
     record: all ``nodes`` are one kind). Raises QUOTA_EXCEEDED when they do not fit its
     quota (confirmed against etcd, see :func:`confirmed_breach`)."""
     refuse_breach(store, cache, tenant_id, models, nodes=nodes)
-    record = cache.get(k.TENANTS, tenant_id)
+    record = cache.tenants.get(tenant_id)
     tenant = records.copy(record.value) if record else new_tenant(tenant_id)
     borrowed = loaning.terms(record.value if record else None, len(models)).borrowed
     tenant.usage.CopyFrom(charged(tenant.usage, models, nodes=nodes, borrowed=borrowed))
@@ -327,10 +327,10 @@ def _waiting_for(cache: Cache, tenant_id: str) -> list[str]:
     no longer matches)."""
     waiting = [
         f"nodes/{node_id}"
-        for node_id, record in cache.items(k.NODES)
+        for node_id, record in cache.nodes.items()
         if record.value.state == pb.NODE_STATE_QUEUED and record.value.spec.tenant == tenant_id
     ]
-    for gang_id, record in cache.items(k.GANGS):
+    for gang_id, record in cache.gangs.items():
         members = record.value.members
         if (
             record.value.state == pb.GANG_STATE_QUEUED
@@ -355,7 +355,7 @@ class Tenants:
         check_quota(quota)
 
         def body(view: TxnView) -> pb.Tenant:
-            record = view.get(k.TENANTS, tenant_id)
+            record = view.tenants.get(tenant_id)
             tenant = records.copy(record.value) if record is not None else new_tenant(tenant_id)
             tenant.quota.CopyFrom(quota)
             tenant.quota_update_time.CopyFrom(records.timestamp(self._clock()))
@@ -368,9 +368,7 @@ class Tenants:
         """The record of tenant ``name``, read through to etcd on a cache miss; a
         tenant without one has no quota and no usage."""
         tenant_id = parse_tenant(name)
-        record: Versioned[pb.Tenant] | None = read_through(
-            self._store, self._cache, k.TENANTS, tenant_id
-        )
+        record = read_through(self._store, self._cache, self._cache.tenants, tenant_id)
         if record is None:
             return pb.Tenant(name=tenant_name(tenant_id))
         return record.value
@@ -388,7 +386,7 @@ class Tenants:
         tenant_id = parse_tenant(name)
 
         def body(view: TxnView) -> None:
-            record = view.get(k.TENANTS, tenant_id)
+            record = view.tenants.get(tenant_id)
             if record is None:
                 raise NotFound(
                     f"tenant {tenant_name(tenant_id)} has no record (no quota and no nodes "
@@ -397,7 +395,7 @@ class Tenants:
                 )
             live = sorted(
                 node_id
-                for node_id, node in self._cache.items(k.NODES)
+                for node_id, node in self._cache.nodes.items()
                 if node.value.spec.tenant == tenant_id and node.value.state in CHARGED_NODE_STATES
             )
             waiting = _waiting_for(self._cache, tenant_id)
@@ -428,7 +426,7 @@ class Tenants:
 
     def list(self, page_size: int, page_token: str) -> tuple[list[pb.Tenant], str]:
         """One page of tenant records, by name, and the next page token."""
-        chunk, token = cache_page(self._cache, k.TENANTS, check_page_size(page_size), page_token)
+        chunk, token = cache_page(self._cache.tenants, check_page_size(page_size), page_token)
         return [record.value for _, record in chunk], token
 
 

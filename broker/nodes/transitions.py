@@ -52,10 +52,10 @@ def let_go(
     view.put(k.NODES, node.name.removeprefix("nodes/"), updated)
     for binding in node.gpus:
         gpu_key = gpu_id(binding.gpu)
-        record = view.get(k.GPUS, gpu_key)
+        record = view.gpus.get(gpu_key)
         if record is None or record.value.node != node.name:
             continue
-        gpu: pb.Gpu = record.value
+        gpu = record.value
         if fence:
             view.put(k.GPUS, gpu_key, lifecycle.begin_fence(gpu, f"fencing: {message}"))
         elif gpu.state in (pb.GPU_STATE_ATTACHING, pb.GPU_STATE_ATTACHED):
@@ -66,7 +66,7 @@ def let_go(
     host_id = parse_host(node.host)
     # what this view writes already (another node let go on the same host in this
     # transaction, e.g. a gang's members), else the record read
-    allocation: pb.HostAllocation | None = view.latest(k.HOST_ALLOCATIONS, host_id)
+    allocation = view.host_allocations.latest(host_id)
     if allocation is not None and (
         any(a.node == node.name for a in allocation.attachments)
         or any(r.node == node.name for r in allocation.reservations)
@@ -101,7 +101,7 @@ def drop_release(view: TxnView, gpu: pb.Gpu) -> None:
     if not gpu.host:
         return
     host_id = parse_host(gpu.host)
-    allocation: pb.HostAllocation | None = view.latest(k.HOST_ALLOCATIONS, host_id)
+    allocation = view.host_allocations.latest(host_id)
     if allocation is None:
         return
 
@@ -121,7 +121,7 @@ def fence_detaching(view: TxnView, node: pb.VirtualNode) -> None:
     """Turn a releasing node's DETACHING GPUs into FENCING (a forced retry)."""
     for binding in node.gpus:
         gpu_key = gpu_id(binding.gpu)
-        record = view.get(k.GPUS, gpu_key)
+        record = view.gpus.get(gpu_key)
         if (
             record is not None
             and record.value.node == node.name
@@ -139,7 +139,7 @@ def owned_gpus(view: TxnView, node: pb.VirtualNode) -> list[str]:
     will leave them (a GPU it freed already is not owned)."""
     owned = []
     for binding in node.gpus:
-        gpu = view.latest(k.GPUS, gpu_id(binding.gpu))
+        gpu = view.gpus.latest(gpu_id(binding.gpu))
         if gpu is not None and gpu.node == node.name:
             owned.append(binding.gpu)
     return owned

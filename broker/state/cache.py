@@ -116,6 +116,59 @@ class Collection(Generic[R]):
             return len(self._records)
 
 
+class Routes:
+    """A :data:`Listener` that hands each change to the handler of its collection,
+    ``handler(id, record or None)``, typed by the collection's record::
+
+        cache.subscribe(Routes().on(cache.nodes, self._on_node).on(cache.gpus, self._on_gpu))
+
+    Changes of a collection without a handler are dropped. The handlers run as the
+    listener would (in the applying thread, never blocking; see the module doc)."""
+
+    __slots__ = ("_handlers",)
+
+    def __init__(self) -> None:
+        self._handlers: dict[str, Callable[[str, Versioned[Any] | None], None]] = {}
+
+    def on(
+        self, collection: Collection[R], handler: Callable[[str, Versioned[R] | None], None]
+    ) -> Routes:
+        """Route ``collection``'s changes to ``handler``; returns these routes."""
+        self._handlers[collection.name] = handler
+        return self
+
+    def __call__(self, collection: str, name: str, record: Versioned[Any] | None) -> None:
+        handler = self._handlers.get(collection)
+        if handler is not None:
+            handler(name, record)
+
+
+class ChangeRoutes:
+    """:class:`Routes` for a :data:`ChangeListener`: ``handler(id, record or None,
+    revision)``."""
+
+    __slots__ = ("_handlers",)
+
+    def __init__(self) -> None:
+        self._handlers: dict[str, Callable[[str, Versioned[Any] | None, int], None]] = {}
+
+    def on(
+        self,
+        collection: Collection[R],
+        handler: Callable[[str, Versioned[R] | None, int], None],
+    ) -> ChangeRoutes:
+        """Route ``collection``'s changes to ``handler``; returns these routes."""
+        self._handlers[collection.name] = handler
+        return self
+
+    def __call__(
+        self, collection: str, name: str, record: Versioned[Any] | None, revision: int
+    ) -> None:
+        handler = self._handlers.get(collection)
+        if handler is not None:
+            handler(name, record, revision)
+
+
 _Page = tuple[list[tuple[str, Versioned[R]]], bool]
 
 

@@ -10,14 +10,12 @@ rack). The model resolves ids to places through the cache when it rebuilds.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker.state.cache import Cache
+from dxpool.broker.state.cache import Cache, Routes
 from dxpool.fabric.latency import Place
 from dxpool.fabric.measured import MeasuredLatency, Measurement
 from dxpool.limits import MAX_LATENCY_NS
-from dxpool.store import keys as k
 from dxpool.store.typed import Versioned
 
 
@@ -49,18 +47,24 @@ class MeasuredFeed:
 
     def __init__(self, cache: Cache, model: MeasuredLatency) -> None:
         self._model = model
-        self._unsubscribe = cache.subscribe(self._on_change)
+        self._unsubscribe = cache.subscribe(
+            Routes()
+            .on(cache.host_statuses, self._on_status)
+            .on(cache.hosts, self._on_place)
+            .on(cache.boxes, self._on_place)
+        )
         for name, record in cache.host_statuses.items():
-            self._on_change(k.HOST_STATUSES, name, record)
+            self._on_status(name, record)
 
     def close(self) -> None:
         self._unsubscribe()
 
-    def _on_change(self, collection: str, name: str, record: Versioned[Any] | None) -> None:
-        if collection == k.HOST_STATUSES:
-            if record is None:
-                self._model.forget(name)
-            else:
-                self._model.report(name, measurements(record.value))
-        elif collection in (k.HOSTS, k.BOXES):
-            self._model.invalidate()
+    def _on_status(self, name: str, record: Versioned[pb.HostStatus] | None) -> None:
+        if record is None:
+            self._model.forget(name)
+        else:
+            self._model.report(name, measurements(record.value))
+
+    def _on_place(self, name: str, record: object) -> None:
+        """A host or a box changed: where things are may have changed."""
+        self._model.invalidate()

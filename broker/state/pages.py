@@ -11,14 +11,15 @@ from __future__ import annotations
 import base64
 import binascii
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from dxpool.broker.state.cache import Cache
+from dxpool.broker.state.cache import Collection
 from dxpool.errors import InvalidArgument
 from dxpool.limits import MAX_PAGE_TOKEN
 from dxpool.store.typed import Versioned
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 def page(items: Sequence[tuple[str, T]], page_size: int, page_token: str) -> tuple[list[T], str]:
@@ -38,20 +39,20 @@ def page(items: Sequence[tuple[str, T]], page_size: int, page_token: str) -> tup
 
 
 def cache_page(
-    cache: Cache,
-    collection: str,
+    collection: Collection[R],
     page_size: int,
     page_token: str,
-    keep: Callable[[Versioned[Any]], bool] = lambda _: True,
-) -> tuple[list[tuple[str, Versioned[Any]]], str]:
-    """One page of the records of ``collection`` that ``keep`` accepts, as ``(id,
-    record)`` in the cache's listing order, and the next page token (the last id).
+    keep: Callable[[Versioned[R]], bool] = lambda _: True,
+) -> tuple[list[tuple[str, Versioned[R]]], str]:
+    """One page of the records of ``collection`` (one of the cache's) that ``keep``
+    accepts, as ``(id, record)`` in the cache's listing order, and the next page token
+    (the last id).
 
     O(log n + what the page skips): the cache keeps its records sorted, so no call sorts
     the collection. Like :func:`page`, pages stay correct while records come and go.
     """
     after = _decode_token(page_token) if page_token else None
-    chunk, more = cache.scan(collection, after, page_size, keep)
+    chunk, more = collection.scan(after, page_size, keep)
     token = _encode_token(chunk[-1][0]) if more and chunk else ""
     return chunk, token
 

@@ -33,16 +33,14 @@ import threading
 from collections import Counter, deque
 from dataclasses import replace
 from types import MappingProxyType
-from typing import Any
 
 import immutables
 
 from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.placement.model import BoxInfo, GpuInfo, HostInfo, Placement, Snapshot
-from dxpool.broker.state.cache import Cache
+from dxpool.broker.state.cache import Cache, Routes
 from dxpool.fabric.latency import Place
 from dxpool.limits import MAX_HOST_SLOTS
-from dxpool.store import keys as k
 from dxpool.store.typed import Versioned
 
 
@@ -97,7 +95,14 @@ class PlacementIndex:
         self._version = 0
         self._snapshot: Snapshot | None = None  # the last one handed out, while current
         self._cache = cache
-        self._unsubscribe = cache.subscribe(self._on_change)
+        self._unsubscribe = cache.subscribe(
+            Routes()
+            .on(cache.boxes, self._on_box)
+            .on(cache.gpus, self._on_gpu)
+            .on(cache.hosts, self._on_host)
+            .on(cache.host_leases, self._on_lease)
+            .on(cache.host_allocations, self._on_allocation)
+        )
         self._load(cache)
 
     def _load(self, cache: Cache) -> None:
@@ -112,11 +117,18 @@ class PlacementIndex:
         with self._lock:
             for name, record in gpus:
                 self._on_gpu_change(name, record)
-        for collection in (k.HOSTS, k.HOST_LEASES, k.HOST_ALLOCATIONS):
-            records = cache.items(collection)
-            with self._lock:
-                for name, record in records:
-                    self._note_host(collection, name, record)
+        hosts = cache.hosts.items()
+        with self._lock:
+            for name, host in hosts:
+                self._note_host(name, host)
+        leases = cache.host_leases.items()
+        with self._lock:
+            for name, lease in leases:
+                self._note_lease(name, lease)
+        allocations = cache.host_allocations.items()
+        with self._lock:
+            for name, allocation in allocations:
+                self._note_allocation(name, allocation)
         with self._lock:
             for name in self._host_records:
                 self._describe_host(name)
@@ -127,25 +139,41 @@ class PlacementIndex:
     def close(self) -> None:
         self._unsubscribe()
 
-    def _on_change(self, collection: str, name: str, record: Versioned[Any] | None) -> None:
+    def _on_box(self, name: str, record: Versioned[pb.Box] | None) -> None:
         with self._lock:
-            box: str | None = None
-            host: str | None = None
-            if collection == k.BOXES:
-                box = name if self._on_box_change(name, record) else None
-            elif collection == k.GPUS:
-                box = name.partition("/")[0] if self._on_gpu_change(name, record) else None
-            elif collection in (k.HOSTS, k.HOST_LEASES, k.HOST_ALLOCATIONS):
-                host = name if self._on_host_change(collection, name, record) else None
-            if box is None and host is None:
-                return
-            self._changed(box, host)
+            if self._on_box_change(name, record):
+                self._changed(name, None)
 
-    def _on_box_change(self, name: str, record: Versioned[Any] | None) -> bool:
+    def _on_gpu(self, name: str, record: Versioned[pb.Gpu] | None) -> None:
+        with self._lock:
+            if self._on_gpu_change(name, record):
+                self._changed(name.partition("/")[0], None)
+
+    def _on_host(self, name: str, record: Versioned[pb.Host] | None) -> None:
+        with self._lock:
+            self._note_host(name, record)
+            self._host_changed(name)
+
+    def _on_lease(self, name: str, record: Versioned[bytes] | None) -> None:
+        with self._lock:
+            self._note_lease(name, record)
+            self._host_changed(name)
+
+    def _on_allocation(self, name: str, record: Versioned[pb.HostAllocation] | None) -> None:
+        with self._lock:
+            self._note_allocation(name, record)
+            self._host_changed(name)
+
+    def _host_changed(self, name: str) -> None:
+        """Under the lock: one of host ``name``'s records was noted."""
+        if self._describe_host(name):
+            self._changed(None, name)
+
+    def _on_box_change(self, name: str, record: Versioned[pb.Box] | None) -> bool:
         known = self._boxes.get(name)
         if record is None:
             return self._boxes.pop(name, None) is not None
-        box: pb.Box = record.value
+        box = record.value
         place = Place.of(box)
         if known is not None and known.place == place:
             place = known.place
@@ -155,7 +183,7 @@ class PlacementIndex:
         self._boxes[name] = info
         return True
 
-    def _on_gpu_change(self, name: str, record: Versioned[Any] | None) -> bool:
+    def _on_gpu_change(self, name: str, record: Versioned[pb.Gpu] | None) -> bool:
         box_id, _, slot_text = name.partition("/")
         slot = int(slot_text)
         slots = self._gpus.setdefault(box_id, {})
@@ -173,40 +201,39 @@ class PlacementIndex:
         self._gpu_tuples.pop(box_id, None)
         return True
 
-    def _on_host_change(self, collection: str, name: str, record: Versioned[Any] | None) -> bool:
-        self._note_host(collection, name, record)
-        return self._describe_host(name)
-
-    def _note_host(self, collection: str, name: str, record: Versioned[Any] | None) -> None:
-        """Takes one of a host's records (host, lease or allocation)."""
-        if collection == k.HOSTS:
-            if record is None:
-                self._host_records.pop(name, None)
-                self._host_places.pop(name, None)
-            else:
-                self._host_records[name] = record.value
-                place = Place.of(record.value)
-                if self._host_places.get(name) != place:
-                    self._host_places[name] = place
-        elif collection == k.HOST_LEASES:
-            if record is None:
-                self._alive.discard(name)
-            else:
-                self._alive.add(name)
+    def _note_host(self, name: str, record: Versioned[pb.Host] | None) -> None:
+        """Takes a host's record."""
+        if record is None:
+            self._host_records.pop(name, None)
+            self._host_places.pop(name, None)
         else:
-            allocation: pb.HostAllocation | None = record.value if record else None
-            self._used_slots[name] = frozenset(
-                a.host_slot for a in (allocation.attachments if allocation else ())
-            )
-            if allocation is not None and allocation.unschedulable:
-                self._cordoned.add(name)
-            else:
-                self._cordoned.discard(name)
-            reservations = allocation.reservations if allocation else ()
-            self._held[name] = (
-                sum(r.cpu_cores for r in reservations),
-                sum(r.memory_mib for r in reservations),
-            )
+            self._host_records[name] = record.value
+            place = Place.of(record.value)
+            if self._host_places.get(name) != place:
+                self._host_places[name] = place
+
+    def _note_lease(self, name: str, record: Versioned[bytes] | None) -> None:
+        """Takes a host's lease record (present: the host is alive)."""
+        if record is None:
+            self._alive.discard(name)
+        else:
+            self._alive.add(name)
+
+    def _note_allocation(self, name: str, record: Versioned[pb.HostAllocation] | None) -> None:
+        """Takes a host's allocation record."""
+        allocation = record.value if record else None
+        self._used_slots[name] = frozenset(
+            a.host_slot for a in (allocation.attachments if allocation else ())
+        )
+        if allocation is not None and allocation.unschedulable:
+            self._cordoned.add(name)
+        else:
+            self._cordoned.discard(name)
+        reservations = allocation.reservations if allocation else ()
+        self._held[name] = (
+            sum(r.cpu_cores for r in reservations),
+            sum(r.memory_mib for r in reservations),
+        )
 
     def _describe_host(self, name: str) -> bool:
         """Describes a host from its records as noted; whether placement sees a change."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from typing import Any
 
 from dxpool.api.v1 import inventory_pb2 as inv
 from dxpool.api.v1 import resources_pb2 as pb
@@ -147,7 +146,7 @@ class PoolTally:
                     self._set_host(name, host, name in leases, allocations.get(name))
             self._loading = None
 
-    def _on_change(self, collection: str, name: str, record: Versioned[Any] | None) -> None:
+    def _on_change(self, collection: str, name: str, record: object) -> None:
         del record  # the cache's current record is read instead (see the module doc)
         if collection not in _COUNTED:
             return

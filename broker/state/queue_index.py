@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
 
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker.state.cache import Cache
+from dxpool.broker.state.cache import Cache, Routes
 from dxpool.broker.state.queue_order import Waiting, ordered
 from dxpool.broker.state.records import seconds
 from dxpool.request import model_set
-from dxpool.store import keys as k
 from dxpool.store.typed import Versioned
 
 
@@ -75,11 +73,13 @@ class QueueIndex:
         self._order: list[Waiting] | None = None
         self._positions: dict[str, int] = {}
         self._listeners: list[Callable[[], None]] = []
-        self._unsubscribe = cache.subscribe(self._on_change)
+        self._unsubscribe = cache.subscribe(
+            Routes().on(cache.nodes, self._on_node).on(cache.gangs, self._on_gang)
+        )
         for name, record in cache.nodes.items():
-            self._on_change(k.NODES, name, record)
+            self._on_node(name, record)
         for name, gang in cache.gangs.items():
-            self._on_change(k.GANGS, name, gang)
+            self._on_gang(name, gang)
 
     def close(self) -> None:
         self._unsubscribe()
@@ -89,19 +89,23 @@ class QueueIndex:
         waiting or its record changes."""
         self._listeners.append(listener)
 
-    def _on_change(self, collection: str, name: str, record: Versioned[Any] | None) -> None:
+    def _on_node(self, name: str, record: Versioned[pb.VirtualNode] | None) -> None:
         value = record.value if record is not None else None
         entry: Waiting | None = None
-        if collection == k.NODES:
-            key = f"nodes/{name}"
-            if value is not None and value.state == pb.NODE_STATE_QUEUED:
-                entry = node_waiting(value)
-        elif collection == k.GANGS:
-            key = f"gangs/{name}"
-            if value is not None and value.state == pb.GANG_STATE_QUEUED:
-                entry = gang_waiting(value)
-        else:
-            return
+        if value is not None and value.state == pb.NODE_STATE_QUEUED:
+            entry = node_waiting(value)
+        self._note(f"nodes/{name}", entry, value is not None and value.queue.reclaiming)
+
+    def _on_gang(self, name: str, record: Versioned[pb.GangRecord] | None) -> None:
+        value = record.value if record is not None else None
+        entry: Waiting | None = None
+        if value is not None and value.state == pb.GANG_STATE_QUEUED:
+            entry = gang_waiting(value)
+        self._note(f"gangs/{name}", entry, value is not None and value.queue.reclaiming)
+
+    def _note(self, key: str, entry: Waiting | None, reclaiming: bool) -> None:
+        """Request ``key`` waits as ``entry`` now (None: it does not wait), reclaiming
+        GPUs lent out or not; tells the listeners."""
         with self._lock:
             known = key in self._waiting
             if entry is None and not known:
@@ -111,7 +115,7 @@ class QueueIndex:
                 self._reclaiming.pop(key, None)
             else:
                 self._waiting[key] = entry
-                if value is not None and value.queue.reclaiming:
+                if reclaiming:
                     self._reclaiming[key] = entry.model
                 else:
                     self._reclaiming.pop(key, None)

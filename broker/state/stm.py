@@ -33,21 +33,30 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from functools import cached_property
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 from google.protobuf.message import Message
 
+from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.state import metrics
 from dxpool.broker.state.audit_commit import record_in
-from dxpool.broker.state.cache import Cache
+from dxpool.broker.state.cache import Cache, Collection
 from dxpool.errors import Aborted, NotFound
+from dxpool.store import keys as k
 from dxpool.store.typed import Store, Txn, TxnResult, Versioned
 
 T = TypeVar("T")
+R = TypeVar("R")
 
-# Reads one record: the cache's ``get``, or a TxnView's, which also has the commit
-# compare what it read.
-ReadRecord = Callable[[str, str], Versioned[Any] | None]
+
+class RecordReader(Protocol[R]):
+    """Reads one record of a collection: the cache's typed collection
+    (:class:`~dxpool.broker.state.cache.Collection`), or a TxnView's
+    (:class:`ViewCollection`), which also has the commit compare what it read."""
+
+    def get(self, name: str) -> Versioned[R] | None: ...
+
 
 # -- attempt limits -------------------------------------------------------------------
 # Every commit loop of the broker is bounded by one of these, then answers ABORTED
@@ -97,8 +106,37 @@ def pause_after_conflict(attempt: int) -> None:
     time.sleep(random.uniform(0, ceiling))
 
 
+class ViewCollection(Generic[R]):
+    """One collection as a :class:`TxnView` reads it, typed by its record, mirroring the
+    cache's :class:`~dxpool.broker.state.cache.Collection`: ``view.gpus.get("box1/0")``
+    is a ``Versioned[pb.Gpu] | None``. Every read goes through the view's untyped method
+    of the same name, so it records the same compare as ``view.gpus.get(...)``."""
+
+    __slots__ = ("_view", "name")
+
+    def __init__(self, view: TxnView, name: str) -> None:
+        self._view = view
+        self.name = name
+
+    def get(self, name: str) -> Versioned[R] | None:
+        """:meth:`TxnView.get`: the cached record; the commit requires it unchanged."""
+        return self._view.get(self.name, name)
+
+    def latest(self, name: str) -> R | None:
+        """:meth:`TxnView.latest`: the value this view will write, else the cached one."""
+        return cast("R | None", self._view.latest(self.name, name))
+
+    def exists(self, name: str) -> bool:
+        """:meth:`TxnView.exists`: whether the record exists; the commit requires the
+        same answer."""
+        return self._view.exists(self.name, name)
+
+
 class TxnView:
-    """Reads through the cache (recording revisions) and buffers writes for one commit."""
+    """Reads through the cache (recording revisions) and buffers writes for one commit.
+
+    Its typed collections (``view.nodes``, ``view.gpus``, ...) read as :meth:`get`,
+    :meth:`latest` and :meth:`exists` do, checked by mypy."""
 
     def __init__(self, store: Store, cache: Cache) -> None:
         self._store = store
@@ -106,6 +144,55 @@ class TxnView:
         self._reads: dict[str, int] = {}  # key -> mod_revision read (0: absent)
         self._present: set[str] = set()  # keys that must merely exist
         self._writes: dict[str, Message | bytes | str | None] = {}
+
+    # -- the typed collections (reads of one collection, checked by mypy); each is made
+    # on first use, so a body pays only for the collections it reads.
+
+    @cached_property
+    def boxes(self) -> ViewCollection[pb.Box]:
+        return ViewCollection(self, k.BOXES)
+
+    @cached_property
+    def gpus(self) -> ViewCollection[pb.Gpu]:
+        return ViewCollection(self, k.GPUS)
+
+    @cached_property
+    def hosts(self) -> ViewCollection[pb.Host]:
+        return ViewCollection(self, k.HOSTS)
+
+    @cached_property
+    def host_leases(self) -> ViewCollection[bytes]:
+        return ViewCollection(self, k.HOST_LEASES)
+
+    @cached_property
+    def host_allocations(self) -> ViewCollection[pb.HostAllocation]:
+        return ViewCollection(self, k.HOST_ALLOCATIONS)
+
+    @cached_property
+    def host_statuses(self) -> ViewCollection[pb.HostStatus]:
+        return ViewCollection(self, k.HOST_STATUSES)
+
+    @cached_property
+    def nodes(self) -> ViewCollection[pb.VirtualNode]:
+        return ViewCollection(self, k.NODES)
+
+    @cached_property
+    def requests(self) -> ViewCollection[bytes]:
+        return ViewCollection(self, k.REQUESTS)
+
+    @cached_property
+    def tenants(self) -> ViewCollection[pb.Tenant]:
+        return ViewCollection(self, k.TENANTS)
+
+    @cached_property
+    def brokers(self) -> ViewCollection[bytes]:
+        return ViewCollection(self, k.BROKERS)
+
+    @cached_property
+    def gangs(self) -> ViewCollection[pb.GangRecord]:
+        return ViewCollection(self, k.GANGS)
+
+    # -- the untyped reads and the writes
 
     def key(self, collection: str, name: str) -> str:
         return self._store.keys.key(collection, name)
@@ -268,16 +355,19 @@ def commit_staged(
     return committed
 
 
-def read_through(store: Store, cache: Cache, collection: str, name: str) -> Versioned[Any] | None:
-    """The record from the cache or, when the cache lacks it, from etcd (a linearizable
-    read, whose result the cache takes). None only when etcd has no such record either.
-    Raises :class:`~dxpool.errors.Unavailable` when etcd cannot confirm a miss."""
-    record = cache.get(collection, name)
+def read_through(
+    store: Store, cache: Cache, collection: Collection[R], name: str
+) -> Versioned[R] | None:
+    """The record from ``collection`` (one of ``cache``'s) or, when the cache lacks it,
+    from etcd (a linearizable read, whose result the cache takes). None only when etcd
+    has no such record either. Raises :class:`~dxpool.errors.Unavailable` when etcd
+    cannot confirm a miss."""
+    record = collection.get(name)
     if record is not None:
         return record
-    key = store.keys.key(collection, name)
+    key = store.keys.key(collection.name, name)
     _found_after_all(store, cache, [key])
-    return cache.get(collection, name)
+    return collection.get(name)
 
 
 def _found_after_all(store: Store, cache: Cache, keys: list[str]) -> bool:
@@ -299,8 +389,9 @@ __all__ = [
     "PLACE_ATTEMPTS",
     "RESIZE_ATTEMPTS",
     "SESSION_ATTEMPTS",
-    "ReadRecord",
+    "RecordReader",
     "TxnView",
+    "ViewCollection",
     "commit_staged",
     "expect",
     "expect_exists",

@@ -3,7 +3,7 @@ from __future__ import annotations
 import threading
 
 from dxpool.api.v1 import resources_pb2 as pb
-from dxpool.broker.state.cache import Cache
+from dxpool.broker.state.cache import Cache, ChangeRoutes, Routes
 from dxpool.store import keys as k
 from dxpool.store.keys import KeySchema
 from dxpool.store.typed import Store, Txn, Versioned
@@ -286,5 +286,42 @@ def test_a_typed_read_waits_for_a_change_being_applied(etcd_client, key_prefix: 
             cache.apply_read(schema.box("b1"), Versioned(pb.Box(name="boxes/b1"), 9, 9), 9)
         reader.join(timeout=patient(30))
         assert [r.value.name if r else None for r in seen] == ["boxes/b1"]
+    finally:
+        cache.stop()
+
+
+def test_routes_hand_each_change_to_its_collections_handler(etcd_client, key_prefix: str) -> None:  # type: ignore[no-untyped-def]
+    """A box change reaches the boxes handler with its record, a GPU change the GPUs
+    handler with its revision; a change of a collection without a handler reaches none."""
+    schema = KeySchema(key_prefix)
+    cache = Cache(etcd_client, schema)
+    cache.start()
+    boxes: list[tuple[str, str | None]] = []
+    gpus: list[tuple[str, str | None, int]] = []
+
+    def on_box(name: str, record: Versioned[pb.Box] | None) -> None:
+        boxes.append((name, record.value.name if record is not None else None))
+
+    def on_gpu(name: str, record: Versioned[pb.Gpu] | None, revision: int) -> None:
+        gpus.append((name, record.value.host if record is not None else None, revision))
+
+    cache.subscribe(Routes().on(cache.boxes, on_box))
+    cache.subscribe_changes(ChangeRoutes().on(cache.gpus, on_gpu))
+    try:
+        store = Store(etcd_client, schema)
+        put = (
+            Txn()
+            .put(schema.box("b1"), pb.Box(name="boxes/b1"))
+            .put(schema.gpu("b1", 0), pb.Gpu(name="gpus/b1/0", host="hosts/h1"))
+            .put(schema.key(k.HOSTS, "h1"), pb.Host(name="hosts/h1"))
+        )
+        put_revision = store.commit(put).revision
+        cache.apply_commit(put_revision, put.writes)
+        delete = Txn().delete(schema.box("b1"))
+        delete_revision = store.commit(delete).revision
+        cache.apply_commit(delete_revision, delete.writes)
+        assert cache.wait_for_revision(delete_revision, 30)
+        assert boxes == [("b1", "boxes/b1"), ("b1", None)]
+        assert gpus == [("b1/0", "hosts/h1", put_revision)]
     finally:
         cache.stop()

@@ -188,6 +188,45 @@ def test_a_change_that_loses_every_compare_is_aborted_after_the_last_attempt(
     assert stored is not None and stored.value.gpu_count == stm.COMMIT_ATTEMPTS + 1
 
 
+def test_typed_view_reads_record_the_same_compares_as_untyped_reads(
+    etcd_client: Any, key_prefix: str
+) -> None:
+    """``view.boxes.get``, ``view.gpus.latest`` and ``view.host_leases.exists`` read what
+    ``view.get``, ``view.latest`` and ``view.exists`` read and have the commit compare
+    exactly the same revisions (present, absent, merely existing)."""
+    store, cache = _store_and_cache(etcd_client, key_prefix)
+    keys = store.keys
+    store.commit(
+        Txn()
+        .put(keys.box("b1"), pb.Box(name="boxes/b1", gpu_count=1))
+        .put(keys.gpu("b1", 0), pb.Gpu(name="gpus/b1/0", host="hosts/h1"))
+        .put(keys.key(k.HOST_LEASES, "h1"), b"")
+    )
+    cache.apply_reads(
+        store.read([keys.box("b1"), keys.gpu("b1", 0), keys.key(k.HOST_LEASES, "h1")])
+    )
+
+    def compares(view: TxnView) -> list[tuple[str, str, Any, Any]]:
+        txn, _ = view.build()
+        return [(type(c).__name__, c.key, c.op, c.value) for c in txn.compares]
+
+    typed = TxnView(store, cache)
+    box = typed.boxes.get("b1")
+    gpu = typed.gpus.latest("b1/0")
+    alive = typed.host_leases.exists("h1")
+    missing = typed.nodes.get("n1")
+    untyped = TxnView(store, cache)
+    assert box == untyped.get(k.BOXES, "b1")
+    assert gpu == untyped.latest(k.GPUS, "b1/0")
+    assert alive is untyped.exists(k.HOST_LEASES, "h1") is True
+    assert missing is untyped.get(k.NODES, "n1") is None
+    assert box is not None and box.value.gpu_count == 1
+    assert gpu is not None and gpu.host == "hosts/h1"
+    assert compares(typed) == compares(untyped)
+    assert len(compares(typed)) == 4  # box and GPU at their revisions, lease, node absent
+    assert typed.absent_keys == untyped.absent_keys == [keys.key(k.NODES, "n1")]
+
+
 def test_a_required_revision_read_elsewhere_is_compared(etcd_client: Any, key_prefix: str) -> None:
     """``require`` compares a revision the body read from etcd itself, not the cache's."""
     store, cache = _store_and_cache(etcd_client, key_prefix)
