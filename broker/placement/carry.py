@@ -116,6 +116,9 @@ LOG_LENGTH = 512
 """Versions a part remembers what it changed for, for the tables that read it later."""
 MAX_SCORED = 65536
 """Raw scores a box side keeps by takes; beyond, it starts afresh."""
+REFILE_ALL_SHARE = 4
+"""When more than one in this many of a table's groups move to another tightest box,
+the table files them all afresh in one pass rather than moving each."""
 
 _MISSING = object()
 
@@ -397,17 +400,21 @@ class ClassTable:
             if again != self.options[host_class]:
                 self.options[host_class] = again
                 redo.update(self.of_class.get(host_class, ()))
+        # most groups judged again: their lists are made afresh in one pass
+        everything = len(redo) * REFILE_ALL_SHARE > len(self.raws)
         for key in redo:
-            self._drop(key)
+            self._drop(key, keep_lists=everything)
         for key in redo:
             members = base.groups.get(key)
             if members and key[1] >= self.min_free:
                 room, host_id, _, _ = members[0]
-                self._add(key, (room, host_id), side, snapshot)
+                self._add(key, (room, host_id), side, snapshot, keep_lists=everything)
+        if everything:
+            self._file_all_by_raw()
         self.chooser = chooser
         self.box_version = side.version
         self.host_version = base.version
-        self._refile_tightest(chooser, redo)
+        self._refile_tightest(chooser, redo, everything)
 
     def _clear(self) -> None:
         self.options.clear()
@@ -422,18 +429,23 @@ class ClassTable:
         self.tightest_of_group.clear()
         self.groups_by_tightest.clear()
 
-    def _drop(self, key: GroupKey) -> None:
+    def _drop(self, key: GroupKey, *, keep_lists: bool = False) -> None:
+        """Forgets a group; with ``keep_lists`` it stays in the lists of groups (by raw
+        scores, by tightest box), which the caller then makes afresh."""
         raws = self.raws.pop(key, None)
         if raws is None:
             return
         rank = self.first_host.pop(key)
+        self.of_class[key[0]].discard(key)
+        if keep_lists:
+            self.tightest_of_group.pop(key, None)
+            return
         entry = (*rank, key)
         for raw in set(raws):
             entries = self.by_raw[raw]
             entries.remove(entry)
             if not entries:
                 del self.by_raw[raw]
-        self.of_class[key[0]].discard(key)
         tight = self.tightest_of_group.pop(key, None)
         if tight is not None:
             entries = self.groups_by_tightest[tight]
@@ -441,7 +453,11 @@ class ClassTable:
             if not entries:
                 del self.groups_by_tightest[tight]
 
-    def _add(self, key: GroupKey, rank: Rank, side: BoxSide, snapshot: Snapshot) -> None:
+    def _add(
+        self, key: GroupKey, rank: Rank, side: BoxSide, snapshot: Snapshot, *, keep_lists: bool
+    ) -> None:
+        """Scores a group; with ``keep_lists`` it is not filed in the lists by raw
+        scores, which the caller then makes afresh."""
         host_class = key[0]
         found = self.options.get(host_class)
         if found is None:
@@ -454,20 +470,38 @@ class ClassTable:
         raws = tuple(raw_scores(side, self.plugins, option, key[1]) for option in found)
         self.raws[key] = raws
         self.first_host[key] = rank
+        self.of_class.setdefault(host_class, set()).add(key)
+        if keep_lists:
+            return
         entry = (*rank, key)
         for raw in set(raws):
             entries = self.by_raw.get(raw)
             if entries is None:
                 entries = self.by_raw[raw] = SortedList()
             entries.add(entry)
-        self.of_class.setdefault(host_class, set()).add(key)
 
-    def _refile_tightest(self, chooser: TieredChooser, redo: set[GroupKey]) -> None:
+    def _file_all_by_raw(self) -> None:
+        """Files every group by each of its raw score tuples afresh, in one pass."""
+        first_host = self.first_host
+        filed: dict[Raw, list[Entry]] = {}
+        for key, raws in self.raws.items():
+            entry = (*first_host[key], key)
+            for raw in set(raws):
+                entries = filed.get(raw)
+                if entries is None:
+                    entries = filed[raw] = []
+                entries.append(entry)
+        self.by_raw = {raw: SortedList(entries) for raw, entries in filed.items()}
+
+    def _refile_tightest(
+        self, chooser: TieredChooser, redo: set[GroupKey], everything: bool
+    ) -> None:
         """The tightest box of each group's class, when the chooser answers it apart.
         A group is filed by the round trip to that box and the box's class (a class
         holds one tightest box), so when the chooser's mapping of classes to tightest
         boxes changes only the host classes whose answer changed move their groups; the
-        groups judged again (``redo``) are filed afresh."""
+        groups judged again (``redo``) are filed afresh, and with ``everything`` (most
+        groups were judged again, and none is filed now) every group."""
         answer = chooser.tightest_near(self.places) if chooser.few_tightest() else None
         if answer is None:
             self.nearest_tightest, self.tightest_box = None, {}
@@ -477,19 +511,30 @@ class ClassTable:
             return
         near, few = answer  # per host class the nearest of the few tightest boxes
         self.tightest_box = dict(few)
+        moved: list[int] = []  # host classes whose tightest box changed
         if near is not self.nearest_tightest:
             self.nearest_tightest = near
             for host_class in self.places:
                 ns, index = near[host_class]
                 now = (ns, few[index][0])
-                if self.tightest_by_class.get(host_class) == now:
-                    continue
-                self.tightest_by_class[host_class] = now
-                for key in self.of_class.get(host_class, ()):
-                    if key in self.tightest_of_group:
-                        self._unfile_by_tightest(key)
-                    if self.raws.get(key):  # a group with no option has no tightest box
-                        self._file_by_tightest(key, (*self.first_host[key], key))
+                if self.tightest_by_class.get(host_class) != now:
+                    self.tightest_by_class[host_class] = now
+                    moved.append(host_class)
+            moving = sum(len(self.of_class.get(host_class, ())) for host_class in moved)
+            everything = everything or moving * REFILE_ALL_SHARE > len(self.raws)
+        if everything:
+            for host_class in self.places:
+                if host_class not in self.tightest_by_class:
+                    ns, index = near[host_class]
+                    self.tightest_by_class[host_class] = (ns, few[index][0])
+            self._refile_all()
+            return
+        for host_class in moved:
+            for key in self.of_class.get(host_class, ()):
+                if key in self.tightest_of_group:
+                    self._unfile_by_tightest(key)
+                if self.raws.get(key):  # a group with no option has no tightest box
+                    self._file_by_tightest(key, (*self.first_host[key], key))
         for key in redo:
             if self.raws.get(key) and key not in self.tightest_of_group:
                 host_class = key[0]
@@ -497,6 +542,26 @@ class ClassTable:
                     ns, index = near[host_class]
                     self.tightest_by_class[host_class] = (ns, few[index][0])
                 self._file_by_tightest(key, (*self.first_host[key], key))
+
+    def _refile_all(self) -> None:
+        """Files every group with an option by the tightest box of its class afresh, in
+        one pass: what filing the groups that moved one by one ends in, for when most
+        of them moved (one tightest box for the whole pool moved to another class: its
+        round trip changed for nearly every host class)."""
+        tightest_by_class = self.tightest_by_class
+        first_host = self.first_host
+        of_group: dict[GroupKey, TightestKey] = {}
+        filed: dict[TightestKey, list[Entry]] = {}
+        for key, raws in self.raws.items():
+            if raws:  # a group with no option has no tightest box
+                tight = (*tightest_by_class[key[0]], key[1])
+                of_group[key] = tight
+                entries = filed.get(tight)
+                if entries is None:
+                    entries = filed[tight] = []
+                entries.append((*first_host[key], key))
+        self.tightest_of_group = of_group
+        self.groups_by_tightest = {tight: SortedList(entries) for tight, entries in filed.items()}
 
     def _unfile_by_tightest(self, key: GroupKey) -> None:
         tight = self.tightest_of_group.pop(key)

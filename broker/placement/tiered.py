@@ -23,7 +23,8 @@ of boxes that did not change and keeping each memoized choice that cannot have c
 A choice records which box classes its walk looked at (the tiers it consumed; of a
 large tier it read only the least box, it records that box, and stands while the tier's
 least box is the same one, so a commit far away does not make every host class whose
-walk reached the rest of the site choose again), and,
+walk reached the rest of the site choose again; when it read that box for the tightest
+box alone, a moved least box is put in its place rather than walking again), and,
 without a bound, the fewest usable GPUs of a box that holds the request (the
 *tightest-single-box* rule's target) and whether the pool holds enough; it is kept when
 none of those changed. The tightest box is found from the few classes that hold a box of
@@ -204,6 +205,9 @@ class _Memo:
     # the large tiers the walk read through their least box alone (with ``examined``
     # not None): the choice stands while each tier's least box is the same
     leasts: tuple[TierLeast, ...] = ()
+    # the tightest single box the walk found (unbounded; None where none holds the
+    # request, or where it was answered from the few classes holding one)
+    tightest: Link | None = None
 
 
 class TieredChooser:
@@ -420,9 +424,33 @@ class TieredChooser:
                 memo = chosen.get(host_class)
                 if memo is not None and memo.examined is not None and number in memo.examined:
                     dropped.append(host_class)
-        dropped.extend(self._moved_leasts(before, touched, chosen))
+        gone = set(dropped)
+        # a class whose walk read a large tier through its least box for the tightest
+        # box alone gets that box again from the tier's new least box; the rest choose
+        # again
+        refresh = (
+            self._bound is None
+            and self._fewest == before._fewest
+            and not before.few_tightest()
+            and not self.few_tightest()
+        )
+        stamp = self._stamp() if refresh else None
+        retightened: list[int] = []
+        for host_class, numbers in self._moved_leasts(before, touched, chosen):
+            if host_class in gone:
+                continue
+            memo = chosen[host_class]
+            again = self._after_moved_least(memo, numbers, stamp) if stamp is not None else None
+            if again is None:
+                dropped.append(host_class)
+                gone.add(host_class)
+                continue
+            chosen[host_class] = again
+            if again.choice.options is not memo.choice.options:
+                retightened.append(host_class)
         for host_class in dropped:
             chosen.pop(host_class, None)
+        dropped.extend(retightened)
         self._chosen = chosen
         if self._bound is None and (
             self.few_tightest() != before.few_tightest()
@@ -443,14 +471,15 @@ class TieredChooser:
 
     def _moved_leasts(
         self, before: TieredChooser, touched: frozenset[int], chosen: Mapping[int, _Memo]
-    ) -> list[int]:
+    ) -> list[tuple[int, tuple[int, ...]]]:
         """The host classes among ``chosen`` whose walk read a large tier through its
-        least box (:data:`TierLeast`) when that box is another here than in ``before``.
+        least box (:data:`TierLeast`) when that box is another here than in ``before``,
+        each with that tier (a class once per tier that moved).
         Every memo of ``before`` that reads a tier read the box ``before`` holds (a memo
         that read another was dropped when the tier's least box moved), so a tier whose
         least box stayed leaves its readers alone, and only tiers holding a ``touched``
         class can have moved."""
-        moved: list[int] = []
+        moved: list[tuple[int, tuple[int, ...]]] = []
         for numbers, members, readers in tuple(self._resting_on_tier.values()):
             if members.isdisjoint(touched):
                 continue
@@ -459,8 +488,39 @@ class TieredChooser:
             for host_class in tuple(readers):
                 memo = chosen.get(host_class)
                 if memo is not None and any(read is numbers for read, _ in memo.leasts):
-                    moved.append(host_class)
+                    moved.append((host_class, numbers))
         return moved
+
+    def _after_moved_least(
+        self, memo: _Memo, numbers: tuple[int, ...], stamp: _Stamp
+    ) -> _Memo | None:
+        """``memo`` after the least box of its large tier ``numbers`` moved, when the
+        other two rules found their boxes in nearer tiers and the memo's tightest box is
+        current (``stamp``, many classes holding such a box, the same before and
+        after): the tiers before this one did not change (the memo rests on them), so
+        the tightest box is this tier's new least box if it has the fewest usable GPUs,
+        or else stays where the walk found it unless that was this tier. None when that
+        does not hold (the class must choose again)."""
+        if not _same_stamp(memo.stamp, stamp) or memo.nearest is None or memo.single is None:
+            return None
+        latency = next((ns for ns, tier in memo.ranking if tier is numbers), None)
+        if latency is None or memo.single[0] >= latency:
+            return None
+        if any(take.latency_ns >= latency for take in memo.nearest):
+            return None
+        least = self._least_in(numbers)
+        tightest = memo.tightest
+        if least is not None and least.available == stamp[0]:
+            if tightest is None or tightest[0] >= latency:
+                tightest = (latency, least)
+        elif tightest is not None and tightest[0] == latency:
+            return None  # the tier no longer holds the tightest box: a walk beyond it
+        found = options(self._count, memo.nearest, memo.single, tightest, self._first_rule)
+        if found == memo.choice.options:
+            found = memo.choice.options  # the same object: what was derived from it holds
+        leasts = tuple((read, least if read is numbers else box) for read, box in memo.leasts)
+        choice = replace(memo.choice, options=found)
+        return replace(memo, choice=choice, leasts=leasts, tightest=tightest)
 
     def changed_classes(self) -> frozenset[int] | None:
         """The host classes whose :meth:`parts` (first part) may differ from what the
@@ -663,7 +723,14 @@ class TieredChooser:
         if found == memo.choice.options:
             found = memo.choice.options  # the same object: what was derived from it holds
         choice = Choice(found, self._usable, None)
-        return replace(memo, choice=choice, examined=examined, stamp=stamp, leasts=leasts)
+        return replace(
+            memo,
+            choice=choice,
+            examined=examined,
+            stamp=stamp,
+            leasts=leasts,
+            tightest=tightest if stamp[1] is None else None,
+        )
 
     def _choose(self, host: Place, ranking: Tiers) -> _Memo:
         walk = _Walk()
@@ -678,7 +745,7 @@ class TieredChooser:
             direct: Callable[[], Link | None] | None = None
             if stamp[1] is not None:
                 direct = partial(self._nearest_tightest, host, self._model.host_class(host))
-            options_, nearest, single, most = self._rules(tiers, self._fewest, direct)
+            options_, nearest, single, tightest, most = self._rules(tiers, self._fewest, direct)
             choice = Choice(options_, self._usable, None, most)
             base = options(self._count, nearest, single, None, self._first_rule)
             examined, leasts = walk.rests_on()
@@ -691,6 +758,7 @@ class TieredChooser:
                 single=single,
                 base=base,
                 leasts=leasts,
+                tightest=None if direct is not None else tightest,
             )
         within: list[_Tier] = []
         dropped: Link | None = None
@@ -708,7 +776,7 @@ class TieredChooser:
             return _Memo(choice, ranking, examined=walk.rests_on()[0], stamp=None)
         fitting = [tier.least for tier in within if tier.least is not None]
         fewest = min(fits.available for fits in fitting) if fitting else None
-        options_, _, _, most = self._rules(iter(within), fewest, None)
+        options_, _, _, _, most = self._rules(iter(within), fewest, None)
         choice = Choice(options_, reach, dropped, most)
         return _Memo(choice, ranking, examined=walk.rests_on()[0], stamp=None)
 
@@ -753,15 +821,17 @@ class TieredChooser:
         tiers: Iterator[_Tier],
         fewest: int | None,
         tightest_direct: Callable[[], Link | None] | None,
-    ) -> tuple[list[Option], tuple[Take, ...] | None, Link | None, tuple[int, str] | None]:
+    ) -> tuple[
+        list[Option], tuple[Take, ...] | None, Link | None, Link | None, tuple[int, str] | None
+    ]:
         """The three rules over ``tiers`` (nearest first), which hold at least ``count``
         GPUs; ``fewest`` is the fewest usable GPUs of a box among them that holds every
         GPU requested (None if no box does). With ``tightest_direct``, the walk does not
         go on for the tightest-single-box rule alone: when the tiers it needs for the
         other rules hold no such box, ``tightest_direct()`` answers. Returns the options,
-        the first rule's (nearest-first, or nearest-switch) and the nearest-single-box
-        rule's answers, and, when the nearest-switch rule found nothing, the switch
-        holding the most (see :attr:`Choice.switch`)."""
+        the first rule's (nearest-first, or nearest-switch), the nearest-single-box and
+        the tightest-single-box rules' answers, and, when the nearest-switch rule found
+        nothing, the switch holding the most (see :attr:`Choice.switch`)."""
         remaining = self._count
         fill = SwitchFill(remaining) if self._switch else None
         takes: list[Take] = []
@@ -806,7 +876,7 @@ class TieredChooser:
         nearest = tuple(takes) if remaining == 0 else None
         most = fill.most() if fill is not None and nearest is None else None
         chosen = options(self._count, nearest, single, tightest, self._first_rule)
-        return chosen, nearest, single, most
+        return chosen, nearest, single, tightest, most
 
 
 def _near_by_columns(

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from dxpool.broker.nodes.memory_pool import InMemoryPool
-from dxpool.broker.placement import PlacementRequest, default_pipeline, place
+from dxpool.broker.placement import PlacementRequest, carry, default_pipeline, place
 from dxpool.broker.placement.model import Snapshot
 
 RACK_SIZE = 4
@@ -80,6 +80,22 @@ def test_after_random_commits_and_releases_a_carried_decision_is_a_fresh_one(
     same records without a journal (nothing carried at all). With racks of one box the
     site's tier holds more classes than a walk lists (a choice then rests on that tier's
     least box rather than on its every class)."""
+    _carried_decisions_are_fresh_ones(seed, boxes, rack_size)
+
+
+@pytest.mark.parametrize("share", [0, 10**9])
+@pytest.mark.parametrize(("seed", "boxes", "rack_size"), [(3, 36, RACK_SIZE), (5, 90, 1)])
+def test_a_table_filed_group_by_group_or_all_at_once_decides_as_a_fresh_one(
+    monkeypatch: pytest.MonkeyPatch, share: int, seed: int, boxes: int, rack_size: int
+) -> None:
+    """A class table moves the groups that changed one by one, or files them all afresh
+    in one pass when most changed (``REFILE_ALL_SHARE``): forced to either way for every
+    change, the decisions are still those of a pipeline made afresh."""
+    monkeypatch.setattr(carry, "REFILE_ALL_SHARE", share)
+    _carried_decisions_are_fresh_ones(seed, boxes, rack_size)
+
+
+def _carried_decisions_are_fresh_ones(seed: int, boxes: int, rack_size: int) -> None:
     rng = random.Random(seed)
     pool = _pool(rng, boxes=boxes, hosts=30, rack_size=rack_size)
     carrying = pool.pipeline
