@@ -59,7 +59,8 @@ PACKAGE_OF_FOLDER = {
     "hostagent": "dxpool.hostagent",
     "fabric": "dxpool.fabric",
 }
-"""The installed package each folder becomes (``package-dir`` in pyproject.toml)."""
+"""The package each folder is imported as (``dxpool/broker`` and its siblings link to the
+top-level folders)."""
 ROOT_ERROR_CLASS = "DxpoolError"
 ROOT_ERROR_CODE = "INTERNAL"
 REASON_ATTRIBUTE = "reason"
