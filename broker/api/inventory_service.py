@@ -281,14 +281,7 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
     @handler("InventoryService.GetGpu")
     def GetGpu(self, request: inv.GetGpuRequest, context: grpc.ServicerContext) -> pb.Gpu:
         ref = parse_gpu(request.name)
-        record = self._cache.gpus.get(f"{ref.box}/{ref.slot}")
-        if record is None:
-            raise NotFound(
-                f"GPU {request.name} does not exist; list GPUs with `dxpool gpu list`",
-                reason="GPU_NOT_FOUND",
-            )
-        gpu = record.value
-        return gpu
+        return _existing_gpu(self._cache.gpus, f"{ref.box}/{ref.slot}", request.name)
 
     @handler("InventoryService.ReclaimGpu")
     def ReclaimGpu(self, request: inv.ReclaimGpuRequest, context: grpc.ServicerContext) -> pb.Gpu:
@@ -298,13 +291,7 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
         message = "reclaimed by an operator" + (f": {reason}" if reason else "")
 
         def body(view: TxnView) -> pb.Gpu:
-            record = view.gpus.get(gpu_key)
-            if record is None:
-                raise NotFound(
-                    f"GPU {request.name} does not exist; list GPUs with `dxpool gpu list`",
-                    reason="GPU_NOT_FOUND",
-                )
-            gpu = record.value
+            gpu = _existing_gpu(view.gpus, gpu_key, request.name)
             if gpu.state == pb.GPU_STATE_FENCING:
                 return gpu
             if gpu.state != pb.GPU_STATE_QUARANTINED:
@@ -330,13 +317,7 @@ class InventoryService(inventory_pb2_grpc.InventoryServiceServicer):
         message = "health cleared by an operator" + (f": {reason}" if reason else "")
 
         def body(view: TxnView) -> pb.Gpu:
-            record = view.gpus.get(gpu_key)
-            if record is None:
-                raise NotFound(
-                    f"GPU {request.name} does not exist; list GPUs with `dxpool gpu list`",
-                    reason="GPU_NOT_FOUND",
-                )
-            gpu = record.value
+            gpu = _existing_gpu(view.gpus, gpu_key, request.name)
             if gpu.health == pb.GPU_HEALTH_HEALTHY:
                 return gpu
             if gpu.host:
@@ -611,3 +592,15 @@ def _request_id_reused(request_id: str, owner: str) -> AlreadyExists:
         reason="REQUEST_ID_REUSED",
         metadata={"request_id": request_id, "resource": owner},
     )
+
+
+def _existing_gpu(gpus: RecordReader[pb.Gpu], gpu_key: str, name: str) -> pb.Gpu:
+    """The GPU ``gpu_key`` (``box/slot``) as ``gpus`` holds it; NOT_FOUND (GPU_NOT_FOUND)
+    naming ``name`` as the caller wrote it when there is none."""
+    record = gpus.get(gpu_key)
+    if record is None:
+        raise NotFound(
+            f"GPU {name} does not exist; list GPUs with `dxpool gpu list`",
+            reason="GPU_NOT_FOUND",
+        )
+    return record.value
