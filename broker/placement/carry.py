@@ -72,7 +72,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 from sortedcontainers import SortedList
@@ -102,7 +102,7 @@ from dxpool.broker.placement.model import (
 )
 from dxpool.broker.placement.plugins.hosts import HostNotExcluded, HostResources
 from dxpool.broker.placement.status import Code
-from dxpool.broker.placement.tiered import TieredChooser
+from dxpool.broker.placement.tiered import FarTightest, TieredChooser
 from dxpool.fabric.latency import Place, TieredLatencyModel
 
 MAX_SUPPLIES = 16
@@ -248,6 +248,19 @@ class BoxSide:
             self.scored = {}
 
 
+@dataclass(slots=True)
+class _FarTier:
+    """A far tier a class table's groups read their tightest box from (see
+    :class:`~dxpool.broker.placement.tiered.FarTightest`): the least box they were
+    scored with, the host classes reading it, and the raw scores of its option at each
+    (round trip, free slots) they were scored at."""
+
+    tier: tuple[int, ...]
+    least: BoxSupply | None
+    readers: set[int] = field(default_factory=set)
+    raws: dict[tuple[int, int], Raw] = field(default_factory=dict)
+
+
 @dataclass(frozen=True, slots=True)
 class _Scored:
     """Raw scores of a proposal with ``takes`` (held, so the supplies' ids stay theirs)."""
@@ -360,6 +373,11 @@ class ClassTable:
         self.tightest_by_class: dict[int, tuple[int, int]] = {}  # host class -> (ns, box class)
         self.tightest_of_group: dict[GroupKey, TightestKey] = {}
         self.groups_by_tightest: dict[TightestKey, SortedList[Entry]] = {}
+        # The tightest box, where the chooser answers it as a far tier's least box (see
+        # the glossary): host class -> that answer, and per tier (by id() of its tuple)
+        # the least box its readers' groups were scored with
+        self.far: dict[int, FarTightest] = {}
+        self.far_tiers: dict[int, _FarTier] = {}
         self.side = side
         self.base = base
 
@@ -396,10 +414,13 @@ class ClassTable:
             else [c for c in cast(set[int], classes_changed) if c in self.options]
         )
         for host_class in check:
-            again, _ = chooser.parts(self.places[host_class])
-            if again != self.options[host_class]:
+            again, tight = chooser.parts(self.places[host_class])
+            far = tight if isinstance(tight, FarTightest) else None
+            if again != self.options[host_class] or far != self.far.get(host_class):
                 self.options[host_class] = again
+                self._set_far(host_class, far, chooser)
                 redo.update(self.of_class.get(host_class, ()))
+        redo.update(self._moved_far(chooser, side))
         # most groups judged again: their lists are made afresh in one pass
         everything = len(redo) * REFILE_ALL_SHARE > len(self.raws)
         for key in redo:
@@ -428,6 +449,51 @@ class ClassTable:
         self.tightest_by_class.clear()
         self.tightest_of_group.clear()
         self.groups_by_tightest.clear()
+        self.far.clear()
+        self.far_tiers.clear()
+
+    def _set_far(self, host_class: int, far: FarTightest | None, chooser: TieredChooser) -> None:
+        """Records that ``host_class``'s tightest box is ``far`` (None: none apart)."""
+        old = self.far.get(host_class)
+        if old == far:
+            return
+        if old is not None:
+            tier = self.far_tiers.get(id(old.tier))
+            if tier is not None:
+                tier.readers.discard(host_class)
+                if not tier.readers:
+                    del self.far_tiers[id(old.tier)]
+        if far is None:
+            del self.far[host_class]
+            return
+        self.far[host_class] = far
+        tier = self.far_tiers.get(id(far.tier))
+        if tier is None or tier.tier is not far.tier:
+            tier = _FarTier(far.tier, chooser.tier_least(far.tier))
+            self.far_tiers[id(far.tier)] = tier
+        tier.readers.add(host_class)
+
+    def _moved_far(self, chooser: TieredChooser, side: BoxSide) -> set[GroupKey]:
+        """The groups to score again because a far tier's least box moved: none when
+        the new box scores as the old one did for every (round trip, free slots) the
+        tier's readers were scored at (the usual case: another box with the same usable
+        GPUs at the same distance), else every group of its readers."""
+        redo: set[GroupKey] = set()
+        count = side.request.count
+        for tier in self.far_tiers.values():
+            least = chooser.tier_least(tier.tier)
+            if least is tier.least:
+                continue
+            tier.least = least
+            if least is not None and all(
+                raw_scores(side, self.plugins, _tight_option(least, count, ns), free) == raw
+                for (ns, free), raw in tier.raws.items()
+            ):
+                continue
+            tier.raws.clear()
+            for host_class in tier.readers:
+                redo.update(self.of_class.get(host_class, ()))
+        return redo
 
     def _drop(self, key: GroupKey, *, keep_lists: bool = False) -> None:
         """Forgets a group; with ``keep_lists`` it stays in the lists of groups (by raw
@@ -462,12 +528,22 @@ class ClassTable:
         found = self.options.get(host_class)
         if found is None:
             host = snapshot.hosts[rank[1]]
-            found, _ = side.chooser.parts(host.place)
+            found, tight = side.chooser.parts(host.place)
             self.options[host_class] = found
+            self._set_far(
+                host_class, tight if isinstance(tight, FarTightest) else None, side.chooser
+            )
             # a new mapping: the chooser answers the tightest boxes again for it
             self.places = {**self.places, host_class: host.place}
         # a class that reaches too little gets no option: its hosts propose nothing
         raws = tuple(raw_scores(side, self.plugins, option, key[1]) for option in found)
+        far = self.far.get(host_class)
+        if far is not None:
+            tier = self.far_tiers[id(far.tier)]
+            assert tier.least is not None  # the chooser names no far tier that holds none
+            option = _tight_option(tier.least, side.request.count, far.latency)
+            raw = tier.raws[(far.latency, key[1])] = raw_scores(side, self.plugins, option, key[1])
+            raws = (*raws, raw)
         self.raws[key] = raws
         self.first_host[key] = rank
         self.of_class.setdefault(host_class, set()).add(key)
@@ -933,6 +1009,11 @@ def _best(
     key = base.where[host.host][0]
     options = list(table.options[key[0]])
     raws = list(table.raws[key])
+    far = table.far.get(key[0])
+    if far is not None:  # parts() puts the far tier's least box after the others
+        least = table.far_tiers[id(far.tier)].least
+        assert least is not None  # the chooser names no far tier that holds none
+        options.append(_tight_option(least, request.count, far.latency))
     tight_key = table.tightest_of_group.get(key)
     if tight_key is not None:
         ns, box_class, _ = tight_key
@@ -962,7 +1043,8 @@ def _pinned(
         return None
     if not all(check.keeps(request, host) for check in parts.checks if check.applies(request)):
         return None  # the run that looks at it alone says why
-    first, tight = side.chooser.parts(host.place)
+    first, far = side.chooser.parts(host.place)
+    tight = side.chooser.tightest_link(far)
     options = list(first)
     if tight is not None:
         options.append(_tight_option(tight[1], request.count, tight[0]))

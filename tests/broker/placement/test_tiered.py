@@ -429,7 +429,8 @@ def test_an_advanced_chooser_chooses_as_one_built_from_scratch(
         for host in hosts:
             expected = fresh.choose(host)
             assert chooser.choose(host) == expected
-            base, tight = chooser.parts(host)
+            base, apart = chooser.parts(host)
+            tight = chooser.tightest_link(apart)
             whole = (
                 [*base, ("tightest-single-box", (Take(tight[1], count, tight[0]),))]
                 if tight
