@@ -72,7 +72,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import cast
 
 from sortedcontainers import SortedList
@@ -248,17 +248,14 @@ class BoxSide:
             self.scored = {}
 
 
-@dataclass(slots=True)
-class _FarTier:
-    """A far tier a class table's groups read their tightest box from (see
-    :class:`~dxpool.broker.placement.tiered.FarTightest`): the least box they were
-    scored with, the host classes reading it, and the raw scores of its option at each
-    (round trip, free slots) they were scored at."""
+@dataclass(frozen=True, slots=True)
+class _FarList:
+    """The groups of one (round trip, free slots) whose tightest box is a far tier's
+    least box (see :class:`~dxpool.broker.placement.tiered.FarTightest`), by first
+    member: the tier, and the groups."""
 
     tier: tuple[int, ...]
-    least: BoxSupply | None
-    readers: set[int] = field(default_factory=set)
-    raws: dict[tuple[int, int], Raw] = field(default_factory=dict)
+    entries: SortedList[Entry]
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,6 +359,10 @@ class ClassTable:
         self.ranking: tuple[int, object] = (-1, None)
         self.options: dict[int, list[selection.Option]] = {}
         self.places: dict[int, Place] = {}
+        # the places of the classes without a far tightest box, which alone the few
+        # tightest boxes are answered for (made again when a class joins or leaves)
+        self.apart: dict[int, Place] = {}
+        self.apart_stale = False
         self.of_class: dict[int, set[GroupKey]] = {}
         self.raws: dict[GroupKey, tuple[Raw, ...]] = {}
         self.first_host: dict[GroupKey, Rank] = {}
@@ -374,10 +375,12 @@ class ClassTable:
         self.tightest_of_group: dict[GroupKey, TightestKey] = {}
         self.groups_by_tightest: dict[TightestKey, SortedList[Entry]] = {}
         # The tightest box, where the chooser answers it as a far tier's least box (see
-        # the glossary): host class -> that answer, and per tier (by id() of its tuple)
-        # the least box its readers' groups were scored with
+        # the glossary): host class -> that answer; the groups of those classes by
+        # (round trip, free slots), then by tier (id() of its tuple), scored at decision
+        # time from the tier's least box then; and where each such group is filed
         self.far: dict[int, FarTightest] = {}
-        self.far_tiers: dict[int, _FarTier] = {}
+        self.far_groups: dict[tuple[int, int], dict[int, _FarList]] = {}
+        self.far_of_group: dict[GroupKey, tuple[tuple[int, int], int]] = {}
         self.side = side
         self.base = base
 
@@ -418,9 +421,8 @@ class ClassTable:
             far = tight if isinstance(tight, FarTightest) else None
             if again != self.options[host_class] or far != self.far.get(host_class):
                 self.options[host_class] = again
-                self._set_far(host_class, far, chooser)
+                self._set_far(host_class, far)
                 redo.update(self.of_class.get(host_class, ()))
-        redo.update(self._moved_far(chooser, side))
         # most groups judged again: their lists are made afresh in one pass
         everything = len(redo) * REFILE_ALL_SHARE > len(self.raws)
         for key in redo:
@@ -450,50 +452,22 @@ class ClassTable:
         self.tightest_of_group.clear()
         self.groups_by_tightest.clear()
         self.far.clear()
-        self.far_tiers.clear()
+        self.apart = {}
+        self.apart_stale = False
+        self.far_groups.clear()
+        self.far_of_group.clear()
 
-    def _set_far(self, host_class: int, far: FarTightest | None, chooser: TieredChooser) -> None:
-        """Records that ``host_class``'s tightest box is ``far`` (None: none apart)."""
-        old = self.far.get(host_class)
-        if old == far:
-            return
-        if old is not None:
-            tier = self.far_tiers.get(id(old.tier))
-            if tier is not None:
-                tier.readers.discard(host_class)
-                if not tier.readers:
-                    del self.far_tiers[id(old.tier)]
+    def _set_far(self, host_class: int, far: FarTightest | None) -> None:
+        """Records that ``host_class``'s tightest box is ``far`` (None: none apart); the
+        caller files its groups again."""
+        before = self.far.get(host_class)
         if far is None:
-            del self.far[host_class]
-            return
-        self.far[host_class] = far
-        tier = self.far_tiers.get(id(far.tier))
-        if tier is None or tier.tier is not far.tier:
-            tier = _FarTier(far.tier, chooser.tier_least(far.tier))
-            self.far_tiers[id(far.tier)] = tier
-        tier.readers.add(host_class)
-
-    def _moved_far(self, chooser: TieredChooser, side: BoxSide) -> set[GroupKey]:
-        """The groups to score again because a far tier's least box moved: none when
-        the new box scores as the old one did for every (round trip, free slots) the
-        tier's readers were scored at (the usual case: another box with the same usable
-        GPUs at the same distance), else every group of its readers."""
-        redo: set[GroupKey] = set()
-        count = side.request.count
-        for tier in self.far_tiers.values():
-            least = chooser.tier_least(tier.tier)
-            if least is tier.least:
-                continue
-            tier.least = least
-            if least is not None and all(
-                raw_scores(side, self.plugins, _tight_option(least, count, ns), free) == raw
-                for (ns, free), raw in tier.raws.items()
-            ):
-                continue
-            tier.raws.clear()
-            for host_class in tier.readers:
-                redo.update(self.of_class.get(host_class, ()))
-        return redo
+            self.far.pop(host_class, None)
+        elif before != far:
+            self.far[host_class] = far
+        if (before is None) != (far is None):
+            self.apart_stale = True
+            self.tightest_by_class.pop(host_class, None)  # found afresh if apart again
 
     def _drop(self, key: GroupKey, *, keep_lists: bool = False) -> None:
         """Forgets a group; with ``keep_lists`` it stays in the lists of groups (by raw
@@ -503,6 +477,15 @@ class ClassTable:
             return
         rank = self.first_host.pop(key)
         self.of_class[key[0]].discard(key)
+        filed = self.far_of_group.pop(key, None)
+        if filed is not None:
+            lists = self.far_groups[filed[0]]
+            far_list = lists[filed[1]]
+            far_list.entries.remove((*rank, key))
+            if not far_list.entries:
+                del lists[filed[1]]
+                if not lists:
+                    del self.far_groups[filed[0]]
         if keep_lists:
             self.tightest_of_group.pop(key, None)
             return
@@ -530,20 +513,23 @@ class ClassTable:
             host = snapshot.hosts[rank[1]]
             found, tight = side.chooser.parts(host.place)
             self.options[host_class] = found
-            self._set_far(
-                host_class, tight if isinstance(tight, FarTightest) else None, side.chooser
-            )
+            self._set_far(host_class, tight if isinstance(tight, FarTightest) else None)
             # a new mapping: the chooser answers the tightest boxes again for it
             self.places = {**self.places, host_class: host.place}
+            self.apart_stale = True
         # a class that reaches too little gets no option: its hosts propose nothing
         raws = tuple(raw_scores(side, self.plugins, option, key[1]) for option in found)
         far = self.far.get(host_class)
-        if far is not None:
-            tier = self.far_tiers[id(far.tier)]
-            assert tier.least is not None  # the chooser names no far tier that holds none
-            option = _tight_option(tier.least, side.request.count, far.latency)
-            raw = tier.raws[(far.latency, key[1])] = raw_scores(side, self.plugins, option, key[1])
-            raws = (*raws, raw)
+        if far is not None and raws:
+            where = (far.latency, key[1])
+            lists = self.far_groups.get(where)
+            if lists is None:
+                lists = self.far_groups[where] = {}
+            far_list = lists.get(id(far.tier))
+            if far_list is None:
+                far_list = lists[id(far.tier)] = _FarList(far.tier, SortedList())
+            far_list.entries.add((*rank, key))
+            self.far_of_group[key] = (where, id(far.tier))
         self.raws[key] = raws
         self.first_host[key] = rank
         self.of_class.setdefault(host_class, set()).add(key)
@@ -578,7 +564,11 @@ class ClassTable:
         boxes changes only the host classes whose answer changed move their groups; the
         groups judged again (``redo``) are filed afresh, and with ``everything`` (most
         groups were judged again, and none is filed now) every group."""
-        answer = chooser.tightest_near(self.places) if chooser.few_tightest() else None
+        if self.apart_stale:
+            far = self.far
+            self.apart = {c: place for c, place in self.places.items() if c not in far}
+            self.apart_stale = False
+        answer = chooser.tightest_near(self.apart) if chooser.few_tightest() else None
         if answer is None:
             self.nearest_tightest, self.tightest_box = None, {}
             self.tightest_by_class.clear()
@@ -590,7 +580,7 @@ class ClassTable:
         moved: list[int] = []  # host classes whose tightest box changed
         if near is not self.nearest_tightest:
             self.nearest_tightest = near
-            for host_class in self.places:
+            for host_class in self.apart:
                 ns, index = near[host_class]
                 now = (ns, few[index][0])
                 if self.tightest_by_class.get(host_class) != now:
@@ -599,20 +589,22 @@ class ClassTable:
             moving = sum(len(self.of_class.get(host_class, ())) for host_class in moved)
             everything = everything or moving * REFILE_ALL_SHARE > len(self.raws)
         if everything:
-            for host_class in self.places:
+            for host_class in self.apart:
                 if host_class not in self.tightest_by_class:
                     ns, index = near[host_class]
                     self.tightest_by_class[host_class] = (ns, few[index][0])
             self._refile_all()
             return
+        far = self.far
         for host_class in moved:
             for key in self.of_class.get(host_class, ()):
                 if key in self.tightest_of_group:
                     self._unfile_by_tightest(key)
-                if self.raws.get(key):  # a group with no option has no tightest box
+                # a group with no option has no tightest box; a far one has its own
+                if self.raws.get(key) and host_class not in far:
                     self._file_by_tightest(key, (*self.first_host[key], key))
         for key in redo:
-            if self.raws.get(key) and key not in self.tightest_of_group:
+            if self.raws.get(key) and key not in self.tightest_of_group and key[0] not in far:
                 host_class = key[0]
                 if host_class not in self.tightest_by_class:
                     ns, index = near[host_class]
@@ -628,8 +620,10 @@ class ClassTable:
         first_host = self.first_host
         of_group: dict[GroupKey, TightestKey] = {}
         filed: dict[TightestKey, list[Entry]] = {}
+        far = self.far
         for key, raws in self.raws.items():
-            if raws:  # a group with no option has no tightest box
+            # a group with no option has no tightest box; a far one has its own
+            if raws and key[0] not in far:
                 tight = (*tightest_by_class[key[0]], key[1])
                 of_group[key] = tight
                 entries = filed.get(tight)
@@ -995,6 +989,7 @@ def _best(
             if seen is None or member < seen:
                 found[raw] = member
             sources.setdefault(raw, []).append(entries)
+    far_raws = _far_found(table, side, fitting, found, sources, request.count)
     if not found:
         return None
     totals = totals_of(parts.plugins, parts.weights, list(found))
@@ -1010,10 +1005,10 @@ def _best(
     options = list(table.options[key[0]])
     raws = list(table.raws[key])
     far = table.far.get(key[0])
-    if far is not None:  # parts() puts the far tier's least box after the others
-        least = table.far_tiers[id(far.tier)].least
-        assert least is not None  # the chooser names no far tier that holds none
-        options.append(_tight_option(least, request.count, far.latency))
+    if far is not None and options:  # parts() puts the far tier's least box last
+        option = _tight_option(side.chooser.far_box(far), request.count, far.latency)
+        options.append(option)
+        raws.append(far_raws[(far.latency, key[1], id(option[1][0].supply))])
     tight_key = table.tightest_of_group.get(key)
     if tight_key is not None:
         ns, box_class, _ = tight_key
@@ -1026,6 +1021,47 @@ def _best(
     index = next(i for i, raw in enumerate(raws) if totals[raw] == best)
     rule, takes = options[index]
     return Chosen(host, rule, takes, best)
+
+
+def _far_found(
+    table: ClassTable,
+    side: BoxSide,
+    fitting: _Fitting,
+    found: dict[Raw, Rank],
+    sources: dict[Raw, list[SortedList[Entry]]],
+    count: int,
+) -> dict[tuple[int, int, int], Raw]:
+    """Adds the far groups' tightest options to ``found`` and ``sources`` (as
+    :func:`_best` files the others), each scored from its tier's least box now; returns
+    their raw scores by (round trip, free slots, id() of the box). A tier's least box is
+    asked once, an option scored once per box, and a raw present once a group of it
+    keeps a host."""
+    chooser = side.chooser
+    least_of: dict[int, BoxSupply] = {}
+    raws: dict[tuple[int, int, int], Raw] = {}
+    plugins = table.plugins
+    for (ns, free), lists in table.far_groups.items():
+        for tier_id, far_list in lists.items():
+            least = least_of.get(tier_id)
+            if least is None:
+                least = least_of[tier_id] = chooser.tier_box(far_list.tier)
+            at = (ns, free, id(least))
+            raw = raws.get(at)
+            if raw is None:
+                raw = raws[at] = raw_scores(side, plugins, _tight_option(least, count, ns), free)
+            entries = far_list.entries
+            sources.setdefault(raw, []).append(entries)
+            if fitting.any:
+                if raw not in found:
+                    member = fitting.first(entries, exact=False)
+                    if member is not None:
+                        found[raw] = member
+            elif entries:
+                first = (entries[0][0], entries[0][1])
+                seen = found.get(raw)
+                if seen is None or first < seen:
+                    found[raw] = first
+    return raws
 
 
 def _pinned(

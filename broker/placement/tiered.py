@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from itertools import chain
+from typing import cast
 
 from dxpool.broker.placement.framework import BoxSupply, Take
 from dxpool.broker.placement.selection import (
@@ -72,6 +73,9 @@ LARGE_TIER = 64
 """A ranking tier of more box classes than this (the rest of a site, for the tree model)
 is not listed on a walk: its first box that holds the request comes from the chooser's
 order of every class's first such box (see :meth:`TieredChooser._least_in`)."""
+
+NO_BOX = 1 << 30
+"""Usable GPUs standing for "no box holds the request" where a least count is kept."""
 
 MAX_TIER_SETS = 4096
 """Tiers whose class sets are remembered (see :meth:`TieredChooser._least_in`)."""
@@ -204,11 +208,18 @@ class _Walk:
     classes of the listed tiers (until more than ``MAX_EXAMINED``), and the large tiers,
     each read through its least box alone unless a rule listed its classes."""
 
-    __slots__ = ("classes", "large")
+    __slots__ = ("classes", "fewest", "large")
 
     def __init__(self) -> None:
         self.classes: list[int] = []
         self.large: list[_Tier] = []
+        # (round trip, usable GPUs of its least box) of each tier consumed, in order
+        self.fewest: list[tuple[int, int]] = []
+
+    def fewest_before(self, latency: int) -> int:
+        """The fewest usable GPUs of a box that holds the request in the tiers consumed
+        nearer than ``latency`` (:data:`NO_BOX` when none holds it)."""
+        return min((fewest for ns, fewest in self.fewest if ns < latency), default=NO_BOX)
 
     def rests_on(self) -> tuple[frozenset[int] | None, tuple[TierLeast, ...]]:
         """The classes the walk rests on (None: every class) and the large tiers it read
@@ -251,6 +262,10 @@ class _Memo:
     # moved (see :meth:`TieredChooser._far_current`)
     tightest: Link | None = None
     far: FarTightest | None = None  # the tightest box is a large tier's least box
+    # with ``far``: the fewest usable GPUs of a box holding the request in the tiers
+    # before it (which the memo rests on); the far answer holds while the pool's fewest
+    # is below this and the far tier's least box has it (see TieredChooser._far_holds)
+    nearer_fewest: int = NO_BOX
 
 
 class TieredChooser:
@@ -480,7 +495,7 @@ class TieredChooser:
         )
         stamp = self._stamp() if refresh else None
         retightened: list[int] = []
-        moved, far_lost = self._moved_leasts(before, touched, chosen, stamp)
+        moved, far_lost = self._moved_leasts(before, touched, chosen)
         for host_class in far_lost:
             if host_class not in gone:
                 dropped.append(host_class)
@@ -507,61 +522,78 @@ class TieredChooser:
             or (not self.few_tightest() and self._fewest != before._fewest)
         ):
             fewest = self._fewest if before.few_tightest() else before._fewest
-            if self.few_tightest() == before.few_tightest() or fewest is None:
-                return  # many classes hold the tightest box before and after: any may move
-            # The tightest box goes from apart (few classes hold one) to within the
-            # options (many do), or back. A class's options within are its options
-            # apart exactly when its nearest single box is a box of the fewest usable
-            # GPUs (then it is the tightest box, see _retighten); the rest may differ.
-            for host_class, memo in self._chosen.items():
-                if memo.single is None or memo.single[1].available != fewest:
-                    dropped.append(host_class)
+            if fewest is None:
+                return
+            if self.few_tightest() == before.few_tightest():
+                # Many classes hold the tightest box before and after, and its usable
+                # GPUs changed: a class whose tightest box is within its options finds
+                # it again. A far one keeps its answer: those that lost it are dropped.
+                dropped.extend(c for c, memo in self._chosen.items() if memo.far is None)
+            else:
+                # The tightest box goes from apart (few classes hold one) to within the
+                # options (many do), or back. A class's options within are its options
+                # apart exactly when its nearest single box is a box of the fewest
+                # usable GPUs (then it is the tightest box, see _retighten); a far
+                # class answers its far tier either way; the rest may differ.
+                for host_class, memo in self._chosen.items():
+                    if memo.far is None and (
+                        memo.single is None or memo.single[1].available != fewest
+                    ):
+                        dropped.append(host_class)
         self._changed = frozenset(dropped)
 
     def _moved_leasts(
-        self,
-        before: TieredChooser,
-        touched: frozenset[int],
-        chosen: Mapping[int, _Memo],
-        stamp: _Stamp | None,
+        self, before: TieredChooser, touched: frozenset[int], chosen: Mapping[int, _Memo]
     ) -> tuple[list[tuple[int, tuple[int, ...]]], list[int]]:
         """The host classes among ``chosen`` whose walk read a large tier through its
-        least box (:data:`TierLeast`) when that box is another here than in ``before``:
-        those that read it for more than their tightest box, each with that tier (a
-        class once per tier that moved), and those whose tightest box it was
-        (``_Memo.far``) that cannot keep it: the new least box does not have the fewest
-        usable GPUs, or ``stamp`` is None (the tightest box must be found again). A
-        class whose tightest box is a moved least box that still has the fewest usable
-        GPUs is not named: its answer, "that tier's least box", stands, and costs
-        nothing here however many classes read the tier.
+        least box (:data:`TierLeast`) when that box is another here than in
+        ``before``, each with that tier (a class once per tier that moved), apart from
+        those whose tightest box it is (``_Memo.far``); and the far classes whose answer
+        no longer holds (:meth:`_far_holds`). A far class whose tier's least box moved
+        to another with the pool's fewest usable GPUs is not named: its answer, "that
+        tier's least box", stands, and costs nothing here however many classes read
+        the tier.
         Every memo of ``before`` that reads a tier for more than its tightest box read
         the box ``before`` holds (a memo that read another was dropped when the tier's
         least box moved), so a tier whose least box stayed leaves its readers alone, and
-        only tiers holding a ``touched`` class can have moved."""
+        only tiers holding a ``touched`` class can have moved. Every far memo of
+        ``before`` holds there, so it can stop holding only where its tier's least box
+        moved or the pool's fewest usable GPUs changed."""
         moved: list[tuple[int, tuple[int, ...]]] = []
         lost: list[int] = []
+        fewest = self._fewest
+        fewest_moved = fewest != before._fewest
         for numbers, members, readers, far_readers in tuple(self._resting_on_tier.values()):
             if members.isdisjoint(touched):
-                continue
-            least = self._least_in(numbers)
-            if before._least_in(numbers) is least:
-                continue
-            for host_class in tuple(readers):
+                if not (fewest_moved and far_readers):
+                    continue
+                least = self._least_in(numbers)
+                tier_moved = False
+            else:
+                least = self._least_in(numbers)
+                tier_moved = before._least_in(numbers) is not least
+                if not tier_moved and not (fewest_moved and far_readers):
+                    continue
+            if tier_moved:
+                for host_class in tuple(readers):
+                    memo = chosen.get(host_class)
+                    if (
+                        memo is not None
+                        and any(read is numbers for read, _ in memo.leasts)
+                        and (memo.far is None or memo.far.tier is not numbers)
+                    ):
+                        moved.append((host_class, numbers))
+            whole_tier = fewest is None or least is None or least.available != fewest
+            if not whole_tier and not fewest_moved:
+                continue  # the far readers' answer stands
+            for host_class in tuple(far_readers):
                 memo = chosen.get(host_class)
                 if (
                     memo is not None
-                    and any(read is numbers for read, _ in memo.leasts)
-                    and (memo.far is None or memo.far.tier is not numbers)
+                    and memo.far is not None
+                    and memo.far.tier is numbers
+                    and (whole_tier or memo.nearer_fewest <= cast(int, fewest))
                 ):
-                    moved.append((host_class, numbers))
-            if stamp is None or (least is not None and least.available == stamp[0]):
-                # the far readers' answer stands; or it is not read as it is: the
-                # tightest box is answered apart now (few classes hold one), or their
-                # stamp is not this chooser's and they find the tightest box again
-                continue
-            for host_class in tuple(far_readers):
-                memo = chosen.get(host_class)
-                if memo is not None and memo.far is not None and memo.far.tier is numbers:
                     lost.append(host_class)
         return moved, lost
 
@@ -598,10 +630,12 @@ class TieredChooser:
             found = memo.choice.options  # the same object: what was derived from it holds
         leasts = tuple((read, least if read is numbers else box) for read, box in memo.leasts)
         choice = replace(memo.choice, options=found)
-        far = _far_of(tightest, latency, numbers, memo.nearest, memo.single)
-        if far is None and memo.far is not None and (tightest is None or tightest[0] != latency):
-            far = memo.far  # another tier's least box, which this move did not touch
-        return replace(memo, choice=choice, leasts=leasts, tightest=tightest, far=far)
+        if memo.far is not None and tightest is not None and tightest[0] == memo.far.latency:
+            # still another tier's least box, which this move did not touch
+            return replace(memo, choice=choice, leasts=leasts, tightest=tightest)
+        return replace(
+            memo, choice=choice, leasts=leasts, tightest=tightest, far=None, nearer_fewest=NO_BOX
+        )
 
     def changed_classes(self) -> frozenset[int] | None:
         """The host classes whose :meth:`parts` (first part) may differ from what the
@@ -701,9 +735,12 @@ class TieredChooser:
         if memo is not None and memo.ranking is not ranking:
             memo = None  # the model has numbered classes since: the walk may miss them
         if memo is not None and self._bound is None and memo.choice.options:
-            stamp = self._stamp()
-            if not _same_stamp(memo.stamp, stamp) or not self._far_holds(memo):
-                memo = self._retighten(host, host_class, memo, stamp)
+            if memo.far is not None:
+                fresh = self._far_holds(memo)
+            else:
+                fresh = _same_stamp(memo.stamp, self._stamp())
+            if not fresh:
+                memo = self._retighten(host, host_class, memo, self._stamp())
                 self._remember(host_class, memo)
         if memo is None:
             memo = self._choose(host, ranking)
@@ -711,13 +748,19 @@ class TieredChooser:
         return host_class, memo
 
     def _far_holds(self, memo: _Memo) -> bool:
-        """Whether a memo's far tier's least box has the fewest usable GPUs now (the
-        memo's tightest box is that box; always true of a memo without one). A memo
-        kept while the tightest box was answered apart may have lost it."""
+        """Whether a far memo's answer stands (see :class:`FarTightest`): its far tier's
+        least box has the pool's fewest usable GPUs, and no tier before it holds a box
+        with that few (they did not change since the memo was made, and held none with
+        fewer than ``nearer_fewest``). Then that box is the tightest one however the
+        fewest moved, and whether or not few classes hold such a box. True of a memo
+        without a far tier."""
         if memo.far is None:
             return True
+        fewest = self._fewest
+        if fewest is None or memo.nearer_fewest <= fewest:
+            return False
         least = self._least_in(memo.far.tier)
-        return least is not None and least.available == self._fewest
+        return least is not None and least.available == fewest
 
     def _far_current(self, memo: _Memo) -> _Memo:
         """``memo`` with its options made from its far tier's least box as it is now
@@ -738,14 +781,13 @@ class TieredChooser:
     def far_box(self, far: FarTightest) -> BoxSupply:
         """The box a :class:`FarTightest` of this chooser's :meth:`parts` stands for now:
         its tier's least box."""
-        least = self._least_in(far.tier)
+        return self.tier_box(far.tier)
+
+    def tier_box(self, tier: tuple[int, ...]) -> BoxSupply:
+        """:meth:`far_box` of a :class:`FarTightest` of ``tier``."""
+        least = self._least_in(tier)
         assert least is not None  # advance() drops a far memo whose tier holds none
         return least
-
-    def tier_least(self, tier: tuple[int, ...]) -> BoxSupply | None:
-        """The least box of a ranking's large ``tier`` (as a :class:`FarTightest` names
-        it): the first by (usable GPUs, box id) that holds the request, None if none."""
-        return self._least_in(tier)
 
     def tightest_link(self, tightest: Tightest | None) -> Link | None:
         """The second part of :meth:`parts` as a link (its far tier's least box now)."""
@@ -785,6 +827,8 @@ class TieredChooser:
             self._remember(host_class, memo)
         base = memo.base
         assert base is not None  # every unbounded memo has one
+        if memo.far is not None and self._far_holds(memo):
+            return base, memo.far  # the nearest of the few is that tier's least box
         if not base:
             return base, None
         tightest = self._nearest_tightest(host, host_class)
@@ -847,6 +891,7 @@ class TieredChooser:
         the classes that walk looks at are added to what the memo rests on."""
         examined, leasts = memo.examined, memo.leasts
         far: FarTightest | None = None
+        nearer = NO_BOX
         if stamp[1] is None:
             walk = _Walk()
             tightest: Link | None = None
@@ -864,7 +909,7 @@ class TieredChooser:
                 if len(examined) > MAX_EXAMINED:
                     examined, leasts = None, ()
                 else:
-                    far = _far_in(tightest, walk.large, memo.nearest, memo.single)
+                    far, nearer = _far_in(tightest, walk, memo.nearest, memo.single)
             else:
                 examined, leasts = None, ()
         else:
@@ -881,6 +926,7 @@ class TieredChooser:
             leasts=leasts,
             tightest=tightest if stamp[1] is None else None,
             far=far,
+            nearer_fewest=nearer,
         )
 
     def _choose(self, host: Place, ranking: Tiers) -> _Memo:
@@ -900,9 +946,9 @@ class TieredChooser:
             choice = Choice(options_, self._usable, None, most)
             base = options(self._count, nearest, single, None, self._first_rule)
             examined, leasts = walk.rests_on()
-            far = None
+            far, nearer = None, NO_BOX
             if direct is None and examined is not None:
-                far = _far_in(tightest, walk.large, nearest, single)
+                far, nearer = _far_in(tightest, walk, nearest, single)
             return _Memo(
                 choice,
                 ranking,
@@ -914,6 +960,7 @@ class TieredChooser:
                 leasts=leasts,
                 tightest=None if direct is not None else tightest,
                 far=far,
+                nearer_fewest=nearer,
             )
         within: list[_Tier] = []
         dropped: Link | None = None
@@ -963,13 +1010,15 @@ class TieredChooser:
             if len(numbers) > LARGE_TIER:
                 tier = _Tier(latency, self._least_in(numbers), None, numbers, present)
                 walk.large.append(tier)
-                yield tier
-                continue
-            if len(examined) <= MAX_EXAMINED:  # beyond, the walk rests on every class
-                examined.extend(numbers)
-            listed = [found for number in numbers if (found := present(number)) is not None]
-            if listed:
-                yield _Tier.listed(latency, listed)
+            else:
+                if len(examined) <= MAX_EXAMINED:  # beyond, the walk rests on every class
+                    examined.extend(numbers)
+                listed = [found for number in numbers if (found := present(number)) is not None]
+                if not listed:
+                    continue
+                tier = _Tier.listed(latency, listed)
+            walk.fewest.append((latency, tier.least.available if tier.least else NO_BOX))
+            yield tier
 
     def _rules(
         self,
@@ -1088,17 +1137,20 @@ def _far_of(
 
 def _far_in(
     tightest: Link | None,
-    large: Sequence[_Tier],
+    walk: _Walk,
     nearest: tuple[Take, ...] | None,
     single: Link | None,
-) -> FarTightest | None:
-    """:func:`_far_of` for the large tiers a walk read through their least box."""
+) -> tuple[FarTightest | None, int]:
+    """:func:`_far_of` for the large tiers ``walk`` read through their least box, with
+    the fewest usable GPUs of a box holding the request in the tiers before that one
+    (:data:`NO_BOX` without a far tier)."""
     if tightest is None:
-        return None
-    for tier in large:
+        return None, NO_BOX
+    for tier in walk.large:
         if tier.latency == tightest[0] and tier.least is tightest[1] and not tier.listed_large:
-            return _far_of(tightest, tier.latency, tier.numbers, nearest, single)
-    return None
+            far = _far_of(tightest, tier.latency, tier.numbers, nearest, single)
+            return far, walk.fewest_before(tier.latency) if far is not None else NO_BOX
+    return None, NO_BOX
 
 
 def _fits_entry(supply: BoxSupply, number: int) -> tuple[int, str, int]:
