@@ -59,6 +59,10 @@ Glossary (the terms of this module and :mod:`.tiered`):
   tightest-single-box rule). When few box classes hold one the chooser answers it
   *apart* from the other rules, as the **nearest tightest** box per host class among
   those few, and the class table files groups by it (:data:`TightestKey`).
+* **far tightest** (:class:`~dxpool.broker.placement.tiered.FarTightest`): a tightest
+  box answered as "the least box of this large tier", kept while that box has the
+  fewest usable GPUs and the nearer tiers hold none that few; the class table files its
+  groups by (round trip, free slots, tier) and scores them when it decides.
 * **fewest**: that fewest usable GPUs; **stamp**: what a memoized choice's tightest box
   rests on (the fewest, and the few classes holding such a box).
 * **memo**: a host class's choice kept by a chooser with what its walk rested on (the

@@ -33,6 +33,13 @@ so that rule does not make every choice depend on far tiers; when many classes h
 a change of that size is answered by walking the ranking for that rule alone. The
 nearest of the few tightest boxes is also handed out per host class at once
 (:meth:`TieredChooser.tightest_near`), for a caller that reads every class's choice.
+
+A tightest box the walk found as a large tier's least box (the other rules answered
+nearer) is kept as that reference (:class:`FarTightest`) for as long as it holds: the
+tier's least box has the pool's fewest usable GPUs and the tiers before it hold none
+with that few. The box it stands for may move with every 1-GPU compose; the answer does
+not, so advance() names only the classes where it no longer holds, which costs a look
+per tier, not per class.
 """
 
 from __future__ import annotations
