@@ -272,6 +272,9 @@ class TopologyLatencyModel:
         self._class_sides: list[ResolvedPlace] = []
         # host class -> (how many classes there were, the ranking of all of them)
         self._rankings: dict[int, tuple[int, Tiers]] = {}
+        # equal tiers of rankings made for the same classes, as one tuple (see _intern)
+        self._interned: dict[tuple[int, ...], tuple[int, ...]] = {}
+        self._interned_at = 0
         # the classes grouped for rankings made without asking every pair (see _grouped)
         self._groups: tuple[int, _ClassGroups] | None = None
 
@@ -304,9 +307,27 @@ class TopologyLatencyModel:
         else:  # an override may single out any pair of racks: ask each
             for box_class, box_side in enumerate(self._class_sides[:known]):
                 by_ns.setdefault(self._sides_ns(host_side, box_side), []).append(box_class)
-        tiers = tuple((ns, tuple(sorted(by_ns[ns]))) for ns in sorted(by_ns))
+        if self._interned_at != known:
+            self._interned, self._interned_at = {}, known
+        interned = self._interned
+        tiers = tuple(
+            (ns, self._intern(interned, tuple(sorted(by_ns[ns])))) for ns in sorted(by_ns)
+        )
         self._rankings[host_class] = (known, tiers)
         return tiers
+
+    @staticmethod
+    def _intern(
+        interned: dict[tuple[int, ...], tuple[int, ...]], numbers: tuple[int, ...]
+    ) -> tuple[int, ...]:
+        """The tuple equal to ``numbers`` that an earlier ranking of the same classes
+        returned, if any: racks of one pod see the rest of the site as one tier, and
+        handing it out as one object lets a caller keep what it learned of that tier by
+        the tuple's identity (placement follows its least box once, not once per rack)."""
+        found = interned.get(numbers)
+        if found is None:
+            found = interned[numbers] = numbers
+        return found
 
     def class_round_trip_ns(self, host_class: int, box_class: int) -> int:
         """The round trip between any host of ``host_class`` and any box of ``box_class``

@@ -59,6 +59,10 @@ Glossary (the terms of this module and :mod:`.tiered`):
   tightest-single-box rule). When few box classes hold one the chooser answers it
   *apart* from the other rules, as the **nearest tightest** box per host class among
   those few, and the class table files groups by it (:data:`TightestKey`).
+* **far tightest** (:class:`~dxpool.broker.placement.tiered.FarTightest`): a tightest
+  box answered as "the least box of this large tier", kept while that box has the
+  fewest usable GPUs and the nearer tiers hold none that few; the class table files its
+  groups by (round trip, free slots, tier) and scores them when it decides.
 * **fewest**: that fewest usable GPUs; **stamp**: what a memoized choice's tightest box
   rests on (the fewest, and the few classes holding such a box).
 * **memo**: a host class's choice kept by a chooser with what its walk rested on (the
@@ -102,7 +106,7 @@ from dxpool.broker.placement.model import (
 )
 from dxpool.broker.placement.plugins.hosts import HostNotExcluded, HostResources
 from dxpool.broker.placement.status import Code
-from dxpool.broker.placement.tiered import TieredChooser
+from dxpool.broker.placement.tiered import FarTightest, TieredChooser
 from dxpool.fabric.latency import Place, TieredLatencyModel
 
 MAX_SUPPLIES = 16
@@ -249,6 +253,16 @@ class BoxSide:
 
 
 @dataclass(frozen=True, slots=True)
+class _FarList:
+    """The groups of one (round trip, free slots) whose tightest box is a far tier's
+    least box (see :class:`~dxpool.broker.placement.tiered.FarTightest`), by first
+    member: the tier, and the groups."""
+
+    tier: tuple[int, ...]
+    entries: SortedList[Entry]
+
+
+@dataclass(frozen=True, slots=True)
 class _Scored:
     """Raw scores of a proposal with ``takes`` (held, so the supplies' ids stay theirs)."""
 
@@ -349,6 +363,10 @@ class ClassTable:
         self.ranking: tuple[int, object] = (-1, None)
         self.options: dict[int, list[selection.Option]] = {}
         self.places: dict[int, Place] = {}
+        # the places of the classes without a far tightest box, which alone the few
+        # tightest boxes are answered for (made again when a class joins or leaves)
+        self.apart: dict[int, Place] = {}
+        self.apart_stale = False
         self.of_class: dict[int, set[GroupKey]] = {}
         self.raws: dict[GroupKey, tuple[Raw, ...]] = {}
         self.first_host: dict[GroupKey, Rank] = {}
@@ -360,6 +378,13 @@ class ClassTable:
         self.tightest_by_class: dict[int, tuple[int, int]] = {}  # host class -> (ns, box class)
         self.tightest_of_group: dict[GroupKey, TightestKey] = {}
         self.groups_by_tightest: dict[TightestKey, SortedList[Entry]] = {}
+        # The tightest box, where the chooser answers it as a far tier's least box (see
+        # the glossary): host class -> that answer; the groups of those classes by
+        # (round trip, free slots), then by tier (id() of its tuple), scored at decision
+        # time from the tier's least box then; and where each such group is filed
+        self.far: dict[int, FarTightest] = {}
+        self.far_groups: dict[tuple[int, int], dict[int, _FarList]] = {}
+        self.far_of_group: dict[GroupKey, tuple[tuple[int, int], int]] = {}
         self.side = side
         self.base = base
 
@@ -396,9 +421,11 @@ class ClassTable:
             else [c for c in cast(set[int], classes_changed) if c in self.options]
         )
         for host_class in check:
-            again, _ = chooser.parts(self.places[host_class])
-            if again != self.options[host_class]:
+            again, tight = chooser.parts(self.places[host_class])
+            far = tight if isinstance(tight, FarTightest) else None
+            if again != self.options[host_class] or far != self.far.get(host_class):
                 self.options[host_class] = again
+                self._set_far(host_class, far)
                 redo.update(self.of_class.get(host_class, ()))
         # most groups judged again: their lists are made afresh in one pass
         everything = len(redo) * REFILE_ALL_SHARE > len(self.raws)
@@ -428,6 +455,23 @@ class ClassTable:
         self.tightest_by_class.clear()
         self.tightest_of_group.clear()
         self.groups_by_tightest.clear()
+        self.far.clear()
+        self.apart = {}
+        self.apart_stale = False
+        self.far_groups.clear()
+        self.far_of_group.clear()
+
+    def _set_far(self, host_class: int, far: FarTightest | None) -> None:
+        """Records that ``host_class``'s tightest box is ``far`` (None: none apart); the
+        caller files its groups again."""
+        before = self.far.get(host_class)
+        if far is None:
+            self.far.pop(host_class, None)
+        elif before != far:
+            self.far[host_class] = far
+        if (before is None) != (far is None):
+            self.apart_stale = True
+            self.tightest_by_class.pop(host_class, None)  # found afresh if apart again
 
     def _drop(self, key: GroupKey, *, keep_lists: bool = False) -> None:
         """Forgets a group; with ``keep_lists`` it stays in the lists of groups (by raw
@@ -437,6 +481,15 @@ class ClassTable:
             return
         rank = self.first_host.pop(key)
         self.of_class[key[0]].discard(key)
+        filed = self.far_of_group.pop(key, None)
+        if filed is not None:
+            lists = self.far_groups[filed[0]]
+            far_list = lists[filed[1]]
+            far_list.entries.remove((*rank, key))
+            if not far_list.entries:
+                del lists[filed[1]]
+                if not lists:
+                    del self.far_groups[filed[0]]
         if keep_lists:
             self.tightest_of_group.pop(key, None)
             return
@@ -462,12 +515,25 @@ class ClassTable:
         found = self.options.get(host_class)
         if found is None:
             host = snapshot.hosts[rank[1]]
-            found, _ = side.chooser.parts(host.place)
+            found, tight = side.chooser.parts(host.place)
             self.options[host_class] = found
+            self._set_far(host_class, tight if isinstance(tight, FarTightest) else None)
             # a new mapping: the chooser answers the tightest boxes again for it
             self.places = {**self.places, host_class: host.place}
+            self.apart_stale = True
         # a class that reaches too little gets no option: its hosts propose nothing
         raws = tuple(raw_scores(side, self.plugins, option, key[1]) for option in found)
+        far = self.far.get(host_class)
+        if far is not None and raws:
+            where = (far.latency, key[1])
+            lists = self.far_groups.get(where)
+            if lists is None:
+                lists = self.far_groups[where] = {}
+            far_list = lists.get(id(far.tier))
+            if far_list is None:
+                far_list = lists[id(far.tier)] = _FarList(far.tier, SortedList())
+            far_list.entries.add((*rank, key))
+            self.far_of_group[key] = (where, id(far.tier))
         self.raws[key] = raws
         self.first_host[key] = rank
         self.of_class.setdefault(host_class, set()).add(key)
@@ -502,7 +568,11 @@ class ClassTable:
         boxes changes only the host classes whose answer changed move their groups; the
         groups judged again (``redo``) are filed afresh, and with ``everything`` (most
         groups were judged again, and none is filed now) every group."""
-        answer = chooser.tightest_near(self.places) if chooser.few_tightest() else None
+        if self.apart_stale:
+            far = self.far
+            self.apart = {c: place for c, place in self.places.items() if c not in far}
+            self.apart_stale = False
+        answer = chooser.tightest_near(self.apart) if chooser.few_tightest() else None
         if answer is None:
             self.nearest_tightest, self.tightest_box = None, {}
             self.tightest_by_class.clear()
@@ -514,7 +584,7 @@ class ClassTable:
         moved: list[int] = []  # host classes whose tightest box changed
         if near is not self.nearest_tightest:
             self.nearest_tightest = near
-            for host_class in self.places:
+            for host_class in self.apart:
                 ns, index = near[host_class]
                 now = (ns, few[index][0])
                 if self.tightest_by_class.get(host_class) != now:
@@ -523,20 +593,22 @@ class ClassTable:
             moving = sum(len(self.of_class.get(host_class, ())) for host_class in moved)
             everything = everything or moving * REFILE_ALL_SHARE > len(self.raws)
         if everything:
-            for host_class in self.places:
+            for host_class in self.apart:
                 if host_class not in self.tightest_by_class:
                     ns, index = near[host_class]
                     self.tightest_by_class[host_class] = (ns, few[index][0])
             self._refile_all()
             return
+        far = self.far
         for host_class in moved:
             for key in self.of_class.get(host_class, ()):
                 if key in self.tightest_of_group:
                     self._unfile_by_tightest(key)
-                if self.raws.get(key):  # a group with no option has no tightest box
+                # a group with no option has no tightest box; a far one has its own
+                if self.raws.get(key) and host_class not in far:
                     self._file_by_tightest(key, (*self.first_host[key], key))
         for key in redo:
-            if self.raws.get(key) and key not in self.tightest_of_group:
+            if self.raws.get(key) and key not in self.tightest_of_group and key[0] not in far:
                 host_class = key[0]
                 if host_class not in self.tightest_by_class:
                     ns, index = near[host_class]
@@ -552,8 +624,10 @@ class ClassTable:
         first_host = self.first_host
         of_group: dict[GroupKey, TightestKey] = {}
         filed: dict[TightestKey, list[Entry]] = {}
+        far = self.far
         for key, raws in self.raws.items():
-            if raws:  # a group with no option has no tightest box
+            # a group with no option has no tightest box; a far one has its own
+            if raws and key[0] not in far:
                 tight = (*tightest_by_class[key[0]], key[1])
                 of_group[key] = tight
                 entries = filed.get(tight)
@@ -919,6 +993,7 @@ def _best(
             if seen is None or member < seen:
                 found[raw] = member
             sources.setdefault(raw, []).append(entries)
+    far_raws = _far_found(table, side, fitting, found, sources, request.count)
     if not found:
         return None
     totals = totals_of(parts.plugins, parts.weights, list(found))
@@ -933,6 +1008,11 @@ def _best(
     key = base.where[host.host][0]
     options = list(table.options[key[0]])
     raws = list(table.raws[key])
+    far = table.far.get(key[0])
+    if far is not None and options:  # parts() puts the far tier's least box last
+        option = _tight_option(side.chooser.far_box(far), request.count, far.latency)
+        options.append(option)
+        raws.append(far_raws[(far.latency, key[1], id(option[1][0].supply))])
     tight_key = table.tightest_of_group.get(key)
     if tight_key is not None:
         ns, box_class, _ = tight_key
@@ -945,6 +1025,47 @@ def _best(
     index = next(i for i, raw in enumerate(raws) if totals[raw] == best)
     rule, takes = options[index]
     return Chosen(host, rule, takes, best)
+
+
+def _far_found(
+    table: ClassTable,
+    side: BoxSide,
+    fitting: _Fitting,
+    found: dict[Raw, Rank],
+    sources: dict[Raw, list[SortedList[Entry]]],
+    count: int,
+) -> dict[tuple[int, int, int], Raw]:
+    """Adds the far groups' tightest options to ``found`` and ``sources`` (as
+    :func:`_best` files the others), each scored from its tier's least box now; returns
+    their raw scores by (round trip, free slots, id() of the box). A tier's least box is
+    asked once, an option scored once per box, and a raw present once a group of it
+    keeps a host."""
+    chooser = side.chooser
+    least_of: dict[int, BoxSupply] = {}
+    raws: dict[tuple[int, int, int], Raw] = {}
+    plugins = table.plugins
+    for (ns, free), lists in table.far_groups.items():
+        for tier_id, far_list in lists.items():
+            least = least_of.get(tier_id)
+            if least is None:
+                least = least_of[tier_id] = chooser.tier_box(far_list.tier)
+            at = (ns, free, id(least))
+            raw = raws.get(at)
+            if raw is None:
+                raw = raws[at] = raw_scores(side, plugins, _tight_option(least, count, ns), free)
+            entries = far_list.entries
+            sources.setdefault(raw, []).append(entries)
+            if fitting.any:
+                if raw not in found:
+                    member = fitting.first(entries, exact=False)
+                    if member is not None:
+                        found[raw] = member
+            elif entries:
+                first = (entries[0][0], entries[0][1])
+                seen = found.get(raw)
+                if seen is None or first < seen:
+                    found[raw] = first
+    return raws
 
 
 def _pinned(
@@ -962,7 +1083,8 @@ def _pinned(
         return None
     if not all(check.keeps(request, host) for check in parts.checks if check.applies(request)):
         return None  # the run that looks at it alone says why
-    first, tight = side.chooser.parts(host.place)
+    first, far = side.chooser.parts(host.place)
+    tight = side.chooser.tightest_link(far)
     options = list(first)
     if tight is not None:
         options.append(_tight_option(tight[1], request.count, tight[0]))

@@ -33,6 +33,13 @@ so that rule does not make every choice depend on far tiers; when many classes h
 a change of that size is answered by walking the ranking for that rule alone. The
 nearest of the few tightest boxes is also handed out per host class at once
 (:meth:`TieredChooser.tightest_near`), for a caller that reads every class's choice.
+
+A tightest box the walk found as a large tier's least box (the other rules answered
+nearer) is kept as that reference (:class:`FarTightest`) for as long as it holds: the
+tier's least box has the pool's fewest usable GPUs and the tiers before it hold none
+with that few. The box it stands for may move with every 1-GPU compose; the answer does
+not, so advance() names only the classes where it no longer holds, which costs a look
+per tier, not per class.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from itertools import chain
+from typing import cast
 
 from dxpool.broker.placement.framework import BoxSupply, Take
 from dxpool.broker.placement.selection import (
@@ -72,6 +80,9 @@ LARGE_TIER = 64
 """A ranking tier of more box classes than this (the rest of a site, for the tree model)
 is not listed on a walk: its first box that holds the request comes from the chooser's
 order of every class's first such box (see :meth:`TieredChooser._least_in`)."""
+
+NO_BOX = 1 << 30
+"""Usable GPUs standing for "no box holds the request" where a least count is kept."""
 
 MAX_TIER_SETS = 4096
 """Tiers whose class sets are remembered (see :meth:`TieredChooser._least_in`)."""
@@ -159,16 +170,63 @@ TierLeast = tuple[tuple[int, ...], BoxSupply | None]
 ranking's tuple) and the least box it read."""
 
 
+_TierReaders = tuple[tuple[int, ...], frozenset[int], set[int], set[int]]
+"""A large tier's readers (see ``TieredChooser._resting_on_tier``): the ranking's tuple,
+its classes as a set, the host classes that read its least box for more than their
+tightest box, and those whose tightest box it is (``_Memo.far``)."""
+
+
+class FarTightest:
+    """The tightest single box of a host class as "the least box of this large tier":
+    the walk found it there (``latency`` away, the ``tier`` of the ranking, read through
+    its least box alone) and the other two rules found theirs in nearer tiers. The
+    tightest box then follows that tier's least box for as long as the least box has the
+    fewest usable GPUs of the pool, so a box taken or freed far away changes no host
+    class's answer: whoever reads it resolves it (:meth:`TieredChooser.far_box`).
+
+    Equal when the latency is the same and the tier is the very same tuple."""
+
+    __slots__ = ("latency", "tier")
+
+    def __init__(self, latency: int, tier: tuple[int, ...]) -> None:
+        self.latency = latency
+        self.tier = tier
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, FarTightest)
+            and other.latency == self.latency
+            and other.tier is self.tier
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.latency, id(self.tier)))
+
+    def __repr__(self) -> str:
+        return f"FarTightest({self.latency}, tier of {len(self.tier)} classes)"
+
+
+Tightest = Link | FarTightest
+"""The tightest single box as :meth:`TieredChooser.parts` gives it apart."""
+
+
 class _Walk:
     """What a walk over a ranking's tiers rests on, filled in as it consumes them: the
     classes of the listed tiers (until more than ``MAX_EXAMINED``), and the large tiers,
     each read through its least box alone unless a rule listed its classes."""
 
-    __slots__ = ("classes", "large")
+    __slots__ = ("classes", "fewest", "large")
 
     def __init__(self) -> None:
         self.classes: list[int] = []
         self.large: list[_Tier] = []
+        # (round trip, usable GPUs of its least box) of each tier consumed, in order
+        self.fewest: list[tuple[int, int]] = []
+
+    def fewest_before(self, latency: int) -> int:
+        """The fewest usable GPUs of a box that holds the request in the tiers consumed
+        nearer than ``latency`` (:data:`NO_BOX` when none holds it)."""
+        return min((fewest for ns, fewest in self.fewest if ns < latency), default=NO_BOX)
 
     def rests_on(self) -> tuple[frozenset[int] | None, tuple[TierLeast, ...]]:
         """The classes the walk rests on (None: every class) and the large tiers it read
@@ -206,8 +264,15 @@ class _Memo:
     # not None): the choice stands while each tier's least box is the same
     leasts: tuple[TierLeast, ...] = ()
     # the tightest single box the walk found (unbounded; None where none holds the
-    # request, or where it was answered from the few classes holding one)
+    # request, or where it was answered from the few classes holding one); with ``far``
+    # it is the box that tier's least was when ``choice`` was made, and may since have
+    # moved (see :meth:`TieredChooser._far_current`)
     tightest: Link | None = None
+    far: FarTightest | None = None  # the tightest box is a large tier's least box
+    # with ``far``: the fewest usable GPUs of a box holding the request in the tiers
+    # before it (which the memo rests on); the far answer holds while the pool's fewest
+    # is below this and the far tier's least box has it (see TieredChooser._far_holds)
+    nearer_fewest: int = NO_BOX
 
 
 class TieredChooser:
@@ -279,9 +344,10 @@ class TieredChooser:
         self._resting_on: dict[int, set[int]] = {}
         self._resting_on_all: set[int] = set()
         # Which host classes' memos read a large tier through its least box, by id() of
-        # the tier's tuple (kept with it, and its set of classes): shared and only ever
+        # the tier's tuple (kept with it, and its set of classes): those that read it as
+        # their tightest box alone (``_Memo.far``), and the rest; shared and only ever
         # added to, like ``_resting_on``.
-        self._resting_on_tier: dict[int, tuple[tuple[int, ...], frozenset[int], set[int]]] = {}
+        self._resting_on_tier: dict[int, _TierReaders] = {}
         # host classes whose parts() may differ from the previous chooser's; None: any
         self._changed: frozenset[int] | None = None
 
@@ -436,7 +502,12 @@ class TieredChooser:
         )
         stamp = self._stamp() if refresh else None
         retightened: list[int] = []
-        for host_class, numbers in self._moved_leasts(before, touched, chosen):
+        moved, far_lost = self._moved_leasts(before, touched, chosen)
+        for host_class in far_lost:
+            if host_class not in gone:
+                dropped.append(host_class)
+                gone.add(host_class)
+        for host_class, numbers in moved:
             if host_class in gone:
                 continue
             memo = chosen[host_class]
@@ -458,38 +529,80 @@ class TieredChooser:
             or (not self.few_tightest() and self._fewest != before._fewest)
         ):
             fewest = self._fewest if before.few_tightest() else before._fewest
-            if self.few_tightest() == before.few_tightest() or fewest is None:
-                return  # many classes hold the tightest box before and after: any may move
-            # The tightest box goes from apart (few classes hold one) to within the
-            # options (many do), or back. A class's options within are its options
-            # apart exactly when its nearest single box is a box of the fewest usable
-            # GPUs (then it is the tightest box, see _retighten); the rest may differ.
-            for host_class, memo in self._chosen.items():
-                if memo.single is None or memo.single[1].available != fewest:
-                    dropped.append(host_class)
+            if fewest is None:
+                return
+            if self.few_tightest() == before.few_tightest():
+                # Many classes hold the tightest box before and after, and its usable
+                # GPUs changed: a class whose tightest box is within its options finds
+                # it again. A far one keeps its answer: those that lost it are dropped.
+                dropped.extend(c for c, memo in self._chosen.items() if memo.far is None)
+            else:
+                # The tightest box goes from apart (few classes hold one) to within the
+                # options (many do), or back. A class's options within are its options
+                # apart exactly when its nearest single box is a box of the fewest
+                # usable GPUs (then it is the tightest box, see _retighten); a far
+                # class answers its far tier either way; the rest may differ.
+                for host_class, memo in self._chosen.items():
+                    if memo.far is None and (
+                        memo.single is None or memo.single[1].available != fewest
+                    ):
+                        dropped.append(host_class)
         self._changed = frozenset(dropped)
 
     def _moved_leasts(
         self, before: TieredChooser, touched: frozenset[int], chosen: Mapping[int, _Memo]
-    ) -> list[tuple[int, tuple[int, ...]]]:
+    ) -> tuple[list[tuple[int, tuple[int, ...]]], list[int]]:
         """The host classes among ``chosen`` whose walk read a large tier through its
-        least box (:data:`TierLeast`) when that box is another here than in ``before``,
-        each with that tier (a class once per tier that moved).
-        Every memo of ``before`` that reads a tier read the box ``before`` holds (a memo
-        that read another was dropped when the tier's least box moved), so a tier whose
-        least box stayed leaves its readers alone, and only tiers holding a ``touched``
-        class can have moved."""
+        least box (:data:`TierLeast`) when that box is another here than in
+        ``before``, each with that tier (a class once per tier that moved), apart from
+        those whose tightest box it is (``_Memo.far``); and the far classes whose answer
+        no longer holds (:meth:`_far_holds`). A far class whose tier's least box moved
+        to another with the pool's fewest usable GPUs is not named: its answer, "that
+        tier's least box", stands, and costs nothing here however many classes read
+        the tier.
+        Every memo of ``before`` that reads a tier for more than its tightest box read
+        the box ``before`` holds (a memo that read another was dropped when the tier's
+        least box moved), so a tier whose least box stayed leaves its readers alone, and
+        only tiers holding a ``touched`` class can have moved. Every far memo of
+        ``before`` holds there, so it can stop holding only where its tier's least box
+        moved or the pool's fewest usable GPUs changed."""
         moved: list[tuple[int, tuple[int, ...]]] = []
-        for numbers, members, readers in tuple(self._resting_on_tier.values()):
+        lost: list[int] = []
+        fewest = self._fewest
+        fewest_moved = fewest != before._fewest
+        for numbers, members, readers, far_readers in tuple(self._resting_on_tier.values()):
             if members.isdisjoint(touched):
-                continue
-            if before._least_in(numbers) is self._least_in(numbers):
-                continue
-            for host_class in tuple(readers):
+                if not (fewest_moved and far_readers):
+                    continue
+                least = self._least_in(numbers)
+                tier_moved = False
+            else:
+                least = self._least_in(numbers)
+                tier_moved = before._least_in(numbers) is not least
+                if not tier_moved and not (fewest_moved and far_readers):
+                    continue
+            if tier_moved:
+                for host_class in tuple(readers):
+                    memo = chosen.get(host_class)
+                    if (
+                        memo is not None
+                        and any(read is numbers for read, _ in memo.leasts)
+                        and (memo.far is None or memo.far.tier is not numbers)
+                    ):
+                        moved.append((host_class, numbers))
+            whole_tier = fewest is None or least is None or least.available != fewest
+            if not whole_tier and not fewest_moved:
+                continue  # the far readers' answer stands
+            for host_class in tuple(far_readers):
                 memo = chosen.get(host_class)
-                if memo is not None and any(read is numbers for read, _ in memo.leasts):
-                    moved.append((host_class, numbers))
-        return moved
+                if (
+                    memo is not None
+                    and memo.far is not None
+                    and memo.far.tier is numbers
+                    and (whole_tier or memo.nearer_fewest <= cast(int, fewest))
+                ):
+                    lost.append(host_class)
+        return moved, lost
 
     def _after_moved_least(
         self, memo: _Memo, numbers: tuple[int, ...], stamp: _Stamp
@@ -501,12 +614,16 @@ class TieredChooser:
         the tightest box is this tier's new least box if it has the fewest usable GPUs,
         or else stays where the walk found it unless that was this tier. None when that
         does not hold (the class must choose again)."""
-        if not _same_stamp(memo.stamp, stamp) or memo.nearest is None or memo.single is None:
+        if not _same_stamp(memo.stamp, stamp) or not self._far_holds(memo):
+            return None
+        memo = self._far_current(memo)
+        nearest, single = memo.nearest, memo.single
+        if nearest is None or single is None:
             return None
         latency = next((ns for ns, tier in memo.ranking if tier is numbers), None)
-        if latency is None or memo.single[0] >= latency:
+        if latency is None or single[0] >= latency:
             return None
-        if any(take.latency_ns >= latency for take in memo.nearest):
+        if any(take.latency_ns >= latency for take in nearest):
             return None
         least = self._least_in(numbers)
         tightest = memo.tightest
@@ -520,7 +637,12 @@ class TieredChooser:
             found = memo.choice.options  # the same object: what was derived from it holds
         leasts = tuple((read, least if read is numbers else box) for read, box in memo.leasts)
         choice = replace(memo.choice, options=found)
-        return replace(memo, choice=choice, leasts=leasts, tightest=tightest)
+        if memo.far is not None and tightest is not None and tightest[0] == memo.far.latency:
+            # still another tier's least box, which this move did not touch
+            return replace(memo, choice=choice, leasts=leasts, tightest=tightest)
+        return replace(
+            memo, choice=choice, leasts=leasts, tightest=tightest, far=None, nearer_fewest=NO_BOX
+        )
 
     def changed_classes(self) -> frozenset[int] | None:
         """The host classes whose :meth:`parts` (first part) may differ from what the
@@ -601,26 +723,86 @@ class TieredChooser:
 
     def choose(self, host: Place) -> Choice:
         """What the rules choose for a host at ``host``."""
+        host_class, memo = self._current(host)
+        if memo.far is not None:
+            current = self._far_current(memo)
+            if current is not memo:
+                self._chosen[host_class] = memo = current
+        choice = memo.choice
+        if self._bound is None and choice.reach != self._usable:
+            choice = replace(choice, reach=self._usable)  # the same options, kept memoized
+        return choice
+
+    def _current(self, host: Place) -> tuple[int, _Memo]:
+        """The host's class and its memo, made or brought up to this chooser's stamp
+        (its tightest box found again) when it is not."""
         host_class = self._model.host_class(host)
         memo = self._chosen.get(host_class)
         ranking = self._model.ranking(host_class)
         if memo is not None and memo.ranking is not ranking:
             memo = None  # the model has numbered classes since: the walk may miss them
         if memo is not None and self._bound is None and memo.choice.options:
-            stamp = self._stamp()
-            if not _same_stamp(memo.stamp, stamp):
-                memo = self._retighten(host, host_class, memo, stamp)
-                if memo is not None:
-                    self._remember(host_class, memo)
+            if memo.far is not None:
+                fresh = self._far_holds(memo)
+            else:
+                fresh = _same_stamp(memo.stamp, self._stamp())
+            if not fresh:
+                memo = self._retighten(host, host_class, memo, self._stamp())
+                self._remember(host_class, memo)
         if memo is None:
             memo = self._choose(host, ranking)
             self._remember(host_class, memo)
-        choice = memo.choice
-        if self._bound is None and choice.reach != self._usable:
-            choice = replace(choice, reach=self._usable)  # the same options, kept memoized
-        return choice
+        return host_class, memo
 
-    def parts(self, host: Place) -> tuple[list[Option], Link | None]:
+    def _far_holds(self, memo: _Memo) -> bool:
+        """Whether a far memo's answer stands (see :class:`FarTightest`): its far tier's
+        least box has the pool's fewest usable GPUs, and no tier before it holds a box
+        with that few (they did not change since the memo was made, and held none with
+        fewer than ``nearer_fewest``). Then that box is the tightest one however the
+        fewest moved, and whether or not few classes hold such a box. True of a memo
+        without a far tier."""
+        if memo.far is None:
+            return True
+        fewest = self._fewest
+        if fewest is None or memo.nearer_fewest <= fewest:
+            return False
+        least = self._least_in(memo.far.tier)
+        return least is not None and least.available == fewest
+
+    def _far_current(self, memo: _Memo) -> _Memo:
+        """``memo`` with its options made from its far tier's least box as it is now
+        (``memo`` itself when that box has not moved since they were made)."""
+        far = memo.far
+        if far is None:
+            return memo
+        least = self._least_in(far.tier)
+        if memo.tightest is not None and memo.tightest[1] is least:
+            return memo
+        assert least is not None  # advance() drops a far memo whose tier holds none
+        tightest = (far.latency, least)
+        found = options(self._count, memo.nearest, memo.single, tightest, self._first_rule)
+        leasts = tuple((read, least if read is far.tier else box) for read, box in memo.leasts)
+        choice = replace(memo.choice, options=found)
+        return replace(memo, choice=choice, tightest=tightest, leasts=leasts)
+
+    def far_box(self, far: FarTightest) -> BoxSupply:
+        """The box a :class:`FarTightest` of this chooser's :meth:`parts` stands for now:
+        its tier's least box."""
+        return self.tier_box(far.tier)
+
+    def tier_box(self, tier: tuple[int, ...]) -> BoxSupply:
+        """:meth:`far_box` of a :class:`FarTightest` of ``tier``."""
+        least = self._least_in(tier)
+        assert least is not None  # advance() drops a far memo whose tier holds none
+        return least
+
+    def tightest_link(self, tightest: Tightest | None) -> Link | None:
+        """The second part of :meth:`parts` as a link (its far tier's least box now)."""
+        if isinstance(tightest, FarTightest):
+            return (tightest.latency, self.far_box(tightest))
+        return tightest
+
+    def parts(self, host: Place) -> tuple[list[Option], Tightest | None]:
         """:meth:`choose`'s options in two parts: the options of the nearest-first and
         nearest-single-box rules, and the tightest single box when it comes after them
         (None when it is one of their boxes, or is already among the options). The
@@ -628,9 +810,22 @@ class TieredChooser:
 
         Lets a caller that remembers what it made of the first part keep it while only
         the tightest box moves (a 1-GPU compose into the box with the fewest free GPUs
-        moves it for every host class)."""
-        if self._bound is not None or self._tightest_classes() is None:
+        moves it for every host class). When few classes hold a box of the fewest usable
+        GPUs (:meth:`few_tightest`) the second part is that box (see
+        :meth:`tightest_near`); when many do, it is a :class:`FarTightest` where the
+        host class's walk found it as a large tier's least box (resolve it with
+        :meth:`far_box`), and None otherwise, the tightest box then being within the
+        first part. :meth:`changed_classes` names a class whose two parts may differ,
+        a :class:`FarTightest` compared by ``==``: a far tier's least box that moved
+        changes neither."""
+        if self._bound is not None:
             return self.choose(host).options, None
+        if self._tightest_classes() is None:
+            _, current = self._current(host)
+            if current.far is not None:
+                assert current.base is not None  # every unbounded memo has one
+                return current.base, current.far
+            return current.choice.options, None
         host_class = self._model.host_class(host)
         memo = self._chosen.get(host_class)
         ranking = self._model.ranking(host_class)
@@ -639,6 +834,8 @@ class TieredChooser:
             self._remember(host_class, memo)
         base = memo.base
         assert base is not None  # every unbounded memo has one
+        if memo.far is not None and self._far_holds(memo):
+            return base, memo.far  # the nearest of the few is that tier's least box
         if not base:
             return base, None
         tightest = self._nearest_tightest(host, host_class)
@@ -662,12 +859,13 @@ class TieredChooser:
             if found is None:
                 found = resting_on.setdefault(number, set())
             found.add(host_class)
+        far = memo.far.tier if memo.far is not None else None
         for numbers, _ in memo.leasts:
             entry = self._resting_on_tier.get(id(numbers))
             if entry is None or entry[0] is not numbers:
-                entry = (numbers, frozenset(numbers), set())
+                entry = (numbers, frozenset(numbers), set(), set())
                 self._resting_on_tier[id(numbers)] = entry
-            entry[2].add(host_class)
+            (entry[3] if numbers is far else entry[2]).add(host_class)
 
     def _tightest_classes(self) -> tuple[tuple[int, BoxSupply], ...] | None:
         """(class, its tightest box) for each class holding a box of the fewest usable
@@ -693,12 +891,14 @@ class TieredChooser:
         """What a choice's tightest box rests on here (see :data:`_Stamp`)."""
         return (self._fewest, self._tightest_classes())
 
-    def _retighten(self, host: Place, host_class: int, memo: _Memo, stamp: _Stamp) -> _Memo | None:
+    def _retighten(self, host: Place, host_class: int, memo: _Memo, stamp: _Stamp) -> _Memo:
         """``memo`` with the tightest box found again: from the few classes holding one,
         or, when they are many, by walking the ranking for that rule alone (the other
         two rules' answers stand while the classes their walk looked at did not change);
         the classes that walk looks at are added to what the memo rests on."""
         examined, leasts = memo.examined, memo.leasts
+        far: FarTightest | None = None
+        nearer = NO_BOX
         if stamp[1] is None:
             walk = _Walk()
             tightest: Link | None = None
@@ -715,6 +915,8 @@ class TieredChooser:
                 leasts = (*leasts, *(pair for pair in read if id(pair[0]) not in known))
                 if len(examined) > MAX_EXAMINED:
                     examined, leasts = None, ()
+                else:
+                    far, nearer = _far_in(tightest, walk, memo.nearest, memo.single)
             else:
                 examined, leasts = None, ()
         else:
@@ -730,6 +932,8 @@ class TieredChooser:
             stamp=stamp,
             leasts=leasts,
             tightest=tightest if stamp[1] is None else None,
+            far=far,
+            nearer_fewest=nearer,
         )
 
     def _choose(self, host: Place, ranking: Tiers) -> _Memo:
@@ -749,6 +953,9 @@ class TieredChooser:
             choice = Choice(options_, self._usable, None, most)
             base = options(self._count, nearest, single, None, self._first_rule)
             examined, leasts = walk.rests_on()
+            far, nearer = None, NO_BOX
+            if direct is None and examined is not None:
+                far, nearer = _far_in(tightest, walk, nearest, single)
             return _Memo(
                 choice,
                 ranking,
@@ -759,6 +966,8 @@ class TieredChooser:
                 base=base,
                 leasts=leasts,
                 tightest=None if direct is not None else tightest,
+                far=far,
+                nearer_fewest=nearer,
             )
         within: list[_Tier] = []
         dropped: Link | None = None
@@ -808,13 +1017,15 @@ class TieredChooser:
             if len(numbers) > LARGE_TIER:
                 tier = _Tier(latency, self._least_in(numbers), None, numbers, present)
                 walk.large.append(tier)
-                yield tier
-                continue
-            if len(examined) <= MAX_EXAMINED:  # beyond, the walk rests on every class
-                examined.extend(numbers)
-            listed = [found for number in numbers if (found := present(number)) is not None]
-            if listed:
-                yield _Tier.listed(latency, listed)
+            else:
+                if len(examined) <= MAX_EXAMINED:  # beyond, the walk rests on every class
+                    examined.extend(numbers)
+                listed = [found for number in numbers if (found := present(number)) is not None]
+                if not listed:
+                    continue
+                tier = _Tier.listed(latency, listed)
+            walk.fewest.append((latency, tier.least.available if tier.least else NO_BOX))
+            yield tier
 
     def _rules(
         self,
@@ -912,6 +1123,41 @@ def _near_by_columns(
             near[host_class] = best
     except KeyError:
         return
+
+
+def _far_of(
+    tightest: Link | None,
+    latency: int,
+    tier: tuple[int, ...],
+    nearest: tuple[Take, ...] | None,
+    single: Link | None,
+) -> FarTightest | None:
+    """The :class:`FarTightest` of a walk whose tightest box is the least box of the
+    large ``tier`` (``latency`` away), when the other two rules found theirs nearer;
+    None otherwise."""
+    if tightest is None or tightest[0] != latency or nearest is None or single is None:
+        return None
+    if single[0] >= latency or any(take.latency_ns >= latency for take in nearest):
+        return None
+    return FarTightest(latency, tier)
+
+
+def _far_in(
+    tightest: Link | None,
+    walk: _Walk,
+    nearest: tuple[Take, ...] | None,
+    single: Link | None,
+) -> tuple[FarTightest | None, int]:
+    """:func:`_far_of` for the large tiers ``walk`` read through their least box, with
+    the fewest usable GPUs of a box holding the request in the tiers before that one
+    (:data:`NO_BOX` without a far tier)."""
+    if tightest is None:
+        return None, NO_BOX
+    for tier in walk.large:
+        if tier.latency == tightest[0] and tier.least is tightest[1] and not tier.listed_large:
+            far = _far_of(tightest, tier.latency, tier.numbers, nearest, single)
+            return far, walk.fewest_before(tier.latency) if far is not None else NO_BOX
+    return None, NO_BOX
 
 
 def _fits_entry(supply: BoxSupply, number: int) -> tuple[int, str, int]:

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from dxpool.broker.nodes.memory_pool import InMemoryPool
-from dxpool.broker.placement import PlacementRequest, carry, default_pipeline, place
+from dxpool.broker.placement import PlacementRequest, carry, default_pipeline, place, tiered
 from dxpool.broker.placement.model import Snapshot
 
 RACK_SIZE = 4
@@ -92,6 +92,22 @@ def test_a_table_filed_group_by_group_or_all_at_once_decides_as_a_fresh_one(
     in one pass when most changed (``REFILE_ALL_SHARE``): forced to either way for every
     change, the decisions are still those of a pipeline made afresh."""
     monkeypatch.setattr(carry, "REFILE_ALL_SHARE", share)
+    _carried_decisions_are_fresh_ones(seed, boxes, rack_size)
+
+
+@pytest.mark.parametrize("few", [0, 2])
+@pytest.mark.parametrize(
+    ("seed", "boxes", "rack_size"), [(3, 36, RACK_SIZE), (5, 90, 1), (6, 90, 1)]
+)
+def test_far_tightest_boxes_decide_as_fresh_ones_whether_or_not_few_classes_hold_one(
+    monkeypatch: pytest.MonkeyPatch, few: int, seed: int, boxes: int, rack_size: int
+) -> None:
+    """A class whose tightest box is a far tier's least box keeps that answer across
+    moves of the box and changes of the fewest usable GPUs while it holds, also while
+    few classes hold such a box and the rest are answered apart: with the tightest box
+    never answered apart (0), or often going from apart to within and back (2), the
+    decisions are still those of a pipeline made afresh."""
+    monkeypatch.setattr(tiered, "FEW_TIGHTEST", few)
     _carried_decisions_are_fresh_ones(seed, boxes, rack_size)
 
 

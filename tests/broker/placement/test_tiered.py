@@ -429,7 +429,8 @@ def test_an_advanced_chooser_chooses_as_one_built_from_scratch(
         for host in hosts:
             expected = fresh.choose(host)
             assert chooser.choose(host) == expected
-            base, tight = chooser.parts(host)
+            base, apart = chooser.parts(host)
+            tight = chooser.tightest_link(apart)
             whole = (
                 [*base, ("tightest-single-box", (Take(tight[1], count, tight[0]),))]
                 if tight
@@ -669,3 +670,81 @@ def test_the_resource_cases_exercise_both_outcomes_and_the_tie(topology: Topolog
             tied += sum(c.score == kept[0].score for c in kept) > 1
     assert CASES // 5 < placed < CASES - CASES // 5
     assert tied >= 10
+
+
+def test_a_far_tightest_box_follows_its_tier_and_names_only_the_classes_it_no_longer_fits(
+    topology: Topology, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A class whose tightest box is the least box of a large tier (the rest of the
+    site) answers "that tier's least box" (a :class:`FarTightest`): when that box is
+    taken and another of the same usable GPUs becomes the least, the class is not
+    named and its answer is unchanged, yet every choice is a fresh chooser's. When the
+    pool's fewest usable GPUs rise so that a nearer tier holds the tightest box, the
+    class whose nearer tier holds one is named; the other keeps its answer."""
+    monkeypatch.setattr(tiered_rules, "LARGE_TIER", 2)
+    monkeypatch.setattr(tiered_rules, "FEW_TIGHTEST", 0)
+    model = TopologyLatencyModel(topology)
+
+    def box(name: str, pod: str, rack: str, usable: int) -> BoxSupply:
+        gpus = tuple(
+            GpuInfo(f"boxes/{name}/gpus/{s}", name, s, "H100", 1, True, True) for s in range(usable)
+        )
+        return BoxSupply(BoxInfo(name, Place(f"boxes/{name}", "s1", pod, rack), True), gpus)
+
+    def ordered(supplies: list[BoxSupply]) -> list[BoxSupply]:
+        return sorted(supplies, key=lambda s: (s.available, s.box.box))
+
+    own = [box("a0", "p0", "r0", 8), box("c0", "p2", "r0", 8), box("c1", "p2", "r1", 3)]
+    # f9 has as few usable GPUs as c1: the "pod" host's far tier's least box once the
+    # fewest rise to 3, but c1 in its own pod is nearer
+    rest = [
+        *(box(f"f{index}", "p1", f"r{index}", 8) for index in range(4)),
+        box("f9", "p1", "r3", 3),
+    ]
+    first, second = box("t1", "p1", "r1", 1), box("t2", "p1", "r2", 1)
+    hosts = {
+        "plain": Place("hosts/h0", "s1", "p0", "r0"),
+        "pod": Place("hosts/h1", "s1", "p2", "r2"),
+    }
+    supplies = ordered([*own, *rest, first, second])
+    chooser = TieredChooser(model, supplies, 1)
+    for host in hosts.values():
+        chooser.choose(host)
+        base, apart = chooser.parts(host)
+        assert isinstance(apart, tiered_rules.FarTightest)
+        assert chooser.tightest_link(apart) == (apart.latency, first)
+    answers = {name: chooser.parts(host) for name, host in hosts.items()}
+
+    # the far least box is taken: the other box of one usable GPU is the least now
+    chooser = chooser.advance([first], [])
+    supplies = ordered([*own, *rest, second])
+    changed = chooser.changed_classes()
+    assert changed is not None
+    fresh = TieredChooser(model, supplies, 1)
+    for name, host in hosts.items():
+        assert chooser.host_class(host) not in changed
+        assert chooser.parts(host) == answers[name]
+        assert chooser.choose(host) == fresh.choose(host)
+        assert chooser.choose(host).options[-1][1][0].supply is second
+
+    # no box of one usable GPU is left: the fewest is 3, which the "pod" host's own
+    # pod holds (c1), nearer than the rest of the site (whose least, f9, has 3 too)
+    chooser = chooser.advance([second], [])
+    supplies = ordered([*own, *rest])
+    changed = chooser.changed_classes()
+    fresh = TieredChooser(model, supplies, 1)
+    assert changed is not None
+    assert chooser.host_class(hosts["pod"]) in changed
+    assert chooser.host_class(hosts["plain"]) not in changed  # c1 is its far least now
+    for host in hosts.values():
+        assert chooser.choose(host) == fresh.choose(host)
+        base, apart = chooser.parts(host)
+        whole = base if apart is None else [*base, _tight(chooser, apart, 1)]
+        assert whole == fresh.choose(host).options
+    assert chooser.choose(hosts["pod"]).options[-1][1][0].supply.box.box == "c1"
+
+
+def _tight(chooser: TieredChooser, apart: object, count: int) -> tuple[str, tuple[Take, ...]]:
+    link = chooser.tightest_link(apart)  # type: ignore[arg-type]
+    assert link is not None
+    return ("tightest-single-box", (Take(link[1], count, link[0]),))
