@@ -638,8 +638,14 @@ class TieredChooser:
         leasts = tuple((read, least if read is numbers else box) for read, box in memo.leasts)
         choice = replace(memo.choice, options=found)
         if memo.far is not None and tightest is not None and tightest[0] == memo.far.latency:
-            # still another tier's least box, which this move did not touch
-            return replace(memo, choice=choice, leasts=leasts, tightest=tightest)
+            # still another tier's least box, which this move did not touch; a tier
+            # before it now holding fewer usable GPUs lowers what the far answer needs
+            nearer = memo.nearer_fewest
+            if least is not None and latency < memo.far.latency:
+                nearer = min(nearer, least.available)
+            return replace(
+                memo, choice=choice, leasts=leasts, tightest=tightest, nearer_fewest=nearer
+            )
         return replace(
             memo, choice=choice, leasts=leasts, tightest=tightest, far=None, nearer_fewest=NO_BOX
         )

@@ -748,3 +748,54 @@ def _tight(chooser: TieredChooser, apart: object, count: int) -> tuple[str, tupl
     link = chooser.tightest_link(apart)  # type: ignore[arg-type]
     assert link is not None
     return ("tightest-single-box", (Take(link[1], count, link[0]),))
+
+
+def test_a_far_tightest_box_beyond_another_large_tier_follows_that_tiers_fewest(
+    topology: Topology, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A far tightest box in the farthest tier (another site and an unknown one), with the
+    rest of the host's own site a large tier nearer to it: when that nearer tier's least
+    box comes to hold fewer usable GPUs (still more than the fewest), the far answer
+    stays, but once the fewest rise to that many the nearer tier holds the tightest box,
+    and the class is named and answers it."""
+    monkeypatch.setattr(tiered_rules, "LARGE_TIER", 1)
+    monkeypatch.setattr(tiered_rules, "FEW_TIGHTEST", 0)
+    model = TopologyLatencyModel(topology)
+
+    def box(name: str, site: str, pod: str, rack: str, usable: int) -> BoxSupply:
+        gpus = tuple(
+            GpuInfo(f"boxes/{name}/gpus/{s}", name, s, "H100", 1, True, True) for s in range(usable)
+        )
+        return BoxSupply(BoxInfo(name, Place(f"boxes/{name}", site, pod, rack), True), gpus)
+
+    def ordered(supplies: list[BoxSupply]) -> list[BoxSupply]:
+        return sorted(supplies, key=lambda s: (s.available, s.box.box))
+
+    own = box("a0", "s1", "p0", "r0", 8)
+    site = [
+        box("m1", "s1", "p1", "r0", 8),
+        box("m2", "s1", "p1", "r1", 8),
+        box("m3", "s1", "p2", "r0", 8),
+    ]
+    other = [
+        box("t1", "s0", "p0", "r0", 1),
+        box("t3", "s9", "p0", "r0", 3),
+        box("x1", "s0", "p1", "r1", 8),
+    ]
+    host = Place("hosts/h0", "s1", "p0", "r0")
+    chooser = TieredChooser(model, ordered([own, *site, *other]), 1)
+    _, apart = chooser.parts(host)
+    assert isinstance(apart, tiered_rules.FarTightest)
+    assert chooser.tightest_link(apart) == (apart.latency, other[0])
+    fewer = box("m1", "s1", "p1", "r0", 3)  # the rest of the site's least box: 3 usable
+    chooser = chooser.advance([site[0]], [fewer])
+    supplies = ordered([own, fewer, *site[1:], *other])
+    assert chooser.choose(host) == TieredChooser(model, supplies, 1).choose(host)
+    assert chooser.parts(host)[1] == apart  # t1 is still the tightest box
+    chooser = chooser.advance([other[0]], [])  # t1 is taken: the fewest are 3
+    supplies = ordered([own, fewer, *site[1:], *other[1:]])
+    changed = chooser.changed_classes()
+    assert changed is None or chooser.host_class(host) in changed
+    expected = TieredChooser(model, supplies, 1).choose(host)
+    assert expected.options[-1][1][0].supply is fewer  # nearer than t3, as few usable
+    assert chooser.choose(host) == expected
