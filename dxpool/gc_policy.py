@@ -159,7 +159,7 @@ class CollectorPolicy:
         :meth:`start`, after :meth:`stop`, when disabled, or while another thread is
         collecting."""
         settings = self._settings
-        if not self._started or not settings.enabled:
+        if not self._active():
             return None
         young = gc.get_count()[0] >= settings.young_batch
         if not young and not self._interval_passed():
@@ -167,7 +167,7 @@ class CollectorPolicy:
         if not self._lock.acquire(blocking=False):
             return None
         try:
-            if not self._started:
+            if not self._active():  # stopped meanwhile
                 return None
             if self._reclaim_due():
                 self._run(FULL_RECLAIM, self._reclaim)
@@ -200,6 +200,9 @@ class CollectorPolicy:
                 return
             self._started = False
             _leave()
+
+    def _active(self) -> bool:
+        return self._started and self._settings.enabled
 
     def _interval_passed(self) -> bool:
         interval = self._settings.reclaim_interval_s
