@@ -32,8 +32,15 @@ thresholds it found, each sets its own, and the last :meth:`~CollectorPolicy.sto
 the recorded ones back. Nothing is unfrozen at stop (that would make the next full
 collection walk all of it again); :meth:`~CollectorPolicy.reclaim` frees what died
 frozen. Every collection a policy runs is reported to its ``observer`` (``kind``,
-seconds it took, objects frozen after it): the broker turns these into Prometheus
-metrics.
+seconds it took, objects frozen after it as :attr:`~CollectorPolicy.frozen` counts
+them): the broker turns these into Prometheus metrics.
+
+**Counting the frozen set.** ``gc.get_freeze_count()`` walks the whole frozen set, so
+its cost grows with the heap; the policy calls it at the start and after a full
+reclaim only. A young batch adds the survivors it froze (generation 2 holds only them
+once everything older is frozen: O(survivors)). That sum also keeps frozen objects that
+reference counting freed since, so when it says the set grew by ``reclaim_growth`` the
+policy counts for real before it decides: one walk per share of apparent growth.
 
 Thread-safe: :meth:`between` may be called from any number of threads at once; one of
 them collects, the others return at once without waiting.
@@ -62,7 +69,8 @@ _found_thresholds: tuple[int, int, int] | None = None  # what the first of them 
 
 CollectionObserver = Callable[[str, float, int], None]
 """Told of each collection the policy ran: its kind (one of :data:`KINDS`), how long it
-took in seconds, and how many objects are frozen after it."""
+took in seconds, and how many objects are frozen after it (as
+:attr:`CollectorPolicy.frozen` counts them)."""
 
 
 @dataclass(frozen=True)
@@ -130,7 +138,10 @@ class CollectorPolicy:
 
     @property
     def frozen(self) -> int:
-        """Objects frozen after the policy's last collection (0 before :meth:`start`)."""
+        """Objects frozen, as the policy counts them (0 before :meth:`start`): exact after
+        the start and a full reclaim; a young batch adds the survivors it froze, so
+        frozen objects freed since by reference counting are still in, until the policy
+        counts the frozen set again (when this count says it grew by its share)."""
         return self._frozen
 
     def start(self) -> None:
@@ -209,16 +220,24 @@ class CollectorPolicy:
         return interval > 0 and self._clock() - self._reclaimed_at >= interval
 
     def _reclaim_due(self) -> bool:
-        grown = self._frozen - self._frozen_after_reclaim
-        return self._interval_passed() or grown > self._settings.reclaim_growth * max(
-            self._frozen_after_reclaim, 1
-        )
-
-    def _run(self, kind: str, collect: Callable[[], None]) -> None:
-        began = time.perf_counter()
-        collect()
-        seconds = time.perf_counter() - began
+        if self._interval_passed():
+            return True
+        allowed = self._settings.reclaim_growth * max(self._frozen_after_reclaim, 1)
+        if self._frozen - self._frozen_after_reclaim <= allowed:
+            return False
+        # The count kept from young batches includes what reference counting freed since
+        # it froze (most of it, in a steady state): count for real before deciding, once
+        # per share of growth at most.
         self._frozen = gc.get_freeze_count()
+        return self._frozen - self._frozen_after_reclaim > allowed
+
+    def _run(self, kind: str, collect: Callable[[], int | None]) -> None:
+        began = time.perf_counter()
+        froze = collect()
+        seconds = time.perf_counter() - began
+        # Counting the frozen set walks all of it (gc.get_freeze_count is O(frozen): tens
+        # of milliseconds at a million objects), so a young batch adds what it froze.
+        self._frozen = gc.get_freeze_count() if froze is None else self._frozen + froze
         if self._observer is not None:
             self._observer(kind, seconds, self._frozen)
 
@@ -228,9 +247,12 @@ class CollectorPolicy:
         gc.freeze()
 
     @staticmethod
-    def _collect_young() -> None:
+    def _collect_young() -> int:
         gc.collect(1)
+        # Everything older was frozen before: generation 2 holds just the survivors.
+        survivors = len(gc.get_objects(generation=2))
         gc.freeze()
+        return survivors
 
     @staticmethod
     def _reclaim() -> None:

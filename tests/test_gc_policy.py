@@ -154,6 +154,21 @@ def test_the_frozen_set_growing_by_its_share_brings_the_full_reclaim(
     assert kept and more
 
 
+def test_frozen_objects_freed_by_reference_counting_bring_no_full_reclaim(
+    policies: Callable[..., CollectorPolicy],
+) -> None:
+    policy = policies(young_batch=2000)
+    policy.start()
+    kept = tracked(int(0.3 * policy.frozen) + 3000)
+    assert policy.between() == YOUNG_BATCH
+    assert policy.frozen >= len(kept), "the batch counted what it froze"
+    del kept  # frozen, then freed by reference counting: no growth left
+    more = tracked(3000)
+    assert policy.between() == YOUNG_BATCH, "the policy counted again and found no growth"
+    assert about(policy.frozen)
+    assert more
+
+
 def test_every_collection_is_reported_with_its_kind_duration_and_frozen_count(
     policies: Callable[..., CollectorPolicy],
 ) -> None:
