@@ -168,12 +168,15 @@ class TimedPolicy(CollectorPolicy):
         super().__init__()
         self.spent = 0.0
         self.reclaims = 0
+        self.longest: dict[str | None, float] = {}
 
     def between(self) -> str | None:
         began = time.perf_counter()
         kind = super().between()
-        self.spent += time.perf_counter() - began
+        took = time.perf_counter() - began
+        self.spent += took
         self.reclaims += kind == FULL_RECLAIM
+        self.longest[kind] = max(took, self.longest.get(kind, 0.0))
         return kind
 
 
@@ -385,6 +388,12 @@ def measure(pool: InMemoryPool, mode: str, streams: list[str], args: argparse.Na
             f"{len(outside)} | {sum(outside):.3f} | {1e3 * max(outside, default=0):.1f} | "
             f"{figures.between_s:.3f} | {figures.reclaims} |"
         )
+    if isinstance(pool.collector, TimedPolicy):
+        longest = ", ".join(
+            f"{kind or 'nothing to do'} {1e3 * took:.1f} ms"
+            for kind, took in sorted(pool.collector.longest.items(), key=lambda item: -item[1])
+        )
+        print(f"longest policy turn by what it did (fill included): {longest}")
     sys.stdout.flush()
     return 0
 
