@@ -40,7 +40,8 @@ its cost grows with the heap; the policy calls it at the start and after a full
 reclaim only. A young batch adds the survivors it froze (generation 2 holds only them
 once everything older is frozen: O(survivors)). That sum also keeps frozen objects that
 reference counting freed since, so when it says the set grew by ``reclaim_growth`` the
-policy counts for real before it decides: one walk per share of apparent growth.
+policy counts for real before it decides, and counts again only once the sum grew by
+another share: one walk per share of apparent growth.
 
 Thread-safe: :meth:`between` may be called from any number of threads at once; one of
 them collects, the others return at once without waiting.
@@ -130,6 +131,7 @@ class CollectorPolicy:
         self._started = False
         self._frozen_after_reclaim = 0
         self._frozen = 0
+        self._counted = 0  # the frozen set's real size when last counted
         self._reclaimed_at = 0.0
 
     @property
@@ -154,8 +156,7 @@ class CollectorPolicy:
                 raise RuntimeError("the collector policy is already started")
             _enter()
             self._run(START, self._collect_all)
-            self._frozen_after_reclaim = self._frozen
-            self._reclaimed_at = self._clock()
+            self._mark_reclaimed()
             if self._settings.enabled:
                 settings = self._settings
                 gc.set_threshold(settings.young_limit, settings.middle_limit, settings.old_limit)
@@ -182,8 +183,7 @@ class CollectorPolicy:
                 return None
             if self._reclaim_due():
                 self._run(FULL_RECLAIM, self._reclaim)
-                self._frozen_after_reclaim = self._frozen
-                self._reclaimed_at = self._clock()
+                self._mark_reclaimed()
                 return FULL_RECLAIM
             if gc.get_count()[0] >= settings.young_batch:
                 self._run(YOUNG_BATCH, self._collect_young)
@@ -199,8 +199,7 @@ class CollectorPolicy:
             if not self._started:
                 return
             self._run(FULL_RECLAIM, self._reclaim)
-            self._frozen_after_reclaim = self._frozen
-            self._reclaimed_at = self._clock()
+            self._mark_reclaimed()
 
     def stop(self) -> None:
         """No more collections from this policy; the last policy of the process to stop
@@ -211,6 +210,11 @@ class CollectorPolicy:
                 return
             self._started = False
             _leave()
+
+    def _mark_reclaimed(self) -> None:
+        """After a full collection: its exact count is where growth is measured from."""
+        self._frozen_after_reclaim = self._counted = self._frozen
+        self._reclaimed_at = self._clock()
 
     def _active(self) -> bool:
         return self._started and self._settings.enabled
@@ -223,12 +227,12 @@ class CollectorPolicy:
         if self._interval_passed():
             return True
         allowed = self._settings.reclaim_growth * max(self._frozen_after_reclaim, 1)
-        if self._frozen - self._frozen_after_reclaim <= allowed:
+        if self._frozen - max(self._frozen_after_reclaim, self._counted) <= allowed:
             return False
         # The count kept from young batches includes what reference counting freed since
-        # it froze (most of it, in a steady state): count for real before deciding, once
-        # per share of growth at most.
-        self._frozen = gc.get_freeze_count()
+        # it froze (most of it, in a steady state): count for real before deciding, and
+        # again only once the kept count grew by another share since.
+        self._frozen = self._counted = gc.get_freeze_count()
         return self._frozen - self._frozen_after_reclaim > allowed
 
     def _run(self, kind: str, collect: Callable[[], int | None]) -> None:

@@ -166,7 +166,22 @@ def test_frozen_objects_freed_by_reference_counting_bring_no_full_reclaim(
     more = tracked(3000)
     assert policy.between() == YOUNG_BATCH, "the policy counted again and found no growth"
     assert about(policy.frozen)
-    assert more
+    counted = policy.frozen
+    walks: list[int] = []
+    real_count = gc.get_freeze_count
+
+    def counting() -> int:
+        walks.append(1)
+        return real_count()
+
+    gc.get_freeze_count = counting  # type: ignore[assignment]
+    try:
+        more.extend(tracked(3000))
+        assert policy.between() == YOUNG_BATCH
+        assert walks == [], "no second walk before the kept count grew by another share"
+        assert policy.frozen >= counted + 3000
+    finally:
+        gc.get_freeze_count = real_count
 
 
 def test_every_collection_is_reported_with_its_kind_duration_and_frozen_count(
