@@ -19,8 +19,9 @@ or so, and now and then a full one that walks every object not frozen. A
   kept: plain reference counting still frees the rest). So when the frozen set grew by
   more than ``reclaim_growth`` since the last full reclaim, or ``reclaim_interval_s``
   passed, whichever comes first, ``gc.unfreeze(); gc.collect(); gc.freeze()``: one
-  full collection over everything, a pause in proportion to the heap (about half a
-  second at 100,000 GPUs; ``bench/placement_stream.py --gc policy`` measures it).
+  full collection over everything, a pause in proportion to the heap (up to about a
+  second at 100,000 GPUs with a third held; ``bench/placement_stream.py --gc policy``
+  measures it).
 
 With ``enabled=False`` the policy does what a plain process does with its inventory
 loaded: :meth:`~CollectorPolicy.start` collects and freezes once and leaves Python's
@@ -36,12 +37,13 @@ seconds it took, objects frozen after it as :attr:`~CollectorPolicy.frozen` coun
 them): the broker turns these into Prometheus metrics.
 
 **Counting the frozen set.** ``gc.get_freeze_count()`` walks the whole frozen set, so
-its cost grows with the heap; the policy calls it at the start and after a full
-reclaim only. A young batch adds the survivors it froze (generation 2 holds only them
-once everything older is frozen: O(survivors)). That sum also keeps frozen objects that
-reference counting freed since, so when it says the set grew by ``reclaim_growth`` the
-policy counts for real before it decides, and counts again only once the sum grew by
-another share: one walk per share of apparent growth.
+its cost grows with the heap (tens of milliseconds and more at a million objects); the
+policy calls it after the start and a full reclaim, and as follows. A young batch adds
+the survivors it froze (generation 2 holds only them once everything older is frozen:
+O(survivors)). That sum also keeps frozen objects that reference counting freed since,
+so when it says the set grew by ``reclaim_growth`` the policy counts for real before it
+decides, and counts again only once the sum grew by another share: one walk per share of
+apparent growth.
 
 Thread-safe: :meth:`between` may be called from any number of threads at once; one of
 them collects, the others return at once without waiting.
