@@ -15,7 +15,6 @@ Watch, reflection) are admitted within ``stream_limits`` and can hold at most
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import socket
@@ -72,7 +71,7 @@ from dxpool.broker.nodes.compose_gate import ComposeGate
 from dxpool.broker.nodes.compose_settings import ComposeSettings
 from dxpool.broker.nodes.enqueue import QueuedComposer
 from dxpool.broker.nodes.gang_chunks import ChunkedGangs
-from dxpool.broker.state import pool_metrics
+from dxpool.broker.state import metrics, pool_metrics
 from dxpool.broker.state.cache import Cache
 from dxpool.broker.state.measured_feed import MeasuredFeed, place_lookup
 from dxpool.broker.state.placement_index import PlacementIndex
@@ -83,6 +82,7 @@ from dxpool.errors import InvalidArgument
 from dxpool.fabric.measured import MeasuredLatency
 from dxpool.fabric.models import LatencySettings, build_latency_source
 from dxpool.fabric.topology import Topology
+from dxpool.gc_policy import CollectorPolicy, CollectorSettings
 from dxpool.store import keys as k
 from dxpool.store.client import connect, parse_endpoints
 from dxpool.store.keys import DEFAULT_PREFIX, KeySchema
@@ -170,6 +170,8 @@ class BrokerConfig:
     preemption_grace_s: float = DEFAULT_GRACE_S
     # How often the leader looks at the queue, notices and drains without being woken.
     sharing: SharingSettings = field(default_factory=SharingSettings)
+    # The garbage collector's policy (dxpool/gc_policy.py): collections between decisions.
+    gc: CollectorSettings = field(default_factory=CollectorSettings)
 
 
 class BrokerServer:
@@ -225,6 +227,7 @@ class BrokerServer:
         self.agent_server: AgentServer | None = None
         self.nodes: NodeService | None = None
         self.composer: Composer | None = None
+        self.collector = CollectorPolicy(config.gc, metrics.observe_collection)
         self.queue: QueueIndex | None = None
         self.notices: Notices | None = None
         self.maintenance: Maintenance | None = None
@@ -262,18 +265,17 @@ class BrokerServer:
         self.index = PlacementIndex(self.cache)
         if isinstance(self.latency, MeasuredLatency):
             self._measured_feed = MeasuredFeed(self.cache, self.latency)
-        # The loaded inventory lives as long as the broker: move it out of the garbage
-        # collector's generations, so full collections stop walking it on the request
-        # path (bench/scale.py shows the pauses this removes from placement's p99). No
-        # collection first: loading makes little cyclic garbage, and a full collection
-        # over the whole inventory would add to the start-up time (0.3 s at 100k GPUs).
-        gc.freeze()
+        # The loaded inventory lives as long as the broker: freeze it out of the garbage
+        # collector's generations, and from now on collect between decisions, not inside
+        # them (dxpool/gc_policy.py; bench/placement_stream.py --gc compares).
+        self.collector.start()
         composer = self.composer = Composer(
             self.store,
             self.cache,
             self.index,
             self.latency,
             ComposeSettings(attach_timeout_s=self.config.attach_timeout_s),
+            collector=self.collector,
         )
         self.controller = NodeController(
             self.store,
@@ -500,6 +502,7 @@ class BrokerServer:
         if self._measured_feed is not None:
             self._measured_feed.close()
         self._detach_pool_metrics()
+        self.collector.stop()
         if self.pool_tally is not None:
             self.pool_tally.close()
         self.cache.stop()

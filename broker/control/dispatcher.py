@@ -213,6 +213,7 @@ class Dispatcher:
         if state.placements >= self._max_placements:
             return 0
         outcome = self._admitter.admit(node_id)
+        self._composer.between_decisions()
         if outcome.placed:
             state.placements += 1
         if outcome.kind == ADMITTED:
@@ -326,6 +327,7 @@ class Dispatcher:
         if state.placements >= self._max_placements:
             return 0
         outcome = self._gangs.admit_queued(gang_id)
+        self._composer.between_decisions()
         if outcome.placed:
             state.placements += len(ask.requests)
         if outcome.kind == ADMITTED:

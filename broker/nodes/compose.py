@@ -56,6 +56,7 @@ from dxpool.errors import (
     ResourceExhausted,
 )
 from dxpool.fabric.latency import LatencyModel, LatencySource, as_source
+from dxpool.gc_policy import CollectorPolicy
 from dxpool.names import (
     check_id,
     check_request_id,
@@ -80,8 +81,10 @@ class Composer:
         latency: LatencyModel | LatencySource,
         settings: ComposeSettings = ComposeSettings(),
         clock: Callable[[], float] = time.time,
+        collector: CollectorPolicy | None = None,
     ) -> None:
         self._store = store
+        self._collector = collector
         self._cache = cache
         self._index = index
         self._latency = as_source(latency)  # asked for its current model per placement
@@ -163,6 +166,13 @@ class Composer:
             self._clock,
         )
 
+    def between_decisions(self) -> None:
+        """The garbage collector's turn (:meth:`~dxpool.gc_policy.CollectorPolicy.between`),
+        where no placement runs: called after each compose, and by the queue's dispatcher
+        after each admission, outside the placement lock. Nothing without a collector."""
+        if self._collector is not None:
+            self._collector.between()
+
     # -- compose ---------------------------------------------------------------------
 
     def compose(self, request: nodes_pb2.ComposeNodeRequest, owner: str = "") -> pb.VirtualNode:
@@ -175,7 +185,10 @@ class Composer:
         A request whose node was already committed gets that node, also when the
         tenant's quota is full by now (that node is what fills it): a quota refusal of
         a call with a request id first looks the id up in etcd, since this broker's
-        cache may not have seen another broker commit it yet."""
+        cache may not have seen another broker commit it yet.
+
+        Once it is done, whatever the outcome, the collector gets its turn
+        (:meth:`between_decisions`)."""
         try:
             return self._compose(request, owner)
         except ResourceExhausted as error:
@@ -186,6 +199,8 @@ class Composer:
             if existing is None:
                 raise
             return existing
+        finally:
+            self.between_decisions()
 
     def _compose(self, request: nodes_pb2.ComposeNodeRequest, owner: str) -> pb.VirtualNode:
         placement_request = self._check(request)

@@ -27,6 +27,12 @@ snapshot of the moment. A placement committed later than other commits is checke
 against the records first (:class:`~dxpool.errors.Aborted` when its GPUs, slots, CPU
 or memory went meanwhile: place again).
 
+**The garbage collector.** A pool given a :class:`~dxpool.gc_policy.CollectorPolicy`
+(``collector=``) calls its :meth:`~dxpool.gc_policy.CollectorPolicy.between` after each
+commit, compose, reservation and release, outside the pool's lock, as the broker does
+after each compose: start the policy once the inventory is loaded, and collections run
+there rather than inside placement. Without one, the collector is left as it is.
+
 Usage::
 
     pool = InMemoryPool()
@@ -65,6 +71,7 @@ from dxpool.broker.state.placement_index import PlacementIndex
 from dxpool.errors import Aborted, AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from dxpool.fabric.latency import TopologyLatencyModel
 from dxpool.fabric.topology import Topology
+from dxpool.gc_policy import CollectorPolicy
 from dxpool.names import check_id
 from dxpool.records import copy, timestamp
 from dxpool.store import keys as k
@@ -119,7 +126,8 @@ class PoolCounts:
 
 class InMemoryPool:
     """See the module docstring. ``latency`` defaults to the tree model of the default
-    topology, ``pipeline`` to the broker's; ``clock`` stamps the records."""
+    topology, ``pipeline`` to the broker's; ``clock`` stamps the records; ``collector``
+    (started by the caller, not by the pool) runs between the pool's writes."""
 
     def __init__(
         self,
@@ -128,7 +136,9 @@ class InMemoryPool:
         pipeline: Pipeline | None = None,
         clock: Callable[[], float] = time.time,
         prefix: str = "/dxpool/v1/",
+        collector: CollectorPolicy | None = None,
     ) -> None:
+        self.collector = collector
         self.latency = latency or TopologyLatencyModel(Topology.default())
         self.pipeline = pipeline
         self._clock = clock
@@ -322,6 +332,18 @@ class InMemoryPool:
         check_id(node_id, "node")
         check_labels(dict(labels or {}), "labels")
         with self._lock:
+            node = self._commit(node_id, request, placement, labels)
+        self._between()
+        return node
+
+    def _commit(
+        self,
+        node_id: str,
+        request: PlacementRequest,
+        placement: Placement,
+        labels: Mapping[str, str] | None,
+    ) -> pb.VirtualNode:
+        with self._lock:
             self._check_new(node_id)
             host = self._get(k.HOSTS, placement.host)
             allocation = self._allocation(placement.host)
@@ -375,7 +397,11 @@ class InMemoryPool:
                 raise ResourceExhausted(
                     "no placement: " + "; ".join(result.unsatisfied), reason="NO_CAPACITY"
                 )
-            return self.commit(node_id, request, result.placement, labels=labels)
+            check_id(node_id, "node")
+            check_labels(dict(labels or {}), "labels")
+            node = self._commit(node_id, request, result.placement, labels)
+        self._between()
+        return node
 
     def reserve(
         self,
@@ -414,12 +440,23 @@ class InMemoryPool:
             self._put(k.HOST_ALLOCATIONS, choice.host, allocation)
             self._put(k.NODES, node_id, node)
             self._hold(node_id, _Held(choice.host, _pairs(labels), (), True), spec)
-            return node
+        self._between()
+        return node
 
     def release(self, node_id: str) -> None:
         """Lets a node go as the controller does once its GPUs are detached and
         scrubbed: its GPUs FREE, its slots, CPU and memory out of the host's allocation,
         its record gone (as the leader collects released nodes)."""
+        with self._lock:
+            self._release(node_id)
+        self._between()
+
+    def _between(self) -> None:
+        """The collector's turn, outside the lock: see the module docstring."""
+        if self.collector is not None:
+            self.collector.between()
+
+    def _release(self, node_id: str) -> None:
         with self._lock:
             held = self._nodes.pop(node_id, None)
             if held is None:

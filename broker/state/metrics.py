@@ -122,3 +122,30 @@ AUDIT_FIELDS_DIGESTED = Counter(
     "Request fields recorded in the audit log by size and digest instead of their content",
     ["field"],
 )
+
+# The garbage collector's policy (dxpool/gc_policy.py): collections it runs between decisions.
+GC_COLLECTIONS = Counter(
+    "dxpool_gc_collections_total",
+    "Collections the broker's collector policy ran, by kind: start (after the load), "
+    "young_batch (young objects collected and the survivors frozen, between decisions), "
+    "full_reclaim (everything unfrozen, collected and frozen again)",
+    ["kind"],
+)
+GC_SECONDS = Histogram(
+    "dxpool_gc_collection_duration_seconds",
+    "How long each collection of the broker's collector policy took, by kind",
+    ["kind"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+)
+GC_FROZEN = Gauge(
+    "dxpool_gc_frozen_objects",
+    "Objects frozen out of the garbage collector's generations after the policy's last "
+    "collection (the loaded inventory and what survived young collections)",
+)
+
+
+def observe_collection(kind: str, seconds: float, frozen: int) -> None:
+    """A :data:`~dxpool.gc_policy.CollectionObserver` that feeds the metrics above."""
+    GC_COLLECTIONS.labels(kind=kind).inc()
+    GC_SECONDS.labels(kind=kind).observe(seconds)
+    GC_FROZEN.set(frozen)

@@ -17,6 +17,7 @@ from dxpool.broker.control.duties import DEFAULT_RECONNECT_GRACE_S
 from dxpool.cli.params import DAEMON_SECONDS, DURATION
 from dxpool.errors import InvalidArgument, Unavailable
 from dxpool.fabric.models import MODELS
+from dxpool.gc_policy import CollectorSettings
 from dxpool.logs import configure_logging
 from dxpool.request import format_duration_ns
 from dxpool.store.keys import DEFAULT_PREFIX
@@ -218,6 +219,38 @@ def start(server: BrokerServer) -> None:
     help="serve plaintext gRPC without TLS (anyone who can reach the port may call any RPC)",
 )
 @click.option(
+    "--gc",
+    "gc_mode",
+    type=click.Choice(["policy", "default"]),
+    default="policy",
+    show_default=True,
+    help="garbage collection: policy (collect between decisions, never inside placement) "
+    "or default (Python's collector, the inventory frozen once after the load)",
+)
+@click.option(
+    "--gc-young-batch",
+    type=click.IntRange(min=1),
+    default=CollectorSettings.young_batch,
+    show_default=True,
+    help="with --gc policy: young objects at which a collection runs between decisions",
+)
+@click.option(
+    "--gc-threshold",
+    type=click.IntRange(min=1),
+    default=CollectorSettings.young_limit,
+    show_default=True,
+    help="with --gc policy: the collector's own young threshold, the safety net for bursts "
+    "(at least --gc-young-batch)",
+)
+@click.option(
+    "--gc-reclaim-interval",
+    type=DAEMON_SECONDS,
+    default=format_duration_ns(round(CollectorSettings.reclaim_interval_s * 1e9)),
+    show_default=True,
+    help="with --gc policy: a full collection of everything, frozen objects too, at least "
+    "this often (0: only when the frozen set grew by a quarter)",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
     default="INFO",
@@ -251,6 +284,10 @@ def broker_command(
     etcd_key: Path | None,
     token_file: Path | None,
     insecure: bool,
+    gc_mode: str,
+    gc_young_batch: int,
+    gc_threshold: int,
+    gc_reclaim_interval: float,
     log_level: str,
 ) -> None:
     """Run a dxpool broker: the gRPC API over the etcd inventory.
@@ -273,6 +310,17 @@ def broker_command(
             "give --client-ca (certificates) or --token-file (bearer tokens), not both: a "
             "broker authenticates one way; run one of each against the same etcd"
         )
+    if gc_threshold < gc_young_batch:
+        raise click.UsageError(
+            f"--gc-threshold ({gc_threshold}) must be at least --gc-young-batch "
+            f"({gc_young_batch}): the collector's own threshold is the safety net behind it"
+        )
+    collector = CollectorSettings(
+        enabled=gc_mode == "policy",
+        young_batch=gc_young_batch,
+        young_limit=gc_threshold,
+        reclaim_interval_s=gc_reclaim_interval,
+    )
     configure_logging(log_level)
     if metrics_port:
         from prometheus_client import start_http_server
@@ -300,6 +348,7 @@ def broker_command(
             tls=tls,
             token_file=token_file,
             etcd_tls=etcd_tls,
+            gc=collector,
         )
         server = BrokerServer(config)
     except InvalidArgument as error:  # a bad topology, latency model, matrix or box fabric

@@ -167,6 +167,12 @@ def test_defaults_are_the_documented_durations() -> None:
         (["--attach-timeout", "soon"], "cannot parse duration 'soon'"),
         (["--attach-timeout", "-5"], "out of range"),
         (["--retention", "nan"], "out of range"),
+        (["--gc", "off"], "'off' is not one of"),
+        (["--gc-young-batch", "0"], "not in the range x>=1"),
+        (
+            ["--insecure", "--gc-young-batch", "100", "--gc-threshold", "50"],
+            "--gc-threshold (50) must be at least --gc-young-batch (100)",
+        ),
     ],
 )
 def test_bad_values_are_usage_errors(args: list[str], expected: str) -> None:
@@ -174,6 +180,17 @@ def test_bad_values_are_usage_errors(args: list[str], expected: str) -> None:
     assert result.exit_code == 2, result.output
     assert expected in result.stderr
     assert "Traceback" not in result.output
+
+
+def test_the_collector_policy_is_on_by_default_with_its_documented_settings() -> None:
+    params = _parsed()
+    assert (
+        params["gc_mode"],
+        params["gc_young_batch"],
+        params["gc_threshold"],
+        params["gc_reclaim_interval"],
+    ) == ("policy", 5000, 50_000, 3600.0)
+    assert _parsed("--gc", "default", "--gc-reclaim-interval", "10m")["gc_reclaim_interval"] == 600
 
 
 def test_log_level_is_case_insensitive() -> None:

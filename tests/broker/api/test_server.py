@@ -1,21 +1,30 @@
 """BrokerServer.stop is bounded whatever clients do: stalled watchers, idle streams of
 every kind, and a stalled watcher that cancels (whose cancel callback once blocked gRPC's
-dispatch thread, so even stop hung)."""
+dispatch thread, so even stop hung). The broker's collector policy starts with it and
+gets its turn after each compose."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2_grpc
+from prometheus_client import REGISTRY
 
 from dxpool.api.v1 import inventory_pb2, inventory_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 from dxpool.broker.api.node_watch import WatchSettings
 from dxpool.broker.api.server import STOP_MARGIN_S, BrokerServer
+from dxpool.gc_policy import CollectorSettings
+from dxpool.store.keys import KeySchema
 from tests.broker.api.test_streams import Idle
+from tests.conftest import Stubs, add_box, wait_until
+from tests.integration.test_quotas import compose_request, register_host
 from tests.streaming import SMALL_WINDOW, blocked_watchers, fill_window, wait_for
 
 
@@ -87,3 +96,43 @@ def test_stop_is_prompt_with_stalled_idle_and_cancelled_streams(  # type: ignore
         idle.done.set()
         for c in (stall, quitter, channel):
             c.close()
+
+
+def gc_collections(kind: str) -> float:
+    return REGISTRY.get_sample_value("dxpool_gc_collections_total", {"kind": kind}) or 0.0
+
+
+def test_the_collector_policy_starts_with_the_broker_and_runs_after_each_compose(
+    broker_factory: Callable[..., BrokerServer], etcd_client: Any, key_prefix: str
+) -> None:
+    started = gc_collections("start")
+    # a batch of one: every turn after a compose collects, so the metric shows each turn
+    broker = broker_factory(gc=CollectorSettings(young_batch=1))
+    assert gc_collections("start") == started + 1
+    assert (REGISTRY.get_sample_value("dxpool_gc_frozen_objects") or 0) > 0
+    assert gc.get_threshold()[0] == CollectorSettings().young_limit
+    turns: list[str | None] = []
+    between = broker.collector.between
+
+    def spy() -> str | None:
+        turns.append(between())
+        return turns[-1]
+
+    broker.collector.between = spy  # type: ignore[method-assign]
+    channel = grpc.insecure_channel(broker.endpoint)
+    stubs = Stubs(channel)
+    try:
+        register_host(etcd_client, KeySchema(key_prefix), "h1")
+        add_box(stubs, "box1", gpus=4, model="H100")
+        wait_until(lambda: len(broker.index.snapshot().hosts) == 1, 90, message="host")
+        young = gc_collections("young_batch")
+        node = stubs.nodes.ComposeNode(compose_request("H100:2", ""))
+        assert len(node.gpus) == 2
+        assert turns == ["young_batch"]
+        assert gc_collections("young_batch") == young + 1
+        with pytest.raises(grpc.RpcError) as refused:
+            stubs.nodes.ComposeNode(compose_request("H100:8", ""))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+        assert len(turns) == 2, "a refused compose gives the collector its turn too"
+    finally:
+        channel.close()

@@ -445,3 +445,22 @@ def test_a_queue_of_one_shape_costs_one_placement_and_one_plan_per_pass(
         shown = get(pool, node.name)
         assert shown.state == pb.NODE_STATE_QUEUED
         assert "no capacity" in shown.queue.reason
+
+
+def test_the_dispatcher_gives_the_collector_its_turn_after_an_admission(
+    queued_broker: BrokerServer, pool: Stubs
+) -> None:
+    turns: list[str] = []
+    between = queued_broker.collector.between
+
+    def spy() -> str | None:
+        turns.append(threading.current_thread().name)
+        return between()
+
+    queued_broker.collector.between = spy  # type: ignore[method-assign]
+    pool.nodes.ComposeNode(compose_request("H100:4", ""))
+    waiting = pool.nodes.ComposeNode(queued("H100:3"))
+    assert waiting.state == pb.NODE_STATE_QUEUED
+    add_box(pool, "box2", gpus=4, model="H100")
+    wait_node(pool, waiting.name, pb.NODE_STATE_PENDING)
+    wait_until(lambda: "sharing-duties" in turns, timeout_s=30, message="the dispatcher's turn")

@@ -3,6 +3,9 @@ the broker's cache, placement index and records."""
 
 from __future__ import annotations
 
+import gc
+import threading
+
 import pytest
 
 from dxpool.api.v1 import resources_pb2 as pb
@@ -10,6 +13,7 @@ from dxpool.broker.nodes.memory_pool import AntiAffinity, HostChoice, HostReques
 from dxpool.broker.placement import PlacementRequest
 from dxpool.broker.placement.model import count_free_by_model
 from dxpool.errors import Aborted, AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from dxpool.gc_policy import START, YOUNG_BATCH, CollectorPolicy, CollectorSettings
 from dxpool.store import keys as k
 
 
@@ -193,3 +197,60 @@ def test_placement_carries_its_work_over_on_the_pools_snapshots() -> None:
     for number in range(3):
         pool.compose(f"n{number}", PlacementRequest("H100", 1, cpu_cores=0))
     assert len(pipeline._carried.tables) == 1
+
+
+class CollectorSpy(CollectorPolicy):
+    """A collector policy that records each turn it is given, and whether another thread
+    could use the pool at that moment (so the pool's lock was not held)."""
+
+    def __init__(self, pool: InMemoryPool) -> None:
+        super().__init__()
+        self.pool = pool
+        self.turns: list[bool] = []
+
+    def between(self) -> str | None:
+        other = threading.Thread(target=self.pool.counts)
+        other.start()
+        other.join(30)
+        self.turns.append(not other.is_alive())
+        return None
+
+
+def test_a_collector_gets_its_turn_after_each_write_outside_the_pools_lock() -> None:
+    pool = small_pool()
+    spy = pool.collector = CollectorSpy(pool)
+    request = PlacementRequest("H100", 2)
+    result = pool.place(request)
+    assert result.placement is not None
+    assert spy.turns == [], "placing is not a write"
+    pool.commit("n1", request, result.placement)
+    pool.compose("n2", PlacementRequest("A100", 1))
+    pool.reserve("r1", HostRequest(cpu_cores=4))
+    pool.release("n1")
+    assert spy.turns == [True, True, True, True]
+    with pytest.raises(ResourceExhausted):
+        pool.compose("n3", PlacementRequest("H100", 8))
+    assert len(spy.turns) == 4, "nothing written, no turn"
+
+
+def test_a_pool_with_a_started_policy_collects_between_writes_not_in_placement() -> None:
+    found = gc.get_threshold()
+    kinds: list[str] = []
+    policy = CollectorPolicy(
+        CollectorSettings(young_batch=1, reclaim_interval_s=0),
+        lambda kind, seconds, frozen: kinds.append(kind),
+    )
+    pool = small_pool()
+    pool.collector = policy
+    policy.start()
+    try:
+        request = PlacementRequest("H100", 1)
+        result = pool.place(request)
+        assert kinds == [START]
+        assert result.placement is not None
+        pool.commit("n1", request, result.placement)
+        assert kinds == [START, YOUNG_BATCH]
+    finally:
+        policy.stop()
+        gc.unfreeze()
+        gc.set_threshold(*found)
