@@ -188,7 +188,10 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
     def ResizeNode(
         self, request: nodes_pb2.ResizeNodeRequest, context: grpc.ServicerContext
     ) -> pb.VirtualNode:
-        return self._resizer.resize(request, owner=self._scope(context))
+        try:
+            return self._resizer.resize(request, owner=self._scope(context))
+        finally:
+            self._composer.between_decisions()  # the collector's turn, as after a compose
 
     @handler("NodeService.ComposeGang")
     def ComposeGang(
@@ -197,9 +200,12 @@ class NodeService(nodes_pb2_grpc.NodeServiceServicer):
         caller = self._caller(context)
         charged = _gang_charged_to_caller(request, caller)
         owner = caller.uri if caller else ""
-        if self._sharing is not None:
-            return self._sharing.compose_gang(charged, owner, self._gangs)
-        return self._gangs.compose(charged, owner=owner)
+        try:
+            if self._sharing is not None:
+                return self._sharing.compose_gang(charged, owner, self._gangs)
+            return self._gangs.compose(charged, owner=owner)
+        finally:
+            self._composer.between_decisions()  # the collector's turn, as after a compose
 
     @handler("NodeService.GetGang")
     def GetGang(

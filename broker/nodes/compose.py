@@ -168,8 +168,9 @@ class Composer:
 
     def between_decisions(self) -> None:
         """The garbage collector's turn (:meth:`~dxpool.gc_policy.CollectorPolicy.between`),
-        where no placement runs: called after each compose, and by the queue's dispatcher
-        after each admission, outside the placement lock. Nothing without a collector."""
+        where no placement runs: called after each compose, by NodeService after each gang
+        compose and resize, and by the queue's dispatcher after each admission, outside the
+        placement lock. Nothing without a collector."""
         if self._collector is not None:
             self._collector.between()
 

@@ -5,6 +5,7 @@ gets its turn after each compose."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import time
@@ -18,6 +19,7 @@ from grpc_reflection.v1alpha import reflection_pb2_grpc
 from prometheus_client import REGISTRY
 
 from dxpool.api.v1 import inventory_pb2, inventory_pb2_grpc, nodes_pb2, nodes_pb2_grpc
+from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.api.node_watch import WatchSettings
 from dxpool.broker.api.server import STOP_MARGIN_S, BrokerServer
 from dxpool.gc_policy import CollectorSettings
@@ -102,7 +104,7 @@ def gc_collections(kind: str) -> float:
     return REGISTRY.get_sample_value("dxpool_gc_collections_total", {"kind": kind}) or 0.0
 
 
-def test_the_collector_policy_starts_with_the_broker_and_runs_after_each_compose(
+def test_the_collector_policy_starts_with_the_broker_and_runs_after_each_placing_call(
     broker_factory: Callable[..., BrokerServer], etcd_client: Any, key_prefix: str
 ) -> None:
     started = gc_collections("start")
@@ -134,5 +136,13 @@ def test_the_collector_policy_starts_with_the_broker_and_runs_after_each_compose
             stubs.nodes.ComposeNode(compose_request("H100:8", ""))
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
         assert len(turns) == 2, "a refused compose gives the collector its turn too"
+        member = pb.NodeSpec(gpus=pb.GpuRequest(model="H100", count=1))
+        gang = stubs.nodes.ComposeGang(nodes_pb2.ComposeGangRequest(members=[member]))
+        assert len(gang.nodes) == 1
+        assert len(turns) == 3, "a gang's compose gives it its turn"
+        # a node no agent attached may be refused a resize: the turn comes either way
+        with contextlib.suppress(grpc.RpcError):
+            stubs.nodes.ResizeNode(nodes_pb2.ResizeNodeRequest(name=node.name, gpu_count=3))
+        assert len(turns) == 4, "a resize gives it its turn"
     finally:
         channel.close()
