@@ -251,11 +251,6 @@ class CollectorPolicy:
             self._observer(kind, seconds, self._frozen)
 
     @staticmethod
-    def _collect_all() -> None:
-        gc.collect()
-        gc.freeze()
-
-    @staticmethod
     def _freeze_loaded() -> None:
         gc.freeze()
 

@@ -272,7 +272,9 @@ class TopologyLatencyModel:
         self._class_sides: list[ResolvedPlace] = []
         # host class -> (how many classes there were, the ranking of all of them)
         self._rankings: dict[int, tuple[int, Tiers]] = {}
-        # equal tiers of rankings made for the same classes, as one tuple (see _intern)
+        # equal tiers of rankings made for the same classes, as one tuple: racks of one
+        # pod see the rest of the site as one tier, and a caller may keep what it learned
+        # of a tier by the tuple's identity (placement follows its least box once)
         self._interned: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._interned_at = 0
         # the classes grouped for rankings made without asking every pair (see _grouped)
@@ -310,24 +312,13 @@ class TopologyLatencyModel:
         if self._interned_at != known:
             self._interned, self._interned_at = {}, known
         interned = self._interned
-        tiers = tuple(
-            (ns, self._intern(interned, tuple(sorted(by_ns[ns])))) for ns in sorted(by_ns)
-        )
+        listed: list[tuple[int, tuple[int, ...]]] = []
+        for ns in sorted(by_ns):
+            numbers = tuple(sorted(by_ns[ns]))
+            listed.append((ns, interned.setdefault(numbers, numbers)))
+        tiers = tuple(listed)
         self._rankings[host_class] = (known, tiers)
         return tiers
-
-    @staticmethod
-    def _intern(
-        interned: dict[tuple[int, ...], tuple[int, ...]], numbers: tuple[int, ...]
-    ) -> tuple[int, ...]:
-        """The tuple equal to ``numbers`` that an earlier ranking of the same classes
-        returned, if any: racks of one pod see the rest of the site as one tier, and
-        handing it out as one object lets a caller keep what it learned of that tier by
-        the tuple's identity (placement follows its least box once, not once per rack)."""
-        found = interned.get(numbers)
-        if found is None:
-            found = interned[numbers] = numbers
-        return found
 
     def class_round_trip_ns(self, host_class: int, box_class: int) -> int:
         """The round trip between any host of ``host_class`` and any box of ``box_class``

@@ -467,7 +467,7 @@ class ClassTable:
         before = self.far.get(host_class)
         if far is None:
             self.far.pop(host_class, None)
-        elif before != far:
+        else:
             self.far[host_class] = far
         if (before is None) != (far is None):
             self.apart_stale = True
@@ -1010,7 +1010,7 @@ def _best(
     raws = list(table.raws[key])
     far = table.far.get(key[0])
     if far is not None and options:  # parts() puts the far tier's least box last
-        option = _tight_option(side.chooser.far_box(far), request.count, far.latency)
+        option = _tight_option(side.chooser.tier_box(far.tier), request.count, far.latency)
         options.append(option)
         raws.append(far_raws[(far.latency, key[1], id(option[1][0].supply))])
     tight_key = table.tightest_of_group.get(key)

@@ -182,7 +182,7 @@ class FarTightest:
     its least box alone) and the other two rules found theirs in nearer tiers. The
     tightest box then follows that tier's least box for as long as the least box has the
     fewest usable GPUs of the pool, so a box taken or freed far away changes no host
-    class's answer: whoever reads it resolves it (:meth:`TieredChooser.far_box`).
+    class's answer: whoever reads it resolves it (:meth:`TieredChooser.tier_box`).
 
     Equal when the latency is the same and the tier is the very same tuple."""
 
@@ -571,16 +571,13 @@ class TieredChooser:
         fewest = self._fewest
         fewest_moved = fewest != before._fewest
         for numbers, members, readers, far_readers in tuple(self._resting_on_tier.values()):
-            if members.isdisjoint(touched):
-                if not (fewest_moved and far_readers):
-                    continue
-                least = self._least_in(numbers)
-                tier_moved = False
-            else:
-                least = self._least_in(numbers)
-                tier_moved = before._least_in(numbers) is not least
-                if not tier_moved and not (fewest_moved and far_readers):
-                    continue
+            touched_tier = not members.isdisjoint(touched)
+            if not touched_tier and not (fewest_moved and far_readers):
+                continue
+            least = self._least_in(numbers)
+            tier_moved = touched_tier and before._least_in(numbers) is not least
+            if not tier_moved and not (fewest_moved and far_readers):
+                continue
             if tier_moved:
                 for host_class in tuple(readers):
                     memo = chosen.get(host_class)
@@ -791,13 +788,9 @@ class TieredChooser:
         choice = replace(memo.choice, options=found)
         return replace(memo, choice=choice, tightest=tightest, leasts=leasts)
 
-    def far_box(self, far: FarTightest) -> BoxSupply:
-        """The box a :class:`FarTightest` of this chooser's :meth:`parts` stands for now:
-        its tier's least box."""
-        return self.tier_box(far.tier)
-
     def tier_box(self, tier: tuple[int, ...]) -> BoxSupply:
-        """:meth:`far_box` of a :class:`FarTightest` of ``tier``."""
+        """The box a :class:`FarTightest` of ``tier`` from this chooser's :meth:`parts`
+        stands for now: the tier's least box."""
         least = self._least_in(tier)
         assert least is not None  # advance() drops a far memo whose tier holds none
         return least
@@ -805,7 +798,7 @@ class TieredChooser:
     def tightest_link(self, tightest: Tightest | None) -> Link | None:
         """The second part of :meth:`parts` as a link (its far tier's least box now)."""
         if isinstance(tightest, FarTightest):
-            return (tightest.latency, self.far_box(tightest))
+            return (tightest.latency, self.tier_box(tightest.tier))
         return tightest
 
     def parts(self, host: Place) -> tuple[list[Option], Tightest | None]:
@@ -820,7 +813,7 @@ class TieredChooser:
         GPUs (:meth:`few_tightest`) the second part is that box (see
         :meth:`tightest_near`); when many do, it is a :class:`FarTightest` where the
         host class's walk found it as a large tier's least box (resolve it with
-        :meth:`far_box`), and None otherwise, the tightest box then being within the
+        :meth:`tier_box`), and None otherwise, the tightest box then being within the
         first part. :meth:`changed_classes` names a class whose two parts may differ,
         a :class:`FarTightest` compared by ``==``: a far tier's least box that moved
         changes neither."""
