@@ -77,6 +77,7 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import cast
 
 from sortedcontainers import SortedList
@@ -104,6 +105,7 @@ from dxpool.broker.placement.model import (
     PlacementRequest,
     Snapshot,
 )
+from dxpool.broker.placement.nearest_few import NearestFew
 from dxpool.broker.placement.plugins.hosts import HostNotExcluded, HostResources
 from dxpool.broker.placement.status import Code
 from dxpool.broker.placement.tiered import FarTightest, TieredChooser
@@ -262,6 +264,11 @@ class _FarList:
     entries: SortedList[Entry]
 
 
+FarLists = dict[tuple[int, int], dict[int, _FarList]]
+"""Groups whose tightest box is a far tier's least box: by (round trip, free slots),
+then by the tier (id() of its tuple)."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Scored:
     """Raw scores of a proposal with ``takes`` (held, so the supplies' ids stay theirs)."""
@@ -363,27 +370,28 @@ class ClassTable:
         self.ranking: tuple[int, object] = (-1, None)
         self.options: dict[int, list[selection.Option]] = {}
         self.places: dict[int, Place] = {}
-        # the places of the classes without a far tightest box, which alone the few
-        # tightest boxes are answered for (made again when a class joins or leaves)
-        self.apart: dict[int, Place] = {}
-        self.apart_stale = False
         self.of_class: dict[int, set[GroupKey]] = {}
         self.raws: dict[GroupKey, tuple[Raw, ...]] = {}
         self.first_host: dict[GroupKey, Rank] = {}
         self.by_raw: dict[Raw, SortedList[Entry]] = {}
-        # The tightest box, when the chooser answers it apart (see the glossary):
-        # host class -> (round trip, index into the chooser's few tightest boxes)
-        self.nearest_tightest: dict[int, tuple[int, int]] | None = None
+        # The tightest box, when the chooser answers it apart (see the glossary): the
+        # nearest of the few per host class, kept up as the few change, and the groups
+        # of the classes without a far answer of the chooser's filed by it: by
+        # (round trip, box class, free slots) when it lies in a listed tier, like the
+        # far groups when it is a large tier's least box
+        self.few_active = False  # the chooser answers the tightest box apart now
+        self.nearest = NearestFew(side.chooser.model)
         self.tightest_box: dict[int, BoxSupply] = {}  # box class -> its tightest box
-        self.tightest_by_class: dict[int, tuple[int, int]] = {}  # host class -> (ns, box class)
         self.tightest_of_group: dict[GroupKey, TightestKey] = {}
         self.groups_by_tightest: dict[TightestKey, SortedList[Entry]] = {}
+        self.few_far_groups: FarLists = {}
+        self.few_far_of_group: dict[GroupKey, tuple[tuple[int, int], int]] = {}
         # The tightest box, where the chooser answers it as a far tier's least box (see
         # the glossary): host class -> that answer; the groups of those classes by
         # (round trip, free slots), then by tier (id() of its tuple), scored at decision
         # time from the tier's least box then; and where each such group is filed
         self.far: dict[int, FarTightest] = {}
-        self.far_groups: dict[tuple[int, int], dict[int, _FarList]] = {}
+        self.far_groups: FarLists = {}
         self.far_of_group: dict[GroupKey, tuple[tuple[int, int], int]] = {}
         self.side = side
         self.base = base
@@ -406,6 +414,8 @@ class ClassTable:
         probe, ranking = self.ranking
         if ranking is not None and chooser.model.ranking(probe) is not ranking:
             classes_changed = None  # a class was numbered since: every walk may miss it
+            self.nearest.reset()
+            self._unfile_few()
         if groups_changed is None:
             self._clear()
             redo: set[GroupKey] = {key for key in base.groups if key[1] >= self.min_free}
@@ -450,28 +460,27 @@ class ClassTable:
         self.raws.clear()
         self.first_host.clear()
         self.by_raw.clear()
-        self.nearest_tightest = None
-        self.tightest_box = {}
-        self.tightest_by_class.clear()
-        self.tightest_of_group.clear()
-        self.groups_by_tightest.clear()
+        self._unfile_few()
         self.far.clear()
-        self.apart = {}
-        self.apart_stale = False
         self.far_groups.clear()
         self.far_of_group.clear()
+
+    def _unfile_few(self) -> None:
+        """Forgets the filing of groups by the nearest of the few tightest boxes."""
+        self.few_active = False
+        self.tightest_box = {}
+        self.tightest_of_group.clear()
+        self.groups_by_tightest.clear()
+        self.few_far_groups.clear()
+        self.few_far_of_group.clear()
 
     def _set_far(self, host_class: int, far: FarTightest | None) -> None:
         """Records that ``host_class``'s tightest box is ``far`` (None: none apart); the
         caller files its groups again."""
-        before = self.far.get(host_class)
         if far is None:
             self.far.pop(host_class, None)
         else:
             self.far[host_class] = far
-        if (before is None) != (far is None):
-            self.apart_stale = True
-            self.tightest_by_class.pop(host_class, None)  # found afresh if apart again
 
     def _drop(self, key: GroupKey, *, keep_lists: bool = False) -> None:
         """Forgets a group; with ``keep_lists`` it stays in the lists of groups (by raw
@@ -481,30 +490,20 @@ class ClassTable:
             return
         rank = self.first_host.pop(key)
         self.of_class[key[0]].discard(key)
+        entry = (*rank, key)
         filed = self.far_of_group.pop(key, None)
         if filed is not None:
-            lists = self.far_groups[filed[0]]
-            far_list = lists[filed[1]]
-            far_list.entries.remove((*rank, key))
-            if not far_list.entries:
-                del lists[filed[1]]
-                if not lists:
-                    del self.far_groups[filed[0]]
+            _unfile_far(self.far_groups, filed, entry)
         if keep_lists:
             self.tightest_of_group.pop(key, None)
+            self.few_far_of_group.pop(key, None)
             return
-        entry = (*rank, key)
         for raw in set(raws):
             entries = self.by_raw[raw]
             entries.remove(entry)
             if not entries:
                 del self.by_raw[raw]
-        tight = self.tightest_of_group.pop(key, None)
-        if tight is not None:
-            entries = self.groups_by_tightest[tight]
-            entries.remove(entry)
-            if not entries:
-                del self.groups_by_tightest[tight]
+        self._unfile_nearest(key, entry)
 
     def _add(
         self, key: GroupKey, rank: Rank, side: BoxSide, snapshot: Snapshot, *, keep_lists: bool
@@ -518,22 +517,12 @@ class ClassTable:
             found, tight = side.chooser.parts(host.place)
             self.options[host_class] = found
             self._set_far(host_class, tight if isinstance(tight, FarTightest) else None)
-            # a new mapping: the chooser answers the tightest boxes again for it
-            self.places = {**self.places, host_class: host.place}
-            self.apart_stale = True
+            self.places[host_class] = host.place
         # a class that reaches too little gets no option: its hosts propose nothing
         raws = tuple(raw_scores(side, self.plugins, option, key[1]) for option in found)
         far = self.far.get(host_class)
         if far is not None and raws:
-            where = (far.latency, key[1])
-            lists = self.far_groups.get(where)
-            if lists is None:
-                lists = self.far_groups[where] = {}
-            far_list = lists.get(id(far.tier))
-            if far_list is None:
-                far_list = lists[id(far.tier)] = _FarList(far.tier, SortedList())
-            far_list.entries.add((*rank, key))
-            self.far_of_group[key] = (where, id(far.tier))
+            self.far_of_group[key] = _file_far(self.far_groups, far, key, (*rank, key))
         self.raws[key] = raws
         self.first_host[key] = rank
         self.of_class.setdefault(host_class, set()).add(key)
@@ -562,95 +551,145 @@ class ClassTable:
     def _refile_tightest(
         self, chooser: TieredChooser, redo: set[GroupKey], everything: bool
     ) -> None:
-        """The tightest box of each group's class, when the chooser answers it apart.
-        A group is filed by the round trip to that box and the box's class (a class
-        holds one tightest box), so when the chooser's mapping of classes to tightest
-        boxes changes only the host classes whose answer changed move their groups; the
-        groups judged again (``redo``) are filed afresh, and with ``everything`` (most
-        groups were judged again, and none is filed now) every group."""
-        if self.apart_stale:
-            far = self.far
-            self.apart = {c: place for c, place in self.places.items() if c not in far}
-            self.apart_stale = False
-        answer = chooser.tightest_near(self.apart) if chooser.few_tightest() else None
-        if answer is None:
-            self.nearest_tightest, self.tightest_box = None, {}
-            self.tightest_by_class.clear()
-            self.tightest_of_group.clear()
-            self.groups_by_tightest.clear()
-            return
-        near, few = answer  # per host class the nearest of the few tightest boxes
-        self.tightest_box = dict(few)
-        moved: list[int] = []  # host classes whose tightest box changed
-        if near is not self.nearest_tightest:
-            self.nearest_tightest = near
-            for host_class in self.apart:
-                ns, index = near[host_class]
-                now = (ns, few[index][0])
-                if self.tightest_by_class.get(host_class) != now:
-                    self.tightest_by_class[host_class] = now
-                    moved.append(host_class)
+        """Files each group by the tightest box of its class, when the chooser answers it
+        apart (see :class:`~dxpool.broker.placement.nearest_few.NearestFew`): only the
+        groups of host classes whose answer changed move, and the groups judged again
+        (``redo``) are filed afresh; with ``everything`` (most groups were judged again,
+        and none is filed now) every group is."""
+        few = chooser.tightest_few()
+        moved: list[int] = []
+        if few:
+            self.few_active = True
+            self.tightest_box = dict(few)
+            moved = self.nearest.update(few, self.places)
             moving = sum(len(self.of_class.get(host_class, ())) for host_class in moved)
             everything = everything or moving * REFILE_ALL_SHARE > len(self.raws)
+        else:
+            # Many classes hold the tightest box (or none does): the decision does not
+            # read this filing, but it is kept up by the answers of the last few, so
+            # that coming back to few costs only the classes whose answer moved.
+            self.few_active = False
+            if not self.nearest.answers:
+                return
         if everything:
-            for host_class in self.apart:
-                if host_class not in self.tightest_by_class:
-                    ns, index = near[host_class]
-                    self.tightest_by_class[host_class] = (ns, few[index][0])
             self._refile_all()
             return
         far = self.far
         for host_class in moved:
             for key in self.of_class.get(host_class, ()):
-                if key in self.tightest_of_group:
-                    self._unfile_by_tightest(key)
+                entry = (*self.first_host[key], key)
+                self._unfile_nearest(key, entry)
                 # a group with no option has no tightest box; a far one has its own
                 if self.raws.get(key) and host_class not in far:
-                    self._file_by_tightest(key, (*self.first_host[key], key))
+                    self._file_nearest(key, entry)
         for key in redo:
-            if self.raws.get(key) and key not in self.tightest_of_group and key[0] not in far:
-                host_class = key[0]
-                if host_class not in self.tightest_by_class:
-                    ns, index = near[host_class]
-                    self.tightest_by_class[host_class] = (ns, few[index][0])
-                self._file_by_tightest(key, (*self.first_host[key], key))
+            if (
+                self.raws.get(key)
+                and key[0] not in far
+                and key not in self.tightest_of_group
+                and key not in self.few_far_of_group
+            ):
+                self._file_nearest(key, (*self.first_host[key], key))
 
     def _refile_all(self) -> None:
         """Files every group with an option by the tightest box of its class afresh, in
         one pass: what filing the groups that moved one by one ends in, for when most
-        of them moved (one tightest box for the whole pool moved to another class: its
-        round trip changed for nearly every host class)."""
-        tightest_by_class = self.tightest_by_class
+        of them moved (the few tightest boxes were answered afresh)."""
+        answers = self.nearest.answers
         first_host = self.first_host
         of_group: dict[GroupKey, TightestKey] = {}
         filed: dict[TightestKey, list[Entry]] = {}
+        far_of_group: dict[GroupKey, tuple[tuple[int, int], int]] = {}
+        far_filed: dict[tuple[int, int], dict[int, tuple[tuple[int, ...], list[Entry]]]] = {}
         far = self.far
         for key, raws in self.raws.items():
             # a group with no option has no tightest box; a far one has its own
-            if raws and key[0] not in far:
-                tight = (*tightest_by_class[key[0]], key[1])
-                of_group[key] = tight
-                entries = filed.get(tight)
-                if entries is None:
-                    entries = filed[tight] = []
-                entries.append((*first_host[key], key))
+            if not raws or key[0] in far:
+                continue
+            answer = answers.get(key[0])
+            if answer is None:
+                continue
+            entry = (*first_host[key], key)
+            if isinstance(answer, FarTightest):
+                where = (answer.latency, key[1])
+                lists = far_filed.get(where)
+                if lists is None:
+                    lists = far_filed[where] = {}
+                found = lists.get(id(answer.tier))
+                if found is None:
+                    found = lists[id(answer.tier)] = (answer.tier, [])
+                found[1].append(entry)
+                far_of_group[key] = (where, id(answer.tier))
+                continue
+            tight = (*answer, key[1])
+            of_group[key] = tight
+            entries = filed.get(tight)
+            if entries is None:
+                entries = filed[tight] = []
+            entries.append(entry)
         self.tightest_of_group = of_group
         self.groups_by_tightest = {tight: SortedList(entries) for tight, entries in filed.items()}
+        self.few_far_of_group = far_of_group
+        self.few_far_groups = {
+            where: {
+                tier_id: _FarList(tier, SortedList(entries))
+                for tier_id, (tier, entries) in lists.items()
+            }
+            for where, lists in far_filed.items()
+        }
 
-    def _unfile_by_tightest(self, key: GroupKey) -> None:
-        tight = self.tightest_of_group.pop(key)
-        entries = self.groups_by_tightest[tight]
-        entries.remove((*self.first_host[key], key))
-        if not entries:
-            del self.groups_by_tightest[tight]
+    def _unfile_nearest(self, key: GroupKey, entry: Entry) -> None:
+        """Takes a group out of the lists by the nearest of the few tightest boxes."""
+        tight = self.tightest_of_group.pop(key, None)
+        if tight is not None:
+            entries = self.groups_by_tightest[tight]
+            entries.remove(entry)
+            if not entries:
+                del self.groups_by_tightest[tight]
+        filed = self.few_far_of_group.pop(key, None)
+        if filed is not None:
+            _unfile_far(self.few_far_groups, filed, entry)
 
-    def _file_by_tightest(self, key: GroupKey, entry: Entry) -> None:
-        tight = (*self.tightest_by_class[key[0]], key[1])
+    def _file_nearest(self, key: GroupKey, entry: Entry) -> None:
+        """Files a group by the nearest of the few tightest boxes of its class."""
+        answer = self.nearest.answers.get(key[0])
+        if answer is None:
+            return
+        if isinstance(answer, FarTightest):
+            self.few_far_of_group[key] = _file_far(self.few_far_groups, answer, key, entry)
+            return
+        tight = (*answer, key[1])
         self.tightest_of_group[key] = tight
         entries = self.groups_by_tightest.get(tight)
         if entries is None:
             entries = self.groups_by_tightest[tight] = SortedList()
         entries.add(entry)
+
+
+def _file_far(
+    lists: FarLists, far: FarTightest, key: GroupKey, entry: Entry
+) -> tuple[tuple[int, int], int]:
+    """Files a group under its far tier; returns where (for :func:`_unfile_far`)."""
+    where = (far.latency, key[1])
+    by_tier = lists.get(where)
+    if by_tier is None:
+        by_tier = lists[where] = {}
+    far_list = by_tier.get(id(far.tier))
+    if far_list is None:
+        far_list = by_tier[id(far.tier)] = _FarList(far.tier, SortedList())
+    far_list.entries.add(entry)
+    return where, id(far.tier)
+
+
+def _unfile_far(lists: FarLists, filed: tuple[tuple[int, int], int], entry: Entry) -> None:
+    """Takes a group filed by :func:`_file_far` out of its list."""
+    by_tier = lists[filed[0]]
+    far_list = by_tier[filed[1]]
+    far_list.entries.remove(entry)
+    if not far_list.entries:
+        del by_tier[filed[1]]
+        if not by_tier:
+            del lists[filed[0]]
 
 
 def raw_scores(
@@ -980,7 +1019,7 @@ def _best(
             found[raw] = member
             sources[raw] = [entries]
     tight_raws: dict[TightestKey, Raw] = {}
-    if table.nearest_tightest is not None:
+    if table.few_active:
         for tight, entries in table.groups_by_tightest.items():
             member = fitting.first(entries, exact=False)
             if member is None:
@@ -1006,25 +1045,50 @@ def _best(
         winner = min(found[raw] for raw in winners)
     host = snapshot.hosts[winner[1]]
     key = base.where[host.host][0]
+    options, raws = _options_of(table, side, key, request.count, far_raws, tight_raws)
+    index = next(i for i, raw in enumerate(raws) if totals[raw] == best)
+    rule, takes = options[index]
+    return Chosen(host, rule, takes, best)
+
+
+def _options_of(
+    table: ClassTable,
+    side: BoxSide,
+    key: GroupKey,
+    count: int,
+    far_raws: dict[tuple[int, int, int], Raw],
+    tight_raws: dict[TightestKey, Raw],
+) -> tuple[list[selection.Option], list[Raw]]:
+    """A group's options in the order :meth:`~.TieredChooser.parts` gives them (the
+    tightest box last, unless it is one of the others), with their raw scores."""
     options = list(table.options[key[0]])
     raws = list(table.raws[key])
     far = table.far.get(key[0])
     if far is not None and options:  # parts() puts the far tier's least box last
-        option = _tight_option(side.chooser.tier_box(far.tier), request.count, far.latency)
+        option = _tight_option(side.chooser.tier_box(far.tier), count, far.latency)
         options.append(option)
         raws.append(far_raws[(far.latency, key[1], id(option[1][0].supply))])
+        return options, raws
+    if not table.few_active:
+        return options, raws  # the tightest box is within the options
+    tight: tuple[BoxSupply, int, Raw] | None = None
+    few_far = table.few_far_of_group.get(key)
+    if few_far is not None:  # the nearest of the few tightest boxes is a far tier's least
+        (ns, free), tier_id = few_far
+        supply = side.chooser.tier_box(table.few_far_groups[(ns, free)][tier_id].tier)
+        tight = supply, ns, far_raws[(ns, free, id(supply))]
     tight_key = table.tightest_of_group.get(key)
     if tight_key is not None:
         ns, box_class, _ = tight_key
-        supply = table.tightest_box[box_class]
+        tight = table.tightest_box[box_class], ns, tight_raws[tight_key]
+    if tight is not None:
+        supply, ns, raw = tight
         if not any(
             len(takes) == 1 and takes[0].supply.box.box == supply.box.box for _, takes in options
         ):  # parts() puts the tightest box after the others
-            options.append(_tight_option(supply, request.count, ns))
-            raws.append(tight_raws[tight_key])
-    index = next(i for i, raw in enumerate(raws) if totals[raw] == best)
-    rule, takes = options[index]
-    return Chosen(host, rule, takes, best)
+            options.append(_tight_option(supply, count, ns))
+            raws.append(raw)
+    return options, raws
 
 
 def _far_found(
@@ -1044,7 +1108,8 @@ def _far_found(
     least_of: dict[int, BoxSupply] = {}
     raws: dict[tuple[int, int, int], Raw] = {}
     plugins = table.plugins
-    for (ns, free), lists in table.far_groups.items():
+    both = (table.far_groups, table.few_far_groups) if table.few_active else (table.far_groups,)
+    for (ns, free), lists in chain.from_iterable(far_lists.items() for far_lists in both):
         for tier_id, far_list in lists.items():
             least = least_of.get(tier_id)
             if least is None:

@@ -30,9 +30,9 @@ without a bound, the fewest usable GPUs of a box that holds the request (the
 none of those changed. The tightest box is found from the few classes that hold a box of
 that size when there are few of them (the nearest of them, by the model's round trip),
 so that rule does not make every choice depend on far tiers; when many classes hold one,
-a change of that size is answered by walking the ranking for that rule alone. The
-nearest of the few tightest boxes is also handed out per host class at once
-(:meth:`TieredChooser.tightest_near`), for a caller that reads every class's choice.
+a change of that size is answered by walking the ranking for that rule alone. A caller
+that reads every class's choice keeps the nearest of the few itself, from
+:meth:`TieredChooser.tightest_few` (see :mod:`.nearest_few`).
 
 A tightest box the walk found as a large tier's least box (the other rules answered
 nearer) is kept as that reference (:class:`FarTightest`) for as long as it holds: the
@@ -66,11 +66,6 @@ from dxpool.fabric.latency import Place, TieredLatencyModel, Tiers
 
 MAX_EXAMINED = 64
 """A choice whose walk looked at more box classes than this depends on every class."""
-
-MAX_NEAR_KEPT = 64
-"""Sets of tightest boxes (classes, and the order of their box ids) whose nearest per
-host class is remembered (see
-:meth:`TieredChooser.tightest_near`); beyond that the record starts afresh."""
 
 FEW_TIGHTEST = 8
 """At most this many classes holding the tightest box: that rule asks the model for the
@@ -236,10 +231,6 @@ class _Walk:
         return frozenset(self.classes), tuple((tier.numbers, tier.least) for tier in self.large)
 
 
-_NearKey = tuple[tuple[int, ...], tuple[int, ...]]
-"""A set of tightest boxes as the nearest of them depends on it: their classes (in the
-set's order) and the positions of the set sorted by box id."""
-
 _Stamp = tuple[object, tuple[tuple[int, BoxSupply], ...] | None]
 """What an unbounded choice's tightest box rests on: the fewest usable GPUs of a box that
 holds the request, and the few classes holding such a box with that box (None when
@@ -324,12 +315,6 @@ class TieredChooser:
         # round trip by (host class, box class), shared along advance(): by the model's
         # contract it depends on the two classes only, and a model never changes
         self._class_ns: dict[tuple[int, int], int] = {}
-        # the nearest of a set of tightest boxes per host class, by that set's classes
-        # and the order of its box ids; shared along advance() like the round trips it
-        # is made from
-        self._near: dict[_NearKey, dict[int, tuple[int, int]]] = {}
-        # the ``places`` each of those was last answered for in full (same keys)
-        self._near_answered: dict[_NearKey, Mapping[int, Place]] = {}
         # (usable GPUs, box id, class) of every class's first box that holds the request,
         # ascending; made when a large tier is first walked, then carried along advance()
         self._fits_order: list[tuple[int, str, int]] | None = None
@@ -387,8 +372,6 @@ class TieredChooser:
         following._tightest = self._tightest_after(following, touched)
         following._fits_order = self._fits_order_after(classes, touched)
         following._class_ns = self._class_ns
-        following._near = self._near
-        following._near_answered = self._near_answered
         following._tier_sets = self._tier_sets
         following._resting_on = self._resting_on
         following._resting_on_all = self._resting_on_all
@@ -660,60 +643,14 @@ class TieredChooser:
         at most ``FEW_TIGHTEST`` classes hold a box of the fewest usable GPUs)."""
         return self._bound is None and self._tightest_classes() is not None
 
-    def tightest_near(
-        self, places: Mapping[int, Place]
-    ) -> tuple[dict[int, tuple[int, int]], tuple[tuple[int, BoxSupply], ...]] | None:
-        """The tightest single box :meth:`parts` gives each host class of ``places`` (a
-        place of a host of that class), as ``(round trip, index)`` into the second
-        element, the (class, tightest box) pairs; the mapping may name other classes
-        too. None unless :meth:`few_tightest` and some box holds the request.
-
-        Remembered per set of tightest boxes as far as the answer depends on it: their
-        classes (a round trip depends on the classes alone) and the order of their box
-        ids (which breaks ties), so while 1-GPU composes move the tightest box within the
-        same classes no class is looked at again; and which
-        ``places`` mapping was answered in full, so asking again with the same mapping
-        (callers keep it while no class is added) looks at no class at all."""
+    def tightest_few(self) -> tuple[tuple[int, BoxSupply], ...] | None:
+        """(class, its tightest box) for each class holding a box of the fewest usable
+        GPUs that holds the request, by class, when :meth:`few_tightest` (the second
+        part of :meth:`parts` is then the nearest of those boxes, the lowest box id
+        among equally near ones; see :mod:`.nearest_few`); None otherwise."""
         if self._bound is not None:
             return None
-        few = self._tightest_classes()
-        if not few:
-            return None
-        by_id = sorted(range(len(few)), key=lambda index: few[index][1].box.box)
-        key = (tuple(number for number, _ in few), tuple(by_id))
-        near = self._near.get(key)
-        if near is None:
-            if len(self._near) >= MAX_NEAR_KEPT:
-                self._near.clear()
-                self._near_answered.clear()
-            near = self._near.setdefault(key, {})
-        elif self._near_answered.get(key) is places:
-            return near, few
-        missing = [host_class for host_class in places if host_class not in near]
-        if missing:
-            _near_by_columns(self._model, near, missing, few, by_id)
-        class_ns = self._class_ns
-        model = self._model
-        columns: dict[int, Mapping[int, int] | None] = {}  # box class -> all round trips
-        for host_class in missing:
-            if host_class in near:
-                continue
-            best: tuple[int, str, int] | None = None
-            for index, (number, supply) in enumerate(few):
-                ns = class_ns.get((host_class, number))
-                if ns is None:
-                    if number not in columns:
-                        columns[number] = model.round_trips_to(number)
-                    column = columns[number]
-                    found = column.get(host_class) if column is not None else None
-                    ns = model.class_round_trip_ns(host_class, number) if found is None else found
-                    class_ns[(host_class, number)] = ns
-                if best is None or (ns, supply.box.box) < best[:2]:
-                    best = (ns, supply.box.box, index)
-            assert best is not None
-            near[host_class] = (best[0], best[2])
-        self._near_answered[key] = places
-        return near, few
+        return self._tightest_classes()
 
     @property
     def model(self) -> TieredLatencyModel:
@@ -810,13 +747,14 @@ class TieredChooser:
         Lets a caller that remembers what it made of the first part keep it while only
         the tightest box moves (a 1-GPU compose into the box with the fewest free GPUs
         moves it for every host class). When few classes hold a box of the fewest usable
-        GPUs (:meth:`few_tightest`) the second part is that box (see
-        :meth:`tightest_near`); when many do, it is a :class:`FarTightest` where the
-        host class's walk found it as a large tier's least box (resolve it with
-        :meth:`tier_box`), and None otherwise, the tightest box then being within the
-        first part. :meth:`changed_classes` names a class whose two parts may differ,
-        a :class:`FarTightest` compared by ``==``: a far tier's least box that moved
-        changes neither."""
+        GPUs (:meth:`few_tightest`) the second part is the nearest of those boxes (a
+        :class:`FarTightest` where the class's walk found it as a large tier's least
+        box and the rules before it answered nearer); when many do, it is a
+        :class:`FarTightest` where the host class's walk found it as a large tier's
+        least box (resolve it with :meth:`tier_box`), and None otherwise, the tightest
+        box then being within the first part. :meth:`changed_classes` names a class
+        whose two parts may differ, a :class:`FarTightest` compared by ``==``: a far
+        tier's least box that moved changes neither."""
         if self._bound is not None:
             return self.choose(host).options, None
         if self._tightest_classes() is None:
@@ -1087,41 +1025,6 @@ class TieredChooser:
         most = fill.most() if fill is not None and nearest is None else None
         chosen = options(self._count, nearest, single, tightest, self._first_rule)
         return chosen, nearest, single, tightest, most
-
-
-def _near_by_columns(
-    model: TieredLatencyModel,
-    near: dict[int, tuple[int, int]],
-    missing: list[int],
-    few: tuple[tuple[int, BoxSupply], ...],
-    by_id: list[int],
-) -> None:
-    """Adds to ``near`` what :meth:`TieredChooser.tightest_near` answers for the host
-    classes ``missing``, from each tightest box class's column of round trips
-    (:meth:`~dxpool.fabric.latency.TieredLatencyModel.round_trips_to`): the nearest
-    box, the lowest id (``by_id`` orders ``few`` by box id) among equally near ones.
-    Adds nothing when the model has no columns, and stops at the first class a column
-    lacks (one numbered since), leaving the rest to be asked pair by pair."""
-    ranked: list[tuple[Mapping[int, int], int]] = []
-    for index in by_id:
-        column = model.round_trips_to(few[index][0])
-        if column is None:
-            return
-        ranked.append((column, index))
-    try:
-        if len(ranked) == 1:
-            ((column, index),) = ranked
-            near.update({host_class: (column[host_class], index) for host_class in missing})
-            return
-        for host_class in missing:
-            best = (ranked[0][0][host_class], ranked[0][1])
-            for column, index in ranked[1:]:
-                ns = column[host_class]
-                if ns < best[0]:
-                    best = (ns, index)
-            near[host_class] = best
-    except KeyError:
-        return
 
 
 def _far_of(
