@@ -415,6 +415,7 @@ class ClassTable:
         if ranking is not None and chooser.model.ranking(probe) is not ranking:
             classes_changed = None  # a class was numbered since: every walk may miss it
             self.nearest.reset()
+            self.nearest.join(self.places)
             self._unfile_few()
         if groups_changed is None:
             self._clear()
@@ -518,6 +519,7 @@ class ClassTable:
             self.options[host_class] = found
             self._set_far(host_class, tight if isinstance(tight, FarTightest) else None)
             self.places[host_class] = host.place
+            self.nearest.join((host_class,))
         # a class that reaches too little gets no option: its hosts propose nothing
         raws = tuple(raw_scores(side, self.plugins, option, key[1]) for option in found)
         far = self.far.get(host_class)
@@ -561,7 +563,7 @@ class ClassTable:
         if few:
             self.few_active = True
             self.tightest_box = dict(few)
-            moved = self.nearest.update(few, self.places)
+            moved = self.nearest.update(few)
             moving = sum(len(self.of_class.get(host_class, ())) for host_class in moved)
             everything = everything or moving * REFILE_ALL_SHARE > len(self.raws)
         else:

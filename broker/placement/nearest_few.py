@@ -75,6 +75,7 @@ class NearestFew:
         self._on_class: dict[int, set[_Group]] = {}
         self._on_tier: dict[int, tuple[tuple[int, ...], frozenset[int], set[_Group]]] = {}
         self._tier_holds: dict[int, bool] = {}  # large tier id -> holds one of the few
+        self._unanswered: set[int] = set()  # joined since the last update
 
     def reset(self) -> None:
         """Forgets every answer and group (the model's rankings changed)."""
@@ -85,13 +86,25 @@ class NearestFew:
         self._on_class.clear()
         self._on_tier.clear()
         self._tier_holds.clear()
+        self._unanswered.clear()
+
+    def join(self, host_classes: Iterable[int]) -> None:
+        """Files host classes in their groups (what does not depend on the few), to be
+        answered at the next :meth:`update`: a caller that knows its classes early
+        spares the update that first answers them the work."""
+        for host_class in host_classes:
+            if host_class not in self._group_of:
+                self._join(host_class)
+                self._unanswered.add(host_class)
 
     def update(
-        self, few: Sequence[tuple[int, BoxSupply]], host_classes: Iterable[int]
+        self, few: Sequence[tuple[int, BoxSupply]], host_classes: Iterable[int] = ()
     ) -> list[int]:
         """Brings the answers up to ``few`` (each class holding a box of the fewest usable
-        GPUs, with that box; not empty) for ``host_classes`` (those answered before stay
-        answered). Returns the host classes whose answer is new or changed."""
+        GPUs, with that box; not empty) for every class joined and ``host_classes``
+        (those answered before stay answered). Returns the host classes whose answer is
+        new or changed."""
+        self.join(host_classes)
         now = dict(few)
         before = self._few
         changed = [n for n in now.keys() | before.keys() if now.get(n) is not before.get(n)]
@@ -109,16 +122,17 @@ class NearestFew:
                         holds[tier_id] = held
                         touched.update(groups)
         moved: list[int] = []
+        unanswered = self._unanswered
         for group in touched:
             self._answer_rest(group)
             for host_class in group.members:
+                unanswered.discard(host_class)
                 if self._set(host_class, self._answer(group, host_class)):
                     moved.append(host_class)
-        for host_class in host_classes:
-            if host_class not in self._group_of:
-                group = self._join(host_class)
-                self._set(host_class, self._answer(group, host_class))
+        for host_class in unanswered:
+            if self._set(host_class, self._answer(self._group_of[host_class], host_class)):
                 moved.append(host_class)
+        unanswered.clear()
         return moved
 
     def _set(self, host_class: int, found: Nearest | None) -> bool:
