@@ -386,6 +386,8 @@ class ClassTable:
         self.groups_by_tightest: dict[TightestKey, SortedList[Entry]] = {}
         self.few_far_groups: FarLists = {}
         self.few_far_of_group: dict[GroupKey, tuple[tuple[int, int], int]] = {}
+        # the raw scores of each key's option with the box they were made for
+        self.tight_scored: dict[TightestKey, tuple[BoxSupply, Raw]] = {}
         # The tightest box, where the chooser answers it as a far tier's least box (see
         # the glossary): host class -> that answer; the groups of those classes by
         # (round trip, free slots), then by tier (id() of its tuple), scored at decision
@@ -432,7 +434,7 @@ class ClassTable:
             else [c for c in cast(set[int], classes_changed) if c in self.options]
         )
         for host_class in check:
-            again, tight = chooser.parts(self.places[host_class])
+            again, tight = chooser.parts(self.places[host_class], nearest_few=False)
             far = tight if isinstance(tight, FarTightest) else None
             if again != self.options[host_class] or far != self.far.get(host_class):
                 self.options[host_class] = again
@@ -470,6 +472,7 @@ class ClassTable:
         """Forgets the filing of groups by the nearest of the few tightest boxes."""
         self.few_active = False
         self.tightest_box = {}
+        self.tight_scored.clear()
         self.tightest_of_group.clear()
         self.groups_by_tightest.clear()
         self.few_far_groups.clear()
@@ -515,7 +518,7 @@ class ClassTable:
         found = self.options.get(host_class)
         if found is None:
             host = snapshot.hosts[rank[1]]
-            found, tight = side.chooser.parts(host.place)
+            found, tight = side.chooser.parts(host.place, nearest_few=False)
             self.options[host_class] = found
             self._set_far(host_class, tight if isinstance(tight, FarTightest) else None)
             self.places[host_class] = host.place
@@ -1022,15 +1025,26 @@ def _best(
             sources[raw] = [entries]
     tight_raws: dict[TightestKey, Raw] = {}
     if table.few_active:
+        scored = table.tight_scored
         for tight, entries in table.groups_by_tightest.items():
+            box = table.tightest_box[tight[1]]
+            known = scored.get(tight)
+            if known is not None and known[0] is box:
+                raw = known[1]
+            else:
+                option = _tight_option(box, request.count, tight[0])
+                raw = raw_scores(side, table.plugins, option, tight[2])
+                scored[tight] = (box, raw)
+            tight_raws[tight] = raw
+            seen = found.get(raw)
+            if seen is not None and fitting.any:
+                # with checks a found raw's hosts are looked for among its sources
+                # again (exactly) if it wins: this list need not be searched now
+                sources[raw].append(entries)
+                continue
             member = fitting.first(entries, exact=False)
             if member is None:
                 continue
-            ns, box_class, free = tight
-            option = _tight_option(table.tightest_box[box_class], request.count, ns)
-            raw = raw_scores(side, table.plugins, option, free)
-            tight_raws[tight] = raw
-            seen = found.get(raw)
             if seen is None or member < seen:
                 found[raw] = member
             sources.setdefault(raw, []).append(entries)

@@ -30,8 +30,10 @@ without a bound, the fewest usable GPUs of a box that holds the request (the
 none of those changed. The tightest box is found from the few classes that hold a box of
 that size when there are few of them (the nearest of them, by the model's round trip),
 so that rule does not make every choice depend on far tiers; when many classes hold one,
-a change of that size is answered by walking the ranking for that rule alone. A caller
-that reads every class's choice keeps the nearest of the few itself, from
+a change of that size is answered by walking the ranking for that rule alone. With few,
+a walk does not go on for that rule: the nearest of the few is added when
+:meth:`~TieredChooser.choose` reads the choice, and a caller that reads every class's
+:meth:`~TieredChooser.parts` keeps the nearest of the few itself, from
 :meth:`TieredChooser.tightest_few` (see :mod:`.nearest_few`).
 
 A tightest box the walk found as a large tier's least box (the other rules answered
@@ -48,7 +50,6 @@ from bisect import bisect_left, insort
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from functools import partial
 from itertools import chain
 from typing import cast
 
@@ -67,9 +68,12 @@ from dxpool.fabric.latency import Place, TieredLatencyModel, Tiers
 MAX_EXAMINED = 64
 """A choice whose walk looked at more box classes than this depends on every class."""
 
-FEW_TIGHTEST = 8
+FEW_TIGHTEST = 32
 """At most this many classes holding the tightest box: that rule asks the model for the
-round trip to each instead of walking the ranking to the nearest."""
+round trip to each instead of walking the ranking to the nearest. Each costs a lookup
+per host class that :meth:`TieredChooser.choose` reads, none for :meth:`parts` with
+``nearest_few`` False (a class table keeps them, see :mod:`.nearest_few`); above it, a
+change of the fewest usable GPUs makes every class walk again, so the cap is generous."""
 
 LARGE_TIER = 64
 """A ranking tier of more box classes than this (the rest of a site, for the tree model)
@@ -691,6 +695,8 @@ class TieredChooser:
                 self._remember(host_class, memo)
         if memo is None:
             memo = self._choose(host, ranking)
+            if memo.stamp is None and self._bound is None and memo.choice.options:
+                memo = self._retighten(host, host_class, memo, self._stamp())  # deferred
             self._remember(host_class, memo)
         return host_class, memo
 
@@ -738,7 +744,9 @@ class TieredChooser:
             return (tightest.latency, self.tier_box(tightest.tier))
         return tightest
 
-    def parts(self, host: Place) -> tuple[list[Option], Tightest | None]:
+    def parts(
+        self, host: Place, *, nearest_few: bool = True
+    ) -> tuple[list[Option], Tightest | None]:
         """:meth:`choose`'s options in two parts: the options of the nearest-first and
         nearest-single-box rules, and the tightest single box when it comes after them
         (None when it is one of their boxes, or is already among the options). The
@@ -754,7 +762,9 @@ class TieredChooser:
         least box (resolve it with :meth:`tier_box`), and None otherwise, the tightest
         box then being within the first part. :meth:`changed_classes` names a class
         whose two parts may differ, a :class:`FarTightest` compared by ``==``: a far
-        tier's least box that moved changes neither."""
+        tier's least box that moved changes neither. With ``nearest_few`` False the
+        second part is None where it would be the nearest of the few (for a caller that
+        keeps those itself, see :mod:`.nearest_few`)."""
         if self._bound is not None:
             return self.choose(host).options, None
         if self._tightest_classes() is None:
@@ -773,7 +783,7 @@ class TieredChooser:
         assert base is not None  # every unbounded memo has one
         if memo.far is not None and self._far_holds(memo):
             return base, memo.far  # the nearest of the few is that tier's least box
-        if not base:
+        if not base or not nearest_few:
             return base, None
         tightest = self._nearest_tightest(host, host_class)
         if tightest is None:
@@ -878,16 +888,24 @@ class TieredChooser:
         tiers = self._present(ranking, walk)
         bound = self._bound
         if bound is None:
-            stamp = self._stamp()
+            stamp: _Stamp | None = self._stamp()
             if self._usable < self._count:
                 empty: list[Option] = []
                 choice = Choice(empty, self._usable, None)
                 return _Memo(choice, ranking, examined=frozenset(), stamp=stamp, base=empty)
             direct: Callable[[], Link | None] | None = None
-            if stamp[1] is not None:
-                direct = partial(self._nearest_tightest, host, self._model.host_class(host))
+            deferred: list[bool] = []
+            if self._tightest_classes() is not None:
+                # the nearest of the few is asked for when choose() reads the choice:
+                # parts() answers it apart, and a class table keeps it itself
+                def direct() -> Link | None:
+                    deferred.append(True)
+                    return None
+
             options_, nearest, single, tightest, most = self._rules(tiers, self._fewest, direct)
             choice = Choice(options_, self._usable, None, most)
+            if deferred:
+                stamp = None  # the choice lacks its tightest box: choose() adds it
             base = options(self._count, nearest, single, None, self._first_rule)
             examined, leasts = walk.rests_on()
             far, nearer = None, NO_BOX

@@ -719,3 +719,39 @@ def test_a_far_tightest_box_beyond_another_large_tier_follows_that_tiers_fewest(
     expected = TieredChooser(model, supplies, 1).choose(host)
     assert expected.options[-1][1][0].supply is fewer  # nearer than t3, as few usable
     assert chooser.choose(host) == expected
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_with_few_tightest_boxes_parts_leaves_the_nearest_out_and_choose_adds_it(
+    seed: int, topology: Topology
+) -> None:
+    """With few classes holding a box of the fewest usable GPUs, a walk does not go on
+    for that rule: ``parts(nearest_few=False)`` gives the same first part as ``parts()``
+    and no second part where that would be the nearest of the few, and ``choose()``,
+    asked after ``parts()`` or first, gives what ``propose`` makes from every link."""
+    rng = random.Random(seed)
+    model = TopologyLatencyModel(topology)
+
+    def box(name: str, usable: int) -> BoxSupply:
+        gpus = tuple(
+            GpuInfo(f"boxes/{name}/gpus/{s}", name, s, "H100", 1, True, True) for s in range(usable)
+        )
+        return BoxSupply(BoxInfo(name, Place(f"boxes/{name}", *where(rng)), True), gpus)
+
+    supplies = sorted(
+        [*(box(f"t{index}", 1) for index in range(2)), *(box(f"f{i}", 8) for i in range(6))],
+        key=lambda s: (s.available, s.box.box),
+    )
+    kept, fresh = TieredChooser(model, supplies, 1), TieredChooser(model, supplies, 1)
+    assert kept.few_tightest()
+    for index in range(12):
+        host = HostInfo(f"h{index}", Place(f"hosts/h{index}", *where(rng)), 16, frozenset(), True)
+        base, far = kept.parts(host.place, nearest_few=False)
+        whole_base, whole = kept.parts(host.place)
+        assert base == whole_base
+        if not isinstance(whole, tiered_rules.FarTightest):
+            assert far is None
+        links = [(model.round_trip(host.place, s.box.place).round_trip_ns, s) for s in supplies]
+        expected = [(p.rule, p.takes) for p in propose(host, 16, 1, links)]
+        assert kept.choose(host.place).options == expected
+        assert fresh.choose(host.place).options == expected
