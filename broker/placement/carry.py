@@ -617,13 +617,8 @@ class ClassTable:
             entry = (*first_host[key], key)
             if isinstance(answer, FarTightest):
                 where = (answer.latency, key[1])
-                lists = far_filed.get(where)
-                if lists is None:
-                    lists = far_filed[where] = {}
-                found = lists.get(id(answer.tier))
-                if found is None:
-                    found = lists[id(answer.tier)] = (answer.tier, [])
-                found[1].append(entry)
+                by_tier = far_filed.setdefault(where, {})
+                by_tier.setdefault(id(answer.tier), (answer.tier, []))[1].append(entry)
                 far_of_group[key] = (where, id(answer.tier))
                 continue
             tight = (*answer, key[1])
