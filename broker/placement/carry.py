@@ -380,6 +380,10 @@ class ClassTable:
         # (round trip, box class, free slots) when it lies in a listed tier, like the
         # far groups when it is a large tier's least box
         self.few_active = False  # the chooser answers the tightest box apart now
+        # while it does not: groups judged again and not filed by it yet, or (True)
+        # the whole filing to be made again
+        self.pending: set[GroupKey] = set()
+        self.refile_pending = False
         self.nearest = NearestFew(side.chooser.model)
         self.tightest_box: dict[int, BoxSupply] = {}  # box class -> its tightest box
         self.tightest_of_group: dict[GroupKey, TightestKey] = {}
@@ -471,6 +475,8 @@ class ClassTable:
     def _unfile_few(self) -> None:
         """Forgets the filing of groups by the nearest of the few tightest boxes."""
         self.few_active = False
+        self.pending.clear()
+        self.refile_pending = False
         self.tightest_box = {}
         self.tight_scored.clear()
         self.tightest_of_group.clear()
@@ -562,23 +568,31 @@ class ClassTable:
         (``redo``) are filed afresh; with ``everything`` (most groups were judged again,
         and none is filed now) every group is."""
         few = chooser.tightest_few()
-        moved: list[int] = []
-        if few:
-            self.few_active = True
-            self.tightest_box = dict(few)
-            moved = self.nearest.update(few)
-            moving = sum(len(self.of_class.get(host_class, ())) for host_class in moved)
-            everything = everything or moving * REFILE_ALL_SHARE > len(self.raws)
-        else:
+        if not few:
             # Many classes hold the tightest box (or none does): the decision does not
-            # read this filing, but it is kept up by the answers of the last few, so
-            # that coming back to few costs only the classes whose answer moved.
+            # read this filing. It stays as the answers of the last few left it, the
+            # groups judged again meanwhile waiting, so that coming back to few costs
+            # only those and the classes whose answer moved.
             self.few_active = False
-            if not self.nearest.answers:
-                return
+            if everything:
+                self.refile_pending = True
+            elif not self.refile_pending:
+                self.pending.update(redo)
+            return
+        self.few_active = True
+        self.tightest_box = dict(few)
+        moved = self.nearest.update(few)
+        moving = sum(len(self.of_class.get(host_class, ())) for host_class in moved)
+        everything = (
+            everything
+            or self.refile_pending
+            or (moving + len(self.pending)) * REFILE_ALL_SHARE > len(self.raws)
+        )
         if everything:
             self._refile_all()
             return
+        redo.update(self.pending)
+        self.pending.clear()
         far = self.far
         for host_class in moved:
             for key in self.of_class.get(host_class, ()):
@@ -630,6 +644,8 @@ class ClassTable:
         self.tightest_of_group = of_group
         self.groups_by_tightest = {tight: SortedList(entries) for tight, entries in filed.items()}
         self.few_far_of_group = far_of_group
+        self.pending.clear()
+        self.refile_pending = False
         self.few_far_groups = {
             where: {
                 tier_id: _FarList(tier, SortedList(entries))
