@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -131,12 +131,6 @@ class TieredLatencyModel(LatencyModel, Protocol):
         """The round trip between any host of ``host_class`` and any box of
         ``box_class`` (both numbered by this model already): the round trip of the
         tier of ``ranking(host_class)`` that holds ``box_class``, without ranking."""
-        ...
-
-    def round_trips_to(self, box_class: int) -> Mapping[int, int] | None:
-        """Every class numbered so far -> :meth:`class_round_trip_ns` from it to
-        ``box_class``, all at once; None when the model cannot answer them together
-        (ask pair by pair)."""
         ...
 
 
@@ -325,16 +319,6 @@ class TopologyLatencyModel:
         (what :meth:`ranking` files ``box_class`` under), from the classes' racks alone."""
         sides = self._class_sides
         return self._sides_ns(sides[host_class], sides[box_class])
-
-    def round_trips_to(self, box_class: int) -> Mapping[int, int] | None:
-        """Every class numbered so far -> its round trip to ``box_class``, read off the
-        ranking of ``box_class`` itself: without an override the tree's round trip
-        between two racks is the same both ways (a pod's and a site's switch latencies
-        are the pod's and the site's, whichever rack asks). None for a model with an
-        override, which may single out a pair one way only."""
-        if type(self)._override is not TopologyLatencyModel._override:
-            return None
-        return {number: ns for ns, numbers in self.ranking(box_class) for number in numbers}
 
     def _grouped_ns(
         self, host_side: ResolvedPlace, known: int, by_ns: dict[int, list[int]]

@@ -591,8 +591,7 @@ class ClassTable:
         if everything:
             self._refile_all()
             return
-        redo.update(self.pending)
-        self.pending.clear()
+        waiting, self.pending = self.pending, set()
         far = self.far
         for host_class in moved:
             for key in self.of_class.get(host_class, ()):
@@ -601,7 +600,7 @@ class ClassTable:
                 # a group with no option has no tightest box; a far one has its own
                 if self.raws.get(key) and host_class not in far:
                     self._file_nearest(key, entry)
-        for key in redo:
+        for key in chain(redo, waiting):
             if (
                 self.raws.get(key)
                 and key[0] not in far
