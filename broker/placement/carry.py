@@ -58,7 +58,9 @@ Glossary (the terms of this module and :mod:`.tiered`):
 * **tightest box**: the box with the fewest usable GPUs that holds the request (the
   tightest-single-box rule). When few box classes hold one the chooser answers it
   *apart* from the other rules, as the **nearest tightest** box per host class among
-  those few, and the class table files groups by it (:data:`TightestKey`).
+  those few, which the class table keeps itself
+  (:class:`~dxpool.broker.placement.nearest_few.NearestFew`) and files groups by
+  (:data:`TightestKey`, or like the far ones where it is a large tier's least box).
 * **far tightest** (:class:`~dxpool.broker.placement.tiered.FarTightest`): a tightest
   box answered as "the least box of this large tier", kept while that box has the
   fewest usable GPUs and the nearer tiers hold none that few; the class table files its
@@ -385,7 +387,6 @@ class ClassTable:
         self.pending: set[GroupKey] = set()
         self.refile_pending = False
         self.nearest = NearestFew(side.chooser.model)
-        self.tightest_box: dict[int, BoxSupply] = {}  # box class -> its tightest box
         self.tightest_of_group: dict[GroupKey, TightestKey] = {}
         self.groups_by_tightest: dict[TightestKey, SortedList[Entry]] = {}
         self.few_far_groups: FarLists = {}
@@ -477,7 +478,6 @@ class ClassTable:
         self.few_active = False
         self.pending.clear()
         self.refile_pending = False
-        self.tightest_box = {}
         self.tight_scored.clear()
         self.tightest_of_group.clear()
         self.groups_by_tightest.clear()
@@ -580,7 +580,6 @@ class ClassTable:
                 self.pending.update(redo)
             return
         self.few_active = True
-        self.tightest_box = dict(few)
         moved = self.nearest.update(few)
         moving = sum(len(self.of_class.get(host_class, ())) for host_class in moved)
         everything = (
@@ -1037,7 +1036,7 @@ def _best(
     if table.few_active:
         scored = table.tight_scored
         for tight, entries in table.groups_by_tightest.items():
-            box = table.tightest_box[tight[1]]
+            box = table.nearest.few[tight[1]]
             known = scored.get(tight)
             if known is not None and known[0] is box:
                 raw = known[1]
@@ -1106,7 +1105,7 @@ def _options_of(
     tight_key = table.tightest_of_group.get(key)
     if tight_key is not None:
         ns, box_class, _ = tight_key
-        tight = table.tightest_box[box_class], ns, tight_raws[tight_key]
+        tight = table.nearest.few[box_class], ns, tight_raws[tight_key]
     if tight is not None:
         supply, ns, raw = tight
         if not any(

@@ -77,6 +77,12 @@ class NearestFew:
         self._tier_holds: dict[int, bool] = {}  # large tier id -> holds one of the few
         self._unanswered: set[int] = set()  # joined since the last update
 
+    @property
+    def few(self) -> dict[int, BoxSupply]:
+        """The few as of the last :meth:`update`: box class -> its box of the fewest
+        usable GPUs (read it, never write)."""
+        return self._few
+
     def reset(self) -> None:
         """Forgets every answer and group (the model's rankings changed)."""
         self._few = {}
