@@ -20,8 +20,10 @@ shared by all agents.
   heartbeats up and acknowledgements and spec changes down. The spec comes from the
   broker's cache: one cache listener hands each change of ``hostalloc/{host}`` to that
   host's stream, where only the newest waits to be sent (a slow agent gets fewer, newer
-  specs, never a backlog). When the broker ends the session (silent past its TTL, taken
-  over, broker lease lost, broker stopping) the stream ends with that status.
+  specs, never a backlog); a change between the welcome's read and the stream taking
+  changes is sent right after the welcome. When the broker ends the session (silent
+  past its TTL, taken over, broker lease lost, broker stopping) the stream ends with
+  that status.
 * ``ReportStatus``: the status write, for the caller's own host and live session
   (:meth:`AgentSessions.write_status`).
 
@@ -271,13 +273,14 @@ class AgentService:
                     loop.call_soon_threadsafe(outbox.finish, error)
 
             async with self._open_turns:
-                session, welcome = await self._run(self._open, host_id, hello, on_end)
+                session, welcome, seen = await self._run(self._open, host_id, hello, on_end)
         except DxpoolError as error:
             await self._refuse(context, error)
             return
         finally:
             self._opening -= 1
         self._streams[host_id] = (session, outbox)
+        self._catch_up(outbox, host_id, seen)
         reader: asyncio.Task[None] | None = None
         try:
             await context.write(agent_pb2.ConnectResponse(welcome=welcome))
@@ -301,21 +304,26 @@ class AgentService:
         host_id: str,
         hello: agent_pb2.AgentHello,
         on_end: Callable[[DxpoolError], None],
-    ) -> tuple[Session, agent_pb2.AgentWelcome]:
+    ) -> tuple[Session, agent_pb2.AgentWelcome, int]:
         """Runs on a worker thread: the session and its welcome, in one go (a hello costs
-        one worker, however busy the pool is)."""
+        one worker, however busy the pool is), and the spec record's mod_revision the
+        welcome was decided from (0: none)."""
         session = self._sessions.open(
             host_id, hello.host, hello.token, hello.liveness_ttl_ms, on_end
         )
         try:
-            return session, self._welcome(session, hello)
+            welcome, seen = self._welcome(session, hello)
+            return session, welcome, seen
         except DxpoolError:
             self._sessions.detach(session)  # the agent tries again and takes it over
             raise
 
-    def _welcome(self, session: Session, hello: agent_pb2.AgentHello) -> agent_pb2.AgentWelcome:
+    def _welcome(
+        self, session: Session, hello: agent_pb2.AgentHello
+    ) -> tuple[agent_pb2.AgentWelcome, int]:
         """Runs on a worker thread: the status record as stored, and the spec unless the
-        cache's is older than the agent's."""
+        cache's is older than the agent's; with the spec record's mod_revision read (0:
+        none), for :meth:`_catch_up`."""
         welcome = agent_pb2.AgentWelcome(
             session=session.id,
             broker=self._sessions.broker_id,
@@ -331,7 +339,19 @@ class AgentService:
         held = record.mod_revision if record is not None else 0
         if held >= hello.spec_revision and (record is not None or not hello.spec_revision):
             welcome.spec.CopyFrom(host_spec(record, revision))
-        return welcome
+        return welcome, held
+
+    def _catch_up(self, outbox: _Outbox, host_id: str, seen: int) -> None:
+        """On the loop, once the stream is in ``_streams``: offer the spec if it changed
+        after the welcome read it (at mod_revision ``seen``). A change in between found
+        no stream to take it, and the agent would otherwise keep the welcome's spec until
+        the next change. A change that reached the stream as well may go out twice,
+        which is harmless: the agent adopts a spec no older than its own, and the same
+        one again changes nothing."""
+        revision = self._cache.revision
+        record = self._cache.host_allocations.get(host_id)
+        if (record.mod_revision if record is not None else 0) != seen:
+            outbox.offer_spec(record, revision)
 
     async def _read(
         self, context: grpc.aio.ServicerContext[Any, Any], session: Session, outbox: _Outbox

@@ -452,3 +452,45 @@ def test_agent_tokens_on_a_token_broker_act_for_their_own_host_only(
         own.close()
         foreign.close()
         channel.close()
+
+
+def test_a_spec_changed_while_the_welcome_is_on_its_way_is_pushed_after_it(
+    broker: BrokerServer,
+    plain: Callable[[Any], RawSession],
+    etcd_client: Any,
+    key_prefix: str,
+    monkeypatch: Any,
+) -> None:
+    """The spec changes after the welcome read it and before the stream takes changes
+    (held there): the change reaches no stream, so the stream sends it once it does,
+    rather than leave the agent on the welcome's spec until the next change."""
+    keys = KeySchema(key_prefix)
+    assert broker.agent_server is not None
+    service = broker.agent_server.service
+    real_welcome = service._welcome
+    spec = pb.HostAllocation(
+        host="hosts/h1", attachments=[pb.DesiredAttachment(gpu="boxes/b1/gpus/3")]
+    )
+    changed: list[int] = []
+
+    def welcome_then_change(*args: Any) -> Any:
+        welcome = real_welcome(*args)  # (welcome, the spec revision it read)
+        put = etcd_client.put(keys.host_allocation("h1"), spec.SerializeToString())
+        changed.append(int(put.header.revision))
+        deadline = time.monotonic() + 30
+        while (record := broker.cache.host_allocations.get("h1")) is None:
+            assert time.monotonic() < deadline, "the broker's cache never saw the change"
+            time.sleep(0.01)
+        assert record.mod_revision == changed[0]
+        return welcome
+
+    monkeypatch.setattr(service, "_welcome", welcome_then_change)
+    session = plain(hello())
+    assert session.receive().welcome.spec.spec_revision == 0
+    session.send(agent_pb2.ConnectRequest(heartbeat=agent_pb2.AgentHeartbeat(sequence=1)))
+
+    pushed = session.receive()
+    assert pushed.WhichOneof("kind") == "spec", pushed
+    assert pushed.spec.allocation == spec
+    assert pushed.spec.spec_revision == changed[0]
+    assert session.receive().heartbeat_ack.sequence == 1
