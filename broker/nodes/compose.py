@@ -43,6 +43,7 @@ from dxpool.broker.state.cache import Cache, Collection
 from dxpool.broker.state.locks import KeyedLocks
 from dxpool.broker.state.placement_index import PlacementIndex
 from dxpool.broker.state.stm import (
+    RELEASE_ATTEMPTS,
     TxnView,
     pause_after_conflict,
     read_through,
@@ -433,15 +434,18 @@ class Composer:
             return let_go(view, node, pb.NODE_STATE_RELEASING, message, self._clock(), fence=force)
 
         # Composes and releases on one host in this broker change its allocation record
-        # one at a time (composes commit under this lock too), so a release does not
-        # keep losing its compare to composes that land on the same host meanwhile.
+        # one at a time, and those of one tenant its usage record (composes commit under
+        # these locks too, in the same order), so a release does not keep losing its
+        # compare to this broker's composes and releases on the same host or tenant.
         known = self.lookup_node(node_id)
         host = parse_host(known.value.host) if known is not None and known.value.host else ""
-        with self._host_locks.lock(host):
+        tenant = known.value.spec.tenant if known is not None else ""
+        with self._host_locks.lock(host), self._tenant_lock(tenant):
             released = transact(
                 self._store,
                 self._cache,
                 body,
+                attempts=RELEASE_ATTEMPTS,
                 what=f"releasing {name}",
                 operation="release",
                 audited=True,

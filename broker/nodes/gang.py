@@ -80,6 +80,7 @@ from dxpool.broker.state.cache import Cache
 from dxpool.broker.state.locks import KeyedLocks
 from dxpool.broker.state.records import copy, timestamp
 from dxpool.broker.state.stm import (
+    RELEASE_ATTEMPTS,
     TxnView,
     commit_staged,
     expect,
@@ -600,8 +601,15 @@ class GangComposer:
             return nodes_pb2.Gang(name=name, nodes=released)
 
         hosts = sorted({parse_host(node.host) for node in known if node.host})
-        with self._locked(hosts):
-            gang = transact(self._store, self._cache, body, what=f"releasing {name}")
+        tenants = sorted({node.spec.tenant for node in known if node.spec.tenant})
+        with self._locked(hosts), self._locked_tenants(tenants):
+            gang = transact(
+                self._store,
+                self._cache,
+                body,
+                attempts=RELEASE_ATTEMPTS,
+                what=f"releasing {name}",
+            )
         metrics.RELEASE_TOTAL.inc(started[0])
         return gang
 

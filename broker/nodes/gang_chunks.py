@@ -74,6 +74,7 @@ from dxpool.broker.state.records import copy, seconds, timestamp
 from dxpool.broker.state.stm import (
     CHUNK_ATTEMPTS,
     NOTE_ATTEMPTS,
+    RELEASE_ATTEMPTS,
     TxnView,
     commit_staged,
     expect,
@@ -754,7 +755,13 @@ class ChunkedGangs:
                 )
 
         self.transactions += 1
-        transact(self._store, self._cache, body, what="releasing gang members")
+        transact(
+            self._store,
+            self._cache,
+            body,
+            attempts=RELEASE_ATTEMPTS,
+            what="releasing gang members",
+        )
 
     # -- queued gangs -------------------------------------------------------------------------
 

@@ -69,6 +69,10 @@ PLACE_ATTEMPTS = 16
 """A compose or a gang placed again after its commit lost a compare: placement fills one
 host before the next, so concurrent composes keep choosing the same host and lose to
 each other more often than other writers do; each retry is a fresh placement."""
+RELEASE_ATTEMPTS = PLACE_ATTEMPTS
+"""A release (of a node, a gang, a batch of a gang's members): it writes its tenant's
+usage record, which every compose and release of that tenant on every broker writes
+too, so it is as contended as a compose; a user's release should not fail for that."""
 RESIZE_ATTEMPTS = COMMIT_ATTEMPTS
 """A resize placed again because its snapshot was stale (each try a :func:`transact`
 of its own, under the host's lock, so staleness, not contention, is what repeats)."""

@@ -481,6 +481,58 @@ def test_a_release_between_read_and_commit_is_not_lost(
     assert node.charged and node.spec.tenant == "team-a"
 
 
+def test_a_release_held_at_its_commit_holds_up_its_tenant_s_composes_on_that_broker(
+    broker: BrokerServer,
+    pool: Stubs,
+    etcd_client: Any,
+    keys: KeySchema,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A release of team-a's node is held just before its commit, and a compose for
+    team-a on another host is sent to the same broker meanwhile. The compose waits for
+    the release (both write team-a's usage record) rather than commit under it, so the
+    release commits at its first attempt: releases never lose their compare to their
+    own broker's composes of the tenant, however many there are."""
+    set_quota(pool, "team-a", gpus=4)
+    old = pool.nodes.ComposeNode(compose_request("A100:1", "team-a", host="hosts/h2"))
+    wait_until(lambda: cached_gpus(broker, "team-a") == 1, message="usage in the cache")
+    node_key = keys.node(old.name.removeprefix("nodes/"))
+    store = broker.store
+    commit = store.commit
+    reached, go_on = threading.Event(), threading.Event()
+    release_commits = []
+
+    def held_commit(txn: Txn) -> Any:
+        if any(key == node_key for key, _ in txn.writes):
+            release_commits.append(txn)
+            if not reached.is_set():
+                reached.set()
+                assert go_on.wait(patient(30))
+        return commit(txn)
+
+    monkeypatch.setattr(store, "commit", held_commit)
+    with ThreadPoolExecutor(2) as threads:
+        release = threads.submit(
+            pool.nodes.ReleaseNode, nodes_pb2.ReleaseNodeRequest(name=old.name)
+        )
+        assert reached.wait(patient(30))
+        compose = threads.submit(
+            pool.nodes.ComposeNode, compose_request("H100:1", "team-a", host="hosts/h1")
+        )
+        try:
+            with pytest.raises(TimeoutError):
+                compose.result(timeout=1.0)  # it waits for the release, not beside it
+        finally:
+            go_on.set()
+        assert release.result(timeout=30).state == pb.NODE_STATE_RELEASING
+        node = compose.result(timeout=30)
+    assert len(release_commits) == 1  # the release never lost its compare
+    stored = stored_tenant(etcd_client, keys, "team-a")
+    assert stored is not None
+    assert stored.usage == pb.TenantUsage(gpus=1, nodes=1, gpus_by_model={"H100": 1})
+    assert node.charged and node.spec.tenant == "team-a"
+
+
 def test_a_retried_compose_gets_its_node_even_with_the_quota_full(
     two_brokers: tuple[BrokerServer, Stubs, BrokerServer, Stubs],
     monkeypatch: pytest.MonkeyPatch,
