@@ -35,6 +35,20 @@ if TYPE_CHECKING:  # imported lazily so one broken component does not hide every
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _children_take_ctrl_c() -> Iterator[None]:
+    """Tests press Ctrl-C (SIGINT) on the CLI processes they start, as a terminal would.
+    A suite started in the background by a non-interactive shell ignores SIGINT, and a
+    child inherits an ignored signal (Python then installs no KeyboardInterrupt), so
+    give the suite a handler for the session: a handled signal is reset at exec."""
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    if ignored:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _no_user_config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Clients built without TLS arguments read the config file; point them at an empty
     one, so a developer's ~/.config/dxpool or a local pool's ./.dxpool/config.yaml (which
