@@ -525,6 +525,84 @@ def test_the_tightest_box_emptied_names_only_the_classes_whose_options_move(
             assert after.parts(host)[0] == answered[host]
 
 
+EVEN_RACKS = """
+proxy_ns: 600
+links: {rack_ns: 250, pod_ns: 500, site_ns: 1000, inter_site_ns: 40000}
+sites:
+  - name: s0
+    pods:
+      - name: p0
+        racks: [{name: r0}, {name: r1}, {name: r2}]
+"""
+
+
+def supply(name: str, rack: str, usable: int) -> BoxSupply:
+    """A box of ``usable`` free H100s in rack ``rack`` of pod p0 of site s0."""
+    gpus = tuple(
+        GpuInfo(f"boxes/{name}/gpus/{s}", name, s, "H100", 1, True, True) for s in range(usable)
+    )
+    return BoxSupply(BoxInfo(name, Place(f"boxes/{name}", "s0", "p0", rack), True), gpus)
+
+
+def by_order(supplies: list[BoxSupply]) -> list[BoxSupply]:
+    return sorted(supplies, key=lambda s: (s.available, s.box.box))
+
+
+def test_a_change_in_a_tier_read_through_its_least_box_keeps_the_choices_that_box_stands_for() -> (
+    None
+):
+    """Hosts in r0 take a 3-GPU node from the least box of their pod's other racks (their
+    own rack holds no box): a box taken in r2 that was not that least box, and a box
+    added after it, leave their choice as it was, unnamed; a box before it does not."""
+    model = TopologyLatencyModel(Topology.from_yaml(EVEN_RACKS))
+    host = Place("hosts/h0", "s0", "p0", "r0")
+    least, other = supply("c1", "r1", 3), supply("f1", "r2", 5)
+    chooser = TieredChooser(model, by_order([least, other]), 3)
+    first = chooser.choose(host)
+    assert [take.supply for _, takes in first.options for take in takes] == [least]
+
+    after = supply("g1", "r2", 4)  # r2's first box still comes after c1
+    chooser = chooser.advance([other], [after])
+    changed = chooser.changed_classes()
+    assert changed is not None and chooser.host_class(host) not in changed
+    assert chooser.choose(host).options == first.options  # reach counts the new total
+
+    before = supply("b1", "r2", 3)  # (3, b1) comes before (3, c1): the choice moves
+    chooser = chooser.advance([], [before])
+    changed = chooser.changed_classes()
+    assert changed is None or chooser.host_class(host) in changed
+    fresh = TieredChooser(model, by_order([least, after, before]), 3)
+    assert chooser.choose(host) == fresh.choose(host)
+    assert [take.supply for _, takes in chooser.choose(host).options for take in takes] == [before]
+
+
+def test_a_tier_a_walk_read_whole_stays_whole_when_a_later_walk_reads_its_least_box(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Hosts in r0 fill a 3-GPU node from their rack's two boxes of two, a walk that
+    reads every box there. When many classes come to hold the tightest box, the walk for
+    that rule alone reads the rack through its least box only; the choice must still
+    follow every box of the rack, so a change to one of them chooses again."""
+    monkeypatch.setattr(tiered_rules, "FEW_TIGHTEST", 1)
+    model = TopologyLatencyModel(Topology.from_yaml(EVEN_RACKS))
+    host = Place("hosts/h0", "s0", "p0", "r0")
+    rack = [supply("a1", "r0", 2), supply("a2", "r0", 2)]
+    pod = [supply("c1", "r1", 3), supply("f1", "r2", 8)]
+    chooser = TieredChooser(model, by_order([*rack, *pod]), 3)
+    assert chooser.few_tightest()
+    chooser.choose(host)
+
+    second = supply("e1", "r2", 3)  # a second class holds a box of three: many do
+    chooser = chooser.advance([pod[1]], [second])
+    assert not chooser.few_tightest()
+    chooser.choose(host)  # the tightest box found again by a walk for that rule alone
+
+    fewer = supply("a1", "r0", 1)
+    chooser = chooser.advance([rack[0]], [fewer])
+    fresh = TieredChooser(model, by_order([fewer, rack[1], pod[0], second]), 3)
+    assert chooser.choose(host) == fresh.choose(host)
+
+
 def with_resources_and_sets(
     case: tuple[Snapshot, PlacementRequest], rng: random.Random
 ) -> tuple[Snapshot, PlacementRequest]:
