@@ -142,7 +142,6 @@ class _Tier:
     _numbers: tuple[int, ...] = ()
     _present: Callable[[int], _BoxClass | None] | None = None
     listed_large: bool = False  # a large tier whose classes a rule listed
-    whole: bool = False  # a rule read every box of the tier, not only its least box
 
     def classes(self) -> list[_BoxClass]:
         """The tier's classes that hold boxes (ascending class number)."""
@@ -168,11 +167,6 @@ class _Tier:
 TierLeast = tuple[tuple[int, ...], BoxSupply | None]
 """A large tier a walk read through its least box alone: the tier's class numbers (the
 ranking's tuple) and the least box it read."""
-
-ListedLeast = tuple[tuple[int, ...], BoxSupply | None]
-"""A listed tier a walk read through its least box alone (every rule took that box, or
-answered before the tier): the tier's class numbers and the least box it read. A change
-of one of its classes leaves the walk's answer alone when the tier's least box stays."""
 
 
 _TierReaders = tuple[tuple[int, ...], frozenset[int], set[int], set[int]]
@@ -220,12 +214,11 @@ class _Walk:
     classes of the listed tiers (until more than ``MAX_EXAMINED``), and the large tiers,
     each read through its least box alone unless a rule listed its classes."""
 
-    __slots__ = ("classes", "fewest", "large", "listed")
+    __slots__ = ("classes", "fewest", "large")
 
     def __init__(self) -> None:
         self.classes: list[int] = []
         self.large: list[_Tier] = []
-        self.listed: list[tuple[tuple[int, ...], _Tier]] = []  # listed tiers consumed
         # (round trip, usable GPUs of its least box) of each tier consumed, in order
         self.fewest: list[tuple[int, int]] = []
 
@@ -240,11 +233,6 @@ class _Walk:
         if len(self.classes) > MAX_EXAMINED or any(tier.listed_large for tier in self.large):
             return None, ()
         return frozenset(self.classes), tuple((tier.numbers, tier.least) for tier in self.large)
-
-    def listed_leasts(self) -> tuple[ListedLeast, ...]:
-        """The listed tiers consumed that every rule read through their least box alone
-        (see :data:`ListedLeast`), once :meth:`rests_on` names the classes."""
-        return tuple((numbers, tier.least) for numbers, tier in self.listed if not tier.whole)
 
 
 _Stamp = tuple[object, tuple[tuple[int, BoxSupply], ...] | None]
@@ -276,9 +264,6 @@ class _Memo:
     # moved (see :meth:`TieredChooser._far_current`)
     tightest: Link | None = None
     far: FarTightest | None = None  # the tightest box is a large tier's least box
-    # the listed tiers among ``examined`` that the walk read through their least box
-    # alone (see TieredChooser._least_stands)
-    listed: tuple[ListedLeast, ...] = ()
     # with ``far``: the fewest usable GPUs of a box holding the request in the tiers
     # before it (which the memo rests on); the far answer holds while the pool's fewest
     # is below this and the far tier's least box has it (see TieredChooser._far_holds)
@@ -457,42 +442,16 @@ class TieredChooser:
         the request (None if none does), from the order of every class's first such box:
         for a large tier that order's first entry of the tier is usually its first."""
         order = self._first_fits()
-        members = self._tier_set(numbers)
-        for _, _, number in order:
-            if number in members:
-                return self._classes[number].fits
-        return None
-
-    def _tier_set(self, numbers: tuple[int, ...]) -> frozenset[int]:
-        """The classes of a ranking tier (its tuple) as a set, made once per tuple."""
         known = self._tier_sets.get(id(numbers))
         if known is None or known[0] is not numbers:
             if len(self._tier_sets) >= MAX_TIER_SETS:
                 self._tier_sets.clear()
             known = self._tier_sets[id(numbers)] = (numbers, frozenset(numbers))
-        return known[1]
-
-    def _least_stands(
-        self,
-        listed: tuple[ListedLeast, ...],
-        number: int,
-        was: BoxSupply | None,
-        now: BoxSupply | None,
-    ) -> bool:
-        """Whether a walk that read the listed tiers ``listed`` through their least box
-        alone still stands after box class ``number`` changed, its first box holding the
-        request going from ``was`` to ``now`` (None: none): the class is in one of those
-        tiers, did not hold that tier's least box, and does not now hold a box before
-        it. Then the tier's least box is the same, and so is every rule's answer there."""
-        for numbers, least in listed:
-            if number not in self._tier_set(numbers):
-                continue
-            if least is not None and was is least:
-                return False
-            if now is None:
-                return True
-            return least is not None and supply_order(now) > supply_order(least)
-        return False
+        members = known[1]
+        for _, _, number in order:
+            if number in members:
+                return self._classes[number].fits
+        return None
 
     def _keep_memos(self, before: TieredChooser, touched: frozenset[int]) -> None:
         """Keeps ``before``'s choices whose walk looked at no class that changed (see the
@@ -514,17 +473,9 @@ class TieredChooser:
             if (memo := chosen.get(host_class)) is not None and memo.examined is None
         ]
         for number in touched:
-            before_class, now_class = before._classes.get(number), self._classes.get(number)
-            was = before_class.fits if before_class is not None else None
-            now = now_class.fits if now_class is not None else None
             for host_class in tuple(self._resting_on.get(number, ())):
                 memo = chosen.get(host_class)
-                if (
-                    memo is not None
-                    and memo.examined is not None
-                    and number in memo.examined
-                    and not (memo.listed and self._least_stands(memo.listed, number, was, now))
-                ):
+                if memo is not None and memo.examined is not None and number in memo.examined:
                     dropped.append(host_class)
         gone = set(dropped)
         # a class whose walk read a large tier through its least box for the tightest
@@ -892,7 +843,7 @@ class TieredChooser:
         or, when they are many, by walking the ranking for that rule alone (the other
         two rules' answers stand while the classes their walk looked at did not change);
         the classes that walk looks at are added to what the memo rests on."""
-        examined, leasts, listed = memo.examined, memo.leasts, memo.listed
+        examined, leasts = memo.examined, memo.leasts
         far: FarTightest | None = None
         nearer = NO_BOX
         if stamp[1] is None:
@@ -906,16 +857,15 @@ class TieredChooser:
                     break
             walked, read = walk.rests_on()
             if examined is not None and walked is not None:
-                listed = _merged(listed, walk.listed_leasts(), examined)
                 examined = examined.union(walked)
                 known = {id(numbers) for numbers, _ in leasts}
                 leasts = (*leasts, *(pair for pair in read if id(pair[0]) not in known))
                 if len(examined) > MAX_EXAMINED:
-                    examined, leasts, listed = None, (), ()
+                    examined, leasts = None, ()
                 else:
                     far, nearer = _far_in(tightest, walk, memo.nearest, memo.single)
             else:
-                examined, leasts, listed = None, (), ()
+                examined, leasts = None, ()
         else:
             tightest = self._nearest_tightest(host, host_class)
         found = options(self._count, memo.nearest, memo.single, tightest, self._first_rule)
@@ -931,7 +881,6 @@ class TieredChooser:
             tightest=tightest if stamp[1] is None else None,
             far=far,
             nearer_fewest=nearer,
-            listed=listed,
         )
 
     def _choose(self, host: Place, ranking: Tiers) -> _Memo:
@@ -959,7 +908,6 @@ class TieredChooser:
                 stamp = None  # the choice lacks its tightest box: choose() adds it
             base = options(self._count, nearest, single, None, self._first_rule)
             examined, leasts = walk.rests_on()
-            listed = walk.listed_leasts() if examined is not None else ()
             far, nearer = None, NO_BOX
             if direct is None and examined is not None:
                 far, nearer = _far_in(tightest, walk, nearest, single)
@@ -975,7 +923,6 @@ class TieredChooser:
                 tightest=None if direct is not None else tightest,
                 far=far,
                 nearer_fewest=nearer,
-                listed=listed,
             )
         within: list[_Tier] = []
         dropped: Link | None = None
@@ -1032,7 +979,6 @@ class TieredChooser:
                 if not listed:
                     continue
                 tier = _Tier.listed(latency, listed)
-                walk.listed.append((numbers, tier))
             walk.fewest.append((latency, tier.least.available if tier.least else NO_BOX))
             yield tier
 
@@ -1067,7 +1013,6 @@ class TieredChooser:
                     takes.append(Take(least, remaining, latency))
                     remaining = 0
                 else:
-                    tier.whole = True
                     classes = tier.classes()
                     if len(classes) == 1:
                         boxes = list(classes[0].boxes)
@@ -1150,12 +1095,3 @@ def _same_stamp(made: _Stamp | None, now: _Stamp) -> bool:
     return len(few) == len(current) and all(
         a[0] == b[0] and a[1] is b[1] for a, b in zip(few, current, strict=True)
     )
-
-
-def _merged(
-    listed: tuple[ListedLeast, ...], more: tuple[ListedLeast, ...], examined: frozenset[int]
-) -> tuple[ListedLeast, ...]:
-    """``listed`` (of a memo whose walk looked at the classes ``examined``) and the tiers
-    of ``more`` that walk did not consume: a tier it consumed and left out of ``listed``
-    had every box read, which a later walk reading its least box alone does not undo."""
-    return (*listed, *(pair for pair in more if pair[0][0] not in examined))
