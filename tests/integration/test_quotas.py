@@ -90,6 +90,27 @@ def cached_gpus(broker: BrokerServer, tenant: str) -> int | None:
     return record.value.usage.gpus if record is not None else None
 
 
+class HeldCommit:
+    """A broker store's commit, held once: the first transaction that writes ``key``
+    waits at its commit until ``go_on`` is set (``reached`` says it is there); every
+    transaction that writes ``key`` is kept in ``seen``, in order."""
+
+    def __init__(self, store: Any, key: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.reached, self.go_on = threading.Event(), threading.Event()
+        self.seen: list[Txn] = []
+        commit = store.commit
+
+        def held_commit(txn: Txn) -> Any:
+            if any(written == key for written, _ in txn.writes):
+                self.seen.append(txn)
+                if not self.reached.is_set():
+                    self.reached.set()
+                    assert self.go_on.wait(patient(30))
+            return commit(txn)
+
+        monkeypatch.setattr(store, "commit", held_commit)
+
+
 @pytest.fixture
 def keys(key_prefix: str) -> KeySchema:
     return KeySchema(key_prefix)
@@ -403,28 +424,17 @@ def test_a_compose_held_before_its_commit_is_refused_once_another_used_the_quota
     wait_until(
         lambda: second.cache.get("tenants", "team-a") is not None, message="quota at broker B"
     )
-    tenant_key = keys.tenant("team-a")
-    store = first.store
-    commit = store.commit
-    reached, go_on = threading.Event(), threading.Event()
-
-    def held_commit(txn: Txn) -> Any:
-        if any(key == tenant_key for key, _ in txn.writes) and not reached.is_set():
-            reached.set()
-            assert go_on.wait(patient(30))
-        return commit(txn)
-
-    monkeypatch.setattr(store, "commit", held_commit)
+    gate = HeldCommit(first.store, keys.tenant("team-a"), monkeypatch)
     with ThreadPoolExecutor(1) as pool:
         held = pool.submit(
             first_stubs.nodes.ComposeNode,
             compose_request("H100:1", "team-a", host="hosts/h1"),
         )
-        assert reached.wait(patient(30))
+        assert gate.reached.wait(patient(30))
         winner = second_stubs.nodes.ComposeNode(
             compose_request("A100:1", "team-a", host="hosts/h2")
         )
-        go_on.set()
+        gate.go_on.set()
         with pytest.raises(grpc.RpcError) as refused:
             held.result(timeout=30)
     assert error_info(refused.value).reason == "QUOTA_EXCEEDED"
@@ -450,31 +460,17 @@ def test_a_release_between_read_and_commit_is_not_lost(
     set_quota(first_stubs, "team-a", gpus=2)
     old = second_stubs.nodes.ComposeNode(compose_request("A100:1", "team-a", host="hosts/h2"))
     wait_until(lambda: cached_gpus(first, "team-a") == 1, message="usage at broker A")
-    tenant_key = keys.tenant("team-a")
-    store = first.store
-    commit = store.commit
-    reached, go_on = threading.Event(), threading.Event()
-    attempts = []
-
-    def held_commit(txn: Txn) -> Any:
-        if any(key == tenant_key for key, _ in txn.writes):
-            attempts.append(txn)
-            if not reached.is_set():
-                reached.set()
-                assert go_on.wait(patient(30))
-        return commit(txn)
-
-    monkeypatch.setattr(store, "commit", held_commit)
+    gate = HeldCommit(first.store, keys.tenant("team-a"), monkeypatch)
     with ThreadPoolExecutor(1) as pool:
         held = pool.submit(
             first_stubs.nodes.ComposeNode,
             compose_request("H100:1", "team-a", host="hosts/h1"),
         )
-        assert reached.wait(patient(30))
+        assert gate.reached.wait(patient(30))
         second_stubs.nodes.ReleaseNode(nodes_pb2.ReleaseNodeRequest(name=old.name))
-        go_on.set()
+        gate.go_on.set()
         node = held.result(timeout=30)
-    assert len(attempts) >= 2  # the first commit lost its compare
+    assert len(gate.seen) >= 2  # the first commit lost its compare
     stored = stored_tenant(etcd_client, keys, "team-a")
     assert stored is not None
     assert stored.usage == pb.TenantUsage(gpus=1, nodes=1, gpus_by_model={"H100": 1})
@@ -496,26 +492,12 @@ def test_a_release_held_at_its_commit_holds_up_its_tenant_s_composes_on_that_bro
     set_quota(pool, "team-a", gpus=4)
     old = pool.nodes.ComposeNode(compose_request("A100:1", "team-a", host="hosts/h2"))
     wait_until(lambda: cached_gpus(broker, "team-a") == 1, message="usage in the cache")
-    node_key = keys.node(old.name.removeprefix("nodes/"))
-    store = broker.store
-    commit = store.commit
-    reached, go_on = threading.Event(), threading.Event()
-    release_commits = []
-
-    def held_commit(txn: Txn) -> Any:
-        if any(key == node_key for key, _ in txn.writes):
-            release_commits.append(txn)
-            if not reached.is_set():
-                reached.set()
-                assert go_on.wait(patient(30))
-        return commit(txn)
-
-    monkeypatch.setattr(store, "commit", held_commit)
+    gate = HeldCommit(broker.store, keys.node(old.name.removeprefix("nodes/")), monkeypatch)
     with ThreadPoolExecutor(2) as threads:
         release = threads.submit(
             pool.nodes.ReleaseNode, nodes_pb2.ReleaseNodeRequest(name=old.name)
         )
-        assert reached.wait(patient(30))
+        assert gate.reached.wait(patient(30))
         compose = threads.submit(
             pool.nodes.ComposeNode, compose_request("H100:1", "team-a", host="hosts/h1")
         )
@@ -523,10 +505,10 @@ def test_a_release_held_at_its_commit_holds_up_its_tenant_s_composes_on_that_bro
             with pytest.raises(TimeoutError):
                 compose.result(timeout=1.0)  # it waits for the release, not beside it
         finally:
-            go_on.set()
+            gate.go_on.set()
         assert release.result(timeout=30).state == pb.NODE_STATE_RELEASING
         node = compose.result(timeout=30)
-    assert len(release_commits) == 1  # the release never lost its compare
+    assert len(gate.seen) == 1  # the release never lost its compare
     stored = stored_tenant(etcd_client, keys, "team-a")
     assert stored is not None
     assert stored.usage == pb.TenantUsage(gpus=1, nodes=1, gpus_by_model={"H100": 1})
