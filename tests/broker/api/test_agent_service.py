@@ -22,8 +22,9 @@ from dxpool.api.v1 import resources_pb2 as pb
 from dxpool.broker.api.server import BrokerServer
 from dxpool.errors import from_rpc_error
 from dxpool.store.keys import KeySchema
+from dxpool.store.typed import Versioned
 from dxpool.tls import ClientTls, ServerTls
-from tests.conftest import Pki, pool_records
+from tests.conftest import Pki, pool_records, wait_until
 
 ATTACHED = pb.ATTACHMENT_PHASE_ATTACHED
 
@@ -477,11 +478,10 @@ def test_a_spec_changed_while_the_welcome_is_on_its_way_is_pushed_after_it(
         welcome = real_welcome(*args)  # (welcome, the spec revision it read)
         put = etcd_client.put(keys.host_allocation("h1"), spec.SerializeToString())
         changed.append(int(put.header.revision))
-        deadline = time.monotonic() + 30
-        while (record := broker.cache.host_allocations.get("h1")) is None:
-            assert time.monotonic() < deadline, "the broker's cache never saw the change"
-            time.sleep(0.01)
-        assert record.mod_revision == changed[0]
+        record = wait_until(
+            lambda: broker.cache.host_allocations.get("h1"), message="the change in the cache"
+        )
+        assert isinstance(record, Versioned) and record.mod_revision == changed[0]
         return welcome
 
     monkeypatch.setattr(service, "_welcome", welcome_then_change)
