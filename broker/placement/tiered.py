@@ -160,8 +160,16 @@ class _Tier:
     @staticmethod
     def listed(latency: int, classes: list[_BoxClass]) -> _Tier:
         """A tier whose classes are known."""
-        fits = [c.fits for c in classes if c.fits is not None]
-        return _Tier(latency, min(fits, key=supply_order) if fits else None, classes)
+        least: BoxSupply | None = None
+        for found in classes:
+            fits = found.fits
+            if fits is not None and (
+                least is None
+                or fits.available < least.available
+                or (fits.available == least.available and fits.box.box < least.box.box)
+            ):
+                least = fits
+        return _Tier(latency, least, classes)
 
 
 TierLeast = tuple[tuple[int, ...], BoxSupply | None]
@@ -315,7 +323,9 @@ class TieredChooser:
         self._usable = sum(size * boxes for size, boxes in sizes.items())
         self._fewest = min((size for size in sizes if size >= count), default=None)
         self._tightest: tuple[tuple[int, BoxSupply], ...] | None = None  # made when asked
-        self._chosen: dict[int, _Memo] = {}
+        # a class's memo; None where one was dropped (set rather than deleted, so the
+        # dict holds no deleted entries and advance() copies it in one flat clone)
+        self._chosen: dict[int, _Memo | None] = {}
         # round trip by (host class, box class), shared along advance(): by the model's
         # contract it depends on the two classes only, and a model never changes
         self._class_ns: dict[tuple[int, int], int] = {}
@@ -325,6 +335,9 @@ class TieredChooser:
         # the class set of each large tier walked, by id() of the ranking's tuple (kept
         # with it); shared along advance() like the round trips
         self._tier_sets: dict[int, tuple[tuple[int, ...], frozenset[int]]] = {}
+        # each large tier's least box once asked, by id() of the tuple (kept with it):
+        # the classes never change, so neither does the answer
+        self._tier_leasts: dict[int, tuple[tuple[int, ...], BoxSupply | None]] = {}
         # Which host classes' memos rest on a box class (those whose walk looked at it),
         # and those whose memos rest on every class: shared along advance(), only ever
         # added to, so an entry may name a memo since replaced (advance checks the
@@ -441,6 +454,9 @@ class TieredChooser:
         """The first box by (usable GPUs, box id) among the classes ``numbers`` that holds
         the request (None if none does), from the order of every class's first such box:
         for a large tier that order's first entry of the tier is usually its first."""
+        found = self._tier_leasts.get(id(numbers))
+        if found is not None and found[0] is numbers:
+            return found[1]
         order = self._first_fits()
         known = self._tier_sets.get(id(numbers))
         if known is None or known[0] is not numbers:
@@ -448,10 +464,13 @@ class TieredChooser:
                 self._tier_sets.clear()
             known = self._tier_sets[id(numbers)] = (numbers, frozenset(numbers))
         members = known[1]
+        least: BoxSupply | None = None
         for _, _, number in order:
             if number in members:
-                return self._classes[number].fits
-        return None
+                least = self._classes[number].fits
+                break
+        self._tier_leasts[id(numbers)] = (numbers, least)
+        return least
 
     def _keep_memos(self, before: TieredChooser, touched: frozenset[int]) -> None:
         """Keeps ``before``'s choices whose walk looked at no class that changed (see the
@@ -498,6 +517,7 @@ class TieredChooser:
             if host_class in gone:
                 continue
             memo = chosen[host_class]
+            assert memo is not None  # _moved_leasts names classes with a memo
             again = self._after_moved_least(memo, numbers, stamp) if stamp is not None else None
             if again is None:
                 dropped.append(host_class)
@@ -507,7 +527,8 @@ class TieredChooser:
             if again.choice.options is not memo.choice.options:
                 retightened.append(host_class)
         for host_class in dropped:
-            chosen.pop(host_class, None)
+            if chosen.get(host_class) is not None:
+                chosen[host_class] = None
         dropped.extend(retightened)
         self._chosen = chosen
         if self._bound is None and (
@@ -522,7 +543,9 @@ class TieredChooser:
                 # Many classes hold the tightest box before and after, and its usable
                 # GPUs changed: a class whose tightest box is within its options finds
                 # it again. A far one keeps its answer: those that lost it are dropped.
-                dropped.extend(c for c, memo in self._chosen.items() if memo.far is None)
+                dropped.extend(
+                    c for c, memo in self._chosen.items() if memo is not None and memo.far is None
+                )
             else:
                 # The tightest box goes from apart (few classes hold one) to within the
                 # options (many do), or back. A class's options within are its options
@@ -530,14 +553,16 @@ class TieredChooser:
                 # usable GPUs (then it is the tightest box, see _retighten); a far
                 # class answers its far tier either way; the rest may differ.
                 for host_class, memo in self._chosen.items():
-                    if memo.far is None and (
-                        memo.single is None or memo.single[1].available != fewest
+                    if (
+                        memo is not None
+                        and memo.far is None
+                        and (memo.single is None or memo.single[1].available != fewest)
                     ):
                         dropped.append(host_class)
         self._changed = frozenset(dropped)
 
     def _moved_leasts(
-        self, before: TieredChooser, touched: frozenset[int], chosen: Mapping[int, _Memo]
+        self, before: TieredChooser, touched: frozenset[int], chosen: Mapping[int, _Memo | None]
     ) -> tuple[list[tuple[int, tuple[int, ...]]], list[int]]:
         """The host classes among ``chosen`` whose walk read a large tier through its
         least box (:data:`TierLeast`) when that box is another here than in
