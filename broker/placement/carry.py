@@ -997,23 +997,38 @@ class _Fitting:
         if not self.any:
             return entries[0][0], entries[0][1]
         best: Rank | None = None
-        keeps = self.keeps
         floor: Member = (self.least, "", -1, -1)
         for room, host_id, key in entries:
             if best is not None and (room, host_id) >= best:
                 break  # every host of this group and those after has more room
             members = self.groups[key]
             start = members.bisect_left(floor) if self.least else 0
-            for member in members.islice(start):
-                rank = (member[0], member[1])
-                if best is not None and rank >= best:
-                    break
-                if keeps(member):
-                    best = rank
-                    break
+            best = self._first_kept(members, start, best) or best
             if best is not None and not exact:
                 return best
         return best
+
+    def _first_kept(
+        self, members: SortedList[Member], start: int, below: Rank | None
+    ) -> Rank | None:
+        """The first of a group's ``members`` from position ``start`` on that the checks
+        keep, if it ranks before ``below`` (None otherwise). The first member usually
+        is kept: it is read by position, cheaper than an iterator."""
+        if start >= len(members):
+            return None
+        member = members[start]
+        rank = (member[0], member[1])
+        if below is not None and rank >= below:
+            return None
+        if self.keeps(member):
+            return rank
+        for member in members.islice(start + 1):
+            rank = (member[0], member[1])
+            if below is not None and rank >= below:
+                return None
+            if self.keeps(member):
+                return rank
+        return None
 
 
 def _best(

@@ -122,8 +122,8 @@ class NearestFew:
                 touched.update(on_class.get(number, ()))
             holds = self._tier_holds
             for tier_id, (_, members, groups) in self._on_tier.items():
-                if any(number in members for number in changed):
-                    held = any(number in members for number in now)
+                if not members.isdisjoint(changed):
+                    held = not members.isdisjoint(now)
                     if held != holds[tier_id]:
                         holds[tier_id] = held
                         touched.update(groups)
