@@ -97,7 +97,6 @@ from dxpool.broker.placement.framework import (
     ScorePlugin,
     Signature,
     Take,
-    sign,
 )
 from dxpool.broker.placement.guard import PluginError
 from dxpool.broker.placement.live import LiveSupply
@@ -802,6 +801,7 @@ class Parts:
     bound: int | None  # the round-trip bound the link filters apply
     plugins: tuple[ScorePlugin, ...]
     weights: tuple[float, ...]
+    signature: Signature  # the keys of the parts carried over (see sign())
 
 
 def decide(
@@ -820,7 +820,7 @@ def decide(
                 return None
         except Exception:
             return None
-    signature = sign(request, (*parts.box_filters, *parts.gpu_filters), parts.base_filters)
+    signature = parts.signature
     with carried.lock:
         try:
             side = _box_side(carried, parts, signature, snapshot, model)

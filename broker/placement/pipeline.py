@@ -64,6 +64,7 @@ from dxpool.broker.placement.framework import (
     Proposal,
     ScorePlugin,
     defined_with,
+    sign,
 )
 from dxpool.broker.placement.guard import PluginError, applying, failure, guarded, guarded_text
 from dxpool.broker.placement.model import (
@@ -231,17 +232,21 @@ def _carried_parts(pipeline: Pipeline, request: PlacementRequest) -> Parts | Non
     if request.host is not None and not pinned:
         return None  # a pin no filter enforces: the run host by host says what it does
     scores = pipeline.scores
+    box_filters = applying(pipeline.box_filters, request)
+    gpu_filters = applying(pipeline.gpu_filters, request)
+    base_filters = tuple(base)
     return Parts(
         pipeline.pre_filters,
-        applying(pipeline.box_filters, request),
-        applying(pipeline.gpu_filters, request),
-        tuple(base),
+        box_filters,
+        gpu_filters,
+        base_filters,
         tuple(checks),
         pinned,
         min_free,
         bound,
         tuple(weighted.plugin for weighted in scores),
         tuple(weighted.weight for weighted in scores),
+        sign(request, (*box_filters, *gpu_filters), base_filters),
     )
 
 
