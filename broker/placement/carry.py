@@ -988,25 +988,31 @@ class _Fitting:
             return all(check.keeps(self.request, host) for check in others)
         return True
 
-    def first(self, entries: SortedList[Entry], exact: bool) -> Rank | None:
+    def first(
+        self, entries: SortedList[Entry], exact: bool, below: Rank | None = None
+    ) -> Rank | None:
         """The first host kept among the groups of ``entries`` (each entry a group by
         its first host); with ``exact`` the least of them all, else any (the first
-        found). None when no group holds one."""
+        found). None when no group holds one, or (with ``below``) none that ranks
+        before ``below``."""
         if not entries:
             return None
         if not self.any:
-            return entries[0][0], entries[0][1]
-        best: Rank | None = None
+            first = (entries[0][0], entries[0][1])
+            return first if below is None or first < below else None
+        best = below  # a host must rank before this one
         floor: Member = (self.least, "", -1, -1)
         for room, host_id, key in entries:
             if best is not None and (room, host_id) >= best:
                 break  # every host of this group and those after has more room
             members = self.groups[key]
             start = members.bisect_left(floor) if self.least else 0
-            best = self._first_kept(members, start, best) or best
-            if best is not None and not exact:
-                return best
-        return best
+            kept = self._first_kept(members, start, best)
+            if kept is not None:
+                best = kept
+                if not exact:
+                    return best
+        return best if best is not below else None
 
     def _first_kept(
         self, members: SortedList[Member], start: int, below: Rank | None
@@ -1079,8 +1085,14 @@ def _best(
     best = max(totals.values())
     winners = [raw for raw, total in totals.items() if total == best]
     if fitting.any:
-        exact = [fitting.first(entries, exact=True) for raw in winners for entries in sources[raw]]
-        winner = min(member for member in exact if member is not None)
+        # the least kept host of every list of the winners: each list is searched only
+        # for a host before the least found so far
+        least: Rank | None = None
+        for raw in winners:
+            for entries in sources[raw]:
+                least = fitting.first(entries, exact=True, below=least) or least
+        assert least is not None  # every winner was found with a host kept
+        winner = least
     else:
         winner = min(found[raw] for raw in winners)
     host = snapshot.hosts[winner[1]]

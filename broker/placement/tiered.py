@@ -68,12 +68,16 @@ from dxpool.fabric.latency import Place, TieredLatencyModel, Tiers
 MAX_EXAMINED = 64
 """A choice whose walk looked at more box classes than this depends on every class."""
 
-FEW_TIGHTEST = 32
+FEW_TIGHTEST = 128
 """At most this many classes holding the tightest box: that rule asks the model for the
 round trip to each instead of walking the ranking to the nearest. Each costs a lookup
 per host class that :meth:`TieredChooser.choose` reads, none for :meth:`parts` with
 ``nearest_few`` False (a class table keeps them, see :mod:`.nearest_few`); above it, a
-change of the fewest usable GPUs makes every class walk again, so the cap is generous."""
+change of the fewest usable GPUs makes every class walk again, and a walk that reads a
+neighbouring tier for the tightest box rests on every class of it, so each commit in
+that tier makes its readers walk again. The cap is generous: small requests in a busy
+pool see tens of classes holding a box of the fewest free GPUs, and a size whose count
+crosses the cap goes from one way to the other on many decisions."""
 
 LARGE_TIER = 64
 """A ranking tier of more box classes than this (the rest of a site, for the tree model)
