@@ -70,6 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from dxpool.broker.nodes.memory_pool import InMemoryPool
 from dxpool.broker.placement import PlacementRequest, PlacementResult, place
+from dxpool.broker.placement.pipeline import Pipeline
 from dxpool.gc_policy import FULL_RECLAIM, CollectorPolicy
 
 GPUS_PER_BOX = 8
@@ -111,8 +112,10 @@ STREAMS: dict[str, Callable[[random.Random], PlacementRequest]] = {
 }
 
 
-def build(boxes: int) -> InMemoryPool:
-    pool = InMemoryPool()
+def build(boxes: int, pipeline: Pipeline | None = None) -> InMemoryPool:
+    """The pool: ``boxes`` boxes and as many hosts; placed by ``pipeline`` (the default
+    pipeline when None)."""
+    pool = InMemoryPool(pipeline=pipeline)
     for index in range(boxes):
         pool.add_box(f"b{index:05d}", "H100", GPUS_PER_BOX, location=location(index))
     for index in range(boxes):

@@ -77,7 +77,8 @@ change of the fewest usable GPUs makes every class walk again, and a walk that r
 neighbouring tier for the tightest box rests on every class of it, so each commit in
 that tier makes its readers walk again. The cap is generous: small requests in a busy
 pool see tens of classes holding a box of the fewest free GPUs, and a size whose count
-crosses the cap goes from one way to the other on many decisions."""
+crosses the cap goes from one way to the other on many decisions (``bench/few_tightest.py``
+times values against each other)."""
 
 LARGE_TIER = 64
 """A ranking tier of more box classes than this (the rest of a site, for the tree model)
