@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script, too
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from placement_stream import FILL, STREAMS, build
+from placement_stream import FILL, STREAMS, build, percentile_ms
 
 from dxpool.broker.placement import PlacementRequest, tiered
 from dxpool.broker.placement.registry import default_pipeline
@@ -80,11 +80,6 @@ class Arm:
             self.held -= count
 
 
-def ms(samples: list[float], fraction: float) -> float:
-    ordered = sorted(samples)
-    return 1e3 * ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
-
-
 def compare(caps: list[int], boxes: int, stream: str, decisions: int, seed: int) -> bool:
     """Runs one stream for every cap, interleaved; prints a row per cap. True when every
     cap made the same decisions."""
@@ -106,11 +101,12 @@ def compare(caps: list[int], boxes: int, stream: str, decisions: int, seed: int)
     finally:
         tiered.FEW_TIGHTEST = default
     first = arms[0]
+    first_p99 = max(percentile_ms(first.cpu, 0.99), 1e-9)
     for arm in arms:
+        p50, p90, p99 = (percentile_ms(arm.cpu, fraction) for fraction in (0.5, 0.9, 0.99))
         print(
             f"| {stream} | {arm.cap} | {len(arm.cpu)} | {1e3 * statistics.mean(arm.cpu):.3f} | "
-            f"{ms(arm.cpu, 0.5):.3f} | {ms(arm.cpu, 0.9):.3f} | {ms(arm.cpu, 0.99):.3f} | "
-            f"{ms(arm.cpu, 0.99) / max(ms(first.cpu, 0.99), 1e-9):.2f}x |",
+            f"{p50:.3f} | {p90:.3f} | {p99:.3f} | {p99 / first_p99:.2f}x |",
             flush=True,
         )
     return all(arm.decided == first.decided for arm in arms)

@@ -138,8 +138,13 @@ class Figures:
     reclaims: int = 0  # the policy's full reclaims
 
     def ms(self, fraction: float, *, cpu: bool = False) -> float:
-        ordered = sorted(self.cpu if cpu else self.samples)
-        return 1e3 * ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+        return percentile_ms(self.cpu if cpu else self.samples, fraction)
+
+
+def percentile_ms(samples: list[float], fraction: float) -> float:
+    """The ``fraction`` percentile of ``samples`` (seconds), in milliseconds."""
+    ordered = sorted(samples)
+    return 1e3 * ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
 class CollectionClock:

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "few_tightest.py"
+from tests.bench.scripts import run_script
 
 
 def test_every_cap_makes_the_same_decisions_and_gets_a_row_per_stream() -> None:
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--caps", "0,2,128", "--boxes", "64",
-         "--decisions", "150", "--streams", "sizes,shapes"],
-        capture_output=True, text=True, timeout=300, check=False,
+    run = run_script(
+        "few_tightest.py", "--caps", "0,2,128", "--boxes", "64", "--decisions", "150",
+        "--streams", "sizes,shapes", timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     rows = [line.split("|")[1:3] for line in run.stdout.splitlines() if line.startswith("| ")]
@@ -24,9 +19,6 @@ def test_every_cap_makes_the_same_decisions_and_gets_a_row_per_stream() -> None:
 
 
 def test_one_cap_is_a_usage_error() -> None:
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--caps", "32"],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+    run = run_script("few_tightest.py", "--caps", "32", timeout=60)
     assert run.returncode == 2
     assert "--caps takes two or more whole numbers" in run.stderr

@@ -4,11 +4,8 @@ report the collector's time inside and outside decisions."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "placement_stream.py"
+from tests.bench.scripts import run_script
 
 
 def collector_rows(output: str, mode: str) -> list[list[str]]:
@@ -17,10 +14,9 @@ def collector_rows(output: str, mode: str) -> list[list[str]]:
 
 
 def test_both_collector_modes_report_their_collections_inside_and_outside() -> None:
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--boxes", "32", "--decisions", "300",
-         "--streams", "sizes", "--gc", "default,policy"],
-        capture_output=True, text=True, timeout=300, check=False,
+    run = run_script(
+        "placement_stream.py", "--boxes", "32", "--decisions", "300", "--streams", "sizes",
+        "--gc", "default,policy", timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert re.search(r"gc default: set up .* thresholds \(700, 10, 10\)", run.stdout)
@@ -33,9 +29,6 @@ def test_both_collector_modes_report_their_collections_inside_and_outside() -> N
 
 
 def test_an_unknown_collector_mode_is_a_usage_error() -> None:
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--gc", "off"],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+    run = run_script("placement_stream.py", "--gc", "off", timeout=60)
     assert run.returncode == 2
     assert "--gc takes default, policy" in run.stderr
