@@ -65,6 +65,11 @@ Glossary (the terms of this module and :mod:`.tiered`):
   box answered as "the least box of this large tier", kept while that box has the
   fewest usable GPUs and the nearer tiers hold none that few; the class table files its
   groups by (round trip, free slots, tier) and scores them when it decides.
+* **take shape**: what a score plugin declaring ``by_take_shape`` reads of a proposal (its
+  rule and free slots, and per take its GPUs, round trip and box's usable GPUs). When
+  every plugin declares it, raw scores are kept by shape, and since the tightest boxes
+  all have the fewest usable GPUs a table files groups by their tightest box's round
+  trip alone (:data:`ANY_BOX_CLASS`) and scores far tiers once.
 * **fewest**: that fewest usable GPUs; **stamp**: what a memoized choice's tightest box
   rests on (the fewest, and the few classes holding such a box).
 * **memo**: a host class's choice kept by a chooser with what its walk rested on (the
@@ -106,7 +111,7 @@ from dxpool.broker.placement.model import (
     PlacementRequest,
     Snapshot,
 )
-from dxpool.broker.placement.nearest_few import NearestFew
+from dxpool.broker.placement.nearest_few import Nearest, NearestFew
 from dxpool.broker.placement.plugins.hosts import HostNotExcluded, HostResources
 from dxpool.broker.placement.status import Code
 from dxpool.broker.placement.tiered import FarTightest, TieredChooser
@@ -141,7 +146,9 @@ Entry = tuple[int, str, GroupKey]
 Raw = tuple[float, ...]
 TightestKey = tuple[int, int, int]
 """A tightest-single-box option for a group: (round trip, the class of the tightest box,
-which holds one such box, free slots)."""
+which holds one such box, free slots); the class is :data:`ANY_BOX_CLASS` where the
+score plugins score by take shape, so the tightest boxes of a round trip score alike."""
+ANY_BOX_CLASS = -1
 
 
 class _Log:
@@ -225,6 +232,8 @@ class BoxSide:
         self.journal = snapshot.journal
         self.log = _Log(snapshot.version)
         self.scored: dict[tuple[object, ...], _Scored] = {}
+        # raw scores by the shape of the proposal, for plugins that score by it alone
+        self.shape_scored: dict[tuple[object, ...], Raw] = {}
         self.key: Hashable = None  # set by whoever keeps it
 
     def advance(self, snapshot: Snapshot, boxes: Iterable[str], supply: LiveSupply) -> None:
@@ -253,6 +262,8 @@ class BoxSide:
         self.version = snapshot.version
         if len(self.scored) >= MAX_SCORED:
             self.scored = {}
+        if len(self.shape_scored) >= MAX_SCORED:
+            self.shape_scored = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,10 +372,18 @@ class ClassTable:
     and the groups proposing each distinct raw tuple, by first member."""
 
     def __init__(
-        self, side: BoxSide, base: HostBase, plugins: Sequence[ScorePlugin], min_free: int
+        self,
+        side: BoxSide,
+        base: HostBase,
+        plugins: Sequence[ScorePlugin],
+        min_free: int,
+        by_shape: bool = False,
     ) -> None:
         self.plugins = tuple(plugins)
         self.min_free = min_free  # groups with fewer free slots propose nothing
+        # every plugin scores by take shape: the few tightest boxes (all of the fewest
+        # usable GPUs) score alike at one round trip, whichever box a group gets
+        self.by_shape = by_shape
         self.box_version = -1
         self.host_version = -1
         self.chooser: TieredChooser | None = None
@@ -529,7 +548,8 @@ class ClassTable:
             self.places[host_class] = host.place
             self.nearest.join((host_class,))
         # a class that reaches too little gets no option: its hosts propose nothing
-        raws = tuple(raw_scores(side, self.plugins, option, key[1]) for option in found)
+        by_shape = self.by_shape
+        raws = tuple(raw_scores(side, self.plugins, option, key[1], by_shape) for option in found)
         far = self.far.get(host_class)
         if far is not None and raws:
             self.far_of_group[key] = _file_far(self.far_groups, far, key, (*rank, key))
@@ -580,24 +600,32 @@ class ClassTable:
             return
         self.few_active = True
         moved = self.nearest.update(few)
-        moving = sum(len(self.of_class.get(host_class, ())) for host_class in moved)
-        everything = (
+        shifted: list[GroupKey] = []
+        if not (everything or self.refile_pending):
+            # the groups of the classes whose answer moved that file elsewhere now (by
+            # take shape, a group stays where its new box has the old one's shape)
+            answers = self.nearest.answers
+            filed_as = self._filed_as
+            for host_class in moved:
+                answer = answers.get(host_class)
+                shifted.extend(
+                    key for key in self.of_class.get(host_class, ()) if not filed_as(key, answer)
+                )
+        if (
             everything
             or self.refile_pending
-            or (moving + len(self.pending)) * REFILE_ALL_SHARE > len(self.raws)
-        )
-        if everything:
+            or (len(shifted) + len(self.pending)) * REFILE_ALL_SHARE > len(self.raws)
+        ):
             self._refile_all()
             return
         waiting, self.pending = self.pending, set()
         far = self.far
-        for host_class in moved:
-            for key in self.of_class.get(host_class, ()):
-                entry = (*self.first_host[key], key)
-                self._unfile_nearest(key, entry)
-                # a group with no option has no tightest box; a far one has its own
-                if self.raws.get(key) and host_class not in far:
-                    self._file_nearest(key, entry)
+        for key in shifted:
+            entry = (*self.first_host[key], key)
+            self._unfile_nearest(key, entry)
+            # a group with no option has no tightest box; a far one has its own
+            if self.raws.get(key) and key[0] not in far:
+                self._file_nearest(key, entry)
         for key in chain(redo, waiting):
             if (
                 self.raws.get(key)
@@ -632,7 +660,7 @@ class ClassTable:
                 by_tier.setdefault(id(answer.tier), (answer.tier, []))[1].append(entry)
                 far_of_group[key] = (where, id(answer.tier))
                 continue
-            tight = (*answer, key[1])
+            tight = self._tight_key(answer, key[1])
             of_group[key] = tight
             entries = filed.get(tight)
             if entries is None:
@@ -663,6 +691,22 @@ class ClassTable:
         if filed is not None:
             _unfile_far(self.few_far_groups, filed, entry)
 
+    def _tight_key(self, answer: tuple[int, int], free: int) -> TightestKey:
+        """The key a group with ``free`` slots is filed by when the nearest of the few
+        tightest boxes of its class is ``answer`` (round trip, box class)."""
+        return (answer[0], ANY_BOX_CLASS if self.by_shape else answer[1], free)
+
+    def _filed_as(self, key: GroupKey, answer: Nearest | None) -> bool:
+        """Whether a group is filed already as its class's nearest of the few tightest
+        boxes, ``answer``, files it (a group with no option, or of a class with a far
+        answer of the chooser's, or none, is not filed by it)."""
+        if answer is None or key[0] in self.far or not self.raws.get(key):
+            return key not in self.tightest_of_group and key not in self.few_far_of_group
+        if isinstance(answer, FarTightest):
+            filed = self.few_far_of_group.get(key)
+            return filed == ((answer.latency, key[1]), id(answer.tier))
+        return self.tightest_of_group.get(key) == self._tight_key(answer, key[1])
+
     def _file_nearest(self, key: GroupKey, entry: Entry) -> None:
         """Files a group by the nearest of the few tightest boxes of its class."""
         answer = self.nearest.answers.get(key[0])
@@ -671,7 +715,7 @@ class ClassTable:
         if isinstance(answer, FarTightest):
             self.few_far_of_group[key] = _file_far(self.few_far_groups, answer, key, entry)
             return
-        tight = (*answer, key[1])
+        tight = self._tight_key(answer, key[1])
         self.tightest_of_group[key] = tight
         entries = self.groups_by_tightest.get(tight)
         if entries is None:
@@ -706,25 +750,45 @@ def _unfile_far(lists: FarLists, filed: tuple[tuple[int, int], int], entry: Entr
 
 
 def raw_scores(
-    side: BoxSide, plugins: Sequence[ScorePlugin], option: selection.Option, free: int
+    side: BoxSide,
+    plugins: Sequence[ScorePlugin],
+    option: selection.Option,
+    free: int,
+    by_shape: bool = False,
 ) -> Raw:
     """The raw scores of ``option`` on a host with ``free`` slots; the plugins work by
-    host class, so they depend on the takes and free slots alone and are kept by them
-    (by the identity of each take's supply, which the entry holds)."""
+    host class, so they depend on the takes and free slots alone and are kept by them:
+    by the identity of each take's supply (which the entry holds), or with ``by_shape``
+    (every plugin scores by take shape) by each take's GPUs, round trip and box's usable
+    GPUs."""
     rule, takes = option
+    if by_shape:
+        shape = (rule, free, *((t.count, t.latency_ns, t.supply.available) for t in takes))
+        raws = side.shape_scored.get(shape)
+        if raws is None:
+            raws = side.shape_scored[shape] = _score(side, plugins, option, free)
+        return raws
     key = (rule, free, *((id(t.supply), t.count, t.latency_ns) for t in takes))
     found = side.scored.get(key)
     if found is None:
-        proposal = Proposal(_NO_HOST, free, takes, rule)
-        raw: list[float] = []
-        request = side.request
-        for plugin in plugins:
-            try:
-                raw.append(plugin.score(request, proposal))
-            except Exception as error:
-                raise PluginError(plugin.name, error) from error
-        found = side.scored[key] = _Scored(takes, tuple(raw))
+        found = side.scored[key] = _Scored(takes, _score(side, plugins, option, free))
     return found.raws
+
+
+def _score(
+    side: BoxSide, plugins: Sequence[ScorePlugin], option: selection.Option, free: int
+) -> Raw:
+    """Every plugin's raw score of ``option`` on a host with ``free`` slots."""
+    rule, takes = option
+    proposal = Proposal(_NO_HOST, free, takes, rule)
+    raw: list[float] = []
+    request = side.request
+    for plugin in plugins:
+        try:
+            raw.append(plugin.score(request, proposal))
+        except Exception as error:
+            raise PluginError(plugin.name, error) from error
+    return tuple(raw)
 
 
 _NO_HOST = HostInfo("", Place(""), 0, frozenset(), True)
@@ -801,6 +865,7 @@ class Parts:
     bound: int | None  # the round-trip bound the link filters apply
     plugins: tuple[ScorePlugin, ...]
     weights: tuple[float, ...]
+    by_shape: bool  # every score plugin scores by take shape (``by_take_shape``)
     signature: Signature  # the keys of the parts carried over (see sign())
 
 
@@ -932,7 +997,7 @@ def _table(
     key = (side.key, base.key)
     table = carried.tables.get(key)
     if table is None or table.side is not side or table.base is not base:
-        table = ClassTable(side, base, parts.plugins, parts.min_free)
+        table = ClassTable(side, base, parts.plugins, parts.min_free, parts.by_shape)
         carried.tables[key] = table
     try:
         table.sync(side, base, snapshot)
@@ -1056,14 +1121,17 @@ def _best(
     tight_raws: dict[TightestKey, Raw] = {}
     if table.few_active:
         scored = table.tight_scored
+        few = table.nearest.few
+        # where the plugins score by take shape, any of the few stands for them all
+        any_few = next(iter(few.values()))
         for tight, entries in table.groups_by_tightest.items():
-            box = table.nearest.few[tight[1]]
+            box = any_few if tight[1] == ANY_BOX_CLASS else few[tight[1]]
             known = scored.get(tight)
             if known is not None and known[0] is box:
                 raw = known[1]
             else:
                 option = _tight_option(box, request.count, tight[0])
-                raw = raw_scores(side, table.plugins, option, tight[2])
+                raw = raw_scores(side, table.plugins, option, tight[2], table.by_shape)
                 scored[tight] = (box, raw)
             tight_raws[tight] = raw
             seen = found.get(raw)
@@ -1119,7 +1187,7 @@ def _options_of(
     if far is not None and options:  # parts() puts the far tier's least box last
         option = _tight_option(side.chooser.tier_box(far.tier), count, far.latency)
         options.append(option)
-        raws.append(far_raws[(far.latency, key[1], id(option[1][0].supply))])
+        raws.append(far_raws[_far_at(table, far.latency, key[1], option[1][0].supply)])
         return options, raws
     if not table.few_active:
         return options, raws  # the tightest box is within the options
@@ -1128,10 +1196,12 @@ def _options_of(
     if few_far is not None:  # the nearest of the few tightest boxes is a far tier's least
         (ns, free), tier_id = few_far
         supply = side.chooser.tier_box(table.few_far_groups[(ns, free)][tier_id].tier)
-        tight = supply, ns, far_raws[(ns, free, id(supply))]
+        tight = supply, ns, far_raws[_far_at(table, ns, free, supply)]
     tight_key = table.tightest_of_group.get(key)
     if tight_key is not None:
         ns, box_class, _ = tight_key
+        if box_class == ANY_BOX_CLASS:  # filed by shape: the class's own nearest box
+            box_class = cast(tuple[int, int], table.nearest.answers[key[0]])[1]
         tight = table.nearest.few[box_class], ns, tight_raws[tight_key]
     if tight is not None:
         supply, ns, raw = tight
@@ -1155,21 +1225,35 @@ def _far_found(
     :func:`_best` files the others), each scored from its tier's least box now; returns
     their raw scores by (round trip, free slots, id() of the box). A tier's least box is
     asked once, an option scored once per box, and a raw present once a group of it
-    keeps a host."""
+    keeps a host. Where the plugins score by take shape, every far tier's least box (of
+    the fewest usable GPUs, see :class:`~.tiered.FarTightest`) scores alike, so the
+    first one asked stands for all."""
     chooser = side.chooser
     least_of: dict[int, BoxSupply] = {}
     raws: dict[tuple[int, int, int], Raw] = {}
     plugins = table.plugins
+    by_shape = table.by_shape
     both = (table.far_groups, table.few_far_groups) if table.few_active else (table.far_groups,)
     for (ns, free), lists in chain.from_iterable(far_lists.items() for far_lists in both):
         for tier_id, far_list in lists.items():
-            least = least_of.get(tier_id)
-            if least is None:
-                least = least_of[tier_id] = chooser.tier_box(far_list.tier)
-            at = (ns, free, id(least))
-            raw = raws.get(at)
-            if raw is None:
-                raw = raws[at] = raw_scores(side, plugins, _tight_option(least, count, ns), free)
+            if by_shape:
+                at = (ns, free, 0)
+                raw = raws.get(at)
+                if raw is None:
+                    least = least_of.get(0)
+                    if least is None:
+                        least = least_of[0] = chooser.tier_box(far_list.tier)
+                    option = _tight_option(least, count, ns)
+                    raw = raws[at] = raw_scores(side, plugins, option, free, True)
+            else:
+                least = least_of.get(tier_id)
+                if least is None:
+                    least = least_of[tier_id] = chooser.tier_box(far_list.tier)
+                at = (ns, free, id(least))
+                raw = raws.get(at)
+                if raw is None:
+                    option = _tight_option(least, count, ns)
+                    raw = raws[at] = raw_scores(side, plugins, option, free)
             entries = far_list.entries
             sources.setdefault(raw, []).append(entries)
             if fitting.any:
@@ -1183,6 +1267,12 @@ def _far_found(
                 if seen is None or first < seen:
                     found[raw] = first
     return raws
+
+
+def _far_at(table: ClassTable, ns: int, free: int, box: BoxSupply) -> tuple[int, int, int]:
+    """Where :func:`_far_found` keeps the raw scores of ``box``'s tightest option at
+    ``ns`` for ``free`` slots."""
+    return (ns, free, 0 if table.by_shape else id(box))
 
 
 def _pinned(
@@ -1208,7 +1298,7 @@ def _pinned(
     if not options:
         return None
     free = where[0][1]
-    raws = [raw_scores(side, parts.plugins, option, free) for option in options]
+    raws = [raw_scores(side, parts.plugins, option, free, parts.by_shape) for option in options]
     totals = totals_of(parts.plugins, parts.weights, list(dict.fromkeys(raws)))
     best = max(totals.values())
     index = next(i for i, raw in enumerate(raws) if totals[raw] == best)

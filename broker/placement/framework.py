@@ -294,6 +294,13 @@ class ScorePlugin(Protocol):
     there are. Placement then scores each group of hosts alike (latency class, free
     slots) once (see :mod:`~dxpool.broker.placement.carry`); a plugin without it makes
     every host be scored.
+
+    A ``by_host_class`` plugin may also set ``by_take_shape = True`` when its raw score
+    reads of each take only its GPU count, its round trip and its box's usable GPUs
+    (``supply.available``), never which box it is (its id, place, model or GPUs), and
+    of the proposal nothing else but the free slot count and the rule. Proposals of one
+    shape then score alike whichever boxes they take: placement scores a shape once and
+    files hosts whose tightest boxes differ but have that shape together.
     """
 
     name: str

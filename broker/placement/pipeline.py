@@ -246,6 +246,7 @@ def _carried_parts(pipeline: Pipeline, request: PlacementRequest) -> Parts | Non
         bound,
         tuple(weighted.plugin for weighted in scores),
         tuple(weighted.weight for weighted in scores),
+        all(getattr(weighted.plugin, "by_take_shape", False) for weighted in scores),
         sign(request, (*box_filters, *gpu_filters), base_filters),
     )
 

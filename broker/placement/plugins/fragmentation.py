@@ -43,6 +43,7 @@ class SlotFragmentation:
 
     name = "slot_fragmentation"
     by_host_class = True
+    by_take_shape = True
 
     def __init__(
         self,

@@ -22,6 +22,7 @@ class LatencyScore:
 
     name = "latency"
     by_host_class = True
+    by_take_shape = True
 
     def score(self, request: PlacementRequest, proposal: Proposal) -> float:
         return proposal.mean_latency_ns
@@ -35,6 +36,7 @@ class BoxAffinity:
 
     name = "box_affinity"
     by_host_class = True
+    by_take_shape = True
 
     def score(self, request: PlacementRequest, proposal: Proposal) -> float:
         return float(proposal.box_count)
@@ -49,6 +51,7 @@ class BoxFit:
 
     name = "box_fit"
     by_host_class = True
+    by_take_shape = True
 
     def score(self, request: PlacementRequest, proposal: Proposal) -> float:
         return MAX_SCORE * proposal.gpu_count / max(proposal.available_in_boxes, 1)
@@ -63,6 +66,7 @@ class HostFit:
 
     name = "host_fit"
     by_host_class = True
+    by_take_shape = True
 
     def score(self, request: PlacementRequest, proposal: Proposal) -> float:
         return MAX_SCORE * proposal.gpu_count / max(proposal.free_slots, 1)

@@ -15,6 +15,8 @@ from dxpool.broker.nodes.memory_pool import InMemoryPool
 from dxpool.broker.placement import PlacementRequest, carry, default_pipeline, place, tiered
 from dxpool.broker.placement import pipeline as pipeline_module
 from dxpool.broker.placement.model import Snapshot
+from dxpool.broker.placement.pipeline import Pipeline
+from dxpool.broker.placement.plugins.scores import BoxFit
 
 RACK_SIZE = 4
 RACKS_PER_POD = 3
@@ -113,7 +115,49 @@ def test_far_tightest_boxes_decide_as_fresh_ones_whether_or_not_few_classes_hold
     _carried_decisions_are_fresh_ones(seed, boxes, rack_size)
 
 
-def _carried_decisions_are_fresh_ones(seed: int, boxes: int, rack_size: int) -> None:
+@pytest.mark.parametrize("few", [0, 2, tiered.FEW_TIGHTEST])
+@pytest.mark.parametrize(("seed", "boxes", "rack_size"), [(3, 36, RACK_SIZE), (5, 90, 1)])
+def test_a_plugin_that_reads_which_box_is_taken_files_groups_by_box_and_decides_alike(
+    monkeypatch: pytest.MonkeyPatch, few: int, seed: int, boxes: int, rack_size: int
+) -> None:
+    """With a score plugin that does not score by take shape alone, the tightest boxes
+    are filed box class by box class and far tiers' least boxes scored each on their
+    own: the decisions are still those of a pipeline made afresh."""
+    monkeypatch.setattr(BoxFit, "by_take_shape", False)
+    monkeypatch.setattr(tiered, "FEW_TIGHTEST", few)
+    pipeline = _carried_decisions_are_fresh_ones(seed, boxes, rack_size)
+    tables = list(pipeline._carried.tables.values())
+    assert tables and not any(table.by_shape for table in tables)
+    assert all(
+        tight[1] != carry.ANY_BOX_CLASS for table in tables for tight in table.groups_by_tightest
+    )
+    if few:  # some table answered the tightest box apart
+        assert any(table.groups_by_tightest for table in tables)
+
+
+def test_plugins_that_score_by_take_shape_file_the_few_tightest_boxes_by_round_trip() -> None:
+    """The default score plugins score by take shape: a table files the groups whose
+    nearest tightest boxes differ but lie equally far together, and scores proposals
+    by their shape, not by which boxes they take."""
+    pipeline = _carried_decisions_are_fresh_ones(3, 36, RACK_SIZE)
+    tables = list(pipeline._carried.tables.values())
+    assert tables and all(table.by_shape for table in tables)
+    apart = [table for table in tables if table.few_active and table.groups_by_tightest]
+    assert apart  # some table answered the tightest box apart
+    for table in apart:
+        assert all(tight[1] == carry.ANY_BOX_CLASS for tight in table.groups_by_tightest)
+        # groups of one key may take different boxes: each has its own class's nearest
+        boxes = {
+            answer[1]
+            for key in table.tightest_of_group
+            if not isinstance(answer := table.nearest.answers[key[0]], tiered.FarTightest)
+        }
+        assert boxes <= set(table.nearest.few)
+    for side in pipeline._carried.box_sides.values():
+        assert side.shape_scored and not side.scored
+
+
+def _carried_decisions_are_fresh_ones(seed: int, boxes: int, rack_size: int) -> Pipeline:
     rng = random.Random(seed)
     pool = _pool(rng, boxes=boxes, hosts=30, rack_size=rack_size)
     carrying = pool.pipeline
@@ -145,6 +189,7 @@ def _carried_decisions_are_fresh_ones(seed: int, boxes: int, rack_size: int) -> 
         while live and (rng.random() < 0.35 or len(live) > 14):
             pool.release(live.pop(rng.randrange(len(live))))
     assert carrying is not None and carrying._carried.tables  # the decisions were carried
+    return carrying
 
 
 def test_a_part_is_kept_across_changes_that_do_not_touch_it_and_made_again_when_they_do() -> None:
