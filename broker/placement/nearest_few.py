@@ -52,7 +52,8 @@ class _Group:
 
     def __init__(self, rest: TierList) -> None:
         self.rest = rest  # the shared tiers, from the first large one on
-        self.members: dict[int, TierList] = {}  # host class -> its tiers before ``rest``
+        # host class -> its tiers before ``rest``, as (round trip, set of classes)
+        self.members: dict[int, tuple[tuple[int, frozenset[int]], ...]] = {}
         self.near: set[int] = set()  # the classes of every member's tiers before ``rest``
         self.rest_answer: Nearest | None = None
 
@@ -120,26 +121,37 @@ class NearestFew:
             on_class = self._on_class
             for number in changed:
                 touched.update(on_class.get(number, ()))
-            holds = self._tier_holds
-            for tier_id, (_, members, groups) in self._on_tier.items():
-                if not members.isdisjoint(changed):
-                    held = not members.isdisjoint(now)
-                    if held != holds[tier_id]:
-                        holds[tier_id] = held
-                        touched.update(groups)
+            # a large tier comes to hold one of the few or ceases to only as classes
+            # join or leave them (not as a class's box of the fewest is another)
+            came_or_went = now.keys() ^ before.keys()
+            if came_or_went:
+                holds = self._tier_holds
+                for tier_id, (_, members, groups) in self._on_tier.items():
+                    if not members.isdisjoint(came_or_went):
+                        held = not members.isdisjoint(now)
+                        if held != holds[tier_id]:
+                            holds[tier_id] = held
+                            touched.update(groups)
         moved: list[int] = []
         unanswered = self._unanswered
         for group in touched:
             self._answer_rest(group)
+            near_few = self._near_few(group)
             for host_class in group.members:
                 unanswered.discard(host_class)
-                if self._set(host_class, self._answer(group, host_class)):
+                if self._set(host_class, _answer(group, host_class, near_few)):
                     moved.append(host_class)
         for host_class in unanswered:
-            if self._set(host_class, self._answer(self._group_of[host_class], host_class)):
+            group = self._group_of[host_class]
+            if self._set(host_class, _answer(group, host_class, self._near_few(group))):
                 moved.append(host_class)
         unanswered.clear()
         return moved
+
+    def _near_few(self, group: _Group) -> list[tuple[str, int]]:
+        """The few classes among the group's near classes, as (box id, class) by box id."""
+        near = group.near
+        return sorted((box.box.box, number) for number, box in self._few.items() if number in near)
 
     def _set(self, host_class: int, found: Nearest | None) -> bool:
         """Records a host class's answer (None: none, no class of its ranking holds
@@ -167,7 +179,7 @@ class NearestFew:
             group = self._groups[key] = _Group(rest)
             self._answer_rest(group)
         near = tuple(ranking[:first_large])
-        group.members[host_class] = near
+        group.members[host_class] = tuple((ns, frozenset(tier)) for ns, tier in near)
         self._group_of[host_class] = group
         on_class = self._on_class
         for _, tier in near:
@@ -176,16 +188,6 @@ class NearestFew:
                     group.near.add(number)
                     on_class.setdefault(number, set()).add(group)
         return group
-
-    def _answer(self, group: _Group, host_class: int) -> Nearest | None:
-        """A member's answer: its own tiers before the group's remainder, then that."""
-        few = self._few
-        if any(number in group.near for number in few):
-            for ns, tier in group.members[host_class]:
-                found = _lowest_id(ns, tier, few)
-                if found is not None:
-                    return found
-        return group.rest_answer
 
     def _answer_rest(self, group: _Group) -> None:
         """Finds the answer of the group's remainder, noting what it walked."""
@@ -214,6 +216,17 @@ class NearestFew:
             self._tier_holds[id(tier)] = any(number in entry[1] for number in self._few)
         entry[2].add(group)
         return self._tier_holds[id(tier)]
+
+
+def _answer(group: _Group, host_class: int, near_few: list[tuple[str, int]]) -> Nearest | None:
+    """A member's answer: its own tiers before the group's remainder (the first holding
+    one of ``near_few``, the few among the group's near classes by box id), then that."""
+    if near_few:
+        for ns, tier in group.members[host_class]:
+            for _, number in near_few:
+                if number in tier:
+                    return (ns, number)
+    return group.rest_answer
 
 
 def _lowest_id(ns: int, tier: tuple[int, ...], few: dict[int, BoxSupply]) -> tuple[int, int] | None:
