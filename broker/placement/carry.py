@@ -398,7 +398,8 @@ class ClassTable:
         # nearest of the few per host class, kept up as the few change, and the groups
         # of the classes without a far answer of the chooser's filed by it: by
         # (round trip, box class, free slots) when it lies in a listed tier, like the
-        # far groups when it is a large tier's least box
+        # far groups when it is a large tier's least box; by take shape, by (round
+        # trip, free slots) alone either way
         self.few_active = False  # the chooser answers the tightest box apart now
         # while it does not: groups judged again and not filed by it yet, or (True)
         # the whole filing to be made again
@@ -654,7 +655,7 @@ class ClassTable:
             if answer is None:
                 continue
             entry = (*first_host[key], key)
-            if isinstance(answer, FarTightest):
+            if isinstance(answer, FarTightest) and not self.by_shape:
                 where = (answer.latency, key[1])
                 by_tier = far_filed.setdefault(where, {})
                 by_tier.setdefault(id(answer.tier), (answer.tier, []))[1].append(entry)
@@ -691,9 +692,12 @@ class ClassTable:
         if filed is not None:
             _unfile_far(self.few_far_groups, filed, entry)
 
-    def _tight_key(self, answer: tuple[int, int], free: int) -> TightestKey:
+    def _tight_key(self, answer: Nearest, free: int) -> TightestKey:
         """The key a group with ``free`` slots is filed by when the nearest of the few
-        tightest boxes of its class is ``answer`` (round trip, box class)."""
+        tightest boxes of its class is ``answer``: (round trip, box class), or by take
+        shape also a far tier's least box (which has the fewest usable GPUs too)."""
+        if isinstance(answer, FarTightest):
+            return (answer.latency, ANY_BOX_CLASS, free)
         return (answer[0], ANY_BOX_CLASS if self.by_shape else answer[1], free)
 
     def _filed_as(self, key: GroupKey, answer: Nearest | None) -> bool:
@@ -702,7 +706,7 @@ class ClassTable:
         answer of the chooser's, or none, is not filed by it)."""
         if answer is None or key[0] in self.far or not self.raws.get(key):
             return key not in self.tightest_of_group and key not in self.few_far_of_group
-        if isinstance(answer, FarTightest):
+        if isinstance(answer, FarTightest) and not self.by_shape:
             filed = self.few_far_of_group.get(key)
             return filed == ((answer.latency, key[1]), id(answer.tier))
         return self.tightest_of_group.get(key) == self._tight_key(answer, key[1])
@@ -712,7 +716,7 @@ class ClassTable:
         answer = self.nearest.answers.get(key[0])
         if answer is None:
             return
-        if isinstance(answer, FarTightest):
+        if isinstance(answer, FarTightest) and not self.by_shape:
             self.few_far_of_group[key] = _file_far(self.few_far_groups, answer, key, entry)
             return
         tight = self._tight_key(answer, key[1])
@@ -1200,9 +1204,15 @@ def _options_of(
     tight_key = table.tightest_of_group.get(key)
     if tight_key is not None:
         ns, box_class, _ = tight_key
-        if box_class == ANY_BOX_CLASS:  # filed by shape: the class's own nearest box
-            box_class = cast(tuple[int, int], table.nearest.answers[key[0]])[1]
-        tight = table.nearest.few[box_class], ns, tight_raws[tight_key]
+        if box_class != ANY_BOX_CLASS:
+            supply = table.nearest.few[box_class]
+        else:  # filed by take shape: the class's own nearest box
+            answer = table.nearest.answers[key[0]]
+            if isinstance(answer, FarTightest):
+                supply = side.chooser.tier_box(answer.tier)
+            else:
+                supply = table.nearest.few[answer[1]]
+        tight = supply, ns, tight_raws[tight_key]
     if tight is not None:
         supply, ns, raw = tight
         if not any(
