@@ -6,6 +6,7 @@ import pytest
 
 from dxpool.broker.placement.framework import BoxSupply, Proposal, Take
 from dxpool.broker.placement.model import BoxInfo, GpuInfo, HostInfo, Place, PlacementRequest
+from dxpool.broker.placement.plugins.fragmentation import SlotFragmentation
 from dxpool.broker.placement.plugins.scores import BoxAffinity, BoxFit, HostFit, LatencyScore
 
 HOST = HostInfo("h1", Place("hosts/h1"), 8, frozenset(), True)
@@ -49,3 +50,39 @@ def test_box_fit_prefers_using_up_the_touched_boxes() -> None:
 
 def test_host_fit_prefers_filling_the_hosts_free_slots() -> None:
     assert scores(HostFit()) == [100.0, 50.0]
+
+
+def _on_other_boxes(original: Proposal) -> Proposal:
+    """The same shape (rule, free slots, and per take its GPUs, round trip and box's
+    usable GPUs) on other boxes: other ids, places, GPU model and memory."""
+    takes = tuple(
+        Take(
+            BoxSupply(
+                BoxInfo(f"other-{t.supply.box.box}", Place(f"dc9/p9/r9/{t.supply.box.box}"), True),
+                tuple(
+                    GpuInfo(f"boxes/x/gpus/{s}", "x", s + 3, "A100", 80, True, True)
+                    for s in range(t.supply.available)
+                ),
+            ),
+            t.count,
+            t.latency_ns,
+        )
+        for t in original.takes
+    )
+    host = HostInfo("h9", Place("dc9/p9/r9/h9"), 8, frozenset({7}), True, cpu_cores=64)
+    return Proposal(host, original.free_slots, takes, original.rule)
+
+
+@pytest.mark.parametrize(
+    "plugin",
+    [LatencyScore(), BoxAffinity(), BoxFit(), HostFit(), SlotFragmentation()],
+    ids=lambda plugin: plugin.name,
+)
+def test_a_plugin_that_scores_by_take_shape_scores_a_shape_alike_on_any_boxes(
+    plugin: LatencyScore | BoxAffinity | BoxFit | HostFit | SlotFragmentation,
+) -> None:
+    """A plugin declaring ``by_take_shape`` (placement then files the tightest boxes by
+    round trip alone) reads of a take only its GPUs, round trip and box's usable GPUs."""
+    assert plugin.by_take_shape and plugin.by_host_class
+    for original in (ONE_TIGHT_NEAR, TWO_FAR_LOOSE):
+        assert plugin.score(REQUEST, _on_other_boxes(original)) == plugin.score(REQUEST, original)
