@@ -85,7 +85,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain
-from typing import cast
+from typing import TypeGuard, cast
 
 from sortedcontainers import SortedList
 
@@ -377,7 +377,7 @@ class ClassTable:
         base: HostBase,
         plugins: Sequence[ScorePlugin],
         min_free: int,
-        by_shape: bool = False,
+        by_shape: bool,
     ) -> None:
         self.plugins = tuple(plugins)
         self.min_free = min_free  # groups with fewer free slots propose nothing
@@ -655,7 +655,7 @@ class ClassTable:
             if answer is None:
                 continue
             entry = (*first_host[key], key)
-            if isinstance(answer, FarTightest) and not self.by_shape:
+            if self._by_tier(answer):
                 where = (answer.latency, key[1])
                 by_tier = far_filed.setdefault(where, {})
                 by_tier.setdefault(id(answer.tier), (answer.tier, []))[1].append(entry)
@@ -692,6 +692,12 @@ class ClassTable:
         if filed is not None:
             _unfile_far(self.few_far_groups, filed, entry)
 
+    def _by_tier(self, answer: Nearest) -> TypeGuard[FarTightest]:
+        """Whether a group whose nearest of the few tightest boxes is ``answer`` is filed
+        by its far tier (a far tier's least box, plugins not scoring by take shape)
+        rather than by :meth:`_tight_key`."""
+        return isinstance(answer, FarTightest) and not self.by_shape
+
     def _tight_key(self, answer: Nearest, free: int) -> TightestKey:
         """The key a group with ``free`` slots is filed by when the nearest of the few
         tightest boxes of its class is ``answer``: (round trip, box class), or by take
@@ -706,7 +712,7 @@ class ClassTable:
         answer of the chooser's, or none, is not filed by it)."""
         if answer is None or key[0] in self.far or not self.raws.get(key):
             return key not in self.tightest_of_group and key not in self.few_far_of_group
-        if isinstance(answer, FarTightest) and not self.by_shape:
+        if self._by_tier(answer):
             filed = self.few_far_of_group.get(key)
             return filed == ((answer.latency, key[1]), id(answer.tier))
         return self.tightest_of_group.get(key) == self._tight_key(answer, key[1])
@@ -716,7 +722,7 @@ class ClassTable:
         answer = self.nearest.answers.get(key[0])
         if answer is None:
             return
-        if isinstance(answer, FarTightest) and not self.by_shape:
+        if self._by_tier(answer):
             self.few_far_of_group[key] = _file_far(self.few_far_groups, answer, key, entry)
             return
         tight = self._tight_key(answer, key[1])
@@ -758,7 +764,7 @@ def raw_scores(
     plugins: Sequence[ScorePlugin],
     option: selection.Option,
     free: int,
-    by_shape: bool = False,
+    by_shape: bool,
 ) -> Raw:
     """The raw scores of ``option`` on a host with ``free`` slots; the plugins work by
     host class, so they depend on the takes and free slots alone and are kept by them:
@@ -1246,24 +1252,15 @@ def _far_found(
     both = (table.far_groups, table.few_far_groups) if table.few_active else (table.far_groups,)
     for (ns, free), lists in chain.from_iterable(far_lists.items() for far_lists in both):
         for tier_id, far_list in lists.items():
-            if by_shape:
-                at = (ns, free, 0)
-                raw = raws.get(at)
-                if raw is None:
-                    least = least_of.get(0)
-                    if least is None:
-                        least = least_of[0] = chooser.tier_box(far_list.tier)
-                    option = _tight_option(least, count, ns)
-                    raw = raws[at] = raw_scores(side, plugins, option, free, True)
-            else:
-                least = least_of.get(tier_id)
-                if least is None:
-                    least = least_of[tier_id] = chooser.tier_box(far_list.tier)
-                at = (ns, free, id(least))
-                raw = raws.get(at)
-                if raw is None:
-                    option = _tight_option(least, count, ns)
-                    raw = raws[at] = raw_scores(side, plugins, option, free)
+            slot = 0 if by_shape else tier_id  # by take shape one least box stands for all
+            least = least_of.get(slot)
+            if least is None:
+                least = least_of[slot] = chooser.tier_box(far_list.tier)
+            at = _far_at(table, ns, free, least)
+            raw = raws.get(at)
+            if raw is None:
+                option = _tight_option(least, count, ns)
+                raw = raws[at] = raw_scores(side, plugins, option, free, by_shape)
             entries = far_list.entries
             sources.setdefault(raw, []).append(entries)
             if fitting.any:
