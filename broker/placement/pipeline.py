@@ -246,14 +246,15 @@ def _carried_parts(pipeline: Pipeline, request: PlacementRequest) -> Parts | Non
         bound,
         tuple(weighted.plugin for weighted in scores),
         tuple(weighted.weight for weighted in scores),
-        all(getattr(weighted.plugin, "by_take_shape", False) for weighted in scores),
+        _scores_declare(pipeline, "by_take_shape"),
         sign(request, (*box_filters, *gpu_filters), base_filters),
     )
 
 
-def _by_host_class(pipeline: Pipeline) -> bool:
-    """Whether every score plugin lets hosts of one class be scored once."""
-    return all(getattr(w.plugin, "by_host_class", False) for w in pipeline.scores)
+def _scores_declare(pipeline: Pipeline, flag: str) -> bool:
+    """Whether every score plugin sets ``flag`` (``by_host_class``: hosts of one class
+    are scored once; ``by_take_shape``: proposals of one shape score alike)."""
+    return all(getattr(w.plugin, flag, False) for w in pipeline.scores)
 
 
 def _tiers_suffice(
@@ -315,7 +316,7 @@ class _Run:
     # -- phases ------------------------------------------------------------------------
 
     def result(self) -> PlacementResult:
-        by_class = _by_host_class(self.pipeline)
+        by_class = _scores_declare(self.pipeline, "by_host_class")
         if (
             self.share_classes
             and by_class
