@@ -306,9 +306,13 @@ def test_watcher_owed_a_forgotten_deletion_is_aborted_then_relists(  # type: ign
             until=lambda: blocked_watchers(broker.nodes.feed, 1.0),
         )
         # While its send is blocked, two deletions: the second drops the first from
-        # memory before the watcher could be sent it.
-        delete_nodes(etcd_client, key_prefix, ["a"])
-        delete_nodes(etcd_client, key_prefix, ["b"])
+        # memory before the watcher could be sent it. The broker applies them from its
+        # own etcd watch, so wait for both before reading: read sooner, and the watcher
+        # could take the first deletion before the second arrives to drop it.
+        first = delete_nodes(etcd_client, key_prefix, ["a"])
+        settle(broker, delete_nodes(etcd_client, key_prefix, ["b"]), timeout_s=60)
+        assert broker.nodes.feed.horizon >= first
+        assert blocked_watchers(broker.nodes.feed, 1.0)  # still behind the forgotten one
         with pytest.raises(grpc.RpcError) as ended:
             for event in stream:
                 view.apply(event)
