@@ -81,13 +81,12 @@ Glossary (the terms of this module and :mod:`.tiered`):
 from __future__ import annotations
 
 import threading
+from bisect import bisect_left, insort
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import chain
-from typing import TypeGuard, cast
-
-from sortedcontainers import SortedList
+from itertools import chain, islice
+from typing import TypeGuard, TypeVar, cast
 
 from dxpool.broker.placement import selection
 from dxpool.broker.placement.framework import (
@@ -149,6 +148,17 @@ TightestKey = tuple[int, int, int]
 which holds one such box, free slots); the class is :data:`ANY_BOX_CLASS` where the
 score plugins score by take shape, so the tightest boxes of a round trip score alike."""
 ANY_BOX_CLASS = -1
+
+
+_Sorted = TypeVar("_Sorted", bound=tuple[object, ...])
+
+
+def remove_sorted(items: list[_Sorted], item: _Sorted) -> None:
+    """Removes ``item`` from the sorted list ``items``; ValueError when it is not there."""
+    at = bisect_left(items, item)
+    if at == len(items) or items[at] != item:
+        raise ValueError(f"{item!r} is not in the list")
+    del items[at]
 
 
 class _Log:
@@ -273,7 +283,7 @@ class _FarList:
     member: the tier, and the groups."""
 
     tier: tuple[int, ...]
-    entries: SortedList[Entry]
+    entries: list[Entry]  # sorted
 
 
 FarLists = dict[tuple[int, int], dict[int, _FarList]]
@@ -304,7 +314,7 @@ class HostBase:
         self.filters = tuple(filters)
         self.model = model
         self.scale = snapshot.resource_scale()
-        self.groups: dict[GroupKey, SortedList[Member]] = {}
+        self.groups: dict[GroupKey, list[Member]] = {}  # each sorted
         self.where: dict[str, tuple[GroupKey, Member]] = {}
         self.unknown: set[str] = set()  # kept hosts whose latency class the model failed
         self.version = snapshot.version
@@ -334,7 +344,7 @@ class HostBase:
             return
         key, member = found
         members = self.groups[key]
-        members.remove(member)
+        remove_sorted(members, member)
         if not members:
             del self.groups[key]
         touched.add(key)
@@ -360,8 +370,8 @@ class HostBase:
         )
         members = self.groups.get(key)
         if members is None:
-            members = self.groups[key] = SortedList()
-        members.add(member)
+            members = self.groups[key] = []
+        insort(members, member)
         self.where[host.host] = (key, member)
         if touched is not None:
             touched.add(key)
@@ -393,7 +403,7 @@ class ClassTable:
         self.of_class: dict[int, set[GroupKey]] = {}
         self.raws: dict[GroupKey, tuple[Raw, ...]] = {}
         self.first_host: dict[GroupKey, Rank] = {}
-        self.by_raw: dict[Raw, SortedList[Entry]] = {}
+        self.by_raw: dict[Raw, list[Entry]] = {}  # each sorted
         # The tightest box, when the chooser answers it apart (see the glossary): the
         # nearest of the few per host class, kept up as the few change, and the groups
         # of the classes without a far answer of the chooser's filed by it: by
@@ -407,7 +417,7 @@ class ClassTable:
         self.refile_pending = False
         self.nearest = NearestFew(side.chooser.model)
         self.tightest_of_group: dict[GroupKey, TightestKey] = {}
-        self.groups_by_tightest: dict[TightestKey, SortedList[Entry]] = {}
+        self.groups_by_tightest: dict[TightestKey, list[Entry]] = {}  # each sorted
         self.few_far_groups: FarLists = {}
         self.few_far_of_group: dict[GroupKey, tuple[tuple[int, int], int]] = {}
         # the raw scores of each key's option with the box they were made for
@@ -529,7 +539,7 @@ class ClassTable:
             return
         for raw in set(raws):
             entries = self.by_raw[raw]
-            entries.remove(entry)
+            remove_sorted(entries, entry)
             if not entries:
                 del self.by_raw[raw]
         self._unfile_nearest(key, entry)
@@ -563,8 +573,8 @@ class ClassTable:
         for raw in set(raws):
             entries = self.by_raw.get(raw)
             if entries is None:
-                entries = self.by_raw[raw] = SortedList()
-            entries.add(entry)
+                entries = self.by_raw[raw] = []
+            insort(entries, entry)
 
     def _file_all_by_raw(self) -> None:
         """Files every group by each of its raw score tuples afresh, in one pass."""
@@ -577,7 +587,7 @@ class ClassTable:
                 if entries is None:
                     entries = filed[raw] = []
                 entries.append(entry)
-        self.by_raw = {raw: SortedList(entries) for raw, entries in filed.items()}
+        self.by_raw = {raw: sorted(entries) for raw, entries in filed.items()}
 
     def _refile_tightest(
         self, chooser: TieredChooser, redo: set[GroupKey], everything: bool
@@ -668,13 +678,13 @@ class ClassTable:
                 entries = filed[tight] = []
             entries.append(entry)
         self.tightest_of_group = of_group
-        self.groups_by_tightest = {tight: SortedList(entries) for tight, entries in filed.items()}
+        self.groups_by_tightest = {tight: sorted(entries) for tight, entries in filed.items()}
         self.few_far_of_group = far_of_group
         self.pending.clear()
         self.refile_pending = False
         self.few_far_groups = {
             where: {
-                tier_id: _FarList(tier, SortedList(entries))
+                tier_id: _FarList(tier, sorted(entries))
                 for tier_id, (tier, entries) in lists.items()
             }
             for where, lists in far_filed.items()
@@ -685,7 +695,7 @@ class ClassTable:
         tight = self.tightest_of_group.pop(key, None)
         if tight is not None:
             entries = self.groups_by_tightest[tight]
-            entries.remove(entry)
+            remove_sorted(entries, entry)
             if not entries:
                 del self.groups_by_tightest[tight]
         filed = self.few_far_of_group.pop(key, None)
@@ -729,8 +739,8 @@ class ClassTable:
         self.tightest_of_group[key] = tight
         entries = self.groups_by_tightest.get(tight)
         if entries is None:
-            entries = self.groups_by_tightest[tight] = SortedList()
-        entries.add(entry)
+            entries = self.groups_by_tightest[tight] = []
+        insort(entries, entry)
 
 
 def _file_far(
@@ -743,8 +753,8 @@ def _file_far(
         by_tier = lists[where] = {}
     far_list = by_tier.get(id(far.tier))
     if far_list is None:
-        far_list = by_tier[id(far.tier)] = _FarList(far.tier, SortedList())
-    far_list.entries.add(entry)
+        far_list = by_tier[id(far.tier)] = _FarList(far.tier, [])
+    insort(far_list.entries, entry)
     return where, id(far.tier)
 
 
@@ -752,7 +762,7 @@ def _unfile_far(lists: FarLists, filed: tuple[tuple[int, int], int], entry: Entr
     """Takes a group filed by :func:`_file_far` out of its list."""
     by_tier = lists[filed[0]]
     far_list = by_tier[filed[1]]
-    far_list.entries.remove(entry)
+    remove_sorted(far_list.entries, entry)
     if not far_list.entries:
         del by_tier[filed[1]]
         if not by_tier:
@@ -1063,9 +1073,7 @@ class _Fitting:
             return all(check.keeps(self.request, host) for check in others)
         return True
 
-    def first(
-        self, entries: SortedList[Entry], exact: bool, below: Rank | None = None
-    ) -> Rank | None:
+    def first(self, entries: list[Entry], exact: bool, below: Rank | None = None) -> Rank | None:
         """The first host kept among the groups of ``entries`` (each entry a group by
         its first host); with ``exact`` the least of them all, else any (the first
         found). None when no group holds one, or (with ``below``) none that ranks
@@ -1081,7 +1089,7 @@ class _Fitting:
             if best is not None and (room, host_id) >= best:
                 break  # every host of this group and those after has more room
             members = self.groups[key]
-            start = members.bisect_left(floor) if self.least else 0
+            start = bisect_left(members, floor) if self.least else 0
             kept = self._first_kept(members, start, best)
             if kept is not None:
                 best = kept
@@ -1089,9 +1097,7 @@ class _Fitting:
                     return best
         return best if best is not below else None
 
-    def _first_kept(
-        self, members: SortedList[Member], start: int, below: Rank | None
-    ) -> Rank | None:
+    def _first_kept(self, members: list[Member], start: int, below: Rank | None) -> Rank | None:
         """The first of a group's ``members`` from position ``start`` on that the checks
         keep, if it ranks before ``below`` (None otherwise). The first member usually
         is kept: it is read by position, cheaper than an iterator."""
@@ -1103,7 +1109,7 @@ class _Fitting:
             return None
         if self.keeps(member):
             return rank
-        for member in members.islice(start + 1):
+        for member in islice(members, start + 1, None):
             rank = (member[0], member[1])
             if below is not None and rank >= below:
                 return None
@@ -1122,7 +1128,7 @@ def _best(
 ) -> Chosen | None:
     fitting = _Fitting(parts, request, snapshot, base)
     found: dict[Raw, Rank] = {}
-    sources: dict[Raw, list[SortedList[Entry]]] = {}
+    sources: dict[Raw, list[list[Entry]]] = {}
     for raw, entries in table.by_raw.items():
         member = fitting.first(entries, exact=False)
         if member is not None:
@@ -1234,7 +1240,7 @@ def _far_found(
     side: BoxSide,
     fitting: _Fitting,
     found: dict[Raw, Rank],
-    sources: dict[Raw, list[SortedList[Entry]]],
+    sources: dict[Raw, list[list[Entry]]],
     count: int,
 ) -> dict[tuple[int, int, int], Raw]:
     """Adds the far groups' tightest options to ``found`` and ``sources`` (as
