@@ -44,7 +44,11 @@ class Arm:
     """One value of the cap: its own pool, pipeline and stream, in the steady state."""
 
     def __init__(
-        self, cap: int, boxes: int, make: Callable[[random.Random], PlacementRequest], seed: int
+        self,
+        cap: int,
+        boxes: int,
+        make: Callable[[random.Random, int], PlacementRequest],
+        seed: int,
     ) -> None:
         self.cap = cap
         self.pool = build(boxes, default_pipeline())
@@ -61,7 +65,7 @@ class Arm:
         """Places the next request (timed, when ``timed``), commits it and, once a third
         of the GPUs is held, releases the oldest nodes."""
         tiered.FEW_TIGHTEST = self.cap
-        request = self.make(self.rng)
+        request = self.make(self.rng, 1)
         began = time.process_time()
         result = self.pool.place(request)
         took = time.process_time() - began

@@ -45,10 +45,15 @@ an 8-GPU request, so a stream's figure can be read as a ratio to it on this mach
 Each decision is timed twice: wall clock, and the CPU time of this process (what the
 decision costs, without the time other processes on a shared machine took from it).
 
+``--models M`` deals the boxes M GPU models in turn (H100, A100, L40S, H200; 1, H100
+alone, by default) and has each request of both streams ask one of them, drawn at random:
+M times the box keys (the size stream's 8 become 8 x M, each with its own chooser and
+class table), the pool of many models a cluster usually is.
+
 Nothing is asserted: the machine is shared and noisy; compare figures of one run.
 
 Usage: python bench/placement_stream.py [--boxes 12500] [--decisions 2000]
-       [--streams sizes,shapes] [--seed 7] [--gc default,policy]
+       [--streams sizes,shapes] [--seed 7] [--gc default,policy] [--models 1]
 """
 
 from __future__ import annotations
@@ -82,6 +87,7 @@ CPU_PER_GPU = 8
 MEMORY_PER_GPU = 64 * 1024
 SHAPE_CPUS = (0, 4, 16, 48)
 SHAPE_MEMORY = (0, 32 * 1024, 128 * 1024, 384 * 1024)
+MODELS = ("H100", "A100", "L40S", "H200")
 
 
 def location(index: int) -> tuple[str, str, str]:
@@ -90,34 +96,44 @@ def location(index: int) -> tuple[str, str, str]:
     return "dc0", f"p{pod}", f"r{rack_in_pod}"
 
 
-def sizes(rng: random.Random) -> PlacementRequest:
+def model_of(rng: random.Random, models: int) -> str:
+    """One of the pool's first ``models`` GPU models (no draw when there is one, so the
+    one-model streams stay what they were)."""
+    return MODELS[rng.randrange(models)] if models > 1 else MODELS[0]
+
+
+def sizes(rng: random.Random, models: int = 1) -> PlacementRequest:
     count = rng.randint(1, 8)
     return PlacementRequest(
-        "H100", count, cpu_cores=CPU_PER_GPU * count, host_memory_mib=MEMORY_PER_GPU * count
+        model_of(rng, models),
+        count,
+        cpu_cores=CPU_PER_GPU * count,
+        host_memory_mib=MEMORY_PER_GPU * count,
     )
 
 
-def shapes(rng: random.Random) -> PlacementRequest:
+def shapes(rng: random.Random, models: int = 1) -> PlacementRequest:
     return PlacementRequest(
-        "H100",
+        model_of(rng, models),
         rng.randint(1, 8),
         cpu_cores=rng.choice(SHAPE_CPUS),
         host_memory_mib=rng.choice(SHAPE_MEMORY),
     )
 
 
-STREAMS: dict[str, Callable[[random.Random], PlacementRequest]] = {
+STREAMS: dict[str, Callable[[random.Random, int], PlacementRequest]] = {
     "sizes": sizes,
     "shapes": shapes,
 }
 
 
-def build(boxes: int, pipeline: Pipeline | None = None) -> InMemoryPool:
-    """The pool: ``boxes`` boxes and as many hosts; placed by ``pipeline`` (the default
-    pipeline when None)."""
+def build(boxes: int, pipeline: Pipeline | None = None, models: int = 1) -> InMemoryPool:
+    """The pool: ``boxes`` boxes (dealt the first ``models`` of :data:`MODELS` in turn) and
+    as many hosts; placed by ``pipeline`` (the default pipeline when None)."""
     pool = InMemoryPool(pipeline=pipeline)
     for index in range(boxes):
-        pool.add_box(f"b{index:05d}", "H100", GPUS_PER_BOX, location=location(index))
+        model = MODELS[index % models]
+        pool.add_box(f"b{index:05d}", model, GPUS_PER_BOX, location=location(index))
     for index in range(boxes):
         cpus, memory = HOST_SIZES[index % len(HOST_SIZES)]
         pool.add_host(
@@ -212,7 +228,11 @@ def timed_decision(
 
 
 def run_stream(
-    pool: InMemoryPool, make: Callable[[random.Random], PlacementRequest], decisions: int, seed: int
+    pool: InMemoryPool,
+    make: Callable[[random.Random, int], PlacementRequest],
+    decisions: int,
+    seed: int,
+    models: int = 1,
 ) -> Figures:
     rng = random.Random(seed)
     live: deque[str] = deque()
@@ -241,7 +261,7 @@ def run_stream(
         pool.release(node)
 
     while held < target:
-        if not commit(make(rng)):
+        if not commit(make(rng, models)):
             raise RuntimeError("the pool refused a request while a third of it was free")
     clock = CollectionClock()
     samples: list[float] = []
@@ -251,7 +271,7 @@ def run_stream(
     turns_before = policy_turns(pool)
     gc.callbacks.append(clock)
     for _ in range(decisions):
-        request = make(rng)
+        request = make(rng, models)
         seen.add(request)
         before = clock.full_inside
         result = timed_decision(pool, request, clock, samples, cpu)
@@ -293,6 +313,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", default="sizes,shapes", help="comma list: sizes, shapes")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument(
+        "--models",
+        type=int,
+        default=1,
+        help=f"GPU models dealt to the boxes in turn, each request asking one (1-{len(MODELS)})",
+    )
+    parser.add_argument(
         "--gc",
         default="policy",
         help="comma list: default (freeze after the load, Python's thresholds), policy "
@@ -308,15 +334,17 @@ def main(argv: list[str] | None = None) -> int:
         or set(modes) - set(GC_MODES)
         or args.boxes < RACK_SIZE
         or args.decisions < 1
+        or not 1 <= args.models <= len(MODELS)
     ):
         parser.error(
             f"--streams takes {', '.join(STREAMS)}; --gc takes {', '.join(GC_MODES)}; "
-            f"--boxes at least {RACK_SIZE}; --decisions at least 1"
+            f"--boxes at least {RACK_SIZE}; --decisions at least 1; --models 1 to {len(MODELS)}"
         )
     began = time.monotonic()
-    pool = build(args.boxes)
+    pool = build(args.boxes, models=args.models)
     print(
-        f"pool: {args.boxes:,} boxes x {GPUS_PER_BOX} GPUs, {args.boxes:,} hosts, built in "
+        f"pool: {args.boxes:,} boxes x {GPUS_PER_BOX} GPUs of {', '.join(MODELS[: args.models])}, "
+        f"{args.boxes:,} hosts, built in "
         f"{time.monotonic() - began:.0f} s; a third of the GPUs held in the steady state",
         flush=True,
     )
@@ -353,7 +381,7 @@ def measure(pool: InMemoryPool, mode: str, streams: list[str], args: argparse.Na
     rows = []
     for name in streams:
         began = time.monotonic()
-        figures = run_stream(pool, STREAMS[name], args.decisions, args.seed)
+        figures = run_stream(pool, STREAMS[name], args.decisions, args.seed, args.models)
         rows.append((name, figures))
         print(f"  {name}: {time.monotonic() - began:.0f} s", file=sys.stderr, flush=True)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

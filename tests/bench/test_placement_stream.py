@@ -32,3 +32,22 @@ def test_an_unknown_collector_mode_is_a_usage_error() -> None:
     run = run_script("placement_stream.py", "--gc", "off", timeout=60)
     assert run.returncode == 2
     assert "--gc takes default, policy" in run.stderr
+
+
+def test_a_pool_of_several_models_is_dealt_them_and_asked_for_each() -> None:
+    run = run_script(
+        "placement_stream.py", "--boxes", "32", "--decisions", "200", "--streams", "shapes",
+        "--models", "4", timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "32 boxes x 8 GPUs of H100, A100, L40S, H200" in run.stdout
+    # the decisions table's row (the collector table's comes after it)
+    row = next(line for line in run.stdout.splitlines() if line.startswith("| shapes |"))
+    distinct = int(row.strip("|").split("|")[2])
+    assert distinct > 128, "four models make more distinct shapes than one model's 128"
+
+
+def test_more_models_than_it_knows_is_a_usage_error() -> None:
+    run = run_script("placement_stream.py", "--models", "5", timeout=60)
+    assert run.returncode == 2
+    assert "--models 1 to 4" in run.stderr
