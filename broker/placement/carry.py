@@ -402,7 +402,7 @@ class ClassTable:
         self.places: dict[int, Place] = {}
         self.of_class: dict[int, set[GroupKey]] = {}
         self.raws: dict[GroupKey, tuple[Raw, ...]] = {}
-        self.first_host: dict[GroupKey, Rank] = {}
+        self.entry_of: dict[GroupKey, Entry] = {}  # each group as its lists file it
         self.by_raw: dict[Raw, list[Entry]] = {}  # each sorted
         # The tightest box, when the chooser answers it apart (see the glossary): the
         # nearest of the few per host class, kept up as the few change, and the groups
@@ -495,7 +495,7 @@ class ClassTable:
         self.places.clear()
         self.of_class.clear()
         self.raws.clear()
-        self.first_host.clear()
+        self.entry_of.clear()
         self.by_raw.clear()
         self._unfile_few()
         self.far.clear()
@@ -527,9 +527,8 @@ class ClassTable:
         raws = self.raws.pop(key, None)
         if raws is None:
             return
-        rank = self.first_host.pop(key)
+        entry = self.entry_of.pop(key)
         self.of_class[key[0]].discard(key)
-        entry = (*rank, key)
         filed = self.far_of_group.pop(key, None)
         if filed is not None:
             _unfile_far(self.far_groups, filed, entry)
@@ -537,7 +536,7 @@ class ClassTable:
             self.tightest_of_group.pop(key, None)
             self.few_far_of_group.pop(key, None)
             return
-        for raw in set(raws):
+        for raw in _distinct(raws):
             entries = self.by_raw[raw]
             remove_sorted(entries, entry)
             if not entries:
@@ -561,16 +560,16 @@ class ClassTable:
         # a class that reaches too little gets no option: its hosts propose nothing
         by_shape = self.by_shape
         raws = tuple(raw_scores(side, self.plugins, option, key[1], by_shape) for option in found)
+        entry = (*rank, key)
         far = self.far.get(host_class)
         if far is not None and raws:
-            self.far_of_group[key] = _file_far(self.far_groups, far, key, (*rank, key))
+            self.far_of_group[key] = _file_far(self.far_groups, far, key, entry)
         self.raws[key] = raws
-        self.first_host[key] = rank
+        self.entry_of[key] = entry
         self.of_class.setdefault(host_class, set()).add(key)
         if keep_lists:
             return
-        entry = (*rank, key)
-        for raw in set(raws):
+        for raw in _distinct(raws):
             entries = self.by_raw.get(raw)
             if entries is None:
                 entries = self.by_raw[raw] = []
@@ -578,11 +577,11 @@ class ClassTable:
 
     def _file_all_by_raw(self) -> None:
         """Files every group by each of its raw score tuples afresh, in one pass."""
-        first_host = self.first_host
+        entry_of = self.entry_of
         filed: dict[Raw, list[Entry]] = {}
         for key, raws in self.raws.items():
-            entry = (*first_host[key], key)
-            for raw in set(raws):
+            entry = entry_of[key]
+            for raw in _distinct(raws):
                 entries = filed.get(raw)
                 if entries is None:
                     entries = filed[raw] = []
@@ -632,7 +631,7 @@ class ClassTable:
         waiting, self.pending = self.pending, set()
         far = self.far
         for key in shifted:
-            entry = (*self.first_host[key], key)
+            entry = self.entry_of[key]
             self._unfile_nearest(key, entry)
             # a group with no option has no tightest box; a far one has its own
             if self.raws.get(key) and key[0] not in far:
@@ -644,14 +643,14 @@ class ClassTable:
                 and key not in self.tightest_of_group
                 and key not in self.few_far_of_group
             ):
-                self._file_nearest(key, (*self.first_host[key], key))
+                self._file_nearest(key, self.entry_of[key])
 
     def _refile_all(self) -> None:
         """Files every group with an option by the tightest box of its class afresh, in
         one pass: what filing the groups that moved one by one ends in, for when most
         of them moved (the few tightest boxes were answered afresh)."""
         answers = self.nearest.answers
-        first_host = self.first_host
+        entry_of = self.entry_of
         of_group: dict[GroupKey, TightestKey] = {}
         filed: dict[TightestKey, list[Entry]] = {}
         far_of_group: dict[GroupKey, tuple[tuple[int, int], int]] = {}
@@ -664,7 +663,7 @@ class ClassTable:
             answer = answers.get(key[0])
             if answer is None:
                 continue
-            entry = (*first_host[key], key)
+            entry = entry_of[key]
             if self._by_tier(answer):
                 where = (answer.latency, key[1])
                 by_tier = far_filed.setdefault(where, {})
@@ -741,6 +740,11 @@ class ClassTable:
         if entries is None:
             entries = self.groups_by_tightest[tight] = []
         insort(entries, entry)
+
+
+def _distinct(raws: tuple[Raw, ...]) -> Iterable[Raw]:
+    """A group's raw score tuples, each once (most groups have one option)."""
+    return raws if len(raws) == 1 else set(raws)
 
 
 def _file_far(
