@@ -32,7 +32,9 @@ from __future__ import annotations
 import threading
 from collections import Counter, deque
 from dataclasses import replace
+from itertools import islice
 from types import MappingProxyType
+from typing import cast
 
 import immutables
 
@@ -55,6 +57,9 @@ def gpu_info(gpu: pb.Gpu) -> GpuInfo:
         healthy=gpu.health != pb.GPU_HEALTH_UNHEALTHY,
     )
 
+
+_NO_ID: frozenset[None] = frozenset((None,))
+"""A journal entry's side that changed no box (or no host)."""
 
 JOURNAL_LENGTH = 4096
 """How many recent versions :meth:`PlacementIndex.changed_since` can account for."""
@@ -355,15 +360,16 @@ class PlacementIndex:
             oldest = self._version - len(self._journal) + 1  # the first version remembered
             if version < oldest - 1 or until > self._version or version > until:
                 return None
-            boxes: set[str] = set()
-            hosts: set[str] = set()
-            for index in range(version + 1 - oldest, until + 1 - oldest):
-                box, host = self._journal[index]
-                if box is not None:
-                    boxes.add(box)
-                if host is not None:
-                    hosts.add(host)
-            return frozenset(boxes), frozenset(hosts)
+            # read from the newest end: the versions asked for are usually the latest
+            newest = self._version
+            entries = list(islice(reversed(self._journal), newest - until, newest - version))
+        if not entries:
+            return frozenset(), frozenset()
+        boxes, hosts = zip(*entries, strict=True)
+        return (
+            cast(frozenset[str], frozenset(boxes) - _NO_ID),
+            cast(frozenset[str], frozenset(hosts) - _NO_ID),
+        )
 
     def snapshot(self) -> Snapshot:
         """An immutable view of the inventory as of now: the same object as last time

@@ -165,6 +165,22 @@ def test_the_journal_names_what_changed_between_two_versions(
     assert index.changed_since(second.version, second.version + 1) is None  # not yet
 
 
+def test_the_journal_names_what_a_window_of_older_versions_changed(
+    feed: Feed, index: PlacementIndex
+) -> None:
+    start = index.snapshot().version
+    feed.gpu("b1", 2, state=pb.GPU_STATE_ATTACHING, node="nodes/n1")
+    feed.allocate("h1", (0,))
+    feed.gpu("b2", 0, state=pb.GPU_STATE_ATTACHING, node="nodes/n2")
+    now = index.snapshot().version
+    assert now == start + 3
+    assert index.changed_since(start, start + 1) == (frozenset({"b1"}), frozenset())
+    assert index.changed_since(start + 1, start + 2) == (frozenset(), frozenset({"h1"}))
+    assert index.changed_since(start + 1, now) == (frozenset({"b2"}), frozenset({"h1"}))
+    assert index.changed_since(start + 2, start + 2) == (frozenset(), frozenset())
+    assert index.changed_since(start + 2, start + 1) is None  # a window backwards
+
+
 def test_a_snapshot_stays_as_it_was_while_events_arrive(feed: Feed, index: PlacementIndex) -> None:
     first = index.snapshot()
     feed.gpu("b1", 0, state=pb.GPU_STATE_ATTACHING, node="nodes/n1")
