@@ -458,7 +458,10 @@ class ClassTable:
             redo: set[GroupKey] = {key for key in base.groups if key[1] >= self.min_free}
             classes_changed = None
         else:
-            redo = {cast(GroupKey, key) for key in groups_changed}
+            # a group with fewer free slots than the request's size is never filed
+            min_free = self.min_free
+            changed = cast(set[GroupKey], groups_changed)
+            redo = {key for key in changed if key[1] >= min_free}
         if (self.ranking[1] is None or classes_changed is None) and base.groups:
             probe = next(iter(base.groups))[0]
             self.ranking = (probe, chooser.model.ranking(probe))
