@@ -4,6 +4,7 @@ data directory, leftovers of a killed run handled at once."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -197,7 +198,8 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> fl
 
 class Up:
     """One `dxpool up` process on ``data_dir``; stdout is read by the test, stderr goes to
-    ``<tmp>/up-<n>.err``."""
+    ``<tmp>/up-<n>.err``. It runs with Python's fault handler on, so that one that does
+    not stop can be made to write every thread's stack there (:meth:`kill_stuck`)."""
 
     count = 0
 
@@ -210,8 +212,11 @@ class Up:
             sys.executable, "-m", "dxpool.cli", "up",
             "--data-dir", str(data_dir), "--listen", endpoint, *SMALL_POOL, *extra,
         ]  # fmt: skip
+        env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # SIGABRT dumps every thread
         with open(self.err_path, "w") as stderr:
-            self.process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=stderr, text=True)
+            self.process = subprocess.Popen(
+                args, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env
+            )
         self.pid = self.process.pid
         self.seen: set[int] = set()
 
@@ -269,6 +274,17 @@ class Up:
             self.process.kill()
             self.process.wait()
 
+    def kill_stuck(self) -> str:
+        """Ends a `dxpool up` that did not stop when asked: SIGABRT first, so that it
+        writes where each of its threads was, then SIGKILL. Returns its stderr, for the
+        report of the test that left it running."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGABRT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(5)
+        self.kill()
+        return f"`dxpool up` (pid {self.pid}) did not stop; its stderr:\n{self.stderr}"
+
 
 @pytest.fixture
 def up_factory(tmp_path: Path) -> Iterator[Callable[..., Up]]:
@@ -292,7 +308,7 @@ def up_factory(tmp_path: Path) -> Iterator[Callable[..., Up]]:
             try:
                 up.process.wait(30)
             except subprocess.TimeoutExpired:
-                up.kill()
+                print(up.kill_stuck())
         for pid in up.seen:
             if not pid_gone(pid) and str(up.data_dir) in " ".join(cmdline_of(pid)):
                 os.kill(pid, signal.SIGKILL)
