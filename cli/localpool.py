@@ -46,10 +46,12 @@ It supervises like a process manager:
 
 Restarting on the same data directory is safe: etcd keeps the inventory, the fabric keeps
 its mappings, and a box that is already registered is kept as it is. ``stop`` is
-idempotent and leaves no process behind: agents get SIGTERM (SIGKILL after a grace
-period), then the broker and etcd stop, then the lock is released. ``start``, ``supervise``
-and ``stop`` must run on one thread that lives as long as the pool (the death signal is
-tied to the thread that started a child).
+idempotent and bounded: agents get SIGTERM (SIGKILL after a grace period), then the broker
+and etcd stop (SIGTERM, then SIGKILL), then the lock is released. A child that outlives
+its SIGKILL for a grace period too (blocked in the kernel, on a disk that does not answer)
+keeps its record, for the next start to find and stop; no other is left behind. ``start``,
+``supervise`` and ``stop`` must run on one thread that lives as long as the pool (the death
+signal is tied to the thread that started a child).
 """
 
 from __future__ import annotations
@@ -187,8 +189,10 @@ class _EtcdChild:
         return self.etcd.poll()
 
     def stop(self) -> None:
-        self.etcd.stop()
-        self._records.remove("etcd")
+        """Stops etcd; its record stays while it has not ended (SIGKILL outlived), for
+        the next ``dxpool up`` to find it."""
+        if self.etcd.stop():
+            self._records.remove("etcd")
 
 
 class _AgentChild:

@@ -15,6 +15,7 @@ release line takes.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -32,6 +33,8 @@ from dxpool.store.client import EtcdAddress
 from dxpool.store.client import channel as member_channel
 from dxpool.store.etcd_binary import EtcdBinary, resolve_etcd_binary, wheel_etcd_binary
 from dxpool.tls import ClientTls, ServerTls
+
+log = logging.getLogger(__name__)
 
 _READY_POLL_S = 0.05
 
@@ -320,8 +323,12 @@ class EmbeddedEtcd:
             return None
         return int(response.header.member_id), int(response.leader)
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop etcd (SIGTERM, then SIGKILL) and remove a temporary data directory."""
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """Stop etcd (SIGTERM, then SIGKILL after ``timeout_s``) and remove a temporary
+        data directory. Bounded: waits at most ``timeout_s`` more after SIGKILL, which a
+        process blocked in the kernel (on a disk that does not answer, say) outlives.
+        Returns whether etcd has ended; False (logged with its pid) when it had not by
+        then, and the data directory is then left as it is."""
         process, self._process = self._process, None
         if process is not None and process.poll() is None:
             if self._paused(process):
@@ -331,9 +338,17 @@ class EmbeddedEtcd:
                 process.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 process.kill()
-                process.wait()
+                try:
+                    process.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    log.warning(
+                        "etcd did not end after SIGKILL; leaving it",
+                        extra={"pid": process.pid, "waited_s": 2 * timeout_s},
+                    )
+                    return False
         if self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
+        return True
 
     @property
     def pid(self) -> int | None:

@@ -1,9 +1,12 @@
-"""The etcd test helpers themselves: a member keeps its data across kill and restart, and
-a cluster can name and move its leader."""
+"""The etcd test helpers themselves: a member keeps its data across kill and restart, a
+cluster can name and move its leader, and a stop is bounded."""
 
 from __future__ import annotations
 
+import logging
+import signal
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -25,6 +28,32 @@ def test_killed_member_restarts_on_its_data_and_port(private_etcd: EmbeddedEtcd)
         assert value == b"v"
     finally:
         client.close()
+
+
+def test_stop_ends_etcd_and_says_so(private_etcd: EmbeddedEtcd) -> None:
+    assert private_etcd.stop(timeout_s=10) is True
+    assert not private_etcd.running
+
+
+def test_stop_is_bounded_when_etcd_outlives_its_sigkill(
+    private_etcd: EmbeddedEtcd, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    process = private_etcd._process
+    assert process is not None
+    real_wait = process.wait
+
+    def held_in_the_kernel(timeout: float | None = None) -> int:
+        """A process blocked in an uninterruptible wait: no signal ends it for now."""
+        raise subprocess.TimeoutExpired(process.args, timeout or 0)
+
+    monkeypatch.setattr(process, "wait", held_in_the_kernel)
+    with caplog.at_level(logging.WARNING, logger="dxpool.store.embedded"):
+        assert private_etcd.stop(timeout_s=0.1) is False
+    assert "did not end after SIGKILL" in caplog.text
+    assert [getattr(record, "pid", None) for record in caplog.records] == [process.pid]
+    monkeypatch.undo()
+    # the signals were sent: once the kernel lets it go, it ends
+    assert real_wait(30) in (-signal.SIGTERM, -signal.SIGKILL)
 
 
 def test_cluster_names_and_moves_its_leader(etcd_cluster: EtcdCluster) -> None:
