@@ -41,3 +41,29 @@ class OnePool:
         if grant.gpus > self._allocated:
             raise ValueError(f"released {grant.gpus} GPUs, only {self._allocated} held")
         self._allocated -= grant.gpus
+
+
+class ReservedPool(OnePool):
+    """A one pool with an admission rule instead of a placement rule: a node of at least
+    ``min_gpus`` GPUs is refused when it would leave fewer than ``reserve`` GPUs free,
+    so that many stay for smaller nodes; every other node is refused only for capacity,
+    as in :class:`OnePool`. A gang's members are judged one by one (a 16-GPU job is two
+    8-GPU nodes). A refusal by the reserve is reported as ``CAPACITY``: the reserved
+    GPUs are not capacity such a node may take."""
+
+    def __init__(self, name: str, capacity: int, min_gpus: int, reserve: int) -> None:
+        super().__init__(name, capacity)
+        if min_gpus < 1 or not 0 <= reserve < capacity:
+            raise ValueError(
+                f"a reserve holds back nodes of at least 1 GPU and keeps 0 to "
+                f"{capacity - 1} of the pool's {capacity} GPUs: got nodes of "
+                f"{min_gpus}+ GPUs, {reserve} kept"
+            )
+        self.min_gpus = min_gpus
+        self.reserve = reserve
+
+    def allocate(self, gpus: int, needs: Resources = NONE) -> Grant | Cause:
+        held_back = gpus >= self.min_gpus and self.capacity - self.allocated - gpus < self.reserve
+        if held_back and needs == NONE:
+            return Cause.CAPACITY
+        return super().allocate(gpus, needs)  # refuses needs beyond GPUs, too

@@ -13,7 +13,8 @@ or before an arrival's time are applied first. Each cluster size (GPUs) is run a
   exactly when fewer GPUs are free than it asks, what every allocator that places each
   job that fits does. Where a pool's row equals it, no refusal was placement's, and
   refusing fewer jobs of one class would take refusing jobs of another that fit
-  (admission), not a placement rule.
+  (admission), not a placement rule; :mod:`bench.traces.admission` tries that with a
+  reserve for small jobs.
 
 Prints, per size and cluster: refused jobs and refused GPU-hours by size class (1, 2,
 4, 8, 16+: 2-3 count as 2, 4-7 as 4, 9 and up as 16+), how many refusals were

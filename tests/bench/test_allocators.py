@@ -6,7 +6,7 @@ import pytest
 
 from bench.traces.allocator import Cause, Grant, Resources, allocate_gang, gang_members
 from bench.traces.mostfree import MostFreeModel
-from bench.traces.onepool import OnePool
+from bench.traces.onepool import OnePool, ReservedPool
 from bench.traces.pool import DecisionTimes, DxpoolPool, PoolLayout, boxes_of
 from bench.traces.servers import FixedServers
 
@@ -193,6 +193,31 @@ def test_one_pool_refuses_only_for_capacity() -> None:
         bound.allocate(1, Resources(cpu=2))
     with pytest.raises(ValueError, match="only 16 held"):
         bound.release(Grant(None, 17))
+
+
+def test_a_reserved_pool_keeps_gpus_free_from_large_nodes_only() -> None:
+    reserved = ReservedPool("reserve", 16, min_gpus=4, reserve=4)
+    first = reserved.allocate(8)
+    assert first == Grant(None, 8)  # 8 stay free
+    assert reserved.allocate(4) == Grant(None, 4)  # 4 stay free: the reserve holds
+    assert reserved.allocate(4) is Cause.CAPACITY  # would leave 0 of the 4 kept
+    assert reserved.allocated == 12
+    assert reserved.allocate(3) == Grant(None, 3)  # below 4 GPUs: the reserve is its own
+    assert reserved.allocate(2) is Cause.CAPACITY  # 1 free: capacity
+    assert reserved.allocate(1) == Grant(None, 1)
+    reserved.release(first)
+    assert reserved.allocate(4) == Grant(None, 4)  # 8 free: 4 stay
+    with pytest.raises(ValueError, match="GPUs only"):
+        reserved.allocate(4, Resources(cpu=2))
+    assert reserved.allocated == 12  # the refused request took nothing
+
+
+@pytest.mark.parametrize(("min_gpus", "reserve"), [(0, 4), (4, -1), (4, 16)])
+def test_a_reserve_must_hold_back_some_nodes_and_keep_less_than_the_pool(
+    min_gpus: int, reserve: int
+) -> None:
+    with pytest.raises(ValueError, match="keeps 0 to 15 of the pool's 16 GPUs"):
+        ReservedPool("reserve", 16, min_gpus, reserve)
 
 
 def test_a_pool_with_a_spare_slot_per_host_refuses_what_the_one_pool_bound_refuses() -> None:

@@ -13,6 +13,7 @@ import pytest
 from bench.traces.data import TraceError, traces_dir
 
 REPO = Path(__file__).resolve().parents[2]
+ADMISSION = (sys.executable, "-m", "bench.traces.admission")
 
 
 def have_traces() -> bool:
@@ -92,6 +93,49 @@ def test_bad_input_is_a_clear_error(arguments: list[str], code: int, message: st
         check=False,
     )
     assert done.returncode == code
+    assert message in done.stderr
+
+
+@pytest.mark.skipif(not have_traces(), reason="no trace folder (set DXPOOL_TRACES)")
+def test_the_admission_run_compares_each_reserve_with_fixed_servers() -> None:
+    done = subprocess.run(
+        [*ADMISSION, "--quick", "--min-gpus", "4", "--reserves", "2,8"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("| 8-GPU servers, best fit |") for line in lines)
+    assert any(line.startswith("| bound: one pool, refused only for capacity |") for line in lines)
+    for kept in (2, 8):
+        assert any(
+            line.startswith(f"| one pool, nodes of 4+ GPUs leave {kept} free |") for line in lines
+        )
+    assert lines[-1].startswith("settings below fixed servers in every class: ")
+    assert lines[-1].endswith(" of 2")
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--size", "100"], "--size: a multiple of 8 GPUs (8-GPU servers), got 100"),
+        (["--reserves", "4,768"], "--reserves: fewer than the cluster's 768 GPUs"),
+        (["--min-gpus", "0"], "--min-gpus: expected positive whole numbers"),
+    ],
+)
+def test_admission_bad_input_is_a_usage_error(arguments: list[str], message: str) -> None:
+    done = subprocess.run(
+        [*ADMISSION, *arguments],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
     assert message in done.stderr
 
 
