@@ -13,7 +13,20 @@ import pytest
 from bench.traces.data import TraceError, traces_dir
 
 REPO = Path(__file__).resolve().parents[2]
-ADMISSION = (sys.executable, "-m", "bench.traces.admission")
+
+
+def run_module(
+    module: str, *arguments: str, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """``python -m module arguments`` from the repository root, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *arguments],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def have_traces() -> bool:
@@ -43,14 +56,7 @@ def test_quick_run(module: str, expected: tuple[str, ...], tmp_path: Path) -> No
     """A quick run, placement asked on every refusal the counts make (a disagreement
     stops the run), its figures printed and plotted."""
     plot = tmp_path / "plot.png"
-    done = subprocess.run(
-        [sys.executable, "-m", module, "--quick", "--verify-refusals", "--plot", str(plot)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    done = run_module(module, "--quick", "--verify-refusals", "--plot", str(plot), timeout=600)
     assert done.returncode == 0, done.stderr
     for text in expected:
         assert text in done.stdout
@@ -84,27 +90,15 @@ def test_every_openb_workload_is_found_and_read_with_its_models() -> None:
     ],
 )
 def test_bad_input_is_a_clear_error(arguments: list[str], code: int, message: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.traces.philly", *arguments],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = run_module("bench.traces.philly", *arguments)
     assert done.returncode == code
     assert message in done.stderr
 
 
 @pytest.mark.skipif(not have_traces(), reason="no trace folder (set DXPOOL_TRACES)")
 def test_the_admission_run_compares_each_reserve_with_fixed_servers() -> None:
-    done = subprocess.run(
-        [*ADMISSION, "--quick", "--min-gpus", "4", "--reserves", "2,8"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    done = run_module(
+        "bench.traces.admission", "--quick", "--min-gpus", "4", "--reserves", "2,8", timeout=300
     )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
@@ -127,14 +121,7 @@ def test_the_admission_run_compares_each_reserve_with_fixed_servers() -> None:
     ],
 )
 def test_admission_bad_input_is_a_usage_error(arguments: list[str], message: str) -> None:
-    done = subprocess.run(
-        [*ADMISSION, *arguments],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = run_module("bench.traces.admission", *arguments)
     assert done.returncode == 2
     assert message in done.stderr
 
@@ -149,14 +136,7 @@ def test_admission_bad_input_is_a_usage_error(arguments: list[str], message: str
     ],
 )
 def test_openb_bad_input_is_a_usage_error(arguments: list[str], message: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.traces.openb", *arguments],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = run_module("bench.traces.openb", *arguments)
     assert done.returncode == 2
     assert message in done.stderr
 
