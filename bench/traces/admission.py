@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 from bench.traces.data import TraceError, philly_jobs, traces_dir
 from bench.traces.onepool import OnePool, ReservedPool
-from bench.traces.philly import LABELS, QUICK_JOBS, Replay, replay
+from bench.traces.philly import FIXED_SERVERS, LABELS, ONE_POOL, QUICK_JOBS, Replay, replay
 from bench.traces.report import positive_int, positive_ints, table
 from bench.traces.servers import FixedServers
 
@@ -81,9 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         jobs = jobs[:QUICK_JOBS]
     print(f"Philly replay: {len(jobs)} jobs, {args.size} GPUs, refused GPU-hours by size class")
-    servers = replay(FixedServers("8-GPU servers, best fit", [8] * (args.size // 8)), jobs)
+    servers = replay(FixedServers(FIXED_SERVERS, [8] * (args.size // 8)), jobs)
     rows = [row(servers, "(baseline)")]
-    bound = replay(OnePool("bound: one pool, refused only for capacity", args.size), jobs)
+    bound = replay(OnePool(ONE_POOL, args.size), jobs)
     rows.append(row(bound, "yes" if below_in_every_class(bound, servers) else "no"))
     below = 0
     settings = [(least, kept) for least in args.min_gpus for kept in args.reserves]

@@ -56,6 +56,7 @@ from bench.traces.servers import FixedServers
 
 DEFAULT_PLOT = Path(__file__).parent / "plots" / "philly.png"
 ONE_POOL = "bound: one pool, refused only for capacity"
+FIXED_SERVERS = "8-GPU servers, best fit"
 QUICK_JOBS = 4000
 LABELS = tuple(label for _, _, label in SIZE_CLASSES)
 
@@ -158,11 +159,10 @@ def clusters(
         layout = PoolLayout(boxes, [per_host] * (size // 8), racks)
         return name, lambda: DxpoolPool(name, layout, pipeline=built, verify_refusals=verify)
 
-    fixed = "8-GPU servers, best fit"
     pools = [dxpool(count) for count in slots]
     return [
         *pools,
-        (fixed, lambda: FixedServers(fixed, [8] * (size // 8))),
+        (FIXED_SERVERS, lambda: FixedServers(FIXED_SERVERS, [8] * (size // 8))),
         (ONE_POOL, lambda: OnePool(ONE_POOL, size)),
     ]
 
